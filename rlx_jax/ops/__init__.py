@@ -1,0 +1,9 @@
+"""Fused, differentiable ops for JAX code (API.md section 4).
+
+Each works under jit, grad, jvp, vmap and higher orders; reverse mode runs the op's
+fused backward kernel (C++ on CPU, CUDA on NVIDIA GPUs) where one is compiled.
+"""
+
+from rlx_jax.vjp_rules.rms_norm import rms_norm
+
+__all__ = ["rms_norm"]

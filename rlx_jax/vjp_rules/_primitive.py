@@ -1,0 +1,175 @@
+"""``FusedPrimitive``: a JAX primitive whose value is defined by a pure-JAX reference
+and whose lowering calls a compiled FFI kernel where one is registered.
+
+Every rule a JAX primitive needs is given a sound default derived from the reference:
+
+- abstract evaluation: ``jax.eval_shape`` of the reference;
+- lowering: per platform ("cpu", "cuda"), the kernel when ``has_kernel`` says its target
+  is registered and the operand dtypes are ones the kernel takes, else the reference;
+- JVP: ``jax.jvp`` of the reference (used for forward mode and second order);
+- batching: ``jax.vmap`` of the reference.
+
+Families override the JVP (to route tangents through a linear primitive), the batching
+rule (to keep the kernel under vmap) and, for linear primitives, give a transpose rule
+(whose body calls the backward kernel). That is how one op gets forward mode, reverse
+mode through the fused backward, and higher orders, from one definition.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import dispatch
+from jax.core import ShapedArray
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from rlx_jax._kernels import has_kernel
+
+#: how a batching rule marks an operand without a batch axis
+NOT_MAPPED = None
+
+#: dtypes the compiled kernels take, per platform
+KERNEL_DTYPES = {
+    "cpu": (jnp.float32, jnp.float64, jnp.bfloat16, jnp.float16),
+    "cuda": (jnp.float32, jnp.bfloat16, jnp.float16),
+}
+
+
+def instantiate(tangents: Iterable, primals: Iterable) -> list:
+    """Symbolic-zero tangents -> explicit zeros shaped like their primals."""
+    out = []
+    for t, p in zip(tangents, primals):
+        if type(t) is ad.Zero:
+            t = jnp.zeros(jnp.shape(p), dtype=jax.dtypes.float0 if not _is_float(p) else jnp.result_type(p))
+        out.append(t)
+    return out
+
+
+def _is_float(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+class FusedPrimitive:
+    """A multiple-results primitive named ``name`` computing ``reference(*args, **params)``.
+
+    ``kernel(*args, **params)`` (optional) emits the ``jax.ffi.ffi_call`` of FFI target
+    ``target``; it is used on a platform when the target is registered there and
+    ``kernel_ok(*avals, **params)`` (default: every floating operand has a dtype in
+    ``KERNEL_DTYPES[platform]``) accepts the operands.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        reference: Callable,
+        *,
+        target: str | None = None,
+        kernel: Callable | None = None,
+        kernel_ok: Callable | None = None,
+        platforms: Sequence[str] = ("cpu", "cuda"),
+    ):
+        self.name = name
+        self.reference = reference
+        self.target = target
+        self.kernel = kernel
+        self.kernel_ok = kernel_ok
+        p = Primitive(name)
+        p.multiple_results = True
+        p.def_impl(partial(dispatch.apply_primitive, p))
+        p.def_abstract_eval(self._abstract_eval)
+        mlir.register_lowering(p, self._lowering(None))
+        if kernel is not None:
+            for platform in platforms:
+                mlir.register_lowering(p, self._lowering(platform), platform=platform)
+        ad.primitive_jvps[p] = self._reference_jvp
+        batching.primitive_batchers[p] = self._reference_batch
+        self.p = p
+
+    # -- binding ------------------------------------------------------------------
+    def __call__(self, *args, **params):
+        return self.p.bind(*args, **params)
+
+    # -- default rules ------------------------------------------------------------
+    def _abstract_eval(self, *avals, **params):
+        specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+        out = jax.eval_shape(partial(self.reference, **params), *specs)
+        return [ShapedArray(o.shape, o.dtype) for o in out]
+
+    def _use_kernel(self, platform: str | None, avals, params) -> bool:
+        if platform is None or self.kernel is None or not has_kernel(platform, self.target):
+            return False
+        if self.kernel_ok is not None:
+            return bool(self.kernel_ok(*avals, **params))
+        allowed = KERNEL_DTYPES.get(platform, ())
+        return all(a.dtype in allowed for a in avals if jnp.issubdtype(a.dtype, jnp.inexact))
+
+    def _lowering(self, platform: str | None):
+        def lower(ctx, *args, **params):
+            fn = self.kernel if self._use_kernel(platform, ctx.avals_in, params) else self.reference
+            return mlir.lower_fun(partial(fn, **params), multiple_results=True)(ctx, *args)
+
+        return lower
+
+    def _reference_jvp(self, primals, tangents, **params):
+        tangents = instantiate(tangents, primals)
+        out, t_out = jax.jvp(partial(self.reference, **params), tuple(primals), tuple(tangents))
+        return list(out), list(t_out)
+
+    def _reference_batch(self, args, dims, **params):
+        in_axes = tuple(None if d is NOT_MAPPED else d for d in dims)
+        out = jax.vmap(partial(self.reference, **params), in_axes=in_axes)(*args)
+        return list(out), [0] * len(out)
+
+    # -- overrides ----------------------------------------------------------------
+    def def_jvp(self, rule: Callable) -> Callable:
+        """``rule(primals, tangents, **params) -> (outs, tangent_outs)``."""
+        ad.primitive_jvps[self.p] = rule
+        return rule
+
+    def def_batching(self, rule: Callable) -> Callable:
+        """``rule(args, dims, **params) -> (outs, out_dims)``."""
+        batching.primitive_batchers[self.p] = rule
+        return rule
+
+    def def_transpose(self, rule: Callable) -> Callable:
+        """For a primitive linear in some operands: ``rule(cts, *args, **params)`` with
+        the linear operands given as ``ad.UndefinedPrimal``; returns one cotangent (or
+        None) per operand."""
+        ad.primitive_transposes[self.p] = rule
+        return rule
+
+
+def rowwise_batching(prim: FusedPrimitive, row_args: Sequence[int]) -> Callable:
+    """Batching rule for a kernel over rows of its last axis whose outputs are all
+    shaped like its row operands (a forward or a tangent, not a backward that reduces
+    over rows). When only the operands in ``row_args`` are batched, the batch axis is
+    moved to the front of each of them (unbatched row operands are broadcast) and the
+    kernel runs on the enlarged row set. Any other batched operand (a batched gamma,
+    say) falls back to ``vmap`` of the reference."""
+    row_args = tuple(row_args)
+
+    def rule(args, dims, **params):
+        if any(d is not NOT_MAPPED for i, d in enumerate(dims) if i not in row_args):
+            return prim._reference_batch(args, dims, **params)
+        size = next(a.shape[d] for a, d in zip(args, dims) if d is not NOT_MAPPED)
+        moved = list(args)
+        for i in row_args:
+            a, d = args[i], dims[i]
+            if d is NOT_MAPPED:
+                moved[i] = jnp.broadcast_to(a, (size, *jnp.shape(a)))
+            else:
+                moved[i] = jnp.moveaxis(a, d, 0)
+        outs = prim(*moved, **params)
+        return outs, [0] * len(outs)
+
+    return rule
+
+
+def np_scalar(value: float, dtype=np.float32):
+    """FFI attributes are typed: pass scalars as numpy scalars of the declared type."""
+    return np.dtype(dtype).type(value)

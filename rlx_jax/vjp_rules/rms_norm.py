@@ -1,0 +1,197 @@
+"""RMSNorm: ``y = x * rsqrt(mean(x^2, axis) + eps) * gamma + beta``.
+
+Shapes: x [..., H, ...] normalised over ``axis`` (size H); gamma, beta [H]. Internally
+the normalised axis is moved last and every other axis is a row: x [R, H].
+
+Primitives (each lowers to its FFI kernel where registered, else to its reference):
+- ``rms_norm_fwd``: (x, gamma, beta) -> (y, rstd [R]), rstd = 1/sqrt(mean(x^2) + eps);
+- ``rms_norm_tangent``: (x, gamma, rstd, tx, tgamma, tbeta) -> ty, linear in the
+  tangents; its transpose is the backward;
+- ``rms_norm_bwd``: (x, gamma, rstd, dy) -> (dx, dgamma, dbeta) with u = dy * gamma,
+  dx = rstd * u - x * rstd^3 * sum(u * x) / H, dgamma = sum_rows(dy * x * rstd),
+  dbeta = sum_rows(dy).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.interpreters import ad
+
+from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, instantiate, np_scalar, rowwise_batching
+
+
+def _stat_dtype(dtype):
+    """Saved statistics are f32, or f64 for f64 inputs."""
+    return jnp.float64 if dtype == jnp.float64 else jnp.float32
+
+
+# ---- references (the test oracle and the fallback) ----------------------------------
+
+
+def reference_rms_norm(x, gamma, beta, *, eps):
+    """Plain JAX over the last axis with f32 (f64) accumulation; returns (y, rstd)."""
+    acc = _stat_dtype(x.dtype)
+    xf = x.astype(acc)
+    rstd = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1) + eps)
+    y = xf * rstd[..., None] * gamma.astype(acc) + beta.astype(acc)
+    return y.astype(x.dtype), rstd
+
+
+def reference_rms_norm_tangent(x, gamma, rstd, tx, tgamma, tbeta, *, eps):
+    """d y for tangents (tx, tgamma, tbeta): with d rstd = -rstd^3 * mean(x * tx),
+    ty = tx*rstd*gamma + x*(d rstd)*gamma + x*rstd*tgamma + tbeta."""
+    acc = rstd.dtype
+    xf, g, r = x.astype(acc), gamma.astype(acc), rstd[..., None]
+    txf = tx.astype(acc)
+    dr = -(r**3) * jnp.mean(xf * txf, axis=-1, keepdims=True)
+    ty = txf * r * g + xf * dr * g + xf * r * tgamma.astype(acc) + tbeta.astype(acc)
+    return (ty.astype(x.dtype),)
+
+
+def reference_rms_norm_bwd(x, gamma, rstd, dy, *, eps):
+    acc = rstd.dtype
+    xf, g, dyf, r = x.astype(acc), gamma.astype(acc), dy.astype(acc), rstd[..., None]
+    u = dyf * g
+    dot = jnp.sum(u * xf, axis=-1, keepdims=True)
+    dx = r * u - xf * r**3 * dot / x.shape[-1]
+    rows = tuple(range(x.ndim - 1))
+    dgamma = jnp.sum(dyf * xf * r, axis=rows)
+    dbeta = jnp.sum(dyf, axis=rows)
+    return dx.astype(x.dtype), dgamma.astype(gamma.dtype), dbeta.astype(gamma.dtype)
+
+
+# ---- kernels ---------------------------------------------------------------------------
+
+
+def _kernel_fwd(x, gamma, beta, *, eps):
+    out = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(x.shape[:-1], _stat_dtype(x.dtype)))
+    return jax.ffi.ffi_call("rlx_rms_norm_fwd", out)(x, gamma, beta, eps=np_scalar(eps))
+
+
+def _kernel_bwd(x, gamma, rstd, dy, *, eps):
+    p = jax.ShapeDtypeStruct(gamma.shape, gamma.dtype)
+    out = (jax.ShapeDtypeStruct(x.shape, x.dtype), p, p)
+    return jax.ffi.ffi_call("rlx_rms_norm_bwd", out)(x, gamma, rstd, dy)
+
+
+def _kernel_ok(*avals, **params):
+    x = avals[0]
+    return x.ndim >= 1 and all(a.dtype == x.dtype for a in avals if a.ndim == x.ndim or a.ndim == 1)
+
+
+rms_norm_fwd = FusedPrimitive(
+    "rlx_rms_norm_fwd", reference_rms_norm, target="rlx_rms_norm_fwd", kernel=_kernel_fwd
+)
+rms_norm_tangent = FusedPrimitive("rlx_rms_norm_tangent", reference_rms_norm_tangent)
+rms_norm_bwd = FusedPrimitive(
+    "rlx_rms_norm_bwd", reference_rms_norm_bwd, target="rlx_rms_norm_bwd", kernel=_kernel_bwd
+)
+
+
+# ---- differentiation rules -------------------------------------------------------------
+
+
+@rms_norm_fwd.def_jvp
+def _fwd_jvp(primals, tangents, *, eps):
+    x, gamma, beta = primals
+    tx, tg, tb = instantiate(tangents, primals)
+    y, rstd = rms_norm_fwd(x, gamma, beta, eps=eps)
+    (ty,) = rms_norm_tangent(x, gamma, rstd, tx, tg, tb, eps=eps)
+    # d rstd = -rstd^3 * mean(x * tx): only needed when rstd itself is differentiated
+    t_rstd = -(rstd**3) * jnp.mean(x.astype(rstd.dtype) * tx.astype(rstd.dtype), axis=-1)
+    return (y, rstd), (ty, t_rstd)
+
+
+@rms_norm_tangent.def_transpose
+def _tangent_transpose(cts, x, gamma, rstd, tx, tg, tb, *, eps):
+    for residual in (x, gamma, rstd):
+        if ad.is_undefined_primal(residual):
+            raise ValueError("rms_norm tangent is linear in (tx, tgamma, tbeta) only")
+    (ct,) = cts
+    if type(ct) is ad.Zero:
+        return [None, None, None] + [
+            ad.Zero(t.aval) if ad.is_undefined_primal(t) else None for t in (tx, tg, tb)
+        ]
+    dx, dg, db = rms_norm_bwd(x, gamma, rstd, ct, eps=eps)
+    return [None, None, None] + [
+        d if ad.is_undefined_primal(t) else None for d, t in zip((dx, dg, db), (tx, tg, tb))
+    ]
+
+
+rms_norm_fwd.def_batching(rowwise_batching(rms_norm_fwd, row_args=(0,)))
+rms_norm_tangent.def_batching(rowwise_batching(rms_norm_tangent, row_args=(0, 2, 3)))
+
+
+@rms_norm_bwd.def_batching
+def _bwd_batch(args, dims, *, eps):
+    """Per-example backward: dx through the kernel over all rows; the parameter
+    gradients reduced within each batch element."""
+    x, gamma, rstd, dy = args
+    if dims[1] is not NOT_MAPPED:
+        return rms_norm_bwd._reference_batch(args, dims, eps=eps)
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not NOT_MAPPED)
+
+    def front(a, d):
+        return jnp.broadcast_to(a, (size, *a.shape)) if d is NOT_MAPPED else jnp.moveaxis(a, d, 0)
+
+    x, rstd, dy = front(x, dims[0]), front(rstd, dims[2]), front(dy, dims[3])
+    dx, _, _ = rms_norm_bwd(x, gamma, rstd, dy, eps=eps)
+    acc = rstd.dtype
+    rows = tuple(range(1, x.ndim - 1))
+    dyf = dy.astype(acc)
+    dg = jnp.sum(dyf * x.astype(acc) * rstd[..., None], axis=rows).astype(gamma.dtype)
+    db = jnp.sum(dyf, axis=rows).astype(gamma.dtype)
+    return [dx, dg, db], [0, 0, 0]
+
+
+# ---- public functions ------------------------------------------------------------------
+
+
+def _prepare(x, gamma, beta, axis):
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"rms_norm: x must be floating point, got {x.dtype}")
+    if x.ndim == 0:
+        raise ValueError("rms_norm: x must have at least one axis")
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"rms_norm: axis {axis} out of range for x of rank {x.ndim}")
+    axis = axis % x.ndim
+    width = x.shape[axis]
+    gamma = jnp.asarray(gamma)
+    if gamma.shape != (width,):
+        raise ValueError(f"rms_norm: gamma must have shape ({width},) (x.shape[{axis}]), got {gamma.shape}")
+    beta = jnp.zeros((width,), x.dtype) if beta is None else jnp.asarray(beta)
+    if beta.shape != (width,):
+        raise ValueError(f"rms_norm: beta must have shape ({width},) (x.shape[{axis}]), got {beta.shape}")
+    return x, gamma.astype(x.dtype), beta.astype(x.dtype), axis
+
+
+def rms_norm(x, gamma, beta=None, *, axis: int = -1, eps: float = 1e-6):
+    """``x * rsqrt(mean(x^2, axis) + eps) * gamma (+ beta)``.
+
+    x: any shape, normalised over ``axis``; gamma, beta: [x.shape[axis]] (beta optional).
+    gamma and beta are cast to x's dtype; statistics accumulate in f32 (f64 for f64).
+    Differentiable in every mode; reverse mode runs the fused backward kernel.
+    """
+    if eps < 0:
+        raise ValueError(f"rms_norm: eps must be >= 0, got {eps}")
+    x, gamma, beta, axis = _prepare(x, gamma, beta, axis)
+    xt = jnp.moveaxis(x, axis, -1)
+    y, _ = rms_norm_fwd(xt, gamma, beta, eps=float(eps))
+    return jnp.moveaxis(y, -1, axis)
+
+
+def rms_norm_backward(x, gamma, beta, dy, *, axis: int = -1, eps: float = 1e-6):
+    """The RLX backward ops RmsNormBackwardInput/Gamma/Beta in one call:
+    returns (dx, dgamma, dbeta) for upstream gradient dy (shaped like x)."""
+    x, gamma_c, beta, axis = _prepare(x, gamma, beta, axis)
+    dy = jnp.asarray(dy, x.dtype)
+    if dy.shape != x.shape:
+        raise ValueError(f"rms_norm_backward: dy shape {dy.shape} differs from x shape {x.shape}")
+    xt, dyt = jnp.moveaxis(x, axis, -1), jnp.moveaxis(dy, axis, -1)
+    acc = _stat_dtype(x.dtype)
+    rstd = jax.lax.rsqrt(jnp.mean(jnp.square(xt.astype(acc)), axis=-1) + eps)
+    dx, dg, db = rms_norm_bwd(xt, gamma_c, rstd, dyt, eps=float(eps))
+    gdt = jnp.asarray(gamma).dtype
+    return jnp.moveaxis(dx, -1, axis), dg.astype(gdt), db.astype(gdt)
