@@ -37,11 +37,32 @@ def _runtime_ffi_version() -> tuple[int, int] | None:
         return None
 
 
+def _import_module(module_name: str):
+    """Imports a compiled module from the package, or, when the environment variable
+    RLX_JAX_KERNEL_DIR names a folder (a development build made with
+    tools/build_kernels.sh), from that folder."""
+    kernel_dir = os.environ.get("RLX_JAX_KERNEL_DIR")
+    if not kernel_dir:
+        return importlib.import_module(module_name)
+    import importlib.machinery
+    import importlib.util
+
+    short = module_name.rsplit(".", 1)[1]
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = os.path.join(kernel_dir, short + suffix)
+        if os.path.exists(path):
+            spec = importlib.util.spec_from_file_location(module_name, path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+    raise ImportError(f"no {short} extension in RLX_JAX_KERNEL_DIR={kernel_dir}")
+
+
 def _load(platform: str) -> dict:
     module_name, xla_platform = _MODULES[platform]
     info = {"loaded": False, "module": module_name, "targets": [], "error": None, "ffi_api": None}
     try:
-        module = importlib.import_module(module_name)
+        module = _import_module(module_name)
     except ImportError as exc:
         info["error"] = f"{module_name} is not built or cannot be imported ({exc})"
         return info
