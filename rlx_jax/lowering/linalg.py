@@ -1,0 +1,64 @@
+"""Linear algebra: MatMul, DotGeneral, DenseSolve, BatchedDenseSolve, LoraMatMul.
+
+Plain ``jax.numpy``/``lax`` (XLA's dots are the kernels); each rule states RLX's
+semantics.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from .registry import lowering_rule
+
+
+def matmul(a, b):
+    """RLX MatMul: ``[..., M, K] x [..., K, N] -> [..., M, N]`` with the batch dims
+    broadcast (numpy ``matmul``; a rank-1 operand is a vector)."""
+    return jnp.matmul(a, b)
+
+
+@lowering_rule("MatMul")
+def _matmul(op, args, ctx):
+    return ctx.cast_out(matmul(args[0], args[1]))
+
+
+@lowering_rule("DotGeneral")
+def _dot_general(op, args, ctx):
+    # XLA DotGeneral: output dims are batch, then lhs free, then rhs free.
+    lhs, rhs = args
+    dims = ((tuple(op.lhs_contracting), tuple(op.rhs_contracting)),
+            (tuple(op.lhs_batch), tuple(op.rhs_batch)))
+    out = lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.result_type(lhs, rhs))
+    return ctx.cast_out(out)
+
+
+def _solve(a, b):
+    # x = A^{-1} b with b [.., N] (one right-hand side) or [.., N, K].
+    if b.ndim == a.ndim - 1:
+        return jnp.linalg.solve(a, b[..., None])[..., 0]
+    return jnp.linalg.solve(a, b)
+
+
+@lowering_rule("DenseSolve")
+def _dense_solve(op, args, ctx):
+    # DenseSolve [A [N, N], b [N] or [N, K]] -> x with A x = b (LU, partial pivoting).
+    return ctx.cast_out(_solve(args[0], args[1]))
+
+
+@lowering_rule("BatchedDenseSolve")
+def _batched_dense_solve(op, args, ctx):
+    # BatchedDenseSolve [A [B, N, N], b [B, N] or [B, N, K]]: one solve per batch item.
+    return ctx.cast_out(_solve(args[0], args[1]))
+
+
+def lora_matmul(x, w, a, b, scale):
+    """RLX LoraMatMul: ``x @ w + scale * (x @ a) @ b`` (the rank-r path never forms
+    ``a @ b``)."""
+    return matmul(x, w) + scale * matmul(matmul(x, a), b)
+
+
+@lowering_rule("LoraMatMul")
+def _lora_matmul(op, args, ctx):
+    x, w, a, b = args
+    return ctx.cast_out(lora_matmul(x, w, a, b, op.scale))

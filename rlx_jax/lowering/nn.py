@@ -1,0 +1,260 @@
+"""Norms, attention, RoPE, conv/pool, loss, cumsum, gather, complex |z|^2.
+
+These are fused-op families: the maths lives once in ``rlx_jax.vjp_rules.<family>``
+and is reached through ``rlx_jax.ops.<fn>`` (so ``jax.grad`` of a lowered graph uses
+the fused backward kernels). The rules here only translate RLX attributes and
+layouts. ``rlx_jax.ops`` is imported when a rule runs, not at import time.
+ConvTranspose2d and non-max/mean pools are not fused families and are written here.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import jax.numpy as jnp
+from jax import lax
+
+from .registry import enum_name, lowering_rule
+
+
+def fused_ops():
+    """The ``rlx_jax.ops`` module (imported at call time)."""
+    return importlib.import_module("rlx_jax.ops")
+
+
+def fused(name: str):
+    ops = fused_ops()
+    fn = getattr(ops, name, None)
+    if fn is None:
+        raise NotImplementedError(f"rlx_jax.ops.{name} is not available yet")
+    return fn
+
+
+def index_array(ix):
+    """RLX indices are f32-encoded (or integer): -> int32."""
+    if jnp.issubdtype(ix.dtype, jnp.integer):
+        return ix.astype(jnp.int32)
+    return jnp.round(ix).astype(jnp.int32)
+
+
+# ---- norms ---------------------------------------------------------------------------
+
+def layer_norm(x, gamma, beta, axis, eps):
+    return fused("layer_norm")(x, gamma, beta, axis=int(axis), eps=float(eps))
+
+
+def rms_norm(x, gamma, beta, axis, eps):
+    return fused("rms_norm")(x, gamma, beta, axis=int(axis), eps=float(eps))
+
+
+@lowering_rule("LayerNorm")
+def _layer_norm(op, args, ctx):
+    # (x - mean) * rsqrt(var + eps) * gamma + beta over `axis`.
+    x, gamma, beta = args
+    return ctx.cast_out(layer_norm(x, gamma, beta, op.axis, op.eps))
+
+
+@lowering_rule("RmsNorm")
+def _rms_norm(op, args, ctx):
+    # x * rsqrt(mean(x^2) + eps) * gamma + beta over `axis`.
+    x, gamma = args[0], args[1]
+    beta = args[2] if len(args) > 2 else None
+    return ctx.cast_out(rms_norm(x, gamma, beta, op.axis, op.eps))
+
+
+@lowering_rule("GroupNorm")
+def _group_norm(op, args, ctx):
+    # NCHW; statistics over (C / num_groups) x H x W per sample and group.
+    x, gamma, beta = args
+    return ctx.cast_out(fused("group_norm")(x, gamma, beta, num_groups=int(op.num_groups),
+                                            eps=float(op.eps)))
+
+
+@lowering_rule("BatchNormInference")
+def _batch_norm_inference(op, args, ctx):
+    # (x - mean) * rsqrt(var + eps) * gamma + beta, channel axis 1.
+    x, gamma, beta, mean, var = args
+    return ctx.cast_out(fused("batch_norm_inference")(x, gamma, beta, mean, var,
+                                                      eps=float(op.eps)))
+
+
+@lowering_rule("LayerNorm2d")
+def _layer_norm_2d(op, args, ctx):
+    # NCHW: normalise across channels at each spatial position (SAM / candle).
+    x, gamma, beta = args
+    xt = jnp.moveaxis(x, 1, -1)
+    y = layer_norm(xt, gamma, beta, -1, op.eps)
+    return ctx.cast_out(jnp.moveaxis(y, -1, 1))
+
+
+# ---- attention / rope ------------------------------------------------------------------
+
+def _to_bshd(t, num_heads, head_dim, bhsd):
+    """RLX attention operand -> [B, S, H, D]; returns the inverse transform."""
+    if t.ndim == 2:  # [S, H*D]
+        y = t.reshape(1, t.shape[0], -1, head_dim)
+        return y, lambda o: o.reshape(o.shape[1], -1)
+    if t.ndim == 3:  # [B, S, H*D]
+        y = t.reshape(t.shape[0], t.shape[1], -1, head_dim)
+        return y, lambda o: o.reshape(o.shape[0], o.shape[1], -1)
+    if t.ndim == 4:
+        if bhsd:
+            return jnp.swapaxes(t, 1, 2), lambda o: jnp.swapaxes(o, 1, 2)
+        return t, lambda o: o
+    raise ValueError(f"attention operands must have rank 2, 3 or 4, got shape {t.shape}")
+
+
+def attention_layout(q, num_heads):
+    """RLX's rule: rank 4 is [B, H, S, D] when dim 1 equals num_heads, else [B, S, H, D]."""
+    return q.ndim == 4 and q.shape[1] == num_heads
+
+
+def attention_kwargs(mask_kind, extra, score_scale, softcap):
+    """``rlx_jax.ops.attention`` keyword arguments for an RLX MaskKind."""
+    kind = enum_name(mask_kind)
+    kw = {"scale": None if score_scale is None else float(score_scale),
+          "softcap": None if softcap is None else float(softcap)}
+    if kind == "None":
+        kw["mask_kind"] = "none"
+    elif kind == "Causal":
+        kw["mask_kind"] = "causal"
+    elif kind == "SlidingWindow":
+        kw["mask_kind"] = "sliding"
+        kw["window"] = int(mask_kind.window)
+    elif kind == "Custom":
+        kw["mask_kind"] = "none"
+        kw["mask"] = extra
+    elif kind == "Bias":
+        kw["mask_kind"] = "none"
+        kw["bias"] = extra
+    else:
+        raise NotImplementedError(f"unknown attention mask kind {kind!r}")
+    return kw
+
+
+def attention(q, k, v, extra, *, num_heads, head_dim, mask_kind, score_scale=None,
+              softcap=None):
+    """RLX Attention in any of its layouts through ``rlx_jax.ops.attention``."""
+    bhsd = attention_layout(q, num_heads)
+    q4, back = _to_bshd(q, num_heads, head_dim, bhsd)
+    k4, _ = _to_bshd(k, num_heads, head_dim, bhsd)
+    v4, _ = _to_bshd(v, num_heads, head_dim, bhsd)
+    kw = attention_kwargs(mask_kind, extra, score_scale, softcap)
+    return back(fused("attention")(q4, k4, v4, **kw))
+
+
+@lowering_rule("Attention")
+def _attention(op, args, ctx):
+    # softmax(mask(softcap(q.k * scale))) . v per head; scale = score_scale or
+    # 1/sqrt(head_dim); Custom: [B, Sk] keep mask; Bias: additive [B, H, Sq, Sk].
+    q, k, v = args[:3]
+    extra = args[3] if len(args) > 3 else None
+    out = attention(q, k, v, extra, num_heads=int(op.num_heads), head_dim=int(op.head_dim),
+                    mask_kind=op.mask_kind, score_scale=getattr(op, "score_scale", None),
+                    softcap=getattr(op, "attn_logit_softcap", None))
+    return ctx.cast_out(out)
+
+
+def rope(x, cos, sin, head_dim, n_rot):
+    return fused("rope")(x, cos, sin, head_dim=int(head_dim), n_rot=int(n_rot))
+
+
+@lowering_rule("Rope")
+def _rope(op, args, ctx):
+    # NeoX: in each head the first n_rot dims rotate as two halves, the rest pass.
+    x, cos, sin = args
+    return ctx.cast_out(rope(x, cos, sin, op.head_dim, op.n_rot))
+
+
+# ---- conv / pool --------------------------------------------------------------------------
+
+def _pair(v, default):
+    v = tuple(int(a) for a in (v or ()))
+    if not v:
+        return default
+    return v if len(v) == 2 else (v[0], v[0])
+
+
+@lowering_rule("Conv")
+def _conv(op, args, ctx):
+    # NCHW input, OIHW weight [C_out, C_in/groups, kH, kW], no bias.
+    x, w = args
+    out = fused("conv2d")(x, w, stride=_pair(op.stride, (1, 1)), padding=_pair(op.padding, (0, 0)),
+                          dilation=_pair(op.dilation, (1, 1)), groups=int(op.groups))
+    return ctx.cast_out(out)
+
+
+def conv_transpose2d(x, w, stride, padding, dilation, output_padding, groups):
+    """PyTorch ConvTranspose2d: x [N, C_in, H, W], w [C_in, C_out/groups, kH, kW];
+    H_out = (H - 1) * s - 2p + d (k - 1) + output_padding + 1."""
+    c_in, c_out_g, kh, kw = w.shape
+    g = groups
+    # -> OIHW of the equivalent direct conv: [C_out, C_in/g, kH, kW], spatially flipped
+    wt = w.reshape(g, c_in // g, c_out_g, kh, kw).transpose(0, 2, 1, 3, 4)
+    wt = wt.reshape(g * c_out_g, c_in // g, kh, kw)[:, :, ::-1, ::-1]
+    pads = []
+    for k, p, d, op_ in zip((kh, kw), padding, dilation, output_padding):
+        lo = d * (k - 1) - p
+        pads.append((lo, lo + op_))
+    return lax.conv_general_dilated(
+        x, wt, window_strides=(1, 1), padding=pads, lhs_dilation=tuple(stride),
+        rhs_dilation=tuple(dilation), dimension_numbers=("NCHW", "OIHW", "NCHW"),
+        feature_group_count=g)
+
+
+@lowering_rule("ConvTranspose2d")
+def _conv_transpose2d(op, args, ctx):
+    x, w = args
+    out = conv_transpose2d(x, w, _pair(op.stride, (1, 1)), _pair(op.padding, (0, 0)),
+                           _pair(op.dilation, (1, 1)), _pair(op.output_padding, (0, 0)),
+                           int(op.groups))
+    return ctx.cast_out(out)
+
+
+@lowering_rule("Pool")
+def _pool(op, args, ctx):
+    # NCHW 2-D pooling; Max pads with -inf, Mean is the fused avg_pool2d family.
+    x = args[0]
+    kind = enum_name(op.kind)
+    ks = _pair(op.kernel_size, None)
+    st = _pair(op.stride, ks)
+    pd = _pair(op.padding, (0, 0))
+    if kind == "Max":
+        out = fused("max_pool2d")(x, kernel_size=ks, stride=st, padding=pd)
+    elif kind == "Mean":
+        out = fused("avg_pool2d")(x, kernel_size=ks, stride=st, padding=pd)
+    else:
+        # Sum / Min / Prod windows (zero / +inf / one padding).
+        init, fn = {"Sum": (0.0, lax.add), "Min": (jnp.inf, lax.min),
+                    "Prod": (1.0, lax.mul)}[kind]
+        out = lax.reduce_window(x, jnp.asarray(init, x.dtype), fn, (1, 1) + ks, (1, 1) + st,
+                                ((0, 0), (0, 0), (pd[0], pd[0]), (pd[1], pd[1])))
+    return ctx.cast_out(out)
+
+
+# ---- loss / scans / indexing -----------------------------------------------------------
+
+@lowering_rule("SoftmaxCrossEntropyWithLogits")
+def _softmax_xent(op, args, ctx):
+    # loss[n] = logsumexp(logits[n]) - logits[n, labels[n]]; labels f32-encoded.
+    logits, labels = args
+    return ctx.cast_out(fused("softmax_cross_entropy")(logits, index_array(labels)))
+
+
+@lowering_rule("Cumsum")
+def _cumsum(op, args, ctx):
+    # Inclusive cumulative sum along `axis`; exclusive shifts it so out[0] = 0.
+    return ctx.cast_out(fused("cumsum")(args[0], axis=int(op.axis), exclusive=bool(op.exclusive)))
+
+
+@lowering_rule("Gather")
+def _gather(op, args, ctx):
+    # np.take(table, indices, axis): out = table.shape[:axis] + idx.shape + table.shape[axis+1:].
+    table, idx = args
+    return ctx.cast_out(fused("gather")(table, index_array(idx), axis=int(op.axis)))
+
+
+@lowering_rule("ComplexNormSq")
+def _complex_norm_sq(op, args, ctx):
+    # |z|^2 = re^2 + im^2 (C64 -> F32).
+    return ctx.cast_out(fused("complex_norm_sq")(args[0]))

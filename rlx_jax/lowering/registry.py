@@ -1,0 +1,189 @@
+"""The table of lowering rules and the context a rule sees.
+
+A rule is ``fn(op, args: list[jax.Array], ctx) -> jax.Array``, registered for one or
+more RLX op classes with :func:`lowering_rule`. Rules are keyed by the RLX variant
+name (the op class's ``__name__``), so a rule module can be imported before or
+without the IR module that defines the class, and an op class made by
+``rlx_jax.ir.register_op`` finds its rule by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import numpy as np
+
+Rule = Callable[[Any, list, "LoweringContext"], Any]
+
+_RULES: dict[str, Rule] = {}
+_CUSTOM: dict[str, Callable] = {}
+
+
+def _key(op_or_cls) -> str:
+    if isinstance(op_or_cls, str):
+        return op_or_cls
+    if isinstance(op_or_cls, type):
+        return op_or_cls.__name__
+    return type(op_or_cls).__name__
+
+
+def lowering_rule(*op_classes):
+    """Register the decorated function as the lowering of each given op class.
+
+    ``op_classes`` are IR op classes or their RLX variant names (``"LayerNorm"``).
+    Registering a name twice is an error (one source of truth per op).
+    """
+    if not op_classes:
+        raise TypeError("lowering_rule needs at least one op class")
+
+    def deco(fn: Rule) -> Rule:
+        for c in op_classes:
+            k = _key(c)
+            prev = _RULES.get(k)
+            if prev is not None and prev is not fn:
+                raise ValueError(f"a lowering rule for {k} is already registered ({prev.__module__})")
+            _RULES[k] = fn
+        return fn
+
+    return deco
+
+
+def has_rule(op_or_cls) -> bool:
+    _load_rules()
+    return _key(op_or_cls) in _RULES
+
+
+def get_rule(op) -> Rule:
+    _load_rules()
+    k = _key(op)
+    rule = _RULES.get(k)
+    if rule is None:
+        raise NotImplementedError(f"no lowering rule for RLX op {k}")
+    return rule
+
+
+def registered_ops() -> list[str]:
+    """Names of the ops that have a lowering rule."""
+    _load_rules()
+    return sorted(_RULES)
+
+
+def register_custom_lowering(name: str, fn: Callable) -> None:
+    """Lower ``Op::Custom{name}`` with ``fn(args: list[Array], attrs: bytes, ctx) -> Array``."""
+    if not isinstance(name, str) or not name:
+        raise ValueError("custom op name must be a non-empty string")
+    if not callable(fn):
+        raise TypeError(f"custom lowering for {name!r} must be callable")
+    _CUSTOM[name] = fn
+
+
+def custom_lowering(name: str):
+    return _CUSTOM.get(name)
+
+
+_loaded = False
+
+
+def _load_rules() -> None:
+    """Import every rule module once (they register themselves)."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    import importlib
+
+    for mod in (
+        "elementwise",
+        "linalg",
+        "shape_ops",
+        "reductions",
+        "nn",
+        "backward",
+        "quant",
+        "moe",
+        "recurrent",
+        "fused",
+        "signal",
+        "control_flow",
+    ):
+        importlib.import_module(f"rlx_jax.lowering.{mod}")
+
+
+# --------------------------------------------------------------------------------------
+# helpers shared by rule modules
+
+
+def enum_name(v) -> str | None:
+    """The RLX variant name of an enum-ish attribute (str enum, dataclass with .kind, str)."""
+    if v is None:
+        return None
+    if hasattr(v, "kind") and not isinstance(v, str):
+        return enum_name(v.kind)
+    if hasattr(v, "value") and isinstance(getattr(v, "value"), str):
+        return v.value
+    if hasattr(v, "name") and not isinstance(v, str) and isinstance(getattr(v, "name"), str):
+        return v.name
+    return str(v)
+
+
+def jnp_dtype(dtype):
+    """A numpy dtype for an RLX DType (or anything numpy understands)."""
+    if dtype is None:
+        return None
+    to_np = getattr(dtype, "to_numpy", None)
+    if to_np is not None:
+        return to_np()
+    return np.dtype(dtype)
+
+
+@dataclasses.dataclass
+class LoweringContext:
+    """What a rule may look at besides its op and arguments.
+
+    ``node``: the node being lowered; ``out_shape``: its dims with dynamic dims bound
+    (``None`` for a dim whose symbol is bound by no input); ``out_dtype``: its numpy
+    dtype; ``dims``: the dynamic-symbol bindings; ``cache``: per-call memo shared by
+    every node of one lowering (sibling backward nodes put their joint result here);
+    ``params``: the parameter dict (sub-graph bodies read it too); ``graph`` and
+    ``env`` (node id -> value computed so far) let a backward rule find the inputs of
+    its sibling nodes.
+    """
+
+    node: Any = None
+    out_shape: tuple | None = None
+    out_dtype: Any = None
+    dims: dict = dataclasses.field(default_factory=dict)
+    cache: dict = dataclasses.field(default_factory=dict)
+    params: dict = dataclasses.field(default_factory=dict)
+    graph: Any = None
+    env: dict = dataclasses.field(default_factory=dict)
+    dtype_map: Any = None
+
+    def lower_body(self, graph, args, named: dict | None = None, params: dict | None = None):
+        """Evaluate a sub-graph: ``Input`` nodes whose name is in ``named`` get that value,
+        the others take ``args`` in node order. Returns the list of its outputs."""
+        from .core import evaluate_graph
+
+        return evaluate_graph(
+            graph,
+            self.params if params is None else params,
+            list(args),
+            named=named or {},
+            dtype_map=self.dtype_map,
+        )
+
+    def node_input_ids(self) -> tuple:
+        return tuple(self.node.inputs) if self.node is not None else ()
+
+    def memo(self, key, compute: Callable):
+        """``cache[key]``, computing it once (sibling nodes lowering to one call)."""
+        if key not in self.cache:
+            self.cache[key] = compute()
+        return self.cache[key]
+
+    def cast_out(self, y):
+        """Cast a result to the node's declared dtype (no-op when it matches)."""
+        if self.out_dtype is None or y.dtype == self.out_dtype:
+            return y
+        return y.astype(self.out_dtype)
