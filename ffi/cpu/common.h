@@ -28,10 +28,11 @@ inline uint32_t f32_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); retur
 
 inline float to_f32(bf16 v) { return bits_to_f32(uint32_t(v.bits) << 16); }
 inline bf16 from_f32_bf16(float f) {
+  // round to nearest even; NaN stays a (quiet) NaN. Branch-free so loops vectorise.
   uint32_t u = f32_to_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{uint16_t((u >> 16) | 0x40)};  // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
-  return bf16{uint16_t(u >> 16)};
+  uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  uint32_t quiet_nan = (u >> 16) | 0x40u;
+  return bf16{uint16_t((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded)};
 }
 
 inline float to_f32(f16 v) {

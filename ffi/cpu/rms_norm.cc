@@ -27,6 +27,7 @@ void rms_norm_fwd_typed(ffi::ThreadPool& pool, const T* x, const T* gamma, const
       const T* xr = x + r * width;
       T* yr = y + r * width;
       A ss = 0;
+#pragma omp simd reduction(+ : ss)
       for (int64_t j = 0; j < width; ++j) { A v = load<A>(xr[j]); ss += v * v; }
       A inv = A(1) / std::sqrt(ss / A(width) + A(eps));
       rstd[r] = inv;
@@ -56,8 +57,10 @@ void rms_norm_bwd_typed(ffi::ThreadPool& pool, const T* x, const T* gamma, const
       T* dxr = dx + r * width;
       const A inv = rstd[r];
       A dot = 0;
+#pragma omp simd reduction(+ : dot)
       for (int64_t j = 0; j < width; ++j) dot += load<A>(dyr[j]) * g[j] * load<A>(xr[j]);
       const A coef = inv * inv * inv * dot / A(width);
+#pragma omp simd
       for (int64_t j = 0; j < width; ++j) {
         const A xv = load<A>(xr[j]), dyv = load<A>(dyr[j]);
         dxr[j] = store<T>(inv * dyv * g[j] - coef * xv);

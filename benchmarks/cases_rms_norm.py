@@ -1,0 +1,48 @@
+"""RMSNorm backward (dx, dgamma, dbeta): ours vs XLA's autodiff of the reference.
+
+Floor: x and dy read, dx written: 3 * N * H elements (gamma, dgamma, dbeta are O(H)).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.harness import Case
+from rlx_jax.ops import rms_norm
+from rlx_jax.vjp_rules.rms_norm import reference_rms_norm
+
+EPS = 1e-6
+
+
+def _case(n: int, h: int, dtype) -> Case:
+    def make(key):
+        kx, kg, kd = jax.random.split(key, 3)
+        x = jax.random.normal(kx, (n, h), jnp.float32).astype(dtype)
+        g = (1.0 + 0.1 * jax.random.normal(kg, (h,), jnp.float32)).astype(dtype)
+        dy = jax.random.normal(kd, (n, h), jnp.float32).astype(dtype)
+        return x, g, dy
+
+    def ours(x, g, dy):
+        _, vjp = jax.vjp(lambda x, g: rms_norm(x, g, eps=EPS), x, g)
+        return vjp(dy)
+
+    def xla(x, g, dy):
+        beta = jnp.zeros_like(g)
+        _, vjp = jax.vjp(lambda x, g: reference_rms_norm(x, g, beta, eps=EPS)[0], x, g)
+        return vjp(dy)
+
+    itemsize = jnp.dtype(dtype).itemsize
+    return Case(
+        name=f"rms_norm_bwd {jnp.dtype(dtype).name} {n}x{h}",
+        make=make,
+        ours=ours,
+        xla=xla,
+        floor_bytes=3 * n * h * itemsize,
+    )
+
+
+def cases(device_kind: str) -> list[Case]:
+    if device_kind == "gpu":
+        return [_case(32768, 4096, jnp.float32), _case(32768, 4096, jnp.bfloat16)]
+    return [_case(8192, 1024, jnp.float32), _case(8192, 1024, jnp.bfloat16)]

@@ -1,0 +1,88 @@
+"""What every benchmark case shares: the Case record, timing, and the copy floor.
+
+A case times three jitted functions on the same inputs in one run:
+- ``ours``: the rlx_jax op (its fused kernel where one is compiled);
+- ``xla``: XLA's autodiff of the op's pure-JAX reference (what JAX users get today);
+- the floor: a copy of the fewest bytes the op must move (each input read once, each
+  output written once), i.e. an elementwise pass reading and writing ``floor_bytes / 2``.
+Ratios from one run are what we report; absolute times on shared machines mean little.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass
+class Case:
+    """One benchmark: ``make(key) -> args``; ``ours(*args)`` and ``xla(*args)`` compute
+    the same thing; ``floor_bytes``: the op's minimal memory traffic in bytes."""
+
+    name: str
+    make: Callable
+    ours: Callable
+    xla: Callable
+    floor_bytes: int
+    extra: dict = dataclasses.field(default_factory=dict)
+
+
+def time_fn(fn: Callable, args: tuple, reps: int, warmup: int = 3) -> float:
+    """Median wall time in ms of ``fn(*args)`` over ``reps`` runs after ``warmup``."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def copy_floor_fn(floor_bytes: int, device) -> tuple[Callable, tuple]:
+    """A jitted elementwise pass that reads floor_bytes/2 and writes floor_bytes/2."""
+    n = max(1, floor_bytes // 2 // 4)
+    buf = jax.device_put(jnp.arange(n, dtype=jnp.float32), device)
+    return jax.jit(lambda a: a + 1.0), (buf,)
+
+
+def run_case(case: Case, device, reps: int) -> dict:
+    key = jax.random.PRNGKey(0)
+    with jax.default_device(device):
+        args = jax.device_put(case.make(key), device)
+        ours = jax.jit(case.ours)
+        xla = jax.jit(case.xla)
+        # same results first: a benchmark of a wrong kernel is worthless
+        got, want = ours(*args), xla(*args)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            scale = float(jnp.max(jnp.abs(w.astype(jnp.float32)))) or 1.0
+            err = float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32)))) / scale
+            tol = 2e-2 if g.dtype in (jnp.bfloat16, jnp.float16) else 1e-3
+            if not err <= tol:
+                raise AssertionError(f"{case.name}: ours and XLA differ (max rel err {err:.3g})")
+        floor_fn, floor_args = copy_floor_fn(case.floor_bytes, device)
+        # interleave the three so drift on a shared machine hits all of them alike
+        t_ours, t_xla, t_floor = [], [], []
+        rounds = 3
+        for _ in range(rounds):
+            t_ours.append(time_fn(ours, args, reps))
+            t_xla.append(time_fn(xla, args, reps))
+            t_floor.append(time_fn(floor_fn, floor_args, reps))
+    ours_ms, xla_ms, floor_ms = (statistics.median(t) for t in (t_ours, t_xla, t_floor))
+    return {
+        "case": case.name,
+        "device": str(device),
+        "ours_ms": ours_ms,
+        "xla_ms": xla_ms,
+        "floor_ms": floor_ms,
+        "xla_over_ours": xla_ms / ours_ms,
+        "ours_over_floor": ours_ms / floor_ms,
+        "ours_GBps": case.floor_bytes / ours_ms / 1e6,
+        "floor_GBps": case.floor_bytes / floor_ms / 1e6,
+        **case.extra,
+    }

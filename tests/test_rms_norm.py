@@ -1,0 +1,196 @@
+"""RMSNorm end to end: kernel vs pure-JAX reference, gradients in every mode, vmap,
+errors, determinism. Runs on the default backend (CPU here, GPU on a GPU machine)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import rlx_jax
+from rlx_jax.ops import rms_norm
+from rlx_jax.vjp_rules.rms_norm import reference_rms_norm, rms_norm_backward
+
+from testutil import assert_close, hlo_text, platform
+
+EPS = 1e-6
+SHAPES = [(4, 7), (3, 5, 33), (1, 1), (2, 3, 1025), (0, 16), (5, 0, 8)]
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+
+
+def _inputs(shape, dtype, seed=0):
+    kx, kg, kb, kd = jax.random.split(jax.random.PRNGKey(seed), 4)
+    h = shape[-1]
+    x = jax.random.normal(kx, shape, jnp.float32).astype(dtype)
+    g = (1.0 + 0.5 * jax.random.normal(kg, (h,), jnp.float32)).astype(dtype)
+    b = (0.5 * jax.random.normal(kb, (h,), jnp.float32)).astype(dtype)
+    dy = jax.random.normal(kd, shape, jnp.float32).astype(dtype)
+    return x, g, b, dy
+
+
+def _ref(x, g, b):
+    return reference_rms_norm(x, g, b, eps=EPS)[0]
+
+
+def test_compiled_kernels_are_registered_and_used():
+    info = rlx_jax.kernel_info()[platform()]
+    assert info["loaded"], info["error"]
+    assert {"rlx_rms_norm_fwd", "rlx_rms_norm_bwd"} <= set(info["targets"])
+    x, g, b, _ = _inputs((4, 8), jnp.float32)
+    text = hlo_text(jax.grad(lambda x, g, b: jnp.sum(rms_norm(x, g, b) ** 2), (0, 1, 2)), x, g, b)
+    assert "rlx_rms_norm_fwd" in text and "rlx_rms_norm_bwd" in text
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_forward_matches_reference(shape, dtype):
+    x, g, b, _ = _inputs(shape, dtype)
+    got = jax.jit(rms_norm)(x, g, b)
+    assert got.dtype == dtype and got.shape == shape
+    # the reference in f32 on the same (rounded) inputs is the oracle
+    want = _ref(x.astype(jnp.float32), g.astype(jnp.float32), b.astype(jnp.float32))
+    assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_backward_matches_reference(shape, dtype):
+    x, g, b, dy = _inputs(shape, dtype, seed=1)
+    _, vjp = jax.vjp(rms_norm, x, g, b)
+    got = jax.jit(vjp)(dy)
+    f32 = [a.astype(jnp.float32) for a in (x, g, b, dy)]
+    _, vjp_ref = jax.vjp(_ref, *f32[:3])
+    want = vjp_ref(f32[3])
+    for gi, wi, primal in zip(got, want, (x, g, b)):
+        assert gi.dtype == primal.dtype
+        # dgamma/dbeta sum over all rows: scale the tolerance with the row count
+        assert_close(gi, wi, dtype)
+
+
+def test_float64_forward_and_backward(x64):
+    if platform() != "cpu":
+        pytest.skip("f64 kernels are CPU-only; on GPU f64 runs the reference")
+    x, g, b, dy = _inputs((6, 5, 17), jnp.float64)
+    assert_close(rms_norm(x, g, b), _ref(x, g, b))
+    got = jax.vjp(rms_norm, x, g, b)[1](dy)
+    want = jax.vjp(_ref, x, g, b)[1](dy)
+    for gi, wi in zip(got, want):
+        assert_close(gi, wi)
+
+
+def test_check_grads_all_modes_second_order(x64):
+    x, g, b, _ = _inputs((3, 4, 9), jnp.float64, seed=2)
+    check_grads(rms_norm, (x, g, b), order=2, modes=("fwd", "rev"))
+
+
+def test_hessian_matches_reference(x64):
+    x, g, b, _ = _inputs((7,), jnp.float64, seed=3)
+    f = lambda x: jnp.sum(jnp.sin(rms_norm(x, g, b)))
+    fr = lambda x: jnp.sum(jnp.sin(_ref(x, g, b)))
+    assert_close(jax.hessian(f)(x), jax.hessian(fr)(x))
+    assert_close(jax.jacfwd(jax.grad(f))(x), jax.hessian(fr)(x))
+
+
+def test_jvp_matches_reference():
+    x, g, b, dy = _inputs((5, 12), jnp.float32, seed=4)
+    t = (dy, 0.1 * g, 0.2 * b)
+    y, ty = jax.jvp(rms_norm, (x, g, b), t)
+    yr, tyr = jax.jvp(_ref, (x, g, b), t)
+    assert_close(y, yr)
+    assert_close(ty, tyr)
+
+
+@pytest.mark.parametrize("axis", [0, 1, -2])
+def test_other_axes(axis):
+    x, _, _, dy = _inputs((6, 5, 4), jnp.float32, seed=5)
+    h = x.shape[axis]
+    g = jnp.linspace(0.5, 1.5, h)
+    f = lambda x, g: rms_norm(x, g, axis=axis, eps=EPS)
+    fr = lambda x, g: jnp.moveaxis(_ref(jnp.moveaxis(x, axis, -1), g, jnp.zeros_like(g)), -1, axis)
+    assert_close(f(x, g), fr(x, g))
+    for a, w in zip(jax.vjp(f, x, g)[1](dy), jax.vjp(fr, x, g)[1](dy)):
+        assert_close(a, w)
+
+
+def test_beta_optional_and_gamma_cast():
+    x, g, _, _ = _inputs((3, 8), jnp.bfloat16)
+    y = rms_norm(x, g.astype(jnp.float32))
+    assert y.dtype == jnp.bfloat16
+    assert_close(y, _ref(x.astype(jnp.float32), g.astype(jnp.float32), jnp.zeros(8)), jnp.bfloat16)
+
+
+def test_vmap_forward_grad_and_per_example_gradients():
+    x, g, b, _ = _inputs((4, 3, 10), jnp.float32, seed=6)
+    assert_close(jax.vmap(rms_norm, in_axes=(1, None, None), out_axes=1)(x, g, b), _ref(x, g, b))
+    loss = lambda x, g: jnp.sum(jnp.tanh(rms_norm(x, g, b)))
+    loss_ref = lambda x, g: jnp.sum(jnp.tanh(_ref(x, g, b)))
+    got = jax.vmap(jax.grad(loss, (0, 1)), in_axes=(0, None))(x, g)
+    want = jax.vmap(jax.grad(loss_ref, (0, 1)), in_axes=(0, None))(x, g)
+    for a, w in zip(got, want):
+        assert a.shape == w.shape
+        assert_close(a, w)
+    # batched gamma too (falls back to the reference under vmap)
+    gs = jnp.stack([g, 2 * g, 3 * g, g])
+    assert_close(jax.vmap(rms_norm, in_axes=(0, 0, None))(x, gs, b), jax.vmap(_ref, in_axes=(0, 0, None))(x, gs, b))
+
+
+def test_backward_wrapper_matches_vjp():
+    x, g, b, dy = _inputs((5, 2, 7), jnp.float32, seed=7)
+    got = rms_norm_backward(x, g, b, dy, axis=-1, eps=EPS)
+    want = jax.vjp(_ref, x, g, b)[1](dy)
+    for a, w in zip(got, want):
+        assert_close(a, w)
+
+
+def test_zero_rows_give_zero_parameter_gradients():
+    x, g, b, dy = _inputs((0, 16), jnp.float32)
+    dx, dg, db = jax.vjp(rms_norm, x, g, b)[1](dy)
+    assert dx.shape == (0, 16)
+    np.testing.assert_array_equal(dg, np.zeros(16))
+    np.testing.assert_array_equal(db, np.zeros(16))
+
+
+def test_deterministic_bitwise():
+    x, g, b, dy = _inputs((257, 300), jnp.float32, seed=8)
+    f = jax.jit(lambda x, g, b, dy: jax.vjp(rms_norm, x, g, b)[1](dy))
+    first = [np.asarray(a) for a in f(x, g, b, dy)]
+    for _ in range(3):
+        for a, b_ in zip(first, f(x, g, b, dy)):
+            np.testing.assert_array_equal(a, np.asarray(b_))
+
+
+def test_all_zero_rows_are_finite():
+    x = jnp.zeros((3, 8))
+    g = jnp.ones(8)
+    y, vjp = jax.vjp(lambda x: rms_norm(x, g, eps=1e-6), x)
+    assert np.isfinite(np.asarray(y)).all() and np.isfinite(np.asarray(vjp(jnp.ones_like(x))[0])).all()
+
+
+def test_nan_propagates_like_reference():
+    x, g, b, _ = _inputs((2, 8), jnp.float32)
+    x = x.at[0, 3].set(jnp.nan)
+    got = np.asarray(rms_norm(x, g, b))
+    assert np.isnan(got[0]).all() and np.isfinite(got[1]).all()
+
+
+@pytest.mark.parametrize(
+    "args, error, match",
+    [
+        ((jnp.ones((3, 4), jnp.int32), jnp.ones(4)), TypeError, "floating"),
+        ((jnp.ones((3, 4)), jnp.ones(5)), ValueError, "gamma must have shape"),
+        ((jnp.ones((3, 4)), jnp.ones(4), jnp.ones(3)), ValueError, "beta must have shape"),
+        ((jnp.ones(()), jnp.ones(1)), ValueError, "at least one axis"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(args, error, match):
+    with pytest.raises(error, match=match):
+        rms_norm(*args)
+
+
+def test_bad_axis_and_eps():
+    with pytest.raises(ValueError, match="axis"):
+        rms_norm(jnp.ones((3, 4)), jnp.ones(4), axis=2)
+    with pytest.raises(ValueError, match="eps"):
+        rms_norm(jnp.ones((3, 4)), jnp.ones(4), eps=-1.0)

@@ -1,0 +1,35 @@
+"""Shared test helpers: the platform under test, tolerances per dtype, closeness."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def platform() -> str:
+    """'cpu' or 'cuda': the platform the tests' default device runs on."""
+    p = jax.devices()[0].platform
+    return "cuda" if p == "gpu" else p
+
+
+def tolerance(dtype) -> float:
+    return {jnp.bfloat16: 3e-2, jnp.float16: 5e-3, jnp.float32: 2e-5, jnp.float64: 1e-12}[jnp.dtype(dtype).type]
+
+
+def assert_close(got, want, dtype=None, scale_by_max=True):
+    """Max abs error, relative to max |want| (1 if want is zero), within the dtype's tolerance."""
+    got = np.asarray(jnp.asarray(got, jnp.float64) if jax.config.jax_enable_x64 else jnp.asarray(got, jnp.float32))
+    want = np.asarray(jnp.asarray(want, got.dtype))
+    assert got.shape == want.shape, (got.shape, want.shape)
+    if got.size == 0:
+        return
+    tol = tolerance(dtype or got.dtype)
+    scale = max(float(np.max(np.abs(want))), 1.0) if scale_by_max else 1.0
+    err = float(np.max(np.abs(got - want)))
+    assert np.isfinite(got).all() == np.isfinite(want).all()
+    assert err <= tol * scale, f"max abs err {err:.3g} > {tol:.1g} * {scale:.3g}"
+
+
+def hlo_text(fn, *args) -> str:
+    return jax.jit(fn).lower(*args).as_text()
