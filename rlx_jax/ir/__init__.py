@@ -15,7 +15,11 @@ from .op import (
     OP_CLASSES, ActivationKind, AttentionBwdWrt, BinaryOp, ChainOperand, ChainStep, CmpOp,
     FftNorm, MaskKind, Op, QuantScheme, ReduceOp, ScaleMode, SteKind,
 )
-from . import ops_leaf, ops_elementwise, ops_linalg, ops_shape, ops_reduce  # noqa: F401  (register ops)
+from . import (  # noqa: F401  (importing registers the op classes)
+    ops_leaf, ops_elementwise, ops_linalg, ops_shape, ops_reduce, ops_norm, ops_attention, ops_conv,
+    ops_quant, ops_recurrent, ops_fused, ops_signal, ops_splat, ops_rng, ops_control, ops_backward,
+)
+from .registry import CustomOpDef, get_custom_op, register_op
 from .graph import Graph, Node
 
 globals().update(OP_CLASSES)
@@ -24,5 +28,5 @@ __all__ = [
     "DType", "GraphError", "OpFault", "Dynamic", "Shape", "BATCH", "SEQ", "ROWS", "PAST_SEQ",
     "OP_CLASSES", "Op", "ActivationKind", "AttentionBwdWrt", "BinaryOp", "ChainOperand",
     "ChainStep", "CmpOp", "FftNorm", "MaskKind", "QuantScheme", "ReduceOp", "ScaleMode",
-    "SteKind", "Graph", "Node", *sorted(OP_CLASSES),
+    "SteKind", "Graph", "Node", "register_op", "get_custom_op", "CustomOpDef", *sorted(OP_CLASSES),
 ]

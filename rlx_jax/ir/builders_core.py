@@ -31,8 +31,8 @@ class BuilderBase:
         except TypeError as exc:
             raise self._fault(cls.__name__, f"bad attributes: {exc}") from None
 
-    def _build(self, cls, inputs, shape: Optional[Shape] = None, name=None, **attrs) -> int:
-        return self._add_node(self._make(cls, **attrs), tuple(inputs), shape, name)
+    def _build(self, cls, inputs, shape: Optional[Shape] = None, node_name=None, **attrs) -> int:
+        return self._add_node(self._make(cls, **attrs), tuple(inputs), shape, node_name)
 
     def _shape(self, op_name: str, dims, dtype) -> Shape:
         """Builder ``(dims, dtype)`` -> Shape; strings in dims name dynamic dims."""
@@ -64,6 +64,18 @@ class BuilderBase:
             return enum_cls.parse(value)
         except OpFault as exc:
             raise self._fault(op_name, str(exc)) from None
+
+    def _opt_shape(self, op_name: str, shape, default_dtype) -> Optional[Shape]:
+        """None | Shape | (dims, dtype) | dims (dtype defaults) -> Shape or None."""
+        if shape is None or isinstance(shape, Shape):
+            return shape
+        if (isinstance(shape, tuple) and len(shape) == 2 and isinstance(shape[1], (str, DType))
+                and not isinstance(shape[0], (str, int))):
+            return self._shape(op_name, shape[0], shape[1])
+        return self._shape(op_name, shape, default_dtype)
+
+    def _dt(self, x: int) -> DType:
+        return self.node(x).shape.dtype
 
 
 class CoreBuilders(BuilderBase):

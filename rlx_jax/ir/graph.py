@@ -16,6 +16,7 @@ from .builders_backward import BackwardBuilders
 from .builders_control import ControlBuilders
 from .builders_core import CoreBuilders
 from .builders_nn import NNBuilders
+from .builders_signal import SignalBuilders
 from .errors import GraphError, OpFault, node_error
 from .op import Op
 from .ops_leaf import Input, Param
@@ -37,7 +38,7 @@ class Node:
     origin: Optional[dict] = None
 
 
-class Graph(CoreBuilders, NNBuilders, BackwardBuilders, ControlBuilders):
+class Graph(CoreBuilders, NNBuilders, SignalBuilders, BackwardBuilders, ControlBuilders):
     """An RLX graph (a superset of pyrlx's ``Graph``): ``Graph(name)``."""
 
     def __init__(self, name: str = "graph"):

@@ -47,9 +47,7 @@ class _RlxEnum(str, enum.Enum):
         if isinstance(value, str):
             key = value.strip()
             for member in cls:
-                if key == member.value or key.lower() == member.value.lower() or (
-                    key.lower() == _snake(member.value)
-                ):
+                if key == member.value or _squash(key) == _squash(member.value):
                     return member
             alias = getattr(cls, "_ALIASES", {}).get(key.lower()) if hasattr(cls, "_ALIASES") else None
             if alias is not None:
@@ -64,6 +62,11 @@ class _RlxEnum(str, enum.Enum):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}.{self.name}"
+
+
+def _squash(name: str) -> str:
+    """Case- and underscore-insensitive key: ``"gelu_approx"`` ~ ``"GeluApprox"``."""
+    return name.replace("_", "").replace("-", "").lower()
 
 
 def _snake(name: str) -> str:
@@ -307,10 +310,10 @@ class QuantScheme:
             if ":" in key:
                 k, n = key.split(":", 1)
                 for kind in _QUANT_BLOCK:
-                    if k.lower() in (kind.lower(), _snake(kind)):
+                    if _squash(k) == _squash(kind):
                         return cls(kind, int(n))
             for kind in _QUANT_UNIT:
-                if key.lower() in (kind.lower(), _snake(kind)):
+                if _squash(key) == _squash(kind):
                     return cls(kind)
         raise OpFault(f"unknown quant scheme {value!r}")
 
@@ -535,6 +538,10 @@ class Op:
 
     def check_declared(self, ins: list, out: Shape) -> None:
         """Checks on a declared output shape of an op whose shape is not inferred."""
+
+    def needs_shape_message(self) -> str:
+        """The fault when no shape is declared and ``infer`` cannot give one."""
+        return "needs an explicit output shape"
 
     def bodies(self) -> dict:
         """Nested sub-graphs by field name (control flow / CustomFn)."""

@@ -32,7 +32,7 @@ def check_node(graph, node_id: int, op, inputs: tuple, shape, name):
         inferred = op.infer(ins)
         if shape is None:
             if inferred is None:
-                raise OpFault("needs an explicit output shape")
+                raise OpFault(op.needs_shape_message())
             return inferred
         if inferred is not None:
             if not shapes_match(shape, inferred):
