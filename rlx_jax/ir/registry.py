@@ -3,8 +3,8 @@ vjp=None, jvp=None)``.
 
 * ``shape_rule(in_shapes: list[Shape], attrs: bytes) -> Shape`` (or ``(dims, dtype)``)
   infers the output; it may raise ValueError to reject the inputs.
-* ``lowering(args: list[jax.Array], attrs: bytes, out_shape) -> jax.Array`` (called by
-  the lowering stage).
+* ``lowering(args: list[jax.Array], attrs: bytes, ctx) -> jax.Array`` (called by the
+  lowering stage; ``CustomOpDef.lower`` is the same callable).
 * ``vjp(graph, node, d_output: int) -> list[int | None]`` and ``jvp(graph, node,
   tangents: list[int | None]) -> int`` emit graph nodes (called by the autodiff stage).
 
@@ -25,6 +25,11 @@ class CustomOpDef:
     lowering: Optional[Callable] = None
     vjp: Optional[Callable] = None
     jvp: Optional[Callable] = None
+
+    @property
+    def lower(self) -> Optional[Callable]:
+        """Alias of ``lowering`` (the name the lowering stage looks up)."""
+        return self.lowering
 
 
 _lock = threading.Lock()
