@@ -1,0 +1,279 @@
+// GroupNorm on NCHW (any trailing spatial rank), forward (saving mean and rstd per
+// (sample, group)) and fused backward.
+//
+//   x: [N, C, S...] with S the product of the trailing axes; gamma, beta: [C];
+//   G groups of K = C / G adjacent channels, so block (n, g) is the contiguous run of
+//   M = K * S values x[n, g*K : (g+1)*K, ...].
+//   mean, rstd per block (f32, or f64 for f64 inputs: [N, G]);
+//   xhat = (x - mean) * rstd,  y[n, c, s] = xhat * gamma[c] + beta[c].
+// Backward, with u = dy * gamma[c] and means over the block:
+//   dx       = rstd * (u - mean(u) - xhat * mean(u * xhat))
+//   dgamma_c = sum_{n, s} dy * xhat              dbeta_c = sum_{n, s} dy
+// One read of x and dy per block: a first sweep takes, per channel, sum dy and
+// sum dy * (x - mean) (which give both the block means and the parameter partials),
+// a second computes dx while the block is still in cache. Each block writes its own
+// parameter partials [N, C]; they are then added over n in order (deterministic).
+#include <cmath>
+#include <limits>
+
+#include "cpu/common.h"
+
+namespace rlx {
+namespace {
+
+constexpr int kLanes = 8;
+
+// sum over j < n of f(j), on kLanes accumulators added pairwise at the end.
+template <typename A, typename F>
+inline A lanes_sum(int64_t n, F&& f) {
+  A acc[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int k = 0; k < kLanes; ++k) acc[k] += f(j + k);
+  for (int k = 0; j < n; ++j, ++k) acc[k] += f(j);
+  for (int w = kLanes / 2; w > 0; w /= 2)
+    for (int k = 0; k < w; ++k) acc[k] += acc[k + w];
+  return acc[0];
+}
+
+struct Layout {
+  int64_t n, c, s, groups, k, m;  // batch, channels, spatial, groups, channels/group, block
+};
+
+template <typename T>
+void group_norm_fwd_typed(ffi::ThreadPool& pool, const Layout& L, const T* x, const T* gamma,
+                          const T* beta, T* y, void* mean_out, void* rstd_out, float eps) {
+  using A = typename Accum<T>::type;
+  A* mean = static_cast<A*>(mean_out);
+  A* rstd = static_cast<A*>(rstd_out);
+  const int64_t blocks = L.n * L.groups;
+  const int64_t chunks = row_chunks(blocks, L.m);
+  const A inv_m = A(1) / A(L.m);
+  parallel_for(pool, chunks, [&](int64_t t) {
+    const int64_t b0 = blocks * t / chunks, b1 = blocks * (t + 1) / chunks;
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const T* xb = x + blk * L.m;
+      T* yb = y + blk * L.m;
+      const A mu = lanes_sum<A>(L.m, [&](int64_t j) { return load<A>(xb[j]); }) * inv_m;
+      const A var = lanes_sum<A>(L.m, [&](int64_t j) {
+                      const A d = load<A>(xb[j]) - mu;
+                      return d * d;
+                    }) * inv_m;
+      const A inv = A(1) / std::sqrt(var + A(eps));
+      mean[blk] = mu;
+      rstd[blk] = inv;
+      const int64_t c0 = (blk % L.groups) * L.k;
+      for (int64_t ci = 0; ci < L.k; ++ci) {
+        const A g = load<A>(gamma[c0 + ci]), b = load<A>(beta[c0 + ci]);
+        const T* xc = xb + ci * L.s;
+        T* yc = yb + ci * L.s;
+        for (int64_t j = 0; j < L.s; ++j) yc[j] = store<T>((load<A>(xc[j]) - mu) * inv * g + b);
+      }
+    }
+  });
+}
+
+template <typename T>
+void group_norm_bwd_typed(ffi::ThreadPool& pool, const Layout& L, const T* x, const T* gamma,
+                          const void* mean_in, const void* rstd_in, const T* dy, T* dx,
+                          T* dgamma, T* dbeta) {
+  using A = typename Accum<T>::type;
+  const A* mean = static_cast<const A*>(mean_in);
+  const A* rstd = static_cast<const A*>(rstd_in);
+  const int64_t blocks = L.n * L.groups;
+  const int64_t chunks = row_chunks(blocks, L.m);
+  const A inv_m = A(1) / A(L.m);
+  // per (n, c): pg = sum_s dy * xhat, pb = sum_s dy
+  std::vector<A> pg(static_cast<size_t>(L.n * L.c)), pb(static_cast<size_t>(L.n * L.c));
+  parallel_for(pool, chunks, [&](int64_t t) {
+    const int64_t b0 = blocks * t / chunks, b1 = blocks * (t + 1) / chunks;
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const T* xb = x + blk * L.m;
+      const T* dyb = dy + blk * L.m;
+      T* dxb = dx + blk * L.m;
+      const A mu = mean[blk], inv = rstd[blk];
+      const int64_t c0 = (blk % L.groups) * L.k;
+      A* pgb = pg.data() + blk * L.k;  // block (n, g) owns channels n*C + g*K ...
+      A* pbb = pb.data() + blk * L.k;
+      A su = 0, sux = 0;  // sum u, sum u * (x - mean) over the block
+      for (int64_t ci = 0; ci < L.k; ++ci) {
+        const T* xc = xb + ci * L.s;
+        const T* dyc = dyb + ci * L.s;
+        const A sdy = lanes_sum<A>(L.s, [&](int64_t j) { return load<A>(dyc[j]); });
+        const A sdx = lanes_sum<A>(L.s, [&](int64_t j) {
+          return load<A>(dyc[j]) * (load<A>(xc[j]) - mu);
+        });
+        const A g = load<A>(gamma[c0 + ci]);
+        su += g * sdy;
+        sux += g * sdx;
+        pgb[ci] = sdx * inv;
+        pbb[ci] = sdy;
+      }
+      const A c1 = su * inv_m, c2 = sux * inv * inv_m;
+      for (int64_t ci = 0; ci < L.k; ++ci) {
+        const A g = load<A>(gamma[c0 + ci]);
+        const T* xc = xb + ci * L.s;
+        const T* dyc = dyb + ci * L.s;
+        T* dxc = dxb + ci * L.s;
+        for (int64_t j = 0; j < L.s; ++j) {
+          const A xh = (load<A>(xc[j]) - mu) * inv;
+          dxc[j] = store<T>(inv * (load<A>(dyc[j]) * g - c1 - xh * c2));
+        }
+      }
+    }
+  });
+  // parameter gradients: channel blocks in parallel, samples added in order
+  const int64_t col_tasks = std::max<int64_t>(1, std::min<int64_t>(L.c / 256, 64));
+  parallel_for(pool, col_tasks, [&](int64_t t) {
+    const int64_t j0 = L.c * t / col_tasks, j1 = L.c * (t + 1) / col_tasks;
+    for (int64_t j = j0; j < j1; ++j) {
+      A sg = 0, sb = 0;
+      for (int64_t i = 0; i < L.n; ++i) { sg += pg[i * L.c + j]; sb += pb[i * L.c + j]; }
+      dgamma[j] = store<T>(sg);
+      dbeta[j] = store<T>(sb);
+    }
+  });
+}
+
+ffi::DataType stat_type(ffi::DataType t) {
+  return t == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
+}
+
+// Validates x [N, C, ...] against num_groups and a [C] parameter; fills the layout.
+ffi::Error check_x(const ffi::AnyBuffer& x, int64_t num_groups, Layout& L) {
+  auto d = x.dimensions();
+  if (d.size() < 2) return invalid("group_norm: x must have rank >= 2 ([N, C, ...])");
+  L.n = d[0];
+  L.c = d[1];
+  L.s = 1;
+  for (size_t i = 2; i < d.size(); ++i) L.s *= d[i];
+  if (num_groups < 1) return invalid("group_norm: num_groups must be >= 1");
+  if (L.c % num_groups != 0)
+    return invalid("group_norm: channels " + std::to_string(L.c) + " not divisible by num_groups " +
+                   std::to_string(num_groups));
+  L.groups = num_groups;
+  L.k = L.c / num_groups;
+  L.m = L.k * L.s;
+  return ffi::Error::Success();
+}
+
+ffi::Error check_param(const ffi::AnyBuffer& x, const Layout& L, const ffi::AnyBuffer& p,
+                       const char* what) {
+  auto d = p.dimensions();
+  if (d.size() != 1 || d[0] != L.c)
+    return invalid(std::string("group_norm: ") + what + " must have shape [" + std::to_string(L.c) +
+                   "] (the channel axis of x)");
+  if (p.element_type() != x.element_type())
+    return invalid(std::string("group_norm: ") + what + " dtype " + dtype_name(p.element_type()) +
+                   " differs from x dtype " + dtype_name(x.element_type()));
+  return ffi::Error::Success();
+}
+
+ffi::Error check_stat(const ffi::AnyBuffer& x, const Layout& L, ffi::DataType t, size_t count,
+                      const char* what) {
+  if (t != stat_type(x.element_type()) || static_cast<int64_t>(count) != L.n * L.groups)
+    return invalid(std::string("group_norm: ") + what +
+                   " must be f32 (f64 for f64 x) with one value per (sample, group)");
+  return ffi::Error::Success();
+}
+
+ffi::Error GroupNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
+                            ffi::AnyBuffer beta, ffi::Result<ffi::AnyBuffer> y,
+                            ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> rstd,
+                            int64_t num_groups, float eps) {
+  Layout L;
+  if (auto e = check_x(x, num_groups, L); e.failure()) return e;
+  if (auto e = check_param(x, L, gamma, "gamma"); e.failure()) return e;
+  if (auto e = check_param(x, L, beta, "beta"); e.failure()) return e;
+  if (!same_dims(x, *y) || y->element_type() != x.element_type())
+    return invalid("group_norm: output y must match x");
+  if (auto e = check_stat(x, L, mean->element_type(), mean->element_count(), "mean"); e.failure())
+    return e;
+  if (auto e = check_stat(x, L, rstd->element_type(), rstd->element_count(), "rstd"); e.failure())
+    return e;
+  if (!(eps >= 0.0f)) return invalid("group_norm: eps must be >= 0");
+  if (L.n * L.groups == 0) return ffi::Error::Success();
+  bool ok = dispatch_float(x.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    using A = typename Accum<T>::type;
+    if (L.m == 0) {  // empty groups: statistics are 0/0, as in the reference
+      const A nan = std::numeric_limits<A>::quiet_NaN();
+      std::fill_n(static_cast<A*>(mean->untyped_data()), L.n * L.groups, nan);
+      std::fill_n(static_cast<A*>(rstd->untyped_data()), L.n * L.groups, nan);
+      return;
+    }
+    group_norm_fwd_typed<T>(pool, L, static_cast<const T*>(x.untyped_data()),
+                            static_cast<const T*>(gamma.untyped_data()),
+                            static_cast<const T*>(beta.untyped_data()),
+                            static_cast<T*>(y->untyped_data()), mean->untyped_data(),
+                            rstd->untyped_data(), eps);
+  });
+  if (!ok) return invalid("group_norm: unsupported dtype " + dtype_name(x.element_type()));
+  return ffi::Error::Success();
+}
+
+ffi::Error GroupNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
+                            ffi::AnyBuffer mean, ffi::AnyBuffer rstd, ffi::AnyBuffer dy,
+                            ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dgamma,
+                            ffi::Result<ffi::AnyBuffer> dbeta, int64_t num_groups) {
+  Layout L;
+  if (auto e = check_x(x, num_groups, L); e.failure()) return e;
+  if (auto e = check_param(x, L, gamma, "gamma"); e.failure()) return e;
+  if (!same_dims(x, dy) || dy.element_type() != x.element_type())
+    return invalid("group_norm backward: dy must match x in shape and dtype");
+  if (!same_dims(x, *dx) || dx->element_type() != x.element_type())
+    return invalid("group_norm backward: dx must match x");
+  if (auto e = check_param(x, L, *dgamma, "dgamma"); e.failure()) return e;
+  if (auto e = check_param(x, L, *dbeta, "dbeta"); e.failure()) return e;
+  if (auto e = check_stat(x, L, mean.element_type(), mean.element_count(), "mean"); e.failure())
+    return e;
+  if (auto e = check_stat(x, L, rstd.element_type(), rstd.element_count(), "rstd"); e.failure())
+    return e;
+  bool ok = dispatch_float(x.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    T* dg = static_cast<T*>(dgamma->untyped_data());
+    T* db = static_cast<T*>(dbeta->untyped_data());
+    if (L.n == 0 || L.m == 0) {  // nothing to sum: parameter gradients are zero
+      for (int64_t j = 0; j < L.c; ++j) { dg[j] = store<T>(0.0f); db[j] = store<T>(0.0f); }
+      return;
+    }
+    group_norm_bwd_typed<T>(pool, L, static_cast<const T*>(x.untyped_data()),
+                            static_cast<const T*>(gamma.untyped_data()), mean.untyped_data(),
+                            rstd.untyped_data(), static_cast<const T*>(dy.untyped_data()),
+                            static_cast<T*>(dx->untyped_data()), dg, db);
+  });
+  if (!ok) return invalid("group_norm backward: unsupported dtype " + dtype_name(x.element_type()));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxGroupNormFwd, GroupNormFwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x [N, C, ...]
+                                  .Arg<ffi::AnyBuffer>()  // gamma [C]
+                                  .Arg<ffi::AnyBuffer>()  // beta [C]
+                                  .Ret<ffi::AnyBuffer>()  // y
+                                  .Ret<ffi::AnyBuffer>()  // mean [N, G]
+                                  .Ret<ffi::AnyBuffer>()  // rstd [N, G]
+                                  .Attr<int64_t>("num_groups")
+                                  .Attr<float>("eps"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxGroupNormBwd, GroupNormBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // gamma
+                                  .Arg<ffi::AnyBuffer>()  // mean
+                                  .Arg<ffi::AnyBuffer>()  // rstd
+                                  .Arg<ffi::AnyBuffer>()  // dy
+                                  .Ret<ffi::AnyBuffer>()  // dx
+                                  .Ret<ffi::AnyBuffer>()  // dgamma
+                                  .Ret<ffi::AnyBuffer>()  // dbeta
+                                  .Attr<int64_t>("num_groups"));
+
+RLX_REGISTER_HANDLER("rlx_group_norm_fwd", RlxGroupNormFwd);
+RLX_REGISTER_HANDLER("rlx_group_norm_bwd", RlxGroupNormBwd);
+
+}  // namespace rlx
