@@ -91,6 +91,13 @@ def test_compare_where(op):
     assert g.shape_of(g.where_(c, a, b)) == ([4, 3], "f32")
 
 
+def test_where_broadcast():
+    g = G()
+    c = g.input("c", [4, 1], "bool")
+    a, b = g.input("a", [1, 3], "f32"), g.input("b", [], "f32")
+    assert g.shape_of(g.where_(c, a, b)) == ([4, 3], "f32")
+
+
 def test_reduce_keep_dim_and_negative_axes():
     g = G()
     x = g.input("x", [2, 3, 4], "f32")

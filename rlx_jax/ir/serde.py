@@ -200,6 +200,8 @@ def _dec(hint, v, where: str, depth: int):
         return _graph_from(v, where, depth + 1)
     if hint is MaskKind:
         k, p = _tagged(v, where)
+        if k not in ("None", "Causal", "SlidingWindow", "Custom", "Bias"):
+            raise _Bad(f"{where}: unknown mask kind {k!r} (None, Causal, SlidingWindow, Custom, Bias)")
         if k == "SlidingWindow":
             if not _is_int(p):
                 raise _Bad(f"{where}: SlidingWindow needs an integer window")
@@ -259,6 +261,13 @@ def op_from_json_value(v, where: str = "op", depth: int = 0):
 
 
 def _op_from(v, where: str, depth: int):
+    try:
+        return _op_from_inner(v, where, depth)
+    except OpFault as exc:  # a bad enum payload (mask kind, scheme, chain step, ...)
+        raise _Bad(f"{where}: {exc}") from None
+
+
+def _op_from_inner(v, where: str, depth: int):
     variant, payload = _tagged(v, where)
     cls = OP_CLASSES.get(variant)
     if cls is None:
