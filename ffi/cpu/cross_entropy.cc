@@ -1,0 +1,183 @@
+// Softmax cross-entropy over the last axis (integer class labels), forward and backward.
+//
+//   logits: [N, C] (leading axes flattened into N rows), labels: int32 [N]
+//   forward:   lse_n  = log sum_j exp(logits_nj)            (saved: f32, f64 for f64)
+//              loss_n = lse_n - logits_n,label_n
+//   backward:  dlogits_nj = (exp(logits_nj - lse_n) - [j == label_n]) * dloss_n
+// A label outside [0, C) (for example the ignore index -100) marks a row that takes
+// no part in the loss: its loss is 0 and its logits get a zero gradient. Labels are
+// compared against C before any indexing, so no label can read out of bounds.
+// The backward reads each logits row once from memory and writes dlogits once. When
+// `recompute_lse` is set (the RLX backward op, which has no saved statistics) it
+// computes lse itself from the row while the row is still in cache.
+#include <cmath>
+#include <vector>
+
+#include "cpu/common.h"
+#include "cpu/rowwise.h"
+
+namespace rlx {
+namespace {
+
+inline bool label_ok(int32_t label, int64_t classes) { return label >= 0 && label < classes; }
+
+template <typename T>
+void ce_fwd_typed(ffi::ThreadPool& pool, const T* logits, const int32_t* labels, T* loss,
+                  void* lse_out, int64_t rows, int64_t classes) {
+  using A = typename Accum<T>::type;
+  A* lse = static_cast<A*>(lse_out);
+  const int64_t chunks = row_chunks(rows, classes);
+  parallel_for(pool, chunks, [&](int64_t c) {
+    std::vector<float> buf(std::is_same<T, float>::value ? 0 : classes);
+    const int64_t r0 = rows * c / chunks, r1 = rows * (c + 1) / chunks;
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* lr = logits + r * classes;
+      A l;
+      if constexpr (std::is_same<T, double>::value) {
+        double m = -INFINITY, s = 0;
+        for (int64_t j = 0; j < classes; ++j) m = lr[j] > m ? lr[j] : m;
+        for (int64_t j = 0; j < classes; ++j) s += std::exp(lr[j] - m);
+        l = m + std::log(s);
+      } else {
+        const float* xr = row_as_f32<T>(lr, buf.data(), classes);
+        const float m = row_max(xr, classes);
+        l = m + std::log(exp_shift_sum(xr, m, nullptr, classes));
+      }
+      lse[r] = l;
+      const int32_t label = labels[r];
+      loss[r] = store<T>(label_ok(label, classes) ? l - load<A>(lr[label]) : A(0));
+    }
+  });
+}
+
+template <typename T>
+void ce_bwd_typed(ffi::ThreadPool& pool, const T* logits, const int32_t* labels,
+                  const void* lse_in, const T* dloss, T* dlogits, int64_t rows, int64_t classes,
+                  bool recompute) {
+  using A = typename Accum<T>::type;
+  const A* lse = static_cast<const A*>(lse_in);
+  const int64_t chunks = row_chunks(rows, classes);
+  parallel_for(pool, chunks, [&](int64_t c) {
+    const bool f32 = std::is_same<T, float>::value;
+    std::vector<float> in_buf(f32 ? 0 : classes), out_buf(f32 ? 0 : classes);
+    const int64_t r0 = rows * c / chunks, r1 = rows * (c + 1) / chunks;
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* lr = logits + r * classes;
+      T* dr = dlogits + r * classes;
+      const int32_t label = labels[r];
+      const bool ok = label_ok(label, classes);
+      const A g = ok ? load<A>(dloss[r]) : A(0);
+      if constexpr (std::is_same<T, double>::value) {
+        double l = lse[r];
+        if (recompute) {
+          double m = -INFINITY, s = 0;
+          for (int64_t j = 0; j < classes; ++j) m = lr[j] > m ? lr[j] : m;
+          for (int64_t j = 0; j < classes; ++j) s += std::exp(lr[j] - m);
+          l = m + std::log(s);
+        }
+        for (int64_t j = 0; j < classes; ++j) dr[j] = std::exp(lr[j] - l) * g;
+        if (ok) dr[label] -= g;
+      } else {
+        const float* xr = row_as_f32<T>(lr, in_buf.data(), classes);
+        float* outr = out_row_f32<T>(dr, out_buf.data());
+        float l = recompute ? 0.0f : float(lse[r]);
+        if (recompute) {
+          const float m = row_max(xr, classes);
+          l = m + std::log(exp_shift_sum(xr, m, nullptr, classes));
+        }
+        exp_shift_scale(xr, l, float(g), outr, classes);
+        if (ok) outr[label] -= float(g);
+        store_row<T>(outr, dr, classes);
+      }
+    }
+  });
+}
+
+ffi::Error check_labels(const ffi::AnyBuffer& logits, const ffi::AnyBuffer& labels) {
+  auto dl = logits.dimensions(), dlab = labels.dimensions();
+  if (dl.size() < 1) return invalid("softmax_cross_entropy: logits must have rank >= 1");
+  if (labels.element_type() != ffi::DataType::S32)
+    return invalid("softmax_cross_entropy: labels must be int32, got " +
+                   dtype_name(labels.element_type()));
+  if (dlab.size() + 1 != dl.size() || !std::equal(dlab.begin(), dlab.end(), dl.begin()))
+    return invalid("softmax_cross_entropy: labels must have the shape of logits without its "
+                   "last (class) axis");
+  return ffi::Error::Success();
+}
+
+ffi::DataType stat_type(ffi::DataType t) {
+  return t == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
+}
+
+ffi::Error CeFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer logits, ffi::AnyBuffer labels,
+                     ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse) {
+  if (auto e = check_labels(logits, labels); e.failure()) return e;
+  auto [rows, classes] = rows_view(logits);
+  if (!same_dims(labels, *loss) || loss->element_type() != logits.element_type())
+    return invalid("softmax_cross_entropy: loss must have the labels' shape and the logits' dtype");
+  if (!same_dims(labels, *lse) || lse->element_type() != stat_type(logits.element_type()))
+    return invalid("softmax_cross_entropy: lse must be f32 (f64 for f64 logits), one per row");
+  if (rows == 0) return ffi::Error::Success();
+  if (classes == 0) return invalid("softmax_cross_entropy: logits need at least one class");
+  bool ok = dispatch_float(logits.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    ce_fwd_typed<T>(pool, static_cast<const T*>(logits.untyped_data()),
+                    static_cast<const int32_t*>(labels.untyped_data()),
+                    static_cast<T*>(loss->untyped_data()), lse->untyped_data(), rows, classes);
+  });
+  if (!ok)
+    return invalid("softmax_cross_entropy: unsupported dtype " + dtype_name(logits.element_type()));
+  return ffi::Error::Success();
+}
+
+ffi::Error CeBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer logits, ffi::AnyBuffer labels,
+                     ffi::AnyBuffer lse, ffi::AnyBuffer dloss,
+                     ffi::Result<ffi::AnyBuffer> dlogits, bool recompute_lse) {
+  if (auto e = check_labels(logits, labels); e.failure()) return e;
+  auto [rows, classes] = rows_view(logits);
+  if (!same_dims(labels, lse) || lse.element_type() != stat_type(logits.element_type()))
+    return invalid("softmax_cross_entropy backward: lse must be f32 (f64 for f64 logits), one "
+                   "per row");
+  if (!same_dims(labels, dloss) || dloss.element_type() != logits.element_type())
+    return invalid("softmax_cross_entropy backward: dloss must have the labels' shape and the "
+                   "logits' dtype");
+  if (!same_dims(logits, *dlogits) || dlogits->element_type() != logits.element_type())
+    return invalid("softmax_cross_entropy backward: dlogits must match logits");
+  if (rows == 0 || classes == 0) return ffi::Error::Success();
+  bool ok = dispatch_float(logits.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    ce_bwd_typed<T>(pool, static_cast<const T*>(logits.untyped_data()),
+                    static_cast<const int32_t*>(labels.untyped_data()), lse.untyped_data(),
+                    static_cast<const T*>(dloss.untyped_data()),
+                    static_cast<T*>(dlogits->untyped_data()), rows, classes, recompute_lse);
+  });
+  if (!ok)
+    return invalid("softmax_cross_entropy backward: unsupported dtype " +
+                   dtype_name(logits.element_type()));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxSoftmaxCeFwd, CeFwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()   // logits
+                                  .Arg<ffi::AnyBuffer>()   // labels (int32)
+                                  .Ret<ffi::AnyBuffer>()   // loss
+                                  .Ret<ffi::AnyBuffer>());  // lse
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxSoftmaxCeBwd, CeBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // logits
+                                  .Arg<ffi::AnyBuffer>()  // labels (int32)
+                                  .Arg<ffi::AnyBuffer>()  // lse
+                                  .Arg<ffi::AnyBuffer>()  // dloss
+                                  .Ret<ffi::AnyBuffer>()  // dlogits
+                                  .Attr<bool>("recompute_lse"));
+
+RLX_REGISTER_HANDLER("rlx_softmax_ce_fwd", RlxSoftmaxCeFwd);
+RLX_REGISTER_HANDLER("rlx_softmax_ce_bwd", RlxSoftmaxCeBwd);
+
+}  // namespace rlx
