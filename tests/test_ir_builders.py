@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import rlx_jax as rlx
-from rlx_jax.ir import Graph, GraphError
+from rlx_jax.ir import Graph
 
 
 def G():

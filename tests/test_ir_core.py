@@ -5,7 +5,7 @@ import pytest
 
 import rlx_jax as rlx
 import rlx_jax.ir as ir
-from rlx_jax.ir import DType, Dynamic, Graph, GraphError, Shape
+from rlx_jax.ir import DType, Dynamic, Graph, Shape
 
 
 # -- dtypes -------------------------------------------------------------------

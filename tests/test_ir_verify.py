@@ -1,15 +1,13 @@
 """Verifier: each check rejects a bad graph with a GraphError naming the node."""
 
 import dataclasses
-import re
 
-import numpy as np
 import pytest
 
 from rlx_jax.ir import (
-    Attention, Binary, BinaryOp, Constant, DType, Graph, GraphError, MaskKind, MatMul, Op, Shape,
+    Attention, Binary, BinaryOp, Constant, DType, Graph, GraphError, MaskKind, MatMul, Shape,
 )
-from rlx_jax.ir import ops_control, ops_norm, ops_shape
+from rlx_jax.ir import ops_norm
 
 
 def names_node(exc, node_id, op, name=None):

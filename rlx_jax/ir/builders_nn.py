@@ -3,12 +3,10 @@ fused ops, splatting, random tensors, extension ops (RLX's Rust builder order)."
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 from .builders_core import BuilderBase
-from .dtypes import DType
 from .op import ActivationKind, MaskKind, QuantScheme, ReduceOp, ScaleMode, SteKind
-from .shape import Shape
 
 
 def _pair(v, n: int = 2) -> tuple:

@@ -17,7 +17,7 @@ from .builders_control import ControlBuilders
 from .builders_core import CoreBuilders
 from .builders_nn import NNBuilders
 from .builders_signal import SignalBuilders
-from .errors import GraphError, OpFault, node_error
+from .errors import GraphError, node_error
 from .op import Op
 from .ops_leaf import Input, Param
 from .shape import Shape

@@ -6,12 +6,11 @@ layout ``[B, S, H, D]`` is accepted too. The output has q's shape.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 from .errors import OpFault
 from .op import MaskKind, Op, need_float, need_min_rank, need_rank, need_same_dtype, op_class
-from .shape import Shape, dims_compatible
+from .shape import dims_compatible
 
 
 def check_attention(num_heads: int, head_dim: int, mask_kind: MaskKind, q, k, v, mask=None):

@@ -6,10 +6,9 @@ d = 1 for pool); transposed conv: ``(in-1)*s + output_padding + d*(k-1) - 2p + 1
 
 from __future__ import annotations
 
-from .dtypes import DType
 from .errors import OpFault
-from .op import Op, ReduceOp, need_float, need_rank, need_same_dtype, op_class
-from .shape import Shape, dims_compatible
+from .op import Op, ReduceOp, need_rank, need_same_dtype, op_class
+from .shape import Shape
 
 
 def conv_out(n: int, k: int, s: int, p: int, d: int = 1) -> int:

@@ -3,8 +3,6 @@ complex helpers, StopGradient and RLX's fused ElementwiseRegion."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 from .dtypes import DType
 from .errors import OpFault
 from .op import (

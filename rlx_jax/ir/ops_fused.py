@@ -7,7 +7,6 @@ from typing import Optional
 from .dtypes import DType
 from .errors import OpFault
 from .op import ActivationKind, Op, need_float, need_min_rank, need_rank, need_same_dtype, op_class
-from .ops_attention import check_attention
 from .ops_linalg import MatMul
 from .ops_norm import check_params
 from .shape import Shape, dims_compatible

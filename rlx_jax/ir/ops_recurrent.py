@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .errors import OpFault
 from .op import Op, need_float, need_rank, need_same_dtype, op_class
-from .shape import Shape, dims_compatible
+from .shape import dims_compatible
 
 
 def _same(what, a, b, pairs):

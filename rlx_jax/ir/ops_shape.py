@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .errors import OpFault
 from .op import Op, need_index, need_rank, op_class
-from .shape import MAX_DIM, ROWS, Dynamic, Shape, dims_compatible, norm_axis
+from .shape import ROWS, Dynamic, Shape, dims_compatible
 
 
 def reshape_dims(s: Shape, new_shape) -> tuple:

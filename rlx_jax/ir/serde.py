@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-import math
+import threading
 import types
 import typing
 
@@ -40,8 +40,13 @@ MAX_BYTES = 1 << 32
 MAX_DEPTH = 64
 
 
-#: file symbol -> local symbol for the graph being loaded (from "dim_names")
-_REMAP: dict = {}
+class _Local(threading.local):
+    def __init__(self):
+        #: file symbol -> local symbol for the graph being loaded (from "dim_names")
+        self.remap: dict = {}
+
+
+_STATE = _Local()
 
 
 class _Bad(Exception):
@@ -327,7 +332,7 @@ def _shape_from(v, where: str) -> Shape:
         elif k == "Dynamic":
             if not _is_int(p) or not 0 <= p < 2**32:
                 raise _Bad(f"{where}.dims[{i}]: dynamic symbol must be a u32")
-            dims.append(Dynamic(_REMAP.get(p, p)))
+            dims.append(Dynamic(_STATE.remap.get(p, p)))
         else:
             raise _Bad(f"{where}.dims[{i}]: unknown dim variant {k!r} (Static or Dynamic)")
     dt = v["dtype"]
@@ -411,12 +416,10 @@ def graph_from_json(text):
             isinstance(k, str) and k.isdigit() and isinstance(n, str) and n for k, n in names.items()
         ):
             raise GraphError("graph JSON: dim_names must map symbol strings to names")
-        _REMAP.clear()
-        for k, n in names.items():
-            _REMAP[int(k)] = symbol_for(n)
+        _STATE.remap = {int(k): symbol_for(n) for k, n in names.items()}
         v = {k: x for k, x in v.items() if k != "dim_names"}
     else:
-        _REMAP.clear()
+        _STATE.remap = {}
     try:
         return _graph_from(v, "graph JSON", 0)
     except _Bad as exc:
