@@ -1,0 +1,750 @@
+// Flash-style attention on the CPU: forward (saving only the logsumexp) and the fused
+// backward (dq, dk, dv and, with a bias, dbias, from one pass).
+//
+//   q: [B, Sq, H, D]   k, v: [B, Sk, Hkv, D] with Hkv dividing H (head h reads kv head
+//   h / (H / Hkv));   mask: [B, Sk] f32 (key j kept when mask >= 0.5);   bias: [B, H, Sq, Sk]
+//   r_ij = scale * q_i . k_j
+//   s_ij = softcap ? c * tanh(r_ij / c) : r_ij;   s_ij += bias_ij
+//   s_ij = -inf where key j is not visible from query i (mask kind, key mask)
+//   P = softmax_j(s);  out_i = sum_j P_ij v_j;  lse_i = log sum_j exp(s_ij) (-inf: no key)
+// Mask kinds, with off = max(Sk - Sq, 0) (bottom-right alignment as in RLX), pos = i + off:
+//   0 none; 1 causal: j <= pos; 2 sliding(w): pos - w <= j <= pos.
+// A row with no visible key gives out = 0 and lse = -inf, and zero gradients.
+//
+// Backward (dlse: an optional cotangent of lse, zero in plain reverse mode):
+//   delta_i = sum_d dout_id out_id - dlse_i,   dP_ij = dout_i . v_j
+//   dS_ij = P_ij (dP_ij - delta_i)             (= dbias_ij)
+//   dR_ij = dS_ij * (1 - tanh^2(r_ij / c))     (softcap; dR = dS without)
+//   dq_i = scale sum_j dR_ij k_j,  dk_j = scale sum_i dR_ij q_i,  dv_j = sum_i P_ij dout_i
+// P is recomputed tile by tile from lse; nothing of size Sq x Sk is stored.
+//
+// Work split, deterministic: the forward runs one task per (batch, head, query tile); the
+// backward one task per (batch, kv head), which owns dk/dv rows of that kv head and the dq
+// rows of the heads reading it, each accumulated in a fixed order.
+// f32/bf16/f16 accumulate in f32 through SIMD kernels (GCC vector extensions, cloned
+// for AVX-512, AVX2+FMA and baseline x86-64, chosen at load time); f64 runs scalar code.
+#include <cmath>
+#include <limits>
+
+#include "cpu/common.h"
+
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
+#define RLX_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define RLX_SIMD_CLONES
+#endif
+#define RLX_INLINE static inline __attribute__((always_inline))
+
+namespace rlx {
+namespace {
+
+constexpr int64_t kTileQ = 64;   // query rows per tile
+constexpr int64_t kTileK = 64;   // keys per tile
+constexpr int64_t kPadN = 32;    // gemm column blocking (tiles padded to a multiple)
+constexpr int64_t kPadM = 4;     // gemm row blocking
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// ---- SIMD helpers (float, 16 lanes) ----------------------------------------------------
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+
+RLX_INLINE vf vload(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+RLX_INLINE void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+RLX_INLINE vf vsplat(float x) { return vf{} + x; }
+RLX_INLINE vi viota(int32_t base) {
+  return vi{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + base;
+}
+RLX_INLINE float hmax(vf v) {
+  float m = v[0];
+  for (int l = 1; l < kLanes; ++l) m = v[l] > m ? v[l] : m;
+  return m;
+}
+RLX_INLINE float hsum(vf v) {  // fixed pairwise order
+  float t[kLanes];
+  std::memcpy(t, &v, sizeof v);
+  for (int w = kLanes / 2; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) t[l] += t[l + w];
+  return t[0];
+}
+
+// exp(x) for x <= ~88: round x / ln2 to n, exp(r) by a degree-6 Taylor polynomial on
+// |r| <= ln2 / 2 (relative error ~1e-7), times 2^n built from the exponent bits.
+// Inputs below -87 (and -inf) give exactly 0.
+RLX_INLINE vf vexp(vf x) {
+  const vf magic = vsplat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  vf xc = x < vsplat(-87.0f) ? vsplat(-87.0f) : x;
+  vf t = xc * 1.44269504088896341f + magic;
+  vf n = t - magic;
+  vf r = xc - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  vf p = vsplat(1.0f / 720.0f);
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  vi ni = (vi)t - (vi)magic;
+  vf two_n = (vf)((ni + 127) << 23);
+  vf y = p * two_n;
+  return x < vsplat(-87.0f) ? vsplat(0.0f) : y;
+}
+
+// tanh(y): odd polynomial for |y| < 0.125, (1 - e) / (1 + e) with e = exp(-2|y|) above.
+RLX_INLINE vf vtanh(vf y) {
+  vf a = y < vsplat(0.0f) ? -y : y;
+  vf e = vexp(-2.0f * a);
+  vf big = (1.0f - e) / (1.0f + e);
+  vf y2 = a * a;
+  vf small = a * (1.0f + y2 * (-1.0f / 3.0f + y2 * (2.0f / 15.0f + y2 * (-17.0f / 315.0f))));
+  vf t = a < vsplat(0.125f) ? small : big;
+  return y < vsplat(0.0f) ? -t : t;
+}
+
+// ---- gemm: C[M, N] (+)= A[M, K] B[K, N], row-major, M % 4 == 0, N % 32 == 0 -------------
+RLX_SIMD_CLONES
+void gemm_f32(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda, const float* b,
+              int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  for (int64_t i = 0; i < M; i += 4) {
+    for (int64_t j = 0; j < N; j += 32) {
+      vf acc[4][2];
+      for (int r = 0; r < 4; ++r)
+        for (int h = 0; h < 2; ++h)
+          acc[r][h] = accumulate ? vload(c + (i + r) * ldc + j + h * kLanes) : vsplat(0.0f);
+      const float* a0 = a + i * lda;
+      for (int64_t k = 0; k < K; ++k) {
+        const vf b0 = vload(b + k * ldb + j), b1 = vload(b + k * ldb + j + kLanes);
+        for (int r = 0; r < 4; ++r) {
+          const float av = a0[r * lda + k];
+          acc[r][0] += av * b0;
+          acc[r][1] += av * b1;
+        }
+      }
+      for (int r = 0; r < 4; ++r)
+        for (int h = 0; h < 2; ++h) vstore(c + (i + r) * ldc + j + h * kLanes, acc[r][h]);
+    }
+  }
+}
+
+void gemm_f64(int64_t M, int64_t N, int64_t K, const double* a, int64_t lda, const double* b,
+              int64_t ldb, double* c, int64_t ldc, bool accumulate) {
+  for (int64_t i = 0; i < M; ++i) {
+    double* ci = c + i * ldc;
+    if (!accumulate)
+      for (int64_t j = 0; j < N; ++j) ci[j] = 0.0;
+    for (int64_t k = 0; k < K; ++k) {
+      const double av = a[i * lda + k];
+      const double* bk = b + k * ldb;
+      for (int64_t j = 0; j < N; ++j) ci[j] += av * bk[j];
+    }
+  }
+}
+
+inline void gemm(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda, const float* b,
+                 int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  gemm_f32(M, N, K, a, lda, b, ldb, c, ldc, accumulate);
+}
+inline void gemm(int64_t M, int64_t N, int64_t K, const double* a, int64_t lda, const double* b,
+                 int64_t ldb, double* c, int64_t ldc, bool accumulate) {
+  gemm_f64(M, N, K, a, lda, b, ldb, c, ldc, accumulate);
+}
+
+// ---- per-tile score transforms ------------------------------------------------------------
+// A score tile is rows x ncols (ncols a multiple of 32, row stride ld) at query rows
+// i0.. and keys j0..; keep[c] (>= 0.5: key kept; 0 on padding columns), lo[r] / hi[r]: the
+// visible key range of row r; bias (nullable): the tile's additive bias, row stride ld.
+template <typename A>
+struct Tile {
+  int64_t rows, ncols, ld, j0;
+  const A* keep;
+  const int64_t* lo;
+  const int64_t* hi;
+  const A* bias;
+  A softcap;  // 0: off
+};
+
+// Forward online-softmax step. S holds raw scores r (scaled). On return P holds
+// exp(s - m_new) (0 where masked), m / l are updated, and alpha[r] = exp(m_old - m_new)
+// is the factor the caller applies to the output accumulator.
+RLX_SIMD_CLONES
+void fwd_tile_f32(const Tile<float>& t, float* S, float* P, float* m, float* l, float* alpha) {
+  const float inv_cap = t.softcap > 0 ? 1.0f / t.softcap : 0.0f;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < t.rows; ++r) {
+    float* s = S + r * t.ld;
+    float* p = P + r * t.ld;
+    const int32_t lo = int32_t(std::max<int64_t>(t.lo[r] - t.j0, -1));
+    const int32_t hi = int32_t(std::min<int64_t>(t.hi[r] - t.j0, t.ncols));
+    vf vmax = vsplat(ninf);
+    for (int64_t c = 0; c < t.ncols; c += kLanes) {
+      vf x = vload(s + c);
+      if (t.softcap > 0) x = t.softcap * vtanh(x * inv_cap);
+      if (t.bias) x += vload(t.bias + r * t.ld + c);
+      vi j = viota(int32_t(c));
+      vi ok = (j >= lo) & (j <= hi) & (vload(t.keep + c) >= vsplat(0.5f));
+      x = ok ? x : vsplat(ninf);
+      vstore(s + c, x);
+      vmax = x > vmax ? x : vmax;
+    }
+    const float mt = std::max(m[r], hmax(vmax));
+    if (mt == ninf) {  // nothing visible yet in this row
+      for (int64_t c = 0; c < t.ncols; ++c) p[c] = 0.0f;
+      alpha[r] = 1.0f;
+      continue;
+    }
+    vf vs = vsplat(0.0f);
+    for (int64_t c = 0; c < t.ncols; c += kLanes) {
+      vf e = vexp(vload(s + c) - mt);
+      vstore(p + c, e);
+      vs += e;
+    }
+    const float a = m[r] == ninf ? 0.0f : std::exp(m[r] - mt);
+    alpha[r] = a;
+    l[r] = l[r] * a + hsum(vs);
+    m[r] = mt;
+  }
+}
+
+void fwd_tile_f64(const Tile<double>& t, double* S, double* P, double* m, double* l,
+                  double* alpha) {
+  const double ninf = -std::numeric_limits<double>::infinity();
+  for (int64_t r = 0; r < t.rows; ++r) {
+    double* s = S + r * t.ld;
+    double* p = P + r * t.ld;
+    double mx = ninf;
+    for (int64_t c = 0; c < t.ncols; ++c) {
+      double x = s[c];
+      if (t.softcap > 0) x = t.softcap * std::tanh(x / t.softcap);
+      if (t.bias) x += t.bias[r * t.ld + c];
+      const int64_t j = t.j0 + c;
+      const bool ok = j >= t.lo[r] && j <= t.hi[r] && t.keep[c] >= 0.5;
+      s[c] = ok ? x : ninf;
+      mx = std::max(mx, s[c]);
+    }
+    const double mt = std::max(m[r], mx);
+    if (mt == ninf) {
+      for (int64_t c = 0; c < t.ncols; ++c) p[c] = 0.0;
+      alpha[r] = 1.0;
+      continue;
+    }
+    double sum = 0.0;
+    for (int64_t c = 0; c < t.ncols; ++c) {
+      p[c] = s[c] == ninf ? 0.0 : std::exp(s[c] - mt);
+      sum += p[c];
+    }
+    const double a = m[r] == ninf ? 0.0 : std::exp(m[r] - mt);
+    alpha[r] = a;
+    l[r] = l[r] * a + sum;
+    m[r] = mt;
+  }
+}
+
+// Backward tile: S holds raw scores r, dP = dout . v. Writes P (probabilities), dS
+// (the gradient of s: dbias) into DB when DB is not null, and dR (the gradient of r) into S.
+RLX_SIMD_CLONES
+void bwd_tile_f32(const Tile<float>& t, const float* lse, const float* delta, float* S,
+                  const float* dP, float* P, float* DB) {
+  const float inv_cap = t.softcap > 0 ? 1.0f / t.softcap : 0.0f;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < t.rows; ++r) {
+    float* s = S + r * t.ld;
+    float* p = P + r * t.ld;
+    const float* dp = dP + r * t.ld;
+    if (lse[r] == ninf) {
+      for (int64_t c = 0; c < t.ncols; ++c) { p[c] = 0.0f; s[c] = 0.0f; }
+      if (DB)
+        for (int64_t c = 0; c < t.ncols; ++c) DB[r * t.ld + c] = 0.0f;
+      continue;
+    }
+    const int32_t lo = int32_t(std::max<int64_t>(t.lo[r] - t.j0, -1));
+    const int32_t hi = int32_t(std::min<int64_t>(t.hi[r] - t.j0, t.ncols));
+    const float lr = lse[r], dr = delta[r];
+    for (int64_t c = 0; c < t.ncols; c += kLanes) {
+      vf x = vload(s + c);
+      vf th = vsplat(0.0f);
+      if (t.softcap > 0) {
+        th = vtanh(x * inv_cap);
+        x = t.softcap * th;
+      }
+      if (t.bias) x += vload(t.bias + r * t.ld + c);
+      vi j = viota(int32_t(c));
+      vi ok = (j >= lo) & (j <= hi) & (vload(t.keep + c) >= vsplat(0.5f));
+      vf pr = vexp(x - lr);
+      pr = ok ? pr : vsplat(0.0f);
+      vf ds = pr * (vload(dp + c) - dr);
+      if (DB) vstore(DB + r * t.ld + c, ds);
+      if (t.softcap > 0) ds = ds * (1.0f - th * th);
+      vstore(p + c, pr);
+      vstore(s + c, ds);
+    }
+  }
+}
+
+void bwd_tile_f64(const Tile<double>& t, const double* lse, const double* delta, double* S,
+                  const double* dP, double* P, double* DB) {
+  const double ninf = -std::numeric_limits<double>::infinity();
+  for (int64_t r = 0; r < t.rows; ++r) {
+    double* s = S + r * t.ld;
+    double* p = P + r * t.ld;
+    const double* dp = dP + r * t.ld;
+    for (int64_t c = 0; c < t.ncols; ++c) {
+      const int64_t j = t.j0 + c;
+      const bool ok = lse[r] != ninf && j >= t.lo[r] && j <= t.hi[r] && t.keep[c] >= 0.5;
+      double x = s[c], th = 0.0;
+      if (t.softcap > 0) {
+        th = std::tanh(x / t.softcap);
+        x = t.softcap * th;
+      }
+      if (t.bias) x += t.bias[r * t.ld + c];
+      const double pr = ok ? std::exp(x - lse[r]) : 0.0;
+      double ds = ok ? pr * (dp[c] - delta[r]) : 0.0;
+      if (DB) DB[r * t.ld + c] = ds;
+      if (t.softcap > 0) ds *= 1.0 - th * th;
+      p[c] = pr;
+      s[c] = ds;
+    }
+  }
+}
+
+inline void fwd_tile(const Tile<float>& t, float* S, float* P, float* m, float* l, float* a) {
+  fwd_tile_f32(t, S, P, m, l, a);
+}
+inline void fwd_tile(const Tile<double>& t, double* S, double* P, double* m, double* l,
+                     double* a) {
+  fwd_tile_f64(t, S, P, m, l, a);
+}
+inline void bwd_tile(const Tile<float>& t, const float* lse, const float* delta, float* S,
+                     const float* dP, float* P, float* DB) {
+  bwd_tile_f32(t, lse, delta, S, dP, P, DB);
+}
+inline void bwd_tile(const Tile<double>& t, const double* lse, const double* delta, double* S,
+                     const double* dP, double* P, double* DB) {
+  bwd_tile_f64(t, lse, delta, S, dP, P, DB);
+}
+
+// ---- problem description --------------------------------------------------------------------
+struct Dims {
+  int64_t B, Sq, Sk, H, Hkv, D;
+  int64_t group() const { return H / Hkv; }
+};
+struct Opts {
+  int64_t kind;    // 0 none, 1 causal, 2 sliding
+  int64_t window;  // sliding window w
+  double scale, softcap;
+  bool has_mask, has_bias;
+};
+
+// Visible key range [lo, hi] of query row i (before the key mask).
+inline void key_range(const Dims& d, const Opts& o, int64_t i, int64_t* lo, int64_t* hi) {
+  const int64_t pos = i + std::max<int64_t>(d.Sk - d.Sq, 0);
+  *lo = 0;
+  *hi = d.Sk - 1;
+  if (o.kind >= 1) *hi = std::min(pos, d.Sk - 1);
+  if (o.kind == 2) *lo = std::max<int64_t>(pos - o.window, 0);
+}
+
+template <typename A>
+struct Buf {
+  std::vector<A> v;
+  A* alloc(size_t n) { v.assign(n, A(0)); return v.data(); }
+};
+
+// Packs rows [j0, j0 + n) of head `head` of x [B, S, Hx, D] (batch b) as f32 rows of
+// width ld (zero padded) into dst, times `mul`; rows n..nrows are zeroed.
+template <typename T, typename A>
+void pack_rows(const T* x, int64_t S, int64_t Hx, int64_t D, int64_t b, int64_t head, int64_t j0,
+               int64_t n, int64_t nrows, int64_t ld, A mul, A* dst) {
+  for (int64_t r = 0; r < nrows; ++r) {
+    A* o = dst + r * ld;
+    if (r < n) {
+      const T* src = x + ((b * S + j0 + r) * Hx + head) * D;
+      for (int64_t e = 0; e < D; ++e) o[e] = load<A>(src[e]) * mul;
+      for (int64_t e = D; e < ld; ++e) o[e] = A(0);
+    } else {
+      for (int64_t e = 0; e < ld; ++e) o[e] = A(0);
+    }
+  }
+}
+
+// Same rows packed transposed: dst[e * ld + r], r < ncols (zero padded).
+template <typename T, typename A>
+void pack_rows_t(const T* x, int64_t S, int64_t Hx, int64_t D, int64_t b, int64_t head,
+                 int64_t j0, int64_t n, int64_t ncols, int64_t ld, A* dst) {
+  for (int64_t e = 0; e < D; ++e)
+    for (int64_t r = n; r < ncols; ++r) dst[e * ld + r] = A(0);
+  for (int64_t r = 0; r < n; ++r) {
+    const T* src = x + ((b * S + j0 + r) * Hx + head) * D;
+    for (int64_t e = 0; e < D; ++e) dst[e * ld + r] = load<A>(src[e]);
+  }
+}
+
+// keep tile: mask values (1 without a mask) for keys j0.., 0 on padding columns.
+template <typename A>
+void pack_keep(const float* mask, const Dims& d, int64_t b, int64_t j0, int64_t n, int64_t ncols,
+               A* dst) {
+  for (int64_t c = 0; c < ncols; ++c)
+    dst[c] = c < n ? (mask ? A(mask[b * d.Sk + j0 + c]) : A(1)) : A(0);
+}
+
+template <typename T, typename A>
+void pack_bias(const T* bias, const Dims& d, int64_t b, int64_t h, int64_t i0, int64_t rows,
+               int64_t j0, int64_t n, int64_t ld, A* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = bias + ((b * d.H + h) * d.Sq + i0 + r) * d.Sk + j0;
+    for (int64_t c = 0; c < n; ++c) dst[r * ld + c] = load<A>(src[c]);
+    for (int64_t c = n; c < ld; ++c) dst[r * ld + c] = A(0);
+  }
+}
+
+// ---- forward ------------------------------------------------------------------------------------
+template <typename T>
+void attention_fwd_typed(ffi::ThreadPool& pool, const Dims& d, const Opts& o, const T* q,
+                         const T* k, const T* v, const float* mask, const T* bias, T* out,
+                         void* lse_out) {
+  using A = typename Accum<T>::type;
+  A* lse = static_cast<A*>(lse_out);
+  const int64_t q_tiles = (d.Sq + kTileQ - 1) / kTileQ;
+  const int64_t Dp = round_up(std::max<int64_t>(d.D, 1), kPadN);
+  const A ninf = -std::numeric_limits<A>::infinity();
+  parallel_for(pool, d.B * d.H * q_tiles, [&](int64_t task) {
+    const int64_t qt = task % q_tiles, h = (task / q_tiles) % d.H, b = task / (q_tiles * d.H);
+    const int64_t kvh = h / d.group();
+    const int64_t i0 = qt * kTileQ, rows = std::min(kTileQ, d.Sq - i0);
+    const int64_t Mp = round_up(rows, kPadM);
+    Buf<A> bq, bkt, bv, bs, bp, bo, bb, bkeep, bstat;
+    A* Q = bq.alloc(Mp * Dp);
+    A* KT = bkt.alloc(std::max<int64_t>(d.D, 1) * kTileK);
+    A* V = bv.alloc(kTileK * Dp);
+    A* S = bs.alloc(Mp * kTileK);
+    A* P = bp.alloc(Mp * kTileK);
+    A* O = bo.alloc(Mp * Dp);
+    A* BT = o.has_bias ? bb.alloc(rows * kTileK) : nullptr;
+    A* keep = bkeep.alloc(kTileK);
+    A* stat = bstat.alloc(3 * rows);
+    A *m = stat, *l = stat + rows, *alpha = stat + 2 * rows;
+    std::vector<int64_t> lo(rows), hi(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      key_range(d, o, i0 + r, &lo[r], &hi[r]);
+      m[r] = ninf;
+    }
+    pack_rows(q, d.Sq, d.H, d.D, b, h, i0, rows, Mp, Dp, A(o.scale), Q);
+    int64_t klo = d.Sk, khi = -1;  // keys any row of the tile can see
+    for (int64_t r = 0; r < rows; ++r)
+      if (lo[r] <= hi[r]) { klo = std::min(klo, lo[r]); khi = std::max(khi, hi[r]); }
+    for (int64_t kt = klo / kTileK; khi >= 0 && kt <= khi / kTileK; ++kt) {
+      const int64_t j0 = kt * kTileK, n = std::min(kTileK, d.Sk - j0);
+      const int64_t Np = round_up(n, kPadN);
+      pack_rows_t(k, d.Sk, d.Hkv, d.D, b, kvh, j0, n, Np, kTileK, KT);
+      pack_rows(v, d.Sk, d.Hkv, d.D, b, kvh, j0, n, Np, Dp, A(1), V);
+      pack_keep(mask, d, b, j0, n, Np, keep);
+      if (BT) pack_bias(bias, d, b, h, i0, rows, j0, n, kTileK, BT);
+      gemm(Mp, Np, d.D, Q, Dp, KT, kTileK, S, kTileK, false);
+      Tile<A> t{rows, Np, kTileK, j0, keep, lo.data(), hi.data(), BT, A(o.softcap)};
+      fwd_tile(t, S, P, m, l, alpha);
+      for (int64_t r = 0; r < rows; ++r)
+        if (alpha[r] != A(1))
+          for (int64_t e = 0; e < Dp; ++e) O[r * Dp + e] *= alpha[r];
+      gemm(Mp, Dp, Np, P, kTileK, V, Dp, O, Dp, true);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const bool any = m[r] != ninf && l[r] > A(0);
+      const A inv = any ? A(1) / l[r] : A(0);
+      T* dst = out + ((b * d.Sq + i0 + r) * d.H + h) * d.D;
+      for (int64_t e = 0; e < d.D; ++e) dst[e] = store<T>(O[r * Dp + e] * inv);
+      lse[(b * d.H + h) * d.Sq + i0 + r] = any ? m[r] + std::log(l[r]) : ninf;
+    }
+  });
+}
+
+// ---- backward -----------------------------------------------------------------------------------
+template <typename T>
+void attention_bwd_typed(ffi::ThreadPool& pool, const Dims& d, const Opts& o, const T* q,
+                         const T* k, const T* v, const T* out, const void* lse_in, const T* dout,
+                         const void* dlse_in, const float* mask, const T* bias, T* dq, T* dk,
+                         T* dv, T* dbias) {
+  using A = typename Accum<T>::type;
+  const A* lse_all = static_cast<const A*>(lse_in);
+  const A* dlse_all = static_cast<const A*>(dlse_in);
+  const int64_t G = d.group();
+  const int64_t Dp = round_up(std::max<int64_t>(d.D, 1), kPadN);
+  const int64_t Sqp = round_up(std::max<int64_t>(d.Sq, 1), kPadM);
+  parallel_for(pool, d.B * d.Hkv, [&](int64_t task) {
+    const int64_t kvh = task % d.Hkv, b = task / d.Hkv;
+    Buf<A> bq, bdo, bdq, bstat, bk, bkt, bvt, bs, bdp, bp, bpt, bdst, bdk, bdv, bb, bdb, bkeep;
+    // per group head: scaled q, dout, dq accumulator [Sqp, Dp]; lse and delta [Sq]
+    A* Qs = bq.alloc(G * Sqp * Dp);
+    A* dO = bdo.alloc(G * Sqp * Dp);
+    A* dQ = bdq.alloc(G * Sqp * Dp);
+    A* stat = bstat.alloc(2 * G * Sqp);
+    A* K = bk.alloc(kTileK * Dp);
+    A* KT = bkt.alloc(std::max<int64_t>(d.D, 1) * kTileK);
+    A* VT = bvt.alloc(std::max<int64_t>(d.D, 1) * kTileK);
+    A* S = bs.alloc(kTileQ * kTileK);
+    A* dP = bdp.alloc(kTileQ * kTileK);
+    A* P = bp.alloc(kTileQ * kTileK);
+    A* PT = bpt.alloc(kTileK * kTileQ);
+    A* dST = bdst.alloc(kTileK * kTileQ);
+    A* dK = bdk.alloc(kTileK * Dp);
+    A* dV = bdv.alloc(kTileK * Dp);
+    A* BT = o.has_bias ? bb.alloc(kTileQ * kTileK) : nullptr;
+    A* DB = o.has_bias ? bdb.alloc(kTileQ * kTileK) : nullptr;
+    A* keep = bkeep.alloc(kTileK);
+    std::vector<int64_t> lo(d.Sq), hi(d.Sq);
+    for (int64_t i = 0; i < d.Sq; ++i) key_range(d, o, i, &lo[i], &hi[i]);
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t h = kvh * G + g;
+      A* qg = Qs + g * Sqp * Dp;
+      A* dog = dO + g * Sqp * Dp;
+      pack_rows(q, d.Sq, d.H, d.D, b, h, 0, d.Sq, Sqp, Dp, A(o.scale), qg);
+      pack_rows(dout, d.Sq, d.H, d.D, b, h, 0, d.Sq, Sqp, Dp, A(1), dog);
+      A* lse = stat + g * 2 * Sqp;
+      A* delta = lse + Sqp;
+      for (int64_t i = 0; i < d.Sq; ++i) {
+        const int64_t row = (b * d.H + h) * d.Sq + i;
+        lse[i] = lse_all[row];
+        const T* orow = out + ((b * d.Sq + i) * d.H + h) * d.D;
+        A acc = 0;
+        for (int64_t e = 0; e < d.D; ++e) acc += load<A>(orow[e]) * dog[i * Dp + e];
+        delta[i] = acc - dlse_all[row];
+      }
+      if (o.has_bias)  // tiles never visited (fully masked) keep a zero gradient
+        for (int64_t i = 0; i < d.Sq * d.Sk; ++i)
+          dbias[(b * d.H + h) * d.Sq * d.Sk + i] = store<T>(A(0));
+    }
+    const int64_t k_tiles = (d.Sk + kTileK - 1) / kTileK;
+    const int64_t off = std::max<int64_t>(d.Sk - d.Sq, 0);
+    for (int64_t kt = 0; kt < k_tiles; ++kt) {
+      const int64_t j0 = kt * kTileK, n = std::min(kTileK, d.Sk - j0);
+      const int64_t Np = round_up(n, kPadN);
+      pack_rows(k, d.Sk, d.Hkv, d.D, b, kvh, j0, n, Np, Dp, A(1), K);
+      pack_rows_t(k, d.Sk, d.Hkv, d.D, b, kvh, j0, n, Np, kTileK, KT);
+      pack_rows_t(v, d.Sk, d.Hkv, d.D, b, kvh, j0, n, Np, kTileK, VT);
+      pack_keep(mask, d, b, j0, n, Np, keep);
+      std::fill(dK, dK + kTileK * Dp, A(0));
+      std::fill(dV, dV + kTileK * Dp, A(0));
+      // query rows that can see a key of this tile
+      int64_t ilo = 0, ihi = d.Sq - 1;
+      if (o.kind >= 1) ilo = std::max<int64_t>(j0 - off, 0);
+      if (o.kind == 2) ihi = std::min<int64_t>(j0 + n - 1 - off + o.window, d.Sq - 1);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = kvh * G + g;
+        A* qg = Qs + g * Sqp * Dp;
+        A* dog = dO + g * Sqp * Dp;
+        A* dqg = dQ + g * Sqp * Dp;
+        const A* lse = stat + g * 2 * Sqp;
+        const A* delta = lse + Sqp;
+        for (int64_t i0 = ilo / kTileQ * kTileQ; i0 <= ihi; i0 += kTileQ) {
+          const int64_t rows = std::min(kTileQ, d.Sq - i0), Mp = round_up(rows, kPadM);
+          if (BT) pack_bias(bias, d, b, h, i0, rows, j0, n, kTileK, BT);
+          gemm(Mp, Np, d.D, qg + i0 * Dp, Dp, KT, kTileK, S, kTileK, false);
+          gemm(Mp, Np, d.D, dog + i0 * Dp, Dp, VT, kTileK, dP, kTileK, false);
+          Tile<A> t{rows, Np, kTileK, j0, keep, lo.data() + i0, hi.data() + i0, BT, A(o.softcap)};
+          bwd_tile(t, lse + i0, delta + i0, S, dP, P, DB);
+          for (int64_t r = rows; r < Mp; ++r)
+            for (int64_t c = 0; c < Np; ++c) { P[r * kTileK + c] = 0; S[r * kTileK + c] = 0; }
+          for (int64_t r = 0; r < Mp; ++r)
+            for (int64_t c = 0; c < Np; ++c) {
+              PT[c * kTileQ + r] = P[r * kTileK + c];
+              dST[c * kTileQ + r] = S[r * kTileK + c];
+            }
+          gemm(Np, Dp, Mp, PT, kTileQ, dog + i0 * Dp, Dp, dV, Dp, true);
+          gemm(Np, Dp, Mp, dST, kTileQ, qg + i0 * Dp, Dp, dK, Dp, true);
+          gemm(Mp, Dp, Np, S, kTileK, K, Dp, dqg + i0 * Dp, Dp, true);
+          if (DB)
+            for (int64_t r = 0; r < rows; ++r) {
+              T* dst = dbias + ((b * d.H + h) * d.Sq + i0 + r) * d.Sk + j0;
+              for (int64_t c = 0; c < n; ++c) dst[c] = store<T>(DB[r * kTileK + c]);
+            }
+        }
+      }
+      for (int64_t c = 0; c < n; ++c) {
+        T* dkr = dk + ((b * d.Sk + j0 + c) * d.Hkv + kvh) * d.D;
+        T* dvr = dv + ((b * d.Sk + j0 + c) * d.Hkv + kvh) * d.D;
+        for (int64_t e = 0; e < d.D; ++e) {
+          dkr[e] = store<T>(dK[c * Dp + e]);
+          dvr[e] = store<T>(dV[c * Dp + e]);
+        }
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t h = kvh * G + g;
+      const A* dqg = dQ + g * Sqp * Dp;
+      for (int64_t i = 0; i < d.Sq; ++i) {
+        T* dst = dq + ((b * d.Sq + i) * d.H + h) * d.D;
+        for (int64_t e = 0; e < d.D; ++e) dst[e] = store<T>(dqg[i * Dp + e] * A(o.scale));
+      }
+    }
+  });
+}
+
+// ---- validation -------------------------------------------------------------------------------
+ffi::DataType stat_type(ffi::DataType t) {
+  return t == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
+}
+
+std::string dims_str(const ffi::AnyBuffer& x) {
+  std::string s = "[";
+  auto dd = x.dimensions();
+  for (size_t i = 0; i < dd.size(); ++i) s += (i ? ", " : "") + std::to_string(dd[i]);
+  return s + "]";
+}
+
+bool has_dims(const ffi::AnyBuffer& x, std::initializer_list<int64_t> want) {
+  auto dd = x.dimensions();
+  return dd.size() == want.size() && std::equal(dd.begin(), dd.end(), want.begin());
+}
+
+ffi::Error check_inputs(const char* who, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                        const ffi::AnyBuffer& v, const ffi::AnyBuffer& mask,
+                        const ffi::AnyBuffer& bias, const Opts& o, Dims* d) {
+  const std::string w = who;
+  if (q.dimensions().size() != 4 || k.dimensions().size() != 4)
+    return invalid(w + ": q and k must have rank 4 ([B, S, H, D]), got q " + dims_str(q) +
+                   ", k " + dims_str(k));
+  auto qd = q.dimensions(), kd = k.dimensions();
+  *d = Dims{qd[0], qd[1], kd[1], qd[2], kd[2], qd[3]};
+  if (kd[0] != d->B || kd[3] != d->D)
+    return invalid(w + ": k " + dims_str(k) + " does not match q " + dims_str(q) +
+                   " in batch or head dim");
+  if (!same_dims(k, v)) return invalid(w + ": v " + dims_str(v) + " must match k " + dims_str(k));
+  if (d->Hkv == 0 ? d->H != 0 : d->H % d->Hkv != 0)
+    return invalid(w + ": kv heads (" + std::to_string(d->Hkv) + ") must divide heads (" +
+                   std::to_string(d->H) + ")");
+  const auto t = q.element_type();
+  if (k.element_type() != t || v.element_type() != t)
+    return invalid(w + ": q, k, v dtypes differ");
+  if (o.has_mask && (mask.element_type() != ffi::DataType::F32 || !has_dims(mask, {d->B, d->Sk})))
+    return invalid(w + ": mask must be f32 [B, Sk], got " + dims_str(mask));
+  if (o.has_bias &&
+      (bias.element_type() != t || !has_dims(bias, {d->B, d->H, d->Sq, d->Sk})))
+    return invalid(w + ": bias must be [B, H, Sq, Sk] with q's dtype, got " + dims_str(bias));
+  if (o.kind < 0 || o.kind > 2) return invalid(w + ": mask_kind must be 0, 1 or 2");
+  if (o.kind == 2 && o.window < 0) return invalid(w + ": window must be >= 0");
+  if (!(o.softcap >= 0.0) || !std::isfinite(o.scale))
+    return invalid(w + ": softcap must be >= 0 (0: off) and scale finite");
+  return ffi::Error::Success();
+}
+
+Opts make_opts(double scale, double softcap, int64_t kind, int64_t window, int64_t has_mask,
+               int64_t has_bias) {
+  return Opts{kind, window, scale, softcap, has_mask != 0, has_bias != 0};
+}
+
+ffi::Error AttentionFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                            ffi::AnyBuffer v, ffi::AnyBuffer mask, ffi::AnyBuffer bias,
+                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                            double scale, double softcap, int64_t mask_kind, int64_t window,
+                            int64_t has_mask, int64_t has_bias) {
+  const Opts o = make_opts(scale, softcap, mask_kind, window, has_mask, has_bias);
+  Dims d;
+  if (auto e = check_inputs("attention", q, k, v, mask, bias, o, &d); e.failure()) return e;
+  if (!same_dims(q, *out) || out->element_type() != q.element_type())
+    return invalid("attention: out must match q");
+  if (lse->element_type() != stat_type(q.element_type()) || !has_dims(*lse, {d.B, d.H, d.Sq}))
+    return invalid("attention: lse must be [B, H, Sq] f32 (f64 for f64 inputs)");
+  if (d.B * d.H * d.Sq == 0) return ffi::Error::Success();
+  bool ok = dispatch_float(q.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    attention_fwd_typed<T>(pool, d, o, static_cast<const T*>(q.untyped_data()),
+                           static_cast<const T*>(k.untyped_data()),
+                           static_cast<const T*>(v.untyped_data()),
+                           o.has_mask ? static_cast<const float*>(mask.untyped_data()) : nullptr,
+                           o.has_bias ? static_cast<const T*>(bias.untyped_data()) : nullptr,
+                           static_cast<T*>(out->untyped_data()), lse->untyped_data());
+  });
+  if (!ok) return invalid("attention: unsupported dtype " + dtype_name(q.element_type()));
+  return ffi::Error::Success();
+}
+
+ffi::Error AttentionBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                            ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse,
+                            ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::AnyBuffer mask,
+                            ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> dq,
+                            ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                            ffi::Result<ffi::AnyBuffer> dbias, double scale, double softcap,
+                            int64_t mask_kind, int64_t window, int64_t has_mask,
+                            int64_t has_bias) {
+  const Opts o = make_opts(scale, softcap, mask_kind, window, has_mask, has_bias);
+  Dims d;
+  const char* who = "attention backward";
+  if (auto e = check_inputs(who, q, k, v, mask, bias, o, &d); e.failure()) return e;
+  const auto t = q.element_type();
+  for (const ffi::AnyBuffer* x : {&out, &dout})
+    if (!same_dims(q, *x) || x->element_type() != t)
+      return invalid("attention backward: out and dout must match q in shape and dtype");
+  for (const ffi::AnyBuffer* x : {&lse, &dlse})
+    if (x->element_type() != stat_type(t) || !has_dims(*x, {d.B, d.H, d.Sq}))
+      return invalid("attention backward: lse and dlse must be [B, H, Sq] f32 (f64 for f64)");
+  if (!same_dims(q, *dq) || dq->element_type() != t || !same_dims(k, *dk) ||
+      dk->element_type() != t || !same_dims(k, *dv) || dv->element_type() != t)
+    return invalid("attention backward: dq, dk, dv must match q, k, v");
+  if (o.has_bias && (!same_dims(bias, *dbias) || dbias->element_type() != t))
+    return invalid("attention backward: dbias must match bias");
+  if (d.B * d.Hkv == 0) return ffi::Error::Success();
+  bool ok = dispatch_float(t, [&](auto tag) {
+    using T = decltype(tag);
+    attention_bwd_typed<T>(
+        pool, d, o, static_cast<const T*>(q.untyped_data()),
+        static_cast<const T*>(k.untyped_data()), static_cast<const T*>(v.untyped_data()),
+        static_cast<const T*>(out.untyped_data()), lse.untyped_data(),
+        static_cast<const T*>(dout.untyped_data()), dlse.untyped_data(),
+        o.has_mask ? static_cast<const float*>(mask.untyped_data()) : nullptr,
+        o.has_bias ? static_cast<const T*>(bias.untyped_data()) : nullptr,
+        static_cast<T*>(dq->untyped_data()), static_cast<T*>(dk->untyped_data()),
+        static_cast<T*>(dv->untyped_data()),
+        o.has_bias ? static_cast<T*>(dbias->untyped_data()) : nullptr);
+  });
+  if (!ok) return invalid("attention backward: unsupported dtype " + dtype_name(t));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAttentionFwd, AttentionFwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::AnyBuffer>()  // mask (dummy [0] when absent)
+                                  .Arg<ffi::AnyBuffer>()  // bias (dummy [0] when absent)
+                                  .Ret<ffi::AnyBuffer>()  // out
+                                  .Ret<ffi::AnyBuffer>()  // lse
+                                  .Attr<double>("scale")
+                                  .Attr<double>("softcap")
+                                  .Attr<int64_t>("mask_kind")
+                                  .Attr<int64_t>("window")
+                                  .Attr<int64_t>("has_mask")
+                                  .Attr<int64_t>("has_bias"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAttentionBwd, AttentionBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::AnyBuffer>()  // out
+                                  .Arg<ffi::AnyBuffer>()  // lse
+                                  .Arg<ffi::AnyBuffer>()  // dout
+                                  .Arg<ffi::AnyBuffer>()  // dlse
+                                  .Arg<ffi::AnyBuffer>()  // mask
+                                  .Arg<ffi::AnyBuffer>()  // bias
+                                  .Ret<ffi::AnyBuffer>()  // dq
+                                  .Ret<ffi::AnyBuffer>()  // dk
+                                  .Ret<ffi::AnyBuffer>()  // dv
+                                  .Ret<ffi::AnyBuffer>()  // dbias (dummy [0] when no bias)
+                                  .Attr<double>("scale")
+                                  .Attr<double>("softcap")
+                                  .Attr<int64_t>("mask_kind")
+                                  .Attr<int64_t>("window")
+                                  .Attr<int64_t>("has_mask")
+                                  .Attr<int64_t>("has_bias"));
+
+RLX_REGISTER_HANDLER("rlx_attention_fwd", RlxAttentionFwd);
+RLX_REGISTER_HANDLER("rlx_attention_bwd", RlxAttentionBwd);
+
+}  // namespace rlx

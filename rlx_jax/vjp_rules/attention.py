@@ -1,0 +1,426 @@
+"""Attention (RLX ``Attention`` / ``AttentionBackward{wrt}``), flash-style on the CPU.
+
+Shapes: q [B, Sq, H, D]; k, v [B, Sk, Hkv, D] with Hkv dividing H (head h reads kv head
+h // (H // Hkv)); optional key mask [B, Sk] (key j kept where mask >= 0.5) and additive
+bias [B, H, Sq, Sk]. With scale = ``scale`` or 1/sqrt(D):
+
+    r_ij = scale * q_i . k_j
+    s_ij = c * tanh(r_ij / c)  (softcap c, when set)  else r_ij;   s_ij += bias_ij
+    s_ij = -inf where key j is hidden from query i (mask kind and key mask)
+    P = softmax_j(s);   out_i = sum_j P_ij v_j;   lse_i = log sum_j exp(s_ij)
+
+Mask kinds, with off = max(Sk - Sq, 0) (RLX aligns bottom-right when keys outnumber
+queries) and pos_i = i + off: "none"; "causal": j <= pos_i; "sliding" (window w):
+pos_i - w <= j <= pos_i. A row that sees no key gives out = 0, lse = -inf and zero
+gradients (never NaN).
+
+Primitives (each lowers to its FFI kernel where registered, else to its reference):
+- ``attention_fwd``: (q, k, v, [mask], [bias]) -> (out, lse [B, H, Sq] f32 (f64 for f64));
+- ``attention_tangent``: (q, k, v, out, lse, [mask], [bias], tq, tk, tv, [tbias]) ->
+  (tout, tlse), linear in the tangents: with ts = (1 - tanh^2) * scale * (tq.k + q.tk)
+  + tbias on visible entries, tlse_i = sum_j P_ij ts_ij and
+  tout_i = sum_j P_ij (ts_ij v_j + tv_j) - tlse_i out_i; its transpose is the backward;
+- ``attention_bwd``: (q, k, v, out, lse, dout, dlse, [mask], [bias]) -> (dq, dk, dv,
+  [dbias]) with delta_i = sum_d dout_id out_id - dlse_i, dS_ij = P_ij (dout_i.v_j - delta_i)
+  (= dbias), dR = dS * (1 - tanh^2(r / c)) (softcap), dq = scale dR k, dk = scale dR^T q,
+  dv = P^T dout (k, v gradients summed over the heads sharing a kv head); P is recomputed
+  from lse. dlse (the cotangent of lse) is zero in plain reverse mode and carries second
+  order terms.
+
+Unlike RLX's own VJP, the gradients here include score_scale and the softcap derivative.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.interpreters import ad
+
+from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, instantiate, np_scalar
+
+MASK_KINDS = ("none", "causal", "sliding")
+_KIND_CODE = {"none": 0, "causal": 1, "sliding": 2}
+
+
+def _acc_dtype(dtype):
+    """Accumulation and statistics dtype: f32, or f64 for f64 inputs."""
+    return jnp.float64 if dtype == jnp.float64 else jnp.float32
+
+
+def _split(args, has_mask, has_bias):
+    """(mask or None, bias or None, remaining args) from ``[mask], [bias], rest...``."""
+    args = list(args)
+    mask = args.pop(0) if has_mask else None
+    bias = args.pop(0) if has_bias else None
+    return mask, bias, args
+
+
+# ---- references (the test oracle and the fallback) ----------------------------------
+
+
+def _visible(sq, sk, kind, window, mask):
+    """Boolean [B or 1, 1, Sq, Sk]: key j visible from query i."""
+    i = jnp.arange(sq)[:, None] + max(sk - sq, 0)
+    j = jnp.arange(sk)[None, :]
+    ok = jnp.ones((sq, sk), bool)
+    if kind in ("causal", "sliding"):
+        ok = ok & (j <= i)
+    if kind == "sliding":
+        ok = ok & (j >= i - window)
+    ok = ok[None, None]
+    if mask is not None:
+        ok = ok & (mask >= 0.5)[:, None, None, :]
+    return ok
+
+
+def _heads(q, hkv):
+    """[B, S, H, D] -> [B, S, Hkv, G, D] (head h = kv head h // G, member h % G)."""
+    b, s, h, d = q.shape
+    return q.reshape(b, s, hkv, h // hkv, d)
+
+
+def _qk(q, k):
+    """[B, H, Sq, Sk] = q . k per head (grouped heads share their kv head)."""
+    b, sq, h, _ = q.shape
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", _heads(q, k.shape[2]), k)
+    return s.reshape(b, h, sq, k.shape[1])
+
+
+def _pv(p, v):
+    """[B, Sq, H, D] = sum_j p[b, h, i, j] v[b, j, h // G, :]."""
+    b, h, sq, sk = p.shape
+    hkv = v.shape[2]
+    o = jnp.einsum("bhgqk,bkhd->bqhgd", p.reshape(b, hkv, h // hkv, sq, sk), v)
+    return o.reshape(b, sq, h, v.shape[3])
+
+
+def _scores(q, k, bias, mask, *, kind, window, scale, softcap):
+    """(s, th, visible): scores after softcap and bias, tanh(r / c) (None without a
+    softcap), and the visibility mask; all in the accumulation dtype."""
+    acc = _acc_dtype(q.dtype)
+    r = _qk(q.astype(acc), k.astype(acc)) * scale
+    th = None
+    if softcap:
+        th = jnp.tanh(r / softcap)
+        s = softcap * th
+    else:
+        s = r
+    if bias is not None:
+        s = s + bias.astype(acc)
+    vis = _visible(q.shape[1], k.shape[1], kind, window, mask)
+    return s, th, vis
+
+
+def _probs_from_lse(s, vis, lse):
+    """P = exp(s - lse) on visible entries, 0 elsewhere (rows with lse = -inf: 0)."""
+    live = vis & jnp.isfinite(lse)[..., None]
+    lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]
+    return jnp.where(live, jnp.exp(jnp.where(live, s, lse_safe) - lse_safe), 0.0)
+
+
+def reference_attention(q, k, v, *extras, kind, window, scale, softcap, has_mask, has_bias):
+    """Plain JAX, O(Sq * Sk) memory; returns (out, lse)."""
+    mask, bias, _ = _split(extras, has_mask, has_bias)
+    acc = _acc_dtype(q.dtype)
+    s, _, vis = _scores(q, k, bias, mask, kind=kind, window=window, scale=scale, softcap=softcap)
+    m = jnp.max(jnp.where(vis, s, -jnp.inf), axis=-1)
+    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))[..., None]
+    e = jnp.where(vis, jnp.exp(jnp.where(vis, s, m) - m), 0.0)
+    total = jnp.sum(e, axis=-1)
+    live = total > 0
+    total_safe = jnp.where(live, total, 1.0)
+    p = e / total_safe[..., None]
+    out = _pv(p, v.astype(acc))
+    lse = jnp.where(live, m[..., 0] + jnp.log(total_safe), -jnp.inf)
+    return out.astype(q.dtype), lse.astype(acc)
+
+
+def reference_attention_tangent(q, k, v, out, lse, *rest, kind, window, scale, softcap, has_mask,
+                                has_bias):
+    """(tout, tlse) for tangents (tq, tk, tv, [tbias]); see the module docstring."""
+    mask, bias, tangents = _split(rest, has_mask, has_bias)
+    tq, tk, tv = tangents[:3]
+    tbias = tangents[3] if has_bias else None
+    acc = _acc_dtype(q.dtype)
+    qf, kf = q.astype(acc), k.astype(acc)
+    s, th, vis = _scores(q, k, bias, mask, kind=kind, window=window, scale=scale, softcap=softcap)
+    p = _probs_from_lse(s, vis, lse)
+    ts = (_qk(tq.astype(acc), kf) + _qk(qf, tk.astype(acc))) * scale
+    if th is not None:
+        ts = ts * (1.0 - th * th)
+    if tbias is not None:
+        ts = ts + tbias.astype(acc)
+    pts = p * jnp.where(vis, ts, 0.0)
+    tlse = jnp.sum(pts, axis=-1)
+    tout = _pv(pts, v.astype(acc)) + _pv(p, tv.astype(acc))
+    tout = tout - jnp.swapaxes(tlse, 1, 2)[..., None] * out.astype(acc)
+    return tout.astype(q.dtype), tlse.astype(lse.dtype)
+
+
+def _group_sum(x, hkv):
+    """[B, S, H, D] -> [B, S, Hkv, D]: sum over the heads sharing a kv head."""
+    return jnp.sum(_heads(x, hkv), axis=3)
+
+
+def reference_attention_bwd(q, k, v, out, lse, dout, dlse, *extras, kind, window, scale, softcap,
+                            has_mask, has_bias):
+    """(dq, dk, dv, [dbias]); see the module docstring."""
+    mask, bias, _ = _split(extras, has_mask, has_bias)
+    acc = _acc_dtype(q.dtype)
+    qf, kf, vf, dof = (x.astype(acc) for x in (q, k, v, dout))
+    s, th, vis = _scores(q, k, bias, mask, kind=kind, window=window, scale=scale, softcap=softcap)
+    p = _probs_from_lse(s, vis, lse)
+    delta = jnp.swapaxes(jnp.sum(dof * out.astype(acc), axis=-1), 1, 2) - dlse.astype(acc)
+    hkv = k.shape[2]
+    dp = _qk(dof, vf)
+    ds = p * (dp - delta[..., None])
+    dr = ds * (1.0 - th * th) if th is not None else ds
+    dq = _pv(dr, kf) * scale
+    dk = _group_sum(_pv(jnp.swapaxes(dr, 2, 3), qf), hkv) * scale
+    dv = _group_sum(_pv(jnp.swapaxes(p, 2, 3), dof), hkv)
+    grads = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
+    if has_bias:
+        grads = grads + (ds.astype(bias.dtype),)
+    return grads
+
+
+# ---- kernels ---------------------------------------------------------------------------
+
+
+def _attrs(kind, window, scale, softcap, has_mask, has_bias):
+    return dict(
+        scale=np_scalar(scale, np.float64),
+        softcap=np_scalar(softcap or 0.0, np.float64),
+        mask_kind=np.int64(_KIND_CODE[kind]),
+        window=np.int64(window),
+        has_mask=np.int64(has_mask),
+        has_bias=np.int64(has_bias),
+    )
+
+
+def _dummies(q, mask, bias):
+    """FFI operands are positional: absent mask / bias pass an empty array."""
+    mask = jnp.zeros((0,), jnp.float32) if mask is None else mask
+    bias = jnp.zeros((0,), q.dtype) if bias is None else bias
+    return mask, bias
+
+
+def _kernel_fwd(q, k, v, *extras, kind, window, scale, softcap, has_mask, has_bias):
+    mask, bias, _ = _split(extras, has_mask, has_bias)
+    b, sq, h, _ = q.shape
+    out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sq), _acc_dtype(q.dtype)))
+    m, bb = _dummies(q, mask, bias)
+    attrs = _attrs(kind, window, scale, softcap, has_mask, has_bias)
+    return jax.ffi.ffi_call("rlx_attention_fwd", out)(q, k, v, m, bb, **attrs)
+
+
+def _kernel_bwd(q, k, v, out, lse, dout, dlse, *extras, kind, window, scale, softcap, has_mask,
+                has_bias):
+    mask, bias, _ = _split(extras, has_mask, has_bias)
+    m, bb = _dummies(q, mask, bias)
+    shapes = (
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct(k.shape, k.dtype),
+        jax.ShapeDtypeStruct(v.shape, v.dtype),
+        jax.ShapeDtypeStruct(bb.shape, bb.dtype),
+    )
+    attrs = _attrs(kind, window, scale, softcap, has_mask, has_bias)
+    res = jax.ffi.ffi_call("rlx_attention_bwd", shapes)(q, k, v, out, lse, dout, dlse, m, bb, **attrs)
+    return tuple(res) if has_bias else tuple(res[:3])
+
+
+def _kernel_ok(q, k, v, *rest, **params):
+    """The kernels take q, k, v (and bias, out, dout) of one dtype."""
+    allowed = (jnp.float32, jnp.float64, jnp.bfloat16, jnp.float16)
+    return q.dtype in allowed and k.dtype == q.dtype and v.dtype == q.dtype
+
+
+attention_fwd = FusedPrimitive(
+    "rlx_attention_fwd", reference_attention, target="rlx_attention_fwd", kernel=_kernel_fwd,
+    kernel_ok=_kernel_ok, platforms=("cpu",),
+)
+attention_tangent = FusedPrimitive("rlx_attention_tangent", reference_attention_tangent)
+attention_bwd = FusedPrimitive(
+    "rlx_attention_bwd", reference_attention_bwd, target="rlx_attention_bwd", kernel=_kernel_bwd,
+    kernel_ok=_kernel_ok, platforms=("cpu",),
+)
+
+
+# ---- differentiation rules -------------------------------------------------------------
+
+
+@attention_fwd.def_jvp
+def _fwd_jvp(primals, tangents, **params):
+    q, k, v, *extras = primals
+    tq, tk, tv, *textras = instantiate(tangents, primals)
+    out, lse = attention_fwd(q, k, v, *extras, **params)
+    lin = [tq, tk, tv] + ([textras[-1]] if params["has_bias"] else [])
+    tout, tlse = attention_tangent(q, k, v, out, lse, *extras, *lin, **params)
+    return (out, lse), (tout, tlse)
+
+
+@attention_tangent.def_transpose
+def _tangent_transpose(cts, *args, **params):
+    n_res = 5 + params["has_mask"] + params["has_bias"]
+    residuals, linear = args[:n_res], args[n_res:]
+    if any(ad.is_undefined_primal(r) for r in residuals):
+        raise ValueError("attention tangent is linear in (tq, tk, tv, tbias) only")
+    ct_out, ct_lse = cts
+    if type(ct_out) is ad.Zero and type(ct_lse) is ad.Zero:
+        return [None] * n_res + [ad.Zero(t.aval) if ad.is_undefined_primal(t) else None for t in linear]
+    q, k, v, out, lse, *extras = residuals
+    ct_out = jnp.zeros(out.shape, out.dtype) if type(ct_out) is ad.Zero else ct_out
+    ct_lse = jnp.zeros(lse.shape, lse.dtype) if type(ct_lse) is ad.Zero else ct_lse
+    grads = attention_bwd(q, k, v, out, lse, ct_out, ct_lse, *extras, **params)
+    return [None] * n_res + [g if ad.is_undefined_primal(t) else None for g, t in zip(grads, linear)]
+
+
+def _batch_into_b(prim: FusedPrimitive):
+    """Batching rule: every operand and result of the attention primitives leads with the
+    batch axis B, so a vmapped axis N is folded into it ([N, B, ...] -> [N * B, ...])."""
+
+    def rule(args, dims, **params):
+        size = next(a.shape[d] for a, d in zip(args, dims) if d is not NOT_MAPPED)
+        folded = []
+        for a, d in zip(args, dims):
+            a = jnp.broadcast_to(a, (size, *a.shape)) if d is NOT_MAPPED else jnp.moveaxis(a, d, 0)
+            folded.append(a.reshape(size * a.shape[1], *a.shape[2:]))
+        outs = prim(*folded, **params)
+        return [o.reshape(size, o.shape[0] // size if size else 0, *o.shape[1:]) for o in outs], [0] * len(outs)
+
+    return rule
+
+
+for _prim in (attention_fwd, attention_tangent, attention_bwd):
+    _prim.def_batching(_batch_into_b(_prim))
+
+
+# ---- public functions ------------------------------------------------------------------
+
+
+def _check_qkv(q, k, v, who):
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{who}: {name} must be floating point, got {x.dtype}")
+        if x.ndim != 4:
+            raise ValueError(f"{who}: {name} must have shape [B, S, H, D], got {x.shape}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"{who}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"{who}: k {k.shape} and v {v.shape} must have the same shape")
+    b, _, h, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"{who}: k {k.shape} must match q {q.shape} in batch and head dim")
+    hkv = k.shape[2]
+    if (hkv == 0 and h != 0) or (hkv != 0 and h % hkv != 0):
+        raise ValueError(f"{who}: kv heads ({hkv}) must divide query heads ({h})")
+    return q, k, v
+
+
+def _check_options(q, k, mask_kind, window, mask, bias, scale, softcap, who):
+    """Validated static params and the (cast) mask / bias operands."""
+    if mask_kind not in MASK_KINDS:
+        raise ValueError(f"{who}: mask_kind must be one of {MASK_KINDS}, got {mask_kind!r}")
+    if mask_kind == "sliding":
+        if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 0:
+            raise ValueError(f"{who}: mask_kind='sliding' needs an int window >= 0, got {window!r}")
+    elif window is not None:
+        raise ValueError(f"{who}: window is only used with mask_kind='sliding' (got {window!r})")
+    b, sq, h, d = q.shape
+    sk = k.shape[1]
+    if mask is not None:
+        mask = jnp.asarray(mask)
+        if mask.shape != (b, sk):
+            raise ValueError(f"{who}: mask must have shape (B, Sk) = {(b, sk)}, got {mask.shape}")
+        if jnp.issubdtype(mask.dtype, jnp.complexfloating):
+            raise TypeError(f"{who}: mask must be real or bool, got {mask.dtype}")
+        mask = mask.astype(jnp.float32)
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        if bias.shape != (b, h, sq, sk):
+            raise ValueError(f"{who}: bias must have shape (B, H, Sq, Sk) = {(b, h, sq, sk)}, got {bias.shape}")
+        if not jnp.issubdtype(bias.dtype, jnp.floating):
+            raise TypeError(f"{who}: bias must be floating point, got {bias.dtype}")
+        bias = bias.astype(q.dtype)
+    if scale is None:
+        scale = 1.0 / math.sqrt(d) if d > 0 else 1.0
+    elif not math.isfinite(float(scale)):
+        raise ValueError(f"{who}: scale must be finite, got {scale}")
+    if softcap is not None and not float(softcap) > 0:
+        raise ValueError(f"{who}: softcap must be > 0 (None disables it), got {softcap}")
+    params = dict(
+        kind=mask_kind,
+        window=int(window) if mask_kind == "sliding" else 0,
+        scale=float(scale),
+        softcap=float(softcap) if softcap is not None else 0.0,
+        has_mask=mask is not None,
+        has_bias=bias is not None,
+    )
+    extras = [x for x in (mask, bias) if x is not None]
+    return params, extras
+
+
+def attention(q, k, v, *, mask_kind="none", window=None, mask=None, bias=None, scale=None,
+              softcap=None):
+    """softmax(mask(softcap(scale * q k^T) + bias)) v, per head.
+
+    q: [B, Sq, H, D]; k, v: [B, Sk, Hkv, D] with Hkv dividing H (grouped-query);
+    mask_kind: "none" | "causal" | "sliding" (with ``window`` w: keys [i - w, i]), both
+    aligned bottom-right when Sk > Sq; mask: [B, Sk] key mask (>= 0.5 keeps); bias:
+    [B, H, Sq, Sk] added after the softcap; scale: default 1/sqrt(D); softcap: c > 0 for
+    c * tanh(s / c). Returns [B, Sq, H, D] in q's dtype (f32 accumulation). Rows with no
+    visible key are 0. Differentiable in every mode; reverse mode runs the fused
+    backward kernel, and memory is O(S) on the kernel path.
+    """
+    q, k, v = _check_qkv(q, k, v, "attention")
+    params, extras = _check_options(q, k, mask_kind, window, mask, bias, scale, softcap, "attention")
+    out, _ = attention_fwd(q, k, v, *extras, **params)
+    return out
+
+
+def attention_backward(q, k, v, dy, mask=None, bias=None, *, mask_kind="none", window=None,
+                       scale=None, softcap=None):
+    """The RLX backward ops AttentionBackward{wrt = Query, Key, Value} in one call:
+    (dq, dk, dv) for upstream gradient dy [B, Sq, H, D] (same options as ``attention``).
+    The forward is recomputed (out and lse, O(S) memory), then the fused backward runs."""
+    q, k, v = _check_qkv(q, k, v, "attention_backward")
+    dy = jnp.asarray(dy)
+    if dy.shape != q.shape:
+        raise ValueError(f"attention_backward: dy shape {dy.shape} differs from q shape {q.shape}")
+    dy = dy.astype(q.dtype)
+    params, extras = _check_options(q, k, mask_kind, window, mask, bias, scale, softcap,
+                                    "attention_backward")
+    out, lse = attention_fwd(q, k, v, *extras, **params)
+    grads = attention_bwd(q, k, v, out, lse, dy, jnp.zeros_like(lse), *extras, **params)
+    return tuple(grads[:3])
+
+
+def _from_rlx(x, heads, head_dim, name):
+    """[B, S, heads * head_dim] (or [S, ...]) -> [B, S, heads, head_dim]."""
+    x = jnp.asarray(x)
+    if x.ndim == 2:
+        x = x[None]
+    if x.ndim != 3 or x.shape[-1] % head_dim:
+        raise ValueError(
+            f"attention_rlx: {name} must be [B, S, heads * {head_dim}] (or [S, ...]), got {x.shape}")
+    n = x.shape[-1] // head_dim
+    if heads is not None and n != heads:
+        raise ValueError(f"attention_rlx: {name} has {n} heads of {head_dim}, expected {heads}")
+    return x.reshape(*x.shape[:2], n, head_dim)
+
+
+def attention_rlx(q, k, v, *, num_heads, head_dim, mask_kind="none", window=None, mask=None,
+                  bias=None, scale=None, softcap=None):
+    """``attention`` on RLX's layout: q [B, Sq, num_heads * head_dim], k, v
+    [B, Sk, Hkv * head_dim] (rank 2 means B = 1); returns q's layout."""
+    q = jnp.asarray(q)
+    q4 = _from_rlx(q, num_heads, head_dim, "q")
+    k4 = _from_rlx(k, None, head_dim, "k")
+    v4 = _from_rlx(v, None, head_dim, "v")
+    out = attention(q4, k4, v4, mask_kind=mask_kind, window=window, mask=mask, bias=bias,
+                    scale=scale, softcap=softcap)
+    return out.reshape(q.shape)
