@@ -4,6 +4,8 @@ Each works under jit, grad, jvp, vmap and higher orders; reverse mode runs the o
 fused backward kernel (C++ on CPU, CUDA on NVIDIA GPUs) where one is compiled.
 """
 
+from rlx_jax.vjp_rules.attention import attention, attention_backward, attention_rlx
 from rlx_jax.vjp_rules.rms_norm import rms_norm
 
 __all__ = ["rms_norm"]
+__all__ += ["attention", "attention_backward", "attention_rlx"]
