@@ -1,8 +1,12 @@
 """Command line: ``rlx-jax`` / ``python -m rlx_jax``.
 
-    rlx-jax            same as ``rlx-jax info``
-    rlx-jax info       devices, loaded kernels, and an RMSNorm gradient computed with the
-                       compiled kernel checked against the pure-JAX reference
+    rlx-jax                       same as ``rlx-jax info``
+    rlx-jax info                  devices, loaded kernels, and a fused-gradient self-check
+    rlx-jax train                 train the character transformer LM (an RLX graph) on
+                                  Python's standard library sources
+    rlx-jax train --model cnn     train the CNN graph on scikit-learn's digits
+    rlx-jax grad G.json --wrt W   write the gradient graph (RLX JSON) of a saved graph
+    rlx-jax bench                 run the kernel benchmarks (from a source checkout)
 """
 
 from __future__ import annotations
@@ -47,11 +51,144 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _select_device(name: str) -> None:
+    import jax
+
+    if name == "gpu":
+        try:
+            gpus = jax.devices("gpu")
+        except RuntimeError:
+            gpus = []
+        if not gpus:
+            raise CliError("--device gpu: no GPU is visible to JAX (install rlx_jax[cuda13] on a CUDA machine)")
+        jax.config.update("jax_default_device", gpus[0])
+    elif name == "cpu":
+        jax.config.update("jax_default_device", jax.devices("cpu")[0])
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from rlx_jax.models import TransformerConfig
+    from rlx_jax.train.loop import TrainConfig, write_outputs
+    from rlx_jax.train.tasks import train_classifier, train_lm
+
+    _select_device(args.device)
+    for name in ("steps", "batch_size", "seq_len", "layers", "width", "heads"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise CliError(f"--{name.replace('_', '-')} must be positive (got {value})")
+    cfg = TrainConfig(fused=args.fused, seed=args.seed, checkpoint=args.checkpoint, out_dir=args.out,
+                      progress=not args.no_progress)
+    if args.steps is not None:
+        cfg.steps = args.steps
+        cfg.eval_every = max(1, min(cfg.eval_every, args.steps))
+    if args.lr is not None:
+        cfg.lr = args.lr
+    if args.model == "transformer":
+        if args.batch_size:
+            cfg.batch_size = args.batch_size
+        mc = TransformerConfig(seq_len=args.seq_len or 64, layers=args.layers or 2, width=args.width or 128,
+                               heads=args.heads or 4)
+        print(f"rlx-jax train: transformer LM, {mc.layers} layers, width {mc.width}, {mc.heads} heads, "
+              f"seq {mc.seq_len}, batch {cfg.batch_size}, {cfg.steps} steps, "
+              f"{'fused kernels' if cfg.fused else 'plain XLA autodiff (--no-fused)'}, device {args.device}", flush=True)
+        record = train_lm(cfg, mc)
+    else:
+        cfg.batch_size = args.batch_size or 64
+        if args.steps is None:
+            cfg.steps = 600
+        cfg.lr = args.lr or 2e-3
+        cfg.eval_every = min(200, cfg.steps)
+        print(f"rlx-jax train: {args.model} on scikit-learn digits, batch {cfg.batch_size}, {cfg.steps} steps, "
+              f"{'fused kernels' if cfg.fused else 'plain XLA autodiff (--no-fused)'}", flush=True)
+        record = train_classifier(cfg, args.model)
+    tag = f"{record['model']}{'' if cfg.fused else '_nofused'}"
+    paths = write_outputs(record, cfg.out_dir, tag)
+    last = record["evals"][-1] if record["evals"] else {}
+    if "heldout_loss" in last:
+        print(f"held-out loss {last['heldout_loss']:.3f} nats/char (unigram baseline "
+              f"{record['unigram_baseline']:.3f}); {record['tokens_per_s'] or 0:,.0f} tokens/s")
+    if "test_accuracy" in last:
+        print(f"test accuracy {last['test_accuracy'] * 100:.2f}% (loss {last['test_loss']:.3f})")
+    if record.get("sample") is not None:
+        print("--- sample (prompt from held-out text, then generated) ---")
+        print(record["sample_prompt"] + "\u2502" + record["sample"])
+        print("---")
+    print(f"log: {paths['log']}  loss curve: {paths['plot']}")
+    return 130 if record["interrupted"] else 0
+
+
+def cmd_grad(args: argparse.Namespace) -> int:
+    import rlx_jax
+    from rlx_jax.ir import Graph
+
+    try:
+        text = open(args.graph, encoding="utf-8").read()
+    except OSError as exc:
+        raise CliError(f"cannot read {args.graph}: {exc.strerror}") from exc
+    graph = Graph.from_json(text)
+    options = rlx_jax.GradWithLossOptions.TRAINING if args.training else rlx_jax.GradWithLossOptions.STRICT
+    grad_graph = rlx_jax.grad_with_loss(graph, list(args.wrt), options)
+    out = grad_graph.to_json()
+    if args.output in (None, "-"):
+        print(out)
+    else:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(out)
+        print(f"wrote the gradient graph ({len(grad_graph)} nodes) to {args.output}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    try:
+        from benchmarks.run import main as bench_main
+    except ImportError as exc:
+        raise CliError("the benchmarks live in the source checkout: run `rlx-jax bench` from the "
+                       "repository root (or `python -m benchmarks.run`)") from exc
+    forwarded = list(args.bench_args)
+    return bench_main(forwarded[1:] if forwarded[:1] == ["--"] else forwarded)
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlx-jax", description="rlx_jax: the RLX gradient compiler on JAX/XLA")
     sub = parser.add_subparsers(dest="command")
     p_info = sub.add_parser("info", help="devices, loaded kernels, and a fused-gradient self-check")
     p_info.set_defaults(func=cmd_info)
+
+    p_train = sub.add_parser("train", help="train a model graph (default: the character transformer LM)")
+    p_train.add_argument("--model", choices=["transformer", "cnn", "mlp"], default="transformer")
+    p_train.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    p_train.add_argument("--steps", type=int, default=None, help="default 400 (transformer), 600 (cnn/mlp)")
+    p_train.add_argument("--batch-size", type=int, default=None, help="default 16 (transformer), 64 (cnn/mlp)")
+    p_train.add_argument("--seq-len", type=int, default=None, help="transformer context length (default 64)")
+    p_train.add_argument("--layers", type=int, default=None, help="transformer layers (default 2)")
+    p_train.add_argument("--width", type=int, default=None, help="transformer width (default 128)")
+    p_train.add_argument("--heads", type=int, default=None, help="transformer heads (default 4)")
+    p_train.add_argument("--lr", type=float, default=None, help="peak learning rate")
+    p_train.add_argument("--seed", type=int, default=0)
+    p_train.add_argument("--fused", dest="fused", action="store_true", default=True,
+                         help="fused backward kernels (default)")
+    p_train.add_argument("--no-fused", dest="fused", action="store_false",
+                         help="plain XLA autodiff of the reference maths, for comparison")
+    p_train.add_argument("--checkpoint", metavar="DIR", default=None,
+                         help="save here every 100 steps, on Ctrl-C and at the end; resume from it if present")
+    p_train.add_argument("--out", metavar="DIR", default="rlx_jax_runs", help="where the JSON log and loss plot go")
+    p_train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p_train.set_defaults(func=cmd_train)
+
+    p_grad = sub.add_parser("grad", help="write the gradient graph of a saved RLX graph (JSON)")
+    p_grad.add_argument("graph", help="an RLX graph in RLX serde JSON (saved by rlx_jax or Rust RLX)")
+    p_grad.add_argument("--wrt", nargs="+", required=True, help="names of the params/inputs to differentiate")
+    p_grad.add_argument("-o", "--output", default=None, help="output file (default: standard output)")
+    p_grad.add_argument("--training", action="store_true", help="zero gradients for unreachable wrt (TRAINING)")
+    p_grad.set_defaults(func=cmd_grad)
+
+    p_bench = sub.add_parser("bench", help="run the kernel benchmarks (options as python -m benchmarks.run)")
+    p_bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    p_bench.set_defaults(func=cmd_bench)
     return parser
 
 
@@ -60,7 +197,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         args = parser.parse_args(["info"])
-    return args.func(args)
+    from rlx_jax.ir import GraphError
+
+    try:
+        return args.func(args)
+    except CliError as exc:
+        print(f"rlx-jax: error: {exc}", file=sys.stderr)
+        return 2
+    except (GraphError, ValueError, TypeError, FileNotFoundError, FloatingPointError) as exc:
+        print(f"rlx-jax {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ mode through the fused backward, and higher orders, from one definition.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from functools import partial
 from typing import Callable, Iterable, Sequence
 
@@ -40,6 +42,28 @@ KERNEL_DTYPES = {
 }
 
 
+_FUSED = threading.local()
+
+
+def fused_ops_enabled() -> bool:
+    return getattr(_FUSED, "enabled", True)
+
+
+@contextlib.contextmanager
+def fused_ops(enabled: bool):
+    """Within this context (per thread, at trace time), fused ops bind their primitives
+    (``enabled=True``, the default) or run their pure-JAX references directly, so JAX
+    differentiates the reference maths itself (``enabled=False``: plain XLA autodiff, the
+    baseline the fused kernels are compared with). jit caches do not see this switch:
+    trace a function under the setting it should keep."""
+    previous = fused_ops_enabled()
+    _FUSED.enabled = bool(enabled)
+    try:
+        yield
+    finally:
+        _FUSED.enabled = previous
+
+
 def instantiate(tangents: Iterable, primals: Iterable) -> list:
     """Symbolic-zero tangents -> explicit zeros shaped like their primals."""
     out = []
@@ -58,7 +82,10 @@ class FusedPrimitive:
     """A multiple-results primitive named ``name`` computing ``reference(*args, **params)``.
 
     ``kernel(*args, **params)`` (optional) emits the ``jax.ffi.ffi_call`` of FFI target
-    ``target``; it is used on a platform when the target is registered there and
+    ``target``; it may also be a dict ``{platform: kernel}`` when a platform's call
+    differs (the CUDA backward kernels request an extra scratch result, say); a platform
+    missing from the dict lowers the reference. A kernel is used on a platform when the
+    target is registered there and
     ``kernel_ok(*avals, **params)`` (default: every floating operand has a dtype in
     ``KERNEL_DTYPES[platform]``) accepts the operands.
     """
@@ -69,7 +96,7 @@ class FusedPrimitive:
         reference: Callable,
         *,
         target: str | None = None,
-        kernel: Callable | None = None,
+        kernel: Callable | dict[str, Callable] | None = None,
         kernel_ok: Callable | None = None,
         platforms: Sequence[str] = ("cpu", "cuda"),
     ):
@@ -85,13 +112,16 @@ class FusedPrimitive:
         mlir.register_lowering(p, self._lowering(None))
         if kernel is not None:
             for platform in platforms:
-                mlir.register_lowering(p, self._lowering(platform), platform=platform)
+                if self._kernel_for(platform) is not None:
+                    mlir.register_lowering(p, self._lowering(platform), platform=platform)
         ad.primitive_jvps[p] = self._reference_jvp
         batching.primitive_batchers[p] = self._reference_batch
         self.p = p
 
     # -- binding ------------------------------------------------------------------
     def __call__(self, *args, **params):
+        if not fused_ops_enabled():
+            return self.reference(*args, **params)
         return self.p.bind(*args, **params)
 
     # -- default rules ------------------------------------------------------------
@@ -100,8 +130,13 @@ class FusedPrimitive:
         out = jax.eval_shape(partial(self.reference, **params), *specs)
         return [ShapedArray(o.shape, o.dtype) for o in out]
 
+    def _kernel_for(self, platform: str | None) -> Callable | None:
+        if isinstance(self.kernel, dict):
+            return self.kernel.get(platform)
+        return self.kernel
+
     def _use_kernel(self, platform: str | None, avals, params) -> bool:
-        if platform is None or self.kernel is None or not has_kernel(platform, self.target):
+        if platform is None or self._kernel_for(platform) is None or not has_kernel(platform, self.target):
             return False
         if self.kernel_ok is not None:
             return bool(self.kernel_ok(*avals, **params))
@@ -110,7 +145,8 @@ class FusedPrimitive:
 
     def _lowering(self, platform: str | None):
         def lower(ctx, *args, **params):
-            fn = self.kernel if self._use_kernel(platform, ctx.avals_in, params) else self.reference
+            use = self._use_kernel(platform, ctx.avals_in, params)
+            fn = self._kernel_for(platform) if use else self.reference
             return mlir.lower_fun(partial(fn, **params), multiple_results=True)(ctx, *args)
 
         return lower

@@ -1,0 +1,67 @@
+"""Checkpoints in a documented, code-free format (no pickle anywhere).
+
+A checkpoint is a directory holding
+- ``state.json``: the step, the run's configuration and its history (plain JSON);
+- ``arrays.npz``: every array leaf of the training state (parameters and optimiser
+  state), stored as ``leaf_00000``, ``leaf_00001``, ... in ``jax.tree_util`` flattening
+  order of the state; loaded with ``allow_pickle=False``.
+Restoring needs a template state of the same structure (a freshly initialised one): its
+tree structure tells where each leaf goes, and shapes and dtypes are checked.
+The directory is written to a temporary name and renamed, so an interruption never
+leaves a half-written checkpoint behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+
+import jax
+import numpy as np
+
+
+def save(directory, state, meta: dict) -> None:
+    directory = pathlib.Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    leaves = jax.tree_util.tree_leaves(state)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=directory.name + ".tmp-", dir=directory.parent))
+    try:
+        np.savez(tmp / "arrays.npz", **{f"leaf_{i:05d}": np.asarray(leaf) for i, leaf in enumerate(leaves)})
+        (tmp / "state.json").write_text(json.dumps(meta, indent=1))
+        if directory.exists():
+            old = directory.with_name(directory.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(directory, old)
+            os.replace(tmp, directory)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def exists(directory) -> bool:
+    return (pathlib.Path(directory) / "state.json").is_file()
+
+
+def load(directory, template):
+    """(state shaped like ``template``, meta dict). Raises ValueError on any mismatch."""
+    directory = pathlib.Path(directory)
+    meta = json.loads((directory / "state.json").read_text())
+    leaves, treedef = jax.tree_util.tree_flatten(template)
+    with np.load(directory / "arrays.npz", allow_pickle=False) as arrays:
+        if len(arrays.files) != len(leaves):
+            raise ValueError(f"checkpoint {directory} holds {len(arrays.files)} arrays, the model needs {len(leaves)}")
+        restored = []
+        for i, ref in enumerate(leaves):
+            a = arrays[f"leaf_{i:05d}"]
+            ref = np.asarray(ref)
+            if a.shape != ref.shape or a.dtype != ref.dtype:
+                raise ValueError(
+                    f"checkpoint {directory}: array {i} is {a.dtype}{list(a.shape)}, expected {ref.dtype}{list(ref.shape)}"
+                )
+            restored.append(a)
+    return jax.tree_util.tree_unflatten(treedef, restored), meta
