@@ -219,3 +219,14 @@ def test_pyrlx_only_graph():
     assert len(g) > 60 and repr(g).startswith("<rlx_jax.Graph 'pyrlx_mlp'")
     g.verify()
     assert rlx.Graph.from_json(g.to_json()) == g
+
+
+def test_numpy_ids_and_named_reshape():
+    g = Graph("np")
+    x = g.input("x", ["batch", 3, 4], "f32")
+    y = g.reshape(x, ["batch", 12])
+    assert g.shape_of(np.int64(y)) == (["batch", 12], "f32")
+    assert g.node(y).op.new_shape == (-1, 12)
+    z = g.transpose(np.int32(y), np.array([1, 0]))
+    g.set_outputs(np.array([y, z]))
+    assert g.outputs == [1, 2] and all(type(o) is int for o in g.outputs)

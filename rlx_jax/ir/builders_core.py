@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 from .dtypes import DType
 from .errors import GraphError, OpFault, node_error
 from .op import ActivationKind, BinaryOp, CmpOp, ReduceOp
-from .shape import Shape, as_dim
+from .shape import Dynamic, Shape, as_dim
 
 
 class BuilderBase:
@@ -337,10 +337,12 @@ class CoreBuilders(BuilderBase):
 
     # -- shape ops ---------------------------------------------------------------
     def reshape(self, x: int, new_shape) -> int:
-        """Reshape (one -1 allowed: inferred, or the dynamic dim)."""
+        """Reshape (one -1 allowed: inferred, or the input's dynamic dim; a dimension
+        name in ``new_shape`` is written as -1, as RLX does)."""
         from .ops_shape import Reshape
 
-        return self._build(Reshape, (x,), new_shape=tuple(new_shape))
+        tgt = tuple(-1 if isinstance(d, (str, Dynamic)) else d for d in new_shape)
+        return self._build(Reshape, (x,), new_shape=tgt)
 
     def transpose(self, x: int, perm) -> int:
         from .ops_shape import Transpose

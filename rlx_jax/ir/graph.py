@@ -10,6 +10,7 @@ both. The builders (pyrlx surface and one per op) come from the ``builders_*`` m
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Optional
 
 from .builders_backward import BackwardBuilders
@@ -52,11 +53,15 @@ class Graph(CoreBuilders, NNBuilders, SignalBuilders, BackwardBuilders, ControlB
     # -- core ------------------------------------------------------------------
     def node(self, id: int) -> Node:
         """The node with id ``id`` (GraphError when there is none)."""
-        if isinstance(id, bool) or not isinstance(id, int) or not 0 <= id < len(self.nodes):
+        try:
+            i = operator.index(id) if not isinstance(id, bool) else None
+        except TypeError:
+            i = None
+        if i is None or not 0 <= i < len(self.nodes):
             raise GraphError(
                 f"graph {self.name!r}: no node %{id} (graph has {len(self.nodes)} nodes)"
             )
-        return self.nodes[id]
+        return self.nodes[i]
 
     def shape(self, id: int) -> Shape:
         return self.node(id).shape
@@ -69,8 +74,8 @@ class Graph(CoreBuilders, NNBuilders, SignalBuilders, BackwardBuilders, ControlB
         if not isinstance(op, Op):
             raise GraphError(f"node %{new_id}: op must be an rlx_jax.ir.Op, got {type(op).__name__}")
         try:
-            inputs = tuple(int(i) if not isinstance(i, bool) else i for i in inputs)
-        except (TypeError, ValueError):
+            inputs = tuple(operator.index(i) if not isinstance(i, bool) else i for i in inputs)
+        except TypeError:
             raise node_error(new_id, op.op_name, name, f"inputs must be node ids, got {inputs!r}") from None
         if shape is not None and not isinstance(shape, Shape):
             raise node_error(new_id, op.op_name, name, f"shape must be a Shape, got {shape!r}")
@@ -89,13 +94,20 @@ class Graph(CoreBuilders, NNBuilders, SignalBuilders, BackwardBuilders, ControlB
 
     def set_outputs(self, ids) -> None:
         """Set the graph outputs (node ids, in order)."""
-        ids = list(ids)
+        if isinstance(ids, int):
+            ids = [ids]
+        out = []
         for i in ids:
-            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(self.nodes):
+            try:
+                k = operator.index(i) if not isinstance(i, bool) else -1
+            except TypeError:
+                k = -1
+            if not 0 <= k < len(self.nodes):
                 raise GraphError(
                     f"graph {self.name!r}: output %{i} is not a node (graph has {len(self.nodes)} nodes)"
                 )
-        self.outputs = [int(i) for i in ids]
+            out.append(int(k))
+        self.outputs = out
 
     def shape_of(self, id: int) -> tuple:
         """``(dims, dtype)`` pyrlx-style: ``([3, 'batch'], 'f32')`` (dynamic dims by name)."""
