@@ -151,7 +151,7 @@ def _tangent_transpose(cts, x, gamma, mean, rstd, tx, tg, tb, *, num_groups, eps
     return [None] * 4 + [d if ad.is_undefined_primal(t) else None for d, t in zip((dx, dg, db), (tx, tg, tb))]
 
 
-def _merge_front(args, dims, which):
+def merge_samples(args, dims, which):
     """Moves the batch axis of ``args[i]`` (i in ``which``) to the front, broadcasting
     unbatched ones, and merges it into the sample axis N: [B, N, ...] -> [B*N, ...]."""
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not NOT_MAPPED)
@@ -172,7 +172,7 @@ def _sample_batching(prim, sample_args, param_args):
     def rule(args, dims, **params):
         if any(dims[i] is not NOT_MAPPED for i in param_args):
             return prim._reference_batch(args, dims, **params)
-        merged, size = _merge_front(args, dims, sample_args)
+        merged, size = merge_samples(args, dims, sample_args)
         outs = prim(*merged, **params)
         return [o.reshape(size, o.shape[0] // size, *o.shape[1:]) for o in outs], [0] * len(outs)
 
@@ -191,7 +191,7 @@ def _bwd_batch(args, dims, *, num_groups, eps):
     gradients reduced within each batch element."""
     if dims[1] is not NOT_MAPPED:
         return group_norm_bwd._reference_batch(args, dims, num_groups=num_groups, eps=eps)
-    (x, gamma, mean, rstd, dy), size = _merge_front(args, dims, (0, 2, 3, 4))
+    (x, gamma, mean, rstd, dy), size = merge_samples(args, dims, (0, 2, 3, 4))
     dx, _, _ = group_norm_bwd(x, gamma, mean, rstd, dy, num_groups=num_groups, eps=eps)
     acc = rstd.dtype
     xhat = _xhat(x, mean, rstd, num_groups)

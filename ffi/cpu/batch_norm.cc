@@ -1,0 +1,176 @@
+// BatchNorm in inference mode (running statistics are inputs), fused backward.
+//
+//   x, dy: [N, C, S...] (channel axis 1, S the product of the trailing axes);
+//   gamma, mean, var: [C];  rstd_c = 1 / sqrt(var_c + eps)
+//   y = (x - mean_c) * rstd_c * gamma_c + beta_c
+// Backward:
+//   dx       = dy * gamma_c * rstd_c
+//   dgamma_c = rstd_c * sum_{n, s} dy * (x - mean_c)        dbeta_c = sum_{n, s} dy
+// One read of x and dy. With S > 1 each (n, c) plane is a task unit writing its own two
+// partial sums; with S == 1 ([N, C] inputs) row chunks accumulate [C] partial vectors.
+// The partials are then added over samples / chunks in order (deterministic).
+// (The gradients for mean and var follow from dgamma and dbeta on the Python side.)
+#include <cmath>
+
+#include "cpu/common.h"
+
+namespace rlx {
+namespace {
+
+constexpr int kLanes = 8;
+
+// (sum f(j), sum g(j)) over j < n, on kLanes accumulators added pairwise at the end.
+template <typename A, typename F, typename G>
+inline void lanes_sum2(int64_t n, F&& f, G&& g, A& out_f, A& out_g) {
+  A af[kLanes] = {}, ag[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int k = 0; k < kLanes; ++k) { af[k] += f(j + k); ag[k] += g(j + k); }
+  for (int k = 0; j < n; ++j, ++k) { af[k] += f(j); ag[k] += g(j); }
+  for (int w = kLanes / 2; w > 0; w /= 2)
+    for (int k = 0; k < w; ++k) { af[k] += af[k + w]; ag[k] += ag[k + w]; }
+  out_f = af[0];
+  out_g = ag[0];
+}
+
+template <typename T>
+void batch_norm_inference_bwd_typed(ffi::ThreadPool& pool, const T* x, const T* gamma,
+                                    const T* mean_in, const T* var_in, const T* dy, T* dx,
+                                    T* dgamma, T* dbeta, int64_t n, int64_t c, int64_t s,
+                                    float eps) {
+  using A = typename Accum<T>::type;
+  std::vector<A> mean(c), rstd(c), scale(c);
+  for (int64_t j = 0; j < c; ++j) {
+    mean[j] = load<A>(mean_in[j]);
+    rstd[j] = A(1) / std::sqrt(load<A>(var_in[j]) + A(eps));
+    scale[j] = load<A>(gamma[j]) * rstd[j];
+  }
+  const A* m = mean.data();
+  const A* sc = scale.data();
+  int64_t parts;  // partial sums, laid out [parts, C]
+  std::vector<A> pd, pb;
+  if (s > 1) {
+    parts = n;
+    pd.resize(static_cast<size_t>(n * c));
+    pb.resize(static_cast<size_t>(n * c));
+    const int64_t planes = n * c;
+    const int64_t chunks = row_chunks(planes, s);
+    parallel_for(pool, chunks, [&](int64_t t) {
+      const int64_t p0 = planes * t / chunks, p1 = planes * (t + 1) / chunks;
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t ch = p % c;
+        const T* xp = x + p * s;
+        const T* dyp = dy + p * s;
+        T* dxp = dx + p * s;
+        const A mu = m[ch], k = sc[ch];
+        lanes_sum2<A>(
+            s, [&](int64_t j) { return load<A>(dyp[j]); },
+            [&](int64_t j) { return load<A>(dyp[j]) * (load<A>(xp[j]) - mu); }, pb[p], pd[p]);
+        for (int64_t j = 0; j < s; ++j) dxp[j] = store<T>(load<A>(dyp[j]) * k);
+      }
+    });
+  } else {
+    const int64_t chunks = row_chunks(n, c);
+    parts = chunks;
+    pd.assign(static_cast<size_t>(chunks * c), A(0));
+    pb.assign(static_cast<size_t>(chunks * c), A(0));
+    parallel_for(pool, chunks, [&](int64_t t) {
+      A* pdt = pd.data() + t * c;
+      A* pbt = pb.data() + t * c;
+      const int64_t r0 = n * t / chunks, r1 = n * (t + 1) / chunks;
+      for (int64_t r = r0; r < r1; ++r) {
+        const T* xr = x + r * c;
+        const T* dyr = dy + r * c;
+        T* dxr = dx + r * c;
+        for (int64_t j = 0; j < c; ++j) {
+          const A d = load<A>(dyr[j]);
+          dxr[j] = store<T>(d * sc[j]);
+          pbt[j] += d;
+          pdt[j] += d * (load<A>(xr[j]) - m[j]);
+        }
+      }
+    });
+  }
+  // channel blocks in parallel, partials added in order
+  const int64_t col_tasks = std::max<int64_t>(1, std::min<int64_t>(c / 256, 64));
+  parallel_for(pool, col_tasks, [&](int64_t t) {
+    const int64_t j0 = c * t / col_tasks, j1 = c * (t + 1) / col_tasks;
+    for (int64_t j = j0; j < j1; ++j) {
+      A sd = 0, sb = 0;
+      for (int64_t i = 0; i < parts; ++i) { sd += pd[i * c + j]; sb += pb[i * c + j]; }
+      dgamma[j] = store<T>(sd * rstd[j]);
+      dbeta[j] = store<T>(sb);
+    }
+  });
+}
+
+ffi::Error check_channel(const ffi::AnyBuffer& x, const ffi::AnyBuffer& p, const char* what) {
+  auto d = p.dimensions();
+  const int64_t c = x.dimensions()[1];
+  if (d.size() != 1 || d[0] != c)
+    return invalid(std::string("batch_norm_inference backward: ") + what + " must have shape [" +
+                   std::to_string(c) + "] (the channel axis of x)");
+  if (p.element_type() != x.element_type())
+    return invalid(std::string("batch_norm_inference backward: ") + what + " dtype " +
+                   dtype_name(p.element_type()) + " differs from x dtype " +
+                   dtype_name(x.element_type()));
+  return ffi::Error::Success();
+}
+
+ffi::Error BatchNormInferenceBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
+                                     ffi::AnyBuffer mean, ffi::AnyBuffer var, ffi::AnyBuffer dy,
+                                     ffi::Result<ffi::AnyBuffer> dx,
+                                     ffi::Result<ffi::AnyBuffer> dgamma,
+                                     ffi::Result<ffi::AnyBuffer> dbeta, float eps) {
+  auto d = x.dimensions();
+  if (d.size() < 2) return invalid("batch_norm_inference backward: x must have rank >= 2 ([N, C, ...])");
+  const ffi::AnyBuffer* params[] = {&gamma, &mean, &var, &*dgamma, &*dbeta};
+  const char* names[] = {"gamma", "mean", "var", "dgamma", "dbeta"};
+  for (int i = 0; i < 5; ++i)
+    if (auto e = check_channel(x, *params[i], names[i]); e.failure()) return e;
+  if (!same_dims(x, dy) || dy.element_type() != x.element_type())
+    return invalid("batch_norm_inference backward: dy must match x in shape and dtype");
+  if (!same_dims(x, *dx) || dx->element_type() != x.element_type())
+    return invalid("batch_norm_inference backward: dx must match x");
+  if (!(eps >= 0.0f)) return invalid("batch_norm_inference backward: eps must be >= 0");
+  const int64_t n = d[0], c = d[1];
+  int64_t s = 1;
+  for (size_t i = 2; i < d.size(); ++i) s *= d[i];
+  if (c == 0) return ffi::Error::Success();
+  bool ok = dispatch_float(x.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    T* dg = static_cast<T*>(dgamma->untyped_data());
+    T* db = static_cast<T*>(dbeta->untyped_data());
+    if (n == 0 || s == 0) {  // nothing to sum: parameter gradients are zero
+      for (int64_t j = 0; j < c; ++j) { dg[j] = store<T>(0.0f); db[j] = store<T>(0.0f); }
+      return;
+    }
+    batch_norm_inference_bwd_typed<T>(
+        pool, static_cast<const T*>(x.untyped_data()), static_cast<const T*>(gamma.untyped_data()),
+        static_cast<const T*>(mean.untyped_data()), static_cast<const T*>(var.untyped_data()),
+        static_cast<const T*>(dy.untyped_data()), static_cast<T*>(dx->untyped_data()), dg, db, n, c,
+        s, eps);
+  });
+  if (!ok)
+    return invalid("batch_norm_inference backward: unsupported dtype " + dtype_name(x.element_type()));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxBatchNormInferenceBwd, BatchNormInferenceBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x [N, C, ...]
+                                  .Arg<ffi::AnyBuffer>()  // gamma [C]
+                                  .Arg<ffi::AnyBuffer>()  // mean [C]
+                                  .Arg<ffi::AnyBuffer>()  // var [C]
+                                  .Arg<ffi::AnyBuffer>()  // dy
+                                  .Ret<ffi::AnyBuffer>()  // dx
+                                  .Ret<ffi::AnyBuffer>()  // dgamma
+                                  .Ret<ffi::AnyBuffer>()  // dbeta
+                                  .Attr<float>("eps"));
+
+RLX_REGISTER_HANDLER("rlx_batch_norm_inference_bwd", RlxBatchNormInferenceBwd);
+
+}  // namespace rlx
