@@ -1,0 +1,16 @@
+"""Graph-level autodiff (API.md section 3): every transform returns an ordinary RLX
+graph (printable, serialisable, runnable with ``to_jax`` / ``Session``, differentiable
+again).
+
+* :func:`grad_with_loss` / :func:`grad`: reverse mode with RLX's backward ops;
+* :func:`jvp`: forward mode, outputs ``[primals..., tangents...]``, inputs
+  ``tangent_<name>``;
+* :func:`hvp`: Hessian-vector products;
+* :func:`vmap`: a leading batch axis on chosen inputs;
+* :func:`jacfwd`: a full Jacobian from a compiled jvp graph (pyrlx's helper).
+"""
+
+from .reverse import GradWithLossOptions, grad, grad_with_loss
+from .table import VJP_RULES, has_vjp_rule, vjp_rule
+
+__all__ = ["GradWithLossOptions", "grad", "grad_with_loss", "vjp_rule", "VJP_RULES", "has_vjp_rule"]

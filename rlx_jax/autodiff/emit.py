@@ -1,0 +1,213 @@
+"""Small graph-building helpers shared by the VJP rules and the graph transforms.
+
+Every helper appends nodes to ``g`` (an :class:`rlx_jax.ir.Graph`) and returns the new
+node id. Shapes are inferred by the IR's shape rules; dynamic dims are kept (reshape
+and expand targets write them as -1).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rlx_jax.ir import DType, Dynamic, GraphError, Shape
+from rlx_jax.ir.ops_elementwise import Binary, Compare, Where, Activation, Cast
+from rlx_jax.ir.ops_leaf import Constant
+from rlx_jax.ir.ops_reduce import Reduce
+from rlx_jax.ir.ops_shape import Expand, Reshape, Transpose
+from rlx_jax.ir.op import ActivationKind, BinaryOp, CmpOp, ReduceOp
+
+
+def shape(g, i) -> Shape:
+    return g.node(i).shape
+
+
+def dims(g, i) -> tuple:
+    return tuple(g.node(i).shape.dims)
+
+
+def dtype(g, i) -> DType:
+    return g.node(i).shape.dtype
+
+
+def is_float(dt: DType) -> bool:
+    """Dtypes that carry gradients (floats and c64)."""
+    return dt in (DType.F32, DType.F16, DType.BF16, DType.F64, DType.C64)
+
+
+def is_static(ds) -> bool:
+    return all(isinstance(d, int) for d in ds)
+
+
+def target(ds) -> tuple:
+    """Dims as a Reshape/Expand target (-1 for a dynamic dim)."""
+    return tuple(-1 if isinstance(d, Dynamic) else int(d) for d in ds)
+
+
+def scalar(g, value, dt: DType) -> int:
+    """A rank-0 constant of dtype ``dt``."""
+    arr = np.asarray(value, dtype=dt.to_numpy())
+    return g._add_node(Constant(data=np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<")).tobytes()),
+                       (), Shape((), dt))
+
+
+def const(g, array, dt: DType) -> int:
+    arr = np.asarray(array, dtype=dt.to_numpy())
+    return g._add_node(Constant(data=np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<")).tobytes()),
+                       (), Shape(arr.shape, dt))
+
+
+def zeros(g, s: Shape) -> int:
+    """Zeros of shape ``s`` (a Constant when static, else a select against ``like``)."""
+    if is_static(s.dims):
+        return const(g, np.zeros(s.dims, s.dtype.to_numpy()), s.dtype)
+    raise GraphError(f"cannot build zeros of dynamic shape {s} without a reference node")
+
+
+def zeros_like(g, x) -> int:
+    s = shape(g, x)
+    if is_static(s.dims):
+        return zeros(g, s)
+    f = scalar(g, False, DType.Bool)
+    return where(g, f, x, scalar(g, 0, s.dtype))
+
+
+def binary(g, op: BinaryOp, a, b) -> int:
+    return g._add_node(Binary(op=op), (a, b))
+
+
+def add(g, a, b):
+    return binary(g, BinaryOp.Add, a, b)
+
+
+def sub(g, a, b):
+    return binary(g, BinaryOp.Sub, a, b)
+
+
+def mul(g, a, b):
+    return binary(g, BinaryOp.Mul, a, b)
+
+
+def div(g, a, b):
+    return binary(g, BinaryOp.Div, a, b)
+
+
+def pow_(g, a, b):
+    return binary(g, BinaryOp.Pow, a, b)
+
+
+def mul_s(g, a, value: float) -> int:
+    return mul(g, a, scalar(g, value, dtype(g, a)))
+
+
+def add_s(g, a, value: float) -> int:
+    return add(g, a, scalar(g, value, dtype(g, a)))
+
+
+def act(g, kind, x) -> int:
+    return g._add_node(Activation(kind=ActivationKind.parse(kind)), (x,))
+
+
+def neg(g, x):
+    return act(g, ActivationKind.Neg, x)
+
+
+def cmp(g, op, a, b) -> int:
+    return g._add_node(Compare(op=CmpOp.parse(op)), (a, b))
+
+
+def where(g, c, a, b) -> int:
+    return g._add_node(Where(), (c, a, b))
+
+
+def cast(g, x, to: DType) -> int:
+    if dtype(g, x) == to:
+        return x
+    return g._add_node(Cast(to=to), (x,))
+
+
+def reduce(g, x, op, axes, keep_dim=False) -> int:
+    axes = tuple(sorted(int(a) for a in axes))
+    if not axes:
+        return x
+    return g._add_node(Reduce(op=ReduceOp.parse(op), axes=axes, keep_dim=keep_dim), (x,))
+
+
+def sum_(g, x, axes, keep_dim=False):
+    return reduce(g, x, ReduceOp.Sum, axes, keep_dim)
+
+
+def reshape(g, x, ds) -> int:
+    if dims(g, x) == tuple(ds):
+        return x
+    return g._add_node(Reshape(new_shape=target(ds)), (x,))
+
+
+def transpose(g, x, perm) -> int:
+    perm = tuple(int(p) for p in perm)
+    if perm == tuple(range(len(perm))):
+        return x
+    return g._add_node(Transpose(perm=perm), (x,))
+
+
+def inverse_perm(perm) -> tuple:
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = i
+    return tuple(inv)
+
+
+def expand(g, x, ds) -> int:
+    if dims(g, x) == tuple(ds):
+        return x
+    return g._add_node(Expand(target_shape=target(ds)), (x,))
+
+
+def broadcast_to(g, x, s: Shape) -> int:
+    """Broadcast ``x`` (numpy rules) to the dims of ``s``."""
+    return expand(g, x, s.dims)
+
+
+def reduce_to(g, grad, s: Shape) -> int:
+    """Unbroadcast: sum ``grad`` over the axes broadcasting added or stretched so it
+    gets the dims of ``s`` (RLX's ``unbroadcast``)."""
+    gs = shape(g, grad)
+    if tuple(gs.dims) == tuple(s.dims):
+        return grad
+    extra = gs.rank - s.rank
+    if extra < 0:
+        # a scalar-like gradient for a bigger operand: broadcast it
+        return expand(g, grad, s.dims)
+    axes = list(range(extra))
+    for i, d in enumerate(s.dims):
+        gd = gs.dims[extra + i]
+        if d == 1 and gd != 1:
+            axes.append(extra + i)
+    cur = grad
+    if axes:
+        cur = sum_(g, cur, axes, keep_dim=True)
+    if tuple(dims(g, cur)) != tuple(s.dims):
+        cur = reshape(g, cur, s.dims)
+    return cur
+
+
+def fit(g, grad, s: Shape) -> int:
+    """Gradient ``grad`` made to match operand shape ``s``: unbroadcast and cast."""
+    cur = reduce_to(g, grad, s)
+    if dtype(g, cur) != s.dtype and is_float(s.dtype):
+        if dtype(g, cur) == DType.C64 and s.dtype != DType.C64:
+            raise GraphError(f"complex gradient for real operand {s}")
+        cur = cast(g, cur, s.dtype)
+    return cur
+
+
+def numel(ds):
+    n = 1
+    for d in ds:
+        if not isinstance(d, int):
+            return None
+        n *= d
+    return n
+
+
+def norm_axis(a: int, rank: int) -> int:
+    return a % rank if rank else a

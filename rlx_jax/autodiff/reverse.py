@@ -1,0 +1,110 @@
+"""Graph-level reverse mode: ``grad_with_loss`` and ``grad`` (RLX semantics).
+
+``grad_with_loss(forward, wrt)`` prepares the graph (see ``prepare.py``), copies it,
+adds an input ``d_output`` shaped like output 0 (the loss), walks the nodes in reverse
+applying each op's VJP rule (``rules_*.py``), sums fan-in with Add, unbroadcasts into
+broadcast operands, and returns a graph whose outputs are ``[loss, aux outputs...,
+d loss / d w for w in wrt]``. STRICT raises a GraphError naming a wrt node that gets
+no gradient; TRAINING gives it zeros.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rlx_jax.ir import Graph, GraphError
+from rlx_jax.ir.ops_leaf import Input
+
+from . import emit as E
+from .prepare import prepare
+from .table import backprop
+
+
+@dataclasses.dataclass(frozen=True)
+class GradWithLossOptions:
+    """``zero_missing_wrt``: a wrt node with no gradient path gets zeros (TRAINING)
+    instead of an error (STRICT)."""
+
+    zero_missing_wrt: bool = False
+
+
+GradWithLossOptions.STRICT = GradWithLossOptions(False)
+GradWithLossOptions.TRAINING = GradWithLossOptions(True)
+
+
+def unique_input_name(g, base: str) -> str:
+    """``base``, or ``base_1``, ``base_2``... when the graph already binds that name
+    (differentiating a gradient graph again)."""
+    name, k = base, 0
+    while g.leaf_id(name) is not None:
+        k += 1
+        name = f"{base}_{k}"
+    return name
+
+
+def resolve_wrt(graph, wrt) -> list:
+    """wrt entries (node ids, or Input/Param names) -> node ids of ``graph``."""
+    if isinstance(wrt, (int, str)):
+        wrt = [wrt]
+    ids = []
+    for w in wrt:
+        if isinstance(w, str):
+            i = graph.leaf_id(w)
+            if i is None:
+                raise GraphError(f"grad_with_loss: graph {graph.name!r} has no input or param named {w!r}")
+            ids.append(i)
+        elif isinstance(w, int) and not isinstance(w, bool) and 0 <= w < len(graph.nodes):
+            ids.append(int(w))
+        else:
+            raise GraphError(f"grad_with_loss: wrt entry {w!r} is not a node of graph {graph.name!r}")
+    return ids
+
+
+def _describe(graph, i) -> str:
+    n = graph.node(i)
+    label = f"%{i} {type(n.op).__name__}"
+    nm = getattr(n.op, "name", None) or n.name
+    return label + (f" {nm!r}" if nm else "")
+
+
+def grad_with_loss(forward: Graph, wrt, options: GradWithLossOptions = GradWithLossOptions.STRICT,
+                   d_output_name: str = "d_output") -> Graph:
+    """Reverse-mode gradient graph of ``forward``'s output 0 (see the module doc)."""
+    if not isinstance(forward, Graph):
+        raise TypeError(f"grad_with_loss expects an rlx_jax.Graph, got {type(forward).__name__}")
+    if not forward.outputs:
+        raise GraphError(f"grad_with_loss: graph {forward.name!r} has no output (the loss)")
+    if isinstance(options, bool):
+        options = GradWithLossOptions(options)
+    wrt_ids = resolve_wrt(forward, wrt)
+    prepared, idmap = prepare(forward)
+    g = prepared.copy()
+    g.name = f"{forward.name}_grad"
+    upto = len(g.nodes)
+    loss = g.outputs[0]
+    d = g._add_node(Input(name=unique_input_name(g, d_output_name)), (), g.node(loss).shape,
+                    unique_input_name(g, d_output_name))
+    new_wrt = [idmap[i] for i in wrt_ids]
+    grads = backprop(g, {loss: d}, new_wrt, upto)
+    outs = [loss] + list(g.outputs[1:])
+    for old, i in zip(wrt_ids, new_wrt):
+        gi = grads.get(i)
+        if gi is None or (i == loss and gi == d and False):
+            if not options.zero_missing_wrt:
+                raise GraphError(
+                    f"grad_with_loss: no gradient flows to wrt node {_describe(forward, old)} of graph "
+                    f"{forward.name!r}: the loss does not depend on it (or only through ops without "
+                    "a gradient); use GradWithLossOptions.TRAINING to give it zeros")
+            gi = E.zeros_like(g, i)
+        outs.append(gi)
+    g.set_outputs(outs)
+    return g
+
+
+def grad(forward: Graph, wrt, options: GradWithLossOptions = GradWithLossOptions.STRICT) -> Graph:
+    """pyrlx's ``grad``: ``grad_with_loss`` with outputs ``[loss, grads...]`` (aux
+    outputs dropped)."""
+    g = grad_with_loss(forward, wrt, options)
+    n_aux = len(forward.outputs) - 1
+    g.set_outputs([g.outputs[0]] + g.outputs[1 + n_aux:])
+    return g

@@ -1,0 +1,108 @@
+"""Attention written in primitive ops, for the gradients RLX's AttentionBackward cannot
+give: a logit softcap (the op has no softcap attribute) and the additive bias of mask
+kind Bias (the op yields dq / dk / dv only).
+
+Layouts as RLX: rank 3 ``[B, S, H*D]``; rank 4 ``[B, H, S, D]`` when dim 1 equals
+num_heads, else ``[B, S, H, D]``; grouped kv heads (head h reads kv head h // G).
+Scores ``q.k * scale`` (scale = score_scale or 1/sqrt(D)), then ``c * tanh(s / c)``,
+then the bias / mask, then softmax over keys.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from rlx_jax.ir import DType, GraphError
+
+from . import emit as E
+from .expansion import vjp_via_expansion
+from .rules_linalg import matmul
+
+_NEG = -1e30
+
+
+def _to_bhsd(t, x, num_heads, head_dim, bhsd):
+    ds = E.dims(t, x)
+    if len(ds) == 3:
+        b, s, hd = ds
+        h = hd // head_dim
+        return E.transpose(t, E.reshape(t, x, (b, s, h, head_dim)), (0, 2, 1, 3)), h
+    if bhsd:
+        return x, ds[1]
+    return E.transpose(t, x, (0, 2, 1, 3)), ds[2]
+
+
+def _repeat_heads(t, x, h, hkv):
+    if h == hkv:
+        return x
+    b, _, s, d = E.dims(t, x)
+    rep = h // hkv
+    y = E.reshape(t, x, (b, hkv, 1, s, d))
+    y = E.expand(t, y, (b, hkv, rep, s, d))
+    return E.reshape(t, y, (b, h, s, d))
+
+
+def emit_attention(t, op, q, k, v, extra=None):
+    """Attention output in primitive ops (same layout as q)."""
+    qd = E.dims(t, q)
+    if not all(isinstance(d, int) for d in qd + E.dims(t, k)):
+        raise GraphError("primitive attention needs static shapes")
+    nh, hd = op.num_heads, op.head_dim
+    bhsd = len(qd) == 4 and qd[1] == nh
+    q4, _ = _to_bhsd(t, q, nh, hd, bhsd)
+    k4, hkv = _to_bhsd(t, k, nh, hd, bhsd)
+    v4, _ = _to_bhsd(t, v, nh, hd, bhsd)
+    k4, v4 = _repeat_heads(t, k4, nh, hkv), _repeat_heads(t, v4, nh, hkv)
+    b, _, sq, _ = E.dims(t, q4)
+    sk = E.dims(t, k4)[2]
+    scale = op.score_scale if op.score_scale is not None else 1.0 / math.sqrt(hd)
+    s = E.mul_s(t, matmul(t, q4, E.transpose(t, k4, (0, 1, 3, 2))), float(scale))
+    if op.attn_logit_softcap is not None:
+        c = float(op.attn_logit_softcap)
+        s = E.mul_s(t, E.act(t, "Tanh", E.mul_s(t, s, 1.0 / c)), c)
+    kind = op.mask_kind.kind
+    dt = E.dtype(t, q)
+    if kind == "Bias":
+        s = E.add(t, s, extra)
+    vis = None
+    if kind in ("Causal", "SlidingWindow"):
+        i = np.arange(sq)[:, None] + (sk - sq)
+        j = np.arange(sk)[None, :]
+        keep = j <= i
+        if kind == "SlidingWindow":
+            keep &= j >= i - int(op.mask_kind.window)
+        vis = E.const(t, keep, DType.Bool)
+    elif kind == "Custom":
+        m = E.reshape(t, extra, (E.dims(t, extra)[0], 1, 1, sk))
+        vis = E.cmp(t, "Ge", m, E.scalar(t, 0.5, E.dtype(t, extra)))
+    if vis is not None:
+        s = E.where(t, vis, s, E.scalar(t, _NEG, dt))
+    from rlx_jax.ir.ops_reduce import Softmax
+
+    p = t._add_node(Softmax(axis=-1), (s,))
+    o = matmul(t, p, v4)                                     # [B, H, Sq, D]
+    if len(qd) == 3:
+        return E.reshape(t, E.transpose(t, o, (0, 2, 1, 3)), qd)
+    if bhsd:
+        return o
+    return E.transpose(t, o, (0, 2, 1, 3))
+
+
+def _build(node):
+    def build(t, ins):
+        return emit_attention(t, node.op, *ins[:3], ins[3] if len(ins) > 3 else None)
+    return build
+
+
+def attention_softcap_vjp(g, node, dy):
+    """dq, dk, dv (and d bias) of attention with a logit softcap, in primitives."""
+    n = len(node.inputs)
+    wrt = [0, 1, 2] + ([3] if node.op.mask_kind.kind == "Bias" else [])
+    return vjp_via_expansion(g, node, dy, _build(node), wrt_inputs=wrt)[:n]
+
+
+def attention_bias_grad(g, node, dy):
+    """d bias of mask kind Bias (the softmax's input gradient), in primitives."""
+    return vjp_via_expansion(g, node, dy, _build(node), wrt_inputs=[3])[3]

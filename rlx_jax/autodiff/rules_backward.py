@@ -1,0 +1,365 @@
+"""VJP rules of RLX's backward ops, so that a gradient graph can be differentiated
+again (second order, hvp).
+
+Backward ops that are linear in their inputs get direct rules (the gather / conv
+transposes). The others are written in primitive ops (the closed forms of the
+backward table in RLX_IR.md) and differentiated through that expansion
+(:func:`~rlx_jax.autodiff.expansion.vjp_via_expansion`): the backward op itself stays
+in the graph and keeps computing its value; only its derivative is spelled out.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from rlx_jax.ir import DType, GraphError
+from rlx_jax.ir.op import ActivationKind, AttentionBwdWrt
+from rlx_jax.ir.ops_attention import Rope
+from rlx_jax.ir.ops_backward import Conv2dBackwardInput, Conv2dBackwardWeight
+from rlx_jax.ir.ops_conv import Conv, Pool
+from rlx_jax.ir.ops_reduce import Cumsum, Softmax
+from rlx_jax.ir.ops_shape import Gather
+from rlx_jax.ir.op import ReduceOp
+
+from . import emit as E
+from .expansion import vjp_via_expansion
+from .table import backprop, vjp_rule
+
+
+def _expanding(build):
+    """A VJP rule differentiating ``build(t, op, ins) -> out``."""
+    def rule(g, node, dy):
+        return vjp_via_expansion(g, node, dy, lambda t, ins: build(t, node.op, ins))
+    return rule
+
+
+# -- elementwise --------------------------------------------------------------------
+
+def activation_derivative(t, kind, x):
+    """``f'(x)`` for an RLX activation, in primitive ops."""
+    k = ActivationKind.parse(kind)
+    dt = E.dtype(t, x)
+
+    def s(v):
+        return E.scalar(t, v, dt)
+
+    if k is ActivationKind.Gelu:
+        # Phi(x) = gelu(x) / x (1/2 at 0), phi(x) = exp(-x^2/2) / sqrt(2 pi)
+        is0 = E.cmp(t, "Eq", x, s(0))
+        safe = E.where(t, is0, s(1), x)
+        cdf = E.where(t, is0, s(0.5), E.div(t, E.act(t, k, x), safe))
+        pdf = E.mul_s(t, E.act(t, "Exp", E.mul_s(t, E.mul(t, x, x), -0.5)), 1.0 / math.sqrt(2 * math.pi))
+        return E.add(t, cdf, E.mul(t, x, pdf))
+    if k is ActivationKind.GeluApprox:
+        c = math.sqrt(2.0 / math.pi)
+        x2 = E.mul(t, x, x)
+        u = E.mul_s(t, E.add(t, x, E.mul_s(t, E.mul(t, x2, x), 0.044715)), c)
+        th = E.act(t, "Tanh", u)
+        one_m = E.sub(t, s(1), E.mul(t, th, th))
+        du = E.mul_s(t, E.add_s(t, E.mul_s(t, x2, 3 * 0.044715), 1.0), c)
+        return E.add(t, E.mul_s(t, E.add_s(t, th, 1.0), 0.5), E.mul_s(t, E.mul(t, E.mul(t, x, one_m), du), 0.5))
+    if k is ActivationKind.Silu:
+        sg = E.act(t, "Sigmoid", x)
+        return E.mul(t, sg, E.add_s(t, E.mul(t, x, E.sub(t, s(1), sg)), 1.0))
+    if k is ActivationKind.Sigmoid:
+        sg = E.act(t, "Sigmoid", x)
+        return E.mul(t, sg, E.sub(t, s(1), sg))
+    if k is ActivationKind.Tanh:
+        th = E.act(t, "Tanh", x)
+        return E.sub(t, s(1), E.mul(t, th, th))
+    if k is ActivationKind.Exp:
+        return E.act(t, "Exp", x)
+    if k is ActivationKind.Log:
+        return E.div(t, s(1), x)
+    if k is ActivationKind.Sqrt:
+        return E.div(t, s(0.5), E.act(t, "Sqrt", x))
+    if k is ActivationKind.Rsqrt:
+        r = E.act(t, "Rsqrt", x)
+        return E.mul_s(t, E.mul(t, E.mul(t, r, r), r), -0.5)
+    if k is ActivationKind.Neg:
+        return s(-1)
+    if k is ActivationKind.Abs:
+        return E.where(t, E.cmp(t, "Gt", x, s(0)), s(1), E.where(t, E.cmp(t, "Lt", x, s(0)), s(-1), s(0)))
+    if k is ActivationKind.Sin:
+        return E.act(t, "Cos", x)
+    if k is ActivationKind.Cos:
+        return E.neg(t, E.act(t, "Sin", x))
+    if k is ActivationKind.Tan:
+        tn = E.act(t, "Tan", x)
+        return E.add_s(t, E.mul(t, tn, tn), 1.0)
+    if k is ActivationKind.Atan:
+        return E.div(t, s(1), E.add_s(t, E.mul(t, x, x), 1.0))
+    if k is ActivationKind.Relu:
+        return E.where(t, E.cmp(t, "Gt", x, s(0)), s(1), s(0))
+    if k is ActivationKind.Round:
+        return s(1)
+    raise GraphError(f"no derivative for activation {k}")
+
+
+@vjp_rule("ActivationBackward")
+def _act_bwd(g, node, dy):
+    def build(t, ins):
+        x, d = ins
+        return E.expand(t, E.mul(t, d, activation_derivative(t, node.op.kind, x)), E.dims(t, x))
+    return vjp_via_expansion(g, node, dy, build)
+
+
+@vjp_rule("ReluBackward")
+def _relu_bwd(g, node, dy):
+    def build(t, ins):
+        x, d = ins
+        return E.where(t, E.cmp(t, "Gt", x, E.scalar(t, 0, E.dtype(t, x))), d, E.scalar(t, 0, E.dtype(t, d)))
+    return vjp_via_expansion(g, node, dy, build)
+
+
+# -- norms ----------------------------------------------------------------------------
+
+def _norm_axes(t, x, axis):
+    r = E.shape(t, x).rank
+    a = E.norm_axis(axis, r)
+    return a, tuple(range(a, r))
+
+
+def _ln_stats(t, x, axes, eps):
+    mean = E.reduce(t, x, "Mean", axes, True)
+    xc = E.sub(t, x, mean)
+    var = E.reduce(t, E.mul(t, xc, xc), "Mean", axes, True)
+    rstd = E.act(t, "Rsqrt", E.add_s(t, var, eps))
+    return E.mul(t, xc, rstd), rstd
+
+
+def _centre(t, v, axes):
+    """``v - mean(v)`` over ``axes`` (keep dims)."""
+    return E.sub(t, v, E.reduce(t, v, "Mean", axes, True))
+
+
+def ln_input_grad(t, x, gdy, axes, eps):
+    xhat, rstd = _ln_stats(t, x, axes, eps)
+    m2 = E.reduce(t, E.mul(t, gdy, xhat), "Mean", axes, True)
+    return E.mul(t, rstd, E.sub(t, _centre(t, gdy, axes), E.mul(t, xhat, m2)))
+
+
+def _ln_bwd_input(t, op, ins):
+    x, gamma, dy = ins
+    _, axes = _norm_axes(t, x, op.axis)
+    return ln_input_grad(t, x, E.mul(t, dy, gamma), axes, op.eps)
+
+
+def _ln_bwd_gamma(t, op, ins):
+    x, dy = ins
+    a, axes = _norm_axes(t, x, op.axis)
+    xhat, _ = _ln_stats(t, x, axes, op.eps)
+    return E.sum_(t, E.mul(t, dy, xhat), tuple(range(a)))
+
+
+def _rms_r(t, x, axes, eps):
+    ms = E.reduce(t, E.mul(t, x, x), "Mean", axes, True)
+    return E.act(t, "Rsqrt", E.add_s(t, ms, eps))
+
+
+def _rms_bwd_input(t, op, ins):
+    x, gamma, beta, dy = ins
+    _, axes = _norm_axes(t, x, op.axis)
+    r = _rms_r(t, x, axes, op.eps)
+    gdy = E.mul(t, dy, gamma)
+    m = E.reduce(t, E.mul(t, gdy, x), "Mean", axes, True)
+    return E.mul(t, r, E.sub(t, gdy, E.mul(t, E.mul(t, x, E.mul(t, r, r)), m)))
+
+
+def _rms_bwd_gamma(t, op, ins):
+    x, gamma, beta, dy = ins
+    a, axes = _norm_axes(t, x, op.axis)
+    r = _rms_r(t, x, axes, op.eps)
+    return E.sum_(t, E.mul(t, dy, E.mul(t, x, r)), tuple(range(a)))
+
+
+def _rms_bwd_beta(t, op, ins):
+    x, gamma, beta, dy = ins
+    a, _ = _norm_axes(t, x, op.axis)
+    return E.sum_(t, dy, tuple(range(a)))
+
+
+def _grouped(t, v, groups):
+    ds = E.dims(t, v)
+    return E.reshape(t, v, (ds[0], groups, -1) if not E.is_static(ds) else
+                     (ds[0], groups, E.numel(ds[1:]) // groups))
+
+
+def _gn_xhat(t, x, groups, eps):
+    xg = _grouped(t, x, groups)
+    xhat, rstd = _ln_stats(t, xg, (2,), eps)
+    return xhat, rstd
+
+
+def _gn_bwd_input(t, op, ins):
+    x, gamma, beta, dy = ins
+    r = E.shape(t, x).rank
+    c = E.dims(t, x)[1]
+    gdy = E.mul(t, dy, E.reshape(t, gamma, (1, c) + (1,) * (r - 2)))
+    dxg = ln_input_grad(t, _grouped(t, x, op.num_groups), _grouped(t, gdy, op.num_groups), (2,), op.eps)
+    return E.reshape(t, dxg, E.dims(t, x))
+
+
+def _gn_bwd_gamma(t, op, ins):
+    x, dy = ins
+    r = E.shape(t, x).rank
+    xhat, _ = _gn_xhat(t, x, op.num_groups, op.eps)
+    xh = E.reshape(t, xhat, E.dims(t, x))
+    return E.sum_(t, E.mul(t, dy, xh), (0,) + tuple(range(2, r)))
+
+
+def _gn_bwd_beta(t, op, ins):
+    x, dy = ins
+    r = E.shape(t, x).rank
+    return E.sum_(t, dy, (0,) + tuple(range(2, r)))
+
+
+def _chan(t, p, rank):
+    c = E.dims(t, p)[0]
+    return E.reshape(t, p, (1, c) + (1,) * (rank - 2))
+
+
+def _bn_bwd_input(t, op, ins):
+    x, gamma, mean, var, dy = ins
+    r = E.shape(t, x).rank
+    rstd = E.act(t, "Rsqrt", E.add_s(t, var, op.eps))
+    return E.mul(t, dy, _chan(t, E.mul(t, gamma, rstd), r))
+
+
+def _bn_bwd_gamma(t, op, ins):
+    x, mean, var, dy = ins
+    r = E.shape(t, x).rank
+    rstd = E.act(t, "Rsqrt", E.add_s(t, var, op.eps))
+    xh = E.mul(t, E.sub(t, x, _chan(t, mean, r)), _chan(t, rstd, r))
+    return E.sum_(t, E.mul(t, dy, xh), (0,) + tuple(range(2, r)))
+
+
+def _bn_bwd_beta(t, op, ins):
+    (dy,) = ins
+    r = E.shape(t, dy).rank
+    return E.sum_(t, dy, (0,) + tuple(range(2, r)))
+
+
+for _name, _b in (("LayerNormBackwardInput", _ln_bwd_input), ("LayerNormBackwardGamma", _ln_bwd_gamma),
+                  ("RmsNormBackwardInput", _rms_bwd_input), ("RmsNormBackwardGamma", _rms_bwd_gamma),
+                  ("RmsNormBackwardBeta", _rms_bwd_beta),
+                  ("GroupNormBackwardInput", _gn_bwd_input), ("GroupNormBackwardGamma", _gn_bwd_gamma),
+                  ("GroupNormBackwardBeta", _gn_bwd_beta),
+                  ("BatchNormInferenceBackwardInput", _bn_bwd_input),
+                  ("BatchNormInferenceBackwardGamma", _bn_bwd_gamma),
+                  ("BatchNormInferenceBackwardBeta", _bn_bwd_beta)):
+    vjp_rule(_name)(_expanding(_b))
+
+
+# -- position / scans / indexing ----------------------------------------------------------
+
+@vjp_rule("RopeBackward")
+def _rope_bwd(g, node, dy):
+    # dx = rope(dy, cos, -sin) is linear in dy: its transpose is rope(., cos, sin).
+    d, cos, sin = node.inputs
+    return [g._add_node(Rope(head_dim=node.op.head_dim, n_rot=node.op.n_rot), (dy, cos, sin)), None, None]
+
+
+@vjp_rule("CumsumBackward")
+def _cumsum_bwd(g, node, dy):
+    # the transpose of the reverse cumulative sum is the forward cumulative sum
+    return [g._add_node(Cumsum(axis=node.op.axis, exclusive=node.op.exclusive), (dy,))]
+
+
+@vjp_rule("GatherBackward")
+def _gather_bwd(g, node, dy):
+    d, idx = node.inputs
+    return [g._add_node(Gather(axis=E.norm_axis(node.op.axis, node.shape.rank)), (dy, idx)), None]
+
+
+# -- conv / pool ------------------------------------------------------------------------
+
+def _conv_kw(op):
+    return dict(kernel_size=tuple(op.kernel_size), stride=tuple(op.stride), padding=tuple(op.padding),
+                dilation=tuple(op.dilation), groups=op.groups)
+
+
+@vjp_rule("Conv2dBackwardInput")
+def _conv_bwd_input(g, node, dy):
+    # dx = conv^T(d, w) is bilinear: <G, dx> = <conv(G, w), d>
+    d, w = node.inputs
+    kw = _conv_kw(node.op)
+    return [g._add_node(Conv(**kw), (dy, w)), g._add_node(Conv2dBackwardWeight(**kw), (dy, d))]
+
+
+@vjp_rule("Conv2dBackwardWeight")
+def _conv_bwd_weight(g, node, dy):
+    # dw = W^T(x, d): <G, dw> = <conv(x, G), d>
+    x, d = node.inputs
+    kw = _conv_kw(node.op)
+    return [g._add_node(Conv2dBackwardInput(**kw), (d, dy), E.shape(g, x)), g._add_node(Conv(**kw), (x, dy))]
+
+
+@vjp_rule("MaxPool2dBackward")
+def _maxpool_bwd(g, node, dy):
+    """dx = P^T d, P picking each window's maximum: the cotangent of d is P G (each
+    window reads G at its maximum); x gets none (piecewise constant). Written for
+    non-overlapping windows without padding."""
+    x, d = node.inputs
+    op = node.op
+    n, c, h, w = E.dims(g, x)
+    kh, kw = op.kernel_size
+    if tuple(op.stride) != (kh, kw) or any(op.padding) or h % kh or w % kw:
+        raise GraphError(
+            f"node %{node.id} MaxPool2dBackward: second-order gradients are written for "
+            "non-overlapping windows without padding")
+    ho, wo = h // kh, w // kw
+    y = g._add_node(Pool(kind=ReduceOp.Max, kernel_size=(kh, kw), stride=(kh, kw), padding=(0, 0)), (x,))
+    yb = E.reshape(g, E.expand(g, E.reshape(g, y, (n, c, ho, 1, wo, 1)), (n, c, ho, kh, wo, kw)),
+                   (n, c, h, w))
+    hit = E.cmp(g, "Eq", x, yb)
+    sel = E.where(g, hit, dy, E.scalar(g, 0, E.dtype(g, dy)))
+    return [None, E.sum_(g, E.reshape(g, sel, (n, c, ho, kh, wo, kw)), (3, 5))]
+
+
+# -- loss / attention / complex ----------------------------------------------------------
+
+def _xent_bwd(t, op, ins):
+    logits, labels, dl = ins
+    n, c = E.dims(t, logits)
+    dt = E.dtype(t, logits)
+    p = t._add_node(Softmax(axis=-1), (logits,))
+    ldt = E.dtype(t, labels)
+    iota = E.const(t, np.arange(c).reshape(1, c), ldt)
+    hot = E.cast(t, E.cmp(t, "Eq", E.reshape(t, labels, (n, 1)), iota), dt)
+    return E.mul(t, E.sub(t, p, hot), E.reshape(t, dl, (n, 1)))
+
+
+vjp_rule("SoftmaxCrossEntropyBackward")(_expanding(_xent_bwd))
+
+
+@vjp_rule("AttentionBackward")
+def _attention_bwd(g, node, dy):
+    """The attention VJP written in primitives, differentiated again."""
+    from rlx_jax.ir.ops_attention import Attention
+
+    op = node.op
+    fop = Attention(num_heads=op.num_heads, head_dim=op.head_dim, mask_kind=op.mask_kind,
+                    score_scale=None, attn_logit_softcap=None)
+    which = {AttentionBwdWrt.Query: 0, AttentionBwdWrt.Key: 1, AttentionBwdWrt.Value: 2}[op.wrt]
+
+    def build(t, ins):
+        from .rules_attention import emit_attention
+
+        q, k, v, d = ins[:4]
+        extra = ins[4] if len(ins) > 4 else None
+        out = emit_attention(t, fop, q, k, v, extra)
+        grads = backprop(t, {out: d}, [(q, k, v)[which]])
+        return grads[(q, k, v)[which]]
+
+    return vjp_via_expansion(g, node, dy, build, wrt_inputs=[0, 1, 2, 3])
+
+
+def _cns_bwd(t, op, ins):
+    z, gg = ins
+    return E.mul(t, E.cast(t, gg, DType.C64), z)
+
+
+vjp_rule("ComplexNormSqBackward")(_expanding(_cns_bwd))

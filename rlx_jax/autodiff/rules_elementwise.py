@@ -1,0 +1,120 @@
+"""Graph VJP rules: activations, binary arithmetic, select, casts, complex helpers,
+the fused elementwise region.
+
+Complex values follow JAX's cotangent convention (a cotangent is transposed through
+holomorphic ops without conjugation; ``|z|^2`` gives ``2 g conj(z)``), so a graph
+gradient equals ``jax.grad`` of the lowered graph.
+"""
+
+from __future__ import annotations
+
+from rlx_jax.ir.op import ActivationKind, BinaryOp, CmpOp
+from rlx_jax.ir.ops_backward import ActivationBackward, ComplexNormSqBackward, ReluBackward
+from rlx_jax.ir.ops_elementwise import Conjugate
+
+from . import emit as E
+from .expansion import vjp_via_expansion
+from .table import vjp_rule
+
+
+@vjp_rule("Activation")
+def _activation(g, node, dy):
+    (x,) = node.inputs
+    if node.op.kind is ActivationKind.Relu:
+        return [g._add_node(ReluBackward(), (x, dy))]
+    return [g._add_node(ActivationBackward(kind=node.op.kind), (x, dy))]
+
+
+@vjp_rule("Binary")
+def _binary(g, node, dy):
+    a, b = node.inputs
+    op = node.op.op
+    if op is BinaryOp.Add:
+        return [dy, dy]
+    if op is BinaryOp.Sub:
+        return [dy, E.neg(g, dy)]
+    if op is BinaryOp.Mul:
+        return [E.mul(g, dy, b), E.mul(g, dy, a)]
+    if op is BinaryOp.Div:
+        da = E.div(g, dy, b)
+        return [da, E.neg(g, E.mul(g, da, node.id))]
+    if op in (BinaryOp.Max, BinaryOp.Min):
+        # JAX's balanced rule: the larger (smaller) operand takes dy, ties split it.
+        win = E.cmp(g, CmpOp.Gt if op is BinaryOp.Max else CmpOp.Lt, a, b)
+        tie = E.cmp(g, CmpOp.Eq, a, b)
+        zero = E.scalar(g, 0, E.dtype(g, dy))
+        half = E.mul_s(g, dy, 0.5)
+        da = E.where(g, win, dy, E.where(g, tie, half, zero))
+        lose = E.cmp(g, CmpOp.Lt if op is BinaryOp.Max else CmpOp.Gt, a, b)
+        db = E.where(g, lose, dy, E.where(g, tie, half, zero))
+        return [da, db]
+    if op is BinaryOp.Pow:
+        dt = E.dtype(g, dy)
+        zero, one = E.scalar(g, 0, dt), E.scalar(g, 1, dt)
+        # d/da = b * a^(b-1) (0 where b == 0); d/db = y * log(a) (a == 0 -> log 1)
+        da_f = E.mul(g, b, E.pow_(g, a, E.sub(g, b, one)))
+        da_f = E.where(g, E.cmp(g, CmpOp.Eq, b, zero), zero, da_f)
+        safe_a = E.where(g, E.cmp(g, CmpOp.Eq, a, zero), one, a)
+        db_f = E.mul(g, node.id, E.act(g, ActivationKind.Log, safe_a))
+        return [E.mul(g, dy, da_f), E.mul(g, dy, db_f)]
+    raise NotImplementedError(op)
+
+
+@vjp_rule("Where")
+def _where(g, node, dy):
+    c, a, b = node.inputs
+    zero = E.scalar(g, 0, E.dtype(g, dy))
+    return [None, E.where(g, c, dy, zero), E.where(g, c, zero, dy)]
+
+
+@vjp_rule("Cast", "Quantize", "Dequantize")
+def _identity_like(g, node, dy):
+    # Cast: the gradient is cast back (by the sweep); Quantize/Dequantize: straight-through.
+    return [dy]
+
+
+@vjp_rule("ComplexNormSq")
+def _complex_norm_sq(g, node, dy):
+    # RLX's ComplexNormSqBackward gives the Wirtinger g * z; JAX's cotangent is its
+    # conjugate times two: 2 g conj(z).
+    (z,) = node.inputs
+    w = g._add_node(ComplexNormSqBackward(), (z, E.mul_s(g, dy, 2.0)))
+    return [g._add_node(Conjugate(), (w,))]
+
+
+@vjp_rule("Conjugate")
+def _conjugate(g, node, dy):
+    return [g._add_node(Conjugate(), (dy,))]
+
+
+def emit_region(t, op, ins):
+    """Primitive expansion of an ElementwiseRegion chain over region inputs ``ins``."""
+    from rlx_jax.ir.op import ChainOperand  # noqa: F401
+
+    steps = []
+
+    def operand(ref):
+        return ins[ref.index] if ref.kind == "Input" else steps[ref.index]
+
+    for step in op.chain:
+        args = [operand(r) for r in step.operands]
+        if step.kind == "Activation":
+            steps.append(E.act(t, step.attr, args[0]))
+        elif step.kind == "Cast":
+            steps.append(E.cast(t, args[0], step.attr))
+        elif step.kind == "Binary":
+            steps.append(E.binary(t, BinaryOp.parse(step.attr), *args))
+        elif step.kind == "Compare":
+            steps.append(E.cmp(t, step.attr, *args))
+        else:
+            steps.append(E.where(t, *args))
+    return steps[-1]
+
+
+@vjp_rule("ElementwiseRegion")
+def _region(g, node, dy):
+    def build(t, ins):
+        y = emit_region(t, node.op, ins)
+        return E.expand(t, y, node.shape.dims)
+
+    return vjp_via_expansion(g, node, dy, build)

@@ -1,0 +1,142 @@
+"""Graph VJP rules: MatMul, DotGeneral, dense solves, LoRA, grouped (MoE) matmul,
+ScatterAdd."""
+
+from __future__ import annotations
+
+from rlx_jax.ir import Shape
+from rlx_jax.ir.ops_linalg import (
+    BatchedDenseSolve, DenseSolve, DotGeneral, GroupedMatMul, MatMul, ScatterAdd,
+)
+from rlx_jax.ir.ops_shape import Gather
+
+from . import emit as E
+from .table import vjp_rule
+
+
+def matmul(g, a, b):
+    return g._add_node(MatMul(), (a, b))
+
+
+def t_last(g, x):
+    r = E.shape(g, x).rank
+    return E.transpose(g, x, tuple(range(r - 2)) + (r - 1, r - 2))
+
+
+@vjp_rule("MatMul")
+def _matmul(g, node, dy):
+    a, b = node.inputs
+    return [matmul(g, dy, t_last(g, b)), matmul(g, t_last(g, a), dy)]
+
+
+def _dot_transpose(g, dy, other, nb, self_batch, self_contract, other_batch, other_contract,
+                   self_rank, other_rank, free_pos, free_count):
+    """Cotangent of one dot_general operand (``self``) from ``dy`` and the other one.
+
+    ``dy`` dims: [batch (nb), lhs free..., rhs free...]; ``free_pos`` is where the
+    other operand's free dims start in dy and ``free_count`` how many."""
+    other_free = [i for i in range(other_rank) if i not in other_batch and i not in other_contract]
+    dy_free = list(range(free_pos, free_pos + free_count))
+    res = g._add_node(DotGeneral(lhs_contracting=tuple(dy_free), rhs_contracting=tuple(other_free),
+                                 lhs_batch=tuple(range(nb)), rhs_batch=tuple(other_batch)), (dy, other))
+    # result dims: batch, dy's remaining (self free) dims, other's contracting dims
+    # (ascending in other) -> self dims
+    self_free = [i for i in range(self_rank) if i not in self_batch and i not in self_contract]
+    src = list(self_batch) + self_free
+    for j in sorted(other_contract):
+        src.append(self_contract[list(other_contract).index(j)])
+    perm = tuple(src.index(k) for k in range(self_rank))
+    return E.transpose(g, res, perm)
+
+
+@vjp_rule("DotGeneral")
+def _dot_general(g, node, dy):
+    a, b = node.inputs
+    op = node.op
+    ra, rb = E.shape(g, a).rank, E.shape(g, b).rank
+    nb = len(op.lhs_batch)
+    nfa = ra - nb - len(op.lhs_contracting)
+    nfb = rb - nb - len(op.rhs_contracting)
+    da = _dot_transpose(g, dy, b, nb, op.lhs_batch, op.lhs_contracting, op.rhs_batch, op.rhs_contracting,
+                        ra, rb, nb + nfa, nfb)
+    # for rhs: dy's self-free dims come after lhs free ones; contract dy's lhs-free dims
+    db_res = g._add_node(DotGeneral(
+        lhs_contracting=tuple(range(nb, nb + nfa)),
+        rhs_contracting=tuple(i for i in range(ra) if i not in op.lhs_batch and i not in op.lhs_contracting),
+        lhs_batch=tuple(range(nb)), rhs_batch=tuple(op.lhs_batch)), (dy, a))
+    b_free = [i for i in range(rb) if i not in op.rhs_batch and i not in op.rhs_contracting]
+    src = list(op.rhs_batch) + b_free
+    for j in sorted(op.lhs_contracting):
+        src.append(op.rhs_contracting[list(op.lhs_contracting).index(j)])
+    db = E.transpose(g, db_res, tuple(src.index(k) for k in range(rb)))
+    return [da, db]
+
+
+@vjp_rule("DenseSolve")
+def _dense_solve(g, node, dy):
+    a, b = node.inputs
+    x = node.id
+    db = g._add_node(DenseSolve(), (E.transpose(g, a, (1, 0)), dy))
+    if E.shape(g, b).rank == 1:
+        n = E.dims(g, b)[0]
+        da = matmul(g, E.reshape(g, db, (n, 1)), E.reshape(g, x, (1, n)))
+    else:
+        da = matmul(g, db, E.transpose(g, x, (1, 0)))
+    return [E.neg(g, da), db]
+
+
+@vjp_rule("BatchedDenseSolve")
+def _batched_dense_solve(g, node, dy):
+    a, b = node.inputs
+    x = node.id
+    db = g._add_node(BatchedDenseSolve(), (E.transpose(g, a, (0, 2, 1)), dy))
+    if E.shape(g, b).rank == 2:
+        bb, n = E.dims(g, b)
+        da = matmul(g, E.reshape(g, db, (bb, n, 1)), E.reshape(g, x, (bb, 1, n)))
+    else:
+        da = matmul(g, db, E.transpose(g, x, (0, 2, 1)))
+    return [E.neg(g, da), db]
+
+
+@vjp_rule("LoraMatMul")
+def _lora(g, node, dy):
+    """y = x W + s (x A) B."""
+    x, w, a, b = node.inputs
+    s = float(node.op.scale)
+    k = E.dims(g, x)[-1]
+    n = E.dims(g, w)[1]
+    x2 = E.reshape(g, x, (-1, k)) if E.shape(g, x).rank != 2 else x
+    d2 = E.reshape(g, dy, (-1, n)) if E.shape(g, dy).rank != 2 else dy
+    if E.shape(g, x).rank == 1:
+        x2, d2 = E.reshape(g, x, (1, k)), E.reshape(g, dy, (1, n))
+    dbt = matmul(g, dy, t_last_2(g, b))                       # dy B^T  [..., R]
+    dx = E.add(g, matmul(g, dy, t_last_2(g, w)), E.mul_s(g, matmul(g, dbt, t_last_2(g, a)), s))
+    if E.shape(g, x).rank == 1:
+        dx = E.reshape(g, dx, (k,))
+    xt = E.transpose(g, x2, (1, 0))
+    dw = matmul(g, xt, d2)
+    d2bt = matmul(g, d2, t_last_2(g, b))
+    da = E.mul_s(g, matmul(g, xt, d2bt), s)
+    xa = matmul(g, x2, a)
+    db = E.mul_s(g, matmul(g, E.transpose(g, xa, (1, 0)), d2), s)
+    return [dx, dw, da, db]
+
+
+def t_last_2(g, m):
+    return E.transpose(g, m, (1, 0))
+
+
+@vjp_rule("GroupedMatMul")
+def _grouped(g, node, dy):
+    x, w, idx = node.inputs
+    m, k = E.dims(g, x)
+    e, _, n = E.dims(g, w)
+    dx = g._add_node(GroupedMatMul(), (dy, E.transpose(g, w, (0, 2, 1)), idx))
+    outer = matmul(g, E.reshape(g, x, (m, k, 1)), E.reshape(g, dy, (m, 1, n)))
+    dw = g._add_node(ScatterAdd(), (outer, idx), Shape((e, k, n), E.dtype(g, w)))
+    return [dx, dw, None]
+
+
+@vjp_rule("ScatterAdd")
+def _scatter_add(g, node, dy):
+    upd, idx = node.inputs
+    return [g._add_node(Gather(axis=0), (dy, idx)), None]

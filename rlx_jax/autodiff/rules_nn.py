@@ -1,0 +1,212 @@
+"""Graph VJP rules of the fused-op families: norms, attention, RoPE, conv / pool,
+quantisation, FFT, log-mel. Each emits RLX's closed-form backward op(s)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from rlx_jax.ir import GraphError, Shape
+from rlx_jax.ir.op import AttentionBwdWrt, ReduceOp
+from rlx_jax.ir.ops_backward import (
+    AttentionBackward, BatchNormInferenceBackwardBeta, BatchNormInferenceBackwardGamma,
+    BatchNormInferenceBackwardInput, Conv2dBackwardInput, Conv2dBackwardWeight,
+    FakeQuantizeBackward, FakeQuantizeLSQBackwardScale, FakeQuantizeLSQBackwardX,
+    GroupNormBackwardBeta, GroupNormBackwardGamma, GroupNormBackwardInput,
+    LayerNormBackwardGamma, LayerNormBackwardInput, MaxPool2dBackward, RmsNormBackwardBeta,
+    RmsNormBackwardGamma, RmsNormBackwardInput, RopeBackward,
+)
+from rlx_jax.ir.ops_conv import Conv
+from rlx_jax.ir.ops_signal import Fft, LogMelBackward
+
+from . import emit as E
+from .table import vjp_rule
+
+
+# -- norms ---------------------------------------------------------------------------
+
+@vjp_rule("LayerNorm")
+def _layer_norm(g, node, dy):
+    x, gamma, beta = node.inputs
+    ax, eps = node.op.axis, node.op.eps
+    xs = E.shape(g, x)
+    a = E.norm_axis(ax, xs.rank)
+    dx = g._add_node(LayerNormBackwardInput(axis=ax, eps=eps), (x, gamma, dy))
+    dg = g._add_node(LayerNormBackwardGamma(axis=ax, eps=eps), (x, dy))
+    db = E.sum_(g, dy, tuple(range(a)))
+    return [dx, dg, db]
+
+
+@vjp_rule("RmsNorm")
+def _rms_norm(g, node, dy):
+    ins = tuple(node.inputs) + (dy,)
+    kw = dict(axis=node.op.axis, eps=node.op.eps)
+    return [g._add_node(RmsNormBackwardInput(**kw), ins), g._add_node(RmsNormBackwardGamma(**kw), ins),
+            g._add_node(RmsNormBackwardBeta(**kw), ins)]
+
+
+@vjp_rule("GroupNorm")
+def _group_norm(g, node, dy):
+    x, gamma, beta = node.inputs
+    kw = dict(num_groups=node.op.num_groups, eps=node.op.eps)
+    return [g._add_node(GroupNormBackwardInput(**kw), (x, gamma, beta, dy)),
+            g._add_node(GroupNormBackwardGamma(**kw), (x, dy)),
+            g._add_node(GroupNormBackwardBeta(**kw), (x, dy))]
+
+
+def _per_channel(g, p, rank):
+    """[C] -> [1, C, 1, ...] for broadcasting against NC... tensors."""
+    c = E.dims(g, p)[0]
+    return E.reshape(g, p, (1, c) + (1,) * (rank - 2))
+
+
+@vjp_rule("BatchNormInference")
+def _batch_norm(g, node, dy):
+    x, gamma, beta, mean, var = node.inputs
+    eps = node.op.eps
+    r = E.shape(g, x).rank
+    dx = g._add_node(BatchNormInferenceBackwardInput(eps=eps), (x, gamma, mean, var, dy))
+    dg = g._add_node(BatchNormInferenceBackwardGamma(eps=eps), (x, mean, var, dy))
+    db = g._add_node(BatchNormInferenceBackwardBeta(), (dy,))
+    # running statistics: y = (x - m) * gamma * (v + eps)^-1/2 + beta
+    axes = (0,) + tuple(range(2, r))
+    rstd = E.act(g, "Rsqrt", E.add_s(g, var, eps))               # [C]
+    sdy = E.sum_(g, dy, axes)                                      # [C]
+    dmean = E.neg(g, E.mul(g, E.mul(g, sdy, gamma), rstd))
+    xc = E.sub(g, x, _per_channel(g, mean, r))
+    sxdy = E.sum_(g, E.mul(g, dy, xc), axes)                       # [C]
+    r3 = E.mul(g, E.mul(g, rstd, rstd), rstd)
+    dvar = E.mul_s(g, E.mul(g, E.mul(g, sxdy, gamma), r3), -0.5)
+    return [dx, dg, db, dmean, dvar]
+
+
+@vjp_rule("LayerNorm2d")
+def _layer_norm_2d(g, node, dy):
+    """NCHW, normalised over C per position: the LayerNorm backward ops on the NHWC view."""
+    x, gamma, beta = node.inputs
+    eps = node.op.eps
+    xt = E.transpose(g, x, (0, 2, 3, 1))
+    dyt = E.transpose(g, dy, (0, 2, 3, 1))
+    dxt = g._add_node(LayerNormBackwardInput(axis=3, eps=eps), (xt, gamma, dyt))
+    dg = g._add_node(LayerNormBackwardGamma(axis=3, eps=eps), (xt, dyt))
+    return [E.transpose(g, dxt, (0, 3, 1, 2)), dg, E.sum_(g, dy, (0, 2, 3))]
+
+
+# -- attention / position -------------------------------------------------------------
+
+@vjp_rule("Attention")
+def _attention(g, node, dy):
+    op = node.op
+    q, k, v = node.inputs[:3]
+    mask = tuple(node.inputs[3:])
+    if op.attn_logit_softcap is not None:
+        from .rules_attention import attention_softcap_vjp
+
+        return attention_softcap_vjp(g, node, dy)
+    # AttentionBackward uses scale 1/sqrt(head_dim); a score_scale s is honoured by
+    # feeding q * (s * sqrt(head_dim)) and scaling dq by the same factor.
+    c = None
+    if op.score_scale is not None:
+        c = float(op.score_scale) * math.sqrt(op.head_dim)
+        if abs(c - 1.0) < 1e-15:
+            c = None
+    qq = q if c is None else E.mul_s(g, q, c)
+    kw = dict(num_heads=op.num_heads, head_dim=op.head_dim, mask_kind=op.mask_kind)
+    grads = [g._add_node(AttentionBackward(wrt=w, **kw), (qq, k, v, dy) + mask)
+             for w in (AttentionBwdWrt.Query, AttentionBwdWrt.Key, AttentionBwdWrt.Value)]
+    if c is not None:
+        grads[0] = E.mul_s(g, grads[0], c)
+    if op.mask_kind.kind == "Bias":
+        from .rules_attention import attention_bias_grad
+
+        return grads + [attention_bias_grad(g, node, dy)]
+    return grads + [None] * len(mask)
+
+
+@vjp_rule("Rope")
+def _rope(g, node, dy):
+    x, cos, sin = node.inputs
+    return [g._add_node(RopeBackward(head_dim=node.op.head_dim, n_rot=node.op.n_rot), (dy, cos, sin)), None, None]
+
+
+# -- conv / pool ------------------------------------------------------------------------
+
+def _conv_kw(op):
+    return dict(kernel_size=tuple(op.kernel_size), stride=tuple(op.stride), padding=tuple(op.padding),
+                dilation=tuple(op.dilation), groups=op.groups)
+
+
+@vjp_rule("Conv")
+def _conv(g, node, dy):
+    x, w = node.inputs
+    if len(node.op.kernel_size) != 2:
+        raise GraphError(f"node %{node.id} Conv: RLX's backward ops cover 2-D convolution only")
+    kw = _conv_kw(node.op)
+    dx = g._add_node(Conv2dBackwardInput(**kw), (dy, w), E.shape(g, x))
+    dw = g._add_node(Conv2dBackwardWeight(**kw), (x, dy))
+    return [dx, dw]
+
+
+@vjp_rule("ConvTranspose2d")
+def _conv_transpose(g, node, dy):
+    """y = conv_transpose(x, w) is the input-gradient of conv(., w): its VJP w.r.t. x is
+    the direct conv of dy with w, w.r.t. w the conv weight gradient with x as dy."""
+    x, w = node.inputs
+    op = node.op
+    kw = dict(kernel_size=tuple(op.kernel_size), stride=tuple(op.stride), padding=tuple(op.padding),
+              dilation=tuple(op.dilation), groups=op.groups)
+    dx = g._add_node(Conv(**kw), (dy, w))
+    dw = g._add_node(Conv2dBackwardWeight(**kw), (dy, x))
+    return [dx, dw]
+
+
+@vjp_rule("Pool")
+def _pool(g, node, dy):
+    (x,) = node.inputs
+    op = node.op
+    if op.kind is ReduceOp.Max:
+        return [g._add_node(MaxPool2dBackward(kernel_size=tuple(op.kernel_size), stride=tuple(op.stride),
+                                              padding=tuple(op.padding)), (x, dy))]
+    # Mean (count_include_pad): the input gradient of a depthwise conv with weight 1/(kh kw)
+    xs = E.shape(g, x)
+    c = xs.dims[1]
+    if not isinstance(c, int):
+        raise GraphError(f"node %{node.id} Pool Mean: reverse mode needs a static channel dim")
+    kh, kw_ = op.kernel_size
+    w = E.const(g, np.full((c, 1, kh, kw_), 1.0 / (kh * kw_)), xs.dtype)
+    return [g._add_node(Conv2dBackwardInput(kernel_size=(kh, kw_), stride=tuple(op.stride),
+                                            padding=tuple(op.padding), dilation=(1, 1), groups=c),
+                        (dy, w), xs)]
+
+
+# -- quantisation ---------------------------------------------------------------------
+
+@vjp_rule("FakeQuantize")
+def _fake_quantize(g, node, dy):
+    x = node.inputs[0]
+    op = node.op
+    dx = g._add_node(FakeQuantizeBackward(bits=op.bits, axis=op.axis, ste=op.ste), (x, dy))
+    return [dx] + [None] * (len(node.inputs) - 1)
+
+
+@vjp_rule("FakeQuantizeLSQ")
+def _fake_quantize_lsq(g, node, dy):
+    x, s = node.inputs
+    kw = dict(bits=node.op.bits, axis=node.op.axis)
+    return [g._add_node(FakeQuantizeLSQBackwardX(**kw), (x, s, dy)),
+            g._add_node(FakeQuantizeLSQBackwardScale(**kw), (x, s, dy))]
+
+
+# -- signal ------------------------------------------------------------------------------
+
+@vjp_rule("Fft")
+def _fft(g, node, dy):
+    # The DFT matrix is symmetric, so the (JAX-convention) transpose is the same DFT.
+    return [g._add_node(Fft(inverse=node.op.inverse, norm=node.op.norm), (dy,))]
+
+
+@vjp_rule("LogMel")
+def _log_mel(g, node, dy):
+    spec, fb = node.inputs
+    return [g._add_node(LogMelBackward(), (spec, fb, dy)), None]

@@ -1,0 +1,102 @@
+"""The VJP rule table and the reverse sweep shared by every graph transform.
+
+A rule is ``fn(g, node, dy) -> list`` with one entry per input of ``node``: the id of
+the node holding d loss / d input (any broadcastable shape; the sweep unbroadcasts and
+casts it), or ``None`` when no gradient flows to that input. ``g`` already contains
+``node`` (same id) and its inputs; ``dy`` is the id of d loss / d node.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from rlx_jax.ir import GraphError
+
+from . import emit as E
+
+VJP_RULES: dict[str, Callable] = {}
+
+#: ops through which no gradient flows (RLX: Compare, TopK, Sample, RNG, StopGradient)
+NO_GRADIENT = {"Compare", "TopK", "Sample", "RngUniform", "RngNormal", "StopGradient",
+               "Input", "Param", "Constant", "QMatMul", "QConv2d", "DequantMoEWeights"}
+
+
+def vjp_rule(*names):
+    """Register the decorated function as the graph VJP rule of the named ops."""
+
+    def deco(fn):
+        for n in names:
+            key = n if isinstance(n, str) else n.__name__
+            if key in VJP_RULES:
+                raise ValueError(f"a VJP rule for {key} is already registered")
+            VJP_RULES[key] = fn
+        return fn
+
+    return deco
+
+
+def _load():
+    from . import rules_elementwise, rules_shape, rules_linalg, rules_nn, rules_backward, rules_control  # noqa: F401
+
+
+def get_vjp_rule(op):
+    _load()
+    return VJP_RULES.get(type(op).__name__)
+
+
+def has_vjp_rule(name: str) -> bool:
+    _load()
+    return name in VJP_RULES or name in NO_GRADIENT
+
+
+def depends_on(g, sources, upto=None) -> set:
+    """Ids (< upto) whose value depends on a node in ``sources`` (float paths only)."""
+    upto = len(g.nodes) if upto is None else upto
+    dep = set(sources)
+    for n in g.nodes[:upto]:
+        if n.id in dep:
+            continue
+        if type(n.op).__name__ in NO_GRADIENT:
+            continue
+        if any(i in dep for i in n.inputs) and E.is_float(n.shape.dtype):
+            dep.add(n.id)
+    return dep
+
+
+def backprop(g, seeds: dict, wrt, upto=None) -> dict:
+    """Reverse sweep over nodes ``< upto`` of ``g`` (in place).
+
+    ``seeds`` maps node id -> id of its upstream gradient; only nodes on a path from a
+    ``wrt`` node are differentiated. Returns node id -> gradient id (fan-in summed with
+    Add)."""
+    upto = len(g.nodes) if upto is None else upto
+    live = depends_on(g, wrt, upto)
+    grads = dict(seeds)
+    for nid in range(upto - 1, -1, -1):
+        if nid not in grads or nid not in live:
+            continue
+        node = g.nodes[nid]
+        name = type(node.op).__name__
+        if name in NO_GRADIENT:
+            continue
+        rule = get_vjp_rule(node.op)
+        if rule is None:
+            raise GraphError(
+                f"node %{nid} {name}{' ' + repr(node.name) if node.name else ''}: graph-level "
+                f"reverse mode has no VJP rule for {name}")
+        outs = rule(g, node, grads[nid])
+        if len(outs) > len(node.inputs):
+            raise GraphError(f"VJP rule of {name} returned {len(outs)} gradients for "
+                             f"{len(node.inputs)} inputs")
+        for i, gi in enumerate(outs):
+            if gi is None:
+                continue
+            tgt = node.inputs[i]
+            if tgt not in live:
+                continue
+            ts = g.node(tgt).shape
+            if not E.is_float(ts.dtype):
+                continue
+            gi = E.fit(g, gi, ts)
+            grads[tgt] = E.add(g, grads[tgt], gi) if tgt in grads else gi
+    return grads
