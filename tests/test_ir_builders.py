@@ -502,3 +502,16 @@ def test_custom_fn_and_custom():
     assert g.shape_of(z) == ([4, 4], "f32")
     u = g.custom("not_registered_op", [x], out_shape=[2], dtype="f64")
     assert g.shape_of(u) == ([2], "f64")
+
+
+def test_aliases_and_comparison_shortcuts():
+    g = G()
+    a, b = g.input("a", [2, 3], "f32"), g.input("b", [3], "f32")
+    for fn in (g.ne_, g.le_, g.gt_, g.ge_):
+        assert g.shape_of(fn(a, b)) == ([2, 3], "bool")
+    assert g.shape_of(g.where(g.gt_(a, b), a, b)) == ([2, 3], "f32")
+    assert g.shape_of(g.topk(a, 2)) == ([2, 2], "f32")
+    img = g.input("img", [1, 2, 4, 4], "f32")
+    assert g.shape_of(g.resize_nearest2x(img)) == ([1, 2, 8, 8], "f32")
+    pdy = g.input("pdy", [1, 2, 2, 2], "f32")
+    assert g.shape_of(g.max_pool2d_backward(img, pdy, 2)) == ([1, 2, 4, 4], "f32")
