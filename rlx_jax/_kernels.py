@@ -9,6 +9,8 @@ what the lowering rules ask before emitting an ``ffi_call``.
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
 import os
 import re
 import warnings
@@ -44,9 +46,6 @@ def _import_module(module_name: str):
     kernel_dir = os.environ.get("RLX_JAX_KERNEL_DIR")
     if not kernel_dir:
         return importlib.import_module(module_name)
-    import importlib.machinery
-    import importlib.util
-
     short = module_name.rsplit(".", 1)[1]
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         path = os.path.join(kernel_dir, short + suffix)
