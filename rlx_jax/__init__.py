@@ -22,6 +22,9 @@ _LAZY = {
     "GraphError": "rlx_jax.ir",
     "DType": "rlx_jax.ir",
     "register_op": "rlx_jax.ir",
+    "Shape": "rlx_jax.ir",
+    "Dynamic": "rlx_jax.ir",
+    "MaskKind": "rlx_jax.ir",
     # lowering (rlx_jax/lowering)
     "to_jax": "rlx_jax.lowering",
     "Session": "rlx_jax.lowering.session",

@@ -3,7 +3,23 @@ text form and RLX serde JSON.
 
 Contracts (docs/INTERNALS.md): op class name = RLX variant name, fields = RLX
 ``op.rs`` field names; ``OP_CLASSES`` maps variant name -> class; ``Graph.add(op,
-inputs, shape=None, name=None)`` appends a verified node.
+inputs, shape=None, name=None)`` appends a verified node (``Graph.add(a, b)`` with two
+node ids is pyrlx's elementwise add).
+
+Decisions where RLX's ``op.rs`` is silent or differs:
+
+* Variants the seeds use but ``op.rs`` lacks: ``StopGradient`` (unit),
+  ``BatchNormInference{eps}``, ``BatchNormInferenceBackwardInput{eps}`` /
+  ``...Gamma{eps}`` / ``...Beta`` (unit), ``LogMel`` and ``LogMelBackward`` (unit;
+  ``y = log(max(spectrum @ filterbank, 1e-10))``), ``RngUniform{seed, low, high}`` and
+  ``RngNormal{seed, mean, std}`` (0 inputs, declared shape).
+* ``Gather{axis}`` follows ``np.take``: ``table[:axis] + indices + table[axis+1:]``
+  (RLX's backward kernel's layout; identical to RLX for axis 0).
+* ``While``'s node value is the final carry 0; ``If`` branches return one value.
+* Index operands (Gather, ScatterAdd, GroupedMatMul, loss labels) take integer dtypes
+  or RLX's f32/f64-encoded indices; bool, complex and half floats are refused.
+* Dynamic dims serialise as ``{"Dynamic": symbol}``; names other than batch / seq /
+  rows / past_seq travel in an extra top-level ``"dim_names"`` object (Rust ignores it).
 """
 
 from __future__ import annotations
