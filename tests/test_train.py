@@ -1,0 +1,118 @@
+"""The training path: model graphs, checkpoints (resume continues the exact curve),
+the CLI's error handling. Small configurations keep it fast."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from rlx_jax.models import TransformerConfig, cnn, mlp, transformer_lm
+from rlx_jax.train import checkpoint, data
+from rlx_jax.train.loop import TrainConfig
+from rlx_jax.train.tasks import train_classifier, train_lm
+
+TINY_LM = TransformerConfig(seq_len=16, layers=1, width=32, heads=2)
+
+
+def _tiny_corpus():
+    text = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(400))
+    ids = data.encode(text)
+    cut = int(len(ids) * 0.9)
+    return data.CharCorpus(train=ids[:cut], heldout=ids[cut:], source="synthetic")
+
+
+def test_vocab_round_trip():
+    # tabs become one space, characters outside the vocabulary become '?'
+    assert data.decode(data.encode("def f(x):\n\treturn x  # é")) == "def f(x):\n return x  # ?"
+    assert len(data.VOCAB) == 96 and data.encode("A")[0] == data.VOCAB.index("A")
+
+
+def test_model_graphs_verify_and_declare_params():
+    for model in (mlp(), cnn(), transformer_lm(TINY_LM)):
+        g = model.build(3)
+        g.verify()
+        declared = {n.op.name for n in g.nodes if type(n.op).__name__ == "Param"}
+        assert declared == set(model.param_shapes)
+        params = model.init(jax.random.PRNGKey(0))
+        assert all(params[k].shape == model.param_shapes[k][0] for k in params)
+
+
+def test_checkpoint_round_trip_and_mismatch(tmp_path):
+    state = {"a": np.arange(6.0, dtype=np.float32).reshape(2, 3), "b": [np.int32(3), np.ones(2)]}
+    checkpoint.save(tmp_path / "ck", state, {"step": 5})
+    restored, meta = checkpoint.load(tmp_path / "ck", state)
+    assert meta["step"] == 5
+    np.testing.assert_array_equal(restored["a"], state["a"])
+    with pytest.raises(ValueError, match="expected"):
+        checkpoint.load(tmp_path / "ck", {"a": np.zeros((3, 2), np.float32), "b": [np.int32(0), np.ones(2)]})
+    # never a pickle: the arrays file loads with allow_pickle=False
+    with np.load(tmp_path / "ck" / "arrays.npz", allow_pickle=False) as f:
+        assert len(f.files) == 3
+
+
+def test_lm_learns_and_resume_continues_the_same_curve(tmp_path):
+    corpus = _tiny_corpus()
+    base = dict(batch_size=8, lr=1e-2, warmup=2, eval_every=1000, eval_batches=2, progress=False,
+                out_dir=str(tmp_path))
+    full = train_lm(TrainConfig(steps=12, **base), TINY_LM, corpus)
+    losses = [h["loss"] for h in full["history"]]
+    assert len(losses) == 12 and losses[-1] < losses[0]
+    assert full["evals"][-1]["heldout_loss"] < corpus.unigram_entropy() + 1.0
+    assert isinstance(full["sample"], str) and len(full["sample"]) == 240
+    # interrupted after 5 steps (simulated by a shorter run), then resumed to 12
+    ck = str(tmp_path / "ck")
+    train_lm(TrainConfig(steps=5, checkpoint=ck, **base), TINY_LM, corpus)
+    resumed = train_lm(TrainConfig(steps=12, checkpoint=ck, **base), TINY_LM, corpus)
+    np.testing.assert_allclose([h["loss"] for h in resumed["history"]], losses, rtol=1e-5)
+
+
+def test_fused_and_unfused_training_agree(tmp_path):
+    corpus = _tiny_corpus()
+    base = dict(steps=4, batch_size=4, eval_every=1000, eval_batches=1, progress=False, out_dir=str(tmp_path))
+    fused = train_lm(TrainConfig(fused=True, **base), TINY_LM, corpus)
+    plain = train_lm(TrainConfig(fused=False, **base), TINY_LM, corpus)
+    np.testing.assert_allclose([h["loss"] for h in fused["history"]], [h["loss"] for h in plain["history"]],
+                               rtol=2e-3)
+
+
+def test_cnn_on_digits_learns(tmp_path):
+    rec = train_classifier(TrainConfig(steps=150, batch_size=64, lr=3e-3, eval_every=150, progress=False,
+                                       out_dir=str(tmp_path)), "cnn")
+    assert rec["evals"][-1]["test_accuracy"] > 0.85
+
+
+@pytest.mark.slow
+def test_cnn_reaches_95_percent(tmp_path):
+    rec = train_classifier(TrainConfig(steps=600, batch_size=64, lr=2e-3, eval_every=600, progress=False,
+                                       out_dir=str(tmp_path)), "cnn")
+    assert rec["evals"][-1]["test_accuracy"] >= 0.95
+
+
+def _cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "rlx_jax", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=300)
+
+
+def test_cli_errors_are_one_line_without_traceback(tmp_path):
+    r = _cli("grad", str(tmp_path / "missing.json"), "--wrt", "w")
+    assert r.returncode == 2 and "cannot read" in r.stderr and "Traceback" not in r.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    r = _cli("grad", str(bad), "--wrt", "w")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.strip()
+    r = _cli("train", "--steps", "0")
+    assert r.returncode == 2 and "--steps must be positive" in r.stderr
+
+
+def test_cli_train_writes_log_and_plot(tmp_path):
+    r = _cli("train", "--model", "mlp", "--steps", "20", "--no-progress", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "test accuracy" in r.stdout
+    log = json.loads((tmp_path / "mlp.json").read_text())
+    assert log["steps_done"] == 20 and len(log["history"]) == 20
+    assert (tmp_path / "mlp_loss.png").stat().st_size > 1000
