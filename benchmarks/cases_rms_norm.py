@@ -42,7 +42,37 @@ def _case(n: int, h: int, dtype) -> Case:
     )
 
 
+def _bwd_only_case(n: int, h: int, dtype) -> Case:
+    """The backward kernel alone, given the saved rstd (what a training step's backward
+    runs: the forward's y is needed by the next layer anyway), vs XLA's fusion of the
+    same maths (reference_rms_norm_bwd) on the same inputs. Floor: x, dy read, dx written,
+    rstd read."""
+    from rlx_jax.vjp_rules.rms_norm import reference_rms_norm_bwd, rms_norm_bwd
+
+    def make(key):
+        kx, kg, kd = jax.random.split(key, 3)
+        x = jax.random.normal(kx, (n, h), jnp.float32).astype(dtype)
+        g = (1.0 + 0.1 * jax.random.normal(kg, (h,), jnp.float32)).astype(dtype)
+        dy = jax.random.normal(kd, (n, h), jnp.float32).astype(dtype)
+        rstd = reference_rms_norm(x, g, jnp.zeros_like(g), eps=EPS)[1]
+        return x, g, rstd, dy
+
+    itemsize = jnp.dtype(dtype).itemsize
+    return Case(
+        name=f"rms_norm_bwd_only {jnp.dtype(dtype).name} {n}x{h}",
+        make=make,
+        ours=lambda x, g, r, dy: rms_norm_bwd(x, g, r, dy, eps=EPS),
+        xla=lambda x, g, r, dy: reference_rms_norm_bwd(x, g, r, dy, eps=EPS),
+        floor_bytes=3 * n * h * itemsize + 4 * n,
+    )
+
+
 def cases(device_kind: str) -> list[Case]:
     if device_kind == "gpu":
-        return [_case(32768, 4096, jnp.float32), _case(32768, 4096, jnp.bfloat16)]
+        return [
+            _case(32768, 4096, jnp.float32),
+            _case(32768, 4096, jnp.bfloat16),
+            _bwd_only_case(32768, 4096, jnp.float32),
+            _bwd_only_case(32768, 4096, jnp.bfloat16),
+        ]
     return [_case(8192, 1024, jnp.float32), _case(8192, 1024, jnp.bfloat16)]

@@ -28,7 +28,9 @@ import numpy as np
 from jax._src import dispatch
 from jax.core import ShapedArray
 from jax.extend.core import Primitive
+from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import ad, batching, mlir
+from jax.sharding import NamedSharding, PartitionSpec
 
 from rlx_jax._kernels import has_kernel
 
@@ -99,8 +101,10 @@ class FusedPrimitive:
         kernel: Callable | dict[str, Callable] | None = None,
         kernel_ok: Callable | None = None,
         platforms: Sequence[str] = ("cpu", "cuda"),
+        partition: "RowPartition | None" = None,
     ):
         self.name = name
+        self.partition = partition
         self.reference = reference
         self.target = target
         self.kernel = kernel
@@ -146,8 +150,11 @@ class FusedPrimitive:
     def _lowering(self, platform: str | None):
         def lower(ctx, *args, **params):
             use = self._use_kernel(platform, ctx.avals_in, params)
-            fn = self._kernel_for(platform) if use else self.reference
-            return mlir.lower_fun(partial(fn, **params), multiple_results=True)(ctx, *args)
+            fn = partial(self._kernel_for(platform) if use else self.reference, **params)
+            if use and self.partition is not None:
+                # an opaque kernel call would be replicated under SPMD: say how it splits
+                fn = self.partition.wrap(fn, ctx.avals_in, ctx.avals_out)
+            return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 
         return lower
 
@@ -204,6 +211,96 @@ def rowwise_batching(prim: FusedPrimitive, row_args: Sequence[int]) -> Callable:
         return outs, [0] * len(outs)
 
     return rule
+
+
+class RowPartition:
+    """How a kernel over rows splits under SPMD sharding (``custom_partitioning``).
+
+    Operands listed in ``row_args`` have the layout [rows..., H]: their leading axes
+    may be sharded in any way, their last axis is kept whole. Other operands (gamma,
+    beta, ...) are replicated. Results are classified by position: ``row_outputs`` are
+    laid out like the first row operand, ``stat_outputs`` like its leading axes
+    ([rows...]), and ``reduced_outputs`` are sums over all rows (dgamma, dbeta): each
+    shard computes its partial sum and they are added across the mesh axes that split
+    the rows (a psum), so no operand is ever gathered.
+    """
+
+    def __init__(self, row_args: Sequence[int], row_outputs=(0,), stat_outputs=(), reduced_outputs=()):
+        self.row_args = tuple(row_args)
+        self.row_outputs = tuple(row_outputs)
+        self.stat_outputs = tuple(stat_outputs)
+        self.reduced_outputs = tuple(reduced_outputs)
+
+    def _row_spec(self, arg_shapes) -> tuple:
+        """The leading-axes spec of the first row operand (None entries where replicated)."""
+        first = arg_shapes[self.row_args[0]]
+        spec = tuple(getattr(first.sharding, "spec", ())) if first.sharding is not None else ()
+        spec = spec + (None,) * (len(first.shape) - len(spec))
+        return spec[:-1]
+
+    def _shardings(self, mesh, arg_shapes, n_out):
+        lead = self._row_spec(arg_shapes)
+        args = []
+        for i, a in enumerate(arg_shapes):
+            if i in self.row_args:
+                args.append(NamedSharding(mesh, PartitionSpec(*lead[: len(a.shape) - 1], None)))
+            else:
+                args.append(NamedSharding(mesh, PartitionSpec()))
+        outs = []
+        for j in range(n_out):
+            if j in self.row_outputs:
+                outs.append(NamedSharding(mesh, PartitionSpec(*lead, None)))
+            elif j in self.stat_outputs:
+                outs.append(NamedSharding(mesh, PartitionSpec(*lead)))
+            else:
+                outs.append(NamedSharding(mesh, PartitionSpec()))
+        row_axes = tuple(ax for entry in lead if entry is not None
+                         for ax in (entry if isinstance(entry, tuple) else (entry,)))
+        return args, outs, row_axes
+
+    def sharding_rule(self, avals_in, avals_out) -> str:
+        """Shardy's einsum-like rule: row factors r0.. shared by row operands and
+        row/stat results, the feature axis ``h`` kept whole, other dims independent."""
+        lead = len(avals_in[self.row_args[0]].shape) - 1
+        rows = [f"r{i}" for i in range(lead)]
+        counter = iter(range(10**6))
+
+        def own(rank):
+            return " ".join(f"u{next(counter)}" for _ in range(rank))
+
+        ins = [" ".join(rows + ["h"]) if i in self.row_args else own(len(a.shape)) for i, a in enumerate(avals_in)]
+        outs = []
+        for j, a in enumerate(avals_out):
+            if j in self.row_outputs:
+                outs.append(" ".join(rows + ["h"]))
+            elif j in self.stat_outputs:
+                outs.append(" ".join(rows))
+            else:
+                outs.append(own(len(a.shape)))
+        return ", ".join(ins) + " -> " + ", ".join(outs)
+
+    def wrap(self, fn: Callable, avals_in, avals_out) -> Callable:
+        n_out = len(avals_out)
+        wrapped = custom_partitioning(fn)
+
+        def infer(mesh, arg_shapes, result_shape):
+            return tuple(self._shardings(mesh, arg_shapes, n_out)[1])
+
+        def partition(mesh, arg_shapes, result_shape):
+            args, outs, row_axes = self._shardings(mesh, arg_shapes, n_out)
+
+            def local(*xs):
+                results = list(fn(*xs))
+                if row_axes:
+                    for j in self.reduced_outputs:
+                        results[j] = jax.lax.psum(results[j], row_axes)
+                return tuple(results)
+
+            return mesh, local, tuple(outs), tuple(args)
+
+        wrapped.def_partition(infer_sharding_from_operands=infer, partition=partition,
+                              sharding_rule=self.sharding_rule(avals_in, avals_out))
+        return wrapped
 
 
 def np_scalar(value: float, dtype=np.float32):

@@ -14,6 +14,8 @@ Primitives (each lowers to its FFI kernel where registered, else to its referenc
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax.interpreters import ad
@@ -75,6 +77,27 @@ def _kernel_bwd(x, gamma, rstd, dy, *, eps):
     return jax.ffi.ffi_call("rlx_rms_norm_bwd", out)(x, gamma, rstd, dy)
 
 
+def cuda_bwd_scratch_size(rows: int, width: int) -> int:
+    """f32 elements of the CUDA backward's scratch result: per-block partial sums of
+    dgamma and dbeta ([P, 2, width], P at most 1024 blocks, rows and 2^23 / (2 width))
+    followed by one f32 per row (the row dot products of the wide-row path)."""
+    if width == 0:
+        return rows
+    parts = max(1, min(rows, 1024, (1 << 23) // (2 * width)))
+    return parts * 2 * width + rows
+
+
+def _kernel_bwd_cuda(x, gamma, rstd, dy, *, eps):
+    """The CUDA call: as ``_kernel_bwd`` plus an f32 scratch result (XLA allocates it;
+    the kernel allocates nothing), dropped after the call."""
+    rows = math.prod(x.shape[:-1])
+    scratch = jax.ShapeDtypeStruct((cuda_bwd_scratch_size(rows, x.shape[-1]),), jnp.float32)
+    p = jax.ShapeDtypeStruct(gamma.shape, gamma.dtype)
+    out = (jax.ShapeDtypeStruct(x.shape, x.dtype), p, p, scratch)
+    dx, dg, db, _ = jax.ffi.ffi_call("rlx_rms_norm_bwd", out)(x, gamma, rstd, dy)
+    return dx, dg, db
+
+
 def _kernel_ok(*avals, **params):
     x = avals[0]
     return x.ndim >= 1 and all(a.dtype == x.dtype for a in avals if a.ndim == x.ndim or a.ndim == 1)
@@ -85,7 +108,10 @@ rms_norm_fwd = FusedPrimitive(
 )
 rms_norm_tangent = FusedPrimitive("rlx_rms_norm_tangent", reference_rms_norm_tangent)
 rms_norm_bwd = FusedPrimitive(
-    "rlx_rms_norm_bwd", reference_rms_norm_bwd, target="rlx_rms_norm_bwd", kernel=_kernel_bwd
+    "rlx_rms_norm_bwd",
+    reference_rms_norm_bwd,
+    target="rlx_rms_norm_bwd",
+    kernel={"cpu": _kernel_bwd, "cuda": _kernel_bwd_cuda},
 )
 
 

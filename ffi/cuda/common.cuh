@@ -1,0 +1,214 @@
+// Shared helpers for the CUDA XLA FFI handlers: the handler registry that module.cc
+// exposes to Python, and (in CUDA translation units only) element conversions,
+// 16-byte vector loads/stores, group reductions, launch-error checks and a cached
+// occupancy query.
+//
+// module.cc is compiled by the host C++ compiler without CUDA headers, so everything
+// that needs the CUDA runtime sits under __CUDACC__.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace rlx {
+namespace cuda {
+namespace ffi = xla::ffi;
+
+// ---- registry -------------------------------------------------------------------
+struct Registration { const char* name; void* handler; };
+inline std::vector<Registration>& registry() {
+  static std::vector<Registration> r;
+  return r;
+}
+struct Registrar {
+  Registrar(const char* name, void* handler) { registry().push_back({name, handler}); }
+};
+#define RLX_CUDA_REGISTER_HANDLER(target_name, symbol) \
+  static ::rlx::cuda::Registrar rlx_cuda_registrar_##symbol(target_name, reinterpret_cast<void*>(symbol))
+
+inline std::string dtype_name(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return "f32";
+    case ffi::DataType::F64: return "f64";
+    case ffi::DataType::BF16: return "bf16";
+    case ffi::DataType::F16: return "f16";
+    case ffi::DataType::S32: return "i32";
+    case ffi::DataType::S64: return "i64";
+    default: return "dtype#" + std::to_string(static_cast<int>(t));
+  }
+}
+
+}  // namespace cuda
+}  // namespace rlx
+
+#ifdef __CUDACC__
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+namespace rlx {
+namespace cuda {
+
+// ---- element conversions (f32 arithmetic) ----------------------------------------
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
+
+template <typename T> __device__ __forceinline__ T from_f32(float v);
+template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
+
+// Elements per 16-byte vector of T.
+template <typename T> constexpr int kVec16 = 16 / int(sizeof(T));
+
+// ---- vector loads and stores ---------------------------------------------------------
+// VEC elements of T at p, converted to f32. When VEC * sizeof(T) == 16 this is one
+// 16-byte load (p must then be 16-byte aligned); otherwise VEC scalar loads.
+// Streaming loads (ld.global.cs): the data is read once, so it should not evict
+// what other kernels keep in L2.
+template <typename T, int VEC>
+__device__ __forceinline__ void load_vec(const T* __restrict__ p, float (&v)[VEC]) {
+  if constexpr (VEC * sizeof(T) == 16) {
+    uint4 raw = __ldcs(reinterpret_cast<const uint4*>(p));
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) v[i] = to_f32(e[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) v[i] = to_f32(p[i]);
+  }
+}
+
+// Same, through the read-only cache with default caching (parameters re-read by
+// every block: gamma, beta).
+template <typename T, int VEC>
+__device__ __forceinline__ void load_vec_cached(const T* __restrict__ p, float (&v)[VEC]) {
+  if constexpr (VEC * sizeof(T) == 16) {
+    uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) v[i] = to_f32(e[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) v[i] = to_f32(__ldg(p + i));
+  }
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_vec(T* __restrict__ p, const float (&v)[VEC]) {
+  if constexpr (VEC * sizeof(T) == 16) {
+    uint4 raw;
+    T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) e[i] = from_f32<T>(v[i]);
+    __stcs(reinterpret_cast<uint4*>(p), raw);
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) p[i] = from_f32<T>(v[i]);
+  }
+}
+
+// f32 stores of VEC values (16-byte stores when VEC is a multiple of 4; p aligned).
+template <int VEC>
+__device__ __forceinline__ void store_f32(float* __restrict__ p, const float (&v)[VEC]) {
+  if constexpr (VEC % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < VEC; i += 4)
+      *reinterpret_cast<float4*>(p + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) p[i] = v[i];
+  }
+}
+
+// ---- group reductions ---------------------------------------------------------------
+// Sum of v over a group of `tpr` threads. tpr <= 32: a power of two, groups are
+// aligned lane ranges of one warp, reduced with xor shuffles (every lane gets the
+// same bits: each level adds the same two values, a + b == b + a). tpr > 32: the
+// whole block is one group of tpr == blockDim.x threads (a multiple of 32); warp sums
+// go through red[parity][warp] and every thread adds them in warp order. Alternating
+// `parity` between calls lets one __syncthreads per call suffice: a slot is written
+// again only two calls later, after the next call's barrier. All threads of the
+// block must call it (it may contain a barrier).
+__device__ __forceinline__ float group_sum(float v, int tpr, float* red, int parity) {
+  if (tpr <= 32) {
+    for (int o = tpr >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  float* slot = red + parity * 32;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) slot[warp] = v;
+  __syncthreads();
+  const int nw = tpr >> 5;
+  float s = 0.f;
+  for (int w = 0; w < nw; ++w) s += slot[w];
+  return s;
+}
+
+// ---- host helpers ----------------------------------------------------------------------
+inline ffi::Error cuda_error(const char* what, cudaError_t e) {
+  return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorName(e) + ": " +
+                              cudaGetErrorString(e));
+}
+
+// Checks the launches just made on this thread.
+inline ffi::Error check_launch(const char* what) {
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return cuda_error(what, e);
+  return ffi::Error::Success();
+}
+
+struct DeviceInfo { int device = 0; int sms = 1; };
+inline cudaError_t device_info(DeviceInfo* out) {
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  int sms = 0;
+  e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (e != cudaSuccess) return e;
+  out->device = dev;
+  out->sms = std::max(sms, 1);
+  return cudaSuccess;
+}
+
+// Resident blocks per multiprocessor of `kernel` at `threads` threads and `smem` bytes
+// of dynamic shared memory, cached per (device, kernel, threads, smem).
+template <typename Kernel>
+inline cudaError_t blocks_per_sm(int device, Kernel kernel, int threads, size_t smem, int* out) {
+  using Key = std::tuple<int, const void*, int, size_t>;
+  static std::mutex mu;
+  static std::map<Key, int> cache;
+  Key key{device, reinterpret_cast<const void*>(kernel), threads, smem};
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(key);
+    if (it != cache.end()) { *out = it->second; return cudaSuccess; }
+  }
+  int n = 0;
+  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem);
+  if (e != cudaSuccess) return e;
+  n = std::max(n, 1);
+  std::lock_guard<std::mutex> lock(mu);
+  cache[key] = n;
+  *out = n;
+  return cudaSuccess;
+}
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+}  // namespace cuda
+}  // namespace rlx
+#endif  // __CUDACC__

@@ -1,0 +1,520 @@
+// RMSNorm CUDA kernels and their launch plans (included by rms_norm.cu, and by the
+// stand-alone timing harness ffi/cuda/tools/rms_norm_sweep.cu).
+//
+//   x: [R, W] rows, gamma, beta: [W]
+//   r   = 1 / sqrt(mean_j x_j^2 + eps)                          (rstd, f32 [R])
+//   y_j = x_j * r * gamma_j + beta_j
+// Backward, u_j = dy_j * gamma_j:
+//   dx_j     = r * u_j - x_j * r^3 * (sum_i u_i x_i) / W
+//   dgamma_j = sum_rows dy_j * x_j * r        dbeta_j = sum_rows dy_j
+//
+// Work layout. A row is handled by a group of `tpr` threads; thread t of the group
+// owns the NV vectors of VEC elements at columns (t + k * tpr) * VEC, k < NV, so its
+// loads are 16 bytes wide and coalesced across the group. The grid is `parts` row
+// chunks (blocks) times `slabs` column slabs; `parts` is the number of blocks that
+// are resident at once (a persistent grid), so every block streams through a
+// contiguous range of rows. In the backward, each thread keeps its columns' dgamma and
+// dbeta sums in registers across its rows; each block writes them once as an f32
+// partial row partial[p][2][W], and a second small kernel adds the partials in a fixed
+// order (no atomics: bitwise deterministic on a given device).
+//
+// Rows up to 8192 wide are done in one pass (one read of x and dy, one write of dx).
+// Wider rows are split into column slabs handled by different blocks; the per-row
+// statistic (rstd forward, sum u*x backward) then comes from a separate statistics
+// kernel that reads the row once more: 1.5x (forward) and 5/3x (backward) the bytes
+// of the one-pass kernels. That is the documented slower path for very wide rows.
+#pragma once
+
+#include <type_traits>
+
+#include "cuda/common.cuh"
+
+namespace rlx {
+namespace cuda {
+namespace rms {
+
+struct RowPlan {
+  int64_t rows = 0, width = 0;
+  int64_t parts = 1;      // row chunks (blocks along the rows)
+  int64_t slabs = 1;      // column slabs (blocks along the columns)
+  int64_t slab_cols = 0;  // columns per slab (a multiple of vec)
+  int vec = 1;            // elements per vector (1, or 16 bytes' worth)
+  int nv = 1;             // vectors per thread per row
+  int tpr = 32;           // threads per row group
+  int threads = 256;      // threads per block
+  bool prefetch = true;   // load row i+1 while reducing row i
+};
+
+// Upper bound on the threads of a block for NV vectors of VEC elements per thread
+// (doubled row registers when prefetching): leaves each thread enough registers for
+// x, dy, gamma and two accumulators per element without spilling.
+constexpr int max_threads_for(int elems, bool pf) {
+  const int e = pf ? 2 * elems : elems;
+  return e <= 8 ? 1024 : (e <= 16 ? 512 : (e <= 32 ? 256 : 128));
+}
+
+constexpr int kSmemRed = 64;  // floats: two parity slots of 32 warp sums
+
+// ---- backward: one pass over rows -------------------------------------------------------
+template <typename T, int VEC, int NV, bool PF>
+__global__ void __launch_bounds__(max_threads_for(NV * VEC, PF))
+bwd_rows(const T* __restrict__ x, const T* __restrict__ gamma, const float* __restrict__ rstd,
+         const T* __restrict__ dy, T* __restrict__ dx, float* __restrict__ partial,
+         const float* __restrict__ dot_in, RowPlan pl) {
+  extern __shared__ float smem[];
+  float* red = smem;
+  const int tpr = pl.tpr;
+  const int gpb = blockDim.x / tpr;
+  const int g = threadIdx.x / tpr;
+  const int t = threadIdx.x - g * tpr;
+  const int64_t p = blockIdx.x / pl.slabs;
+  const int64_t s = blockIdx.x - p * pl.slabs;
+  const int64_t W = pl.width;
+  const int64_t r0 = pl.rows * p / pl.parts, r1 = pl.rows * (p + 1) / pl.parts;
+  const int64_t c0 = s * pl.slab_cols;
+  const int64_t c1 = min(W, c0 + pl.slab_cols);
+  const bool one_pass = pl.slabs == 1;
+
+  int64_t col[NV];
+  bool ok[NV];
+  float gm[NV][VEC], ag[NV][VEC], ab[NV][VEC];
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    col[k] = c0 + int64_t(t + k * tpr) * VEC;
+    ok[k] = col[k] < c1;
+    if (ok[k]) {
+      load_vec_cached<T, VEC>(gamma + col[k], gm[k]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) gm[k][i] = 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) ag[k][i] = ab[k][i] = 0.f;
+  }
+
+  const int64_t n_iter = (r1 - r0 + gpb - 1) / gpb;
+  float xa[NV][VEC], da[NV][VEC], xb[NV][VEC], db[NV][VEC];
+  float rs_a = 0.f, rs_b = 0.f, dot_a = 0.f, dot_b = 0.f;
+
+  auto load_row = [&](int64_t it, float (&xr)[NV][VEC], float (&dr)[NV][VEC], float& rs, float& dot) {
+    const int64_t r = r0 + it * gpb + g;
+    const bool rv = r < r1;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      if (rv && ok[k]) {
+        load_vec<T, VEC>(x + r * W + col[k], xr[k]);
+        load_vec<T, VEC>(dy + r * W + col[k], dr[k]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) xr[k][i] = dr[k][i] = 0.f;
+      }
+    }
+    rs = rv ? rstd[r] : 0.f;
+    dot = (rv && !one_pass) ? dot_in[r] : 0.f;
+  };
+
+  if (PF && n_iter > 0) load_row(0, xa, da, rs_a, dot_a);
+  for (int64_t it = 0; it < n_iter; ++it) {
+    if (!PF) {
+      load_row(it, xa, da, rs_a, dot_a);
+    } else if (it + 1 < n_iter) {
+      load_row(it + 1, xb, db, rs_b, dot_b);
+    }
+    const int64_t r = r0 + it * gpb + g;
+    const bool rv = r < r1;
+    float dot = dot_a;
+    if (one_pass) {
+      float part = 0.f;
+#pragma unroll
+      for (int k = 0; k < NV; ++k)
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) part += da[k][i] * gm[k][i] * xa[k][i];
+      dot = group_sum(part, tpr, red, int(it & 1));
+    }
+    if (rv) {
+      const float rs = rs_a;
+      const float coef = rs * rs * rs * dot / float(W);
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        if (!ok[k]) continue;
+        float o[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          o[i] = rs * da[k][i] * gm[k][i] - coef * xa[k][i];
+          ag[k][i] += da[k][i] * xa[k][i] * rs;
+          ab[k][i] += da[k][i];
+        }
+        store_vec<T, VEC>(dx + r * W + col[k], o);
+      }
+    }
+    if (PF) {
+#pragma unroll
+      for (int k = 0; k < NV; ++k)
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) { xa[k][i] = xb[k][i]; da[k][i] = db[k][i]; }
+      rs_a = rs_b;
+      dot_a = dot_b;
+    }
+  }
+
+  float* pg = partial + p * 2 * W;
+  float* pb = pg + W;
+  if (gpb == 1) {
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      if (!ok[k]) continue;
+      store_f32<VEC>(pg + col[k], ag[k]);
+      store_f32<VEC>(pb + col[k], ab[k]);
+    }
+    return;
+  }
+  // Several row groups per block (narrow rows): add the groups' sums in group order
+  // through shared memory, then write one partial row for the block.
+  float* buf = smem + kSmemRed;  // [2][slab_cols]
+  const int64_t sc = pl.slab_cols;
+  for (int gg = 0; gg < gpb; ++gg) {
+    if (g == gg) {
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        if (!ok[k]) continue;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const int64_t lc = col[k] - c0 + i;
+          buf[lc] = gg == 0 ? ag[k][i] : buf[lc] + ag[k][i];
+          buf[sc + lc] = gg == 0 ? ab[k][i] : buf[sc + lc] + ab[k][i];
+        }
+      }
+    }
+    __syncthreads();
+  }
+  for (int64_t j = threadIdx.x; j < c1 - c0; j += blockDim.x) {
+    pg[c0 + j] = buf[j];
+    pb[c0 + j] = buf[sc + j];
+  }
+}
+
+// ---- forward: one pass over rows ----------------------------------------------------------
+template <typename T, int VEC, int NV, bool PF>
+__global__ void __launch_bounds__(max_threads_for(NV * VEC, PF))
+fwd_rows(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta,
+         T* __restrict__ y, float* __restrict__ rstd, float eps, RowPlan pl) {
+  extern __shared__ float smem[];
+  float* red = smem;
+  const int tpr = pl.tpr;
+  const int gpb = blockDim.x / tpr;
+  const int g = threadIdx.x / tpr;
+  const int t = threadIdx.x - g * tpr;
+  const int64_t p = blockIdx.x / pl.slabs;
+  const int64_t s = blockIdx.x - p * pl.slabs;
+  const int64_t W = pl.width;
+  const int64_t r0 = pl.rows * p / pl.parts, r1 = pl.rows * (p + 1) / pl.parts;
+  const int64_t c0 = s * pl.slab_cols;
+  const int64_t c1 = min(W, c0 + pl.slab_cols);
+  const bool one_pass = pl.slabs == 1;
+
+  int64_t col[NV];
+  bool ok[NV];
+  float gm[NV][VEC], bt[NV][VEC];
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    col[k] = c0 + int64_t(t + k * tpr) * VEC;
+    ok[k] = col[k] < c1;
+    if (ok[k]) {
+      load_vec_cached<T, VEC>(gamma + col[k], gm[k]);
+      load_vec_cached<T, VEC>(beta + col[k], bt[k]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) gm[k][i] = bt[k][i] = 0.f;
+    }
+  }
+
+  const int64_t n_iter = (r1 - r0 + gpb - 1) / gpb;
+  float xa[NV][VEC], xb[NV][VEC];
+  float rs_a = 0.f, rs_b = 0.f;
+  auto load_row = [&](int64_t it, float (&xr)[NV][VEC], float& rs) {
+    const int64_t r = r0 + it * gpb + g;
+    const bool rv = r < r1;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      if (rv && ok[k]) {
+        load_vec<T, VEC>(x + r * W + col[k], xr[k]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) xr[k][i] = 0.f;
+      }
+    }
+    rs = (rv && !one_pass) ? rstd[r] : 0.f;
+  };
+
+  if (PF && n_iter > 0) load_row(0, xa, rs_a);
+  for (int64_t it = 0; it < n_iter; ++it) {
+    if (!PF) {
+      load_row(it, xa, rs_a);
+    } else if (it + 1 < n_iter) {
+      load_row(it + 1, xb, rs_b);
+    }
+    const int64_t r = r0 + it * gpb + g;
+    const bool rv = r < r1;
+    float rs = rs_a;
+    if (one_pass) {
+      float ss = 0.f;
+#pragma unroll
+      for (int k = 0; k < NV; ++k)
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) ss += xa[k][i] * xa[k][i];
+      ss = group_sum(ss, tpr, red, int(it & 1));
+      rs = rsqrtf(ss / float(W) + eps);
+      if (rv && t == 0) rstd[r] = rs;
+    }
+    if (rv) {
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        if (!ok[k]) continue;
+        float o[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) o[i] = xa[k][i] * rs * gm[k][i] + bt[k][i];
+        store_vec<T, VEC>(y + r * W + col[k], o);
+      }
+    }
+    if (PF) {
+#pragma unroll
+      for (int k = 0; k < NV; ++k)
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) xa[k][i] = xb[k][i];
+      rs_a = rs_b;
+    }
+  }
+}
+
+// ---- per-row statistics for the slabbed (very wide row) path ---------------------------------
+// One block per row (grid-stride over rows). BWD: out[r] = sum_j dy_j * gamma_j * x_j;
+// else out[r] = rsqrt(mean_j x_j^2 + eps).
+template <typename T, int VEC, bool BWD>
+__global__ void __launch_bounds__(512)
+row_stats(const T* __restrict__ x, const T* __restrict__ dy, const T* __restrict__ gamma,
+          float* __restrict__ out, float eps, int64_t rows, int64_t W) {
+  __shared__ float red[kSmemRed];
+  int parity = 0;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    float acc = 0.f;
+    const T* xr = x + r * W;
+#pragma unroll 4
+    for (int64_t j = int64_t(threadIdx.x) * VEC; j < W; j += int64_t(blockDim.x) * VEC) {
+      float xv[VEC];
+      load_vec<T, VEC>(xr + j, xv);
+      if constexpr (BWD) {
+        float dv[VEC], gv[VEC];
+        load_vec<T, VEC>(dy + r * W + j, dv);
+        load_vec_cached<T, VEC>(gamma + j, gv);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc += dv[i] * gv[i] * xv[i];
+      } else {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc += xv[i] * xv[i];
+      }
+    }
+    acc = group_sum(acc, blockDim.x, red, parity);
+    parity ^= 1;
+    if (threadIdx.x == 0) out[r] = BWD ? acc : rsqrtf(acc / float(W) + eps);
+  }
+}
+
+// ---- second pass of the backward: dgamma, dbeta from the partial rows -------------------------
+// Column j of [2W] (dgamma then dbeta) is summed over parts by 8 warps (warp w takes
+// parts w, w + 8, ...), then the 8 warp sums are added in warp order: fixed order.
+// parts == 0 (no rows) writes zeros.
+template <typename T>
+__global__ void __launch_bounds__(256)
+reduce_partials(const float* __restrict__ partial, int64_t parts, int64_t W, T* __restrict__ dgamma,
+                T* __restrict__ dbeta) {
+  __shared__ float buf[8][33];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t j = int64_t(blockIdx.x) * 32 + lane;
+  const int64_t n = 2 * W;
+  float s = 0.f;
+  if (j < n) {
+#pragma unroll 4
+    for (int64_t q = warp; q < parts; q += 8) s += partial[q * n + j];
+  }
+  buf[warp][lane] = s;
+  __syncthreads();
+  if (warp == 0 && j < n) {
+    float tot = 0.f;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) tot += buf[w][lane];
+    if (j < W) dgamma[j] = from_f32<T>(tot);
+    else dbeta[j - W] = from_f32<T>(tot);
+  }
+}
+
+// ---- plans and launches --------------------------------------------------------------------
+struct Tuning {
+  int nv = 0;        // 0: default
+  int prefetch = -1; // -1: default
+};
+
+inline int pow2_ceil(int64_t v) {
+  int p = 1;
+  while (p < v) p <<= 1;
+  return p;
+}
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Column layout of a plan (everything but `parts`).
+template <typename T>
+RowPlan column_plan(int64_t rows, int64_t W, bool aligned, Tuning tu) {
+  RowPlan pl;
+  pl.rows = rows;
+  pl.width = W;
+  constexpr int v16 = kVec16<T>;
+  pl.vec = (aligned && W % v16 == 0) ? v16 : 1;
+  const int64_t nvec = W / pl.vec;
+  int nv = pl.vec == 1 ? 4 : std::max(1, 8 / pl.vec);
+  if (pl.vec != 1 && tu.nv > 0) nv = std::min(tu.nv, std::max(1, 16 / pl.vec));
+  pl.nv = nv;
+  pl.prefetch = pl.vec != 1 && (tu.prefetch < 0 ? true : tu.prefetch != 0);
+  int64_t need = ceil_div(nvec, nv);
+  // Prefetching halves the block size the registers allow; rows that would then need
+  // the slabbed path are done without it.
+  if (pl.prefetch && need > max_threads_for(nv * pl.vec, true)) pl.prefetch = false;
+  const int tmax = max_threads_for(nv * pl.vec, pl.prefetch);
+  pl.slabs = 1;
+  if (need > tmax) {
+    pl.slabs = ceil_div(need, tmax);
+    need = ceil_div(need, pl.slabs);
+  }
+  if (need <= 32) {
+    pl.tpr = pow2_ceil(need);
+    pl.threads = 256;
+  } else {
+    pl.tpr = int(ceil_div(need, 32) * 32);
+    pl.threads = pl.tpr;
+  }
+  pl.slab_cols = pl.slabs == 1 ? W : int64_t(pl.tpr) * nv * pl.vec;
+  return pl;
+}
+
+inline size_t smem_bytes(const RowPlan& pl) {
+  size_t n = kSmemRed;
+  if (pl.threads / pl.tpr > 1) n += 2 * size_t(pl.slab_cols);
+  return n * sizeof(float);
+}
+
+// Calls f(integral_constant VEC, integral_constant NV, bool_constant PF) for the
+// instantiated variant matching the plan; returns false if none.
+template <typename T, typename F>
+bool with_variant(const RowPlan& pl, F&& f) {
+  using std::bool_constant;
+  using std::integral_constant;
+  constexpr int v16 = kVec16<T>;
+  if (pl.vec == 1) {
+    f(integral_constant<int, 1>{}, integral_constant<int, 4>{}, bool_constant<false>{});
+    return true;
+  }
+  if (pl.vec != v16) return false;
+  auto go = [&](auto nv) {
+    if constexpr (decltype(nv)::value * v16 > 16) return;  // not instantiated: too many registers
+    else if (pl.prefetch) f(integral_constant<int, v16>{}, nv, bool_constant<true>{});
+    else f(integral_constant<int, v16>{}, nv, bool_constant<false>{});
+  };
+  switch (pl.nv) {
+    case 1: go(integral_constant<int, 1>{}); return true;
+    case 2: go(integral_constant<int, 2>{}); return true;
+    case 4:
+      if (4 * v16 > 16) return false;
+      go(integral_constant<int, 4>{});
+      return true;
+    default: return false;
+  }
+}
+
+// Sets pl.parts: resident blocks (a persistent grid), at most max_parts and rows.
+template <typename Kernel>
+cudaError_t set_parts(RowPlan& pl, Kernel kernel, int64_t max_parts) {
+  DeviceInfo dev;
+  cudaError_t e = device_info(&dev);
+  if (e != cudaSuccess) return e;
+  int per_sm = 1;
+  e = blocks_per_sm(dev.device, kernel, pl.threads, smem_bytes(pl), &per_sm);
+  if (e != cudaSuccess) return e;
+  const int64_t resident = int64_t(per_sm) * dev.sms;
+  int64_t parts = std::max<int64_t>(1, resident / pl.slabs);
+  parts = std::min({parts, max_parts, pl.rows});
+  pl.parts = std::max<int64_t>(parts, 1);
+  return cudaSuccess;
+}
+
+inline int stats_grid(int64_t rows) {
+  DeviceInfo dev;
+  if (device_info(&dev) != cudaSuccess) dev.sms = 132;
+  return int(std::min<int64_t>(rows, int64_t(dev.sms) * 4));
+}
+
+// Forward over rows x W. rows > 0 and W > 0.
+template <typename T>
+ffi::Error launch_fwd(cudaStream_t stream, const T* x, const T* gamma, const T* beta, T* y,
+                      float* rstd, float eps, int64_t rows, int64_t W, Tuning tu = {},
+                      RowPlan* plan_out = nullptr) {
+  const bool aligned = aligned16(x) && aligned16(gamma) && aligned16(beta) && aligned16(y);
+  RowPlan pl = column_plan<T>(rows, W, aligned, tu);
+  cudaError_t err = cudaSuccess;
+  bool ok = with_variant<T>(pl, [&](auto vec, auto nv, auto pf) {
+    constexpr int VEC = decltype(vec)::value, NV = decltype(nv)::value;
+    constexpr bool PF = decltype(pf)::value;
+    auto kernel = fwd_rows<T, VEC, NV, PF>;
+    err = set_parts(pl, kernel, rows);
+    if (err != cudaSuccess) return;
+    if (pl.slabs > 1)
+      row_stats<T, VEC, false><<<stats_grid(rows), 512, 0, stream>>>(x, nullptr, nullptr, rstd, eps, rows, W);
+    kernel<<<unsigned(pl.parts * pl.slabs), pl.threads, smem_bytes(pl), stream>>>(x, gamma, beta, y, rstd,
+                                                                                eps, pl);
+  });
+  if (!ok) return ffi::Error::Internal("rms_norm (cuda): no kernel variant for this plan");
+  if (err != cudaSuccess) return cuda_error("rms_norm forward (cuda) setup", err);
+  if (plan_out) *plan_out = pl;
+  return check_launch("rms_norm forward (cuda) launch");
+}
+
+// Scratch layout of the backward: partial [max_parts][2][W] f32, then dot [rows] f32.
+inline int64_t bwd_max_parts(int64_t scratch_len, int64_t rows, int64_t W) {
+  return W > 0 ? (scratch_len - rows) / (2 * W) : 0;
+}
+
+// Backward over rows x W (rows >= 0, W > 0); scratch holds scratch_len f32 with
+// scratch_len >= rows + 2 W.
+template <typename T>
+ffi::Error launch_bwd(cudaStream_t stream, const T* x, const T* gamma, const float* rstd, const T* dy,
+                      T* dx, T* dgamma, T* dbeta, float* scratch, int64_t scratch_len, int64_t rows,
+                      int64_t W, Tuning tu = {}, RowPlan* plan_out = nullptr) {
+  const int64_t max_parts = bwd_max_parts(scratch_len, rows, W);
+  float* partial = scratch;
+  float* dot = scratch + max_parts * 2 * W;
+  int64_t parts = 0;
+  if (rows > 0) {
+    const bool aligned = aligned16(x) && aligned16(gamma) && aligned16(dy) && aligned16(dx) &&
+                         aligned16(scratch);
+    RowPlan pl = column_plan<T>(rows, W, aligned, tu);
+    cudaError_t err = cudaSuccess;
+    bool ok = with_variant<T>(pl, [&](auto vec, auto nv, auto pf) {
+      constexpr int VEC = decltype(vec)::value, NV = decltype(nv)::value;
+      constexpr bool PF = decltype(pf)::value;
+      auto kernel = bwd_rows<T, VEC, NV, PF>;
+      err = set_parts(pl, kernel, max_parts);
+      if (err != cudaSuccess) return;
+      if (pl.slabs > 1)
+        row_stats<T, VEC, true><<<stats_grid(rows), 512, 0, stream>>>(x, dy, gamma, dot, 0.f, rows, W);
+      kernel<<<unsigned(pl.parts * pl.slabs), pl.threads, smem_bytes(pl), stream>>>(
+          x, gamma, rstd, dy, dx, partial, dot, pl);
+    });
+    if (!ok) return ffi::Error::Internal("rms_norm backward (cuda): no kernel variant for this plan");
+    if (err != cudaSuccess) return cuda_error("rms_norm backward (cuda) setup", err);
+    parts = pl.parts;
+    if (plan_out) *plan_out = pl;
+  }
+  reduce_partials<T><<<unsigned(ceil_div(2 * W, 32)), 256, 0, stream>>>(partial, parts, W, dgamma, dbeta);
+  return check_launch("rms_norm backward (cuda) launch");
+}
+
+}  // namespace rms
+}  // namespace cuda
+}  // namespace rlx
