@@ -321,3 +321,38 @@ def test_from_json_type_errors():
         Graph.from_json(12)
     with pytest.raises(GraphError):
         Graph.from_json(b"\xff\xfe")
+
+
+def test_mutated_json_raises_only_graph_error(op_graphs):
+    """Random edits of valid documents either load or raise GraphError, nothing else."""
+    import copy
+    import random
+
+    docs = [json.loads(g.to_json()) for g in {id(g): g for g in op_graphs.values()}.values()]
+    values = [None, True, 0, -1, 2**40, 10**20, 1.5, "", "x", "F32", [], [1], {}, {"Static": 3},
+              {"Dynamic": -1}, "MatMul", {"Input": {"name": "q"}}]
+
+    def paths(o, path=()):
+        yield path
+        if isinstance(o, dict):
+            for k, v in o.items():
+                yield from paths(v, path + (k,))
+        elif isinstance(o, list):
+            for i, v in enumerate(o):
+                yield from paths(v, path + (i,))
+
+    rng = random.Random(1234)
+    for _ in range(400):
+        d = copy.deepcopy(rng.choice(docs))
+        p = rng.choice([q for q in paths(d) if q])
+        parent = d
+        for k in p[:-1]:
+            parent = parent[k]
+        if isinstance(parent, dict) and rng.random() < 0.2:
+            del parent[p[-1]]
+        else:
+            parent[p[-1]] = copy.deepcopy(rng.choice(values))
+        try:
+            Graph.from_json(json.dumps(d))
+        except GraphError:
+            pass
