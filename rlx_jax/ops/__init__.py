@@ -2,15 +2,27 @@
 
 Each works under jit, grad, jvp, vmap and higher orders; reverse mode runs the op's
 fused backward kernel (C++ on CPU, CUDA on NVIDIA GPUs) where one is compiled.
+Each family adds its import line and its ``__all__ +=`` line below.
 """
+
+__all__: list[str] = ["rms_norm"]
 
 from rlx_jax.vjp_rules.attention import attention, attention_backward, attention_rlx
 from rlx_jax.vjp_rules.rms_norm import rms_norm
 from rlx_jax.vjp_rules.layer_norm import layer_norm, layer_norm_backward
 from rlx_jax.vjp_rules.group_norm import group_norm, group_norm_backward
 from rlx_jax.vjp_rules.batch_norm import batch_norm_inference, batch_norm_inference_backward
+from rlx_jax.vjp_rules.conv import conv2d, conv2d_backward, conv2d_backward_input, conv2d_backward_weight
+from rlx_jax.vjp_rules.pool import avg_pool2d, avg_pool2d_backward, max_pool2d, max_pool2d_backward
+from rlx_jax.vjp_rules.gather import gather, gather_backward, scatter_add
+from rlx_jax.vjp_rules.quantize import (
+    fake_quantize, fake_quantize_backward, fake_quantize_lsq, fake_quantize_lsq_backward,
+)
 
-__all__ = ["rms_norm"]
 __all__ += ["attention", "attention_backward", "attention_rlx"]
 __all__ += ["layer_norm", "layer_norm_backward", "group_norm", "group_norm_backward"]
 __all__ += ["batch_norm_inference", "batch_norm_inference_backward"]
+__all__ += ["conv2d", "conv2d_backward", "conv2d_backward_input", "conv2d_backward_weight"]
+__all__ += ["max_pool2d", "max_pool2d_backward", "avg_pool2d", "avg_pool2d_backward"]
+__all__ += ["gather", "gather_backward", "scatter_add"]
+__all__ += ["fake_quantize", "fake_quantize_backward", "fake_quantize_lsq", "fake_quantize_lsq_backward"]
