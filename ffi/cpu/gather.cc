@@ -1,0 +1,105 @@
+// Gather backward (scatter-add) along the middle axis:
+//   dy [O, K, T], idx [K] (i32), d_table [O, V, T]:
+//   d_table[o, v, :] = sum over k with clip(idx[k], 0, V-1) = v of dy[o, k, :]
+// Race-free and deterministic: a counting sort puts the positions k into one bucket per
+// table row (increasing k inside a bucket); then tasks own disjoint ranges of table rows
+// and each row is written exactly once (zero when its bucket is empty), its sum taken
+// in increasing k with f32 (f64) accumulation.
+#include "cpu/common.h"
+
+namespace rlx {
+namespace {
+
+// CSR buckets: rows v's positions are order[start[v] .. start[v + 1]).
+struct Buckets {
+  std::vector<int64_t> start;
+  std::vector<int64_t> order;
+};
+
+Buckets bucket_rows(const int32_t* idx, int64_t k, int64_t v) {
+  Buckets b;
+  b.start.assign(v + 1, 0);
+  b.order.resize(k);
+  std::vector<int64_t> row(k);
+  for (int64_t i = 0; i < k; ++i) {
+    int64_t r = idx[i];
+    r = r < 0 ? 0 : (r >= v ? v - 1 : r);
+    row[i] = r;
+    ++b.start[r + 1];
+  }
+  for (int64_t r = 0; r < v; ++r) b.start[r + 1] += b.start[r];
+  std::vector<int64_t> fill(b.start.begin(), b.start.end() - 1);
+  for (int64_t i = 0; i < k; ++i) b.order[fill[row[i]]++] = i;
+  return b;
+}
+
+template <typename T>
+void gather_bwd_typed(ffi::ThreadPool& pool, const T* dy, const Buckets& b, T* out, int64_t o_dim,
+                      int64_t k, int64_t v, int64_t t) {
+  using A = typename Accum<T>::type;
+  const int64_t rows = o_dim * v;
+  const int64_t tasks = row_chunks(rows, t, 1024);
+  parallel_for(pool, tasks, [&](int64_t task) {
+    const int64_t r0 = rows * task / tasks, r1 = rows * (task + 1) / tasks;
+    std::vector<A> acc(t);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t o = r / v, row = r % v;
+      T* dst = out + r * t;
+      const int64_t s0 = b.start[row], s1 = b.start[row + 1];
+      if (s0 == s1) {
+        for (int64_t j = 0; j < t; ++j) dst[j] = store<T>(A(0));
+        continue;
+      }
+      const T* base = dy + o * k * t;
+      if (s1 - s0 == 1) {
+        const T* src = base + b.order[s0] * t;
+        for (int64_t j = 0; j < t; ++j) dst[j] = src[j];
+        continue;
+      }
+      A* a = acc.data();
+      const T* first = base + b.order[s0] * t;
+      for (int64_t j = 0; j < t; ++j) a[j] = load<A>(first[j]);
+      for (int64_t s = s0 + 1; s < s1; ++s) {
+        const T* src = base + b.order[s] * t;
+        for (int64_t j = 0; j < t; ++j) a[j] += load<A>(src[j]);
+      }
+      for (int64_t j = 0; j < t; ++j) dst[j] = store<T>(a[j]);
+    }
+  });
+}
+
+ffi::Error GatherBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer idx,
+                         ffi::Result<ffi::AnyBuffer> d_table) {
+  auto dd = dy.dimensions(), di = idx.dimensions(), dt = d_table->dimensions();
+  if (dd.size() != 3 || dt.size() != 3) return invalid("gather backward: dy and d_table must be [O, K, T] / [O, V, T]");
+  if (idx.element_type() != ffi::DataType::S32 || di.size() != 1 || di[0] != dd[1])
+    return invalid("gather backward: indices must be i32 [K] with K = dy.shape[1]");
+  if (dt[0] != dd[0] || dt[2] != dd[2]) return invalid("gather backward: d_table must be [O, V, T] for dy [O, K, T]");
+  if (d_table->element_type() != dy.element_type()) return invalid("gather backward: d_table dtype must match dy");
+  const int64_t o_dim = dd[0], k = dd[1], t = dd[2], v = dt[1];
+  if (o_dim == 0 || v == 0 || t == 0) {
+    if (k > 0 && v == 0 && o_dim * t > 0) return invalid("gather backward: indices into an empty axis");
+    return ffi::Error::Success();
+  }
+  const Buckets b = bucket_rows(static_cast<const int32_t*>(idx.untyped_data()), k, v);
+  bool ok = dispatch_float(dy.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    gather_bwd_typed<T>(pool, static_cast<const T*>(dy.untyped_data()), b,
+                        static_cast<T*>(d_table->untyped_data()), o_dim, k, v, t);
+  });
+  if (!ok) return invalid("gather backward: unsupported dtype " + dtype_name(dy.element_type()));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxGatherBwd, GatherBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()    // dy [O, K, T]
+                                  .Arg<ffi::AnyBuffer>()    // indices [K] i32
+                                  .Ret<ffi::AnyBuffer>());  // d_table [O, V, T]
+
+RLX_REGISTER_HANDLER("rlx_gather_bwd", RlxGatherBwd);
+
+}  // namespace rlx

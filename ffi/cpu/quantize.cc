@@ -1,0 +1,194 @@
+// Fake-quantization backward kernels. x, dy, dx: [G, O, C, I] (rows r = (g, o, c) of
+// width I), scales s: [G, C] in f32 (f64 for f64 x), q = 2^(bits-1) - 1, z = x / s.
+//
+// rlx_fake_quantize_bwd (straight-through estimators, RLX SteKind; ste code):
+//   1 clipped identity  dx = dy * [|x| <= q s]
+//   2 tanh              dx = dy * (1 - tanh(z)^2)
+//   3 hard tanh         dx = dy * max(0, 1 - |x / (q s)|)
+//   0 identity          dx = dy
+// rlx_fake_quantize_lsq_bwd (LSQ, s_eff = max(s, 1e-12), z = x / s_eff), one pass:
+//   dx = dy * [|z| <= q]
+//   ds[g, c] = sum over rows of channel (g, c) of dy * psi(z),
+//   psi(z) = round(z) - z inside (round half away from zero), sign(z) q outside.
+// ds is reduced deterministically: each row chunk writes its own partial sums, then the
+// partials are added in chunk order.
+#include <cmath>
+
+#include "cpu/common.h"
+
+namespace rlx {
+namespace {
+
+struct QuantView {
+  int64_t g, o, c, i;
+  int64_t rows() const { return g * o * c; }
+  int64_t scale_index(int64_t r) const { return (r / (o * c)) * c + r % c; }
+};
+
+ffi::Error quant_view(const char* who, const ffi::AnyBuffer& x, const ffi::AnyBuffer& s, QuantView* v) {
+  auto dx = x.dimensions(), ds = s.dimensions();
+  if (dx.size() != 4) return invalid(std::string(who) + ": x must be [G, O, C, I]");
+  if (ds.size() != 2 || ds[0] != dx[0] || ds[1] != dx[2])
+    return invalid(std::string(who) + ": scale must be [G, C] for x [G, O, C, I]");
+  const ffi::DataType acc = x.element_type() == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
+  if (s.element_type() != acc) return invalid(std::string(who) + ": scale must be f32 (f64 for f64 x)");
+  *v = {dx[0], dx[1], dx[2], dx[3]};
+  return ffi::Error::Success();
+}
+
+// round half away from zero of |z| <= q + 1 (vectorisable: an integer conversion)
+template <typename A>
+inline A round_small(A z) {
+  const A t = A(int64_t(z));
+  const A d = z - t;
+  return t + (d >= A(0.5) ? A(1) : A(0)) - (d <= A(-0.5) ? A(1) : A(0));
+}
+
+template <typename T>
+void ste_bwd_typed(ffi::ThreadPool& pool, const T* x, const void* s_in, const T* dy, T* dx, QuantView v,
+                   float q, int64_t ste) {
+  using A = typename Accum<T>::type;
+  const A* s = static_cast<const A*>(s_in);
+  const int64_t rows = v.rows(), w = v.i;
+  const int64_t tasks = row_chunks(rows, w, 1024);
+  parallel_for(pool, tasks, [&](int64_t t) {
+    const int64_t r0 = rows * t / tasks, r1 = rows * (t + 1) / tasks;
+    for (int64_t r = r0; r < r1; ++r) {
+      const A sc = s[v.scale_index(r)];
+      const A bound = A(q) * sc;
+      const T* xr = x + r * w;
+      const T* dyr = dy + r * w;
+      T* dxr = dx + r * w;
+      if (ste == 1) {
+        for (int64_t j = 0; j < w; ++j) {
+          const A xv = load<A>(xr[j]);
+          dxr[j] = store<T>(std::fabs(xv) <= bound ? load<A>(dyr[j]) : A(0));
+        }
+      } else if (ste == 2) {
+        for (int64_t j = 0; j < w; ++j) {
+          const A th = std::tanh(load<A>(xr[j]) / sc);
+          dxr[j] = store<T>(load<A>(dyr[j]) * (A(1) - th * th));
+        }
+      } else if (ste == 3) {
+        for (int64_t j = 0; j < w; ++j) {
+          const A att = A(1) - std::fabs(load<A>(xr[j]) / bound);
+          dxr[j] = store<T>(load<A>(dyr[j]) * (att > A(0) ? att : A(0)));
+        }
+      } else {
+        for (int64_t j = 0; j < w; ++j) dxr[j] = dyr[j];
+      }
+    }
+  });
+}
+
+template <typename T>
+void lsq_bwd_typed(ffi::ThreadPool& pool, const T* x, const void* s_in, const T* dy, T* dx, void* ds_out,
+                   QuantView v, float q) {
+  using A = typename Accum<T>::type;
+  const A* s = static_cast<const A*>(s_in);
+  A* ds = static_cast<A*>(ds_out);
+  const int64_t rows = v.rows(), w = v.i, n_scales = v.g * v.c;
+  const int64_t tasks = row_chunks(rows, w, 256);
+  std::vector<A> partial(static_cast<size_t>(tasks) * n_scales, A(0));
+  const A qa = A(q);
+  parallel_for(pool, tasks, [&](int64_t t) {
+    const int64_t r0 = rows * t / tasks, r1 = rows * (t + 1) / tasks;
+    A* part = partial.data() + t * n_scales;
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t si = v.scale_index(r);
+      const A sc = std::max(s[si], A(1e-12));
+      const T* xr = x + r * w;
+      const T* dyr = dy + r * w;
+      T* dxr = dx + r * w;
+      A acc = 0;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t j = 0; j < w; ++j) {
+        const A z = load<A>(xr[j]) / sc;
+        const A g = load<A>(dyr[j]);
+        const bool inside = std::fabs(z) <= qa;
+        const A zc = std::min(std::max(z, -qa - A(1)), qa + A(1));
+        const A psi = inside ? round_small(zc) - z : (z > A(0) ? qa : -qa);
+        dxr[j] = store<T>(inside ? g : A(0));
+        acc += psi * g;
+      }
+      part[si] += acc;
+    }
+  });
+  for (int64_t k = 0; k < n_scales; ++k) {
+    A sum = 0;
+    for (int64_t t = 0; t < tasks; ++t) sum += partial[t * n_scales + k];
+    ds[k] = sum;
+  }
+}
+
+ffi::Error FakeQuantizeBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s, ffi::AnyBuffer dy,
+                               ffi::Result<ffi::AnyBuffer> dx, float q_max, int64_t ste) {
+  QuantView v;
+  if (auto e = quant_view("fake_quantize backward", x, s, &v); e.failure()) return e;
+  if (!same_dims(x, dy) || dy.element_type() != x.element_type() || !same_dims(x, *dx) ||
+      dx->element_type() != x.element_type())
+    return invalid("fake_quantize backward: dy and dx must match x in shape and dtype");
+  if (ste < 0 || ste > 3) return invalid("fake_quantize backward: ste code must be 0..3");
+  if (!(q_max >= 1.0f)) return invalid("fake_quantize backward: q_max must be >= 1");
+  if (v.rows() == 0 || v.i == 0) return ffi::Error::Success();
+  bool ok = dispatch_float(x.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    ste_bwd_typed<T>(pool, static_cast<const T*>(x.untyped_data()), s.untyped_data(),
+                     static_cast<const T*>(dy.untyped_data()), static_cast<T*>(dx->untyped_data()), v, q_max, ste);
+  });
+  if (!ok) return invalid("fake_quantize backward: unsupported dtype " + dtype_name(x.element_type()));
+  return ffi::Error::Success();
+}
+
+ffi::Error LsqBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s, ffi::AnyBuffer dy,
+                      ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> ds, float q_max) {
+  QuantView v;
+  if (auto e = quant_view("fake_quantize_lsq backward", x, s, &v); e.failure()) return e;
+  if (!same_dims(x, dy) || dy.element_type() != x.element_type() || !same_dims(x, *dx) ||
+      dx->element_type() != x.element_type())
+    return invalid("fake_quantize_lsq backward: dy and dx must match x in shape and dtype");
+  if (!same_dims(s, *ds) || ds->element_type() != s.element_type())
+    return invalid("fake_quantize_lsq backward: dscale must match scale");
+  if (!(q_max >= 1.0f)) return invalid("fake_quantize_lsq backward: q_max must be >= 1");
+  bool ok = dispatch_float(x.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    using A = typename Accum<T>::type;
+    if (v.rows() == 0 || v.i == 0) {  // nothing to sum: dscale is zero
+      A* d = static_cast<A*>(ds->untyped_data());
+      for (int64_t k = 0; k < v.g * v.c; ++k) d[k] = A(0);
+      return;
+    }
+    lsq_bwd_typed<T>(pool, static_cast<const T*>(x.untyped_data()), s.untyped_data(),
+                     static_cast<const T*>(dy.untyped_data()), static_cast<T*>(dx->untyped_data()),
+                     ds->untyped_data(), v, q_max);
+  });
+  if (!ok) return invalid("fake_quantize_lsq backward: unsupported dtype " + dtype_name(x.element_type()));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxFakeQuantizeBwd, FakeQuantizeBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x [G, O, C, I]
+                                  .Arg<ffi::AnyBuffer>()  // scale [G, C]
+                                  .Arg<ffi::AnyBuffer>()  // dy
+                                  .Ret<ffi::AnyBuffer>()  // dx
+                                  .Attr<float>("q_max")
+                                  .Attr<int64_t>("ste"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxFakeQuantizeLsqBwd, LsqBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x [G, O, C, I]
+                                  .Arg<ffi::AnyBuffer>()  // scale [G, C]
+                                  .Arg<ffi::AnyBuffer>()  // dy
+                                  .Ret<ffi::AnyBuffer>()  // dx
+                                  .Ret<ffi::AnyBuffer>()  // dscale [G, C]
+                                  .Attr<float>("q_max"));
+
+RLX_REGISTER_HANDLER("rlx_fake_quantize_bwd", RlxFakeQuantizeBwd);
+RLX_REGISTER_HANDLER("rlx_fake_quantize_lsq_bwd", RlxFakeQuantizeLsqBwd);
+
+}  // namespace rlx

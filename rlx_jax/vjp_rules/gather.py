@@ -1,0 +1,221 @@
+"""Gather along an axis (RLX ``Gather{axis}``, ``np.take``) and its gradient, the
+scatter-add (RLX ``GatherBackward{axis}`` / ``ScatterAdd``).
+
+Shapes: table [*pre, V, *post], integer indices [*idx] ->
+out [*pre, *idx, *post], out[a, i, b] = table[a, clip(indices[i], 0, V - 1), b].
+Internally: table [O, V, T] (O = prod(pre), T = prod(post)), indices [K] -> out [O, K, T].
+
+Out-of-range indices are CLAMPED into [0, V - 1] (negative -> 0, >= V -> V - 1), in the
+forward and in the backward alike, so the gradient is always that of the function
+computed: every dy row lands in the table row it was read from. (JAX's ``x[idx]`` clamps
+too, but wraps negative indices; RLX reads f32-encoded indices with a saturating cast,
+so negatives read row 0, as here.) A table with V = 0 takes no indices.
+
+Backward: d_table[o, v, :] = sum over k with clip(indices[k]) = v of dy[o, k, :], summed in
+increasing k (deterministic; f32 accumulation for 16-bit dtypes).
+
+Primitives (each lowers to its FFI kernel where registered, else to its reference):
+- ``gather_fwd``: (table [O, V, T], idx [K]) -> out [O, K, T]; linear in the table (XLA's
+  gather, a copy); its transpose is the backward;
+- ``gather_bwd``: (dy [O, K, T], idx [K]) -> d_table [O, V, T]; linear in dy; its
+  transpose is the forward.                                          [rlx_gather_bwd]
+The kernel sorts the indices into per-row buckets (a counting sort) and gives each
+thread whole table rows, so no two threads write the same row: no atomics, no races.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.interpreters import ad
+
+from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive
+
+
+def _acc(dtype):
+    return jnp.float64 if dtype == jnp.float64 else jnp.float32
+
+
+# ---- references (the test oracle and the fallback) ----------------------------------
+
+
+def reference_gather(table, idx):
+    """out[o, k, :] = table[o, clip(idx[k], 0, V - 1), :]."""
+    v = table.shape[1]
+    return (jnp.take(table, jnp.clip(idx, 0, max(v - 1, 0)), axis=1, mode="clip"),)
+
+
+def reference_gather_bwd(dy, idx, *, num_rows):
+    """d_table[o, v, :] = sum_{k: clip(idx[k]) = v} dy[o, k, :] (XLA's scatter-add)."""
+    o, _, t = dy.shape
+    out = jnp.zeros((o, num_rows, t), _acc(dy.dtype))
+    out = out.at[:, jnp.clip(idx, 0, max(num_rows - 1, 0))].add(dy.astype(out.dtype), mode="drop")
+    return (out.astype(dy.dtype),)
+
+
+# ---- kernels ---------------------------------------------------------------------------
+
+
+def _kernel_bwd(dy, idx, *, num_rows):
+    o, _, t = dy.shape
+    out = (jax.ShapeDtypeStruct((o, num_rows, t), dy.dtype),)
+    return jax.ffi.ffi_call("rlx_gather_bwd", out)(dy, idx)
+
+
+gather_fwd = FusedPrimitive("rlx_gather_fwd", reference_gather)
+gather_bwd = FusedPrimitive(
+    "rlx_gather_bwd", reference_gather_bwd, target="rlx_gather_bwd", kernel=_kernel_bwd, platforms=("cpu",)
+)
+
+
+# ---- differentiation rules -------------------------------------------------------------
+
+
+@gather_fwd.def_jvp
+def _fwd_jvp(primals, tangents):
+    (table, idx), (t_table, _) = primals, tangents
+    out = gather_fwd(table, idx)
+    if type(t_table) is ad.Zero:
+        return out, [ad.Zero(jax.typeof(out[0]))]
+    return out, gather_fwd(t_table, idx)
+
+
+@gather_fwd.def_transpose
+def _fwd_transpose(cts, table, idx):
+    (ct,) = cts
+    if ad.is_undefined_primal(idx):
+        raise ValueError("gather is linear in the table only")
+    if type(ct) is ad.Zero:
+        return [ad.Zero(table.aval), None]
+    (d_table,) = gather_bwd(ct, idx, num_rows=table.aval.shape[1])
+    return [d_table, None]
+
+
+@gather_bwd.def_jvp
+def _bwd_jvp(primals, tangents, *, num_rows):
+    (dy, idx), (t_dy, _) = primals, tangents
+    out = gather_bwd(dy, idx, num_rows=num_rows)
+    if type(t_dy) is ad.Zero:
+        return out, [ad.Zero(jax.typeof(out[0]))]
+    return out, gather_bwd(t_dy, idx, num_rows=num_rows)
+
+
+@gather_bwd.def_transpose
+def _bwd_transpose(cts, dy, idx, *, num_rows):
+    (ct,) = cts
+    if ad.is_undefined_primal(idx):
+        raise ValueError("gather backward is linear in dy only")
+    if type(ct) is ad.Zero:
+        return [ad.Zero(dy.aval), None]
+    return [gather_fwd(ct, idx)[0], None]
+
+
+def _outer_batching(prim):
+    """Batching for a primitive over [O, ., T] with shared indices: the batch axis folds
+    into O; batched indices fall back to ``vmap`` of the reference."""
+
+    def rule(args, dims, **params):
+        (a, idx), (da, di) = args, dims
+        if di is not NOT_MAPPED:
+            return prim._reference_batch(args, dims, **params)
+        a = jnp.moveaxis(a, da, 0)
+        b, o = a.shape[:2]
+        (out,) = prim(a.reshape((b * o,) + a.shape[2:]), idx, **params)
+        return [out.reshape((b, o) + out.shape[1:])], [0]
+
+    return rule
+
+
+gather_fwd.def_batching(_outer_batching(gather_fwd))
+gather_bwd.def_batching(_outer_batching(gather_bwd))
+
+
+# ---- public functions ------------------------------------------------------------------
+
+
+def _indices(fn, indices):
+    indices = jnp.asarray(indices)
+    if not jnp.issubdtype(indices.dtype, jnp.integer):
+        raise TypeError(f"{fn}: indices must be an integer array, got {indices.dtype}")
+    return indices
+
+
+def _axis(fn, axis, ndim):
+    if not isinstance(axis, int) or isinstance(axis, bool):
+        raise TypeError(f"{fn}: axis must be an int, got {axis!r}")
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{fn}: axis {axis} out of range for a table of rank {ndim}")
+    return axis % ndim
+
+
+def _flat_indices(fn, indices, num_rows):
+    if num_rows == 0 and indices.size:
+        raise ValueError(f"{fn}: the gathered axis has size 0, so no index is valid")
+    # clamp in the index dtype before narrowing to int32, so huge int64 indices clamp too
+    return jnp.clip(indices, 0, max(num_rows - 1, 0)).astype(jnp.int32).reshape(-1)
+
+
+def gather(table, indices, *, axis: int = 0):
+    """``np.take(table, clip(indices, 0, V - 1), axis)``: table [*pre, V, *post], integer
+    indices [*idx] -> [*pre, *idx, *post].
+
+    Out-of-range indices clamp (see the module docstring). Differentiable in the table in
+    every mode; reverse mode runs the race-free scatter-add kernel.
+    """
+    table = jnp.asarray(table)
+    indices = _indices("gather", indices)
+    if table.ndim == 0:
+        raise ValueError("gather: table must have at least one axis")
+    axis = _axis("gather", axis, table.ndim)
+    pre, v, post = table.shape[:axis], table.shape[axis], table.shape[axis + 1 :]
+    idx = _flat_indices("gather", indices, v)
+    if not jnp.issubdtype(table.dtype, jnp.inexact):
+        return jnp.take(table, idx, axis=axis, mode="clip").reshape(pre + indices.shape + post)
+    t3 = table.reshape((math.prod(pre), v, math.prod(post)))
+    (out,) = gather_fwd(t3, idx)
+    return out.reshape(pre + indices.shape + post)
+
+
+def gather_backward(dy, indices, *, axis: int, table_shape):
+    """RLX's GatherBackward{axis}: d_table [table_shape] for upstream dy
+    [*pre, *idx, *post]; d_table[a, v, b] = sum of dy[a, i, b] over i with
+    clip(indices[i]) = v."""
+    dy = jnp.asarray(dy)
+    indices = _indices("gather_backward", indices)
+    if not jnp.issubdtype(dy.dtype, jnp.inexact):
+        raise TypeError(f"gather_backward: dy must be floating point, got {dy.dtype}")
+    table_shape = tuple(int(d) for d in table_shape)
+    if not table_shape:
+        raise ValueError("gather_backward: table_shape must have at least one axis")
+    axis = _axis("gather_backward", axis, len(table_shape))
+    pre, v, post = table_shape[:axis], table_shape[axis], table_shape[axis + 1 :]
+    want = pre + indices.shape + post
+    if dy.shape != want:
+        raise ValueError(f"gather_backward: dy must have shape {want} (pre + indices + post), got {dy.shape}")
+    idx = _flat_indices("gather_backward", indices, v)
+    dy3 = dy.reshape((math.prod(pre), idx.shape[0], math.prod(post)))
+    (d_table,) = gather_bwd(dy3, idx, num_rows=v)
+    return d_table.reshape(table_shape)
+
+
+def scatter_add(updates, indices, out_shape):
+    """RLX's ScatterAdd: out [out_shape] = zeros, then out[clip(indices[i])] += updates[i].
+
+    updates [*idx, *rest], integer indices [*idx]; out_shape = (V, *rest) (an int V means
+    (V, *rest)). The gradient of ``gather(table, indices, axis=0)``; same kernel.
+    """
+    updates = jnp.asarray(updates)
+    indices = _indices("scatter_add", indices)
+    if updates.shape[: indices.ndim] != indices.shape:
+        raise ValueError(
+            f"scatter_add: updates shape {updates.shape} must start with the indices shape {indices.shape}"
+        )
+    rest = updates.shape[indices.ndim :]
+    if isinstance(out_shape, int):
+        out_shape = (out_shape,) + rest
+    out_shape = tuple(int(d) for d in out_shape)
+    if out_shape[1:] != rest:
+        raise ValueError(f"scatter_add: out_shape {out_shape} must be (V,) + {rest} (the updates' trailing dims)")
+    return gather_backward(updates, indices, axis=0, table_shape=out_shape)
