@@ -1,0 +1,153 @@
+"""Cumulative sum along one axis (RLX ``Cumsum{axis, exclusive}``).
+
+    inclusive:  y[..., l, ...] = sum_{k <= l} x[..., k, ...]
+    exclusive:  y[..., l, ...] = sum_{k <  l} x[..., k, ...]   (y[..., 0, ...] = 0)
+
+Cumsum is linear; its transpose (RLX ``CumsumBackward``) is the reverse cumulative sum
+of dy, inclusive or exclusive like the forward:
+
+    dx[..., l, ...] = sum_{k >= l} dy[..., k, ...]   (k > l when exclusive)
+
+Internally x is viewed as [O, L, I] (O = the axes before ``axis``, L = the scanned
+axis, I = the axes after it; a free reshape). Primitives ``cumsum_fwd`` and
+``cumsum_bwd`` are each other's transpose and lower to the FFI kernels
+``rlx_cumsum_fwd`` / ``rlx_cumsum_bwd`` for floating inputs (integers use the reference).
+Sums run in f32 for bf16/f16 (f64 for f64).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.interpreters import ad
+
+from rlx_jax.vjp_rules._primitive import FusedPrimitive
+
+
+def _acc(dtype):
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return dtype
+    return jnp.float64 if dtype == jnp.float64 else jnp.float32
+
+
+# ---- references (the test oracle and the fallback) ----------------------------------
+
+
+def _scan(x, *, exclusive, reverse):
+    """Cumulative sum over axis 1 of [O, L, I]."""
+    acc = _acc(x.dtype)
+    xf = jnp.flip(x, axis=1) if reverse else x
+    y = jnp.cumsum(xf.astype(acc), axis=1)
+    if exclusive:
+        y = jnp.concatenate([jnp.zeros_like(y[:, :1]), y[:, :-1]], axis=1)
+    y = jnp.flip(y, axis=1) if reverse else y
+    return y.astype(x.dtype)
+
+
+def reference_cumsum(x, *, exclusive):
+    """y = cumsum(x) over axis 1 of [O, L, I]; returns (y,)."""
+    return (_scan(x, exclusive=exclusive, reverse=False),)
+
+
+def reference_cumsum_bwd(dy, *, exclusive):
+    """dx = reverse cumsum(dy) over axis 1 of [O, L, I]; returns (dx,)."""
+    return (_scan(dy, exclusive=exclusive, reverse=True),)
+
+
+# ---- kernels ---------------------------------------------------------------------------
+
+
+def _kernel(target):
+    def call(x, *, exclusive):
+        return jax.ffi.ffi_call(target, (jax.ShapeDtypeStruct(x.shape, x.dtype),))(x, exclusive=np.bool_(exclusive))
+
+    return call
+
+
+def _kernel_ok(x, **params):
+    return x.ndim == 3 and x.dtype in (jnp.float32, jnp.float64, jnp.bfloat16, jnp.float16)
+
+
+cumsum_fwd = FusedPrimitive(
+    "rlx_cumsum_fwd", reference_cumsum, target="rlx_cumsum_fwd", kernel=_kernel("rlx_cumsum_fwd"), kernel_ok=_kernel_ok
+)
+cumsum_bwd = FusedPrimitive(
+    "rlx_cumsum_bwd",
+    reference_cumsum_bwd,
+    target="rlx_cumsum_bwd",
+    kernel=_kernel("rlx_cumsum_bwd"),
+    kernel_ok=_kernel_ok,
+)
+
+_TRANSPOSE = {cumsum_fwd: cumsum_bwd, cumsum_bwd: cumsum_fwd}
+
+
+# ---- differentiation rules (both primitives are linear) --------------------------------
+
+
+def _make_rules(prim):
+    other = _TRANSPOSE[prim]
+
+    def jvp(primals, tangents, *, exclusive):
+        (x,), (tx,) = primals, tangents
+        (y,) = prim(x, exclusive=exclusive)
+        if type(tx) is ad.Zero:
+            return (y,), (jnp.zeros_like(y),)
+        return (y,), prim(tx, exclusive=exclusive)
+
+    def transpose(cts, x, *, exclusive):
+        (ct,) = cts
+        if type(ct) is ad.Zero:
+            return [ad.Zero(x.aval)]
+        return [other(ct, exclusive=exclusive)[0]]
+
+    def batch(args, dims, *, exclusive):
+        """The batch axis folds into O: [vb, O, L, I] -> [vb * O, L, I]."""
+        xb = jnp.moveaxis(args[0], dims[0], 0)
+        vb, o, l, i = xb.shape
+        (y,) = prim(xb.reshape(vb * o, l, i), exclusive=exclusive)
+        return [y.reshape(vb, o, l, i)], [0]
+
+    prim.def_jvp(jvp)
+    prim.def_transpose(transpose)
+    prim.def_batching(batch)
+
+
+for _prim in (cumsum_fwd, cumsum_bwd):
+    _make_rules(_prim)
+
+
+# ---- public functions ------------------------------------------------------------------
+
+
+def _fold(x, axis, who):
+    x = jnp.asarray(x)
+    if not (jnp.issubdtype(x.dtype, jnp.number)):
+        raise TypeError(f"{who}: x must be numeric, got {x.dtype}")
+    if x.ndim == 0:
+        raise ValueError(f"{who}: x must have at least one axis")
+    if not isinstance(axis, (int, np.integer)) or not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"{who}: axis {axis!r} out of range for x of rank {x.ndim}")
+    axis = int(axis) % x.ndim
+    o, l, i = math.prod(x.shape[:axis]), x.shape[axis], math.prod(x.shape[axis + 1 :])
+    return x.reshape(o, l, i)
+
+
+def cumsum(x, *, axis: int, exclusive: bool = False):
+    """Cumulative sum of x along ``axis`` (output shaped like x); with ``exclusive``
+    each position holds the sum of the elements strictly before it. Differentiable in
+    every mode; reverse mode runs the reverse-scan kernel ``rlx_cumsum_bwd``."""
+    x3 = _fold(x, axis, "cumsum")
+    (y,) = cumsum_fwd(x3, exclusive=bool(exclusive))
+    return y.reshape(jnp.shape(x))
+
+
+def cumsum_backward(dy, *, axis: int, exclusive: bool = False):
+    """The RLX op CumsumBackward: the reverse cumulative sum of dy along ``axis``
+    (``dx[l] = sum_{k >= l} dy[k]``, ``k > l`` when exclusive)."""
+    dy3 = _fold(dy, axis, "cumsum_backward")
+    (dx,) = cumsum_bwd(dy3, exclusive=bool(exclusive))
+    return dx.reshape(jnp.shape(dy))
