@@ -19,6 +19,18 @@ from rlx_jax.vjp_rules.quantize import (
     fake_quantize, fake_quantize_backward, fake_quantize_lsq, fake_quantize_lsq_backward,
 )
 
+from rlx_jax.vjp_rules.softmax import softmax, softmax_backward
+from rlx_jax.vjp_rules.cross_entropy import (
+    fused_linear_cross_entropy, softmax_cross_entropy, softmax_cross_entropy_backward,
+)
+from rlx_jax.vjp_rules.rope import rope, rope_backward
+from rlx_jax.vjp_rules.cumsum import cumsum, cumsum_backward
+from rlx_jax.vjp_rules.activations import activation, activation_backward, relu_backward
+from rlx_jax.vjp_rules.complex import complex_norm_sq, complex_norm_sq_backward
+
+__all__ += ["softmax", "softmax_backward", "softmax_cross_entropy", "softmax_cross_entropy_backward"]
+__all__ += ["fused_linear_cross_entropy", "rope", "rope_backward", "cumsum", "cumsum_backward"]
+__all__ += ["activation", "activation_backward", "relu_backward", "complex_norm_sq", "complex_norm_sq_backward"]
 __all__ += ["attention", "attention_backward", "attention_rlx"]
 __all__ += ["layer_norm", "layer_norm_backward", "group_norm", "group_norm_backward"]
 __all__ += ["batch_norm_inference", "batch_norm_inference_backward"]
