@@ -370,3 +370,23 @@ def test_builder_argument_errors_are_graph_errors():
     names_node(e, 0, "Input")
     with pytest.raises(GraphError):
         g.node(5)
+
+
+def test_rlx_scalar_compatibility_and_rms_norm_flat_layout():
+    """RLX's verifier accepts [] vs [1] for one-element results, and an RmsNorm node
+    declaring the row-flattened layout of a rank-3 input."""
+    from rlx_jax.ir import ReduceOp, RmsNorm
+    from rlx_jax.ir.ops_reduce import Reduce
+
+    g = Graph("g")
+    x = g.input("x", [3], "f32")
+    loss = g.add(Reduce(op=ReduceOp.Sum, axes=(0,), keep_dim=False), [x], Shape((1,), DType.F32))
+    assert g.shape_of(loss) == ([1], "f32")
+    h = g.input("h", [2, 5, 8], "f32")
+    ga = g.param("g", [8], "f32")
+    y = g.add(RmsNorm(axis=-1, eps=1e-6), [h, ga, ga], Shape((10, 8), DType.F32))
+    assert g.shape_of(y) == ([10, 8], "f32")
+    with pytest.raises(GraphError) as e:
+        g.add(RmsNorm(axis=-1, eps=1e-6), [h, ga, ga], Shape((5, 16), DType.F32))
+    names_node(e, 5, "RmsNorm")
+    g.verify()

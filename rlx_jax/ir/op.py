@@ -539,6 +539,11 @@ class Op:
     def check_declared(self, ins: list, out: Shape) -> None:
         """Checks on a declared output shape of an op whose shape is not inferred."""
 
+    def accepts_declared(self, ins: list, declared: Shape, inferred: Shape) -> bool:
+        """Whether a declared shape that differs from the inferred one is still valid
+        (an RLX layout variant); default: no."""
+        return False
+
     def needs_shape_message(self) -> str:
         """The fault when no shape is declared and ``infer`` cannot give one."""
         return "needs an explicit output shape"

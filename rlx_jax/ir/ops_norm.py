@@ -9,7 +9,7 @@ import dataclasses
 
 from .errors import OpFault
 from .op import Op, need_float, need_min_rank, need_same_dtype, op_class
-from .shape import Shape, dims_compatible, norm_axis
+from .shape import Shape, dims_compatible, leading_flatten, norm_axis
 
 
 def check_params(what: str, params, want_dims: tuple, names) -> None:
@@ -60,7 +60,12 @@ class LayerNorm(_AxisNorm):
 @op_class
 class RmsNorm(_AxisNorm):
     """``y = x * rsqrt(mean(x^2) + eps) * gamma + beta`` over dims ``axis..``; inputs
-    ``[x, gamma, beta]``."""
+    ``[x, gamma, beta]``. As in RLX, a node may declare the row-flattened output
+    ``[prod(leading), H]`` of a rank > 2 input (a fused-layout variant)."""
+
+    def accepts_declared(self, ins, declared, inferred):
+        flat = leading_flatten(ins[0])
+        return ins[0].rank > 2 and flat is not None and declared == flat
 
 
 @op_class

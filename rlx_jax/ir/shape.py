@@ -213,9 +213,30 @@ def same_dims(what: str, a: Shape, b: Shape) -> None:
 
 
 def shapes_match(declared: Shape, inferred: Shape) -> bool:
-    """A declared shape agrees with an inferred one (dtype, rank, static dims)."""
-    return (
-        declared.dtype == inferred.dtype
-        and declared.rank == inferred.rank
-        and all(dims_compatible(x, y) for x, y in zip(declared.dims, inferred.dims))
-    )
+    """A declared shape agrees with an inferred one: same dtype and rank with
+    compatible dims, or (as RLX's verifier allows) both hold exactly one element
+    (``[]`` vs ``[1]``)."""
+    if declared.dtype != inferred.dtype:
+        return False
+    if declared.rank == inferred.rank and all(
+        dims_compatible(x, y) for x, y in zip(declared.dims, inferred.dims)
+    ):
+        return True
+    return declared.numel() == 1 and inferred.numel() == 1
+
+
+def leading_flatten(s: Shape) -> "Shape | None":
+    """``[..., H] -> [prod(...), H]`` (RLX's fused-norm row layout); a dynamic leading
+    dim stays dynamic (``rows`` when there are several)."""
+    if s.rank < 2 or not isinstance(s.dims[-1], int):
+        return None
+    lead = s.dims[:-1]
+    syms = sorted({d.symbol for d in lead if isinstance(d, Dynamic)})
+    if not syms:
+        n = 1
+        for d in lead:
+            n *= d
+        first = n
+    else:
+        first = Dynamic(syms[0]) if len(syms) == 1 else Dynamic(ROWS)
+    return Shape((first, s.dims[-1]), s.dtype)

@@ -35,7 +35,7 @@ def check_node(graph, node_id: int, op, inputs: tuple, shape, name):
                 raise OpFault(op.needs_shape_message())
             return inferred
         if inferred is not None:
-            if not shapes_match(shape, inferred):
+            if not shapes_match(shape, inferred) and not op.accepts_declared(ins, shape, inferred):
                 raise OpFault(f"declared shape {shape} does not match the inferred {inferred}")
         else:
             op.check_declared(ins, shape)
