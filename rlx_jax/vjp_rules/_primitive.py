@@ -118,6 +118,9 @@ class FusedPrimitive:
             for platform in platforms:
                 if self._kernel_for(platform) is not None:
                     mlir.register_lowering(p, self._lowering(platform), platform=platform)
+        if partition is not None:
+            # custom_partitioning inside our lowering needs the device assignment
+            dispatch.prim_requires_devices_during_lowering.add(p)
         ad.primitive_jvps[p] = self._reference_jvp
         batching.primitive_batchers[p] = self._reference_batch
         self.p = p
@@ -217,7 +220,8 @@ class RowPartition:
     """How a kernel over rows splits under SPMD sharding (``custom_partitioning``).
 
     Operands listed in ``row_args`` have the layout [rows..., H]: their leading axes
-    may be sharded in any way, their last axis is kept whole. Other operands (gamma,
+    may be sharded in any way, their last axis is kept whole; ``stat_args`` are laid
+    out like the rows alone ([rows...], a saved rstd say). Other operands (gamma,
     beta, ...) are replicated. Results are classified by position: ``row_outputs`` are
     laid out like the first row operand, ``stat_outputs`` like its leading axes
     ([rows...]), and ``reduced_outputs`` are sums over all rows (dgamma, dbeta): each
@@ -225,8 +229,9 @@ class RowPartition:
     the rows (a psum), so no operand is ever gathered.
     """
 
-    def __init__(self, row_args: Sequence[int], row_outputs=(0,), stat_outputs=(), reduced_outputs=()):
+    def __init__(self, row_args: Sequence[int], stat_args=(), row_outputs=(0,), stat_outputs=(), reduced_outputs=()):
         self.row_args = tuple(row_args)
+        self.stat_args = tuple(stat_args)
         self.row_outputs = tuple(row_outputs)
         self.stat_outputs = tuple(stat_outputs)
         self.reduced_outputs = tuple(reduced_outputs)
@@ -243,7 +248,9 @@ class RowPartition:
         args = []
         for i, a in enumerate(arg_shapes):
             if i in self.row_args:
-                args.append(NamedSharding(mesh, PartitionSpec(*lead[: len(a.shape) - 1], None)))
+                args.append(NamedSharding(mesh, PartitionSpec(*lead, None)))
+            elif i in self.stat_args:
+                args.append(NamedSharding(mesh, PartitionSpec(*lead)))
             else:
                 args.append(NamedSharding(mesh, PartitionSpec()))
         outs = []
@@ -268,7 +275,8 @@ class RowPartition:
         def own(rank):
             return " ".join(f"u{next(counter)}" for _ in range(rank))
 
-        ins = [" ".join(rows + ["h"]) if i in self.row_args else own(len(a.shape)) for i, a in enumerate(avals_in)]
+        ins = [" ".join(rows + ["h"]) if i in self.row_args else " ".join(rows) if i in self.stat_args
+               else own(len(a.shape)) for i, a in enumerate(avals_in)]
         outs = []
         for j, a in enumerate(avals_out):
             if j in self.row_outputs:
@@ -281,7 +289,10 @@ class RowPartition:
 
     def wrap(self, fn: Callable, avals_in, avals_out) -> Callable:
         n_out = len(avals_out)
-        wrapped = custom_partitioning(fn)
+        def kernel_call(*xs):  # custom_partitioning wants a plain positional function
+            return tuple(fn(*xs))
+
+        wrapped = custom_partitioning(kernel_call)
 
         def infer(mesh, arg_shapes, result_shape):
             return tuple(self._shardings(mesh, arg_shapes, n_out)[1])
