@@ -14,3 +14,7 @@ from .reverse import GradWithLossOptions, grad, grad_with_loss
 from .table import VJP_RULES, has_vjp_rule, vjp_rule
 
 __all__ = ["GradWithLossOptions", "grad", "grad_with_loss", "vjp_rule", "VJP_RULES", "has_vjp_rule"]
+
+from .forward import hvp, jacfwd, jvp  # noqa: E402
+
+__all__ += ["hvp", "jacfwd", "jvp"]

@@ -1,0 +1,413 @@
+"""Tiny graphs, one per differentiable op (and per interesting attribute), shared by
+the graph-autodiff tests. Each case builds the op on Params (float leaves, the wrt
+set) and Inputs (integer / boolean leaves) and returns the op's node; ``feeds`` draws
+values (leaves named ``pos*`` are positive; integer leaves need an explicit feed)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rlx_jax.ir import Graph
+
+CASES = {}
+
+
+def case(name, **feeds):
+    def deco(fn):
+        CASES[name] = (fn, feeds)
+        return fn
+    return deco
+
+
+def feeds_for(g, explicit, rng):
+    params, inputs = {}, {}
+    for n in g.nodes:
+        kind = type(n.op).__name__
+        if kind not in ("Param", "Input"):
+            continue
+        name = n.op.name
+        dt = n.shape.dtype.to_numpy()
+        shape = tuple(n.shape.dims)
+        if name in explicit:
+            v = np.asarray(explicit[name](rng) if callable(explicit[name]) else explicit[name]).astype(dt)
+        elif n.shape.dtype.short == "c64":
+            v = (rng.randn(*shape) + 1j * rng.randn(*shape)).astype(dt)
+        elif name.startswith("pos"):
+            v = rng.uniform(0.5, 2.0, shape).astype(dt)
+        else:
+            v = rng.randn(*shape).astype(dt)
+        (params if kind == "Param" else inputs)[name] = v
+    return params, inputs
+
+
+ACTS = ["gelu", "gelu_approx", "silu", "relu", "sigmoid", "tanh", "exp", "log", "sqrt", "rsqrt",
+        "neg", "abs", "sin", "cos", "tan", "atan", "round"]
+
+for _k in ACTS:
+    def _mk(k):
+        def build(g):
+            x = g.param("pos_x" if k in ("log", "sqrt", "rsqrt") else "x", [3, 4])
+            return g.activation(k, x)
+        return build
+    case(f"act_{_k}")(_mk(_k))
+
+for _op in ["add", "sub", "mul", "div", "max", "min", "pow"]:
+    def _mk(op):
+        def build(g):
+            a = g.param("pos_a" if op == "pow" else "a", [3, 4])
+            b = g.param("pos_b" if op == "div" else "b", [4])
+            return g.binary(op, a, b)
+        return build
+    case(f"binary_{_op}")(_mk(_op))
+
+
+@case("where_compare")
+def _(g):
+    a, b = g.param("a", [3, 4]), g.param("b", [3, 4])
+    return g.where_(g.gt_(a, b), a, g.mul(b, b))
+
+
+@case("cast_roundtrip")
+def _(g):
+    x = g.param("x", [3, 4])
+    return g.cast(g.mul(g.cast(x, "f16"), g.cast(x, "f16")), "f32")
+
+
+@case("stop_gradient")
+def _(g):
+    x = g.param("x", [3, 4])
+    return g.mul(x, g.stop_gradient(g.exp(x)))
+
+
+@case("reshape_transpose")
+def _(g):
+    x = g.param("x", [2, 3, 4])
+    return g.transpose(g.reshape(x, [6, 4]), [1, 0])
+
+
+@case("narrow")
+def _(g):
+    return g.narrow(g.param("x", [3, 7]), 1, 2, 3)
+
+
+@case("concat")
+def _(g):
+    return g.concat([g.param("a", [2, 3]), g.param("b", [2, 1]), g.param("c", [2, 2])], 1)
+
+
+@case("expand")
+def _(g):
+    return g.expand(g.param("x", [3, 1]), [2, 3, 4])
+
+
+@case("gather_axis0", idx=lambda r: r.randint(0, 5, (6,)))
+def _(g):
+    return g.gather(g.param("t", [5, 3]), g.input("idx", [6], "i32"), 0)
+
+
+@case("gather_axis1", idx=lambda r: r.randint(0, 5, (2, 3)))
+def _(g):
+    return g.gather(g.param("t", [2, 5, 3]), g.input("idx", [2, 3], "i32"), 1)
+
+
+@case("resize_nearest_2x")
+def _(g):
+    return g.resize_nearest_2x(g.param("x", [1, 2, 3, 2]))
+
+
+for _r in ["sum", "mean", "max", "min", "prod"]:
+    def _mk(r):
+        def build(g):
+            return g.reduce(g.param("x", [3, 4, 5]), r, [0, 2], keep_dim=(r == "mean"))
+        return build
+    case(f"reduce_{_r}")(_mk(_r))
+
+
+@case("softmax")
+def _(g):
+    return g.softmax(g.param("x", [3, 5]), -1)
+
+
+@case("cumsum")
+def _(g):
+    return g.cumsum(g.param("x", [3, 5]), 1)
+
+
+@case("cumsum_exclusive")
+def _(g):
+    return g.cumsum(g.param("x", [3, 5]), 0, exclusive=True)
+
+
+@case("matmul_batched")
+def _(g):
+    return g.matmul(g.param("a", [2, 3, 4]), g.param("b", [4, 5]))
+
+
+@case("dot_general")
+def _(g):
+    return g.dot_general(g.param("a", [2, 4, 3]), g.param("b", [3, 2, 5]), [2], [0], [0], [1])
+
+
+@case("dense_solve")
+def _(g):
+    a = g.add(g.param("a", [3, 3]), g.constant(np.eye(3, dtype=np.float32) * 4))
+    return g.dense_solve(a, g.param("b", [3, 2]))
+
+
+@case("batched_dense_solve")
+def _(g):
+    a = g.add(g.param("a", [2, 3, 3]), g.constant(np.eye(3, dtype=np.float32) * 4))
+    return g.batched_dense_solve(a, g.param("b", [2, 3]))
+
+
+@case("lora_matmul")
+def _(g):
+    return g.lora_matmul(g.param("x", [2, 3, 4]), g.param("w", [4, 5]), g.param("a", [4, 2]),
+                         g.param("b", [2, 5]), 0.5)
+
+
+@case("grouped_matmul", e=lambda r: r.randint(0, 3, (5,)))
+def _(g):
+    return g.grouped_matmul(g.param("x", [5, 4]), g.param("w", [3, 4, 2]), g.input("e", [5], "i32"))
+
+
+@case("scatter_add", idx=lambda r: r.randint(0, 4, (6,)))
+def _(g):
+    return g.scatter_add(g.param("u", [6, 3]), g.input("idx", [6], "i32"), [4, 3])
+
+
+@case("layer_norm")
+def _(g):
+    return g.layer_norm(g.param("x", [3, 8]), g.param("gamma", [8]), g.param("beta", [8]))
+
+
+@case("layer_norm_axis1")
+def _(g):
+    return g.layer_norm(g.param("x", [2, 3, 4]), g.param("gamma", [3, 4]), g.param("beta", [3, 4]), axis=1)
+
+
+@case("rms_norm")
+def _(g):
+    return g.rms_norm(g.param("x", [3, 8]), g.param("gamma", [8]), g.param("beta", [8]))
+
+
+@case("group_norm")
+def _(g):
+    return g.group_norm(g.param("x", [2, 4, 3, 3]), g.param("gamma", [4]), g.param("beta", [4]), 2)
+
+
+@case("batch_norm_inference")
+def _(g):
+    return g.batch_norm_inference(g.param("x", [2, 3, 2, 2]), g.param("gamma", [3]), g.param("beta", [3]),
+                                  g.param("mean", [3]), g.param("pos_var", [3]))
+
+
+@case("layer_norm2d")
+def _(g):
+    return g.layer_norm2d(g.param("x", [2, 4, 2, 3]), g.param("gamma", [4]), g.param("beta", [4]))
+
+
+def _attn(kind="none", mask=None, score_scale=None, softcap=None, layout="bshd", gqa=False):
+    def build(g):
+        b, s, h, d = 2, 4, 2, 4
+        hk = 1 if gqa else h
+        shp = {"bshd": ([b, s, h, d], [b, s, hk, d]), "flat": ([b, s, h * d], [b, s, hk * d]),
+               "bhsd": ([b, h, s, d], [b, h, s, d])}[layout]
+        q, k, v = g.param("q", shp[0]), g.param("k", shp[1]), g.param("v", shp[1])
+        m = None
+        if kind == "custom":
+            m = g.input("mask", [b, s], "f32")
+        elif kind == "bias":
+            m = g.param("bias", [b, h, s, s])
+        return g.attention_opts(q, k, v, h, d, kind, m, score_scale=score_scale, softcap=softcap)
+    return build
+
+
+_keep = {"mask": lambda r: np.array([[1, 1, 0, 1], [1, 0, 1, 1]], np.float32)}
+case("attention_none")(_attn())
+case("attention_causal")(_attn("causal"))
+case("attention_sliding")(_attn("sliding:1"))
+case("attention_custom", **_keep)(_attn("custom"))
+case("attention_bias")(_attn("bias"))
+case("attention_score_scale")(_attn(score_scale=0.7))
+case("attention_softcap")(_attn("causal", softcap=2.0))
+case("attention_flat_gqa")(_attn(layout="flat", gqa=True))
+case("attention_scale_causal")(_attn("causal", score_scale=0.3))
+
+
+@case("rope")
+def _(g):
+    x = g.param("x", [1, 2, 3, 4])
+    cos = g.input("cos", [3, 2], "f32")
+    sin = g.input("sin", [3, 2], "f32")
+    return g.rope(x, cos, sin, 4)
+
+
+@case("conv2d")
+def _(g):
+    return g.conv2d(g.param("x", [2, 2, 6, 5]), g.param("w", [3, 2, 3, 2]))
+
+
+@case("conv2d_stride_pad_dil_groups")
+def _(g):
+    return g.conv2d(g.param("x", [1, 4, 7, 7]), g.param("w", [2, 2, 3, 3]), stride=(2, 1), padding=(1, 2),
+                    dilation=(1, 2), groups=2)
+
+
+@case("conv_transpose2d")
+def _(g):
+    return g.conv_transpose2d(g.param("x", [1, 2, 3, 3]), g.param("w", [2, 3, 2, 2]), stride=(2, 2), padding=(0, 1))
+
+
+@case("max_pool2d")
+def _(g):
+    return g.max_pool2d(g.param("x", [1, 2, 4, 6]), 2)
+
+
+@case("max_pool2d_overlap")
+def _(g):
+    return g.max_pool2d(g.param("x", [1, 2, 5, 5]), 3, stride=1, padding=(1, 1))
+
+
+@case("avg_pool2d")
+def _(g):
+    return g.avg_pool2d(g.param("x", [1, 2, 5, 5]), 2, stride=2, padding=(1, 1))
+
+
+@case("softmax_cross_entropy", labels=lambda r: r.randint(0, 5, (4,)).astype(np.float32))
+def _(g):
+    return g.softmax_cross_entropy_with_logits(g.param("logits", [4, 5]), g.input("labels", [4], "f32"))
+
+
+for _ste in ["identity", "clipped_identity", "tanh", "hard_tanh"]:
+    def _mk(ste):
+        def build(g):
+            return g.fake_quantize(g.param("x", [3, 8]), 4, None, ste)
+        return build
+    case(f"fake_quantize_{_ste}")(_mk(_ste))
+
+
+@case("fake_quantize_lsq")
+def _(g):
+    return g.fake_quantize_lsq(g.param("x", [3, 8]), g.param("pos_s", []), 4)
+
+
+@case("complex_norm_sq")
+def _(g):
+    return g.complex_norm_sq(g.param("z", [3, 4], "c64"))
+
+
+@case("fft")
+def _(g):
+    z = g.param("z", [2, 8], "c64")
+    return g.complex_norm_sq(g.fft(g.mul(z, z)))
+
+
+@case("log_mel")
+def _(g):
+    return g.log_mel(g.param("pos_spec", [3, 6]), g.input("fb", [6, 4], "f32"))
+
+
+@case("fused_matmul_bias_act")
+def _(g):
+    return g.fused_matmul_bias_act(g.param("x", [3, 4]), g.param("w", [4, 5]), g.param("b", [5]),
+                                   activation="gelu")
+
+
+@case("fused_residual_ln")
+def _(g):
+    return g.fused_residual_ln(g.param("x", [3, 8]), g.param("r", [3, 8]), g.param("gamma", [8]),
+                               g.param("beta", [8]))
+
+
+@case("fused_residual_rms_norm")
+def _(g):
+    return g.fused_residual_rms_norm(g.param("x", [3, 8]), g.param("r", [3, 8]), g.param("gamma", [8]),
+                                     g.param("beta", [8]), bias=g.param("bias", [8]))
+
+
+@case("fused_swiglu")
+def _(g):
+    return g.fused_swiglu(g.param("x", [3, 8]))
+
+
+@case("fused_attention_block", mask=lambda r: np.ones((2, 3), np.float32))
+def _(g):
+    return g.fused_attention_block([g.param("h", [2, 3, 8]), g.param("qkv_w", [8, 24]), g.param("out_w", [8, 8]),
+                                    g.input("mask", [2, 3], "f32")], 2, 4)
+
+
+@case("fused_transformer_layer", mask=lambda r: np.ones((2, 3), np.float32))
+def _(g):
+    ins = [g.param("h", [2, 3, 8]), g.param("qkv_w", [8, 24]), g.param("qkv_b", [24]), g.param("out_w", [8, 8]),
+           g.param("out_b", [8]), g.param("ln1_g", [8]), g.param("ln1_b", [8]), g.param("fc1_w", [8, 16]),
+           g.param("fc1_b", [16]), g.param("fc2_w", [16, 8]), g.param("fc2_b", [8]), g.param("ln2_g", [8]),
+           g.param("ln2_b", [8]), g.input("mask", [2, 3], "f32")]
+    return g.fused_transformer_layer(ins, 2, 4, 16)
+
+
+def body(name, shapes, fn):
+    b = Graph(name)
+    ins = [b.input(f"i{k}", s) for k, s in enumerate(shapes)]
+    out = fn(b, *ins)
+    b.set_outputs(list(out) if isinstance(out, (list, tuple)) else [out])
+    return b
+
+
+@case("if_where")
+def _(g):
+    x, y = g.param("x", [3]), g.param("y", [3])
+    pred = g.gt_(g.sum(x, [0]), g.sum(y, [0]))
+    return g.if_(pred, body("then", [[3], [3]], lambda b, a, c: b.mul(a, c)),
+                 body("else", [[3], [3]], lambda b, a, c: b.sin(a)), [x, y])
+
+
+@case("while_unrolled")
+def _(g):
+    x = g.param("pos_x", [3])
+    cond = body("cond", [[3]], lambda b, a: b.lt_(b.sum(a, [0]), b.scalar(20.0)))
+    step = body("step", [[3]], lambda b, a: b.mul(a, b.scalar(1.7)))
+    return g.while_([x], cond, step, max_iterations=8)
+
+
+@case("custom_fn_inlined")
+def _(g):
+    x = g.param("x", [3, 4])
+    return g.custom_fn([x], body("f", [[3, 4]], lambda b, a: b.tanh(b.mul(a, a))))
+
+
+@case("custom_fn_vjp_body")
+def _(g):
+    x = g.param("x", [3, 4])
+    fwd = body("f", [[3, 4]], lambda b, a: b.sin(a))
+    vjp = Graph("f_vjp")
+    a = vjp.input("i0", [3, 4])
+    vjp.input("primal_output", [3, 4])
+    d = vjp.input("d_output", [3, 4])
+    vjp.set_outputs([vjp.mul(d, vjp.cos(a))])
+    return g.custom_fn([x], fwd, vjp)
+
+
+@case("scan_final_carry")
+def _(g):
+    c0 = g.param("c0", [3])
+    xs = g.param("xs", [4, 3])
+    return g.scan(c0, body("step", [[3], [3]], lambda b, c, x: b.tanh(b.add(b.mul(c, x), x))), 4, xs=[xs])
+
+
+@case("scan_trajectory")
+def _(g):
+    c0 = g.param("c0", [3])
+    xs = g.param("xs", [4, 3])
+    return g.scan(c0, body("step", [[3], [3]], lambda b, c, x: b.sin(b.mul(c, x))), 4, xs=[xs],
+                  save_trajectory=True)
+
+
+@case("elementwise_region")
+def _(g):
+    from rlx_jax.ir import ChainOperand as O, ChainStep as S
+
+    a, b = g.param("a", [3, 4]), g.param("b", [3, 4])
+    chain = [S("Binary", "Mul", (O("Input", 0), O("Input", 1))), S("Activation", "Tanh", (O("Step", 0),)),
+             S("Binary", "Add", (O("Step", 1), O("Input", 0)))]
+    return g.elementwise_region([a, b], chain, [3, 4], "f32")
