@@ -190,6 +190,11 @@ def test_attention_variants():
     q4 = g.input("q4", [2, 5, 2, 4], "f32")
     k4 = g.input("k4", [2, 7, 1, 4], "f32")
     assert g.shape_of(g.attention_kind(q4, k4, k4, 2, 4, "causal")) == ([2, 5, 2, 4], "f32")
+    qh = g.input("qh", [2, 2, 5, 4], "f32")   # [B, H, S, D]
+    kh = g.input("kh", [2, 1, 7, 4], "f32")
+    assert g.shape_of(g.attention_kind(qh, kh, kh, 2, 4, "none")) == ([2, 2, 5, 4], "f32")
+    q2, k2 = g.input("q2", [5, 8], "f32"), g.input("k2", [7, 8], "f32")   # [S, H*D]
+    assert g.shape_of(g.attention_kind(q2, k2, k2, 2, 4, "causal")) == ([5, 8], "f32")
 
 
 def test_rope():

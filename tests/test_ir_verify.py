@@ -196,7 +196,16 @@ def test_attention_head_dims():
     q, k = g.input("q", [2, 5, 9], "f32"), g.input("k", [2, 7, 8], "f32")
     with pytest.raises(GraphError) as e:
         g.attention_kind(q, k, k, 2, 4, "none")
-    assert "num_heads*head_dim" in names_node(e, 2, "Attention")
+    assert "multiple of head_dim" in names_node(e, 2, "Attention")
+    q12 = g.input("q12", [2, 5, 12], "f32")
+    with pytest.raises(GraphError) as e:
+        g.attention_kind(q12, k, k, 2, 4, "none")
+    assert "num_heads*head_dim" in names_node(e, 3, "Attention")
+    k3 = g.input("k3", [2, 7, 12], "f32")
+    q16 = g.input("q16", [2, 5, 16], "f32")
+    with pytest.raises(GraphError) as e:
+        g.attention_kind(q16, k3, k3, 4, 4, "none")
+    assert "does not divide" in names_node(e, 5, "Attention")
 
 
 def test_nested_scan_body_signature():

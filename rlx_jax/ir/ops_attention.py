@@ -1,7 +1,8 @@
 """Attention and positional ops: Attention, Rope (NeoX halves), AxialRope2d.
 
-Layout (RLX): q ``[B, Sq, H*D]``, k/v ``[B, Sk, Hkv*D]`` (``H % Hkv == 0``); the 4-D
-layout ``[B, S, H, D]`` is accepted too. The output has q's shape.
+Layouts (RLX): q ``[B, Sq, H*D]``, k/v ``[B, Sk, Hkv*D]`` (``H % Hkv == 0``); also
+``[S, H*D]`` (batch 1) and rank 4 ``[B, S, H, D]`` or ``[B, H, S, D]`` (the latter when
+q's dim 1 equals num_heads). The output has q's shape.
 """
 
 from __future__ import annotations
@@ -13,43 +14,61 @@ from .op import MaskKind, Op, need_float, need_min_rank, need_rank, need_same_dt
 from .shape import dims_compatible
 
 
+def attention_bhsd(q: Shape, num_heads: int) -> bool:
+    """Rank-4 operands are ``[B, H, S, D]`` when q's dim 1 equals ``num_heads``, else
+    ``[B, S, H, D]`` (the rule the lowering follows too)."""
+    return q.rank == 4 and q.dims[1] == num_heads
+
+
+def _logical(what: str, s: Shape, head_dim: int, bhsd: bool) -> tuple:
+    """An attention operand as logical ``(B, S, H, D)``: rank 2 ``[S, H*D]`` (B = 1),
+    rank 3 ``[B, S, H*D]``, rank 4 ``[B, S, H, D]`` or ``[B, H, S, D]``."""
+    if s.rank in (2, 3):
+        last = s.dims[-1]
+        if isinstance(last, int) and (last == 0 or last % head_dim):
+            raise OpFault(f"attention {what} last dim {last} is not a positive multiple of head_dim {head_dim}")
+        heads = last // head_dim if isinstance(last, int) else last
+        b, sq = (1, s.dims[0]) if s.rank == 2 else (s.dims[0], s.dims[1])
+        return b, sq, heads, head_dim
+    if s.rank == 4:
+        if bhsd:
+            return s.dims[0], s.dims[2], s.dims[1], s.dims[3]
+        return s.dims[0], s.dims[1], s.dims[2], s.dims[3]
+    raise OpFault(f"attention {what} must have rank 2, 3 or 4, got {s}")
+
+
 def check_attention(num_heads: int, head_dim: int, mask_kind: MaskKind, q, k, v, mask=None):
-    """Check q/k/v (and the mask of Custom/Bias) for ``num_heads`` x ``head_dim``."""
-    need_rank("attention q", q, 3, 4)
+    """Check q/k/v (and the mask of Custom/Bias) for ``num_heads`` x ``head_dim``:
+    q has ``num_heads`` heads, k/v share a head count dividing it (GQA), a key length
+    and the batch; the output has q's shape."""
     need_float("attention q", q)
     need_same_dtype("attention q/k/v", q, k, v)
+    bhsd = attention_bhsd(q, num_heads)
+    qb, qs, qh, qd = _logical("q", q, head_dim, bhsd)
+    if not (dims_compatible(qh, num_heads) and dims_compatible(qd, head_dim)):
+        raise OpFault(f"attention q {q} does not hold num_heads*head_dim = {num_heads}x{head_dim}")
+    kv = []
     for nm, s in (("k", k), ("v", v)):
         if s.rank != q.rank:
             raise OpFault(f"attention {nm} rank {s.rank} differs from q rank {q.rank}")
-        if not dims_compatible(s.dims[0], q.dims[0]):
-            raise OpFault(f"attention {nm} batch {s.dims[0]} differs from q batch {q.dims[0]}")
-    if not dims_compatible(k.dims[1], v.dims[1]):
-        raise OpFault(f"attention k length {k.dims[1]} differs from v length {v.dims[1]}")
-    if q.rank == 3:
-        if not dims_compatible(q.dims[2], num_heads * head_dim):
-            raise OpFault(
-                f"attention q last dim {q.dims[2]} != num_heads*head_dim = {num_heads * head_dim}"
-            )
-        for nm, s in (("k", k), ("v", v)):
-            d = s.dims[2]
-            if isinstance(d, int) and (d % head_dim or num_heads % max(d // head_dim, 1) or d == 0):
-                raise OpFault(
-                    f"attention {nm} last dim {d} is not a head count dividing {num_heads} times head_dim {head_dim}"
-                )
-    else:
-        if not (dims_compatible(q.dims[2], num_heads) and dims_compatible(q.dims[3], head_dim)):
-            raise OpFault(f"attention q {q} must be [B, S, {num_heads}, {head_dim}]")
-        for nm, s in (("k", k), ("v", v)):
-            h = s.dims[2]
-            if not dims_compatible(s.dims[3], head_dim) or (isinstance(h, int) and (h == 0 or num_heads % h)):
-                raise OpFault(f"attention {nm} {s} must be [B, S, Hkv, {head_dim}] with Hkv dividing {num_heads}")
+        b, sl, h, d = _logical(nm, s, head_dim, bhsd)
+        if not dims_compatible(b, qb):
+            raise OpFault(f"attention {nm} batch {b} differs from q batch {qb}")
+        if not dims_compatible(d, head_dim):
+            raise OpFault(f"attention {nm} head dim {d} != head_dim {head_dim}")
+        if isinstance(h, int) and (h == 0 or num_heads % h):
+            raise OpFault(f"attention {nm} has {h} heads, which does not divide num_heads {num_heads}")
+        kv.append((sl, h))
+    if not dims_compatible(kv[0][0], kv[1][0]) or not dims_compatible(kv[0][1], kv[1][1]):
+        raise OpFault(f"attention k {k} and v {v} disagree in length or heads")
+    k_len = kv[0][0]
     if mask_kind.kind == "Custom":
         need_rank("attention Custom mask", mask, 2)
-        if not (_bcast_ok(mask.dims[0], q.dims[0]) and dims_compatible(mask.dims[1], k.dims[1])):
-            raise OpFault(f"attention Custom mask must be [batch, key_len] = [{q.dims[0]}, {k.dims[1]}], got {mask}")
+        if not (_bcast_ok(mask.dims[0], qb) and dims_compatible(mask.dims[1], k_len)):
+            raise OpFault(f"attention Custom mask must be [batch, key_len] = [{qb}, {k_len}], got {mask}")
     elif mask_kind.kind == "Bias":
         need_rank("attention Bias mask", mask, 4)
-        want = (q.dims[0], num_heads, q.dims[1], k.dims[1])
+        want = (qb, num_heads, qs, k_len)
         if not all(_bcast_ok(a, b) for a, b in zip(mask.dims, want)):
             raise OpFault(
                 f"attention Bias mask must be [batch, heads, q_len, k_len] = {list(want)}, got {mask}"
