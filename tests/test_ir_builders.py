@@ -161,9 +161,10 @@ def test_norms():
     assert g.shape_of(g.layer_norm(x, ga, be)) == ([2, 5, 8], "f32")
     assert g.shape_of(g.layer_norm(x, ga, be, -1, 1e-6)) == ([2, 5, 8], "f32")
     assert g.shape_of(g.rms_norm(x, ga, be)) == ([2, 5, 8], "f32")
-    g2 = g.param("g2", [5, 8], "f32")
-    b2 = g.param("b2", [5, 8], "f32")
+    g2 = g.param("g2", [5], "f32")
+    b2 = g.param("b2", [5], "f32")
     assert g.shape_of(g.layer_norm(x, g2, b2, 1)) == ([2, 5, 8], "f32")
+    assert g.shape_of(g.rms_norm(x, g2, b2, 1e-6, 1)) == ([2, 5, 8], "f32")
     img = g.input("img", [2, 6, 4, 4], "f32")
     c6, c6b = g.param("c6", [6], "f32"), g.param("c6b", [6], "f32")
     assert g.shape_of(g.group_norm(img, c6, c6b, 3)) == ([2, 6, 4, 4], "f32")
@@ -233,6 +234,8 @@ def test_loss_and_moe():
     assert g.shape_of(g.grouped_matmul(x, w, idx)) == ([6, 5], "f32")
     upd, ind = g.input("upd", [6, 5], "f32"), g.input("ind", [6], "i32")
     assert g.shape_of(g.scatter_add(upd, ind, [10, 5])) == ([10, 5], "f32")
+    upd2, ind2 = g.input("upd2", [2, 3, 5], "f32"), g.input("ind2", [2, 3], "i32")
+    assert g.shape_of(g.scatter_add(upd2, ind2, [10, 5])) == ([10, 5], "f32")
 
 
 def test_complex_and_stop_gradient():
@@ -382,6 +385,7 @@ def test_backward_elementwise_and_norms():
     assert g.shape_of(g.layer_norm_backward_input(x, ga, dy, -1, 1e-5)) == ([2, 8], "f32")
     assert g.shape_of(g.layer_norm_backward_gamma(x, dy)) == ([8], "f32")
     assert g.shape_of(g.layer_norm_backward_gamma(x, dy, [8], -1, 1e-5)) == ([8], "f32")
+    assert g.shape_of(g.layer_norm_backward_gamma(x, dy, None, 0)) == ([2], "f32")
     assert g.shape_of(g.rms_norm_backward_input(x, ga, be, dy)) == ([2, 8], "f32")
     assert g.shape_of(g.rms_norm_backward_gamma(x, ga, be, dy)) == ([8], "f32")
     assert g.shape_of(g.rms_norm_backward_beta(x, ga, be, dy)) == ([8], "f32")

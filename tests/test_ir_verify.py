@@ -399,3 +399,15 @@ def test_rlx_scalar_compatibility_and_rms_norm_flat_layout():
         g.add(RmsNorm(axis=-1, eps=1e-6), [h, ga, ga], Shape((5, 16), DType.F32))
     names_node(e, 5, "RmsNorm")
     g.verify()
+
+
+def test_scatter_add_shapes():
+    g = Graph("g")
+    upd, idx = g.input("u", [4, 5], "f32"), g.input("i", [3], "i32")
+    with pytest.raises(GraphError) as e:
+        g.scatter_add(upd, idx, [10, 5])
+    assert "must start with the indices" in names_node(e, 2, "ScatterAdd")
+    idx4 = g.input("i4", [4], "i32")
+    with pytest.raises(GraphError) as e:
+        g.scatter_add(upd, idx4, [10, 6])
+    names_node(e, 3, "ScatterAdd")

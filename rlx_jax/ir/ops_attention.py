@@ -106,7 +106,9 @@ class Attention(Op):
 
 
 def check_rope(head_dim: int, n_rot: int, x, cos, sin):
-    need_min_rank("rope x", x, 1)
+    """x ``[..., S, H*head_dim]`` (float), cos = sin shape ``[S, T]`` with
+    ``T >= n_rot/2``."""
+    need_min_rank("rope x", x, 2)
     need_float("rope x", x)
     last = x.dims[-1]
     if isinstance(last, int) and last % head_dim:
@@ -114,17 +116,20 @@ def check_rope(head_dim: int, n_rot: int, x, cos, sin):
     if cos.dims != sin.dims:
         raise OpFault(f"rope cos {cos} and sin {sin} differ")
     need_float("rope cos", cos)
-    need_min_rank("rope cos", cos, 1)
+    need_rank("rope cos", cos, 2)
+    if not dims_compatible(cos.dims[0], x.dims[-2]):
+        raise OpFault(f"rope cos/sin have {cos.dims[0]} rows, x has sequence length {x.dims[-2]}")
     c = cos.dims[-1]
-    if isinstance(c, int) and c not in (n_rot // 2, n_rot):
-        raise OpFault(f"rope cos/sin last dim {c} must be n_rot/2 = {n_rot // 2} (or n_rot)")
+    if isinstance(c, int) and c < n_rot // 2:
+        raise OpFault(f"rope cos/sin last dim {c} must be >= n_rot/2 = {n_rot // 2}")
 
 
 @op_class
 class Rope(Op):
     """NeoX RoPE per head of ``head_dim``: the first ``n_rot`` dims rotate as two halves
     ``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)``, the rest pass through; inputs
-    ``[x [..., H*head_dim], cos, sin]`` (cos/sin ``[..., n_rot/2]``)."""
+    ``[x [..., S, H*head_dim], cos [S, T], sin [S, T]]`` with ``T >= n_rot/2`` (the
+    first n_rot/2 columns are used)."""
 
     head_dim: int
     n_rot: int

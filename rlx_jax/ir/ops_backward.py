@@ -17,7 +17,7 @@ from .op import (
 )
 from .ops_attention import check_attention, check_rope
 from .ops_conv import check_geometry, conv_shape, pool_shape
-from .ops_norm import check_group_norm, check_params, trailing_dims
+from .ops_norm import check_group_norm, check_params, norm_dims
 from .ops_quant import _check_bits, check_scale_input
 from .ops_reduce import SoftmaxCrossEntropyWithLogits
 from .shape import Shape, dims_compatible, norm_axis, same_dims, shapes_match
@@ -146,7 +146,7 @@ class ComplexNormSqBackward(_Backward):
 def _axis_norm_inputs(op, x, params, dy, names):
     need_float(f"{op.op_name} x", x)
     like(f"{op.op_name} dy", x, dy)
-    check_params(op.op_name, params, trailing_dims(x, op.axis), names)
+    check_params(op.op_name, params, norm_dims(x, op.axis), names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,8 +158,8 @@ class _AxisNormBackward(_Backward):
 
 @op_class
 class LayerNormBackwardInput(_AxisNormBackward):
-    """LayerNorm ``dx = rstd * (g*dy - mean(g*dy) - xhat * mean(g*dy*xhat))`` over the
-    normalised dims; inputs ``[x, gamma, dy]``."""
+    """LayerNorm ``dx = rstd * (g*dy - mean(g*dy) - xhat * mean(g*dy*xhat))`` along
+    ``axis``; inputs ``[x, gamma, dy]``."""
 
     def arity(self):
         return 3
@@ -172,8 +172,8 @@ class LayerNormBackwardInput(_AxisNormBackward):
 
 @op_class
 class LayerNormBackwardGamma(_AxisNormBackward):
-    """LayerNorm ``dgamma = sum over rows of dy * xhat``; inputs ``[x, dy]`` -> the
-    normalised dims ``x.dims[axis:]``."""
+    """LayerNorm ``dgamma = sum over rows of dy * xhat``; inputs ``[x, dy]`` ->
+    ``[x.shape[axis]]``."""
 
     def arity(self):
         return 2
@@ -181,7 +181,7 @@ class LayerNormBackwardGamma(_AxisNormBackward):
     def infer(self, ins):
         x, dy = ins
         _axis_norm_inputs(self, x, [], dy, ())
-        return Shape(trailing_dims(x, self.axis), x.dtype)
+        return Shape(norm_dims(x, self.axis), x.dtype)
 
 
 @op_class

@@ -157,22 +157,23 @@ class GroupedMatMul(Op):
 
 @op_class
 class ScatterAdd(Op):
-    """``out[indices[i]] += updates[i]``: updates ``[U, T...]``, indices ``[U]``; the
-    output ``[out_dim, T...]`` is declared (out_dim is not inferable)."""
+    """``out[indices[i...]] += updates[i..., :]``: indices ``[U...]`` (RLX: ``[U]``),
+    updates ``[U..., T...]``; the output ``[out_dim, T...]`` is declared (out_dim is not
+    inferable). Initial output is zero."""
 
     def arity(self):
         return 2
 
     def check_declared(self, ins, out):
         upd, idx = ins
-        need_min_rank("scatter_add updates", upd, 1)
-        need_rank("scatter_add indices", idx, 1)
         need_index("scatter_add indices", idx)
-        if not dims_compatible(upd.dims[0], idx.dims[0]):
-            raise OpFault(f"indices has {idx.dims[0]} entries, updates has {upd.dims[0]} rows")
-        if out.rank != upd.rank or not all(
-            dims_compatible(x, y) for x, y in zip(out.dims[1:], upd.dims[1:])
+        k = idx.rank
+        if upd.rank < k or not all(dims_compatible(a, b) for a, b in zip(upd.dims[:k], idx.dims)):
+            raise OpFault(f"updates {upd} must start with the indices dims {list(idx.dims)}")
+        trailing = upd.dims[k:]
+        if out.rank != 1 + len(trailing) or not all(
+            dims_compatible(x, y) for x, y in zip(out.dims[1:], trailing)
         ):
-            raise OpFault(f"output {out} must be [out_dim, {list(upd.dims[1:])}]")
+            raise OpFault(f"output {out} must be [out_dim, {', '.join(map(str, trailing))}]")
         if out.dtype != upd.dtype:
             raise OpFault(f"output dtype {out.dtype.short} differs from updates {upd.dtype.short}")

@@ -21,9 +21,9 @@ def check_params(what: str, params, want_dims: tuple, names) -> None:
             raise OpFault(f"{what} {nm} must have shape {list(want_dims)}, got {p}")
 
 
-def trailing_dims(x: Shape, axis: int) -> tuple:
-    """The normalised dims ``x.dims[axis:]`` (axis may be negative)."""
-    return x.dims[norm_axis(axis, x.rank):]
+def norm_dims(x: Shape, axis: int) -> tuple:
+    """Shape of a per-feature parameter: ``(x.dims[axis],)`` (axis may be negative)."""
+    return (x.dims[norm_axis(axis, x.rank)],)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,21 +46,21 @@ class _AxisNorm(Op):
         need_min_rank(f"{self.op_name} input", x, 1)
         need_float(f"{self.op_name} input", x)
         need_same_dtype(self.op_name, x, g, b)
-        check_params(self.op_name, (g, b), trailing_dims(x, self.axis), ("gamma", "beta"))
+        check_params(self.op_name, (g, b), norm_dims(x, self.axis), ("gamma", "beta"))
         return x
 
 
 @op_class
 class LayerNorm(_AxisNorm):
-    """``y = (x - mean) / sqrt(var + eps) * gamma + beta`` over dims ``axis..`` (mean
-    and biased variance over the normalised dims); inputs ``[x, gamma, beta]`` with
-    gamma/beta shaped like ``x.dims[axis:]``."""
+    """``y = (x - mean) / sqrt(var + eps) * gamma + beta`` along ``axis`` (mean and
+    biased variance over that axis; every other axis is a row); inputs ``[x, gamma,
+    beta]`` with gamma/beta ``[x.shape[axis]]``."""
 
 
 @op_class
 class RmsNorm(_AxisNorm):
-    """``y = x * rsqrt(mean(x^2) + eps) * gamma + beta`` over dims ``axis..``; inputs
-    ``[x, gamma, beta]``. As in RLX, a node may declare the row-flattened output
+    """``y = x * rsqrt(mean(x^2) + eps) * gamma + beta`` along ``axis``; inputs ``[x,
+    gamma, beta]`` with gamma/beta ``[x.shape[axis]]``. As in RLX, a node may declare the row-flattened output
     ``[prod(leading), H]`` of a rank > 2 input (a fused-layout variant)."""
 
     def accepts_declared(self, ins, declared, inferred):
