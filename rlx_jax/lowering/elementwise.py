@@ -1,108 +1,25 @@
 """Elementwise ops: Activation, Binary, Compare, Where, Cast, Conjugate, StopGradient,
 ElementwiseRegion, ReluBackward, ActivationBackward.
 
-These stay plain ``jax.numpy`` so XLA fuses them; each rule is the one place of its
-op's maths.
+Binary/Compare/Where/Cast stay plain ``jax.numpy`` so XLA fuses them (each rule is the
+one place of its op's maths); activations and their backward ops belong to the
+activations family and go through ``rlx_jax.ops``.
 """
 
 from __future__ import annotations
 
-import math
-
-import jax
 import jax.numpy as jnp
 from jax import lax
 
 from .registry import enum_name, jnp_dtype, lowering_rule
 
 
-def _round_ste(x):
-    # RLX Round: round half to even in the forward; straight-through gradient.
-    return x + lax.stop_gradient(jnp.round(x) - x)
-
-
-# RLX Activation semantics (rlx-ir op.rs): Gelu is the erf form, GeluApprox the tanh form.
-_ACTIVATIONS = {
-    "Gelu": lambda x: jax.nn.gelu(x, approximate=False),
-    "GeluApprox": lambda x: jax.nn.gelu(x, approximate=True),
-    "Silu": jax.nn.silu,
-    "Relu": jax.nn.relu,
-    "Sigmoid": jax.nn.sigmoid,
-    "Tanh": jnp.tanh,
-    "Exp": jnp.exp,
-    "Log": jnp.log,
-    "Sqrt": jnp.sqrt,
-    "Rsqrt": lax.rsqrt,
-    "Neg": jnp.negative,
-    "Abs": jnp.abs,
-    "Sin": jnp.sin,
-    "Cos": jnp.cos,
-    "Tan": jnp.tan,
-    "Atan": jnp.arctan,
-    "Round": _round_ste,
-}
-
-
 def activation(kind, x):
-    """Apply RLX activation ``kind`` (variant name or enum) to ``x``."""
-    name = enum_name(kind)
-    fn = _ACTIVATIONS.get(name)
-    if fn is None:
-        raise NotImplementedError(f"unknown activation {name!r}")
-    return fn(x)
+    """RLX activation ``kind`` through the activations family (``rlx_jax.ops.activation``:
+    the one place of the 17 forward forms and their closed-form derivatives)."""
+    from .nn import fused
 
-
-def _sqrt_2_over_pi():
-    return math.sqrt(2.0 / math.pi)
-
-
-def activation_derivative(kind, x):
-    """``d act(x) / dx`` in closed form (RLX ``ActivationBackward`` table)."""
-    name = enum_name(kind)
-    if name == "Gelu":
-        cdf = 0.5 * (1.0 + lax.erf(x / math.sqrt(2.0)))
-        pdf = jnp.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
-        return cdf + x * pdf
-    if name == "GeluApprox":
-        c = _sqrt_2_over_pi()
-        u = c * (x + 0.044715 * x**3)
-        t = jnp.tanh(u)
-        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3 * 0.044715 * x * x)
-    if name == "Silu":
-        s = jax.nn.sigmoid(x)
-        return s * (1.0 + x * (1.0 - s))
-    if name == "Sigmoid":
-        s = jax.nn.sigmoid(x)
-        return s * (1.0 - s)
-    if name == "Tanh":
-        t = jnp.tanh(x)
-        return 1.0 - t * t
-    if name == "Exp":
-        return jnp.exp(x)
-    if name == "Log":
-        return 1.0 / x
-    if name == "Sqrt":
-        return 0.5 / jnp.sqrt(x)
-    if name == "Rsqrt":
-        return -0.5 * x ** (-1.5)
-    if name == "Neg":
-        return -jnp.ones_like(x)
-    if name == "Abs":
-        return jnp.sign(x)
-    if name == "Sin":
-        return jnp.cos(x)
-    if name == "Cos":
-        return -jnp.sin(x)
-    if name == "Tan":
-        t = jnp.tan(x)
-        return 1.0 + t * t
-    if name == "Atan":
-        return 1.0 / (1.0 + x * x)
-    if name == "Relu":
-        return (x > 0).astype(x.dtype)
-    if name == "Round":
-        return jnp.ones_like(x)
-    raise NotImplementedError(f"unknown activation {name!r}")
+    return fused("activation")(kind, x)
 
 
 @lowering_rule("Activation")
@@ -205,16 +122,20 @@ def _stop_gradient(op, args, ctx):
 
 @lowering_rule("ReluBackward")
 def _relu_backward(op, args, ctx):
-    # dx = dy where x > 0 else 0.
+    # [x, dy] -> dy where x > 0 else 0 (rlx_jax.ops.relu_backward).
+    from .nn import fused
+
     x, dy = args
-    return ctx.cast_out(jnp.where(x > 0, dy, jnp.zeros_like(dy)))
+    return ctx.cast_out(fused("relu_backward")(x, dy))
 
 
 @lowering_rule("ActivationBackward")
 def _activation_backward(op, args, ctx):
-    # dx = act'(x) * dy with the closed forms of RLX's ActivationBackward.
+    # [x, dy] -> act'(x) * dy, closed forms of the activations family.
+    from .nn import fused
+
     x, dy = args
-    return ctx.cast_out(activation_derivative(op.kind, x) * dy)
+    return ctx.cast_out(fused("activation_backward")(op.kind, x, dy))
 
 
 def _chain_operand(ref, inputs, steps):

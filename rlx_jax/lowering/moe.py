@@ -1,7 +1,8 @@
 """Mixture of experts: GroupedMatMul and ScatterAdd.
 
 No per-token weight gather: GroupedMatMul sorts the tokens by expert and runs one
-``lax.ragged_dot`` (a grouped GEMM) over the contiguous groups.
+``lax.ragged_dot`` (a grouped GEMM) over the contiguous groups. ScatterAdd is the gather
+family's ``scatter_add`` (rlx_jax.ops).
 """
 
 from __future__ import annotations
@@ -31,18 +32,13 @@ def _grouped_matmul(op, args, ctx):
     return ctx.cast_out(grouped_matmul(x, w, idx))
 
 
-def scatter_add(updates, indices, out_dim):
-    """out = zeros([out_dim, *trailing]); out[indices[i]] += updates[i]."""
-    idx = index_array(indices).reshape(-1)
-    out = jnp.zeros((out_dim,) + updates.shape[1:], updates.dtype)
-    return out.at[idx].add(updates, mode="drop")
-
-
 @lowering_rule("ScatterAdd")
 def _scatter_add(op, args, ctx):
-    # out_dim comes from the node's declared output shape.
+    # out = zeros(out_shape); out[indices[i]] += updates[i] (the gather family's
+    # scatter_add); out_dim comes from the node's declared output shape.
+    from .nn import fused
+
     updates, indices = args
-    out_dim = ctx.out_shape[0]
-    if out_dim is None:
-        raise ValueError("ScatterAdd output dim 0 is dynamic and unbound")
-    return ctx.cast_out(scatter_add(updates, indices, int(out_dim)))
+    if ctx.out_shape is None or None in ctx.out_shape:
+        raise ValueError("ScatterAdd output shape has an unbound dynamic dim")
+    return ctx.cast_out(fused("scatter_add")(updates, index_array(indices), tuple(ctx.out_shape)))

@@ -4,7 +4,7 @@ These are fused-op families: the maths lives once in ``rlx_jax.vjp_rules.<family
 and is reached through ``rlx_jax.ops.<fn>`` (so ``jax.grad`` of a lowered graph uses
 the fused backward kernels). The rules here only translate RLX attributes and
 layouts. ``rlx_jax.ops`` is imported when a rule runs, not at import time.
-ConvTranspose2d and non-max/mean pools are not fused families and are written here.
+ConvTranspose2d is not a fused family and is written here.
 """
 
 from __future__ import annotations
@@ -40,26 +40,32 @@ def index_array(ix):
 # ---- norms ---------------------------------------------------------------------------
 
 def layer_norm(x, gamma, beta, axis, eps):
+    """RLX LayerNorm over one ``axis`` (gamma, beta [x.shape[axis]])."""
     return fused("layer_norm")(x, gamma, beta, axis=int(axis), eps=float(eps))
 
 
 def rms_norm(x, gamma, beta, axis, eps):
+    """RLX RmsNorm over one ``axis`` (gamma, beta [x.shape[axis]])."""
     return fused("rms_norm")(x, gamma, beta, axis=int(axis), eps=float(eps))
 
 
 @lowering_rule("LayerNorm")
 def _layer_norm(op, args, ctx):
-    # (x - mean) * rsqrt(var + eps) * gamma + beta over `axis`.
+    # (x - mean) * rsqrt(var + eps) * gamma + beta over `axis` (gamma, beta [x.shape[axis]]).
     x, gamma, beta = args
     return ctx.cast_out(layer_norm(x, gamma, beta, op.axis, op.eps))
 
 
 @lowering_rule("RmsNorm")
 def _rms_norm(op, args, ctx):
-    # x * rsqrt(mean(x^2) + eps) * gamma + beta over `axis`.
+    # x * rsqrt(mean(x^2) + eps) * gamma + beta over `axis`; a node may declare the
+    # row-flattened output [prod(leading), H].
     x, gamma = args[0], args[1]
     beta = args[2] if len(args) > 2 else None
-    return ctx.cast_out(rms_norm(x, gamma, beta, op.axis, op.eps))
+    y = rms_norm(x, gamma, beta, op.axis, op.eps)
+    if ctx.out_shape is not None and None not in ctx.out_shape and y.shape != ctx.out_shape:
+        y = y.reshape(ctx.out_shape)
+    return ctx.cast_out(y)
 
 
 @lowering_rule("GroupNorm")
@@ -213,23 +219,16 @@ def _conv_transpose2d(op, args, ctx):
 
 @lowering_rule("Pool")
 def _pool(op, args, ctx):
-    # NCHW 2-D pooling; Max pads with -inf, Mean is the fused avg_pool2d family.
+    # NCHW 2-D pooling (kind Max or Mean): the pool family's max_pool2d / avg_pool2d.
     x = args[0]
     kind = enum_name(op.kind)
     ks = _pair(op.kernel_size, None)
-    st = _pair(op.stride, ks)
-    pd = _pair(op.padding, (0, 0))
+    kw = dict(kernel_size=ks, stride=_pair(op.stride, ks), padding=_pair(op.padding, (0, 0)))
     if kind == "Max":
-        out = fused("max_pool2d")(x, kernel_size=ks, stride=st, padding=pd)
-    elif kind == "Mean":
-        out = fused("avg_pool2d")(x, kernel_size=ks, stride=st, padding=pd)
-    else:
-        # Sum / Min / Prod windows (zero / +inf / one padding).
-        init, fn = {"Sum": (0.0, lax.add), "Min": (jnp.inf, lax.min),
-                    "Prod": (1.0, lax.mul)}[kind]
-        out = lax.reduce_window(x, jnp.asarray(init, x.dtype), fn, (1, 1) + ks, (1, 1) + st,
-                                ((0, 0), (0, 0), (pd[0], pd[0]), (pd[1], pd[1])))
-    return ctx.cast_out(out)
+        return ctx.cast_out(fused("max_pool2d")(x, **kw))
+    if kind == "Mean":
+        return ctx.cast_out(fused("avg_pool2d")(x, **kw))
+    raise NotImplementedError(f"Pool kind {kind} (RLX pools are Max or Mean)")
 
 
 # ---- loss / scans / indexing -----------------------------------------------------------

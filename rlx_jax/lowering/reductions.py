@@ -1,6 +1,6 @@
 """Reductions and sampling: Reduce, Softmax, TopK, Sample, RngNormal, RngUniform.
 
-(``Cumsum`` is a fused-op family and lowers in ``nn.py``.)
+(``Softmax`` and ``Cumsum`` are fused-op families, reached through ``rlx_jax.ops``.)
 """
 
 from __future__ import annotations
@@ -36,14 +36,12 @@ def _reduce(op, args, ctx):
     return ctx.cast_out(reduce(op.op, args[0], op.axes, op.keep_dim))
 
 
-def softmax(x, axis):
-    """exp(x - max) / sum(exp(x - max)) along ``axis``."""
-    return jax.nn.softmax(x, axis=int(axis))
-
-
 @lowering_rule("Softmax")
 def _softmax(op, args, ctx):
-    return ctx.cast_out(softmax(args[0], op.axis))
+    # exp(x - max) / sum(exp(x - max)) along `axis` (the softmax family, rlx_jax.ops).
+    from .nn import fused
+
+    return ctx.cast_out(fused("softmax")(args[0], axis=int(op.axis)))
 
 
 def topk_indices(x, k):

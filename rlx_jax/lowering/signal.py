@@ -1,4 +1,4 @@
-"""Signal processing: Fft (last axis) with RLX's FftNorm.
+"""Signal processing: Fft (last axis) with RLX's FftNorm; LogMel and its backward.
 
 RLX layouts: a C64 tensor is transformed as complex; a real tensor [..., 2N] is the
 "real block" layout (first N = real parts, last N = imaginary parts) and the result
@@ -51,3 +51,23 @@ def _fft(op, args, ctx):
     y = fft(z, bool(op.inverse), norm)
     out = jnp.concatenate([jnp.real(y), jnp.imag(y)], axis=-1).astype(x.dtype)
     return ctx.cast_out(out)
+
+
+_MEL_FLOOR = 1e-10
+
+
+@lowering_rule("LogMel")
+def _log_mel(op, args, ctx):
+    # y = log(max(spectrum @ filterbank, 1e-10)); spectrum [..., F], filterbank [F, M].
+    spec, fb = args
+    return ctx.cast_out(jnp.log(jnp.maximum(jnp.matmul(spec, fb), _MEL_FLOOR)))
+
+
+@lowering_rule("LogMelBackward")
+def _log_mel_backward(op, args, ctx):
+    # [spectrum, filterbank, dy] -> dspectrum = (dy / mel * [mel > 1e-10]) @ filterbank^T.
+    spec, fb, dy = args
+    mel = jnp.matmul(spec, fb)
+    live = mel > _MEL_FLOOR
+    g = jnp.where(live, dy / jnp.where(live, mel, 1.0), 0.0)
+    return ctx.cast_out(jnp.matmul(g, jnp.swapaxes(fb, -1, -2)))
