@@ -47,8 +47,10 @@ class TrainConfig:
 def make_optimizer(cfg: TrainConfig):
     import optax
 
+    # linear warm-up (at most a tenth of the run), then cosine decay to lr/10
+    warmup = max(1, min(cfg.warmup, cfg.steps // 10))
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, cfg.lr, warmup_steps=max(1, min(cfg.warmup, cfg.steps)), decay_steps=max(cfg.steps, 1), end_value=cfg.lr * 0.1
+        0.0, cfg.lr, warmup_steps=warmup, decay_steps=max(cfg.steps, warmup + 1), end_value=cfg.lr * 0.1
     )
     return optax.chain(optax.clip_by_global_norm(cfg.clip), optax.adamw(schedule, weight_decay=cfg.weight_decay))
 
