@@ -158,6 +158,46 @@ __device__ __forceinline__ float group_sum(float v, int tpr, float* red, int par
   return s;
 }
 
+// ---- bulk asynchronous copies (sm_90: cp.async.bulk completing on an mbarrier) ----------
+// Callers compile these only for __CUDA_ARCH__ >= 900 and launch them only on such devices.
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+// Makes initialised mbarriers visible to the async proxy (then a __syncthreads).
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// One arrival that also announces `bytes` of transactions to come.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+// Waits until the phase with parity `parity` of the mbarrier has completed.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// Global -> shared copy of `bytes` (a multiple of 16; both addresses 16-byte aligned),
+// completing as transactions on `bar`.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+#endif
+
 // ---- host helpers ----------------------------------------------------------------------
 inline ffi::Error cuda_error(const char* what, cudaError_t e) {
   return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorName(e) + ": " +
@@ -204,6 +244,32 @@ inline cudaError_t blocks_per_sm(int device, Kernel kernel, int threads, size_t 
   std::lock_guard<std::mutex> lock(mu);
   cache[key] = n;
   *out = n;
+  return cudaSuccess;
+}
+
+// Compute capability major of the current device.
+inline cudaError_t device_cc_major(int device, int* major) {
+  return cudaDeviceGetAttribute(major, cudaDevAttrComputeCapabilityMajor, device);
+}
+
+// Raises a kernel's dynamic shared-memory limit to the device's opt-in maximum, once
+// per (device, kernel); returns that maximum in *max_bytes.
+template <typename Kernel>
+inline cudaError_t allow_max_smem(int device, Kernel kernel, size_t* max_bytes) {
+  using Key = std::pair<int, const void*>;
+  static std::mutex mu;
+  static std::map<Key, size_t> done;
+  Key key{device, reinterpret_cast<const void*>(kernel)};
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = done.find(key);
+  if (it != done.end()) { *max_bytes = it->second; return cudaSuccess; }
+  int optin = 0;
+  cudaError_t e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (e != cudaSuccess) return e;
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin);
+  if (e != cudaSuccess) return e;
+  done[key] = size_t(optin);
+  *max_bytes = size_t(optin);
   return cudaSuccess;
 }
 

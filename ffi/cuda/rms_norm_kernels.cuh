@@ -43,6 +43,8 @@ struct RowPlan {
   int tpr = 32;           // threads per row group
   int threads = 256;      // threads per block
   bool prefetch = true;   // load row i+1 while reducing row i
+  int stages = 0;         // > 0: rows staged through shared memory by bulk copies (sm_90)
+  int64_t stage_bytes = 0;
 };
 
 // Upper bound on the threads of a block for NV vectors of VEC elements per thread
@@ -347,11 +349,223 @@ reduce_partials(const float* __restrict__ partial, int64_t parts, int64_t W, T* 
   }
 }
 
+// ---- sm_90 path: rows staged through shared memory by bulk asynchronous copies --------------
+// One row group per block (tpr == blockDim.x > 32). Thread 0 keeps `stages` rows in
+// flight: each stage holds one row of x (and of dy in the backward), copied by
+// cp.async.bulk and completing on the stage's mbarrier. Bytes in flight then no longer
+// depend on registers: 2-4 stages of 8-32 KB per block. Threads read their columns from
+// shared memory (16-byte accesses, consecutive per thread: no bank conflicts), and the
+// row reduction's barrier tells thread 0 that the stage may be refilled.
+constexpr int kTmaHeader = 512;  // bytes before the stages: red (256 B), mbarriers
+
+template <typename T, int VEC>
+__device__ __forceinline__ void load_vec_smem(const T* p, float (&v)[VEC]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) v[i] = to_f32(e[i]);
+}
+
+template <typename T, int NV>
+__global__ void __launch_bounds__(max_threads_for(NV * kVec16<T>, false))
+bwd_rows_tma(const T* __restrict__ x, const T* __restrict__ gamma, const float* __restrict__ rstd,
+             const T* __restrict__ dy, T* __restrict__ dx, float* __restrict__ partial, RowPlan pl) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();
+#else
+  constexpr int VEC = kVec16<T>;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  float* red = reinterpret_cast<float*>(smem_raw);
+  uint64_t* bar = reinterpret_cast<uint64_t*>(smem_raw + 256);
+  unsigned char* stages = smem_raw + kTmaHeader;
+  const int S = pl.stages;
+  const int tpr = blockDim.x;
+  const int t = threadIdx.x;
+  const int64_t p = blockIdx.x;
+  const int64_t W = pl.width;
+  const int64_t r0 = pl.rows * p / pl.parts, r1 = pl.rows * (p + 1) / pl.parts;
+  const int64_t n = r1 - r0;
+  const uint32_t row_bytes = uint32_t(W * int64_t(sizeof(T)));
+
+  int64_t col[NV];
+  bool ok[NV];
+  float gm[NV][VEC], ag[NV][VEC], ab[NV][VEC];
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    col[k] = int64_t(t + k * tpr) * VEC;
+    ok[k] = col[k] < W;
+    if (ok[k]) {
+      load_vec_cached<T, VEC>(gamma + col[k], gm[k]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) gm[k][i] = 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) ag[k][i] = ab[k][i] = 0.f;
+  }
+
+  if (t == 0) {
+    for (int q = 0; q < S; ++q) mbar_init(&bar[q], 1);
+    mbar_init_fence();
+  }
+  __syncthreads();
+  auto issue = [&](int64_t i) {
+    const int q = int(i % S);
+    unsigned char* xs = stages + size_t(q) * 2 * row_bytes;
+    mbar_arrive_expect_tx(&bar[q], 2 * row_bytes);
+    bulk_load(xs, x + (r0 + i) * W, row_bytes, &bar[q]);
+    bulk_load(xs + row_bytes, dy + (r0 + i) * W, row_bytes, &bar[q]);
+  };
+  if (t == 0)
+    for (int64_t i = 0; i < n && i < S; ++i) issue(i);
+
+  for (int64_t i = 0; i < n; ++i) {
+    const int q = int(i % S);
+    const int64_t r = r0 + i;
+    const float rs = rstd[r];
+    mbar_wait(&bar[q], uint32_t((i / S) & 1));
+    const T* xs = reinterpret_cast<const T*>(stages + size_t(q) * 2 * row_bytes);
+    const T* ds = xs + W;
+    float xa[NV][VEC], da[NV][VEC];
+    float part = 0.f;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      if (ok[k]) {
+        load_vec_smem<T, VEC>(xs + col[k], xa[k]);
+        load_vec_smem<T, VEC>(ds + col[k], da[k]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) xa[k][e] = da[k][e] = 0.f;
+      }
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) part += da[k][e] * gm[k][e] * xa[k][e];
+    }
+    const float dot = group_sum(part, tpr, red, int(i & 1));  // barrier: stage q is read
+    if (t == 0 && i + S < n) {
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      issue(i + S);
+    }
+    const float coef = rs * rs * rs * dot / float(W);
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      if (!ok[k]) continue;
+      float o[VEC];
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        o[e] = rs * da[k][e] * gm[k][e] - coef * xa[k][e];
+        ag[k][e] += da[k][e] * xa[k][e] * rs;
+        ab[k][e] += da[k][e];
+      }
+      store_vec<T, VEC>(dx + r * W + col[k], o);
+    }
+  }
+  float* pg = partial + p * 2 * W;
+  float* pb = pg + W;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    if (!ok[k]) continue;
+    store_f32<VEC>(pg + col[k], ag[k]);
+    store_f32<VEC>(pb + col[k], ab[k]);
+  }
+#endif
+}
+
+template <typename T, int NV>
+__global__ void __launch_bounds__(max_threads_for(NV * kVec16<T>, false))
+fwd_rows_tma(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta,
+             T* __restrict__ y, float* __restrict__ rstd, float eps, RowPlan pl) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();
+#else
+  constexpr int VEC = kVec16<T>;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  float* red = reinterpret_cast<float*>(smem_raw);
+  uint64_t* bar = reinterpret_cast<uint64_t*>(smem_raw + 256);
+  unsigned char* stages = smem_raw + kTmaHeader;
+  const int S = pl.stages;
+  const int tpr = blockDim.x;
+  const int t = threadIdx.x;
+  const int64_t p = blockIdx.x;
+  const int64_t W = pl.width;
+  const int64_t r0 = pl.rows * p / pl.parts, r1 = pl.rows * (p + 1) / pl.parts;
+  const int64_t n = r1 - r0;
+  const uint32_t row_bytes = uint32_t(W * int64_t(sizeof(T)));
+
+  int64_t col[NV];
+  bool ok[NV];
+  float gm[NV][VEC], bt[NV][VEC];
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    col[k] = int64_t(t + k * tpr) * VEC;
+    ok[k] = col[k] < W;
+    if (ok[k]) {
+      load_vec_cached<T, VEC>(gamma + col[k], gm[k]);
+      load_vec_cached<T, VEC>(beta + col[k], bt[k]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) gm[k][i] = bt[k][i] = 0.f;
+    }
+  }
+  if (t == 0) {
+    for (int q = 0; q < S; ++q) mbar_init(&bar[q], 1);
+    mbar_init_fence();
+  }
+  __syncthreads();
+  auto issue = [&](int64_t i) {
+    const int q = int(i % S);
+    mbar_arrive_expect_tx(&bar[q], row_bytes);
+    bulk_load(stages + size_t(q) * row_bytes, x + (r0 + i) * W, row_bytes, &bar[q]);
+  };
+  if (t == 0)
+    for (int64_t i = 0; i < n && i < S; ++i) issue(i);
+
+  for (int64_t i = 0; i < n; ++i) {
+    const int q = int(i % S);
+    const int64_t r = r0 + i;
+    mbar_wait(&bar[q], uint32_t((i / S) & 1));
+    const T* xs = reinterpret_cast<const T*>(stages + size_t(q) * row_bytes);
+    float xa[NV][VEC];
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      if (ok[k]) {
+        load_vec_smem<T, VEC>(xs + col[k], xa[k]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) xa[k][e] = 0.f;
+      }
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) ss += xa[k][e] * xa[k][e];
+    }
+    ss = group_sum(ss, tpr, red, int(i & 1));  // barrier: stage q is read
+    if (t == 0 && i + S < n) {
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      issue(i + S);
+    }
+    const float rs = rsqrtf(ss / float(W) + eps);
+    if (t == 0) rstd[r] = rs;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      if (!ok[k]) continue;
+      float o[VEC];
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) o[e] = xa[k][e] * rs * gm[k][e] + bt[k][e];
+      store_vec<T, VEC>(y + r * W + col[k], o);
+    }
+  }
+#endif
+}
+
 // ---- plans and launches --------------------------------------------------------------------
 struct Tuning {
   int nv = 0;        // 0: default
   int prefetch = -1; // -1: default
+  int tma = -1;      // -1: default (rows >= kTmaMinRowBytes), 0: off, 1: wherever possible
+  int stages = 0;    // 0: default
 };
+
+// Shared-memory budget per block of the staged path: two blocks fit on one SM.
+constexpr int64_t kTmaBudget = 110 * 1024;
 
 inline int pow2_ceil(int64_t v) {
   int p = 1;
@@ -395,6 +609,7 @@ RowPlan column_plan(int64_t rows, int64_t W, bool aligned, Tuning tu) {
 }
 
 inline size_t smem_bytes(const RowPlan& pl) {
+  if (pl.stages > 0) return size_t(kTmaHeader) + size_t(pl.stages) * size_t(pl.stage_bytes);
   size_t n = kSmemRed;
   if (pl.threads / pl.tpr > 1) n += 2 * size_t(pl.slab_cols);
   return n * sizeof(float);
@@ -444,6 +659,33 @@ cudaError_t set_parts(RowPlan& pl, Kernel kernel, int64_t max_parts) {
   return cudaSuccess;
 }
 
+// Whether the staged (bulk copy) path applies: sm_90+, one pass, 16-byte vectors, one row
+// group per block; sets stages and stage_bytes, and raises the kernel's shared-memory limit.
+// By default only rows of at least kTmaMinRowBytes take it (measured on an H200: 8 KB and
+// 16 KB rows gain, 4 KB f32 rows lose to the register path; gpu_notes.md).
+constexpr int64_t kTmaMinRowBytes = 8192;
+
+template <typename Kernel>
+bool plan_staged(RowPlan& pl, Kernel kernel, int64_t row_bytes, int64_t bytes_per_row_stage, int default_stages,
+                 Tuning tu) {
+  if (tu.tma == 0 || pl.slabs != 1 || pl.vec == 1 || pl.tpr <= 32 || pl.threads != pl.tpr) return false;
+  if (tu.tma < 0 && row_bytes < kTmaMinRowBytes) return false;
+  DeviceInfo dev;
+  int major = 0;
+  if (device_info(&dev) != cudaSuccess || device_cc_major(dev.device, &major) != cudaSuccess || major < 9)
+    return false;
+  size_t max_smem = 0;
+  if (allow_max_smem(dev.device, kernel, &max_smem) != cudaSuccess) return false;
+  int stages = tu.stages > 0 ? tu.stages
+                             : int(std::min<int64_t>(default_stages, (kTmaBudget - kTmaHeader) / bytes_per_row_stage));
+  stages = std::max(2, std::min(stages, 8));
+  while (stages > 1 && size_t(kTmaHeader) + size_t(stages) * size_t(bytes_per_row_stage) > max_smem) --stages;
+  if (stages < 2) return false;
+  pl.stages = stages;
+  pl.stage_bytes = bytes_per_row_stage;
+  return true;
+}
+
 inline int stats_grid(int64_t rows) {
   DeviceInfo dev;
   if (device_info(&dev) != cudaSuccess) dev.sms = 132;
@@ -461,6 +703,15 @@ ffi::Error launch_fwd(cudaStream_t stream, const T* x, const T* gamma, const T* 
   bool ok = with_variant<T>(pl, [&](auto vec, auto nv, auto pf) {
     constexpr int VEC = decltype(vec)::value, NV = decltype(nv)::value;
     constexpr bool PF = decltype(pf)::value;
+    if constexpr (VEC != 1) {
+      auto staged = fwd_rows_tma<T, NV>;
+      if (plan_staged(pl, staged, W * int64_t(sizeof(T)), W * int64_t(sizeof(T)), 3, tu)) {
+        err = set_parts(pl, staged, rows);
+        if (err != cudaSuccess) return;
+        staged<<<unsigned(pl.parts), pl.threads, smem_bytes(pl), stream>>>(x, gamma, beta, y, rstd, eps, pl);
+        return;
+      }
+    }
     auto kernel = fwd_rows<T, VEC, NV, PF>;
     err = set_parts(pl, kernel, rows);
     if (err != cudaSuccess) return;
@@ -498,6 +749,15 @@ ffi::Error launch_bwd(cudaStream_t stream, const T* x, const T* gamma, const flo
     bool ok = with_variant<T>(pl, [&](auto vec, auto nv, auto pf) {
       constexpr int VEC = decltype(vec)::value, NV = decltype(nv)::value;
       constexpr bool PF = decltype(pf)::value;
+      if constexpr (VEC != 1) {
+        auto staged = bwd_rows_tma<T, NV>;
+        if (plan_staged(pl, staged, W * int64_t(sizeof(T)), 2 * W * int64_t(sizeof(T)), 2, tu)) {
+          err = set_parts(pl, staged, max_parts);
+          if (err != cudaSuccess) return;
+          staged<<<unsigned(pl.parts), pl.threads, smem_bytes(pl), stream>>>(x, gamma, rstd, dy, dx, partial, pl);
+          return;
+        }
+      }
       auto kernel = bwd_rows<T, VEC, NV, PF>;
       err = set_parts(pl, kernel, max_parts);
       if (err != cudaSuccess) return;

@@ -162,10 +162,10 @@ void check_case(int64_t rows, int64_t W, Tuning tu, double tol) {
   bool ok = det;
   for (double v : e) ok = ok && v <= tol;
   if (!ok) ++failures;
-  std::printf("%-4s %6lld x %-6lld nv=%d pf=%d | plan vec=%d nv=%d tpr=%d thr=%d parts=%lld slabs=%lld | "
+  std::printf("%-4s %6lld x %-6lld nv=%d pf=%d tma=%d st=%d | plan vec=%d nv=%d tpr=%d thr=%d parts=%lld slabs=%lld st=%d | "
               "err y %.1e rstd %.1e dx %.1e dg %.1e db %.1e det=%d %s\n",
-              tname<T>(), (long long)rows, (long long)W, tu.nv, tu.prefetch, pb.vec, pb.nv, pb.tpr, pb.threads,
-              (long long)pb.parts, (long long)pb.slabs, e[0], e[1], e[2], e[3], e[4], int(det), ok ? "ok" : "FAIL");
+              tname<T>(), (long long)rows, (long long)W, tu.nv, tu.prefetch, tu.tma, tu.stages, pb.vec, pb.nv, pb.tpr,
+              pb.threads, (long long)pb.parts, (long long)pb.slabs, pb.stages, e[0], e[1], e[2], e[3], e[4], int(det), ok ? "ok" : "FAIL");
   for (void* p : {(void*)x, (void*)dy, (void*)y, (void*)dx, (void*)g, (void*)b, (void*)dg, (void*)db,
                   (void*)rstd, (void*)scr})
     CK(cudaFree(p));
@@ -222,9 +222,10 @@ void time_case(int64_t rows, int64_t W, double copy_bw, const std::vector<Tuning
     const float tf = median_ms([&] { launch_fwd<T>(0, x, g, b, y, rstd, 1e-5f, rows, W, tu); });
     const float tbw = median_ms([&] { launch_bwd<T>(0, x, g, rstd, dy, dx, dg, db, scr, sl, rows, W, tu); });
     CK(cudaGetLastError());
-    std::printf("TIME %-4s %lldx%lld nv=%d pf=%d (tpr=%d parts=%lld) | fwd %.4f ms %.0f GB/s %.3fx floor | "
+    std::printf("TIME %-4s %lldx%lld nv=%d pf=%d st=%d/%d (tpr=%d parts=%lld/%lld) | fwd %.4f ms %.0f GB/s %.3fx floor | "
                 "bwd %.4f ms %.0f GB/s %.3fx floor\n",
-                tname<T>(), (long long)rows, (long long)W, pb.nv, int(pb.prefetch), pb.tpr, (long long)pb.parts,
+                tname<T>(), (long long)rows, (long long)W, pb.nv, int(pb.prefetch), pf.stages, pb.stages, pb.tpr,
+                (long long)pf.parts, (long long)pb.parts,
                 tf, fwd_bytes / tf / 1e6, tf / (fwd_bytes / copy_bw * 1e3), tbw, bwd_bytes / tbw / 1e6,
                 tbw / (bwd_bytes / copy_bw * 1e3));
   }
@@ -249,8 +250,10 @@ int main(int argc, char** argv) {
         check_case<__nv_bfloat16>(rows, W, {}, 1e-2);
       }
     check_case<__half>(37, 1024, {}, 2e-3);
-    check_case<float>(37, 4096, {4, 0}, 1e-5);
-    check_case<float>(37, 256, {1, 1}, 1e-5);
+    check_case<float>(37, 4096, {4, 0, 0}, 1e-5);
+    check_case<float>(37, 256, {1, 1, 0}, 1e-5);
+    check_case<__nv_bfloat16>(37, 4096, {1, 0, 0}, 1e-2);
+    check_case<float>(5, 2048, {2, -1, -1, 3}, 1e-5);
     std::printf("correctness (quick): %d failures\n", failures);
     return failures ? 1 : 0;
   }
@@ -267,10 +270,16 @@ int main(int argc, char** argv) {
   check_case<float>(20, 65536, {}, 1e-5);
   for (int nv : {1, 2, 4})
     for (int pf : {0, 1})
-      for (int64_t W : {256, 4096, 8192}) {
-        check_case<float>(257, W, {nv, pf}, 1e-5);
-        if (nv <= 2) check_case<__nv_bfloat16>(257, W, {nv, pf}, 1e-2);
-      }
+      for (int tma : {0, 1})
+        for (int64_t W : {256, 4096, 8192}) {
+          check_case<float>(257, W, {nv, pf, tma}, 1e-5);
+          if (nv <= 2) check_case<__nv_bfloat16>(257, W, {nv, pf, tma}, 1e-2);
+        }
+  for (int st : {2, 3, 5})
+    for (int64_t rows : {1, 2, 3, 7, 300}) {
+      check_case<float>(rows, 2048, {2, -1, -1, st}, 1e-5);
+      check_case<__half>(rows, 4096, {1, -1, -1, st}, 2e-3);
+    }
   std::printf("correctness: %d failures\n", failures);
   if (mode == "check") return failures ? 1 : 0;
 
@@ -287,11 +296,18 @@ int main(int argc, char** argv) {
   CK(cudaFree(cbuf));
 
   // ---- timings ----
-  std::vector<Tuning> tf32 = {{1, 0}, {1, 1}, {2, 0}, {2, 1}, {4, 0}, {4, 1}};
-  std::vector<Tuning> tb16 = {{1, 0}, {1, 1}, {2, 0}, {2, 1}};
+  // {nv, prefetch, tma, stages}
+  std::vector<Tuning> tf32 = {{2, 1, 0, 0},  {2, 0, 0, 0},   {1, -1, -1, 0}, {2, -1, -1, 0},
+                              {4, -1, -1, 0}, {2, -1, -1, 2}, {2, -1, -1, 3}, {2, -1, -1, 4}};
+  std::vector<Tuning> tb16 = {{1, 0, 0, 0},  {1, -1, -1, 0}, {2, -1, -1, 0}, {1, -1, -1, 2},
+                              {1, -1, -1, 3}, {1, -1, -1, 4}, {1, -1, -1, 6}, {2, -1, -1, 4}};
   time_case<float>(32768, 4096, copy_bw, tf32);
   time_case<__nv_bfloat16>(32768, 4096, copy_bw, tb16);
-  time_case<float>(32768, 1024, copy_bw, {{0, -1}});
+  time_case<float>(32768, 4096, copy_bw, {{0, -1, -1, 0}, {0, -1, -1, 0}});  // defaults, twice: the spread
+  time_case<__nv_bfloat16>(32768, 4096, copy_bw, {{0, -1, -1, 0}, {0, -1, -1, 0}});
+  time_case<float>(131072, 1024, copy_bw, {{0, -1, 0, 0}, {0, 0, 0, 0}, {0, -1, 1, 2}, {0, -1, 1, 4}});
+  time_case<__nv_bfloat16>(65536, 2048, copy_bw, {{0, -1, 0, 0}, {0, 0, 0, 0}, {0, -1, 1, 2}, {0, -1, 1, 4}});
+  time_case<float>(16384, 8192, copy_bw, {{0, -1, 0, 0}, {0, -1, -1, 0}});
   time_case<__nv_bfloat16>(8192, 16384, copy_bw, {{0, -1}});
   return failures ? 1 : 0;
 }
