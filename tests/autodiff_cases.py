@@ -183,12 +183,17 @@ def _(g):
 
 @case("layer_norm_axis1")
 def _(g):
-    return g.layer_norm(g.param("x", [2, 3, 4]), g.param("gamma", [3, 4]), g.param("beta", [3, 4]), axis=1)
+    return g.layer_norm(g.param("x", [2, 3, 4]), g.param("gamma", [3]), g.param("beta", [3]), axis=1)
 
 
 @case("rms_norm")
 def _(g):
     return g.rms_norm(g.param("x", [3, 8]), g.param("gamma", [8]), g.param("beta", [8]))
+
+
+@case("rms_norm_axis1")
+def _(g):
+    return g.rms_norm(g.param("x", [2, 3, 4]), g.param("gamma", [3]), g.param("beta", [3]), axis=1)
 
 
 @case("group_norm")
@@ -289,7 +294,7 @@ for _ste in ["identity", "clipped_identity", "tanh", "hard_tanh"]:
 
 @case("fake_quantize_lsq")
 def _(g):
-    return g.fake_quantize_lsq(g.param("x", [3, 8]), g.param("pos_s", []), 4)
+    return g.fake_quantize_lsq(g.param("x", [3, 8]), g.param("pos_s", [1]), 4)
 
 
 @case("complex_norm_sq")

@@ -18,3 +18,7 @@ __all__ = ["GradWithLossOptions", "grad", "grad_with_loss", "vjp_rule", "VJP_RUL
 from .forward import hvp, jacfwd, jvp  # noqa: E402
 
 __all__ += ["hvp", "jacfwd", "jvp"]
+
+from .batch import vmap  # noqa: E402
+
+__all__ += ["vmap"]

@@ -139,11 +139,20 @@ def sum_(g, x, axes, keep_dim=False):
 def reshape(g, x, ds) -> int:
     if dims(g, x) == tuple(ds):
         return x
+    src = g.node(x)
+    if isinstance(src.op, Reshape) and is_static(ds):   # reshape of a reshape
+        x = src.inputs[0]
+        if dims(g, x) == tuple(ds):
+            return x
     return g._add_node(Reshape(new_shape=target(ds)), (x,))
 
 
 def transpose(g, x, perm) -> int:
     perm = tuple(int(p) for p in perm)
+    src = g.node(x)
+    if isinstance(src.op, Transpose):       # compose: transpose of a transpose
+        perm = tuple(src.op.perm[p] for p in perm)
+        x = src.inputs[0]
     if perm == tuple(range(len(perm))):
         return x
     return g._add_node(Transpose(perm=perm), (x,))
@@ -211,3 +220,31 @@ def numel(ds):
 
 def norm_axis(a: int, rank: int) -> int:
     return a % rank if rank else a
+
+
+def prune(g, keep_leaves=True, replace=None):
+    """A copy of ``g`` without nodes its outputs do not need (Inputs / Params kept when
+    ``keep_leaves``); ``replace`` maps node id -> (op, shape) substituted on the way."""
+    replace = replace or {}
+    need = set()
+    stack = list(g.outputs)
+    while stack:
+        n = stack.pop()
+        if n in need:
+            continue
+        need.add(n)
+        if n not in replace:
+            stack.extend(g.node(n).inputs)
+    out = type(g)(g.name)
+    m = {}
+    for n in g.nodes:
+        leaf = type(n.op).__name__ in ("Input", "Param")
+        if n.id in replace:
+            if n.id in need:
+                op, shape = replace[n.id]
+                m[n.id] = out._add_node(op, (), shape)
+            continue
+        if n.id in need or (keep_leaves and leaf):
+            m[n.id] = out._add_node(n.op, tuple(m[i] for i in n.inputs), n.shape, n.name)
+    out.set_outputs([m[o] for o in g.outputs])
+    return out

@@ -23,34 +23,7 @@ from . import emit as E
 from .prepare import prepare
 from .reverse import grad_with_loss, resolve_wrt, unique_input_name
 from .table import backprop
-
-
-def prune(g: Graph, keep_leaves=True, replace=None) -> Graph:
-    """A copy of ``g`` without nodes its outputs do not need (Inputs / Params kept when
-    ``keep_leaves``); ``replace`` maps node id -> (op, shape) substituted on the way."""
-    replace = replace or {}
-    need = set()
-    stack = list(g.outputs)
-    while stack:
-        n = stack.pop()
-        if n in need:
-            continue
-        need.add(n)
-        if n not in replace:
-            stack.extend(g.node(n).inputs)
-    out = Graph(g.name)
-    m = {}
-    for n in g.nodes:
-        leaf = type(n.op).__name__ in ("Input", "Param")
-        if n.id in replace:
-            if n.id in need:
-                op, shape = replace[n.id]
-                m[n.id] = out._add_node(op, (), shape)
-            continue
-        if n.id in need or (keep_leaves and leaf):
-            m[n.id] = out._add_node(n.op, tuple(m[i] for i in n.inputs), n.shape, n.name)
-    out.set_outputs([m[o] for o in g.outputs])
-    return out
+from .emit import prune
 
 
 def _zeros_op(shape):

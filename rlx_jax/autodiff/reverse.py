@@ -89,7 +89,7 @@ def grad_with_loss(forward: Graph, wrt, options: GradWithLossOptions = GradWithL
     outs = [loss] + list(g.outputs[1:])
     for old, i in zip(wrt_ids, new_wrt):
         gi = grads.get(i)
-        if gi is None or (i == loss and gi == d and False):
+        if gi is None:
             if not options.zero_missing_wrt:
                 raise GraphError(
                     f"grad_with_loss: no gradient flows to wrt node {_describe(forward, old)} of graph "
@@ -98,7 +98,7 @@ def grad_with_loss(forward: Graph, wrt, options: GradWithLossOptions = GradWithL
             gi = E.zeros_like(g, i)
         outs.append(gi)
     g.set_outputs(outs)
-    return g
+    return E.prune(g)
 
 
 def grad(forward: Graph, wrt, options: GradWithLossOptions = GradWithLossOptions.STRICT) -> Graph:

@@ -117,9 +117,17 @@ def _relu_bwd(g, node, dy):
 # -- norms ----------------------------------------------------------------------------
 
 def _norm_axes(t, x, axis):
+    """(axis, (axis,), the other axes): LayerNorm / RmsNorm normalise one axis."""
     r = E.shape(t, x).rank
     a = E.norm_axis(axis, r)
-    return a, tuple(range(a, r))
+    return a, (a,), tuple(i for i in range(r) if i != a)
+
+
+def _param(t, p, x, a):
+    """A per-feature parameter [C] shaped to broadcast along axis ``a`` of ``x``."""
+    r = E.shape(t, x).rank
+    c = E.dims(t, p)[0]
+    return E.reshape(t, p, tuple(c if i == a else 1 for i in range(r)))
 
 
 def _ln_stats(t, x, axes, eps):
@@ -143,15 +151,15 @@ def ln_input_grad(t, x, gdy, axes, eps):
 
 def _ln_bwd_input(t, op, ins):
     x, gamma, dy = ins
-    _, axes = _norm_axes(t, x, op.axis)
-    return ln_input_grad(t, x, E.mul(t, dy, gamma), axes, op.eps)
+    a, axes, _ = _norm_axes(t, x, op.axis)
+    return ln_input_grad(t, x, E.mul(t, dy, _param(t, gamma, x, a)), axes, op.eps)
 
 
 def _ln_bwd_gamma(t, op, ins):
     x, dy = ins
-    a, axes = _norm_axes(t, x, op.axis)
+    a, axes, rest = _norm_axes(t, x, op.axis)
     xhat, _ = _ln_stats(t, x, axes, op.eps)
-    return E.sum_(t, E.mul(t, dy, xhat), tuple(range(a)))
+    return E.sum_(t, E.mul(t, dy, xhat), rest)
 
 
 def _rms_r(t, x, axes, eps):
@@ -161,24 +169,24 @@ def _rms_r(t, x, axes, eps):
 
 def _rms_bwd_input(t, op, ins):
     x, gamma, beta, dy = ins
-    _, axes = _norm_axes(t, x, op.axis)
+    a, axes, _ = _norm_axes(t, x, op.axis)
     r = _rms_r(t, x, axes, op.eps)
-    gdy = E.mul(t, dy, gamma)
+    gdy = E.mul(t, dy, _param(t, gamma, x, a))
     m = E.reduce(t, E.mul(t, gdy, x), "Mean", axes, True)
     return E.mul(t, r, E.sub(t, gdy, E.mul(t, E.mul(t, x, E.mul(t, r, r)), m)))
 
 
 def _rms_bwd_gamma(t, op, ins):
     x, gamma, beta, dy = ins
-    a, axes = _norm_axes(t, x, op.axis)
+    a, axes, rest = _norm_axes(t, x, op.axis)
     r = _rms_r(t, x, axes, op.eps)
-    return E.sum_(t, E.mul(t, dy, E.mul(t, x, r)), tuple(range(a)))
+    return E.sum_(t, E.mul(t, dy, E.mul(t, x, r)), rest)
 
 
 def _rms_bwd_beta(t, op, ins):
     x, gamma, beta, dy = ins
-    a, _ = _norm_axes(t, x, op.axis)
-    return E.sum_(t, dy, tuple(range(a)))
+    a, axes, rest = _norm_axes(t, x, op.axis)
+    return E.sum_(t, dy, rest)
 
 
 def _grouped(t, v, groups):

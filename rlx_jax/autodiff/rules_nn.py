@@ -34,7 +34,7 @@ def _layer_norm(g, node, dy):
     a = E.norm_axis(ax, xs.rank)
     dx = g._add_node(LayerNormBackwardInput(axis=ax, eps=eps), (x, gamma, dy))
     dg = g._add_node(LayerNormBackwardGamma(axis=ax, eps=eps), (x, dy))
-    db = E.sum_(g, dy, tuple(range(a)))
+    db = E.sum_(g, dy, tuple(i for i in range(xs.rank) if i != a))   # gamma/beta: [x.shape[axis]]
     return [dx, dg, db]
 
 

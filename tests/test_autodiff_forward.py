@@ -1,0 +1,237 @@
+"""Graph-level forward mode, Hessian-vector products, vmap and jacfwd against JAX."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rlx_jax
+from rlx_jax.ir import Graph, GraphError
+
+from autodiff_cases import CASES, feeds_for
+
+RTOL = 3e-4
+
+
+def _close(got, want, what, rtol=RTOL):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    if not want.size:
+        return
+    scale = max(float(np.max(np.abs(want))), 1.0)
+    err = float(np.max(np.abs(got - want)))
+    assert err <= rtol * scale, f"{what}: max abs err {err:.3g} (scale {scale:.3g})"
+
+
+def _leaves(g):
+    return [n.op.name for n in g.nodes if type(n.op).__name__ == "Param"]
+
+
+def _split(g, feeds):
+    params = {n.op.name for n in g.nodes if type(n.op).__name__ == "Param"}
+    return ({k: v for k, v in feeds.items() if k in params}, {k: v for k, v in feeds.items() if k not in params})
+
+
+# -- jvp ------------------------------------------------------------------------------
+
+JVP_CASES = ["act_gelu", "act_tanh", "binary_div", "binary_pow", "where_compare", "softmax", "reduce_max",
+             "matmul_batched", "dot_general", "layer_norm", "rms_norm", "group_norm", "batch_norm_inference",
+             "attention_causal", "attention_softcap", "conv2d_stride_pad_dil_groups", "max_pool2d",
+             "avg_pool2d", "softmax_cross_entropy", "cumsum", "gather_axis0", "concat", "narrow",
+             "fused_swiglu", "if_where", "scan_final_carry", "dense_solve", "rope"]
+
+
+def _case_graph(name):
+    build, explicit = CASES[name]
+    g = Graph(name)
+    y = build(g)
+    g.set_outputs([y])
+    return g, explicit
+
+
+@pytest.mark.parametrize("name", JVP_CASES)
+def test_jvp_matches_jax(name):
+    g, explicit = _case_graph(name)
+    params, inputs = feeds_for(g, explicit, np.random.RandomState(0))
+    names = _leaves(g)
+    jg = rlx_jax.jvp(g, names)
+    jg.verify()
+    assert Graph.from_json(jg.to_json()) == jg
+    rng = np.random.RandomState(5)
+    tangents = {f"tangent_{k}": rng.randn(*np.shape(v)).astype(v.dtype) for k, v in params.items()}
+    outs = rlx_jax.to_jax(jg)(params, dict(inputs, **tangents))
+    f = rlx_jax.to_jax(g)
+    prim, tan = jax.jvp(lambda p: f(p, inputs), (params,), ({k: tangents[f"tangent_{k}"] for k in params},))
+    assert len(outs) == 2
+    _close(outs[0], prim[0], "primal")
+    _close(outs[1], tan[0], "tangent")
+
+
+def test_jvp_norm_statistics_are_not_frozen():
+    """d LayerNorm(x) in direction t includes the change of mean and variance."""
+    g = Graph("ln")
+    x = g.input("x", [2, 6])
+    y = g.layer_norm(x, g.constant(np.ones(6, np.float32)), g.constant(np.zeros(6, np.float32)))
+    g.set_outputs([y])
+    jg = rlx_jax.jvp(g, ["x"])
+    xv = np.random.RandomState(0).randn(2, 6).astype("f4")
+    t = np.ones((2, 6), np.float32)           # a shift: LayerNorm is invariant to it
+    outs = rlx_jax.to_jax(jg)({}, {"x": xv, "tangent_x": t})
+    assert float(np.max(np.abs(np.asarray(outs[1])))) < 1e-5
+
+
+def test_jvp_errors():
+    g, _ = _case_graph("act_tanh")
+    with pytest.raises(GraphError, match="nope"):
+        rlx_jax.jvp(g, ["nope"])
+
+
+# -- hvp --------------------------------------------------------------------------------
+
+def mlp_graph():
+    g = Graph("mlp")
+    x = g.input("x", [5, 4])
+    w1, b1, w2 = g.param("w1", [4, 6]), g.param("b1", [6]), g.param("w2", [6, 3])
+    labels = g.input("labels", [5], "f32")
+    h = g.gelu(g.add(g.matmul(x, w1), b1))
+    loss = g.mean(g.softmax_cross_entropy_with_logits(g.matmul(h, w2), labels), [0])
+    g.set_outputs([loss])
+    feeds = {"x": np.random.RandomState(1).randn(5, 4).astype("f4"),
+             "labels": np.array([0, 2, 1, 1, 0], np.float32)}
+    return g, ["w1", "b1", "w2"], feeds
+
+
+def cnn_graph():
+    g = Graph("cnn")
+    x = g.input("x", [2, 2, 6, 6])
+    w = g.param("w", [4, 2, 3, 3])
+    gamma, beta = g.param("gamma", [4]), g.param("beta", [4])
+    fc = g.param("fc", [4 * 2 * 2, 3])
+    labels = g.input("labels", [2], "f32")
+    c = g.conv2d(x, w, padding=(1, 1))
+    c = g.group_norm(c, gamma, beta, 2)
+    c = g.max_pool2d(g.silu(c), 3, stride=3)
+    logits = g.matmul(g.reshape(c, [2, 16]), fc)
+    loss = g.mean(g.softmax_cross_entropy_with_logits(logits, labels), [0])
+    g.set_outputs([loss])
+    feeds = {"x": np.random.RandomState(2).randn(2, 2, 6, 6).astype("f4"), "labels": np.array([1, 2], np.float32)}
+    return g, ["w", "gamma", "beta", "fc"], feeds
+
+
+def transformer_graph():
+    g = Graph("block")
+    b, s, h, d = 2, 3, 2, 4
+    e = h * d
+    x = g.input("x", [b, s, e])
+    wq, wk, wv, wo = (g.param(n, [e, e]) for n in ("wq", "wk", "wv", "wo"))
+    g1, b1 = g.param("ln_g", [e]), g.param("ln_b", [e])
+    w1, w2 = g.param("w1", [e, 2 * e]), g.param("w2", [2 * e, e])
+    hn = g.layer_norm(x, g1, b1)
+    att = g.attention_opts(g.matmul(hn, wq), g.matmul(hn, wk), g.matmul(hn, wv), h, d, "causal")
+    x2 = g.add(x, g.matmul(att, wo))
+    ff = g.matmul(g.gelu_approx(g.matmul(g.rms_norm(x2, g.constant(np.ones(e, np.float32)),
+                                                    g.constant(np.zeros(e, np.float32))), w1)), w2)
+    out = g.add(x2, ff)
+    loss = g.mean(g.mul(out, out), [0, 1, 2])
+    g.set_outputs([loss])
+    feeds = {"x": np.random.RandomState(3).randn(b, s, e).astype("f4")}
+    return g, ["wq", "wk", "wv", "wo", "ln_g", "ln_b", "w1", "w2"], feeds
+
+
+@pytest.mark.parametrize("maker", [mlp_graph, cnn_graph, transformer_graph], ids=["mlp", "cnn", "transformer"])
+def test_hvp_matches_jax_hessian(maker, x64):
+    g, wrt, inputs = maker()
+    rng = np.random.RandomState(0)
+    params = {n.op.name: (rng.randn(*n.shape.dims) * 0.5).astype(np.float64)
+              for n in g.nodes if type(n.op).__name__ == "Param"}
+    inputs = {k: v.astype(np.float64) for k, v in inputs.items()}
+    hg = rlx_jax.hvp(g, wrt)
+    hg.verify()
+    assert Graph.from_json(hg.to_json()) == hg
+    vs = {w: rng.randn(*params[w].shape) for w in wrt}
+    outs = rlx_jax.to_jax(hg)(params, dict(inputs, **{f"tangent_{w}": vs[w] for w in wrt}))
+    f = rlx_jax.to_jax(g)
+
+    def flat_loss(flat):
+        p, k = dict(params), 0
+        for w in wrt:
+            n = params[w].size
+            p[w] = flat[k:k + n].reshape(params[w].shape)
+            k += n
+        return f(p, inputs)[0]
+
+    flat = np.concatenate([params[w].ravel() for w in wrt])
+    hess = jax.hessian(flat_loss)(flat)
+    hv = hess @ np.concatenate([vs[w].ravel() for w in wrt])
+    assert len(outs) == 1 + 2 * len(wrt)
+    _close(outs[0], flat_loss(flat), "loss", 1e-9)
+    grad = jax.grad(flat_loss)(flat)
+    k = 0
+    for i, w in enumerate(wrt):
+        n = params[w].size
+        _close(outs[1 + i], grad[k:k + n].reshape(params[w].shape), f"grad {w}", 1e-9)
+        _close(outs[1 + len(wrt) + i], hv[k:k + n].reshape(params[w].shape), f"Hv {w}", 1e-9)
+        k += n
+
+
+# -- vmap ---------------------------------------------------------------------------------
+
+VMAP_CASES = ["act_silu", "binary_add", "binary_max", "where_compare", "softmax", "reduce_sum", "reduce_mean",
+              "cumsum", "matmul_batched", "layer_norm", "rms_norm", "reshape_transpose", "narrow", "concat",
+              "expand", "gather_axis1", "conv2d", "max_pool2d", "avg_pool2d", "group_norm", "attention_causal",
+              "attention_custom", "softmax_cross_entropy", "rope", "dot_general", "cumsum_exclusive",
+              "fake_quantize_identity", "dense_solve", "fused_residual_ln", "scan_trajectory"]
+
+
+@pytest.mark.parametrize("name", VMAP_CASES)
+def test_vmap_matches_jax(name):
+    g, explicit = _case_graph(name)
+    params, inputs = feeds_for(g, explicit, np.random.RandomState(0))
+    batched = _leaves(g)[:2]
+    bsz = 3
+    vg = rlx_jax.vmap(g, batched, bsz)
+    vg.verify()
+    rng = np.random.RandomState(7)
+    bparams = dict(params)
+    for k in batched:
+        v = params[k]
+        bparams[k] = (np.abs(rng.randn(bsz, *v.shape)) + 0.5 if k.startswith("pos") else rng.randn(bsz, *v.shape)
+                      ).astype(v.dtype)
+    out = rlx_jax.to_jax(vg)(bparams, inputs)
+    f = rlx_jax.to_jax(g)
+    ref = jax.vmap(lambda *xs: f(dict(params, **dict(zip(batched, xs))), inputs))(*[bparams[k] for k in batched])
+    _close(out[0], ref[0], "vmap")
+
+
+def test_vmap_unbatched_output_is_broadcast():
+    g = Graph("two")
+    x, y = g.input("x", [3]), g.input("y", [3])
+    g.set_outputs([g.exp(x), g.sin(y)])
+    vg = rlx_jax.vmap(g, ["x"], 2)
+    xs = np.random.RandomState(0).randn(2, 3).astype("f4")
+    yv = np.ones(3, np.float32)
+    a, b = rlx_jax.to_jax(vg)({}, {"x": xs, "y": yv})
+    _close(a, np.exp(xs), "batched")
+    _close(b, np.broadcast_to(np.sin(yv), (2, 3)), "broadcast")
+    with pytest.raises(GraphError):
+        rlx_jax.vmap(g, ["z"], 2)
+
+
+# -- jacfwd ---------------------------------------------------------------------------------
+
+def test_jacfwd_full_jacobian(x64):
+    g = Graph("f")
+    x = g.input("x", [3])
+    w = g.param("w", [3, 2])
+    y = g.tanh(g.matmul(g.reshape(x, [1, 3]), w))
+    g.set_outputs([g.reshape(y, [2])])
+    jg = rlx_jax.jvp(g, ["x"])
+    rng = np.random.RandomState(0)
+    xv, wv = rng.randn(3), rng.randn(3, 2)
+    (jac,) = rlx_jax.jacfwd(jg, {"x": xv, "w": wv}, "x", [3])
+    f = rlx_jax.to_jax(g)
+    ref = jax.jacfwd(lambda v: f({"w": wv}, {"x": v})[0])(xv)
+    assert jac.shape == (2, 3) and jac.dtype == np.float64
+    _close(jac, ref, "jacobian", 1e-9)
