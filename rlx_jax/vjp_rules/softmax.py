@@ -33,7 +33,7 @@ def _acc(dtype):
 def reference_softmax(x):
     """Softmax over the last axis in f32 (f64) arithmetic; returns (y,)."""
     xf = x.astype(_acc(x.dtype))
-    m = jax.lax.stop_gradient(jnp.max(xf, axis=-1, keepdims=True))
+    m = jax.lax.stop_gradient(jnp.max(xf, axis=-1, keepdims=True, initial=-jnp.inf))
     e = jnp.exp(xf - m)
     return ((e / jnp.sum(e, axis=-1, keepdims=True)).astype(x.dtype),)
 
