@@ -126,7 +126,7 @@ def reference_attention(q, k, v, *extras, kind, window, scale, softcap, has_mask
     mask, bias, _ = _split(extras, has_mask, has_bias)
     acc = _acc_dtype(q.dtype)
     s, _, vis = _scores(q, k, bias, mask, kind=kind, window=window, scale=scale, softcap=softcap)
-    m = jnp.max(jnp.where(vis, s, -jnp.inf), axis=-1)
+    m = jnp.max(jnp.where(vis, s, -jnp.inf), axis=-1, initial=-jnp.inf)
     m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))[..., None]
     e = jnp.where(vis, jnp.exp(jnp.where(vis, s, m) - m), 0.0)
     total = jnp.sum(e, axis=-1)

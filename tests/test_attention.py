@@ -1,0 +1,403 @@
+"""Attention end to end: the flash kernels vs an independent dense oracle (written here,
+not the module's reference), gradients in every mode (second order in f64), every mask
+kind with and without scale and softcap, GQA, Sq != Sk, odd lengths, fully masked rows,
+zero-sized inputs, vmap, errors, determinism and O(S) memory."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import rlx_jax
+from rlx_jax.ops import attention, attention_backward, attention_rlx
+from rlx_jax.vjp_rules import attention as A
+from rlx_jax.vjp_rules._primitive import fused_ops
+
+from testutil import assert_close, hlo_text, platform
+
+
+# ---- an independent oracle ------------------------------------------------------------
+
+
+def dense_attention(q, k, v, *, mask_kind="none", window=None, mask=None, bias=None, scale=None,
+                    softcap=None):
+    """Textbook attention in plain jnp with the documented semantics (RLX_IR.md): scores
+    scaled, softcapped, plus bias, masked; softmax; fully masked rows give 0."""
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    acc = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+    q, k, v = (x.astype(acc) for x in (q, k, v))
+    rep = h // hkv
+    k = jnp.repeat(k, rep, axis=2)
+    v = jnp.repeat(v, rep, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (scale if scale is not None else d**-0.5)
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+    if bias is not None:
+        s = s + bias.astype(acc)
+    pos = np.arange(sq)[:, None] + max(sk - sq, 0)
+    j = np.arange(sk)[None, :]
+    vis = np.ones((sq, sk), bool)
+    if mask_kind in ("causal", "sliding"):
+        vis &= j <= pos
+    if mask_kind == "sliding":
+        vis &= j >= pos - window
+    vis = jnp.asarray(vis)[None, None]
+    if mask is not None:
+        vis = vis & (jnp.asarray(mask)[:, None, None, :] >= 0.5)
+    s = jnp.where(vis, s, 0.0)
+    m = jax.lax.stop_gradient(jnp.max(jnp.where(vis, s, -1e30), axis=-1, keepdims=True, initial=-1e30))
+    e = jnp.where(vis, jnp.exp(s - jnp.where(m > -1e29, m, 0.0)), 0.0)
+    den = jnp.sum(e, axis=-1, keepdims=True)
+    p = e / jnp.where(den > 0, den, 1.0)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+# ---- inputs -----------------------------------------------------------------------------------
+
+
+def _inputs(b, sq, sk, h, hkv, d, dtype=jnp.float32, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+    q = jax.random.normal(ks[0], (b, sq, h, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (b, sk, hkv, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (b, sk, hkv, d), jnp.float32).astype(dtype)
+    mask = (jax.random.uniform(ks[3], (b, sk)) > 0.3).astype(jnp.float32)
+    bias = (0.5 * jax.random.normal(ks[4], (b, h, sq, sk), jnp.float32)).astype(dtype)
+    dy = jax.random.normal(ks[5], (b, sq, h, d), jnp.float32).astype(dtype)
+    return q, k, v, mask, bias, dy
+
+
+# (B, Sq, Sk, H, Hkv, D): odd lengths, Sq != Sk both ways, GQA, MQA, multi-tile shapes
+SHAPES = [
+    (2, 5, 7, 4, 2, 3),
+    (1, 9, 4, 2, 2, 5),
+    (2, 70, 131, 4, 1, 16),
+    (1, 129, 129, 2, 2, 64),
+]
+# every mask kind (plus key mask and bias), with and without scale and softcap
+OPTIONS = [
+    dict(),
+    dict(scale=0.37, softcap=1.5),
+    dict(mask_kind="causal"),
+    dict(mask_kind="causal", scale=0.5, softcap=2.0),
+    dict(mask_kind="sliding", window=3),
+    dict(mask_kind="sliding", window=0, softcap=1.0),
+    dict(use_mask=True),
+    dict(use_mask=True, scale=0.25, softcap=3.0),
+    dict(use_bias=True),
+    dict(use_bias=True, use_mask=True, mask_kind="causal", scale=0.3, softcap=1.2),
+]
+
+
+def _kwargs(opts, mask, bias):
+    kw = {k: v for k, v in opts.items() if not k.startswith("use_")}
+    if opts.get("use_mask"):
+        kw["mask"] = mask
+    if opts.get("use_bias"):
+        kw["bias"] = bias
+    return kw
+
+
+def _oid(opts):
+    return "-".join(f"{k}={v}" for k, v in opts.items()) or "plain"
+
+
+# ---- kernel is really used -------------------------------------------------------------------
+
+
+def test_compiled_kernels_are_registered_and_used():
+    info = rlx_jax.kernel_info()[platform()]
+    assert info["loaded"], info["error"]
+    assert {"rlx_attention_fwd", "rlx_attention_bwd"} <= set(info["targets"])
+    q, k, v, mask, bias, _ = _inputs(1, 8, 8, 2, 1, 4)
+    fwd = hlo_text(lambda q, k, v: attention(q, k, v, mask_kind="causal"), q, k, v)
+    assert "rlx_attention_fwd" in fwd
+    grad = hlo_text(jax.grad(lambda q, k, v, b: jnp.sum(attention(q, k, v, bias=b, mask=mask) ** 2),
+                             (0, 1, 2, 3)), q, k, v, bias)
+    assert "rlx_attention_fwd" in grad and "rlx_attention_bwd" in grad
+
+
+# ---- forward and reverse mode in f32 ----------------------------------------------------------
+
+
+# every option on the odd shape; a spread of options on the others; the full product is slow
+CASES = (
+    [(SHAPES[0], o) for o in OPTIONS]
+    + [(SHAPES[1], OPTIONS[i]) for i in (2, 5, 6)]
+    + [(SHAPES[2], OPTIONS[i]) for i in (0, 3, 4, 9)]
+    + [(SHAPES[3], OPTIONS[3])]
+)
+CASES += [pytest.param(s, o, marks=pytest.mark.slow) for s in SHAPES for o in OPTIONS if (s, o) not in CASES]
+
+
+@pytest.mark.parametrize("shape,opts", CASES, ids=lambda x: str(x) if isinstance(x, tuple) else _oid(x))
+def test_forward_and_gradients_match_oracle(shape, opts):
+    q, k, v, mask, bias, dy = _inputs(*shape)
+    kw = _kwargs(opts, mask, bias)
+    diff = {"q": q, "k": k, "v": v}
+    if "bias" in kw:
+        diff["bias"] = kw.pop("bias")
+
+    def ours(d):
+        return attention(d["q"], d["k"], d["v"], bias=d.get("bias"), **kw)
+
+    def oracle(d):
+        return dense_attention(d["q"], d["k"], d["v"], bias=d.get("bias"), **kw)
+
+    got, vjp = jax.vjp(jax.jit(ours), diff)
+    want, vjp_want = jax.vjp(oracle, diff)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    assert_close(got, want, jnp.float32)
+    (g,), (w,) = vjp(dy), vjp_want(dy)
+    for name in diff:
+        assert_close(g[name], w[name], jnp.float32)
+
+
+@pytest.mark.parametrize("opts", [OPTIONS[1], OPTIONS[5], OPTIONS[9]], ids=_oid)
+def test_forward_mode_matches_oracle(opts):
+    q, k, v, mask, bias, _ = _inputs(2, 6, 9, 4, 2, 8, seed=3)
+    kw = _kwargs(opts, mask, bias)
+    tq, tk, tv, _, tb, _ = _inputs(2, 6, 9, 4, 2, 8, seed=4)
+    if "bias" in kw:
+        b = kw.pop("bias")
+        primals, tangents = (q, k, v, b), (tq, tk, tv, tb)
+    else:
+        primals, tangents = (q, k, v, None), (tq, tk, tv, None)
+
+    def f(fn):
+        return lambda q, k, v, b: fn(q, k, v, bias=b, **kw)
+
+    nb = slice(0, 4 if primals[3] is not None else 3)
+
+    def call(fn):
+        g = f(fn)
+        if primals[3] is None:
+            return jax.jvp(lambda q, k, v: g(q, k, v, None), primals[nb], tangents[nb])
+        return jax.jvp(g, primals, tangents)
+
+    (y, ty), (yw, tyw) = call(attention), call(dense_attention)
+    assert_close(y, yw, jnp.float32)
+    assert_close(ty, tyw, jnp.float32)
+
+
+def test_lse_and_its_cotangent_in_the_backward_kernel():
+    """The backward primitive's dlse input (second-order terms) and the lse output,
+    kernel vs the module's reference, at the primitive level."""
+    q, k, v, mask, bias, dy = _inputs(2, 33, 47, 4, 2, 8, seed=5)
+    params, extras = A._check_options(q, k, "sliding", 9, mask, bias, 0.4, 2.5, "test")
+    out, lse = jax.jit(lambda *a: A.attention_fwd(*a, **params))(q, k, v, *extras)
+    out_r, lse_r = A.reference_attention(q, k, v, *extras, **params)
+    assert_close(out, out_r, jnp.float32)
+    finite = np.isfinite(np.asarray(lse_r))
+    assert (np.isfinite(np.asarray(lse)) == finite).all()
+    assert_close(jnp.where(finite, lse, 0), jnp.where(finite, lse_r, 0), jnp.float32)
+    dlse = jax.random.normal(jax.random.PRNGKey(9), lse.shape)
+    got = jax.jit(lambda *a: A.attention_bwd(*a, **params))(q, k, v, out_r, lse_r, dy, dlse, *extras)
+    want = A.reference_attention_bwd(q, k, v, out_r, lse_r, dy, dlse, *extras, **params)
+    assert len(got) == 4
+    for g, w in zip(got, want):
+        assert_close(g, w, jnp.float32)
+
+
+# ---- second order in f64 --------------------------------------------------------------------
+
+
+GRAD_CASES = [
+    pytest.param((1, 3, 4, 2, 1, 3), dict(), marks=pytest.mark.slow),
+    ((1, 4, 4, 2, 2, 3), dict(mask_kind="causal", scale=0.7, softcap=1.3)),
+    pytest.param((2, 3, 5, 2, 1, 2), dict(mask_kind="sliding", window=1, softcap=0.9), marks=pytest.mark.slow),
+    ((2, 4, 3, 2, 2, 3), dict(use_mask=True, use_bias=True, scale=0.6, softcap=2.0)),
+]
+
+
+@pytest.mark.parametrize("shape,opts", GRAD_CASES, ids=lambda x: str(x) if isinstance(x, tuple) else _oid(x))
+def test_check_grads_order2_f64(x64, shape, opts):
+    q, k, v, mask, bias, _ = _inputs(*shape, dtype=jnp.float64, seed=7)
+    mask = mask.at[:, 0].set(1.0)  # keep every row live: smooth at the test point
+    kw = _kwargs(opts, mask, bias)
+    if "bias" in kw:
+        b = kw.pop("bias")
+        f = lambda q, k, v, b: attention(q, k, v, bias=b, **kw)  # noqa: E731
+        args = (q, k, v, b)
+    else:
+        f = lambda q, k, v: attention(q, k, v, **kw)  # noqa: E731
+        args = (q, k, v)
+    assert "rlx_attention_bwd" in hlo_text(jax.grad(lambda *a: jnp.sum(f(*a) ** 2)), *args)
+    check_grads(f, args, order=2, modes=("fwd", "rev"), atol=1e-6, rtol=1e-6)
+
+
+def test_f64_matches_oracle(x64):
+    q, k, v, mask, bias, dy = _inputs(2, 21, 35, 4, 2, 7, dtype=jnp.float64)
+    kw = dict(mask_kind="causal", mask=mask, softcap=1.7, scale=0.45)
+    got, vjp = jax.vjp(lambda q, k, v, b: attention(q, k, v, bias=b, **kw), q, k, v, bias)
+    want, vjp_w = jax.vjp(lambda q, k, v, b: dense_attention(q, k, v, bias=b, **kw), q, k, v, bias)
+    assert got.dtype == jnp.float64
+    assert_close(got, want, jnp.float64)
+    for g, w in zip(vjp(dy), vjp_w(dy)):
+        assert_close(g, w, jnp.float64)
+
+
+# ---- dtypes ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision_matches_f32_oracle(dtype):
+    q, k, v, mask, bias, dy = _inputs(2, 37, 50, 4, 2, 16, dtype=dtype)
+    kw = dict(mask_kind="causal", mask=mask, softcap=2.0)
+
+    def f(fn):
+        return lambda q, k, v, b: fn(q, k, v, bias=b, **kw)
+
+    got, vjp = jax.vjp(f(attention), q, k, v, bias)
+    up = [x.astype(jnp.float32) for x in (q, k, v, bias)]
+    want, vjp_w = jax.vjp(f(dense_attention), *up)
+    assert got.dtype == dtype
+    assert_close(got, want, dtype)
+    for g, w in zip(vjp(dy), vjp_w(dy.astype(jnp.float32))):
+        assert g.dtype == dtype
+        assert_close(g, w, dtype)
+
+
+# ---- edge cases -----------------------------------------------------------------------------
+
+
+def test_fully_masked_rows_give_zeros_not_nan():
+    q, k, v, mask, bias, dy = _inputs(2, 6, 6, 2, 1, 4)
+    mask = mask.at[1].set(0.0)  # batch 1 sees no key at all
+    for kw in (dict(mask=mask), dict(mask=mask, softcap=1.0, bias=bias)):
+        out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, **kw), q, k, v)
+        dq, dk, dv = vjp(dy)
+        for x in (out, dq, dk, dv):
+            assert np.isfinite(np.asarray(x)).all()
+        assert not np.asarray(out[1]).any() and not np.asarray(dq[1]).any()
+        assert not np.asarray(dk[1]).any() and not np.asarray(dv[1]).any()
+        assert_close(out[0], dense_attention(q, k, v, **kw)[0], jnp.float32)
+    # a bias gradient through fully masked rows is zero too
+    gb = jax.grad(lambda b: jnp.sum(attention(q, k, v, mask=mask, bias=b) * dy))(bias)
+    assert np.isfinite(np.asarray(gb)).all() and not np.asarray(gb[1]).any()
+
+
+@pytest.mark.parametrize("shape", [(0, 4, 4, 2, 1, 8), (2, 0, 5, 2, 2, 8), (2, 3, 0, 2, 2, 8)], ids=str)
+def test_zero_sized_inputs(shape):
+    q, k, v, mask, bias, dy = _inputs(*shape)
+    out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, mask_kind="causal"), q, k, v)
+    assert out.shape == q.shape
+    dq, dk, dv = vjp(dy)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    for x in (out, dq, dk, dv):  # no keys: zero output and gradients
+        assert not np.asarray(x).any()
+
+
+def test_vmap_over_extra_batch_axis():
+    q, k, v, mask, bias, dy = _inputs(3, 7, 9, 4, 2, 8)
+    kw = dict(mask_kind="sliding", window=4, softcap=1.5)
+    f = lambda q, k, v, m, b: attention(q[None], k[None], v[None], mask=m[None], bias=b[None], **kw)[0]  # noqa: E731
+    got = jax.vmap(f)(q, k, v, mask, bias)
+    want = dense_attention(q, k, v, mask=mask, bias=bias, **kw)
+    assert_close(got, want, jnp.float32)
+    # per-example gradients with k, v shared (unbatched) across the vmapped axis
+    g = jax.vmap(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v, mask[0], bias[0]) ** 2), (0, 1, 2)),
+                 in_axes=(0, None, None))(q, k[0], v[0])
+    for i in range(q.shape[0]):
+        w = jax.grad(lambda q, k, v: jnp.sum(dense_attention(q[None], k[None], v[None], mask=mask[:1],
+                                                             bias=bias[:1], **kw) ** 2), (0, 1, 2))(q[i], k[0], v[0])
+        for a, b in zip(g, w):
+            assert_close(a[i], b, jnp.float32)
+
+
+def test_backward_is_deterministic():
+    q, k, v, mask, bias, dy = _inputs(2, 130, 140, 4, 2, 32)
+    f = jax.jit(lambda *a: attention_backward(*a, mask=mask, bias=bias, mask_kind="causal", softcap=2.0))
+    first = [np.asarray(x) for x in f(q, k, v, dy)]
+    for _ in range(2):
+        for a, b in zip(first, f(q, k, v, dy)):
+            assert np.array_equal(a, np.asarray(b))
+
+
+# ---- the RLX-facing wrappers --------------------------------------------------------------------
+
+
+def test_attention_backward_equals_vjp():
+    q, k, v, mask, bias, dy = _inputs(2, 11, 13, 4, 2, 8)
+    kw = dict(mask_kind="causal", scale=0.3, softcap=1.4)
+    got = attention_backward(q, k, v, dy, mask, bias, **kw)
+    _, vjp = jax.vjp(lambda q, k, v: dense_attention(q, k, v, mask=mask, bias=bias, **kw), q, k, v)
+    for g, w in zip(got, vjp(dy)):
+        assert_close(g, w, jnp.float32)
+    assert "rlx_attention_bwd" in hlo_text(lambda *a: attention_backward(*a, **kw), q, k, v, dy)
+
+
+def test_attention_rlx_layout():
+    q, k, v, mask, _, _ = _inputs(2, 6, 8, 4, 2, 8)
+    flat = lambda x: x.reshape(*x.shape[:2], -1)  # noqa: E731
+    got = attention_rlx(flat(q), flat(k), flat(v), num_heads=4, head_dim=8, mask=mask, mask_kind="causal")
+    assert got.shape == (2, 6, 32)
+    assert_close(got, flat(dense_attention(q, k, v, mask=mask, mask_kind="causal")), jnp.float32)
+    got2 = attention_rlx(flat(q)[0], flat(k)[0], flat(v)[0], num_heads=4, head_dim=8)
+    assert got2.shape == (6, 32)
+    assert_close(got2, flat(dense_attention(q, k, v))[0], jnp.float32)
+
+
+def test_reference_path_agrees_with_kernel_path():
+    """With fused ops off (plain XLA autodiff of the module's reference) the values and
+    gradients are the kernel's."""
+    q, k, v, mask, bias, dy = _inputs(1, 9, 12, 2, 1, 4)
+    f = lambda q, k, v: jnp.sum(attention(q, k, v, mask=mask, mask_kind="sliding", window=2, softcap=1.1) * dy)  # noqa: E731
+    g_kernel = jax.grad(f, (0, 1, 2))(q, k, v)
+    with fused_ops(False):
+        g_ref = jax.jit(jax.grad(f, (0, 1, 2)))(q, k, v)
+    for a, b in zip(g_kernel, g_ref):
+        assert_close(a, b, jnp.float32)
+
+
+# ---- memory -----------------------------------------------------------------------------------
+
+
+def test_gradient_memory_is_linear_in_sequence_length():
+    """The compiled gradient's scratch memory stays far below one S x S score matrix
+    (XLA's autodiff of the reference needs several)."""
+    b, s, h, d = 1, 512, 2, 32
+    x = jnp.ones((b, s, h, d), jnp.float32)
+    loss = lambda q, k, v: jnp.sum(attention(q, k, v, mask_kind="causal") ** 2)  # noqa: E731
+    ours = jax.jit(jax.grad(loss, (0, 1, 2))).lower(x, x, x).compile().memory_analysis()
+    with fused_ops(False):
+        xla = jax.jit(jax.grad(loss, (0, 1, 2))).lower(x, x, x).compile().memory_analysis()
+    scores = b * h * s * s * 4
+    assert ours.temp_size_in_bytes < scores / 4
+    assert xla.temp_size_in_bytes > scores
+
+
+# ---- errors -------------------------------------------------------------------------------------
+
+
+def test_bad_arguments_raise_clear_errors():
+    q, k, v, mask, bias, _ = _inputs(1, 4, 5, 4, 2, 8)
+    with pytest.raises(ValueError, match="mask_kind"):
+        attention(q, k, v, mask_kind="diagonal")
+    with pytest.raises(ValueError, match="window"):
+        attention(q, k, v, mask_kind="sliding")
+    with pytest.raises(ValueError, match="window"):
+        attention(q, k, v, mask_kind="causal", window=3)
+    with pytest.raises(ValueError, match="softcap"):
+        attention(q, k, v, softcap=0.0)
+    with pytest.raises(ValueError, match="mask"):
+        attention(q, k, v, mask=mask[:, :3])
+    with pytest.raises(ValueError, match="bias"):
+        attention(q, k, v, bias=bias[:, :1])
+    with pytest.raises(ValueError, match="kv heads"):
+        attention(q, k[:, :, :1].repeat(3, axis=2), v[:, :, :1].repeat(3, axis=2))
+    with pytest.raises(ValueError, match="q must have shape"):
+        attention(q[0], k, v)
+    with pytest.raises(ValueError, match="v"):
+        attention(q, k, v[:, :4])
+    with pytest.raises(TypeError, match="share a dtype"):
+        attention(q, k.astype(jnp.bfloat16), v)
+    with pytest.raises(TypeError, match="k must be floating"):
+        attention(q, k.astype(jnp.int32), v)
+    with pytest.raises(ValueError, match="dy"):
+        attention_backward(q, k, v, q[:, :2])
+    with pytest.raises(ValueError, match="heads"):
+        attention_rlx(q.reshape(1, 4, 32), k.reshape(1, 5, 16), v.reshape(1, 5, 16), num_heads=2, head_dim=8)
