@@ -72,28 +72,38 @@ def scan(step, init, xs: list, length: int, save_trajectory: bool, num_checkpoin
     starts = [0] + ends[:-1]
     lens = [e - s for s, e in zip(starts, ends)]
     m = max(lens)
-    # per-segment step indices [K, m] (padded steps repeat a valid index; masked off)
-    idx = np.array([[min(s + j, length - 1) for j in range(m)] for s in starts], np.int32)
-    active = np.array([[j < n for j in range(m)] for n in lens], bool)
-    seg_xs = tuple(jnp.take(x, jnp.asarray(idx), axis=0) for x in xs)
 
-    @jax.checkpoint
-    def segment(c, seg):
-        act, xs_seg = seg
+    if all(n == m for n in lens) and m * k == length:
+        # equal segments tiling the sequence: xs viewed as [K, m, ...] (no copy)
+        def seg_body(c, xs_seg):
+            def inner(c, x_t):
+                return _like(step(c, list(x_t)), c), None
 
-        def inner(c, s):
-            a, x_t = s
-            n = _like(step(c, list(x_t)), c)
-            return jnp.where(a, n, c), None
+            return lax.scan(inner, c, xs_seg)[0]
 
-        c, _ = lax.scan(inner, c, (act, xs_seg))
-        return c
+        seg_in = tuple(x.reshape((k, m) + x.shape[1:]) for x in xs)
+    else:
+        # unequal segments: each step reads xs[start + j] from the whole (closed-over) xs;
+        # padded steps (j >= len) leave the carry unchanged
+        def seg_body(c, seg):
+            start, n = seg
+
+            def inner(c, j):
+                t = jnp.minimum(start + j, length - 1)
+                x_t = [lax.dynamic_index_in_dim(x, t, 0, keepdims=False) for x in xs]
+                return jnp.where(j < n, _like(step(c, x_t), c), c), None
+
+            return lax.scan(inner, c, jnp.arange(m))[0]
+
+        seg_in = (jnp.asarray(starts, jnp.int32), jnp.asarray(lens, jnp.int32))
+
+    segment = jax.checkpoint(seg_body)
 
     def outer(c, seg):
         c = segment(c, seg)
         return c, (c if save_trajectory else None)
 
-    c, ys = lax.scan(outer, init, (jnp.asarray(active), seg_xs))
+    c, ys = lax.scan(outer, init, seg_in)
     return ys if save_trajectory else c
 
 
@@ -116,36 +126,47 @@ def _scan(op, args, ctx):
 
 def _scan_backward_all(op, args, ctx):
     """Every gradient of a ScanBackward family in one reverse sweep:
-    returns (dinit, [dxs_i stacked [L, ...]])."""
+    returns (dinit, [dxs_i stacked [L, ...]]).
+
+    Without checkpoints the trajectory's ``length`` rows are the carries. With
+    ``0 < K < length`` checkpoints (RLX: K trajectory rows ``floor(t * length / K)``) the
+    carries are recomputed from ``init`` with ``forward_body``, as RLX's executor does.
+    The upstream has ``length`` rows, or ``K`` rows at the checkpoint positions; without
+    a trajectory it is the final carry's gradient.
+    """
     nx = int(op.num_xs)
     init, traj, upstream = args[0], args[1], args[2]
     xs = list(args[3:3 + nx])
     length = int(op.length)
     k = int(op.num_checkpoints)
     save = bool(op.save_trajectory)
-    partial = save and 0 < k < length
     fwd = getattr(op, "forward_body", None)
 
-    if partial or not save:
+    checkpointed = 0 < k < length and fwd is not None
+    if save and not checkpointed and traj.shape[0] == length:
+        full = traj
+    else:
         if fwd is None:
             raise ValueError(
                 "ScanBackward needs forward_body to recompute the carries "
-                f"(save_trajectory={save}, num_checkpoints={k}, length={length})")
+                f"(save_trajectory={save}, num_checkpoints={k}, length={length}, "
+                f"trajectory rows={traj.shape[0] if traj.ndim else 0})")
 
         def step(c, x_t):
             return ctx.lower_body(fwd, [c, *x_t])[0]
 
         full = scan(step, init, xs, length, True, 0)
-    else:
-        full = traj
     before = jnp.concatenate([init[None], full[:-1]], axis=0)  # carry entering step t
 
     if save:
-        if partial:
+        if upstream.shape[0] == length:
+            up = upstream
+        elif 0 < k < length and upstream.shape[0] == k:
             rows = jnp.asarray(checkpoint_rows(length, k))
             up = jnp.zeros((length,) + init.shape, upstream.dtype).at[rows].add(upstream)
         else:
-            up = upstream
+            raise ValueError(f"ScanBackward upstream has {upstream.shape[0]} rows; expected "
+                             f"{length}" + (f" or {k}" if 0 < k < length else ""))
         dc0 = jnp.zeros_like(init)
     else:
         up = None
@@ -160,8 +181,7 @@ def _scan_backward_all(op, args, ctx):
         dx = [_like(g, x[0]) for g, x in zip(outs[1:1 + nx], xs)]
         return dcarry, dx
 
-    seq = (before, [x for x in xs], up)
-    dinit, dxs = lax.scan(body, dc0, seq, reverse=True)
+    dinit, dxs = lax.scan(body, dc0, (before, list(xs), up), reverse=True)
     return dinit, list(dxs)
 
 
