@@ -64,11 +64,30 @@ def test_lm_learns_and_resume_continues_the_same_curve(tmp_path):
     assert len(losses) == 12 and losses[-1] < losses[0]
     assert full["evals"][-1]["heldout_loss"] < corpus.unigram_entropy() + 1.0
     assert isinstance(full["sample"], str) and len(full["sample"]) == 240
-    # interrupted after 5 steps (simulated by a shorter run), then resumed to 12
+    # Ctrl-C during step 6 (raised where the batch is drawn), then resumed to 12
     ck = str(tmp_path / "ck")
-    train_lm(TrainConfig(steps=5, checkpoint=ck, **base), TINY_LM, corpus)
+    interrupted = train_lm(TrainConfig(steps=12, checkpoint=ck, **base), TINY_LM, _InterruptingCorpus(corpus, 5))
+    assert interrupted["interrupted"] and interrupted["steps_done"] == 5
+    assert checkpoint.exists(ck)
     resumed = train_lm(TrainConfig(steps=12, checkpoint=ck, **base), TINY_LM, corpus)
+    assert not resumed["interrupted"]
     np.testing.assert_allclose([h["loss"] for h in resumed["history"]], losses, rtol=1e-5)
+
+
+class _InterruptingCorpus(data.CharCorpus):
+    """Raises KeyboardInterrupt (as Ctrl-C would) when training batch number ``after``
+    is drawn."""
+
+    def __init__(self, corpus, after):
+        super().__init__(corpus.train, corpus.heldout, corpus.source)
+        self.after, self.drawn = after, 0
+
+    def batch(self, rng, batch, seq_len, split="train"):
+        if split == "train":
+            if self.drawn == self.after:
+                raise KeyboardInterrupt
+            self.drawn += 1
+        return super().batch(rng, batch, seq_len, split)
 
 
 def test_fused_and_unfused_training_agree(tmp_path):
