@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import math
 from functools import partial
 from typing import Callable, Iterable, Sequence
 
@@ -101,7 +102,7 @@ class FusedPrimitive:
         kernel: Callable | dict[str, Callable] | None = None,
         kernel_ok: Callable | None = None,
         platforms: Sequence[str] = ("cpu", "cuda"),
-        partition: "RowPartition | None" = None,
+        partition: "Partition | None" = None,
     ):
         self.name = name
         self.partition = partition
@@ -156,7 +157,7 @@ class FusedPrimitive:
             fn = partial(self._kernel_for(platform) if use else self.reference, **params)
             if use and self.partition is not None:
                 # an opaque kernel call would be replicated under SPMD: say how it splits
-                fn = self.partition.wrap(fn, ctx.avals_in, ctx.avals_out)
+                fn = self.partition.wrap(fn, ctx.avals_in, ctx.avals_out, params)
             return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 
         return lower
@@ -216,102 +217,120 @@ def rowwise_batching(prim: FusedPrimitive, row_args: Sequence[int]) -> Callable:
     return rule
 
 
-class RowPartition:
-    """How a kernel over rows splits under SPMD sharding (``custom_partitioning``).
+class Partition:
+    """How a kernel call splits under SPMD sharding (``custom_partitioning``), so that
+    a sharded ``jit`` runs it on each shard instead of gathering its operands.
 
-    Operands listed in ``row_args`` have the layout [rows..., H]: their leading axes
-    may be sharded in any way, their last axis is kept whole; ``stat_args`` are laid
-    out like the rows alone ([rows...], a saved rstd say). Other operands (gamma,
-    beta, ...) are replicated. Results are classified by position: ``row_outputs`` are
-    laid out like the first row operand, ``stat_outputs`` like its leading axes
-    ([rows...]), and ``reduced_outputs`` are sums over all rows (dgamma, dbeta): each
-    shard computes its partial sum and they are added across the mesh axes that split
-    the rows (a psum), so no operand is ever gathered.
+    ``factors(avals_in, avals_out, **params)`` names the axes of every operand and
+    result (einsum style, e.g. q = ("b", "s", "h", "d")). Factors in ``shardable`` keep
+    the mesh axes they have on the first operand that carries them (``tied`` maps a
+    factor to another whose mesh axes it must share, e.g. kv heads to query heads);
+    every other axis is replicated, and a factor whose dims the mesh axes do not divide
+    is replicated too. A result lacking a sharded factor is a sum over that factor
+    (a parameter gradient summed over rows): each shard computes its partial sum and
+    they are added with a psum over the factor's mesh axes.
     """
 
-    def __init__(self, row_args: Sequence[int], stat_args=(), row_outputs=(0,), stat_outputs=(), reduced_outputs=()):
-        self.row_args = tuple(row_args)
-        self.stat_args = tuple(stat_args)
-        self.row_outputs = tuple(row_outputs)
-        self.stat_outputs = tuple(stat_outputs)
-        self.reduced_outputs = tuple(reduced_outputs)
+    def __init__(self, factors: Callable, shardable: Iterable[str], tied: dict | None = None):
+        self.factors = factors
+        self.shardable = frozenset(shardable)
+        self.tied = dict(tied or {})
 
-    def _row_spec(self, arg_shapes) -> tuple:
-        """The leading-axes spec of the first row operand (None entries where replicated)."""
-        first = arg_shapes[self.row_args[0]]
-        spec = tuple(getattr(first.sharding, "spec", ())) if first.sharding is not None else ()
-        spec = spec + (None,) * (len(first.shape) - len(spec))
-        return spec[:-1]
+    def _assign(self, mesh, arg_shapes, f_in, f_out) -> dict:
+        """factor -> tuple of mesh axis names (only sharded, divisible factors)."""
+        assign: dict = {}
+        for a, fs in zip(arg_shapes, f_in):
+            sharding = a.sharding
+            spec = tuple(getattr(sharding, "spec", ())) if sharding is not None else ()
+            spec = spec + (None,) * (len(fs) - len(spec))
+            for f, entry in zip(fs, spec):
+                if f in self.shardable and f not in self.tied and f not in assign and entry is not None:
+                    assign[f] = entry if isinstance(entry, tuple) else (entry,)
+        for f, leader in self.tied.items():
+            if leader in assign:
+                assign[f] = assign[leader]
+        sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+        dims: dict = {}
+        for shapes, fss in ((arg_shapes, f_in), (None, f_out)):
+            if shapes is None:
+                continue
+            for a, fs in zip(shapes, fss):
+                for f, d in zip(fs, a.shape):
+                    dims.setdefault(f, set()).add(d)
+        ok = {}
+        for f, axes in assign.items():
+            n = math.prod(sizes[ax] for ax in axes)
+            if all(d % n == 0 for d in dims.get(f, ())):
+                ok[f] = axes
+        # a tied factor only shards with its leader
+        for f, leader in self.tied.items():
+            if (f in ok) != (leader in ok):
+                ok.pop(f, None)
+                ok.pop(leader, None)
+        return ok
 
-    def _shardings(self, mesh, arg_shapes, n_out):
-        lead = self._row_spec(arg_shapes)
-        args = []
-        for i, a in enumerate(arg_shapes):
-            if i in self.row_args:
-                args.append(NamedSharding(mesh, PartitionSpec(*lead, None)))
-            elif i in self.stat_args:
-                args.append(NamedSharding(mesh, PartitionSpec(*lead)))
-            else:
-                args.append(NamedSharding(mesh, PartitionSpec()))
-        outs = []
-        for j in range(n_out):
-            if j in self.row_outputs:
-                outs.append(NamedSharding(mesh, PartitionSpec(*lead, None)))
-            elif j in self.stat_outputs:
-                outs.append(NamedSharding(mesh, PartitionSpec(*lead)))
-            else:
-                outs.append(NamedSharding(mesh, PartitionSpec()))
-        row_axes = tuple(ax for entry in lead if entry is not None
-                         for ax in (entry if isinstance(entry, tuple) else (entry,)))
-        return args, outs, row_axes
+    @staticmethod
+    def _spec(fs, assign):
+        return PartitionSpec(*[assign[f] if f in assign else None for f in fs])
 
-    def sharding_rule(self, avals_in, avals_out) -> str:
-        """Shardy's einsum-like rule: row factors r0.. shared by row operands and
-        row/stat results, the feature axis ``h`` kept whole, other dims independent."""
-        lead = len(avals_in[self.row_args[0]].shape) - 1
-        rows = [f"r{i}" for i in range(lead)]
-        counter = iter(range(10**6))
+    def sharding_rule(self, f_in, f_out) -> str:
+        return ", ".join(" ".join(fs) for fs in f_in) + " -> " + ", ".join(" ".join(fs) for fs in f_out)
 
-        def own(rank):
-            return " ".join(f"u{next(counter)}" for _ in range(rank))
+    def wrap(self, fn: Callable, avals_in, avals_out, params: dict) -> Callable:
+        f_in, f_out = self.factors(avals_in, avals_out, **params)
 
-        ins = [" ".join(rows + ["h"]) if i in self.row_args else " ".join(rows) if i in self.stat_args
-               else own(len(a.shape)) for i, a in enumerate(avals_in)]
-        outs = []
-        for j, a in enumerate(avals_out):
-            if j in self.row_outputs:
-                outs.append(" ".join(rows + ["h"]))
-            elif j in self.stat_outputs:
-                outs.append(" ".join(rows))
-            else:
-                outs.append(own(len(a.shape)))
-        return ", ".join(ins) + " -> " + ", ".join(outs)
-
-    def wrap(self, fn: Callable, avals_in, avals_out) -> Callable:
-        n_out = len(avals_out)
         def kernel_call(*xs):  # custom_partitioning wants a plain positional function
             return tuple(fn(*xs))
 
         wrapped = custom_partitioning(kernel_call)
 
         def infer(mesh, arg_shapes, result_shape):
-            return tuple(self._shardings(mesh, arg_shapes, n_out)[1])
+            assign = self._assign(mesh, arg_shapes, f_in, f_out)
+            return tuple(NamedSharding(mesh, self._spec(fs, assign)) for fs in f_out)
 
         def partition(mesh, arg_shapes, result_shape):
-            args, outs, row_axes = self._shardings(mesh, arg_shapes, n_out)
+            assign = self._assign(mesh, arg_shapes, f_in, f_out)
+            args = tuple(NamedSharding(mesh, self._spec(fs, assign)) for fs in f_in)
+            outs = tuple(NamedSharding(mesh, self._spec(fs, assign)) for fs in f_out)
+            reduce_axes = [tuple(ax for f, axes in assign.items() if f not in fs for ax in axes) for fs in f_out]
 
             def local(*xs):
                 results = list(fn(*xs))
-                if row_axes:
-                    for j in self.reduced_outputs:
-                        results[j] = jax.lax.psum(results[j], row_axes)
+                for j, axes in enumerate(reduce_axes):
+                    if axes:
+                        results[j] = jax.lax.psum(results[j], axes)
                 return tuple(results)
 
-            return mesh, local, tuple(outs), tuple(args)
+            return mesh, local, outs, args
 
         wrapped.def_partition(infer_sharding_from_operands=infer, partition=partition,
-                              sharding_rule=self.sharding_rule(avals_in, avals_out))
+                              sharding_rule=self.sharding_rule(f_in, f_out))
         return wrapped
+
+
+def RowPartition(row_args: Sequence[int], stat_args=(), row_outputs=(0,), stat_outputs=()) -> Partition:
+    """The partition of a kernel over rows of its last axis: operands in ``row_args``
+    are [rows..., H] (rows may be sharded any way, H is kept whole), ``stat_args`` and
+    ``stat_outputs`` are [rows...], ``row_outputs`` are [rows..., H]; other operands are
+    replicated and other results are sums over the rows (parameter gradients)."""
+    row_args, stat_args = tuple(row_args), tuple(stat_args)
+    row_outputs, stat_outputs = tuple(row_outputs), tuple(stat_outputs)
+
+    def factors(avals_in, avals_out, **params):
+        lead = len(avals_in[row_args[0]].shape) - 1
+        rows = tuple(f"r{i}" for i in range(lead))
+        counter = iter(range(10**6))
+
+        def own(rank):
+            return tuple(f"u{next(counter)}" for _ in range(rank))
+
+        f_in = [rows + ("h",) if i in row_args else rows if i in stat_args else own(len(a.shape))
+                for i, a in enumerate(avals_in)]
+        f_out = [rows + ("h",) if j in row_outputs else rows if j in stat_outputs else own(len(a.shape))
+                 for j, a in enumerate(avals_out)]
+        return f_in, f_out
+
+    return Partition(factors, shardable=[f"r{i}" for i in range(32)])
 
 
 def np_scalar(value: float, dtype=np.float32):
