@@ -46,14 +46,13 @@ void gather_bwd_typed(ffi::ThreadPool& pool, const T* dy, const Buckets& b, T* o
       const int64_t o = r / v, row = r % v;
       T* dst = out + r * t;
       const int64_t s0 = b.start[row], s1 = b.start[row + 1];
-      if (s0 == s1) {
-        for (int64_t j = 0; j < t; ++j) dst[j] = store<T>(A(0));
+      if (s0 == s1) {  // all-zero bits are +0 in every float type
+        std::memset(dst, 0, sizeof(T) * t);
         continue;
       }
       const T* base = dy + o * k * t;
       if (s1 - s0 == 1) {
-        const T* src = base + b.order[s0] * t;
-        for (int64_t j = 0; j < t; ++j) dst[j] = src[j];
+        std::memcpy(dst, base + b.order[s0] * t, sizeof(T) * t);
         continue;
       }
       A* a = acc.data();

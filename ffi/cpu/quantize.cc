@@ -44,41 +44,72 @@ inline A round_small(A z) {
   return t + (d >= A(0.5) ? A(1) : A(0)) - (d <= A(-0.5) ? A(1) : A(0));
 }
 
-template <typename T>
+// STE factor of one element (z = x / s, bound = q s); STE code as in the header.
+template <int STE, typename A>
+inline A ste_factor(A x, A s, A bound) {
+  if (STE == 1) return std::fabs(x) <= bound ? A(1) : A(0);
+  if (STE == 2) {
+    const A th = std::tanh(x / s);
+    return A(1) - th * th;
+  }
+  const A att = A(1) - std::fabs(x / bound);
+  return att > A(0) ? att : A(0);
+}
+
+// Rows of the kernels' loops: with I > 1 a row is one (g, o, c) with one scale; with the
+// channel axis last (I == 1) a row is one (g, o) and the scale varies along it.
+struct RowPlan {
+  bool channel_last;
+  int64_t rows, width;
+};
+
+inline RowPlan row_plan(const QuantView& v) {
+  if (v.i == 1 && v.c > 1) return {true, v.g * v.o, v.c};
+  return {false, v.rows(), v.i};
+}
+
+template <int STE, typename T>
 void ste_bwd_typed(ffi::ThreadPool& pool, const T* x, const void* s_in, const T* dy, T* dx, QuantView v,
-                   float q, int64_t ste) {
+                   float q) {
   using A = typename Accum<T>::type;
   const A* s = static_cast<const A*>(s_in);
-  const int64_t rows = v.rows(), w = v.i;
-  const int64_t tasks = row_chunks(rows, w, 1024);
+  const RowPlan plan = row_plan(v);
+  const int64_t w = plan.width;
+  const int64_t tasks = row_chunks(plan.rows, w, 1024);
   parallel_for(pool, tasks, [&](int64_t t) {
-    const int64_t r0 = rows * t / tasks, r1 = rows * (t + 1) / tasks;
+    const int64_t r0 = plan.rows * t / tasks, r1 = plan.rows * (t + 1) / tasks;
+    std::vector<A> srow(plan.channel_last ? w : 0), brow(plan.channel_last ? w : 0);
     for (int64_t r = r0; r < r1; ++r) {
-      const A sc = s[v.scale_index(r)];
-      const A bound = A(q) * sc;
       const T* xr = x + r * w;
       const T* dyr = dy + r * w;
       T* dxr = dx + r * w;
-      if (ste == 1) {
-        for (int64_t j = 0; j < w; ++j) {
-          const A xv = load<A>(xr[j]);
-          dxr[j] = store<T>(std::fabs(xv) <= bound ? load<A>(dyr[j]) : A(0));
-        }
-      } else if (ste == 2) {
-        for (int64_t j = 0; j < w; ++j) {
-          const A th = std::tanh(load<A>(xr[j]) / sc);
-          dxr[j] = store<T>(load<A>(dyr[j]) * (A(1) - th * th));
-        }
-      } else if (ste == 3) {
-        for (int64_t j = 0; j < w; ++j) {
-          const A att = A(1) - std::fabs(load<A>(xr[j]) / bound);
-          dxr[j] = store<T>(load<A>(dyr[j]) * (att > A(0) ? att : A(0)));
-        }
+      if (STE == 0) {
+        std::memcpy(dxr, dyr, sizeof(T) * w);
+      } else if (plan.channel_last) {
+        const A* sr = s + (r / v.o) * v.c;
+        for (int64_t j = 0; j < w; ++j) { srow[j] = sr[j]; brow[j] = A(q) * sr[j]; }
+        for (int64_t j = 0; j < w; ++j)
+          dxr[j] = store<T>(load<A>(dyr[j]) * ste_factor<STE>(load<A>(xr[j]), srow[j], brow[j]));
       } else {
-        for (int64_t j = 0; j < w; ++j) dxr[j] = dyr[j];
+        const A sc = s[v.scale_index(r)];
+        const A bound = A(q) * sc;
+        for (int64_t j = 0; j < w; ++j)
+          dxr[j] = store<T>(load<A>(dyr[j]) * ste_factor<STE>(load<A>(xr[j]), sc, bound));
       }
     }
   });
+}
+
+// One LSQ element: writes dx, returns psi(z) * dy.
+template <typename T, typename A>
+inline A lsq_element(const T& xv, const T& dyv, T& dxv, A sc, A qa) {
+  const A z = load<A>(xv) / sc;
+  const A g = load<A>(dyv);
+  const bool inside = std::fabs(z) <= qa;
+  const A zc = std::min(std::max(z, -qa - A(1)), qa + A(1));
+  const A psi = inside ? round_small(zc) - z : (z > A(0) ? qa : -qa);
+  dxv = store<T>(inside ? g : A(0));
+  return psi * g;
 }
 
 template <typename T>
@@ -87,30 +118,31 @@ void lsq_bwd_typed(ffi::ThreadPool& pool, const T* x, const void* s_in, const T*
   using A = typename Accum<T>::type;
   const A* s = static_cast<const A*>(s_in);
   A* ds = static_cast<A*>(ds_out);
-  const int64_t rows = v.rows(), w = v.i, n_scales = v.g * v.c;
-  const int64_t tasks = row_chunks(rows, w, 256);
+  const RowPlan plan = row_plan(v);
+  const int64_t w = plan.width, n_scales = v.g * v.c;
+  const int64_t tasks = row_chunks(plan.rows, w, 256);
   std::vector<A> partial(static_cast<size_t>(tasks) * n_scales, A(0));
   const A qa = A(q);
   parallel_for(pool, tasks, [&](int64_t t) {
-    const int64_t r0 = rows * t / tasks, r1 = rows * (t + 1) / tasks;
+    const int64_t r0 = plan.rows * t / tasks, r1 = plan.rows * (t + 1) / tasks;
     A* part = partial.data() + t * n_scales;
+    std::vector<A> s_eff(plan.channel_last ? w : 0);
     for (int64_t r = r0; r < r1; ++r) {
-      const int64_t si = v.scale_index(r);
-      const A sc = std::max(s[si], A(1e-12));
       const T* xr = x + r * w;
       const T* dyr = dy + r * w;
       T* dxr = dx + r * w;
+      if (plan.channel_last) {  // one scale per column: partial sums per column
+        const int64_t g0 = (r / v.o) * v.c;
+        for (int64_t j = 0; j < w; ++j) s_eff[j] = std::max(s[g0 + j], A(1e-12));
+        A* pr = part + g0;
+        for (int64_t j = 0; j < w; ++j) pr[j] += lsq_element(xr[j], dyr[j], dxr[j], s_eff[j], qa);
+        continue;
+      }
+      const int64_t si = v.scale_index(r);
+      const A sc = std::max(s[si], A(1e-12));
       A acc = 0;
 #pragma omp simd reduction(+ : acc)
-      for (int64_t j = 0; j < w; ++j) {
-        const A z = load<A>(xr[j]) / sc;
-        const A g = load<A>(dyr[j]);
-        const bool inside = std::fabs(z) <= qa;
-        const A zc = std::min(std::max(z, -qa - A(1)), qa + A(1));
-        const A psi = inside ? round_small(zc) - z : (z > A(0) ? qa : -qa);
-        dxr[j] = store<T>(inside ? g : A(0));
-        acc += psi * g;
-      }
+      for (int64_t j = 0; j < w; ++j) acc += lsq_element(xr[j], dyr[j], dxr[j], sc, qa);
       part[si] += acc;
     }
   });
@@ -133,8 +165,15 @@ ffi::Error FakeQuantizeBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyB
   if (v.rows() == 0 || v.i == 0) return ffi::Error::Success();
   bool ok = dispatch_float(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
-    ste_bwd_typed<T>(pool, static_cast<const T*>(x.untyped_data()), s.untyped_data(),
-                     static_cast<const T*>(dy.untyped_data()), static_cast<T*>(dx->untyped_data()), v, q_max, ste);
+    const T* xp = static_cast<const T*>(x.untyped_data());
+    const T* dyp = static_cast<const T*>(dy.untyped_data());
+    T* dxp = static_cast<T*>(dx->untyped_data());
+    switch (ste) {
+      case 0: ste_bwd_typed<0, T>(pool, xp, s.untyped_data(), dyp, dxp, v, q_max); break;
+      case 1: ste_bwd_typed<1, T>(pool, xp, s.untyped_data(), dyp, dxp, v, q_max); break;
+      case 2: ste_bwd_typed<2, T>(pool, xp, s.untyped_data(), dyp, dxp, v, q_max); break;
+      default: ste_bwd_typed<3, T>(pool, xp, s.untyped_data(), dyp, dxp, v, q_max); break;
+    }
   });
   if (!ok) return invalid("fake_quantize backward: unsupported dtype " + dtype_name(x.element_type()));
   return ffi::Error::Success();

@@ -28,7 +28,8 @@ channel axis, I: axes after it; axis None -> C = 1), scales [G, C] in f32 (f64 f
 
 Primitives (each lowers to its FFI kernel where registered, else to its reference):
 - ``fake_quantize_fwd`` (x, s) -> y; ``fake_quantize_tangent`` (x, s, tx) -> ste' * tx,
-  linear in tx, transposed by ``fake_quantize_bwd`` (x, s, dy) -> dx  [rlx_fake_quantize_bwd]
+  linear in tx, transposed by ``fake_quantize_bwd`` (x, s, dy) -> dx  [rlx_fake_quantize_bwd
+  for clipped_identity and hardtanh; tanh stays on XLA, whose vectorised tanh wins]
 - ``lsq_fwd`` (x, s) -> y; ``lsq_tangent`` (x, s, tx, ts) -> [|z|<=q] tx + psi(z) ts,
   linear in (tx, ts), transposed by ``lsq_bwd`` (x, s, dy) -> (dx, ds)
                                                                  [rlx_fake_quantize_lsq_bwd]
@@ -153,9 +154,16 @@ def _kernel_lsq_bwd(x, s, dy, *, q):
 
 fake_quantize_fwd = FusedPrimitive("rlx_fake_quantize_fwd", reference_fake_quantize)
 fake_quantize_tangent = FusedPrimitive("rlx_fake_quantize_tangent", reference_fake_quantize_tangent)
+def _bwd_kernel_ok(x, s, dy, *, q, ste):
+    """The kernel earns its place for the clipped and hard-tanh STEs; for tanh, XLA's
+    vectorised tanh beats the kernel's scalar std::tanh (benchmarks/cases_conv_pool.py),
+    so that STE stays on XLA. Identity never reaches a kernel (dx = dy)."""
+    return ste in ("clipped_identity", "hardtanh")
+
+
 fake_quantize_bwd = FusedPrimitive(
     "rlx_fake_quantize_bwd", reference_fake_quantize_bwd, target="rlx_fake_quantize_bwd", kernel=_kernel_bwd,
-    platforms=("cpu",),
+    kernel_ok=_bwd_kernel_ok, platforms=("cpu",),
 )
 lsq_fwd = FusedPrimitive("rlx_fake_quantize_lsq_fwd", reference_lsq)
 lsq_tangent = FusedPrimitive("rlx_fake_quantize_lsq_tangent", reference_lsq_tangent)
