@@ -1,0 +1,124 @@
+"""NeoX RoPE: kernels vs a NumPy oracle, n_rot < head_dim, both table widths,
+gradients (x, cos, sin) in every mode, vmap, errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import rlx_jax
+from rlx_jax.ops import rope, rope_backward
+from testutil import assert_close, hlo_text, platform
+
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+
+
+def _oracle(x, cos, sin, head_dim, n_rot, sign=1.0):
+    """NumPy NeoX rotation of x [..., S, H*head_dim] by tables [S, >= n_rot/2]."""
+    x = np.asarray(x, np.float64)
+    cos, sin = np.asarray(cos, np.float64), sign * np.asarray(sin, np.float64)
+    *lead, s, w = x.shape
+    xh = x.reshape(*lead, s, w // head_dim, head_dim)
+    y = xh.copy()
+    half = n_rot // 2
+    for i in range(half):
+        c, t = cos[:, i][:, None], sin[:, i][:, None]  # [S, 1] broadcast over heads
+        y[..., i] = xh[..., i] * c - xh[..., half + i] * t
+        y[..., half + i] = xh[..., half + i] * c + xh[..., i] * t
+    return y.reshape(x.shape)
+
+
+def _inputs(lead, s, heads, head_dim, table_w, dtype=jnp.float32, seed=0):
+    kx, ka = jax.random.split(jax.random.PRNGKey(seed))
+    x = jax.random.normal(kx, (*lead, s, heads * head_dim), jnp.float32).astype(dtype)
+    ang = 3.0 * jax.random.normal(ka, (s, table_w), jnp.float32)
+    return x, jnp.cos(ang), jnp.sin(ang)
+
+
+def test_kernels_registered_and_used():
+    info = rlx_jax.kernel_info()[platform()]
+    assert info["loaded"], info["error"]
+    assert {"rlx_rope_fwd", "rlx_rope_bwd"} <= set(info["targets"])
+    x, c, s = _inputs((2,), 3, 2, 8, 4)
+    text = hlo_text(jax.grad(lambda x: jnp.sum(rope(x, c, s, head_dim=8) ** 2)), x)
+    assert "rlx_rope_fwd" in text and "rlx_rope_bwd" in text
+
+
+# (leading axes, S, heads, head_dim, n_rot, table width)
+CASES = [
+    ((2,), 5, 3, 8, 8, 4),  # full rotation, compact table
+    ((2,), 5, 3, 8, 6, 4),  # n_rot < head_dim, RLX-width table (head_dim / 2)
+    ((), 7, 2, 64, 32, 16),  # no batch axis, compact table
+    ((2, 3), 4, 1, 6, 2, 3),  # two leading axes
+    ((1,), 3, 2, 4, 0, 2),  # n_rot = 0: identity
+    ((0,), 4, 2, 8, 8, 4),  # zero-sized batch
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_forward_and_backward_match_oracle(case, dtype):
+    lead, s, heads, hd, nr, tw = case
+    x, c, sn = _inputs(lead, s, heads, hd, tw, dtype)
+    y = jax.jit(lambda x, c, s: rope(x, c, s, head_dim=hd, n_rot=nr))(x, c, sn)
+    assert y.dtype == dtype and y.shape == x.shape
+    cr, sr = c.astype(dtype), sn.astype(dtype)  # the op rounds tables to x's dtype
+    assert_close(y, _oracle(x, cr, sr, hd, nr), dtype)
+    dx = jax.jit(lambda d, c, s: rope_backward(d, c, s, head_dim=hd, n_rot=nr))(x, c, sn)
+    assert_close(dx, _oracle(x, cr, sr, hd, nr, sign=-1.0), dtype)
+    # the backward is the transpose of the forward
+    _, vjp = jax.vjp(lambda x: rope(x, c, sn, head_dim=hd, n_rot=nr), x)
+    assert_close(vjp(x)[0], dx, dtype)
+
+
+def test_default_n_rot_is_head_dim():
+    x, c, s = _inputs((2,), 5, 2, 8, 4)
+    assert_close(rope(x, c, s, head_dim=8), rope(x, c, s, head_dim=8, n_rot=8))
+
+
+def test_inverse_rotation():
+    x, c, s = _inputs((2,), 5, 3, 8, 4)
+    assert_close(rope_backward(rope(x, c, s, head_dim=8, n_rot=6), c, s, head_dim=8, n_rot=6), x)
+
+
+def test_check_grads_f64(x64):
+    x, c, s = _inputs((2,), 4, 2, 6, 3, jnp.float64)
+    c, s = c.astype(jnp.float64), s.astype(jnp.float64)
+    assert "rlx_rope_bwd" in hlo_text(jax.grad(lambda x: jnp.sum(rope(x, c, s, head_dim=6) ** 2)), x)
+    f = lambda x, c, s: rope(x, c, s, head_dim=6, n_rot=4) ** 2
+    check_grads(f, (x, c, s), order=2, modes=("fwd", "rev"))
+    b = lambda x, c, s: rope_backward(x, c, s, head_dim=6, n_rot=4) ** 2
+    check_grads(b, (x, c, s), order=2, modes=("fwd", "rev"))
+
+
+def test_vmap():
+    x, c, s = _inputs((2,), 5, 2, 8, 4)
+    xb = jnp.stack([x, 2 * x], axis=1)  # batch on axis 1
+    got = jax.vmap(lambda x: rope(x, c, s, head_dim=8), in_axes=1, out_axes=1)(xb)
+    assert_close(got[:, 1], _oracle(2 * x, c, s, 8, 8))
+    cb = jnp.stack([c, s])  # batched tables fall back to the reference
+    got = jax.vmap(lambda c: rope(x, c, s, head_dim=8))(cb)
+    assert_close(got[1], _oracle(x, s, s, 8, 8))
+    g = jax.vmap(jax.grad(lambda x: jnp.sum(rope(x, c, s, head_dim=8) ** 3)))(jnp.stack([x, x]))
+    assert_close(g[0], jax.grad(lambda x: jnp.sum(rope(x, c, s, head_dim=8) ** 3))(x))
+
+
+def test_errors():
+    x, c, s = _inputs((2,), 5, 2, 8, 4)
+    with pytest.raises(ValueError, match="n_rot"):
+        rope(x, c, s, head_dim=8, n_rot=3)
+    with pytest.raises(ValueError, match="n_rot"):
+        rope(x, c, s, head_dim=8, n_rot=10)
+    with pytest.raises(ValueError, match="multiple of head_dim"):
+        rope(x, c, s, head_dim=6)
+    with pytest.raises(ValueError, match="cos must be"):
+        rope(x, c[:4], s, head_dim=8)
+    with pytest.raises(ValueError, match="cos must be"):
+        rope(x, c[:, :2], s, head_dim=8)
+    with pytest.raises(ValueError, match="rank >= 2"):
+        rope(x[0, 0], c, s, head_dim=8)
+    with pytest.raises(TypeError, match="floating"):
+        rope(x.astype(jnp.int32), c, s, head_dim=8)
