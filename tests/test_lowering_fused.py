@@ -1,0 +1,212 @@
+"""Fused ops give the numbers of their unfused primitives (and of NumPy); a 12-layer
+transformer graph jit-compiles quickly."""
+
+import time
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import rlx_jax as rlx
+
+RNG = np.random.default_rng(9)
+
+
+def f32(*shape):
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+def run_graph(build, **arrays):
+    g = rlx.Graph("f")
+    ids = {n: g.input(n, list(a.shape), "f32") for n, a in arrays.items()}
+    out = build(g, ids)
+    g.set_outputs(list(out) if isinstance(out, (list, tuple)) else [out])
+    return [np.asarray(o) for o in rlx.to_jax(g)({}, arrays)]
+
+
+def close(a, b, tol=1e-4):
+    np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("act", [None, "gelu", "relu"])
+def test_fused_matmul_bias_act_equals_primitives(act):
+    arr = dict(x=f32(2, 3, 4), w=f32(4, 5), b=f32(5))
+    (fused,) = run_graph(lambda G, i: G.fused_matmul_bias_act(i["x"], i["w"], i["b"], activation=act), **arr)
+
+    def prim(G, i):
+        y = G.add(G.matmul(i["x"], i["w"]), i["b"])
+        return y if act is None else G.activation(act, y)
+
+    (ref,) = run_graph(prim, **arr)
+    close(fused, ref, 1e-6)
+
+
+@pytest.mark.parametrize("norm", ["ln", "rms"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_residual_norms_equal_primitives(norm, bias):
+    arr = dict(x=f32(3, 6), r=f32(3, 6), g=f32(6), b=f32(6), bb=f32(6))
+
+    def fused(G, i):
+        fn = G.fused_residual_ln if norm == "ln" else G.fused_residual_rms_norm
+        return fn(i["x"], i["r"], i["g"], i["b"], 1e-5, i["bb"] if bias else None)
+
+    def prim(G, i):
+        h = G.add(i["x"], i["r"])
+        if bias:
+            h = G.add(h, i["bb"])
+        fn = G.layer_norm if norm == "ln" else G.rms_norm
+        return fn(h, i["g"], i["b"], eps=1e-5) if norm == "rms" else fn(h, i["g"], i["b"], -1, 1e-5)
+
+    close(run_graph(fused, **arr)[0], run_graph(prim, **arr)[0], 1e-6)
+
+
+@pytest.mark.parametrize("gate_first", [False, True])
+def test_fused_swiglu(gate_first):
+    x = f32(2, 3, 8)
+    (y,) = run_graph(lambda G, i: G.fused_swiglu(i["x"], None, gate_first), x=x)
+    lo, hi = x[..., :4], x[..., 4:]
+    up, gate = (hi, lo) if gate_first else (lo, hi)
+    close(y, gate / (1 + np.exp(-gate)) * up)
+    (y16,) = run_graph(lambda G, i: G.fused_swiglu(i["x"], "f16", gate_first), x=x)
+    assert y16.dtype == np.float16
+
+
+def np_attention_custom(q, k, v, keep):
+    d = q.shape[-1]
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d)
+    s = np.where(keep[:, None, None, :] >= 0.5, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def np_ln(x, g, b, eps):
+    m = x.mean(-1, keepdims=True)
+    return (x - m) / np.sqrt(x.var(-1, keepdims=True) + eps) * g + b
+
+
+def np_rope_bhsd(x, cos, sin):
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+def np_attention_block(p, nh, hd, rope=None):
+    b, s, _ = p["hidden"].shape
+    qkv = p["hidden"] @ p["qkv_w"] + p.get("qkv_b", 0)
+    q, k, v = (qkv[..., i * nh * hd:(i + 1) * nh * hd].reshape(b, s, nh, hd) for i in range(3))
+    if rope is not None:
+        cos, sin = rope
+        q = np_rope_bhsd(q.transpose(0, 2, 1, 3), cos, sin).transpose(0, 2, 1, 3)
+        k = np_rope_bhsd(k.transpose(0, 2, 1, 3), cos, sin).transpose(0, 2, 1, 3)
+    o = np_attention_custom(q, k, v, p["mask"]).reshape(b, s, nh * hd)
+    return o @ p["out_w"] + p.get("out_b", 0)
+
+
+def block_params(b, s, nh, hd, bias):
+    hid = nh * hd
+    p = dict(hidden=f32(b, s, hid), qkv_w=f32(hid, 3 * hid) * 0.3, out_w=f32(hid, hid) * 0.3,
+             mask=np.ones((b, s), np.float32))
+    p["mask"][0, -1] = 0.0
+    if bias:
+        p.update(qkv_b=f32(3 * hid), out_b=f32(hid))
+    return p
+
+
+@pytest.mark.parametrize("bias,rope", [(False, False), (True, True)])
+def test_fused_attention_block(bias, rope):
+    b, s, nh, hd = 2, 5, 2, 4
+    p = block_params(b, s, nh, hd, bias)
+    if rope:
+        ang = RNG.uniform(0, 3, (s, hd // 2)).astype(np.float32)
+        p.update(cos=np.cos(ang), sin=np.sin(ang))
+    order = ["hidden", "qkv_w", "out_w", "mask"] + (["qkv_b", "out_b"] if bias else []) + \
+        (["cos", "sin"] if rope else [])
+    (y,) = run_graph(lambda G, i: G.fused_attention_block([i[n] for n in order], nh, hd, bias, rope),
+                     **{n: p[n] for n in order})
+    close(y, np_attention_block(p, nh, hd, (p["cos"], p["sin"]) if rope else None))
+
+
+def layer_params(b, s, nh, hd, inter, bias=True):
+    hid = nh * hd
+    p = block_params(b, s, nh, hd, bias)
+    p.update(ln1_g=1 + 0.1 * f32(hid), ln1_b=0.1 * f32(hid), fc1_w=f32(hid, inter) * 0.3,
+             fc2_w=f32(inter, hid) * 0.3, ln2_g=1 + 0.1 * f32(hid), ln2_b=0.1 * f32(hid))
+    if bias:
+        p.update(fc1_b=f32(inter), fc2_b=f32(hid))
+    return p
+
+
+ORDER_BIAS = ["hidden", "qkv_w", "qkv_b", "out_w", "out_b", "ln1_g", "ln1_b", "fc1_w", "fc1_b",
+              "fc2_w", "fc2_b", "ln2_g", "ln2_b", "mask"]
+ORDER_NOBIAS = ["hidden", "qkv_w", "out_w", "ln1_g", "ln1_b", "fc1_w", "fc2_w", "ln2_g", "ln2_b", "mask"]
+
+
+def np_layer(p, nh, hd, eps1, eps2):
+    h1 = np_ln(np_attention_block(p, nh, hd) + p["hidden"], p["ln1_g"], p["ln1_b"], eps1)
+    f = h1 @ p["fc1_w"] + p.get("fc1_b", 0)
+    f = 0.5 * f * (1 + np.tanh(np.sqrt(2 / np.pi) * (f + 0.044715 * f**3)))
+    f = f @ p["fc2_w"] + p.get("fc2_b", 0)
+    return np_ln(f + h1, p["ln2_g"], p["ln2_b"], eps2)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_fused_transformer_layer_post_ln(bias):
+    b, s, nh, hd, inter = 2, 4, 2, 4, 12
+    p = layer_params(b, s, nh, hd, inter, bias)
+    order = ORDER_BIAS if bias else ORDER_NOBIAS
+    (y,) = run_graph(lambda G, i: G.fused_transformer_layer([i[n] for n in order], nh, hd, inter, 1e-5, 1e-6,
+                                                            "gelu_approx", bias), **{n: p[n] for n in order})
+    close(y, np_layer(p, nh, hd, 1e-5, 1e-6), 2e-4)
+
+
+def transformer_graph(layers, b, s, nh, hd, inter):
+    g = rlx.Graph("transformer")
+    h = g.input("hidden", [b, s, nh * hd], "f32")
+    mask = g.input("mask", [b, s], "f32")
+    hid = nh * hd
+    shapes = dict(qkv_w=[hid, 3 * hid], qkv_b=[3 * hid], out_w=[hid, hid], out_b=[hid], ln1_g=[hid],
+                  ln1_b=[hid], fc1_w=[hid, inter], fc1_b=[inter], fc2_w=[inter, hid], fc2_b=[hid],
+                  ln2_g=[hid], ln2_b=[hid])
+    for layer in range(layers):
+        ids = {n: g.param(f"l{layer}.{n}", shp, "f32") for n, shp in shapes.items()}
+        ids.update(hidden=h, mask=mask)
+        h = g.fused_transformer_layer([ids[n] for n in ORDER_BIAS], nh, hd, inter, 1e-5, 1e-5, "gelu", True)
+    g.set_outputs([g.mean(h, [0, 1, 2])])
+    params = {f"l{layer}.{n}": (RNG.standard_normal(shp) * 0.1).astype(np.float32)
+              for layer in range(layers) for n, shp in shapes.items()}
+    return g, params
+
+
+def _twelve_layers():
+    g, params = transformer_graph(12, 2, 64, 4, 32, 512)
+    inputs = {"hidden": jnp.asarray(f32(2, 64, 128)), "mask": jnp.ones((2, 64), jnp.float32)}
+    return rlx.to_jax(g), params, inputs
+
+
+def test_twelve_layer_transformer_compiles_under_20s():
+    f, params, inputs = _twelve_layers()
+    t0 = time.perf_counter()
+    jax.jit(f).lower(params, inputs).compile()
+    dt = time.perf_counter() - t0
+    assert dt < 20.0, f"12-layer transformer forward took {dt:.1f} s to compile"
+
+
+@pytest.mark.slow
+def test_twelve_layer_transformer_gradient_compiles_under_20s():
+    f, params, inputs = _twelve_layers()
+    t0 = time.perf_counter()
+    jax.jit(jax.grad(lambda p: f(p, inputs)[0])).lower(params).compile()
+    dt = time.perf_counter() - t0
+    assert dt < 20.0, f"12-layer transformer gradient took {dt:.1f} s to compile"
+
+
+def test_small_transformer_stack_runs_and_differentiates():
+    g, params = transformer_graph(2, 1, 6, 2, 4, 16)
+    f = rlx.to_jax(g)
+    inputs = {"hidden": f32(1, 6, 8), "mask": np.ones((1, 6), np.float32)}
+    grads = jax.jit(jax.grad(lambda p: f(p, inputs)[0]))(params)
+    assert set(grads) == set(params)
+    assert all(np.all(np.isfinite(v)) for v in grads.values())
