@@ -123,3 +123,23 @@ def test_fake_quantize_lsq_forward():
     scale = np.array([0.1, 0.3, 0.05], np.float32)
     (y,) = run_graph(lambda G, i: G.fake_quantize_lsq(i["x"], i["s"], 4, 0), x=x, s=scale)
     np.testing.assert_allclose(y, np_fake_quant(x, scale[:, None], 7), rtol=1e-5, atol=1e-6)
+
+
+def np_fp8_e4m3(b):
+    b = b.astype(np.int64)
+    sign = np.where(b & 0x80, -1.0, 1.0)
+    e, m = (b >> 3) & 0xF, (b & 7).astype(np.float64)
+    out = np.where(e == 0, sign * m * 2.0**-9, sign * (1 + m / 8) * 2.0 ** (e - 7.0))
+    return np.where((e == 15) & (m != 0), np.nan, np.where(e == 15, sign * np.inf, out))
+
+
+def test_dequant_matmul_fp8_e4m3_with_column_scale():
+    m, k, n = 2, 6, 3
+    x = f32(m, k)
+    codes = RNG.integers(0, 256, (k, n)).astype(np.uint8)
+    codes[(codes & 0x78) == 0x78] = 0x3C  # avoid inf/nan codes (exponent 15)
+    scale = np.abs(f32(n)) + 0.5
+    zp = np.zeros(n, np.float32)  # unused by fp8 (RLX's 4-input contract)
+    (y,) = run_graph(lambda G, i: G.dequant_matmul([i["x"], i["w"], i["s"], i["z"]], "fp8_e4m3", [m, n]),
+                     x=x, w=codes, s=scale, z=zp)
+    np.testing.assert_allclose(y, x @ (np_fp8_e4m3(codes) * scale), rtol=1e-4, atol=1e-4)
