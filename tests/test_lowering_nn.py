@@ -306,3 +306,29 @@ def test_grad_of_lowered_layer_norm_uses_family_and_matches_numeric():
     r = jax.grad(ref)(p)
     np.testing.assert_allclose(gr["g"], r["g"], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(gr["b"], r["b"], rtol=1e-4, atol=1e-4)
+
+
+def np_axial_rope(x, end_x, end_y, head_dim, num_heads, theta, rep):
+    b, s, _ = x.shape
+    q4, half = head_dim // 4, head_dim // 2
+    freqs = 1.0 / theta ** (4 * np.arange(q4) / head_dim)
+    out = x.astype(np.float64).copy()
+    for t in range(s):
+        p = t // rep
+        ax, ay = (p % end_x) * freqs, (p // end_x) * freqs
+        for h in range(num_heads):
+            base = h * head_dim
+            for off, ang in ((0, ax), (half, ay)):
+                for c in range(q4):
+                    i0, i1 = base + off + 2 * c, base + off + 2 * c + 1
+                    x0, x1 = x[:, t, i0].astype(np.float64), x[:, t, i1].astype(np.float64)
+                    out[:, t, i0] = x0 * np.cos(ang[c]) - x1 * np.sin(ang[c])
+                    out[:, t, i1] = x0 * np.sin(ang[c]) + x1 * np.cos(ang[c])
+    return out
+
+
+def test_axial_rope2d():
+    end_x, end_y, hd, nh, rep = 3, 2, 8, 2, 2
+    x = f32(2, end_x * end_y * rep, nh * hd)
+    (y,) = run_graph(lambda G, i: G.axial_rope2d(i["x"], end_x, end_y, hd, nh, 100.0, rep), x=x)
+    np.testing.assert_allclose(y, np_axial_rope(x, end_x, end_y, hd, nh, 100.0, rep), rtol=1e-5, atol=1e-5)

@@ -4,12 +4,14 @@ These are fused-op families: the maths lives once in ``rlx_jax.vjp_rules.<family
 and is reached through ``rlx_jax.ops.<fn>`` (so ``jax.grad`` of a lowered graph uses
 the fused backward kernels). The rules here only translate RLX attributes and
 layouts. ``rlx_jax.ops`` is imported when a rule runs, not at import time.
-ConvTranspose2d is not a fused family and is written here.
+ConvTranspose2d and AxialRope2d are not fused families and are written here.
 """
 
 from __future__ import annotations
 
 import importlib
+
+import numpy as np
 
 import jax.numpy as jnp
 from jax import lax
@@ -257,3 +259,41 @@ def _gather(op, args, ctx):
 def _complex_norm_sq(op, args, ctx):
     # |z|^2 = re^2 + im^2 (C64 -> F32).
     return ctx.cast_out(fused("complex_norm_sq")(args[0]))
+
+
+# ---- SAM2 axial 2-D RoPE (not a fused family) ---------------------------------------------
+
+def axial_rope_tables(seq, end_x, end_y, head_dim, theta, repeat_factor):
+    """cos/sin tables [seq, head_dim/4] for the x and y axes. Token t sits at grid cell
+    p = t // repeat_factor, column p % end_x, row p // end_x; frequency c is
+    theta^(-4c / head_dim)."""
+    q4 = head_dim // 4
+    rep = max(int(repeat_factor), 1)
+    if seq != end_x * end_y * rep:
+        raise ValueError(f"AxialRope2d: seq {seq} != end_x * end_y * repeat_factor "
+                         f"({end_x} * {end_y} * {rep})")
+    freqs = (1.0 / np.power(np.float32(theta), (4 * np.arange(q4)).astype(np.float32)
+                            / np.float32(head_dim))).astype(np.float32)
+    pos = np.arange(seq) // rep
+    tx = (pos % end_x).astype(np.float32)[:, None] * freqs
+    ty = (pos // end_x).astype(np.float32)[:, None] * freqs
+    return np.cos(tx), np.sin(tx), np.cos(ty), np.sin(ty)
+
+
+@lowering_rule("AxialRope2d")
+def _axial_rope2d(op, args, ctx):
+    # x [B, S, H*D]: per head, interleaved pairs (2c, 2c+1) of the first half rotate by
+    # the token's column angle, those of the second half by its row angle.
+    x = args[0]
+    b, s, _ = x.shape
+    hd, nh = int(op.head_dim), int(op.num_heads)
+    cx, sx, cy, sy = (jnp.asarray(t, x.dtype)[:, None, :] for t in
+                      axial_rope_tables(s, int(op.end_x), int(op.end_y), hd, float(op.theta),
+                                        int(op.repeat_factor)))
+    xh = x.reshape(b, s, nh, 2, hd // 4, 2)  # [.., half, pair c, (even, odd)]
+    x0, x1 = xh[..., 0], xh[..., 1]
+    cos = jnp.stack([cx, cy], axis=2)  # [S, 1, 2, q4]
+    sin = jnp.stack([sx, sy], axis=2)
+    y0 = x0 * cos - x1 * sin
+    y1 = x0 * sin + x1 * cos
+    return ctx.cast_out(jnp.stack([y0, y1], axis=-1).reshape(x.shape))
