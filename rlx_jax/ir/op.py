@@ -578,6 +578,8 @@ class Op:
                 v = "[" + ", ".join(str(x.value if isinstance(x, enum.Enum) else x) for x in v) + "]"
             elif isinstance(v, enum.Enum):
                 v = v.value
+            elif isinstance(v, str):
+                v = repr(v)
             elif isinstance(v, float):
                 v = repr(v) if math.isfinite(v) else str(v)
             parts.append(f"{k}={v}")
