@@ -411,3 +411,24 @@ def test_scatter_add_shapes():
     with pytest.raises(GraphError) as e:
         g.scatter_add(upd, idx4, [10, 6])
     names_node(e, 3, "ScatterAdd")
+
+
+def test_custom_fn_vjp_jvp_signatures():
+    g = Graph("g")
+    x = g.input("x", [4], "f32")
+    fwd = Graph("fwd")
+    fwd.set_outputs([fwd.tanh(fwd.input("x", [4], "f32"))])
+    vjp = Graph("vjp")
+    vjp.input("x", [3], "f32")
+    d = vjp.input("d_output", [4], "f32")
+    vjp.set_outputs([d])
+    with pytest.raises(GraphError) as e:
+        g.custom_fn([x], fwd, vjp)
+    assert "primal input 0" in names_node(e, 1, "CustomFn")
+    jvp = Graph("jvp")
+    jvp.input("x", [4], "f32")
+    t = jvp.input("tangent_1", [4], "f32")
+    jvp.set_outputs([t])
+    with pytest.raises(GraphError) as e:
+        g.custom_fn([x], fwd, None, jvp)
+    assert "tangent_0" in names_node(e, 1, "CustomFn")

@@ -200,6 +200,16 @@ class ScanBackwardXs(Op):
         return ins[3 + self.xs_idx]
 
 
+def _check_primals(label: str, body, ins, special) -> None:
+    """The body's non-special Inputs (in id order) are the primal inputs."""
+    primals = [n for n in body_inputs(body) if n.op.name not in special]
+    if len(primals) != len(ins):
+        raise OpFault(f"{label} has {len(primals)} primal Input(s), expected {len(ins)}")
+    for k, (p, s) in enumerate(zip(primals, ins)):
+        if not shapes_match(p.shape, s):
+            raise OpFault(f"{label} primal input {k} ({p.op.name!r}) is {p.shape}, expected {s}")
+
+
 @op_class
 class CustomFn(Op):
     """A sub-graph with optional AD overrides. ``fwd_body`` takes the ``num_inputs``
@@ -222,6 +232,9 @@ class CustomFn(Op):
             params = {n.op.name: n.shape for n in body_inputs(self.vjp_body)}
             if "d_output" not in params or not shapes_match(params["d_output"], out):
                 raise OpFault(f"vjp_body needs an Input 'd_output' shaped {out}")
+            if "primal_output" in params and not shapes_match(params["primal_output"], out):
+                raise OpFault(f"vjp_body Input 'primal_output' must be shaped {out}")
+            _check_primals("vjp_body", self.vjp_body, ins, ("primal_output", "d_output"))
             grads = [self.vjp_body.nodes[o].shape for o in self.vjp_body.outputs]
             if len(grads) != len(ins) or not all(shapes_match(g, s) for g, s in zip(grads, ins)):
                 raise OpFault(
@@ -229,6 +242,15 @@ class CustomFn(Op):
                     f"got {[str(g) for g in grads]}"
                 )
         if self.jvp_body is not None:
+            params = {n.op.name: n.shape for n in body_inputs(self.jvp_body)}
+            for i, s in enumerate(ins):
+                t = params.get(f"tangent_{i}")
+                if t is None or not shapes_match(t, s):
+                    raise OpFault(f"jvp_body needs an Input 'tangent_{i}' shaped {s}")
+            if "primal_output" in params and not shapes_match(params["primal_output"], out):
+                raise OpFault(f"jvp_body Input 'primal_output' must be shaped {out}")
+            _check_primals("jvp_body", self.jvp_body, ins,
+                           ("primal_output",) + tuple(f"tangent_{i}" for i in range(len(ins))))
             tans = [self.jvp_body.nodes[o].shape for o in self.jvp_body.outputs]
             if len(tans) != 1 or not shapes_match(tans[0], out):
                 raise OpFault(f"jvp_body must return one tangent shaped {out}")
