@@ -60,14 +60,28 @@ def dense_attention(q, k, v, *, mask_kind="none", window=None, mask=None, bias=N
 
 
 def _inputs(b, sq, sk, h, hkv, d, dtype=jnp.float32, seed=0):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
-    q = jax.random.normal(ks[0], (b, sq, h, d), jnp.float32).astype(dtype)
-    k = jax.random.normal(ks[1], (b, sk, hkv, d), jnp.float32).astype(dtype)
-    v = jax.random.normal(ks[2], (b, sk, hkv, d), jnp.float32).astype(dtype)
-    mask = (jax.random.uniform(ks[3], (b, sk)) > 0.3).astype(jnp.float32)
-    bias = (0.5 * jax.random.normal(ks[4], (b, h, sq, sk), jnp.float32)).astype(dtype)
-    dy = jax.random.normal(ks[5], (b, sq, h, d), jnp.float32).astype(dtype)
+    """q, k, v, mask (70% kept), bias, dy: random, as jax arrays (NumPy RNG: no compiles)."""
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape, std=1.0):
+        return jnp.asarray((std * rng.standard_normal(shape)).astype(np.float32)).astype(dtype)
+
+    q, k, v = normal(b, sq, h, d), normal(b, sk, hkv, d), normal(b, sk, hkv, d)
+    mask = jnp.asarray((rng.uniform(size=(b, sk)) > 0.3).astype(np.float32))
+    bias = normal(b, h, sq, sk, std=0.5)
+    dy = normal(b, sq, h, d)
     return q, k, v, mask, bias, dy
+
+
+def _value_and_vjp(fn):
+    """jit(args, dy -> (fn(*args), vjp(dy))): one compile, no eager op-by-op dispatch."""
+
+    @jax.jit
+    def run(args, dy):
+        y, vjp = jax.vjp(fn, *args)
+        return y, vjp(dy)
+
+    return run
 
 
 # (B, Sq, Sk, H, Hkv, D): odd lengths, Sq != Sk both ways, GQA, MQA, multi-tile shapes
@@ -147,11 +161,10 @@ def test_forward_and_gradients_match_oracle(shape, opts):
     def oracle(d):
         return dense_attention(d["q"], d["k"], d["v"], bias=d.get("bias"), **kw)
 
-    got, vjp = jax.vjp(jax.jit(ours), diff)
-    want, vjp_want = jax.vjp(oracle, diff)
+    got, (g,) = _value_and_vjp(ours)((diff,), dy)
+    want, (w,) = _value_and_vjp(oracle)((diff,), dy)
     assert got.shape == q.shape and got.dtype == q.dtype
     assert_close(got, want, jnp.float32)
-    (g,), (w,) = vjp(dy), vjp_want(dy)
     for name in diff:
         assert_close(g[name], w[name], jnp.float32)
 
@@ -161,22 +174,13 @@ def test_forward_mode_matches_oracle(opts):
     q, k, v, mask, bias, _ = _inputs(2, 6, 9, 4, 2, 8, seed=3)
     kw = _kwargs(opts, mask, bias)
     tq, tk, tv, _, tb, _ = _inputs(2, 6, 9, 4, 2, 8, seed=4)
+    primals, tangents = (q, k, v), (tq, tk, tv)
     if "bias" in kw:
-        b = kw.pop("bias")
-        primals, tangents = (q, k, v, b), (tq, tk, tv, tb)
-    else:
-        primals, tangents = (q, k, v, None), (tq, tk, tv, None)
-
-    def f(fn):
-        return lambda q, k, v, b: fn(q, k, v, bias=b, **kw)
-
-    nb = slice(0, 4 if primals[3] is not None else 3)
+        primals, tangents = primals + (kw.pop("bias"),), tangents + (tb,)
 
     def call(fn):
-        g = f(fn)
-        if primals[3] is None:
-            return jax.jvp(lambda q, k, v: g(q, k, v, None), primals[nb], tangents[nb])
-        return jax.jvp(g, primals, tangents)
+        g = lambda *a: fn(*a[:3], bias=a[3] if len(a) > 3 else None, **kw)  # noqa: E731
+        return jax.jit(lambda p, t: jax.jvp(g, p, t))(primals, tangents)
 
     (y, ty), (yw, tyw) = call(attention), call(dense_attention)
     assert_close(y, yw, jnp.float32)
@@ -189,14 +193,14 @@ def test_lse_and_its_cotangent_in_the_backward_kernel():
     q, k, v, mask, bias, dy = _inputs(2, 33, 47, 4, 2, 8, seed=5)
     params, extras = A._check_options(q, k, "sliding", 9, mask, bias, 0.4, 2.5, "test")
     out, lse = jax.jit(lambda *a: A.attention_fwd(*a, **params))(q, k, v, *extras)
-    out_r, lse_r = A.reference_attention(q, k, v, *extras, **params)
+    out_r, lse_r = jax.jit(lambda *a: A.reference_attention(*a, **params))(q, k, v, *extras)
     assert_close(out, out_r, jnp.float32)
     finite = np.isfinite(np.asarray(lse_r))
     assert (np.isfinite(np.asarray(lse)) == finite).all()
     assert_close(jnp.where(finite, lse, 0), jnp.where(finite, lse_r, 0), jnp.float32)
-    dlse = jax.random.normal(jax.random.PRNGKey(9), lse.shape)
+    dlse = jnp.asarray(np.random.default_rng(9).standard_normal(lse.shape).astype(np.float32))
     got = jax.jit(lambda *a: A.attention_bwd(*a, **params))(q, k, v, out_r, lse_r, dy, dlse, *extras)
-    want = A.reference_attention_bwd(q, k, v, out_r, lse_r, dy, dlse, *extras, **params)
+    want = jax.jit(lambda *a: A.reference_attention_bwd(*a, **params))(q, k, v, out_r, lse_r, dy, dlse, *extras)
     assert len(got) == 4
     for g, w in zip(got, want):
         assert_close(g, w, jnp.float32)
@@ -232,11 +236,11 @@ def test_check_grads_order2_f64(x64, shape, opts):
 def test_f64_matches_oracle(x64):
     q, k, v, mask, bias, dy = _inputs(2, 21, 35, 4, 2, 7, dtype=jnp.float64)
     kw = dict(mask_kind="causal", mask=mask, softcap=1.7, scale=0.45)
-    got, vjp = jax.vjp(lambda q, k, v, b: attention(q, k, v, bias=b, **kw), q, k, v, bias)
-    want, vjp_w = jax.vjp(lambda q, k, v, b: dense_attention(q, k, v, bias=b, **kw), q, k, v, bias)
+    got, grads = _value_and_vjp(lambda q, k, v, b: attention(q, k, v, bias=b, **kw))((q, k, v, bias), dy)
+    want, grads_w = _value_and_vjp(lambda q, k, v, b: dense_attention(q, k, v, bias=b, **kw))((q, k, v, bias), dy)
     assert got.dtype == jnp.float64
     assert_close(got, want, jnp.float64)
-    for g, w in zip(vjp(dy), vjp_w(dy)):
+    for g, w in zip(grads, grads_w):
         assert_close(g, w, jnp.float64)
 
 
@@ -251,12 +255,12 @@ def test_half_precision_matches_f32_oracle(dtype):
     def f(fn):
         return lambda q, k, v, b: fn(q, k, v, bias=b, **kw)
 
-    got, vjp = jax.vjp(f(attention), q, k, v, bias)
-    up = [x.astype(jnp.float32) for x in (q, k, v, bias)]
-    want, vjp_w = jax.vjp(f(dense_attention), *up)
+    got, grads = _value_and_vjp(f(attention))((q, k, v, bias), dy)
+    up = tuple(x.astype(jnp.float32) for x in (q, k, v, bias))
+    want, grads_w = _value_and_vjp(f(dense_attention))(up, dy.astype(jnp.float32))
     assert got.dtype == dtype
     assert_close(got, want, dtype)
-    for g, w in zip(vjp(dy), vjp_w(dy.astype(jnp.float32))):
+    for g, w in zip(grads, grads_w):
         assert g.dtype == dtype
         assert_close(g, w, dtype)
 
@@ -268,24 +272,22 @@ def test_fully_masked_rows_give_zeros_not_nan():
     q, k, v, mask, bias, dy = _inputs(2, 6, 6, 2, 1, 4)
     mask = mask.at[1].set(0.0)  # batch 1 sees no key at all
     for kw in (dict(mask=mask), dict(mask=mask, softcap=1.0, bias=bias)):
-        out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, **kw), q, k, v)
-        dq, dk, dv = vjp(dy)
+        out, (dq, dk, dv) = _value_and_vjp(lambda q, k, v: attention(q, k, v, **kw))((q, k, v), dy)
         for x in (out, dq, dk, dv):
             assert np.isfinite(np.asarray(x)).all()
         assert not np.asarray(out[1]).any() and not np.asarray(dq[1]).any()
         assert not np.asarray(dk[1]).any() and not np.asarray(dv[1]).any()
-        assert_close(out[0], dense_attention(q, k, v, **kw)[0], jnp.float32)
+        assert_close(out[0], jax.jit(lambda q, k, v: dense_attention(q, k, v, **kw))(q, k, v)[0], jnp.float32)
     # a bias gradient through fully masked rows is zero too
-    gb = jax.grad(lambda b: jnp.sum(attention(q, k, v, mask=mask, bias=b) * dy))(bias)
+    gb = jax.jit(jax.grad(lambda b: jnp.sum(attention(q, k, v, mask=mask, bias=b) * dy)))(bias)
     assert np.isfinite(np.asarray(gb)).all() and not np.asarray(gb[1]).any()
 
 
 @pytest.mark.parametrize("shape", [(0, 4, 4, 2, 1, 8), (2, 0, 5, 2, 2, 8), (2, 3, 0, 2, 2, 8)], ids=str)
 def test_zero_sized_inputs(shape):
     q, k, v, mask, bias, dy = _inputs(*shape)
-    out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, mask_kind="causal"), q, k, v)
+    out, (dq, dk, dv) = _value_and_vjp(lambda q, k, v: attention(q, k, v, mask_kind="causal"))((q, k, v), dy)
     assert out.shape == q.shape
-    dq, dk, dv = vjp(dy)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     for x in (out, dq, dk, dv):  # no keys: zero output and gradients
         assert not np.asarray(x).any()
@@ -295,17 +297,19 @@ def test_vmap_over_extra_batch_axis():
     q, k, v, mask, bias, dy = _inputs(3, 7, 9, 4, 2, 8)
     kw = dict(mask_kind="sliding", window=4, softcap=1.5)
     f = lambda q, k, v, m, b: attention(q[None], k[None], v[None], mask=m[None], bias=b[None], **kw)[0]  # noqa: E731
-    got = jax.vmap(f)(q, k, v, mask, bias)
-    want = dense_attention(q, k, v, mask=mask, bias=bias, **kw)
+    got = jax.jit(jax.vmap(f))(q, k, v, mask, bias)
+    want = jax.jit(lambda *a: dense_attention(*a[:3], mask=a[3], bias=a[4], **kw))(q, k, v, mask, bias)
     assert_close(got, want, jnp.float32)
-    # per-example gradients with k, v shared (unbatched) across the vmapped axis
-    g = jax.vmap(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v, mask[0], bias[0]) ** 2), (0, 1, 2)),
-                 in_axes=(0, None, None))(q, k[0], v[0])
-    for i in range(q.shape[0]):
-        w = jax.grad(lambda q, k, v: jnp.sum(dense_attention(q[None], k[None], v[None], mask=mask[:1],
-                                                             bias=bias[:1], **kw) ** 2), (0, 1, 2))(q[i], k[0], v[0])
-        for a, b in zip(g, w):
-            assert_close(a[i], b, jnp.float32)
+    # per-example gradients with k, v shared (unbatched) across the vmapped axis; the
+    # oracle is plain JAX, so JAX's own batching of it is independent of our rules
+    oracle = lambda q, k, v: dense_attention(q[None], k[None], v[None], mask=mask[:1], bias=bias[:1], **kw)  # noqa: E731
+    per_example = lambda fn: jax.jit(jax.vmap(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) ** 2), (0, 1, 2)),  # noqa: E731
+                                              in_axes=(0, None, None)))
+    g = per_example(lambda q, k, v: f(q, k, v, mask[0], bias[0]))(q, k[0], v[0])
+    w = per_example(oracle)(q, k[0], v[0])
+    assert "rlx_attention_bwd" in hlo_text(per_example(lambda q, k, v: f(q, k, v, mask[0], bias[0])), q, k[0], v[0])
+    for a, b in zip(g, w):
+        assert_close(a, b, jnp.float32)
 
 
 def test_backward_is_deterministic():
@@ -323,9 +327,9 @@ def test_backward_is_deterministic():
 def test_attention_backward_equals_vjp():
     q, k, v, mask, bias, dy = _inputs(2, 11, 13, 4, 2, 8)
     kw = dict(mask_kind="causal", scale=0.3, softcap=1.4)
-    got = attention_backward(q, k, v, dy, mask, bias, **kw)
-    _, vjp = jax.vjp(lambda q, k, v: dense_attention(q, k, v, mask=mask, bias=bias, **kw), q, k, v)
-    for g, w in zip(got, vjp(dy)):
+    got = jax.jit(lambda *a: attention_backward(*a, mask, bias, **kw))(q, k, v, dy)
+    _, want = _value_and_vjp(lambda q, k, v: dense_attention(q, k, v, mask=mask, bias=bias, **kw))((q, k, v), dy)
+    for g, w in zip(got, want):
         assert_close(g, w, jnp.float32)
     assert "rlx_attention_bwd" in hlo_text(lambda *a: attention_backward(*a, **kw), q, k, v, dy)
 
@@ -333,12 +337,14 @@ def test_attention_backward_equals_vjp():
 def test_attention_rlx_layout():
     q, k, v, mask, _, _ = _inputs(2, 6, 8, 4, 2, 8)
     flat = lambda x: x.reshape(*x.shape[:2], -1)  # noqa: E731
-    got = attention_rlx(flat(q), flat(k), flat(v), num_heads=4, head_dim=8, mask=mask, mask_kind="causal")
+    got = jax.jit(lambda q, k, v: attention_rlx(q, k, v, num_heads=4, head_dim=8, mask=mask,
+                                                mask_kind="causal"))(flat(q), flat(k), flat(v))
     assert got.shape == (2, 6, 32)
-    assert_close(got, flat(dense_attention(q, k, v, mask=mask, mask_kind="causal")), jnp.float32)
-    got2 = attention_rlx(flat(q)[0], flat(k)[0], flat(v)[0], num_heads=4, head_dim=8)
+    want = jax.jit(lambda q, k, v: flat(dense_attention(q, k, v, mask=mask, mask_kind="causal")))(q, k, v)
+    assert_close(got, want, jnp.float32)
+    got2 = jax.jit(lambda q, k, v: attention_rlx(q, k, v, num_heads=4, head_dim=8))(flat(q)[0], flat(k)[0], flat(v)[0])
     assert got2.shape == (6, 32)
-    assert_close(got2, flat(dense_attention(q, k, v))[0], jnp.float32)
+    assert_close(got2, jax.jit(lambda q, k, v: flat(dense_attention(q, k, v))[0])(q, k, v), jnp.float32)
 
 
 def test_reference_path_agrees_with_kernel_path():
@@ -346,7 +352,7 @@ def test_reference_path_agrees_with_kernel_path():
     gradients are the kernel's."""
     q, k, v, mask, bias, dy = _inputs(1, 9, 12, 2, 1, 4)
     f = lambda q, k, v: jnp.sum(attention(q, k, v, mask=mask, mask_kind="sliding", window=2, softcap=1.1) * dy)  # noqa: E731
-    g_kernel = jax.grad(f, (0, 1, 2))(q, k, v)
+    g_kernel = jax.jit(jax.grad(f, (0, 1, 2)))(q, k, v)
     with fused_ops(False):
         g_ref = jax.jit(jax.grad(f, (0, 1, 2)))(q, k, v)
     for a, b in zip(g_kernel, g_ref):

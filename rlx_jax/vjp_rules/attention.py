@@ -354,7 +354,8 @@ def _check_options(q, k, mask_kind, window, mask, bias, scale, softcap, who):
         raise ValueError(f"{who}: softcap must be > 0 (None disables it), got {softcap}")
     params = dict(
         kind=mask_kind,
-        window=int(window) if mask_kind == "sliding" else 0,
+        # a window past every key is the causal mask: clamp (keeps the kernel's int64 safe)
+        window=min(int(window), sq + sk) if mask_kind == "sliding" else 0,
         scale=float(scale),
         softcap=float(softcap) if softcap is not None else 0.0,
         has_mask=mask is not None,
