@@ -67,6 +67,13 @@ def _select_device(name: str) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    import jax
+
+    if args.devices < 1:
+        raise CliError(f"--devices must be positive (got {args.devices})")
+    if args.device == "cpu" and args.devices > 1:
+        # host "devices" must be requested before the CPU backend starts
+        jax.config.update("jax_num_cpu_devices", args.devices)
     from rlx_jax.models import TransformerConfig
     from rlx_jax.train.loop import TrainConfig, write_outputs
     from rlx_jax.train.tasks import train_classifier, train_lm
@@ -77,7 +84,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if value is not None and value <= 0:
             raise CliError(f"--{name.replace('_', '-')} must be positive (got {value})")
     cfg = TrainConfig(fused=args.fused, seed=args.seed, checkpoint=args.checkpoint, out_dir=args.out,
-                      progress=not args.no_progress)
+                      progress=not args.no_progress, devices=args.devices)
     if args.steps is not None:
         cfg.steps = args.steps
         cfg.eval_every = max(1, min(cfg.eval_every, args.steps))
@@ -89,7 +96,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         mc = TransformerConfig(seq_len=args.seq_len or 64, layers=args.layers or 2, width=args.width or 128,
                                heads=args.heads or 4)
         print(f"rlx-jax train: transformer LM, {mc.layers} layers, width {mc.width}, {mc.heads} heads, "
-              f"seq {mc.seq_len}, batch {cfg.batch_size}, {cfg.steps} steps, "
+              f"seq {mc.seq_len}, batch {cfg.batch_size}, {cfg.steps} steps, {cfg.devices} device(s), "
               f"{'fused kernels' if cfg.fused else 'plain XLA autodiff (--no-fused)'}, device {args.device}", flush=True)
         record = train_lm(cfg, mc)
     else:
@@ -161,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_train = sub.add_parser("train", help="train a model graph (default: the character transformer LM)")
     p_train.add_argument("--model", choices=["transformer", "cnn", "mlp"], default="transformer")
     p_train.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    p_train.add_argument("--devices", type=int, default=1,
+                         help="data parallel over N devices (on the CPU: N host devices)")
     p_train.add_argument("--steps", type=int, default=None, help="default 400 (transformer), 600 (cnn/mlp)")
     p_train.add_argument("--batch-size", type=int, default=None, help="default 16 (transformer), 64 (cnn/mlp)")
     p_train.add_argument("--seq-len", type=int, default=None, help="transformer context length (default 64)")

@@ -42,6 +42,7 @@ class TrainConfig:
     checkpoint_every: int = 100
     out_dir: str = "rlx_jax_runs"
     progress: bool = True
+    devices: int = 1  # data parallel over this many devices of the default backend
 
 
 def make_optimizer(cfg: TrainConfig):
@@ -55,8 +56,28 @@ def make_optimizer(cfg: TrainConfig):
     return optax.chain(optax.clip_by_global_norm(cfg.clip), optax.adamw(schedule, weight_decay=cfg.weight_decay))
 
 
-def make_step(graph, optimizer, fused: bool) -> Callable:
-    """A jitted (params, opt_state, inputs) -> (params, opt_state, loss) update."""
+def data_mesh(devices: int):
+    """A 1-D mesh named "data" over the first ``devices`` devices of the default backend,
+    or None for one device."""
+    if devices <= 1:
+        return None
+    available = jax.devices()
+    if len(available) < devices:
+        raise ValueError(f"--devices {devices}: only {len(available)} {available[0].platform} device(s) visible")
+    return jax.sharding.Mesh(np.array(available[:devices]), ("data",))
+
+
+def batch_sharding(mesh):
+    """Inputs are split along their first (batch) axis over the mesh's "data" axis."""
+    return None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+
+
+def make_step(graph, optimizer, fused: bool, mesh=None) -> Callable:
+    """A compiled (params, opt_state, inputs) -> (params, opt_state, loss) update.
+
+    With a mesh, the inputs are split along their batch axis over its "data" axis and
+    the parameters and optimiser state are replicated: data parallelism, where the
+    fused kernels run on each shard and the parameter gradients are all-reduced."""
     import optax
 
     fn = to_jax(graph)
@@ -69,8 +90,16 @@ def make_step(graph, optimizer, fused: bool) -> Callable:
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
+    params, opt_state, inputs = _abstract_step_args(graph, optimizer)
+    jitted = jax.jit(step)
+    if mesh is not None:
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        split = batch_sharding(mesh)
+        place = lambda tree, sh: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), tree)
+        params, opt_state, inputs = place(params, replicated), place(opt_state, replicated), place(inputs, split)
+        jitted = jax.jit(step, out_shardings=(replicated, replicated, replicated))
     with fused_ops(fused):  # traced now, under the chosen setting
-        return jax.jit(step).lower(*_abstract_step_args(graph, optimizer)).compile()
+        return jitted.lower(params, opt_state, inputs).compile()
 
 
 def _abstract_step_args(graph, optimizer):
@@ -126,8 +155,14 @@ def run_steps(*, name, graph, model, cfg: TrainConfig, batch_fn, evaluate, token
         start, history, evals = meta["step"], meta["history"], meta["evals"]
         params = jax.tree.map(jnp.asarray, params)
         opt_state = jax.tree.map(jnp.asarray, opt_state)
+    mesh = data_mesh(cfg.devices)
+    if mesh is not None:
+        if cfg.batch_size % cfg.devices:
+            raise ValueError(f"batch size {cfg.batch_size} must be divisible by --devices {cfg.devices}")
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        params, opt_state = jax.device_put((params, opt_state), replicated)
     t_compile = time.perf_counter()
-    step_fn = make_step(graph, optimizer, cfg.fused)
+    step_fn = make_step(graph, optimizer, cfg.fused, mesh)
     compile_s = time.perf_counter() - t_compile
 
     def save(step):
@@ -141,6 +176,8 @@ def run_steps(*, name, graph, model, cfg: TrainConfig, batch_fn, evaluate, token
     try:
         for step in range(start, cfg.steps):
             inputs = batch_fn(np.random.default_rng((cfg.seed, step)))
+            if mesh is not None:
+                inputs = jax.device_put(inputs, batch_sharding(mesh))
             params, opt_state, loss = step_fn(params, opt_state, inputs)
             loss = float(loss)
             if not math.isfinite(loss):
@@ -173,6 +210,7 @@ def run_steps(*, name, graph, model, cfg: TrainConfig, batch_fn, evaluate, token
         "steps_done": step,
         "interrupted": interrupted,
         "compile_s": compile_s,
+        "devices": cfg.devices,
         "tokens_per_s": timed_tokens / elapsed if elapsed > 0 else None,
         "history": history,
         "evals": evals,
