@@ -86,7 +86,7 @@ def reference_max_pool2d_tangent(tx, argmax, *, kernel_size, stride, padding):
     """ty[p, o] = tx[p, argmax[p, o]] (0 where argmax is -1)."""
     h, w = tx.shape[-2:]
     flat = tx.reshape(tx.shape[:-2] + (h * w,))
-    am = argmax.reshape(argmax.shape[:-2] + (-1,))
+    am = argmax.reshape(argmax.shape[:-2] + (argmax.shape[-2] * argmax.shape[-1],))
     picked = jnp.take_along_axis(flat, jnp.clip(am, 0, max(h * w - 1, 0)), axis=-1, mode="clip")
     ty = jnp.where(am >= 0, picked, jnp.zeros((), tx.dtype))
     return (ty.reshape(argmax.shape),)
@@ -97,8 +97,9 @@ def reference_max_pool2d_bwd(dy, argmax, *, kernel_size, stride, padding, in_hw)
     h, w = in_hw
     lead = dy.shape[:-2]
     planes = int(np.prod(lead, dtype=np.int64))
-    d = dy.reshape((planes, -1)).astype(_acc(dy.dtype))
-    am = argmax.reshape((planes, -1))
+    n_out = dy.shape[-2] * dy.shape[-1]
+    d = dy.reshape((planes, n_out)).astype(_acc(dy.dtype))
+    am = argmax.reshape((planes, n_out))
     am = jnp.where(am >= 0, am, h * w)  # -1 -> out of range, dropped
     rows = jnp.broadcast_to(jnp.arange(planes)[:, None], am.shape)
     dx = jnp.zeros((planes, h * w), d.dtype).at[rows, am].add(d, mode="drop")
