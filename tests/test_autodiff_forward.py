@@ -90,49 +90,49 @@ def test_jvp_errors():
 
 # -- hvp --------------------------------------------------------------------------------
 
-def mlp_graph():
+def mlp_graph(dt="f64"):
     g = Graph("mlp")
-    x = g.input("x", [5, 4])
-    w1, b1, w2 = g.param("w1", [4, 6]), g.param("b1", [6]), g.param("w2", [6, 3])
-    labels = g.input("labels", [5], "f32")
+    x = g.input("x", [5, 4], dt)
+    w1, b1, w2 = g.param("w1", [4, 6], dt), g.param("b1", [6], dt), g.param("w2", [6, 3], dt)
+    labels = g.input("labels", [5], "i32")
     h = g.gelu(g.add(g.matmul(x, w1), b1))
     loss = g.mean(g.softmax_cross_entropy_with_logits(g.matmul(h, w2), labels), [0])
     g.set_outputs([loss])
     feeds = {"x": np.random.RandomState(1).randn(5, 4).astype("f4"),
-             "labels": np.array([0, 2, 1, 1, 0], np.float32)}
+             "labels": np.array([0, 2, 1, 1, 0], np.int32)}
     return g, ["w1", "b1", "w2"], feeds
 
 
-def cnn_graph():
+def cnn_graph(dt="f64"):
     g = Graph("cnn")
-    x = g.input("x", [2, 2, 6, 6])
-    w = g.param("w", [4, 2, 3, 3])
-    gamma, beta = g.param("gamma", [4]), g.param("beta", [4])
-    fc = g.param("fc", [4 * 2 * 2, 3])
-    labels = g.input("labels", [2], "f32")
+    x = g.input("x", [2, 2, 6, 6], dt)
+    w = g.param("w", [4, 2, 3, 3], dt)
+    gamma, beta = g.param("gamma", [4], dt), g.param("beta", [4], dt)
+    fc = g.param("fc", [4 * 2 * 2, 3], dt)
+    labels = g.input("labels", [2], "i32")
     c = g.conv2d(x, w, padding=(1, 1))
     c = g.group_norm(c, gamma, beta, 2)
     c = g.max_pool2d(g.silu(c), 3, stride=3)
     logits = g.matmul(g.reshape(c, [2, 16]), fc)
     loss = g.mean(g.softmax_cross_entropy_with_logits(logits, labels), [0])
     g.set_outputs([loss])
-    feeds = {"x": np.random.RandomState(2).randn(2, 2, 6, 6).astype("f4"), "labels": np.array([1, 2], np.float32)}
+    feeds = {"x": np.random.RandomState(2).randn(2, 2, 6, 6).astype("f4"), "labels": np.array([1, 2], np.int32)}
     return g, ["w", "gamma", "beta", "fc"], feeds
 
 
-def transformer_graph():
+def transformer_graph(dt="f64"):
     g = Graph("block")
     b, s, h, d = 2, 3, 2, 4
     e = h * d
-    x = g.input("x", [b, s, e])
-    wq, wk, wv, wo = (g.param(n, [e, e]) for n in ("wq", "wk", "wv", "wo"))
-    g1, b1 = g.param("ln_g", [e]), g.param("ln_b", [e])
-    w1, w2 = g.param("w1", [e, 2 * e]), g.param("w2", [2 * e, e])
+    x = g.input("x", [b, s, e], dt)
+    wq, wk, wv, wo = (g.param(n, [e, e], dt) for n in ("wq", "wk", "wv", "wo"))
+    g1, b1 = g.param("ln_g", [e], dt), g.param("ln_b", [e], dt)
+    w1, w2 = g.param("w1", [e, 2 * e], dt), g.param("w2", [2 * e, e], dt)
     hn = g.layer_norm(x, g1, b1)
     att = g.attention_opts(g.matmul(hn, wq), g.matmul(hn, wk), g.matmul(hn, wv), h, d, "causal")
     x2 = g.add(x, g.matmul(att, wo))
-    ff = g.matmul(g.gelu_approx(g.matmul(g.rms_norm(x2, g.constant(np.ones(e, np.float32)),
-                                                    g.constant(np.zeros(e, np.float32))), w1)), w2)
+    ff = g.matmul(g.gelu_approx(g.matmul(g.rms_norm(x2, g.constant(np.ones(e, np.float64)),
+                                                    g.constant(np.zeros(e, np.float64))), w1)), w2)
     out = g.add(x2, ff)
     loss = g.mean(g.mul(out, out), [0, 1, 2])
     g.set_outputs([loss])
@@ -146,7 +146,7 @@ def test_hvp_matches_jax_hessian(maker, x64):
     rng = np.random.RandomState(0)
     params = {n.op.name: (rng.randn(*n.shape.dims) * 0.5).astype(np.float64)
               for n in g.nodes if type(n.op).__name__ == "Param"}
-    inputs = {k: v.astype(np.float64) for k, v in inputs.items()}
+    inputs = {k: (v.astype(np.float64) if v.dtype.kind == "f" else v) for k, v in inputs.items()}
     hg = rlx_jax.hvp(g, wrt)
     hg.verify()
     assert Graph.from_json(hg.to_json()) == hg
@@ -223,8 +223,8 @@ def test_vmap_unbatched_output_is_broadcast():
 
 def test_jacfwd_full_jacobian(x64):
     g = Graph("f")
-    x = g.input("x", [3])
-    w = g.param("w", [3, 2])
+    x = g.input("x", [3], "f64")
+    w = g.param("w", [3, 2], "f64")
     y = g.tanh(g.matmul(g.reshape(x, [1, 3]), w))
     g.set_outputs([g.reshape(y, [2])])
     jg = rlx_jax.jvp(g, ["x"])

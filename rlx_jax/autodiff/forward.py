@@ -40,7 +40,7 @@ def jvp(graph: Graph, tangent_for) -> Graph:
     if not isinstance(graph, Graph):
         raise TypeError(f"jvp expects an rlx_jax.Graph, got {type(graph).__name__}")
     ids = resolve_wrt(graph, tangent_for)
-    prepared, idmap = prepare(graph)
+    prepared, idmap = prepare(graph, unroll_scans=True)
     g = prepared.copy()
     g.name = f"{graph.name}_jvp"
     xs = [idmap[i] for i in ids]
@@ -92,10 +92,13 @@ def hvp(graph: Graph, wrt) -> Graph:
     loss = graph.node(graph.outputs[0]).shape
     if loss.numel() != 1:
         raise GraphError(f"hvp: output 0 of {graph.name!r} must be a scalar loss, got {loss}")
+    if any(type(n.op).__name__ == "Scan" for n in graph.nodes):
+        unrolled, idmap = prepare(graph, unroll_scans=True)
+        graph, ids = unrolled, [idmap[i] for i in ids]
     gg = grad_with_loss(graph, ids)
     # fix the upstream gradient to one: the d_output Input becomes a constant
-    d = [n.id for n in gg.nodes if isinstance(n.op, Input) and n.id >= len(graph.nodes)
-         and n.op.name.startswith("d_output")][0]
+    dname = unique_input_name(graph, "d_output")
+    d = gg.leaf_id(dname)
     s = gg.node(d).shape
     one = Constant(data=np.ones(s.dims, s.dtype.to_numpy()).astype(
         s.dtype.to_numpy().newbyteorder("<")).tobytes())

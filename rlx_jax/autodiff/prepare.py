@@ -194,8 +194,35 @@ def _scan(g, node, ins):
     return E.reshape(g, last, node.shape.dims)
 
 
-def prepare(graph):
-    """(prepared graph, old id -> new id)."""
+def _unroll_scan(g, node, ins):
+    """A Scan spelled out step by step (forward mode needs no ScanBackward)."""
+    op = node.op
+    nb = op.num_bcast
+    carry, bc, xs = ins[0], ins[1:1 + nb], ins[1 + nb:]
+    rows = []
+    for t in range(op.length):
+        x_t = []
+        for x in xs:
+            ds = E.dims(g, x)
+            x_t.append(E.reshape(g, g._add_node(Narrow(axis=0, start=t, len=1), (x,)), tuple(ds[1:])))
+        (carry,) = inline(g, op.body, [carry, *bc, *x_t])
+        carry = E.cast(g, carry, E.dtype(g, ins[0]))
+        if op.save_trajectory:
+            rows.append(E.reshape(g, carry, (1,) + tuple(E.dims(g, ins[0]))))
+    if not op.save_trajectory:
+        return carry
+    if op.num_checkpoints and op.num_checkpoints < op.length:
+        rows = [rows[t * op.length // op.num_checkpoints] for t in range(op.num_checkpoints)]
+    if not rows:
+        return E.zeros(g, node.shape)
+    from rlx_jax.ir.ops_shape import Concat
+
+    return rows[0] if len(rows) == 1 else g._add_node(Concat(axis=0), tuple(rows))
+
+
+def prepare(graph, unroll_scans: bool = False):
+    """(prepared graph, old id -> new id). ``unroll_scans`` spells scans out step by
+    step (used by forward mode) instead of rewriting them to save their trajectory."""
     g = Graph(graph.name)
     m = {}
     for n in graph.nodes:
@@ -217,7 +244,7 @@ def prepare(graph):
         elif name in UNFUSE:
             m[n.id] = _prep_body_result(g, UNFUSE[name](g, n.op, ins), n)
         elif name == "Scan":
-            m[n.id] = _scan(g, n, ins)
+            m[n.id] = _unroll_scan(g, n, ins) if unroll_scans else _scan(g, n, ins)
         else:
             m[n.id] = g._add_node(n.op, tuple(ins), n.shape, n.name)
     g.set_outputs([m[o] for o in graph.outputs])
