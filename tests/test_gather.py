@@ -1,0 +1,188 @@
+"""gather / gather_backward / scatter_add: np.take semantics on every axis, clamped
+out-of-range indices, the race-free scatter-add kernel vs NumPy, gradients in every
+mode, vmap, zero-sized inputs, errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import rlx_jax
+from rlx_jax.ops import gather, gather_backward, scatter_add
+
+from testutil import assert_close, hlo_text
+
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+
+
+def _table(shape, dtype=jnp.float32, seed=0):
+    return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32).astype(dtype)
+
+
+def np_scatter(dy, idx, axis, table_shape):
+    """NumPy oracle: d_table[.., clip(idx), ..] += dy, in f64."""
+    out = np.zeros(table_shape, np.float64)
+    idx = np.clip(np.asarray(idx), 0, table_shape[axis] - 1)
+    moved = np.moveaxis(out, axis, 0)
+    dy = np.asarray(dy, np.float64)
+    dy = np.moveaxis(dy.reshape(table_shape[:axis] + (idx.size,) + table_shape[axis + 1 :]), axis, 0)
+    np.add.at(moved, idx.reshape(-1), dy)
+    return out
+
+
+def test_kernel_registered_and_used():
+    info = rlx_jax.kernel_info()["cpu"]
+    assert info["loaded"], info["error"]
+    assert "rlx_gather_bwd" in info["targets"]
+    t, idx = _table((10, 4)), jnp.array([1, 3, 3])
+    assert "rlx_gather_bwd" in hlo_text(jax.grad(lambda t: jnp.sum(gather(t, idx) ** 2)), t)
+    assert "rlx_gather_bwd" in hlo_text(lambda u: scatter_add(u, idx, 10), jnp.ones((3, 4)))
+
+
+@pytest.mark.parametrize(
+    "shape,axis,idx_shape",
+    [((50, 8), 0, (7,)), ((50, 8), 0, (3, 4)), ((4, 9, 5), 1, (6,)), ((3, 4, 11), -1, (2, 5)), ((13,), 0, (20,))],
+)
+def test_forward_is_np_take_and_backward_is_scatter_add(shape, axis, idx_shape):
+    table = _table(shape)
+    n = shape[axis]
+    idx = jax.random.randint(jax.random.PRNGKey(1), idx_shape, 0, n)  # repeats likely
+    out = jax.jit(lambda t, i: gather(t, i, axis=axis))(table, idx)
+    np.testing.assert_array_equal(out, np.take(np.asarray(table), np.asarray(idx), axis=axis))
+    dy = _table(out.shape, seed=2)
+    (d_table,) = jax.vjp(lambda t: gather(t, idx, axis=axis), table)[1](dy)
+    assert_close(d_table, np_scatter(dy, idx, axis % len(shape), shape))
+    direct = gather_backward(dy, idx, axis=axis, table_shape=shape)
+    np.testing.assert_array_equal(direct, d_table)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dtypes(dtype):
+    table = _table((64, 33), dtype)
+    idx = jnp.array([5, 0, 5, 63, 5, 7, 0])
+    out = gather(table, idx)
+    assert out.dtype == dtype
+    dy = _table(out.shape, dtype, seed=3)
+    d_table = jax.vjp(lambda t: gather(t, idx), table)[1](dy)[0]
+    assert d_table.dtype == dtype
+    assert_close(d_table, np_scatter(dy.astype(jnp.float32), idx, 0, table.shape), dtype)
+
+
+def test_f64(x64):
+    table = _table((20, 3), jnp.float64)
+    idx = jnp.array([[1, 2], [2, 19]])
+    d = jax.grad(lambda t: jnp.sum(jnp.sin(gather(t, idx))))(table)
+    assert d.dtype == jnp.float64
+    assert "rlx_gather_bwd" in hlo_text(jax.grad(lambda t: jnp.sum(jnp.sin(gather(t, idx)))), table)
+    want = np_scatter(np.cos(np.asarray(table)[np.asarray(idx)]), idx, 0, table.shape)
+    assert_close(d, want, jnp.float64)
+
+
+def test_out_of_range_indices_clamp_in_forward_and_backward():
+    table = _table((5, 2))
+    idx = jnp.array([-3, 0, 4, 5, 100])
+    out = gather(table, idx)
+    np.testing.assert_array_equal(out, np.asarray(table)[[0, 0, 4, 4, 4]])
+    d = jax.grad(lambda t: jnp.sum(gather(t, idx)))(table)
+    np.testing.assert_array_equal(d[:, 0], [2.0, 0.0, 0.0, 0.0, 3.0])
+    np.testing.assert_array_equal(scatter_add(jnp.ones((5, 2)), idx, 5)[:, 1], [2.0, 0, 0, 0, 3.0])
+    big = jnp.array([2**31 - 1, -(2**31)], jnp.int32)
+    np.testing.assert_array_equal(gather(table, big), np.asarray(table)[[4, 0]])
+
+
+def test_scatter_add_is_rlx_scatter_add():
+    upd = _table((6, 2, 3))
+    idx = jnp.array([3, 1, 3, 0, 3, 1])
+    out = scatter_add(upd, idx, (4, 2, 3))
+    assert out.shape == (4, 2, 3)
+    assert_close(out, np_scatter(upd, idx, 0, (4, 2, 3)))
+    np.testing.assert_array_equal(scatter_add(upd, idx, 4), out)
+    # its gradient is the gather of the upstream gradient
+    dy = _table((4, 2, 3), seed=5)
+    (d_upd,) = jax.vjp(lambda u: scatter_add(u, idx, 4), upd)[1](dy)
+    np.testing.assert_array_equal(d_upd, np.asarray(dy)[np.asarray(idx)])
+
+
+def test_deterministic_and_ordered_sum():
+    # many repeats of one row: the kernel sums in index order, the same on every run
+    dy = _table((4096, 16), seed=7)
+    idx = jnp.zeros((4096,), jnp.int32).at[::3].set(2)
+    f = jax.jit(lambda d: gather_backward(d, idx, axis=0, table_shape=(3, 16)))
+    a, b = f(dy), f(dy)
+    np.testing.assert_array_equal(a, b)
+    assert_close(a, np_scatter(dy, idx, 0, (3, 16)))
+    np.testing.assert_array_equal(a[1], np.zeros(16))
+
+
+def test_check_grads_f64(x64):
+    table = _table((7, 3, 2), jnp.float64)
+    idx = jnp.array([[6, 0], [2, 2]])
+    for axis in (0, 1):
+        n = table.shape[axis]
+        check_grads(lambda t: gather(t, idx % n, axis=axis), (table,), order=2, modes=("fwd", "rev"))
+    dy = _table((2, 2, 3, 2), jnp.float64)
+    check_grads(lambda d: gather_backward(d, idx, axis=0, table_shape=(7, 3, 2)), (dy,), order=2,
+                modes=("fwd", "rev"))
+    # through a nonlinearity: second derivatives reach both kernels' transposes
+    check_grads(lambda t: jnp.sin(gather(t, idx)) * gather(t, idx), (table,), order=2, modes=("fwd", "rev"))
+
+
+def test_vmap():
+    tables = _table((3, 9, 4))
+    idx = jnp.array([8, 1, 1])
+    grad = jax.grad(lambda t: jnp.sum(gather(t, idx) ** 2))
+    assert_close(jax.vmap(grad)(tables), jnp.stack([grad(t) for t in tables]))
+    assert "rlx_gather_bwd" in hlo_text(jax.vmap(grad), tables)
+    # batched indices too (the reference path)
+    idxs = jnp.array([[0, 1], [8, 8], [3, 0]])
+    got = jax.vmap(lambda t, i: gather(t, i, axis=0))(tables, idxs)
+    np.testing.assert_array_equal(got, np.stack([np.asarray(t)[np.asarray(i)] for t, i in zip(tables, idxs)]))
+    dy = _table((3, 2, 4), seed=9)
+    got = jax.vmap(lambda d, i: gather_backward(d, i, axis=0, table_shape=(9, 4)))(dy, idxs)
+    want = np.stack([np_scatter(d, i, 0, (9, 4)) for d, i in zip(dy, idxs)])
+    assert_close(got, want)
+
+
+def test_zero_sized():
+    table = _table((6, 0))
+    idx = jnp.array([1, 2])
+    assert gather(table, idx).shape == (2, 0)
+    assert jax.grad(lambda t: jnp.sum(gather(t, idx)))(table).shape == (6, 0)
+    table = _table((6, 3))
+    empty = jnp.zeros((0,), jnp.int32)
+    assert gather(table, empty).shape == (0, 3)
+    d = jax.grad(lambda t: jnp.sum(gather(t, empty)))(table)
+    np.testing.assert_array_equal(d, np.zeros((6, 3)))
+    assert gather(jnp.zeros((0, 3)), empty).shape == (0, 3)
+
+
+def test_integer_table_gathers_without_gradient():
+    table = jnp.arange(12, dtype=jnp.int32).reshape(4, 3)
+    np.testing.assert_array_equal(gather(table, jnp.array([3, 0])), [[9, 10, 11], [0, 1, 2]])
+
+
+def test_errors():
+    table = _table((4, 3))
+    with pytest.raises(TypeError, match="indices must be an integer"):
+        gather(table, jnp.array([0.0, 1.0]))
+    with pytest.raises(ValueError, match="axis 2 out of range"):
+        gather(table, jnp.array([0]), axis=2)
+    with pytest.raises(ValueError, match="size 0"):
+        gather(jnp.zeros((0, 3)), jnp.array([0]))
+    with pytest.raises(ValueError, match="at least one axis"):
+        gather(jnp.float32(1.0), jnp.array([0]))
+    with pytest.raises(ValueError, match="dy must have shape"):
+        gather_backward(jnp.zeros((2, 4)), jnp.array([0, 1]), axis=0, table_shape=(4, 3))
+    with pytest.raises(ValueError, match="must start with the indices shape"):
+        scatter_add(jnp.zeros((3, 2)), jnp.array([0, 1]), 4)
+    with pytest.raises(ValueError, match="out_shape"):
+        scatter_add(jnp.zeros((2, 2)), jnp.array([0, 1]), (4, 3))
+
+
+def test_kernel_rejects_inconsistent_buffers():
+    call = jax.ffi.ffi_call("rlx_gather_bwd", jax.ShapeDtypeStruct((1, 5, 3), jnp.float32))
+    with pytest.raises(Exception, match="K = dy.shape"):
+        jax.block_until_ready(jax.jit(call)(jnp.ones((1, 2, 3)), jnp.array([0, 1, 2], jnp.int32)))
