@@ -204,3 +204,17 @@ def test_activation_backward_matches_autodiff_of_numpy_forms(kind):
     xd = x.astype(np.float64)
     num = (f(xd + h) - f(xd - h)) / (2 * h) if kind not in ("Round",) else np.ones_like(xd)
     np.testing.assert_allclose(dx, num * dy, rtol=2e-3, atol=2e-3)
+
+
+def test_elementwise_region_flat_modulo_broadcast():
+    from rlx_jax.ir.op import ChainOperand, ChainStep
+
+    a = RNG.standard_normal((2, 3, 4)).astype(np.float32)
+    b = RNG.standard_normal((12,)).astype(np.float32)  # tiles the output by flat modulo
+    chain = [ChainStep("Binary", "Add", (ChainOperand("Input", 0), ChainOperand("Input", 1)))]
+    g = rlx.Graph("region")
+    ia = g.input("a", [2, 3, 4], "f32")
+    ib = g.input("b", [12], "f32")
+    g.set_outputs([g.elementwise_region([ia, ib], chain, [2, 3, 4], "f32")])
+    (y,) = run(g, a=a, b=b)
+    np.testing.assert_allclose(y, a + np.tile(b, 2).reshape(2, 3, 4), rtol=1e-6)

@@ -143,10 +143,29 @@ def _chain_operand(ref, inputs, steps):
     return inputs[int(ref.index)] if enum_name(ref.kind) == "Input" else steps[int(ref.index)]
 
 
+def _region_input(x, out_shape):
+    """RLX region inputs broadcast by flat modulo (``x[gid % numel]``): numpy broadcasting
+    when x's shape is a trailing suffix of the output, else a flat tiling."""
+    if out_shape is None or None in out_shape or x.shape == tuple(out_shape):
+        return x
+    try:
+        jnp.broadcast_shapes(x.shape, tuple(out_shape))
+        return x
+    except ValueError:
+        total = 1
+        for d in out_shape:
+            total *= int(d)
+        if x.size == 0 or total % x.size:
+            raise ValueError(f"ElementwiseRegion input of shape {x.shape} does not tile the "
+                             f"output {tuple(out_shape)}") from None
+        return jnp.tile(x.reshape(-1), total // x.size).reshape(out_shape)
+
+
 @lowering_rule("ElementwiseRegion")
 def _elementwise_region(op, args, ctx):
-    # A fused chain of elementwise steps; each step reads graph inputs (by index) or
-    # earlier steps; the output is the last step. Broadcasting as numpy.
+    # A fused chain of elementwise steps; each step reads region inputs (by index) or
+    # earlier steps; the output is the last step. Inputs broadcast as RLX's modulo rule.
+    args = [_region_input(a, ctx.out_shape) for a in args]
     steps: list = []
     for step in op.chain:
         kind = enum_name(step.kind)
