@@ -198,6 +198,36 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
 }
 #endif
 
+// Two sums at once, as group_sum (red then holds [2 parities][2 values][32 warps]).
+__device__ __forceinline__ float2 group_sum2(float a, float b, int tpr, float* red, int parity) {
+  if (tpr <= 32) {
+    for (int o = tpr >> 1; o > 0; o >>= 1) {
+      a += __shfl_xor_sync(0xffffffffu, a, o);
+      b += __shfl_xor_sync(0xffffffffu, b, o);
+    }
+    return make_float2(a, b);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    a += __shfl_xor_sync(0xffffffffu, a, o);
+    b += __shfl_xor_sync(0xffffffffu, b, o);
+  }
+  float* slot = red + parity * 64;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) {
+    slot[warp] = a;
+    slot[32 + warp] = b;
+  }
+  __syncthreads();
+  const int nw = tpr >> 5;
+  float sa = 0.f, sb = 0.f;
+  for (int w = 0; w < nw; ++w) {
+    sa += slot[w];
+    sb += slot[32 + w];
+  }
+  return make_float2(sa, sb);
+}
+
 // ---- host helpers ----------------------------------------------------------------------
 inline ffi::Error cuda_error(const char* what, cudaError_t e) {
   return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorName(e) + ": " +

@@ -45,6 +45,7 @@ struct RowPlan {
   bool prefetch = true;   // load row i+1 while reducing row i
   int stages = 0;         // > 0: rows staged through shared memory by bulk copies (sm_90)
   int64_t stage_bytes = 0;
+  float eps = -1.f;       // backward: >= 0: recompute rstd from x with this eps (rstd unused)
 };
 
 // Upper bound on the threads of a block for NV vectors of VEC elements per thread
@@ -55,7 +56,7 @@ constexpr int max_threads_for(int elems, bool pf) {
   return e <= 8 ? 1024 : (e <= 16 ? 512 : (e <= 32 ? 256 : 128));
 }
 
-constexpr int kSmemRed = 64;  // floats: two parity slots of 32 warp sums
+constexpr int kSmemRed = 128;  // floats: two parity slots of 2 x 32 warp sums
 
 // ---- backward: one pass over rows -------------------------------------------------------
 template <typename T, int VEC, int NV, bool PF>
@@ -76,6 +77,9 @@ bwd_rows(const T* __restrict__ x, const T* __restrict__ gamma, const float* __re
   const int64_t c0 = s * pl.slab_cols;
   const int64_t c1 = min(W, c0 + pl.slab_cols);
   const bool one_pass = pl.slabs == 1;
+  // recompute rstd from x in the row reduction (one pass only: the slabbed path gets
+  // rstd from the statistics kernel)
+  const bool recompute = one_pass && pl.eps >= 0.f;
 
   int64_t col[NV];
   bool ok[NV];
@@ -111,7 +115,7 @@ bwd_rows(const T* __restrict__ x, const T* __restrict__ gamma, const float* __re
         for (int i = 0; i < VEC; ++i) xr[k][i] = dr[k][i] = 0.f;
       }
     }
-    rs = rv ? rstd[r] : 0.f;
+    rs = (rv && !recompute) ? rstd[r] : 0.f;
     dot = (rv && !one_pass) ? dot_in[r] : 0.f;
   };
 
@@ -124,17 +128,25 @@ bwd_rows(const T* __restrict__ x, const T* __restrict__ gamma, const float* __re
     }
     const int64_t r = r0 + it * gpb + g;
     const bool rv = r < r1;
-    float dot = dot_a;
+    float dot = dot_a, rs = rs_a;
     if (one_pass) {
-      float part = 0.f;
+      float part = 0.f, ss = 0.f;
 #pragma unroll
       for (int k = 0; k < NV; ++k)
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) part += da[k][i] * gm[k][i] * xa[k][i];
-      dot = group_sum(part, tpr, red, int(it & 1));
+        for (int i = 0; i < VEC; ++i) {
+          part += da[k][i] * gm[k][i] * xa[k][i];
+          ss += xa[k][i] * xa[k][i];
+        }
+      if (recompute) {
+        const float2 v = group_sum2(part, ss, tpr, red, int(it & 1));
+        dot = v.x;
+        rs = rsqrtf(v.y / float(W) + pl.eps);
+      } else {
+        dot = group_sum(part, tpr, red, int(it & 1));
+      }
     }
     if (rv) {
-      const float rs = rs_a;
       const float coef = rs * rs * rs * dot / float(W);
 #pragma unroll
       for (int k = 0; k < NV; ++k) {
@@ -356,7 +368,7 @@ reduce_partials(const float* __restrict__ partial, int64_t parts, int64_t W, T* 
 // depend on registers: 2-4 stages of 8-32 KB per block. Threads read their columns from
 // shared memory (16-byte accesses, consecutive per thread: no bank conflicts), and the
 // row reduction's barrier tells thread 0 that the stage may be refilled.
-constexpr int kTmaHeader = 512;  // bytes before the stages: red (256 B), mbarriers
+constexpr int kTmaHeader = 1024;  // bytes before the stages: red (512 B), mbarriers
 
 template <typename T, int VEC>
 __device__ __forceinline__ void load_vec_smem(const T* p, float (&v)[VEC]) {
@@ -366,7 +378,7 @@ __device__ __forceinline__ void load_vec_smem(const T* p, float (&v)[VEC]) {
   for (int i = 0; i < VEC; ++i) v[i] = to_f32(e[i]);
 }
 
-template <typename T, int NV>
+template <typename T, int NV, bool RC>
 __global__ void __launch_bounds__(max_threads_for(NV * kVec16<T>, false))
 bwd_rows_tma(const T* __restrict__ x, const T* __restrict__ gamma, const float* __restrict__ rstd,
              const T* __restrict__ dy, T* __restrict__ dx, float* __restrict__ partial, RowPlan pl) {
@@ -376,7 +388,7 @@ bwd_rows_tma(const T* __restrict__ x, const T* __restrict__ gamma, const float* 
   constexpr int VEC = kVec16<T>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   float* red = reinterpret_cast<float*>(smem_raw);
-  uint64_t* bar = reinterpret_cast<uint64_t*>(smem_raw + 256);
+  uint64_t* bar = reinterpret_cast<uint64_t*>(smem_raw + 512);
   unsigned char* stages = smem_raw + kTmaHeader;
   const int S = pl.stages;
   const int tpr = blockDim.x;
@@ -386,6 +398,7 @@ bwd_rows_tma(const T* __restrict__ x, const T* __restrict__ gamma, const float* 
   const int64_t r0 = pl.rows * p / pl.parts, r1 = pl.rows * (p + 1) / pl.parts;
   const int64_t n = r1 - r0;
   const uint32_t row_bytes = uint32_t(W * int64_t(sizeof(T)));
+  constexpr bool recompute = RC;  // rstd recomputed from x (pl.eps); a template flag: registers
 
   int64_t col[NV];
   bool ok[NV];
@@ -422,12 +435,12 @@ bwd_rows_tma(const T* __restrict__ x, const T* __restrict__ gamma, const float* 
   for (int64_t i = 0; i < n; ++i) {
     const int q = int(i % S);
     const int64_t r = r0 + i;
-    const float rs = rstd[r];
+    float rs = recompute ? 0.f : rstd[r];
     mbar_wait(&bar[q], uint32_t((i / S) & 1));
     const T* xs = reinterpret_cast<const T*>(stages + size_t(q) * 2 * row_bytes);
     const T* ds = xs + W;
     float xa[NV][VEC], da[NV][VEC];
-    float part = 0.f;
+    float part = 0.f, ss = 0.f;
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
       if (ok[k]) {
@@ -438,9 +451,19 @@ bwd_rows_tma(const T* __restrict__ x, const T* __restrict__ gamma, const float* 
         for (int e = 0; e < VEC; ++e) xa[k][e] = da[k][e] = 0.f;
       }
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) part += da[k][e] * gm[k][e] * xa[k][e];
+      for (int e = 0; e < VEC; ++e) {
+        part += da[k][e] * gm[k][e] * xa[k][e];
+        if constexpr (RC) ss += xa[k][e] * xa[k][e];
+      }
     }
-    const float dot = group_sum(part, tpr, red, int(i & 1));  // barrier: stage q is read
+    float dot;  // the reductions' barrier: stage q is read
+    if constexpr (RC) {
+      const float2 v = group_sum2(part, ss, tpr, red, int(i & 1));
+      dot = v.x;
+      rs = rsqrtf(v.y / float(W) + pl.eps);
+    } else {
+      dot = group_sum(part, tpr, red, int(i & 1));
+    }
     if (t == 0 && i + S < n) {
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       issue(i + S);
@@ -480,7 +503,7 @@ fwd_rows_tma(const T* __restrict__ x, const T* __restrict__ gamma, const T* __re
   constexpr int VEC = kVec16<T>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   float* red = reinterpret_cast<float*>(smem_raw);
-  uint64_t* bar = reinterpret_cast<uint64_t*>(smem_raw + 256);
+  uint64_t* bar = reinterpret_cast<uint64_t*>(smem_raw + 512);
   unsigned char* stages = smem_raw + kTmaHeader;
   const int S = pl.stages;
   const int tpr = blockDim.x;
@@ -586,7 +609,9 @@ RowPlan column_plan(int64_t rows, int64_t W, bool aligned, Tuning tu) {
   int nv = pl.vec == 1 ? 4 : std::max(1, 8 / pl.vec);
   if (pl.vec != 1 && tu.nv > 0) nv = std::min(tu.nv, std::max(1, 16 / pl.vec));
   pl.nv = nv;
-  pl.prefetch = pl.vec != 1 && (tu.prefetch < 0 ? true : tu.prefetch != 0);
+  // Prefetch by default for f32 only: for 16-bit types it costs occupancy and was slower
+  // at every width measured (gpu_notes.md).
+  pl.prefetch = pl.vec != 1 && (tu.prefetch < 0 ? sizeof(T) == 4 : tu.prefetch != 0);
   int64_t need = ceil_div(nvec, nv);
   // Prefetching halves the block size the registers allow; rows that would then need
   // the slabbed path are done without it.
@@ -661,9 +686,10 @@ cudaError_t set_parts(RowPlan& pl, Kernel kernel, int64_t max_parts) {
 
 // Whether the staged (bulk copy) path applies: sm_90+, one pass, 16-byte vectors, one row
 // group per block; sets stages and stage_bytes, and raises the kernel's shared-memory limit.
-// By default only rows of at least kTmaMinRowBytes take it (measured on an H200: 8 KB and
-// 16 KB rows gain, 4 KB f32 rows lose to the register path; gpu_notes.md).
-constexpr int64_t kTmaMinRowBytes = 8192;
+// By default only rows of at least kTmaMinRowBytes take it (measured on an H200 at 2, 4,
+// 8, 16 and 32 KB rows: bf16 gains 10-20% from 2 KB up, f32 gains 1% at 2 KB, ties at
+// 4 KB and gains 4-10% from 8 KB; shorter rows were not measured; gpu_notes.md).
+constexpr int64_t kTmaMinRowBytes = 2048;
 
 template <typename Kernel>
 bool plan_staged(RowPlan& pl, Kernel kernel, int64_t row_bytes, int64_t bytes_per_row_stage, int default_stages,
@@ -726,31 +752,37 @@ ffi::Error launch_fwd(cudaStream_t stream, const T* x, const T* gamma, const T* 
   return check_launch("rms_norm forward (cuda) launch");
 }
 
-// Scratch layout of the backward: partial [max_parts][2][W] f32, then dot [rows] f32.
-inline int64_t bwd_max_parts(int64_t scratch_len, int64_t rows, int64_t W) {
-  return W > 0 ? (scratch_len - rows) / (2 * W) : 0;
+// Scratch layout of the backward: partial [max_parts][2][W] f32, then dot [rows] f32,
+// then (recomputing rstd) rstd [rows] f32.
+inline int64_t bwd_scratch_tail(int64_t rows, bool recompute) { return recompute ? 2 * rows : rows; }
+inline int64_t bwd_max_parts(int64_t scratch_len, int64_t rows, int64_t W, bool recompute = false) {
+  return W > 0 ? (scratch_len - bwd_scratch_tail(rows, recompute)) / (2 * W) : 0;
 }
 
 // Backward over rows x W (rows >= 0, W > 0); scratch holds scratch_len f32 with
-// scratch_len >= rows + 2 W.
+// scratch_len >= tail + 2 W (tail: bwd_scratch_tail). recompute_eps >= 0: rstd is
+// recomputed from x (the rstd argument is not read and may be null).
 template <typename T>
 ffi::Error launch_bwd(cudaStream_t stream, const T* x, const T* gamma, const float* rstd, const T* dy,
                       T* dx, T* dgamma, T* dbeta, float* scratch, int64_t scratch_len, int64_t rows,
-                      int64_t W, Tuning tu = {}, RowPlan* plan_out = nullptr) {
-  const int64_t max_parts = bwd_max_parts(scratch_len, rows, W);
+                      int64_t W, Tuning tu = {}, RowPlan* plan_out = nullptr, float recompute_eps = -1.f) {
+  const bool recompute = recompute_eps >= 0.f;
+  const int64_t max_parts = bwd_max_parts(scratch_len, rows, W, recompute);
   float* partial = scratch;
   float* dot = scratch + max_parts * 2 * W;
+  float* rstd_tmp = dot + rows;
   int64_t parts = 0;
   if (rows > 0) {
     const bool aligned = aligned16(x) && aligned16(gamma) && aligned16(dy) && aligned16(dx) &&
                          aligned16(scratch);
     RowPlan pl = column_plan<T>(rows, W, aligned, tu);
+    pl.eps = recompute_eps;
     cudaError_t err = cudaSuccess;
     bool ok = with_variant<T>(pl, [&](auto vec, auto nv, auto pf) {
       constexpr int VEC = decltype(vec)::value, NV = decltype(nv)::value;
       constexpr bool PF = decltype(pf)::value;
       if constexpr (VEC != 1) {
-        auto staged = bwd_rows_tma<T, NV>;
+        auto staged = recompute ? bwd_rows_tma<T, NV, true> : bwd_rows_tma<T, NV, false>;
         if (plan_staged(pl, staged, W * int64_t(sizeof(T)), 2 * W * int64_t(sizeof(T)), 2, tu)) {
           err = set_parts(pl, staged, max_parts);
           if (err != cudaSuccess) return;
@@ -761,10 +793,17 @@ ffi::Error launch_bwd(cudaStream_t stream, const T* x, const T* gamma, const flo
       auto kernel = bwd_rows<T, VEC, NV, PF>;
       err = set_parts(pl, kernel, max_parts);
       if (err != cudaSuccess) return;
-      if (pl.slabs > 1)
+      const float* rstd_used = rstd;
+      if (pl.slabs > 1) {
         row_stats<T, VEC, true><<<stats_grid(rows), 512, 0, stream>>>(x, dy, gamma, dot, 0.f, rows, W);
+        if (recompute) {
+          row_stats<T, VEC, false><<<stats_grid(rows), 512, 0, stream>>>(x, nullptr, nullptr, rstd_tmp,
+                                                                          recompute_eps, rows, W);
+          rstd_used = rstd_tmp;
+        }
+      }
       kernel<<<unsigned(pl.parts * pl.slabs), pl.threads, smem_bytes(pl), stream>>>(
-          x, gamma, rstd, dy, dx, partial, dot, pl);
+          x, gamma, rstd_used, dy, dx, partial, dot, pl);
     });
     if (!ok) return ffi::Error::Internal("rms_norm backward (cuda): no kernel variant for this plan");
     if (err != cudaSuccess) return cuda_error("rms_norm backward (cuda) setup", err);

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (device tool), from the repository root:
-#   ffi/cuda/tools/device_run.sh [stages...]   stages: build sweep test bench jaxtime sanitize
+#   ffi/cuda/tools/device_run.sh [stages...]   stages: build sweep test bench jaxtime proto sanitize
 # Logs go to $OUT (the device tool's output folder), or /tmp/rlx-out.
 set -u
 OUT=${OUT:-/tmp/rlx-out}
@@ -53,6 +53,10 @@ if has jaxtime; then
   step jax-timing
   timeout 200 python3 ffi/cuda/tools/jax_timing.py 2>&1 | grep -v Warning | tee "$OUT/jax_timing.txt"
   XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 200 python3 ffi/cuda/tools/jax_timing.py 2>&1 | grep -v Warning | tee -a "$OUT/jax_timing.txt"
+fi
+if has proto; then
+  step recompute-proto
+  timeout 200 python3 ffi/cuda/tools/recompute_proto.py 2>&1 | grep -v Warning | tee "$OUT/recompute_proto.txt"
 fi
 if has sanitize; then
   step memcheck-harness

@@ -51,8 +51,11 @@ for case in C.cases("gpu"):
     r = {}
     for name, fn, a in (("ours", ours, args), ("xla", xla, args), ("copy", floor_fn, floor_args)):
         r[name] = (sync_ms(fn, a), pipelined_ms(fn, a))
+    # a second floor with the op's own read/write mix: x + dy (two reads, one write)
+    x, dy = args[0], args[-1]
+    r["x+dy"] = (sync_ms(jax.jit(jnp.add), (x, dy)), pipelined_ms(jax.jit(jnp.add), (x, dy)))
     gbs = case.floor_bytes / r["ours"][1] / 1e6
     print(f"{case.name:40s} sync: ours {r['ours'][0]:.3f} xla {r['xla'][0]:.3f} copy {r['copy'][0]:.3f} "
           f"ours/copy {r['ours'][0] / r['copy'][0]:.3f} | pipelined: ours {r['ours'][1]:.3f} xla {r['xla'][1]:.3f} "
           f"copy {r['copy'][1]:.3f} ours/copy {r['ours'][1] / r['copy'][1]:.3f} xla/ours {r['xla'][1] / r['ours'][1]:.2f} "
-          f"ours {gbs:.0f} GB/s", flush=True)
+          f"ours {gbs:.0f} GB/s | x+dy {r['x+dy'][1]:.3f} ours/(x+dy) {r['ours'][1] / r['x+dy'][1]:.3f}", flush=True)

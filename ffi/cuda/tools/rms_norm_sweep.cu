@@ -82,15 +82,15 @@ static double rel_err(const std::vector<double>& a, const std::vector<double>& r
 }
 
 static int64_t scratch_len(int64_t rows, int64_t W) {  // as rlx_jax.vjp_rules.rms_norm.cuda_bwd_scratch_size
-  if (W == 0) return rows;
+  if (W == 0) return 2 * rows;
   int64_t parts = std::max<int64_t>(1, std::min<int64_t>({rows, 1024, (int64_t(1) << 23) / (2 * W)}));
-  return parts * 2 * W + rows;
+  return parts * 2 * W + 2 * rows;
 }
 
 static int failures = 0;
 
 template <typename T>
-void check_case(int64_t rows, int64_t W, Tuning tu, double tol) {
+void check_case(int64_t rows, int64_t W, Tuning tu, double tol, bool recompute = false) {
   const int64_t n = rows * W;
   T *x, *dy, *g, *b, *y, *dx, *dg, *db;
   float *rstd, *scr;
@@ -120,7 +120,8 @@ void check_case(int64_t rows, int64_t W, Tuning tu, double tol) {
   RowPlan pf{}, pb{};
   if (rows > 0) CKF(launch_fwd<T>(0, x, g, b, y, rstd, eps, rows, W, tu, &pf));
   // backward on the kernel's own rstd (the path the custom VJP takes)
-  CKF(launch_bwd<T>(0, x, g, rstd, dy, dx, dg, db, scr, sl, rows, W, tu, &pb));
+  const float rc_eps = recompute ? eps : -1.f;
+  CKF(launch_bwd<T>(0, x, g, recompute ? nullptr : rstd, dy, dx, dg, db, scr, sl, rows, W, tu, &pb, rc_eps));
   CK(cudaDeviceSynchronize());
   auto hx = to_host(x, n), hdy = to_host(dy, n), hg = to_host(g, W), hb = to_host(b, W);
   auto hy = to_host(y, n), hdx = to_host(dx, n), hdg = to_host(dg, W), hdb = to_host(db, W);
@@ -151,7 +152,7 @@ void check_case(int64_t rows, int64_t W, Tuning tu, double tol) {
   if (n) CK(cudaMemcpy(dx1.data(), dx, n * sizeof(T), cudaMemcpyDeviceToHost));
   CK(cudaMemcpy(dg1.data(), dg, W * sizeof(T), cudaMemcpyDeviceToHost));
   CK(cudaMemcpy(db1.data(), db, W * sizeof(T), cudaMemcpyDeviceToHost));
-  CKF(launch_bwd<T>(0, x, g, rstd, dy, dx, dg, db, scr, sl, rows, W, tu));
+  CKF(launch_bwd<T>(0, x, g, recompute ? nullptr : rstd, dy, dx, dg, db, scr, sl, rows, W, tu, nullptr, rc_eps));
   CK(cudaDeviceSynchronize());
   if (n) CK(cudaMemcpy(dx2.data(), dx, n * sizeof(T), cudaMemcpyDeviceToHost));
   CK(cudaMemcpy(dg2.data(), dg, W * sizeof(T), cudaMemcpyDeviceToHost));
@@ -162,9 +163,9 @@ void check_case(int64_t rows, int64_t W, Tuning tu, double tol) {
   bool ok = det;
   for (double v : e) ok = ok && v <= tol;
   if (!ok) ++failures;
-  std::printf("%-4s %6lld x %-6lld nv=%d pf=%d tma=%d st=%d | plan vec=%d nv=%d tpr=%d thr=%d parts=%lld slabs=%lld st=%d | "
+  std::printf("%-4s %6lld x %-6lld rc=%d nv=%d pf=%d tma=%d st=%d | plan vec=%d nv=%d tpr=%d thr=%d parts=%lld slabs=%lld st=%d | "
               "err y %.1e rstd %.1e dx %.1e dg %.1e db %.1e det=%d %s\n",
-              tname<T>(), (long long)rows, (long long)W, tu.nv, tu.prefetch, tu.tma, tu.stages, pb.vec, pb.nv, pb.tpr,
+              tname<T>(), (long long)rows, (long long)W, int(recompute), tu.nv, tu.prefetch, tu.tma, tu.stages, pb.vec, pb.nv, pb.tpr,
               pb.threads, (long long)pb.parts, (long long)pb.slabs, pb.stages, e[0], e[1], e[2], e[3], e[4], int(det), ok ? "ok" : "FAIL");
   for (void* p : {(void*)x, (void*)dy, (void*)y, (void*)dx, (void*)g, (void*)b, (void*)dg, (void*)db,
                   (void*)rstd, (void*)scr})
@@ -221,13 +222,15 @@ void time_case(int64_t rows, int64_t W, double copy_bw, const std::vector<Tuning
     CKF(launch_bwd<T>(0, x, g, rstd, dy, dx, dg, db, scr, sl, rows, W, tu, &pb));
     const float tf = median_ms([&] { launch_fwd<T>(0, x, g, b, y, rstd, 1e-5f, rows, W, tu); });
     const float tbw = median_ms([&] { launch_bwd<T>(0, x, g, rstd, dy, dx, dg, db, scr, sl, rows, W, tu); });
+    const float trc = median_ms(
+        [&] { launch_bwd<T>(0, x, g, nullptr, dy, dx, dg, db, scr, sl, rows, W, tu, nullptr, 1e-5f); });
     CK(cudaGetLastError());
     std::printf("TIME %-4s %lldx%lld nv=%d pf=%d st=%d/%d (tpr=%d parts=%lld/%lld) | fwd %.4f ms %.0f GB/s %.3fx floor | "
-                "bwd %.4f ms %.0f GB/s %.3fx floor\n",
+                "bwd %.4f ms %.0f GB/s %.3fx floor | bwd recomputing rstd %.4f ms\n",
                 tname<T>(), (long long)rows, (long long)W, pb.nv, int(pb.prefetch), pf.stages, pb.stages, pb.tpr,
                 (long long)pf.parts, (long long)pb.parts,
                 tf, fwd_bytes / tf / 1e6, tf / (fwd_bytes / copy_bw * 1e3), tbw, bwd_bytes / tbw / 1e6,
-                tbw / (bwd_bytes / copy_bw * 1e3));
+                tbw / (bwd_bytes / copy_bw * 1e3), trc);
   }
   for (void* p : {(void*)x, (void*)dy, (void*)y, (void*)dx, (void*)g, (void*)b, (void*)dg, (void*)db,
                   (void*)rstd, (void*)scr})
@@ -254,6 +257,9 @@ int main(int argc, char** argv) {
     check_case<float>(37, 256, {1, 1, 0}, 1e-5);
     check_case<__nv_bfloat16>(37, 4096, {1, 0, 0}, 1e-2);
     check_case<float>(5, 2048, {2, -1, -1, 3}, 1e-5);
+    check_case<__nv_bfloat16>(37, 4096, {}, 1e-2, true);
+    check_case<float>(37, 12288, {}, 1e-5, true);
+    check_case<float>(37, 100, {}, 1e-5, true);
     std::printf("correctness (quick): %d failures\n", failures);
     return failures ? 1 : 0;
   }
@@ -280,6 +286,12 @@ int main(int argc, char** argv) {
       check_case<float>(rows, 2048, {2, -1, -1, st}, 1e-5);
       check_case<__half>(rows, 4096, {1, -1, -1, st}, 2e-3);
     }
+  for (int64_t W : {64, 999, 1024, 4096, 8192, 12288, 65536})
+    for (int64_t rows : {1, 37}) {
+      check_case<float>(rows, W, {}, 1e-5, true);
+      check_case<__nv_bfloat16>(rows, W, {}, 1e-2, true);
+      check_case<float>(rows, W, {0, -1, 0, 0}, 1e-5, true);  // register path
+    }
   std::printf("correctness: %d failures\n", failures);
   if (mode == "check") return failures ? 1 : 0;
 
@@ -296,18 +308,16 @@ int main(int argc, char** argv) {
   CK(cudaFree(cbuf));
 
   // ---- timings ----
-  // {nv, prefetch, tma, stages}
-  std::vector<Tuning> tf32 = {{2, 1, 0, 0},  {2, 0, 0, 0},   {1, -1, -1, 0}, {2, -1, -1, 0},
-                              {4, -1, -1, 0}, {2, -1, -1, 2}, {2, -1, -1, 3}, {2, -1, -1, 4}};
-  std::vector<Tuning> tb16 = {{1, 0, 0, 0},  {1, -1, -1, 0}, {2, -1, -1, 0}, {1, -1, -1, 2},
-                              {1, -1, -1, 3}, {1, -1, -1, 4}, {1, -1, -1, 6}, {2, -1, -1, 4}};
-  time_case<float>(32768, 4096, copy_bw, tf32);
-  time_case<__nv_bfloat16>(32768, 4096, copy_bw, tb16);
-  time_case<float>(32768, 4096, copy_bw, {{0, -1, -1, 0}, {0, -1, -1, 0}});  // defaults, twice: the spread
-  time_case<__nv_bfloat16>(32768, 4096, copy_bw, {{0, -1, -1, 0}, {0, -1, -1, 0}});
-  time_case<float>(131072, 1024, copy_bw, {{0, -1, 0, 0}, {0, 0, 0, 0}, {0, -1, 1, 2}, {0, -1, 1, 4}});
-  time_case<__nv_bfloat16>(65536, 2048, copy_bw, {{0, -1, 0, 0}, {0, 0, 0, 0}, {0, -1, 1, 2}, {0, -1, 1, 4}});
-  time_case<float>(16384, 8192, copy_bw, {{0, -1, 0, 0}, {0, -1, -1, 0}});
-  time_case<__nv_bfloat16>(8192, 16384, copy_bw, {{0, -1}});
+  // {nv, prefetch, tma, stages}; {0, -1, -1, 0} = the defaults (timed twice: the spread)
+  const Tuning def{0, -1, -1, 0};
+  time_case<float>(32768, 4096, copy_bw, {def, def, {2, 1, 0, 0}});
+  time_case<__nv_bfloat16>(32768, 4096, copy_bw, {def, def, {1, 0, 0, 0}});
+  time_case<__half>(32768, 4096, copy_bw, {def});
+  time_case<float>(131072, 1024, copy_bw, {def, {2, 1, 0, 0}});
+  time_case<__nv_bfloat16>(65536, 2048, copy_bw, {def, {1, 0, 0, 0}});
+  time_case<__nv_bfloat16>(131072, 1024, copy_bw, {def, {1, 1, 0, 0}, {0, -1, 1, 2}, {0, -1, 1, 3}});
+  time_case<float>(262144, 512, copy_bw, {def, {0, -1, 1, 2}});
+  time_case<float>(16384, 8192, copy_bw, {def});
+  time_case<__nv_bfloat16>(8192, 16384, copy_bw, {def});
   return failures ? 1 : 0;
 }
