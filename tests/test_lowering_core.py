@@ -180,8 +180,6 @@ def test_evaluate_graph_binds_body_inputs_by_position_and_name():
 
 # Ops without a lowering, and why (each is reported in the lowering stage's notes):
 NOT_LOWERED = {
-    "DequantGroupedMatMul": "GGUF K-quant packed experts: no GGUF dequantiser yet",
-    "DequantMoEWeights": "GGUF K-quant packed experts: no GGUF dequantiser yet",
     "GaussianSplatRender": "Gaussian splatting has an issue of its own",
     "GaussianSplatRenderBackward": "Gaussian splatting has an issue of its own",
     "GaussianSplatPrepare": "Gaussian splatting has an issue of its own",

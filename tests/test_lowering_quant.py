@@ -143,3 +143,139 @@ def test_dequant_matmul_fp8_e4m3_with_column_scale():
     (y,) = run_graph(lambda G, i: G.dequant_matmul([i["x"], i["w"], i["s"], i["z"]], "fp8_e4m3", [m, n]),
                      x=x, w=codes, s=scale, z=zp)
     np.testing.assert_allclose(y, x @ (np_fp8_e4m3(codes) * scale), rtol=1e-4, atol=1e-4)
+
+
+# ---- NVFP4 and GGUF: random packed bytes, decoded by per-block NumPy loops --------------
+
+FP4 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def np_e4m3_scale(b):
+    sign = -1.0 if b & 0x80 else 1.0
+    e, m = (b >> 3) & 0xF, b & 7
+    if e == 0:
+        return sign * m / 8 * 2.0**-6
+    if e == 15 and m == 7:
+        return 0.0
+    return sign * (1 + m / 8) * 2.0 ** (e - 7)
+
+
+def test_dequant_matmul_nvfp4():
+    m, k, n = 2, 32, 3
+    x = f32(m, k)
+    wq = RNG.integers(0, 256, (k * n) // 2).astype(np.uint8)
+    sc = RNG.integers(0, 256, (k // 16, n)).astype(np.uint8)
+    sc[0, 0] = 0x7F  # the NaN code decodes to 0
+    gs = np.array([0.75], np.float32)
+    w = np.zeros((k, n))
+    for p in range(k):
+        for j in range(n):
+            e = p * n + j
+            nib = wq[e // 2] & 0xF if e % 2 == 0 else wq[e // 2] >> 4
+            w[p, j] = FP4[nib] * np_e4m3_scale(int(sc[p // 16, j])) * 0.75
+    (y,) = run_graph(lambda G, i: G.dequant_matmul([i["x"], i["w"], i["s"], i["g"]], "nvfp4_block", [m, n]),
+                     x=x, w=wq, s=sc, g=gs)
+    np.testing.assert_allclose(y, x @ w, rtol=1e-4, atol=1e-3)
+
+
+def f16_bytes(v):
+    return np.frombuffer(np.float16(v).tobytes(), np.uint8)
+
+
+def np_scale_min_k4(j, q):
+    if j < 4:
+        return q[j] & 63, q[j + 4] & 63
+    return (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4)
+
+
+def np_gguf_block(kind, b):
+    """GGML's block decoders, element by element."""
+    b = [int(v) for v in b]
+    i8 = lambda v: v - 256 if v > 127 else v  # noqa: E731
+    f16 = lambda lo, hi: float(np.frombuffer(bytes([lo, hi]), np.float16)[0])  # noqa: E731
+    out = []
+    if kind == "GgufQ8_0":
+        d = f16(b[0], b[1])
+        return [d * i8(q) for q in b[2:34]]
+    if kind == "GgufQ4_0":
+        d = f16(b[0], b[1])
+        qs = b[2:18]
+        return [d * ((q & 15) - 8) for q in qs] + [d * ((q >> 4) - 8) for q in qs]
+    if kind == "GgufQ8K":
+        d = float(np.frombuffer(bytes(b[0:4]), np.float32)[0])
+        return [d * i8(q) for q in b[4:260]]
+    if kind in ("GgufQ4K", "GgufQ5K"):
+        d, dmin = f16(b[0], b[1]), f16(b[2], b[3])
+        sc = b[4:16]
+        qh = b[16:48]
+        qs = b[48:176] if kind == "GgufQ5K" else b[16:144]
+        for g in range(4):
+            for half in range(2):
+                s, mn = np_scale_min_k4(2 * g + half, sc)
+                for l in range(32):
+                    q = qs[32 * g + l]
+                    q = (q & 15) if half == 0 else (q >> 4)
+                    if kind == "GgufQ5K" and qh[l] & (1 << (2 * g + half)):
+                        q += 16
+                    out.append(d * s * q - dmin * mn)
+        return out
+    if kind == "GgufQ6K":
+        ql, qh, sc, d = b[0:128], b[128:192], [i8(v) for v in b[192:208]], f16(b[208], b[209])
+        out = [0.0] * 256
+        for h in range(2):
+            for l in range(32):
+                is_ = l // 16
+                hb = qh[32 * h + l]
+                a, c = ql[64 * h + l], ql[64 * h + l + 32]
+                vals = [(a & 15) | ((hb & 3) << 4), (c & 15) | (((hb >> 2) & 3) << 4),
+                        (a >> 4) | (((hb >> 4) & 3) << 4), (c >> 4) | (((hb >> 6) & 3) << 4)]
+                for i, v in enumerate(vals):
+                    out[128 * h + 32 * i + l] = d * sc[8 * h + is_ + 2 * i] * (v - 32)
+        return out
+    raise AssertionError(kind)
+
+
+GGUF = {"GgufQ4_0": (32, 18), "GgufQ8_0": (32, 34), "GgufQ8K": (256, 292), "GgufQ4K": (256, 144),
+        "GgufQ5K": (256, 176), "GgufQ6K": (256, 210)}
+
+
+def random_gguf(kind, nblocks):
+    elems, nbytes = GGUF[kind]
+    raw = RNG.integers(0, 256, (nblocks, nbytes)).astype(np.uint8)
+    for blk in raw:
+        if kind == "GgufQ8K":
+            blk[0:4] = np.frombuffer(np.float32(RNG.uniform(0.01, 0.1)).tobytes(), np.uint8)
+        elif kind == "GgufQ6K":
+            blk[208:210] = f16_bytes(RNG.uniform(0.001, 0.01))
+        else:
+            blk[0:2] = f16_bytes(RNG.uniform(0.001, 0.05))
+            if kind in ("GgufQ4K", "GgufQ5K"):
+                blk[2:4] = f16_bytes(RNG.uniform(0.001, 0.05))
+    ref = np.concatenate([np_gguf_block(kind, blk) for blk in raw]).astype(np.float64)
+    return raw.reshape(-1), ref
+
+
+@pytest.mark.parametrize("kind", sorted(GGUF))
+def test_dequant_matmul_gguf(kind):
+    elems = GGUF[kind][0]
+    k, n, m = elems, 2, 3
+    packed, ref = random_gguf(kind, (k * n) // elems)
+    w = ref.reshape(n, k).T  # RLX stores B^T ([n, k] row-major)
+    x = f32(m, k)
+    (y,) = run_graph(lambda G, i: G.dequant_matmul([i["x"], i["w"]], kind, [m, n]), x=x, w=packed)
+    np.testing.assert_allclose(y, x @ w, rtol=2e-4, atol=2e-3)
+
+
+def test_dequant_moe_weights_and_grouped_matmul_gguf():
+    kind, e, k, n, m = "GgufQ8_0", 3, 32, 2, 7
+    slabs = [random_gguf(kind, (k * n) // 32) for _ in range(e)]
+    packed = np.concatenate([s[0] for s in slabs])
+    w = np.stack([s[1].reshape(n, k).T for s in slabs])  # [E, K, N]
+    x = f32(m, k)
+    idx = RNG.integers(0, e, m).astype(np.float32)
+    (wd,) = run_graph(lambda G, i: G.dequant_moe_weights(i["w"], kind, [e, k, n]), w=packed)
+    np.testing.assert_allclose(wd, w, rtol=1e-5, atol=1e-6)
+    (y,) = run_graph(lambda G, i: G.dequant_grouped_matmul(i["x"], i["w"], i["i"], kind, [m, n]),
+                     x=x, w=packed, i=idx)
+    ref = np.stack([x[r] @ w[int(idx[r])] for r in range(m)])
+    np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)

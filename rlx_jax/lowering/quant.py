@@ -1,5 +1,6 @@
 """Quantization: Quantize, Dequantize, QMatMul, QConv2d, DequantMatMul (int8/int4/fp8
-block schemes), FakeQuantize (with its scale modes) and FakeQuantizeLSQ.
+block schemes, NVFP4, GGUF Q4_0/Q8_0/Q4_K/Q5_K/Q6_K/Q8_K), DequantGroupedMatMul,
+DequantMoEWeights, FakeQuantize (with its scale modes) and FakeQuantizeLSQ.
 
 Integer ops follow RLX's CPU kernels bit for bit: i32 accumulation, Rust ``f32::round``
 (half away from zero), clamp to i8. FakeQuantize/LSQ are fused-op families
@@ -142,20 +143,171 @@ def dequant_weight(scheme, w_q, scale, zp, k, n):
         if scale is not None and scale.size == n:
             w = w * scale.reshape(1, n).astype(jnp.float32)
         return w
-    raise NotImplementedError(f"DequantMatMul scheme {kind} is not lowered (GGUF / NVFP4 packed "
-                              "formats are not supported yet)")
+    raise NotImplementedError(f"DequantMatMul scheme {kind} has no block dequantiser")
+
+
+# ---- NVFP4 and GGUF packed formats ----------------------------------------------------
+
+_FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                      -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def nvfp4_scale_decode(b):
+    """NVFP4 block scale byte (FP8 E4M3, no infinities) -> f32; the NaN code 0x7f/0xff
+    decodes to 0 (RLX keeps the matmul finite)."""
+    b = b.astype(jnp.int32)
+    sign = jnp.where(b & 0x80, -1.0, 1.0)
+    e = (b >> 3) & 0x0F
+    m = (b & 0x07).astype(jnp.float32)
+    v = jnp.where(e == 0, m / 8.0 * 2.0**-6, (1.0 + m / 8.0) * jnp.exp2(e.astype(jnp.float32) - 7.0))
+    v = jnp.where((e == 0x0F) & (m == 7), 0.0, v)
+    return (sign * v).astype(jnp.float32)
+
+
+def _nibbles(flat_u8, count):
+    """Element e of a low-nibble-first packed byte stream, for e < count."""
+    flat = flat_u8.reshape(-1).astype(jnp.uint8)
+    return jnp.stack([flat & 0x0F, flat >> 4], axis=-1).reshape(-1)[:count]
+
+
+def nvfp4_weight(w_q, scale, global_scale, k, n):
+    """Nvfp4Block: element (p, j) is FP4 E2M1 nibble p*n + j (low nibble first) times the
+    E4M3 scale of block p // 16, column j, times the global scale."""
+    nib = _nibbles(w_q, k * n).astype(jnp.int32).reshape(k, n)
+    w = jnp.asarray(_FP4_E2M1)[nib]
+    s = nvfp4_scale_decode(scale.reshape(-1, n))[jnp.arange(k) // 16]
+    g = global_scale.reshape(-1)[0].astype(jnp.float32) if global_scale is not None else 1.0
+    return w * s * g
+
+
+def _f16(b2):
+    """[..., 2] little-endian bytes -> f32 (an f16 value)."""
+    return lax.bitcast_convert_type(b2.astype(jnp.uint8), jnp.float16).astype(jnp.float32)
+
+
+def _i8(b):
+    return lax.bitcast_convert_type(b.astype(jnp.uint8), jnp.int8).astype(jnp.float32)
+
+
+def _scale_min_k4(sc):
+    """The 8 (scale, min) 6-bit pairs packed in a K-quant block's 12 scale bytes."""
+    sc = sc.astype(jnp.int32)
+    lo_s, lo_m = sc[:, 0:4] & 63, sc[:, 4:8] & 63
+    hi_s = (sc[:, 8:12] & 0x0F) | ((sc[:, 0:4] >> 6) << 4)
+    hi_m = (sc[:, 8:12] >> 4) | ((sc[:, 4:8] >> 6) << 4)
+    return (jnp.concatenate([lo_s, hi_s], 1).astype(jnp.float32),
+            jnp.concatenate([lo_m, hi_m], 1).astype(jnp.float32))
+
+
+def gguf_dequant_blocks(kind, blocks):
+    """GGML block dequantisation, blocks [B, block_bytes] u8 -> [B, block_elems] f32."""
+    if kind == "GgufQ8_0":  # f16 d, 32 x i8
+        return _f16(blocks[:, 0:2])[:, None] * _i8(blocks[:, 2:34])
+    if kind == "GgufQ4_0":  # f16 d, 16 bytes: low nibbles = elements 0..15, high = 16..31
+        qs = blocks[:, 2:18].astype(jnp.int32)
+        q = jnp.concatenate([qs & 0x0F, qs >> 4], 1) - 8
+        return _f16(blocks[:, 0:2])[:, None] * q.astype(jnp.float32)
+    if kind == "GgufQ8K":  # f32 d, 256 x i8 (then 16 i16 sums, unused)
+        d = lax.bitcast_convert_type(blocks[:, 0:4].astype(jnp.uint8), jnp.float32)
+        return d[:, None] * _i8(blocks[:, 4:260])
+    if kind in ("GgufQ4K", "GgufQ5K"):
+        # f16 d, f16 dmin, 12 scale bytes, [Q5: 32 high-bit bytes], 128 nibble bytes; four
+        # 64-element groups g: low nibbles of qs[32g:32g+32] with pair 2g, high with 2g+1
+        d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+        sc, mn = _scale_min_k4(blocks[:, 4:16])
+        off = 16 + (32 if kind == "GgufQ5K" else 0)
+        qs = blocks[:, off:off + 128].astype(jnp.int32).reshape(-1, 4, 32)
+        q = jnp.stack([qs & 0x0F, qs >> 4], axis=2)  # [B, 4, 2, 32]
+        if kind == "GgufQ5K":
+            qh = blocks[:, 16:48].astype(jnp.int32)  # bit 2g (low half) / 2g+1 (high half)
+            bit = jnp.arange(8).reshape(4, 2)
+            q = q + ((qh[:, None, None, :] >> bit[None, :, :, None]) & 1) * 16
+        scale = (d[:, None] * sc).reshape(-1, 4, 2, 1)
+        mins = (dmin[:, None] * mn).reshape(-1, 4, 2, 1)
+        return (scale * q.astype(jnp.float32) - mins).reshape(-1, 256)
+    if kind == "GgufQ6K":
+        # ql 128, qh 64, 16 i8 scales, f16 d; two halves of 128: for l < 32 four values
+        # at l, l+32, l+64, l+96 from ql[64h + l], ql[64h + l + 32] nibbles and qh bits
+        ql = blocks[:, 0:128].astype(jnp.int32).reshape(-1, 2, 2, 32)   # [B, h, 2, 32]
+        qh = blocks[:, 128:192].astype(jnp.int32).reshape(-1, 2, 32)    # [B, h, 32]
+        sc = _i8(blocks[:, 192:208]).reshape(-1, 2, 8)                 # [B, h, 8]
+        d = _f16(blocks[:, 208:210])
+        lo = jnp.stack([ql[:, :, 0] & 0x0F, ql[:, :, 1] & 0x0F, ql[:, :, 0] >> 4, ql[:, :, 1] >> 4], 2)
+        hi = jnp.stack([(qh >> (2 * i)) & 3 for i in range(4)], 2)       # [B, h, 4, 32]
+        q = (lo | (hi << 4)) - 32
+        is_ = jnp.arange(32) // 16                                     # [32]
+        sidx = is_[None, :] + 2 * jnp.arange(4)[:, None]               # [4, 32]
+        s = sc[:, :, sidx]                                             # [B, h, 4, 32]
+        return (d[:, None, None, None] * s * q.astype(jnp.float32)).reshape(-1, 256)
+    raise NotImplementedError(f"GGUF scheme {kind} is not lowered (Q2_K / Q3_K are missing)")
+
+
+def gguf_matrix(kind, packed, k, n):
+    """A GGUF-packed [n, k] row-major matrix (RLX's B^T layout) -> f32 [k, n]."""
+    from rlx_jax.ir.op import GGUF_BLOCKS
+
+    elems, nbytes = GGUF_BLOCKS[kind]
+    if (k * n) % elems:
+        raise ValueError(f"{kind}: k*n = {k * n} is not a multiple of the block size {elems}")
+    blocks = packed.reshape(-1)[: (k * n) // elems * nbytes].reshape(-1, nbytes)
+    return gguf_dequant_blocks(kind, blocks).reshape(n, k).T
+
+
+def _scheme_kind(scheme):
+    return scheme.kind if hasattr(scheme, "kind") else enum_name(scheme)
 
 
 @lowering_rule("DequantMatMul")
 def _dequant_matmul(op, args, ctx):
-    # x [m, k] @ dequant(w_q) [k, n] -> [m, n] f32.
+    # x [m, k] @ dequant(w) [k, n] -> [m, n] f32 (block int8/int4, fp8, NVFP4, GGUF).
     x = args[0]
-    scale = args[2] if len(args) > 2 else None
-    zp = args[3] if len(args) > 3 else None
     n = ctx.out_shape[-1]
     k = x.shape[-1]
-    w = dequant_weight(op.scheme, args[1], scale, zp, k, n)
+    kind = _scheme_kind(op.scheme)
+    if kind.startswith("Gguf"):
+        w = gguf_matrix(kind, args[1], k, n)
+    elif kind == "Nvfp4Block":
+        w = nvfp4_weight(args[1], args[2], args[3] if len(args) > 3 else None, k, n)
+    else:
+        scale = args[2] if len(args) > 2 else None
+        zp = args[3] if len(args) > 3 else None
+        w = dequant_weight(op.scheme, args[1], scale, zp, k, n)
     return ctx.cast_out(jnp.matmul(x.astype(jnp.float32), w))
+
+
+def gguf_expert_stack(kind, packed, e, k, n):
+    """E contiguous GGUF slabs (each an [n, k] matrix) -> f32 [E, K, N]."""
+    from rlx_jax.ir.op import GGUF_BLOCKS
+
+    elems, nbytes = GGUF_BLOCKS[kind]
+    slab = (k * n) // elems * nbytes
+    flat = packed.reshape(-1)[: e * slab]
+    return jnp.stack([gguf_matrix(kind, flat[i * slab:(i + 1) * slab], k, n) for i in range(e)])
+
+
+@lowering_rule("DequantMoEWeights")
+def _dequant_moe_weights(op, args, ctx):
+    # packed GGUF expert slabs -> [E, K, N] f32 (GroupedMatMul layout, declared shape).
+    e, k, n = (int(d) for d in ctx.out_shape)
+    return ctx.cast_out(gguf_expert_stack(_scheme_kind(op.scheme), args[0], e, k, n))
+
+
+@lowering_rule("DequantGroupedMatMul")
+def _dequant_grouped_matmul(op, args, ctx):
+    # [x [M, K], packed GGUF expert slabs, expert_idx [M]] -> [M, N]: dequantise the
+    # stack once, then the grouped GEMM of GroupedMatMul (sorted, lax.ragged_dot).
+    from .moe import grouped_matmul
+
+    x, packed, idx = args
+    n = int(ctx.out_shape[-1])
+    k = x.shape[-1]
+    from rlx_jax.ir.op import GGUF_BLOCKS
+
+    kind = _scheme_kind(op.scheme)
+    elems, nbytes = GGUF_BLOCKS[kind]
+    e = packed.size // ((k * n) // elems * nbytes)
+    w = gguf_expert_stack(kind, packed, e, k, n)
+    return ctx.cast_out(grouped_matmul(x.astype(jnp.float32), w, idx))
 
 
 # ---- fake quantization (fused families) ---------------------------------------------
