@@ -230,3 +230,19 @@ def test_numpy_ids_and_named_reshape():
     z = g.transpose(np.int32(y), np.array([1, 0]))
     g.set_outputs(np.array([y, z]))
     assert g.outputs == [1, 2] and all(type(o) is int for o in g.outputs)
+
+
+def test_pyrlx_keyword_names():
+    g = rlx.Graph("kw")
+    x = g.input(name="x", shape=[2, 3], dtype="f32")
+    w = g.param(name="w", shape=[3, 4], dtype="f32")
+    y = g.matmul(lhs=x, rhs=w)
+    s = g.add(a=y, b=y)
+    t = g.binary(op="mul", lhs=s, rhs=y)
+    u = g.activation(kind="relu", input=t)
+    r = g.reduce(input=u, op="sum", axes=[1], keep_dim=True)
+    n = g.narrow(x=u, axis=1, start=0, length=2)
+    g.set_outputs(outputs=[r, n])
+    assert g.shape_of(id=r) == ([2, 1], "f32") and g.shape_of(n) == ([2, 2], "f32")
+    with pytest.raises(TypeError):
+        g.add(x)

@@ -181,8 +181,13 @@ class CoreBuilders(BuilderBase):
             return self._add_node(*args, **kwargs)
         if "op" in kwargs:
             return self._add_node(**kwargs)
-        a, b = args
-        return self.binary(BinaryOp.Add, a, b)
+        names = ("a", "b")
+        if len(args) > 2 or set(kwargs) - set(names[len(args):]):
+            raise TypeError("add(a, b) takes two node ids (or add(op, inputs, shape=None, name=None))")
+        vals = dict(zip(names, args), **kwargs)
+        if set(vals) != set(names):
+            raise TypeError("add(a, b) needs both a and b")
+        return self.binary(BinaryOp.Add, vals["a"], vals["b"])
 
     def sub(self, a: int, b: int) -> int:
         return self.binary(BinaryOp.Sub, a, b)

@@ -92,12 +92,12 @@ class Graph(CoreBuilders, NNBuilders, SignalBuilders, BackwardBuilders, ControlB
         self.nodes.append(Node(new_id, op, inputs, out, name, origin))
         return new_id
 
-    def set_outputs(self, ids) -> None:
+    def set_outputs(self, outputs) -> None:
         """Set the graph outputs (node ids, in order)."""
-        if isinstance(ids, int):
-            ids = [ids]
+        if isinstance(outputs, int):
+            outputs = [outputs]
         out = []
-        for i in ids:
+        for i in outputs:
             try:
                 k = operator.index(i) if not isinstance(i, bool) else -1
             except TypeError:
