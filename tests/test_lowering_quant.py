@@ -279,3 +279,20 @@ def test_dequant_moe_weights_and_grouped_matmul_gguf():
                      x=x, w=packed, i=idx)
     ref = np.stack([x[r] @ w[int(idx[r])] for r in range(m)])
     np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_qconv2d_split_path_is_exact_at_the_extremes():
+    # the f32 nibble-split conv used where no s32 conv exists (GPUs) is exact
+    import jax.numpy as jnp
+    from jax import lax
+    from rlx_jax.lowering.quant import _int_conv_split
+
+    xi = jnp.asarray(RNG.choice([-256, -255, 255, 0, 1, -1], (2, 64, 6, 6)).astype(np.int32))
+    wi = jnp.asarray(RNG.choice([-256, 255, -255, 7], (3, 64, 3, 3)).astype(np.int32))
+
+    def conv(a, b, out_type=None):
+        return lax.conv_general_dilated(a, b, (1, 1), [(1, 1), (1, 1)],
+                                        dimension_numbers=("NCHW", "OIHW", "NCHW"),
+                                        preferred_element_type=out_type)
+
+    np.testing.assert_array_equal(_int_conv_split(xi, wi, conv), conv(xi, wi, jnp.int32))

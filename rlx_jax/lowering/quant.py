@@ -68,6 +68,19 @@ def _qmatmul(op, args, ctx):
     return requantize(acc, op.mult, int(op.out_zp)).astype(ctx.out_dtype or jnp.int8)
 
 
+def _int_conv_split(xi, wi, conv):
+    """Exact integer conv through f32 convs (GPU convolution libraries have no s32
+    conv): operands in [-256, 255] split into 16 * hi + lo nibbles; each of the four
+    partial convs has |terms| <= 256, exact in f32 below 65536 taps per output."""
+    xh, xl = xi >> 4, xi & 15
+    wh, wl = wi >> 4, wi & 15
+
+    def c(a, b):
+        return conv(a.astype(jnp.float32), b.astype(jnp.float32)).astype(jnp.int32)
+
+    return 256 * c(xh, wh) + 16 * (c(xh, wl) + c(xl, wh)) + c(xl, wl)
+
+
 @lowering_rule("QConv2d")
 def _qconv2d(op, args, ctx):
     # NCHW / OIHW integer conv (zero padding in x's offset domain: padded taps are
@@ -78,10 +91,18 @@ def _qconv2d(op, args, ctx):
     st = tuple(int(s) for s in op.stride)
     pd = [(int(p), int(p)) for p in op.padding]
     dl = tuple(int(d) for d in op.dilation)
-    acc = lax.conv_general_dilated(
-        xi, wi, window_strides=st, padding=pd, rhs_dilation=dl,
-        dimension_numbers=("NCHW", "OIHW", "NCHW"), feature_group_count=int(op.groups),
-        preferred_element_type=jnp.int32)
+
+    def conv(a, b, out_type=None):
+        return lax.conv_general_dilated(
+            a, b, window_strides=st, padding=pd, rhs_dilation=dl,
+            dimension_numbers=("NCHW", "OIHW", "NCHW"), feature_group_count=int(op.groups),
+            preferred_element_type=out_type)
+
+    acc = lax.platform_dependent(
+        xi, wi,
+        cpu=lambda a, b: conv(a, b, jnp.int32),          # XLA:CPU convolves s32 exactly
+        default=lambda a, b: _int_conv_split(a, b, conv),  # cuDNN has no s32 conv
+    )
     acc = acc + bias.astype(jnp.int32)[None, :, None, None]
     return requantize(acc, op.mult, int(op.out_zp)).astype(ctx.out_dtype or jnp.int8)
 
