@@ -143,6 +143,8 @@ CASES = (
     + [(SHAPES[1], OPTIONS[i]) for i in (2, 5, 6)]
     + [(SHAPES[2], OPTIONS[i]) for i in (0, 3, 4, 9)]
     + [(SHAPES[3], OPTIONS[3])]
+    # 16 (batch, kv head) pairs: the backward's one-chunk path (fewer pairs split the keys)
+    + [((4, 20, 130, 4, 4, 8), OPTIONS[9])]
 )
 CASES += [pytest.param(s, o, marks=pytest.mark.slow) for s in SHAPES for o in OPTIONS if (s, o) not in CASES]
 

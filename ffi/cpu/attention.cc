@@ -20,7 +20,10 @@
 //
 // Work split, deterministic: the forward runs one task per (batch, head, query tile); the
 // backward one task per (batch, kv head), which owns dk/dv rows of that kv head and the dq
-// rows of the heads reading it, each accumulated in a fixed order.
+// rows of the heads reading it, each accumulated in a fixed order. With fewer than 16
+// (batch, kv head) pairs the backward also splits the keys into chunks (a function of
+// the shape, never of the thread count): each chunk owns its dk/dv rows and writes dq
+// partial sums, which are then added in chunk order.
 // f32/bf16/f16 accumulate in f32 through SIMD kernels (GCC vector extensions, cloned
 // for AVX-512, AVX2+FMA and baseline x86-64, chosen at load time); f64 runs scalar code.
 #include <cmath>
@@ -461,6 +464,23 @@ void attention_fwd_typed(ffi::ThreadPool& pool, const Dims& d, const Opts& o, co
 }
 
 // ---- backward -----------------------------------------------------------------------------------
+constexpr int64_t kMinBwdTasks = 16;  // split keys into chunks below this many (batch, kv head)
+
+// dq rows of the heads reading kv head kvh (batch b) from their accumulators [G, Sqp, Dp].
+template <typename T, typename A>
+void write_dq(const Dims& d, A scale, int64_t b, int64_t kvh, const A* dQ, int64_t Sqp, int64_t Dp,
+              T* dq) {
+  const int64_t G = d.group();
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t h = kvh * G + g;
+    const A* dqg = dQ + g * Sqp * Dp;
+    for (int64_t i = 0; i < d.Sq; ++i) {
+      T* dst = dq + ((b * d.Sq + i) * d.H + h) * d.D;
+      for (int64_t e = 0; e < d.D; ++e) dst[e] = store<T>(dqg[i * Dp + e] * scale);
+    }
+  }
+}
+
 template <typename T>
 void attention_bwd_typed(ffi::ThreadPool& pool, const Dims& d, const Opts& o, const T* q,
                          const T* k, const T* v, const T* out, const void* lse_in, const T* dout,
@@ -472,13 +492,21 @@ void attention_bwd_typed(ffi::ThreadPool& pool, const Dims& d, const Opts& o, co
   const int64_t G = d.group();
   const int64_t Dp = round_up(std::max<int64_t>(d.D, 1), kPadN);
   const int64_t Sqp = round_up(std::max<int64_t>(d.Sq, 1), kPadM);
-  parallel_for(pool, d.B * d.Hkv, [&](int64_t task) {
-    const int64_t kvh = task % d.Hkv, b = task / d.Hkv;
+  // With few (batch, kv head) pairs the keys are also split into chunks, each with its own
+  // dq partial sums, added in chunk order afterwards (a function of the shape only).
+  const int64_t k_tiles = (d.Sk + kTileK - 1) / kTileK;
+  const int64_t pairs = d.B * d.Hkv;
+  const int64_t chunks = std::max<int64_t>(1, std::min(k_tiles, (kMinBwdTasks + pairs - 1) / pairs));
+  const int64_t dq_size = G * Sqp * Dp;  // one (batch, kv head)'s dq accumulators
+  std::vector<A> dq_parts(chunks > 1 ? size_t(pairs * chunks * dq_size) : 0);
+  parallel_for(pool, pairs * chunks, [&](int64_t task) {
+    const int64_t chunk = task % chunks, kvh = (task / chunks) % d.Hkv, b = task / (chunks * d.Hkv);
+    const int64_t kt0 = k_tiles * chunk / chunks, kt1 = k_tiles * (chunk + 1) / chunks;
     Buf<A> bq, bdo, bdq, bstat, bk, bkt, bvt, bs, bdp, bp, bpt, bdst, bdk, bdv, bb, bdb, bkeep;
     // per group head: scaled q, dout, dq accumulator [Sqp, Dp]; lse and delta [Sq]
-    A* Qs = bq.alloc(G * Sqp * Dp);
-    A* dO = bdo.alloc(G * Sqp * Dp);
-    A* dQ = bdq.alloc(G * Sqp * Dp);
+    A* Qs = bq.alloc(dq_size);
+    A* dO = bdo.alloc(dq_size);
+    A* dQ = chunks > 1 ? dq_parts.data() + task * dq_size : bdq.alloc(dq_size);
     A* stat = bstat.alloc(2 * G * Sqp);
     A* K = bk.alloc(kTileK * Dp);
     A* KT = bkt.alloc(std::max<int64_t>(d.D, 1) * kTileK);
@@ -511,13 +539,15 @@ void attention_bwd_typed(ffi::ThreadPool& pool, const Dims& d, const Opts& o, co
         for (int64_t e = 0; e < d.D; ++e) acc += load<A>(orow[e]) * dog[i * Dp + e];
         delta[i] = acc - dlse_all[row];
       }
-      if (o.has_bias)  // tiles never visited (fully masked) keep a zero gradient
-        for (int64_t i = 0; i < d.Sq * d.Sk; ++i)
-          dbias[(b * d.H + h) * d.Sq * d.Sk + i] = store<T>(A(0));
+      if (o.has_bias) {  // tiles never visited (fully masked) keep a zero gradient
+        const int64_t c0 = std::min(kt0 * kTileK, d.Sk), c1 = std::min(kt1 * kTileK, d.Sk);
+        for (int64_t i = 0; i < d.Sq; ++i)
+          for (int64_t c = c0; c < c1; ++c)
+            dbias[((b * d.H + h) * d.Sq + i) * d.Sk + c] = store<T>(A(0));
+      }
     }
-    const int64_t k_tiles = (d.Sk + kTileK - 1) / kTileK;
     const int64_t off = std::max<int64_t>(d.Sk - d.Sq, 0);
-    for (int64_t kt = 0; kt < k_tiles; ++kt) {
+    for (int64_t kt = kt0; kt < kt1; ++kt) {
       const int64_t j0 = kt * kTileK, n = std::min(kTileK, d.Sk - j0);
       const int64_t Np = round_up(n, kPadN);
       pack_rows(k, d.Sk, d.Hkv, d.D, b, kvh, j0, n, Np, Dp, A(1), K);
@@ -570,14 +600,16 @@ void attention_bwd_typed(ffi::ThreadPool& pool, const Dims& d, const Opts& o, co
         }
       }
     }
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t h = kvh * G + g;
-      const A* dqg = dQ + g * Sqp * Dp;
-      for (int64_t i = 0; i < d.Sq; ++i) {
-        T* dst = dq + ((b * d.Sq + i) * d.H + h) * d.D;
-        for (int64_t e = 0; e < d.D; ++e) dst[e] = store<T>(dqg[i * Dp + e] * A(o.scale));
-      }
+    if (chunks == 1) write_dq<T, A>(d, A(o.scale), b, kvh, dQ, Sqp, Dp, dq);
+  });
+  if (chunks == 1) return;
+  parallel_for(pool, pairs, [&](int64_t pair) {
+    A* acc = dq_parts.data() + pair * chunks * dq_size;
+    for (int64_t c = 1; c < chunks; ++c) {
+      const A* part = acc + c * dq_size;
+      for (int64_t x = 0; x < dq_size; ++x) acc[x] += part[x];
     }
+    write_dq<T, A>(d, A(o.scale), pair / d.Hkv, pair % d.Hkv, acc, Sqp, Dp, dq);
   });
 }
 
