@@ -288,8 +288,9 @@ def _batch_into_b(prim: FusedPrimitive):
         for a, d in zip(args, dims):
             a = jnp.broadcast_to(a, (size, *a.shape)) if d is NOT_MAPPED else jnp.moveaxis(a, d, 0)
             folded.append(a.reshape(size * a.shape[1], *a.shape[2:]))
+        batch = jnp.moveaxis(args[0], dims[0], 0).shape[1] if dims[0] is not NOT_MAPPED else args[0].shape[0]
         outs = prim(*folded, **params)
-        return [o.reshape(size, o.shape[0] // size if size else 0, *o.shape[1:]) for o in outs], [0] * len(outs)
+        return [o.reshape(size, batch, *o.shape[1:]) for o in outs], [0] * len(outs)
 
     return rule
 
