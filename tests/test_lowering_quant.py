@@ -287,12 +287,18 @@ def test_qconv2d_split_path_is_exact_at_the_extremes():
     from jax import lax
     from rlx_jax.lowering.quant import _int_conv_split
 
-    xi = jnp.asarray(RNG.choice([-256, -255, 255, 0, 1, -1], (2, 64, 6, 6)).astype(np.int32))
-    wi = jnp.asarray(RNG.choice([-256, 255, -255, 7], (3, 64, 3, 3)).astype(np.int32))
+    x = RNG.choice([-256, -255, 255, 0, 1, -1], (2, 64, 6, 6)).astype(np.int64)
+    w = RNG.choice([-256, 255, -255, 7], (3, 64, 3, 3)).astype(np.int64)
 
     def conv(a, b, out_type=None):
         return lax.conv_general_dilated(a, b, (1, 1), [(1, 1), (1, 1)],
                                         dimension_numbers=("NCHW", "OIHW", "NCHW"),
                                         preferred_element_type=out_type)
 
-    np.testing.assert_array_equal(_int_conv_split(xi, wi, conv), conv(xi, wi, jnp.int32))
+    got = np.asarray(_int_conv_split(jnp.asarray(x, jnp.int32), jnp.asarray(w, jnp.int32), conv))
+    xp = np.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1)))
+    ref = np.zeros((2, 3, 6, 6), np.int64)
+    for i in range(3):
+        for j in range(3):
+            ref += np.einsum("nchw,oc->nohw", xp[:, :, i:i + 6, j:j + 6], w[:, :, i, j])
+    np.testing.assert_array_equal(got, ref)

@@ -153,3 +153,17 @@ def test_bf16_precision_computes_in_bf16_and_returns_f32():
     ref = np.maximum(x @ w + b, 0)
     np.testing.assert_allclose(y, ref, rtol=5e-2, atol=5e-2)
     assert not np.allclose(y, ref, rtol=1e-6, atol=1e-7)  # it really ran in bf16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not rlx.is_available("cuda"), reason="no NVIDIA GPU here")
+def test_cuda_session_runs_on_the_gpu():
+    c = rlx.Session("cuda").compile(mlp_graph())
+    w = RNG.standard_normal((4, 3)).astype(np.float32)
+    b = RNG.standard_normal(3).astype(np.float32)
+    c.set_param("w", w)
+    c.set_param("b", b)
+    x = RNG.standard_normal((3, 4)).astype(np.float32)
+    y, _ = c.run({"x": x})
+    assert c.device == "cuda"
+    np.testing.assert_allclose(y, np.maximum(x @ w + b, 0), rtol=1e-2, atol=1e-2)  # TF32 matmuls
