@@ -232,10 +232,38 @@ def np_gguf_block(kind, b):
                 for i, v in enumerate(vals):
                     out[128 * h + 32 * i + l] = d * sc[8 * h + is_ + 2 * i] * (v - 32)
         return out
+    if kind == "GgufQ2K":
+        d, mn = f16(b[0], b[1]), f16(b[2], b[3])
+        sc, qs = b[4:20], b[20:84]
+        for n in range(2):
+            q = qs[32 * n:32 * n + 32]
+            for j in range(4):
+                for h in range(2):
+                    s = sc[8 * n + 2 * j + h]
+                    for l in range(16):
+                        out.append(d * (s & 15) * ((q[16 * h + l] >> (2 * j)) & 3) - mn * (s >> 4))
+        return out
+    if kind == "GgufQ3K":
+        d = f16(b[0], b[1])
+        raw, hm, qs = b[2:14], b[14:46], b[46:110]
+        scales = []
+        for lo_src, shift in ((0, 0), (4, 2)):
+            scales += [(raw[lo_src + i] & 15) | (((raw[8 + i] >> shift) & 3) << 4) for i in range(4)]
+        for lo_src, shift in ((0, 4), (4, 6)):
+            scales += [(raw[lo_src + i] >> 4) | (((raw[8 + i] >> shift) & 3) << 4) for i in range(4)]
+        for n in range(2):
+            q = qs[32 * n:32 * n + 32]
+            for j in range(4):
+                for h in range(2):
+                    s = scales[8 * n + 2 * j + h] - 32
+                    for l in range(16):
+                        high = 0 if hm[16 * h + l] & (1 << (4 * n + j)) else 4
+                        out.append(d * s * (((q[16 * h + l] >> (2 * j)) & 3) - high))
+        return out
     raise AssertionError(kind)
 
 
-GGUF = {"GgufQ4_0": (32, 18), "GgufQ8_0": (32, 34), "GgufQ8K": (256, 292), "GgufQ4K": (256, 144),
+GGUF = {"GgufQ2K": (256, 84), "GgufQ3K": (256, 110), "GgufQ4_0": (32, 18), "GgufQ8_0": (32, 34), "GgufQ8K": (256, 292), "GgufQ4K": (256, 144),
         "GgufQ5K": (256, 176), "GgufQ6K": (256, 210)}
 
 
@@ -243,7 +271,10 @@ def random_gguf(kind, nblocks):
     elems, nbytes = GGUF[kind]
     raw = RNG.integers(0, 256, (nblocks, nbytes)).astype(np.uint8)
     for blk in raw:
-        if kind == "GgufQ8K":
+        if kind == "GgufQ2K":
+            blk[0:2] = f16_bytes(RNG.uniform(0.001, 0.05))
+            blk[2:4] = f16_bytes(RNG.uniform(0.001, 0.05))
+        elif kind == "GgufQ8K":
             blk[0:4] = np.frombuffer(np.float32(RNG.uniform(0.01, 0.1)).tobytes(), np.uint8)
         elif kind == "GgufQ6K":
             blk[208:210] = f16_bytes(RNG.uniform(0.001, 0.01))

@@ -1,5 +1,5 @@
 """Quantization: Quantize, Dequantize, QMatMul, QConv2d, DequantMatMul (int8/int4/fp8
-block schemes, NVFP4, GGUF Q4_0/Q8_0/Q4_K/Q5_K/Q6_K/Q8_K), DequantGroupedMatMul,
+block schemes, NVFP4, the GGUF schemes), DequantGroupedMatMul,
 DequantMoEWeights, FakeQuantize (with its scale modes) and FakeQuantizeLSQ.
 
 Integer ops follow RLX's CPU kernels bit for bit: i32 accumulation, Rust ``f32::round``
@@ -260,7 +260,38 @@ def gguf_dequant_blocks(kind, blocks):
         sidx = is_[None, :] + 2 * jnp.arange(4)[:, None]               # [4, 32]
         s = sc[:, :, sidx]                                             # [B, h, 4, 32]
         return (d[:, None, None, None] * s * q.astype(jnp.float32)).reshape(-1, 256)
-    raise NotImplementedError(f"GGUF scheme {kind} is not lowered (Q2_K / Q3_K are missing)")
+    if kind in ("GgufQ2K", "GgufQ3K"):
+        return _gguf_2_3bit(kind, blocks)
+    raise NotImplementedError(f"GGUF scheme {kind} has no dequantiser")
+
+
+def _gguf_2_3bit(kind, blocks):
+    """Q2_K / Q3_K in RLX's byte order (the f16 scale(s) first). Output element
+    128 n + 32 j + 16 h + l (n < 2, j < 4, h < 2, l < 16) takes 2 bits at shift 2j of
+    qs[32 n + 16 h + l], with sub-block scale index 8 n + 2 j + h."""
+    nj = jnp.arange(4)
+    if kind == "GgufQ2K":
+        # f16 d, f16 min, 16 scale bytes (low nibble scale, high nibble min), 64 qs bytes
+        d, mn = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+        sc = blocks[:, 4:20].astype(jnp.int32).reshape(-1, 2, 4, 2)
+        qs = blocks[:, 20:84].astype(jnp.int32).reshape(-1, 2, 1, 2, 16)
+        q = (qs >> (2 * nj)[None, None, :, None, None]) & 3            # [B, 2, 4, 2, 16]
+        dl = d[:, None, None, None] * (sc & 0x0F)
+        ml = mn[:, None, None, None] * (sc >> 4)
+        return (dl[..., None] * q - ml[..., None]).reshape(-1, 256)
+    # Q3_K: f16 d, 12 bytes of 16 packed 6-bit scales, 32 high-bit-mask bytes, 64 qs bytes
+    d = _f16(blocks[:, 0:2])
+    raw = blocks[:, 2:14].astype(jnp.int32)
+    a, b, t = raw[:, 0:4], raw[:, 4:8], raw[:, 8:12]
+    sc = jnp.concatenate([(a & 15) | ((t & 3) << 4), (b & 15) | (((t >> 2) & 3) << 4),
+                          (a >> 4) | (((t >> 4) & 3) << 4), (b >> 4) | (((t >> 6) & 3) << 4)], 1)
+    sc = (sc - 32).astype(jnp.float32).reshape(-1, 2, 4, 2)
+    hm = blocks[:, 14:46].astype(jnp.int32).reshape(-1, 1, 1, 2, 16)
+    qs = blocks[:, 46:110].astype(jnp.int32).reshape(-1, 2, 1, 2, 16)
+    q = (qs >> (2 * nj)[None, None, :, None, None]) & 3               # [B, 2, 4, 2, 16]
+    bit = (jnp.arange(2)[:, None] * 4 + nj[None, :])[None, :, :, None, None]  # 4 n + j
+    q = q - jnp.where((hm >> bit) & 1, 0, 4)
+    return (d[:, None, None, None, None] * sc[..., None] * q).reshape(-1, 256)
 
 
 def gguf_matrix(kind, packed, k, n):
