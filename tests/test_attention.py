@@ -409,3 +409,20 @@ def test_bad_arguments_raise_clear_errors():
         attention_backward(q, k, v, q[:, :2])
     with pytest.raises(ValueError, match="heads"):
         attention_rlx(q.reshape(1, 4, 32), k.reshape(1, 5, 16), v.reshape(1, 5, 16), num_heads=2, head_dim=8)
+
+
+def test_kernel_rejects_bad_buffers_with_an_error():
+    """Shapes the Python side would never pass reach the handler's validation, which
+    returns an error (a Python exception), not a crash."""
+    q, k, v, _, _, _ = _inputs(1, 4, 5, 4, 2, 8)
+    attrs = A._attrs("none", 0, 0.5, 0.0, False, False)
+    empty_mask, empty_bias = jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.float32)
+    bad_lse = jax.ShapeDtypeStruct((1, 4, 3), jnp.float32)  # Sq is 4
+    call = jax.ffi.ffi_call("rlx_attention_fwd", (jax.ShapeDtypeStruct(q.shape, q.dtype), bad_lse))
+    with pytest.raises(Exception, match="lse"):
+        jax.block_until_ready(jax.jit(lambda *a: call(*a, **attrs))(q, k, v, empty_mask, empty_bias))
+    good_lse = jax.ShapeDtypeStruct((1, 4, 4), jnp.float32)
+    call = jax.ffi.ffi_call("rlx_attention_fwd", (jax.ShapeDtypeStruct(q.shape, q.dtype), good_lse))
+    with pytest.raises(Exception, match="kv heads"):
+        k3 = jnp.zeros((1, 5, 3, 8), jnp.float32)
+        jax.block_until_ready(jax.jit(lambda *a: call(*a, **attrs))(q, k3, k3, empty_mask, empty_bias))
