@@ -607,7 +607,9 @@ RowPlan column_plan(int64_t rows, int64_t W, bool aligned, Tuning tu) {
   pl.vec = (aligned && W % v16 == 0) ? v16 : 1;
   const int64_t nvec = W / pl.vec;
   int nv = pl.vec == 1 ? 4 : std::max(1, 8 / pl.vec);
+#ifdef RLX_RMS_ALL_VARIANTS
   if (pl.vec != 1 && tu.nv > 0) nv = std::min(tu.nv, std::max(1, 16 / pl.vec));
+#endif
   pl.nv = nv;
   // Prefetch by default for f32 only: for 16-bit types it costs occupancy and was slower
   // at every width measured (gpu_notes.md).
@@ -657,6 +659,8 @@ bool with_variant(const RowPlan& pl, F&& f) {
     else if (pl.prefetch) f(integral_constant<int, v16>{}, nv, bool_constant<true>{});
     else f(integral_constant<int, v16>{}, nv, bool_constant<false>{});
   };
+#ifdef RLX_RMS_ALL_VARIANTS
+  // every vectors-per-thread count (the timing harness's sweeps)
   switch (pl.nv) {
     case 1: go(integral_constant<int, 1>{}); return true;
     case 2: go(integral_constant<int, 2>{}); return true;
@@ -666,6 +670,13 @@ bool with_variant(const RowPlan& pl, F&& f) {
       return true;
     default: return false;
   }
+#else
+  // the module instantiates the default only (8 elements a thread: f32 2 vectors, 16-bit 1)
+  constexpr int kDefaultNv = 8 / v16 > 1 ? 8 / v16 : 1;
+  if (pl.nv != kDefaultNv) return false;
+  go(integral_constant<int, kDefaultNv>{});
+  return true;
+#endif
 }
 
 // Sets pl.parts: resident blocks (a persistent grid), at most max_parts and rows.

@@ -16,7 +16,7 @@ if has build; then
   python3 -c 'import jax; print("jax", jax.__version__, jax.devices())'
   INC=$(python3 -c 'import jax; print(jax.ffi.include_dir())')
   step build
-  nvcc -std=c++17 -O3 -arch=sm_90 --use_fast_math --expt-relaxed-constexpr -lineinfo -I ffi -isystem "$INC" \
+  nvcc -std=c++17 -O3 -arch=sm_90 --use_fast_math --expt-relaxed-constexpr -lineinfo -DRLX_RMS_ALL_VARIANTS -I ffi -isystem "$INC" \
     ffi/cuda/tools/rms_norm_sweep.cu -o /tmp/rms_sweep >"$OUT/sweep_build.log" 2>&1 &
   sweep_pid=$!
   cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DRLX_JAX_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real \

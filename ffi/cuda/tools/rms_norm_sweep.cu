@@ -1,6 +1,6 @@
 // Stand-alone check and timing of the RMSNorm CUDA kernels (not part of the Python
 // module: CMake globs ffi/cuda/*.cu only). Build and run on the GPU machine:
-//   nvcc -std=c++17 -O3 -arch=sm_90 --use_fast_math --expt-relaxed-constexpr -I ffi \
+//   nvcc -std=c++17 -O3 -arch=sm_90 --use_fast_math --expt-relaxed-constexpr -DRLX_RMS_ALL_VARIANTS -I ffi \
 //        -isystem $(python3 -c 'import jax; print(jax.ffi.include_dir())') \
 //        ffi/cuda/tools/rms_norm_sweep.cu -o /tmp/rms_sweep && /tmp/rms_sweep
 // 1. every kernel variant against a double-precision CPU reference on random data
@@ -17,6 +17,9 @@
 #include <string>
 #include <vector>
 
+#ifndef RLX_RMS_ALL_VARIANTS
+#define RLX_RMS_ALL_VARIANTS  // every tuning variant, not only the module's defaults
+#endif
 #include "cuda/rms_norm_kernels.cuh"
 
 using namespace rlx::cuda;
