@@ -1,8 +1,10 @@
 // Row helpers of the softmax-type kernels (softmax, softmax cross-entropy): f32 views
-// of bf16/f16 rows, a vectorised float exp and the row loops built on it. Written with GCC/Clang vector extensions (8 float lanes):
-// each row loop is compiled twice, for AVX2+FMA and for the baseline x86-64 ISA
-// (two SSE halves per vector), and the loader picks one at load time, so the
-// module stays portable. Summation order is fixed (8 lanes, then the lanes in
+// of bf16/f16 rows, a vectorised float exp and the row loops built on it. Written
+// with GCC/Clang vector extensions (8 float lanes): each row loop is compiled twice,
+// for x86-64-v3 (AVX2 + FMA) and for the baseline ISA (two SSE halves per vector),
+// and the clone is picked at load time by CPU features (an "arch=haswell" clone
+// would be picked by CPU model, i.e. never on newer CPUs), so the module stays
+// portable. Summation order is fixed (8 lanes, then the lanes in
 // order), so results are deterministic on a given ISA.
 #pragma once
 
@@ -19,7 +21,7 @@ namespace rlx {
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 
-#define RLX_ROW_CLONES __attribute__((target_clones("arch=haswell", "default")))
+#define RLX_ROW_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 
 inline __attribute__((always_inline)) v8f v8_load(const float* p) {
   v8f v;
