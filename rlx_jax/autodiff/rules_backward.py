@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from rlx_jax.ir import DType, GraphError
-from rlx_jax.ir.op import ActivationKind, AttentionBwdWrt
+from rlx_jax.ir.op import ActivationKind, AttentionBwdWrt, BinaryOp
 from rlx_jax.ir.ops_attention import Rope
 from rlx_jax.ir.ops_backward import Conv2dBackwardInput, Conv2dBackwardWeight
 from rlx_jax.ir.ops_conv import Conv, Pool
@@ -362,7 +362,7 @@ def _attention_bwd(g, node, dy):
         grads = backprop(t, {out: d}, [(q, k, v)[which]])
         return grads[(q, k, v)[which]]
 
-    return vjp_via_expansion(g, node, dy, build, wrt_inputs=[0, 1, 2, 3])
+    return vjp_via_expansion(g, node, dy, build)
 
 
 def _cns_bwd(t, op, ins):
@@ -371,3 +371,109 @@ def _cns_bwd(t, op, ins):
 
 
 vjp_rule("ComplexNormSqBackward")(_expanding(_cns_bwd))
+
+
+# -- quantisation / signal ----------------------------------------------------------------
+
+def _fq_bwd_expansion(t, op, ins):
+    """dx = ste'(x) * d with FakeQuantize's per-batch scale s = max(max|x| / q, 1e-12)
+    (per channel along ``axis``) held constant, as the forward op's gradient does."""
+    from rlx_jax.ir.op import SteKind
+    from rlx_jax.ir.ops_elementwise import StopGradient
+
+    x, d = ins
+    dt = E.dtype(t, x)
+    q = float(2 ** (op.bits - 1) - 1)
+    r = E.shape(t, x).rank
+    axes = tuple(i for i in range(r) if op.axis is None or i != E.norm_axis(op.axis, r))
+    amax = E.reduce(t, E.act(t, "Abs", x), "Max", axes, True)
+    sc = t._add_node(StopGradient(), (E.binary(t, BinaryOp.Max, E.mul_s(t, amax, 1.0 / q),
+                                                E.scalar(t, 1e-12, dt)),))
+    if op.ste is SteKind.Tanh:
+        th = E.act(t, "Tanh", E.div(t, x, sc))
+        f = E.sub(t, E.scalar(t, 1.0, dt), E.mul(t, th, th))
+    else:  # HardTanh
+        z = E.act(t, "Abs", E.div(t, x, E.mul_s(t, sc, q)))
+        f = E.binary(t, BinaryOp.Max, E.sub(t, E.scalar(t, 1.0, dt), z), E.scalar(t, 0.0, dt))
+    return E.mul(t, d, f)
+
+
+@vjp_rule("FakeQuantizeBackward")
+def _fq_bwd(g, node, dy):
+    """dx = m(x) * d: self-adjoint in d. Identity / ClippedIdentity masks are piecewise
+    constant (x gets none); Tanh / HardTanh factors are differentiated in primitives."""
+    from rlx_jax.ir.op import SteKind
+    from rlx_jax.ir.ops_backward import FakeQuantizeBackward
+
+    op = node.op
+    if op.ste in (SteKind.Tanh, SteKind.HardTanh):
+        return vjp_via_expansion(g, node, dy, lambda t, ins: _fq_bwd_expansion(t, op, ins))
+    x, d = node.inputs
+    return [None, g._add_node(FakeQuantizeBackward(bits=op.bits, axis=op.axis, ste=op.ste), (x, dy))]
+
+
+@vjp_rule("FakeQuantizeLSQBackwardX")
+def _lsq_bwd_x(g, node, dy):
+    """dx = 1[x/s inside the range] * d: self-adjoint in d; x and s get none (a.e.)."""
+    from rlx_jax.ir.ops_backward import FakeQuantizeLSQBackwardX
+
+    x, s, d = node.inputs
+    op = node.op
+    return [None, None, g._add_node(FakeQuantizeLSQBackwardX(bits=op.bits, axis=op.axis), (x, s, dy))]
+
+
+def _log_mel_bwd(t, op, ins):
+    """dS = (d / m * [m > 1e-10]) @ F^T with m = S @ F."""
+    from .rules_linalg import matmul, t_last_2
+
+    spec, fb, d = ins
+    m = matmul(t, spec, fb)
+    dt = E.dtype(t, m)
+    eps = E.scalar(t, 1e-10, dt)
+    live = E.cmp(t, "Gt", m, eps)
+    q = E.where(t, live, E.div(t, d, E.binary(t, BinaryOp.Max, m, eps)), E.scalar(t, 0, dt))
+    return matmul(t, q, t_last_2(t, fb))
+
+
+vjp_rule("LogMelBackward")(_expanding(_log_mel_bwd))
+
+
+# -- scans ----------------------------------------------------------------------------------
+
+def _scan_bwd_unrolled(t, op, ins, which):
+    """ScanBackward(Xs) spelled out: the reverse sweep unrolled over the (static) length,
+    ``body_vjp`` inlined at each step; carries entering step s are ``init`` and the
+    trajectory rows. Returns dinit (``which`` None) or the stacked d xs_which."""
+    from rlx_jax.ir.ops_shape import Concat, Narrow
+
+    from .prepare import inline
+
+    if not op.save_trajectory or (0 < op.num_checkpoints < op.length):
+        raise GraphError("second-order gradients of a scan need its full trajectory")
+    nx = op.num_xs
+    init, traj, up = ins[0], ins[1], ins[2]
+    xs = ins[3:3 + nx]
+    cd = E.dims(t, init)
+
+    def row(a, s):
+        ds = E.dims(t, a)
+        return E.reshape(t, t._add_node(Narrow(axis=0, start=s, len=1), (a,)), tuple(ds[1:]))
+
+    dc = None
+    dx_rows = {i: [None] * op.length for i in range(nx)}
+    for s in range(op.length - 1, -1, -1):
+        u = row(up, s)
+        dc = u if dc is None else E.add(t, dc, u)
+        c_in = init if s == 0 else row(traj, s - 1)
+        outs = inline(t, op.body_vjp, [c_in] + [row(x, s) for x in xs], {"d_output": dc})
+        dc = E.cast(t, outs[0], E.dtype(t, init))
+        for i in range(nx):
+            dx_rows[i][s] = E.reshape(t, outs[1 + i], (1,) + tuple(E.dims(t, xs[i])[1:]))
+    if which is None:
+        return dc if dc is not None else E.zeros(t, E.shape(t, init))
+    parts = dx_rows[which]
+    return parts[0] if len(parts) == 1 else t._add_node(Concat(axis=0), tuple(parts))
+
+
+vjp_rule("ScanBackward")(_expanding(lambda t, op, ins: _scan_bwd_unrolled(t, op, ins, None)))
+vjp_rule("ScanBackwardXs")(_expanding(lambda t, op, ins: _scan_bwd_unrolled(t, op, ins, op.xs_idx)))
