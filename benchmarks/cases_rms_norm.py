@@ -1,6 +1,9 @@
-"""RMSNorm backward (dx, dgamma, dbeta): ours vs XLA's autodiff of the reference.
+"""RMSNorm: ours vs XLA's autodiff of the reference, two cases per size.
 
-Floor: x and dy read, dx written: 3 * N * H elements (gamma, dgamma, dbeta are O(H)).
+- ``rms_norm_fwd+bwd``: what a training step runs, y and (dx, dgamma) from x and dy.
+  Floor: forward reads x and writes y, backward reads x and dy and writes dx: 5 N H
+  elements (gamma, dgamma, dbeta are O(H)).
+- ``rms_norm_bwd_only``: the backward given the saved rstd. Floor: 3 N H elements.
 """
 
 from __future__ import annotations
@@ -24,21 +27,21 @@ def _case(n: int, h: int, dtype) -> Case:
         return x, g, dy
 
     def ours(x, g, dy):
-        _, vjp = jax.vjp(lambda x, g: rms_norm(x, g, eps=EPS), x, g)
-        return vjp(dy)
+        y, vjp = jax.vjp(lambda x, g: rms_norm(x, g, eps=EPS), x, g)
+        return (y, *vjp(dy))
 
     def xla(x, g, dy):
         beta = jnp.zeros_like(g)
-        _, vjp = jax.vjp(lambda x, g: reference_rms_norm(x, g, beta, eps=EPS)[0], x, g)
-        return vjp(dy)
+        y, vjp = jax.vjp(lambda x, g: reference_rms_norm(x, g, beta, eps=EPS)[0], x, g)
+        return (y, *vjp(dy))
 
     itemsize = jnp.dtype(dtype).itemsize
     return Case(
-        name=f"rms_norm_bwd {jnp.dtype(dtype).name} {n}x{h}",
+        name=f"rms_norm_fwd+bwd {jnp.dtype(dtype).name} {n}x{h}",
         make=make,
         ours=ours,
         xla=xla,
-        floor_bytes=3 * n * h * itemsize,
+        floor_bytes=5 * n * h * itemsize,
     )
 
 
@@ -75,4 +78,5 @@ def cases(device_kind: str) -> list[Case]:
             _bwd_only_case(32768, 4096, jnp.float32),
             _bwd_only_case(32768, 4096, jnp.bfloat16),
         ]
-    return [_case(8192, 1024, jnp.float32), _case(8192, 1024, jnp.bfloat16)]
+    return [_case(8192, 1024, jnp.float32), _case(8192, 1024, jnp.bfloat16),
+            _bwd_only_case(8192, 1024, jnp.float32), _bwd_only_case(8192, 1024, jnp.bfloat16)]
