@@ -148,40 +148,31 @@ def project(positions, scales, rotations, colors, sh_coeffs, meta, *, width, hei
     return u, v, z, conic, rgb, visible, lam
 
 
-def _tile_rects(u, v, lam, visible, *, width, height, tile_size, radius_scale, max_list_entries):
-    """Integer tile boxes [x0, x1) x [y0, y1) and each Gaussian's first pair number."""
+def _tile_rects(u, v, r, visible, *, width, height, tile_size):
+    """Integer tile boxes [x0, x1) x [y0, y1) of radius-r squares and each Gaussian's
+    first pair number."""
     tiles_x, tiles_y = -(-width // tile_size), -(-height // tile_size)
-    r = radius_scale * jnp.sqrt(lam)
     ts = float(tile_size)
     x0 = jnp.clip(jnp.floor((u - r) / ts), 0, tiles_x).astype(jnp.int32)
     x1 = jnp.clip(jnp.floor((u + r) / ts) + 1, 0, tiles_x).astype(jnp.int32)
     y0 = jnp.clip(jnp.floor((v - r) / ts), 0, tiles_y).astype(jnp.int32)
     y1 = jnp.clip(jnp.floor((v + r) / ts) + 1, 0, tiles_y).astype(jnp.int32)
-    n = jnp.where(visible, jnp.maximum(x1 - x0, 0) * jnp.maximum(y1 - y0, 0), 0).astype(jnp.int64 if jax.config.jax_enable_x64 else jnp.int32)
+    idt = jnp.int64 if jax.config.jax_enable_x64 else jnp.int32
+    n = jnp.where(visible, jnp.maximum(x1 - x0, 0) * jnp.maximum(y1 - y0, 0), 0).astype(idt)
     offset = jnp.cumsum(n) - n
     return x0, x1, y0, y1, offset
 
 
-def reference_render(positions, scales, rotations, opacities, colors, sh_coeffs, meta, *, width, height,
-                     tile_size, radius_scale, alpha_cutoff, max_splat_steps, transmittance_threshold,
-                     max_list_entries):
-    """Dense pure-JAX render (a ``lax.map`` over tiles of [tile pixels, P] arrays, each
-    tile checkpointed). Returns (image [H*W*4],)."""
-    dt = positions.dtype
-    p = positions.shape[0]
+def composite(u, v, depth, radius, visible, conic, rgb, opac, bg, *, width, height, tile_size, alpha_cutoff,
+              max_splat_steps, transmittance_threshold, max_list_entries):
+    """Bin, order and composite projected Gaussians (opac = alpha scale in [0, 1],
+    radius in pixels): a ``lax.map`` over tiles of dense [tile pixels, P] arrays, each
+    tile checkpointed. Returns the flat RGBA image."""
+    dt = u.dtype
     tiles_x, tiles_y = -(-width // tile_size), -(-height // tile_size)
-    _, _, _, _, _, bg = camera_from_meta(meta)
-    bg = bg.astype(dt)
-    if p == 0:
-        img = jnp.broadcast_to(jnp.concatenate([bg, jnp.zeros((1,), dt)]), (height * width, 4))
-        return (img.reshape(-1),)
-    u, v, z, conic, rgb, visible, lam = project(positions, scales, rotations, colors, sh_coeffs, meta,
-                                                width=width, height=height)
-    x0, x1, y0, y1, offset = jax.lax.stop_gradient(_tile_rects(
-        u, v, lam, visible, width=width, height=height, tile_size=tile_size, radius_scale=radius_scale,
-        max_list_entries=max_list_entries))
-    opac = jax.nn.sigmoid(opacities)
-    key = jnp.where(visible, jax.lax.stop_gradient(z), jnp.inf)
+    x0, x1, y0, y1, offset = jax.lax.stop_gradient(
+        _tile_rects(u, v, radius, visible, width=width, height=height, tile_size=tile_size))
+    key = jnp.where(visible, jax.lax.stop_gradient(depth), jnp.inf)
     order = jnp.argsort(key, stable=True)
     u, v, conic, rgb, opac = u[order], v[order], conic[order], rgb[order], opac[order]
     x0, x1, y0, y1, offset = x0[order], x1[order], y0[order], y1[order], offset[order]
@@ -217,7 +208,26 @@ def reference_render(positions, scales, rotations, opacities, colors, sh_coeffs,
     tiles = jax.lax.map(lambda t: tile(t, u, v, conic, rgb, opac), jnp.arange(tiles_x * tiles_y))
     img = tiles.reshape(tiles_y, tiles_x, ts, ts, 4).transpose(0, 2, 1, 3, 4)
     img = img.reshape(tiles_y * ts, tiles_x * ts, 4)[:height, :width]
-    return (img.reshape(-1).astype(dt),)
+    return img.reshape(-1).astype(dt)
+
+
+def reference_render(positions, scales, rotations, opacities, colors, sh_coeffs, meta, *, width, height,
+                     tile_size, radius_scale, alpha_cutoff, max_splat_steps, transmittance_threshold,
+                     max_list_entries):
+    """Pure-JAX render: ``project`` then ``composite``. Returns (image [H*W*4],)."""
+    dt = positions.dtype
+    _, _, _, _, _, bg = camera_from_meta(meta)
+    bg = bg.astype(dt)
+    if positions.shape[0] == 0:
+        img = jnp.broadcast_to(jnp.concatenate([bg, jnp.zeros((1,), dt)]), (height * width, 4))
+        return (img.reshape(-1),)
+    u, v, z, conic, rgb, visible, lam = project(positions, scales, rotations, colors, sh_coeffs, meta,
+                                                width=width, height=height)
+    radius = radius_scale * jnp.sqrt(jax.lax.stop_gradient(lam))
+    img = composite(u, v, z, radius, visible, conic, rgb, jax.nn.sigmoid(opacities), bg, width=width,
+                    height=height, tile_size=tile_size, alpha_cutoff=alpha_cutoff, max_splat_steps=max_splat_steps,
+                    transmittance_threshold=transmittance_threshold, max_list_entries=max_list_entries)
+    return (img,)
 
 
 def _clamp_anisotropy(scales, max_anisotropy):
