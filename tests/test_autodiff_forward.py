@@ -61,9 +61,10 @@ def test_jvp_matches_jax(name):
     assert Graph.from_json(jg.to_json()) == jg
     rng = np.random.RandomState(5)
     tangents = {f"tangent_{k}": rng.randn(*np.shape(v)).astype(v.dtype) for k, v in params.items()}
-    outs = rlx_jax.to_jax(jg)(params, dict(inputs, **tangents))
+    outs = jax.jit(rlx_jax.to_jax(jg))(params, dict(inputs, **tangents))
     f = rlx_jax.to_jax(g)
-    prim, tan = jax.jvp(lambda p: f(p, inputs), (params,), ({k: tangents[f"tangent_{k}"] for k in params},))
+    prim, tan = jax.jit(lambda p, t: jax.jvp(lambda q: f(q, inputs), (p,), (t,)))(
+        params, {k: tangents[f"tangent_{k}"] for k in params})
     assert len(outs) == 2
     _close(outs[0], prim[0], "primal")
     _close(outs[1], tan[0], "tangent")
@@ -151,7 +152,7 @@ def test_hvp_matches_jax_hessian(maker, x64):
     hg.verify()
     assert Graph.from_json(hg.to_json()) == hg
     vs = {w: rng.randn(*params[w].shape) for w in wrt}
-    outs = rlx_jax.to_jax(hg)(params, dict(inputs, **{f"tangent_{w}": vs[w] for w in wrt}))
+    outs = jax.jit(rlx_jax.to_jax(hg))(params, dict(inputs, **{f"tangent_{w}": vs[w] for w in wrt}))
     f = rlx_jax.to_jax(g)
 
     def flat_loss(flat):
@@ -163,11 +164,11 @@ def test_hvp_matches_jax_hessian(maker, x64):
         return f(p, inputs)[0]
 
     flat = np.concatenate([params[w].ravel() for w in wrt])
-    hess = jax.hessian(flat_loss)(flat)
+    hess = jax.jit(jax.hessian(flat_loss))(flat)
     hv = hess @ np.concatenate([vs[w].ravel() for w in wrt])
     assert len(outs) == 1 + 2 * len(wrt)
     _close(outs[0], flat_loss(flat), "loss", 1e-9)
-    grad = jax.grad(flat_loss)(flat)
+    grad = jax.jit(jax.grad(flat_loss))(flat)
     k = 0
     for i, w in enumerate(wrt):
         n = params[w].size
@@ -199,9 +200,10 @@ def test_vmap_matches_jax(name):
         v = params[k]
         bparams[k] = (np.abs(rng.randn(bsz, *v.shape)) + 0.5 if k.startswith("pos") else rng.randn(bsz, *v.shape)
                       ).astype(v.dtype)
-    out = rlx_jax.to_jax(vg)(bparams, inputs)
+    out = jax.jit(rlx_jax.to_jax(vg))(bparams, inputs)
     f = rlx_jax.to_jax(g)
-    ref = jax.vmap(lambda *xs: f(dict(params, **dict(zip(batched, xs))), inputs))(*[bparams[k] for k in batched])
+    ref = jax.jit(jax.vmap(lambda *xs: f(dict(params, **dict(zip(batched, xs))), inputs)))(
+        *[bparams[k] for k in batched])
     _close(out[0], ref[0], "vmap")
 
 

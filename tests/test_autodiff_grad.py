@@ -16,6 +16,22 @@ from autodiff_cases import CASES, feeds_for
 
 RTOL = 2e-4
 
+# one or two cases per op family run by default; the full sweep over every case is
+# marked slow (run it with -m slow)
+FAST = {"act_gelu", "act_relu", "binary_mul", "binary_pow", "where_compare", "reduce_max", "softmax",
+        "matmul_batched", "dot_general", "layer_norm", "rms_norm", "group_norm", "batch_norm_inference",
+        "attention_causal", "attention_softcap", "attention_bias", "conv2d_stride_pad_dil_groups",
+        "max_pool2d", "avg_pool2d", "softmax_cross_entropy", "cumsum", "gather_axis0", "rope",
+        "fake_quantize_lsq", "complex_norm_sq", "fused_transformer_layer", "if_where", "scan_final_carry",
+        "custom_fn_vjp_body", "narrow", "concat", "dense_solve", "grouped_matmul"}
+FAST_SECOND = {"act_gelu", "binary_pow", "softmax", "layer_norm", "rms_norm", "group_norm",
+               "attention_causal", "conv2d_stride_pad_dil_groups", "max_pool2d", "softmax_cross_entropy",
+               "scan_trajectory", "complex_norm_sq", "fake_quantize_tanh"}
+
+
+def _params(fast):
+    return [pytest.param(n, marks=() if n in fast else pytest.mark.slow) for n in sorted(CASES)]
+
 
 def _close(got, want, what):
     got, want = np.asarray(got), np.asarray(want)
@@ -48,18 +64,18 @@ def wrt_names(g):
 
 def reference(g, params, inputs):
     f = rlx_jax.to_jax(g)
-    loss = f(params, inputs)[0]
-    grads = jax.grad(lambda p: jnp.real(f(p, inputs)[0]))(params)
+    loss = jax.jit(lambda p: f(p, inputs)[0])(params)
+    grads = jax.jit(jax.grad(lambda p: jnp.real(f(p, inputs)[0])))(params)
     return loss, grads
 
 
 def run_grad(gg, params, inputs, d=1.0):
-    f = rlx_jax.to_jax(gg)
+    f = jax.jit(rlx_jax.to_jax(gg))
     dname = [n.op.name for n in gg.nodes if type(n.op).__name__ == "Input" and n.op.name.startswith("d_output")][-1]
     return f(params, dict(inputs, **{dname: np.float32(d)}))
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", _params(FAST))
 def test_grad_matches_jax(name):
     g, explicit = scalar_loss_graph(name)
     params, inputs = feeds_for(g, explicit, np.random.RandomState(0))
@@ -103,7 +119,7 @@ SECOND_ORDER_SKIP = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", _params(FAST_SECOND))
 def test_second_order_matches_jax(name):
     if name in SECOND_ORDER_SKIP:
         pytest.skip(SECOND_ORDER_SKIP[name])
@@ -127,12 +143,12 @@ def test_second_order_matches_jax(name):
 
     s = g.node(g.leaf_id(w0)).shape
     r2_arr = r2.randn(*s.dims).astype(s.dtype.to_numpy())
-    ref = jax.grad(loss2)(params)
-    f2 = rlx_jax.to_jax(hh)
+    ref = jax.jit(jax.grad(loss2))(params)
+    f2 = jax.jit(rlx_jax.to_jax(hh))
     names = [n.op.name for n in hh.nodes if type(n.op).__name__ == "Input" and n.op.name.startswith("d_output")]
     feeds = dict(inputs, **{names[0]: np.float32(1.0), names[-1]: np.float32(1.0)})
     outs = f2(params, feeds)
-    _close(outs[0], loss2(params), "loss2")
+    _close(outs[0], jax.jit(loss2)(params), "loss2")
     for w, got in zip(wrt, outs[1:]):
         _close(got, ref[w], f"d loss2 / d {w}")
 
