@@ -82,7 +82,7 @@ def sample(logits, top_k, top_p, temperature, seed):
         before = jnp.cumsum(p, axis=-1) - p  # mass strictly before each token
         keep = keep & (before < top_p)
     zs = jnp.where(keep, zs, -jnp.inf)
-    key = jax.random.PRNGKey(int(seed) & 0xFFFFFFFF)
+    key = seed_key(seed)
     pick = jax.random.categorical(key, zs, axis=-1)
     return jnp.take_along_axis(order, pick[..., None], axis=-1)[..., 0]
 
@@ -104,23 +104,28 @@ def _rng_shape(op, ctx):
     return shape
 
 
+def seed_key(seed: int):
+    """A PRNG key for a u64 RLX seed (low 32 bits, then the high 32 folded in)."""
+    seed = int(seed)
+    key = jax.random.PRNGKey(seed & 0xFFFFFFFF)
+    hi = (seed >> 32) & 0xFFFFFFFF
+    return jax.random.fold_in(key, hi) if hi else key
+
+
 def _rng_key(op):
-    return jax.random.PRNGKey(int(getattr(op, "seed", 0)) & 0xFFFFFFFF)
+    return seed_key(op.seed)
 
 
 @lowering_rule("RngNormal")
 def _rng_normal(op, args, ctx):
     # N(mean, std^2) samples of the node's shape from PRNGKey(seed).
-    mean = float(getattr(op, "mean", 0.0))
-    std = float(getattr(op, "std", 1.0))
-    x = jax.random.normal(_rng_key(op), _rng_shape(op, ctx), jnp.float32) * std + mean
+    x = jax.random.normal(_rng_key(op), _rng_shape(op, ctx), jnp.float32) * float(op.std) + float(op.mean)
     return x.astype(ctx.out_dtype)
 
 
 @lowering_rule("RngUniform")
 def _rng_uniform(op, args, ctx):
     # U[low, high) samples of the node's shape from PRNGKey(seed).
-    low = float(getattr(op, "low", 0.0))
-    high = float(getattr(op, "high", 1.0))
-    x = jax.random.uniform(_rng_key(op), _rng_shape(op, ctx), jnp.float32, low, high)
+    x = jax.random.uniform(_rng_key(op), _rng_shape(op, ctx), jnp.float32, float(op.low),
+                           float(op.high))
     return x.astype(ctx.out_dtype)
