@@ -167,3 +167,13 @@ def test_cuda_session_runs_on_the_gpu():
     y, _ = c.run({"x": x})
     assert c.device == "cuda"
     np.testing.assert_allclose(y, np.maximum(x @ w + b, 0), rtol=1e-2, atol=1e-2)  # TF32 matmuls
+
+
+def test_flat_buffers_are_reshaped_like_pyrlx(compiled):
+    c, w, b = compiled
+    c.set_param("w", w.reshape(-1))  # pyrlx reads params as flat f32 buffers
+    x = RNG.standard_normal((3, 4)).astype(np.float32)
+    y, _ = c.run({"x": x.reshape(-1)})  # the dynamic batch dim is inferred from the size
+    np.testing.assert_allclose(y, np.maximum(x @ w + b, 0), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="'x'"):
+        c.run({"x": np.ones(7, np.float32)})

@@ -76,6 +76,23 @@ def _dtype_label(dt) -> str:
     return DType.from_any(np.dtype(dt)).short
 
 
+def _conform(what: str, node, arr: np.ndarray) -> np.ndarray:
+    """pyrlx reads arrays as flat buffers: a 1-D array whose element count fills the
+    declared shape (one dynamic dim inferred from the count) is reshaped to it; anything
+    else is left for the shape check to reject."""
+    dims = list(node.shape.dims)
+    if arr.ndim != 1 or len(dims) == 1:
+        return arr
+    dyn = [i for i, d in enumerate(dims) if not isinstance(d, int)]
+    static = int(np.prod([d for d in dims if isinstance(d, int)])) if dims else 1
+    if not dyn and arr.size == static:
+        return arr.reshape(dims)
+    if len(dyn) == 1 and static and arr.size % static == 0:
+        dims[dyn[0]] = arr.size // static
+        return arr.reshape(dims)
+    return arr
+
+
 class Session:
     """``Session(device="cpu", precision="f32")``: where and at what float precision
     compiled graphs run ("f16"/"bf16" compute f32 tensors in that type; inputs and
@@ -155,6 +172,7 @@ class CompiledGraph:
             if arr.dtype.kind not in "biuf":
                 raise TypeError(f"set_param({name!r}): expected a numeric array, got {arr.dtype}")
             arr = arr.astype(want)
+        arr = _conform(f"set_param({name!r})", node, arr)
         self._check_static(f"set_param({name!r})", node, arr.shape)
         self._params[name] = arr
 
@@ -217,7 +235,7 @@ class CompiledGraph:
             want = np.dtype(jnp_dtype(node.shape.dtype))
             if arr.dtype != want and arr.dtype.kind in "biuf" and want.kind in "biufc":
                 arr = arr.astype(want)
-            out[name] = arr
+            out[name] = _conform(f"input {name!r}", node, arr)
         return out
 
     def _call(self, inputs: dict) -> list:
