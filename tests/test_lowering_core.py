@@ -195,3 +195,25 @@ def test_every_ir_op_has_a_lowering_rule_or_a_stated_reason():
     assert not missing, f"IR ops without a lowering rule: {missing}"
     stale = sorted(n for n in NOT_LOWERED if n in registered_ops())
     assert not stale, f"ops listed as not lowered now have rules: {stale}"
+
+
+def test_vmap_and_jit_through_families_and_scan():
+    g = rlx.Graph("v")
+    x = g.input("x", [4, 8], "f32")
+    ga = g.param("g", [8], "f32")
+    be = g.param("b", [8], "f32")
+    h = g.layer_norm(x, ga, be, -1, 1e-5)
+    a = g.attention_kind(h, h, h, 2, 4, "causal")
+    body = rlx.Graph("body")
+    c = body.input("c", [8], "f32")
+    r = body.input("r", [8], "f32")
+    body.set_outputs([body.tanh(body.add(c, r))])
+    s = g.scan(g.reduce(a, "sum", [0]), body, 4, xs=[a])
+    g.set_outputs([s])
+    f = rlx.to_jax(g)
+    rng = np.random.default_rng(3)
+    p = {"g": np.ones(8, np.float32), "b": np.zeros(8, np.float32)}
+    xs = rng.standard_normal((5, 4, 8)).astype(np.float32)
+    batched = jax.jit(jax.vmap(lambda xi: f(p, {"x": xi})[0]))(xs)
+    for i in range(5):
+        np.testing.assert_allclose(batched[i], f(p, {"x": xs[i]})[0], rtol=1e-5, atol=1e-5)
