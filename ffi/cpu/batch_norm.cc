@@ -8,30 +8,16 @@
 //   dgamma_c = rstd_c * sum_{n, s} dy * (x - mean_c)        dbeta_c = sum_{n, s} dy
 // One read of x and dy. With S > 1 each (n, c) plane is a task unit writing its own two
 // partial sums; with S == 1 ([N, C] inputs) row chunks accumulate [C] partial vectors.
-// The partials are then added over samples / chunks in order (deterministic).
+// The partials are then added over samples / chunks in order (deterministic). Sums are
+// the vectorised fixed-order ones of norm_rows.h; bf16/f16 rows go through f32 scratch.
 // (The gradients for mean and var follow from dgamma and dbeta on the Python side.)
 #include <cmath>
 
 #include "cpu/common.h"
+#include "cpu/norm_rows.h"
 
 namespace rlx {
 namespace {
-
-constexpr int kLanes = 8;
-
-// (sum f(j), sum g(j)) over j < n, on kLanes accumulators added pairwise at the end.
-template <typename A, typename F, typename G>
-inline void lanes_sum2(int64_t n, F&& f, G&& g, A& out_f, A& out_g) {
-  A af[kLanes] = {}, ag[kLanes] = {};
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    for (int k = 0; k < kLanes; ++k) { af[k] += f(j + k); ag[k] += g(j + k); }
-  for (int k = 0; j < n; ++j, ++k) { af[k] += f(j); ag[k] += g(j); }
-  for (int w = kLanes / 2; w > 0; w /= 2)
-    for (int k = 0; k < w; ++k) { af[k] += af[k + w]; ag[k] += ag[k + w]; }
-  out_f = af[0];
-  out_g = ag[0];
-}
 
 template <typename T>
 void batch_norm_inference_bwd_typed(ffi::ThreadPool& pool, const T* x, const T* gamma,
@@ -45,8 +31,8 @@ void batch_norm_inference_bwd_typed(ffi::ThreadPool& pool, const T* x, const T* 
     rstd[j] = A(1) / std::sqrt(load<A>(var_in[j]) + A(eps));
     scale[j] = load<A>(gamma[j]) * rstd[j];
   }
-  const A* m = mean.data();
-  const A* sc = scale.data();
+  const A* __restrict m = mean.data();
+  const A* __restrict sc = scale.data();
   int64_t parts;  // partial sums, laid out [parts, C]
   std::vector<A> pd, pb;
   if (s > 1) {
@@ -56,17 +42,17 @@ void batch_norm_inference_bwd_typed(ffi::ThreadPool& pool, const T* x, const T* 
     const int64_t planes = n * c;
     const int64_t chunks = row_chunks(planes, s);
     parallel_for(pool, chunks, [&](int64_t t) {
+      norm::Rows<T, A> buf(s, 3);
       const int64_t p0 = planes * t / chunks, p1 = planes * (t + 1) / chunks;
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t ch = p % c;
-        const T* xp = x + p * s;
-        const T* dyp = dy + p * s;
-        T* dxp = dx + p * s;
-        const A mu = m[ch], k = sc[ch];
-        lanes_sum2<A>(
-            s, [&](int64_t j) { return load<A>(dyp[j]); },
-            [&](int64_t j) { return load<A>(dyp[j]) * (load<A>(xp[j]) - mu); }, pb[p], pd[p]);
-        for (int64_t j = 0; j < s; ++j) dxp[j] = store<T>(load<A>(dyp[j]) * k);
+        const A* __restrict xp = buf.in(x + p * s, 0);
+        const A* __restrict dyp = buf.in(dy + p * s, 1);
+        A* __restrict dxp = buf.out(dx + p * s, 2);
+        const A k = sc[ch];
+        norm::dy_sums<A>(xp, dyp, nullptr, m[ch], s, pb[p], pd[p]);
+        for (int64_t j = 0; j < s; ++j) dxp[j] = dyp[j] * k;
+        buf.commit(dx + p * s, 2);
       }
     });
   } else {
@@ -75,19 +61,20 @@ void batch_norm_inference_bwd_typed(ffi::ThreadPool& pool, const T* x, const T* 
     pd.assign(static_cast<size_t>(chunks * c), A(0));
     pb.assign(static_cast<size_t>(chunks * c), A(0));
     parallel_for(pool, chunks, [&](int64_t t) {
-      A* pdt = pd.data() + t * c;
-      A* pbt = pb.data() + t * c;
+      A* __restrict pdt = pd.data() + t * c;
+      A* __restrict pbt = pb.data() + t * c;
+      norm::Rows<T, A> buf(c, 3);
       const int64_t r0 = n * t / chunks, r1 = n * (t + 1) / chunks;
       for (int64_t r = r0; r < r1; ++r) {
-        const T* xr = x + r * c;
-        const T* dyr = dy + r * c;
-        T* dxr = dx + r * c;
+        const A* __restrict xr = buf.in(x + r * c, 0);
+        const A* __restrict dyr = buf.in(dy + r * c, 1);
+        A* __restrict dxr = buf.out(dx + r * c, 2);
         for (int64_t j = 0; j < c; ++j) {
-          const A d = load<A>(dyr[j]);
-          dxr[j] = store<T>(d * sc[j]);
-          pbt[j] += d;
-          pdt[j] += d * (load<A>(xr[j]) - m[j]);
+          dxr[j] = dyr[j] * sc[j];
+          pbt[j] += dyr[j];
+          pdt[j] += dyr[j] * (xr[j] - m[j]);
         }
+        buf.commit(dx + r * c, 2);
       }
     });
   }

@@ -13,28 +13,16 @@
 // sum dy * (x - mean) (which give both the block means and the parameter partials),
 // a second computes dx while the block is still in cache. Each block writes its own
 // parameter partials [N, C]; they are then added over n in order (deterministic).
+// Sums are the vectorised fixed-order ones of norm_rows.h; bf16/f16 blocks are
+// converted to f32 in per-task scratch first.
 #include <cmath>
 #include <limits>
 
 #include "cpu/common.h"
+#include "cpu/norm_rows.h"
 
 namespace rlx {
 namespace {
-
-constexpr int kLanes = 8;
-
-// sum over j < n of f(j), on kLanes accumulators added pairwise at the end.
-template <typename A, typename F>
-inline A lanes_sum(int64_t n, F&& f) {
-  A acc[kLanes] = {};
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    for (int k = 0; k < kLanes; ++k) acc[k] += f(j + k);
-  for (int k = 0; j < n; ++j, ++k) acc[k] += f(j);
-  for (int w = kLanes / 2; w > 0; w /= 2)
-    for (int k = 0; k < w; ++k) acc[k] += acc[k + w];
-  return acc[0];
-}
 
 struct Layout {
   int64_t n, c, s, groups, k, m;  // batch, channels, spatial, groups, channels/group, block
@@ -50,25 +38,23 @@ void group_norm_fwd_typed(ffi::ThreadPool& pool, const Layout& L, const T* x, co
   const int64_t chunks = row_chunks(blocks, L.m);
   const A inv_m = A(1) / A(L.m);
   parallel_for(pool, chunks, [&](int64_t t) {
+    norm::Rows<T, A> buf(L.m, 2);
     const int64_t b0 = blocks * t / chunks, b1 = blocks * (t + 1) / chunks;
     for (int64_t blk = b0; blk < b1; ++blk) {
-      const T* xb = x + blk * L.m;
-      T* yb = y + blk * L.m;
-      const A mu = lanes_sum<A>(L.m, [&](int64_t j) { return load<A>(xb[j]); }) * inv_m;
-      const A var = lanes_sum<A>(L.m, [&](int64_t j) {
-                      const A d = load<A>(xb[j]) - mu;
-                      return d * d;
-                    }) * inv_m;
-      const A inv = A(1) / std::sqrt(var + A(eps));
+      const A* xb = buf.in(x + blk * L.m, 0);
+      A* yb = buf.out(y + blk * L.m, 1);
+      const A mu = norm::sum(xb, L.m) * inv_m;
+      const A inv = A(1) / std::sqrt(norm::sq_dev(xb, mu, L.m) * inv_m + A(eps));
       mean[blk] = mu;
       rstd[blk] = inv;
       const int64_t c0 = (blk % L.groups) * L.k;
       for (int64_t ci = 0; ci < L.k; ++ci) {
-        const A g = load<A>(gamma[c0 + ci]), b = load<A>(beta[c0 + ci]);
-        const T* xc = xb + ci * L.s;
-        T* yc = yb + ci * L.s;
-        for (int64_t j = 0; j < L.s; ++j) yc[j] = store<T>((load<A>(xc[j]) - mu) * inv * g + b);
+        const A scale = inv * load<A>(gamma[c0 + ci]), shift = load<A>(beta[c0 + ci]);
+        const A* __restrict xc = xb + ci * L.s;
+        A* __restrict yc = yb + ci * L.s;
+        for (int64_t j = 0; j < L.s; ++j) yc[j] = (xc[j] - mu) * scale + shift;
       }
+      buf.commit(y + blk * L.m, 1);
     }
   });
 }
@@ -86,23 +72,20 @@ void group_norm_bwd_typed(ffi::ThreadPool& pool, const Layout& L, const T* x, co
   // per (n, c): pg = sum_s dy * xhat, pb = sum_s dy
   std::vector<A> pg(static_cast<size_t>(L.n * L.c)), pb(static_cast<size_t>(L.n * L.c));
   parallel_for(pool, chunks, [&](int64_t t) {
+    norm::Rows<T, A> buf(L.m, 3);
     const int64_t b0 = blocks * t / chunks, b1 = blocks * (t + 1) / chunks;
     for (int64_t blk = b0; blk < b1; ++blk) {
-      const T* xb = x + blk * L.m;
-      const T* dyb = dy + blk * L.m;
-      T* dxb = dx + blk * L.m;
+      const A* xb = buf.in(x + blk * L.m, 0);
+      const A* dyb = buf.in(dy + blk * L.m, 1);
+      A* dxb = buf.out(dx + blk * L.m, 2);
       const A mu = mean[blk], inv = rstd[blk];
       const int64_t c0 = (blk % L.groups) * L.k;
-      A* pgb = pg.data() + blk * L.k;  // block (n, g) owns channels n*C + g*K ...
+      A* pgb = pg.data() + blk * L.k;  // block (n, g) owns entries n*C + g*K ...
       A* pbb = pb.data() + blk * L.k;
-      A su = 0, sux = 0;  // sum u, sum u * (x - mean) over the block
+      A su = 0, sux = 0;  // sum u, sum u * (x - mean) over the block, u = dy * gamma
       for (int64_t ci = 0; ci < L.k; ++ci) {
-        const T* xc = xb + ci * L.s;
-        const T* dyc = dyb + ci * L.s;
-        const A sdy = lanes_sum<A>(L.s, [&](int64_t j) { return load<A>(dyc[j]); });
-        const A sdx = lanes_sum<A>(L.s, [&](int64_t j) {
-          return load<A>(dyc[j]) * (load<A>(xc[j]) - mu);
-        });
+        A sdy, sdx;
+        norm::dy_sums<A>(xb + ci * L.s, dyb + ci * L.s, nullptr, mu, L.s, sdy, sdx);
         const A g = load<A>(gamma[c0 + ci]);
         su += g * sdy;
         sux += g * sdx;
@@ -112,14 +95,12 @@ void group_norm_bwd_typed(ffi::ThreadPool& pool, const Layout& L, const T* x, co
       const A c1 = su * inv_m, c2 = sux * inv * inv_m;
       for (int64_t ci = 0; ci < L.k; ++ci) {
         const A g = load<A>(gamma[c0 + ci]);
-        const T* xc = xb + ci * L.s;
-        const T* dyc = dyb + ci * L.s;
-        T* dxc = dxb + ci * L.s;
-        for (int64_t j = 0; j < L.s; ++j) {
-          const A xh = (load<A>(xc[j]) - mu) * inv;
-          dxc[j] = store<T>(inv * (load<A>(dyc[j]) * g - c1 - xh * c2));
-        }
+        const A* __restrict xc = xb + ci * L.s;
+        const A* __restrict dyc = dyb + ci * L.s;
+        A* __restrict dxc = dxb + ci * L.s;
+        for (int64_t j = 0; j < L.s; ++j) dxc[j] = inv * (dyc[j] * g - c1 - (xc[j] - mu) * inv * c2);
       }
+      buf.commit(dx + blk * L.m, 2);
     }
   });
   // parameter gradients: channel blocks in parallel, samples added in order

@@ -12,44 +12,16 @@
 // each row chunk writes its own partial sums, then the partials are added in chunk
 // order, so the result does not depend on the thread count (deterministic).
 //
-// Row sums run on kLanes independent accumulators combined in a fixed order: that is
-// what lets the compiler vectorise them without -ffast-math, and it fixes the rounding.
+// Row sums are the lane-parallel ones of norm_rows.h (vectorised, fixed order); bf16
+// and f16 rows are converted to f32 in per-task scratch first.
 #include <cmath>
 #include <limits>
 
 #include "cpu/common.h"
+#include "cpu/norm_rows.h"
 
 namespace rlx {
 namespace {
-
-constexpr int kLanes = 8;
-
-// sum over j < n of f(j), on kLanes accumulators added pairwise at the end.
-template <typename A, typename F>
-inline A lane_sum(int64_t n, F&& f) {
-  A acc[kLanes] = {};
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    for (int k = 0; k < kLanes; ++k) acc[k] += f(j + k);
-  for (int k = 0; j < n; ++j, ++k) acc[k] += f(j);
-  for (int w = kLanes / 2; w > 0; w /= 2)
-    for (int k = 0; k < w; ++k) acc[k] += acc[k + w];
-  return acc[0];
-}
-
-// (sum f(j), sum g(j)) in one sweep.
-template <typename A, typename F, typename G>
-inline void lane_sum2(int64_t n, F&& f, G&& g, A& out_f, A& out_g) {
-  A af[kLanes] = {}, ag[kLanes] = {};
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    for (int k = 0; k < kLanes; ++k) { af[k] += f(j + k); ag[k] += g(j + k); }
-  for (int k = 0; j < n; ++j, ++k) { af[k] += f(j); ag[k] += g(j); }
-  for (int w = kLanes / 2; w > 0; w /= 2)
-    for (int k = 0; k < w; ++k) { af[k] += af[k + w]; ag[k] += ag[k + w]; }
-  out_f = af[0];
-  out_g = ag[0];
-}
 
 template <typename T, typename A>
 std::vector<A> to_accum(const T* p, int64_t n) {
@@ -66,25 +38,22 @@ void layer_norm_fwd_typed(ffi::ThreadPool& pool, const T* x, const T* gamma_in, 
   A* mean = static_cast<A*>(mean_out);
   A* rstd = static_cast<A*>(rstd_out);
   const std::vector<A> gv = to_accum<T, A>(gamma_in, width), bv = to_accum<T, A>(beta_in, width);
-  const A* g = gv.data();
-  const A* b = bv.data();
+  const A* __restrict g = gv.data();
+  const A* __restrict b = bv.data();
   const A inv_w = A(1) / A(width);
   const int64_t chunks = row_chunks(rows, width);
   parallel_for(pool, chunks, [&](int64_t c) {
+    norm::Rows<T, A> buf(width, 2);
     const int64_t r0 = rows * c / chunks, r1 = rows * (c + 1) / chunks;
     for (int64_t r = r0; r < r1; ++r) {
-      const T* xr = x + r * width;
-      T* yr = y + r * width;
-      const A mu = lane_sum<A>(width, [&](int64_t j) { return load<A>(xr[j]); }) * inv_w;
-      const A var = lane_sum<A>(width, [&](int64_t j) {
-                      const A d = load<A>(xr[j]) - mu;
-                      return d * d;
-                    }) * inv_w;
-      const A inv = A(1) / std::sqrt(var + A(eps));
+      const A* __restrict xr = buf.in(x + r * width, 0);
+      A* __restrict yr = buf.out(y + r * width, 1);
+      const A mu = norm::sum(xr, width) * inv_w;
+      const A inv = A(1) / std::sqrt(norm::sq_dev(xr, mu, width) * inv_w + A(eps));
       mean[r] = mu;
       rstd[r] = inv;
-      for (int64_t j = 0; j < width; ++j)
-        yr[j] = store<T>((load<A>(xr[j]) - mu) * inv * g[j] + b[j]);
+      for (int64_t j = 0; j < width; ++j) yr[j] = (xr[j] - mu) * inv * g[j] + b[j];
+      buf.commit(y + r * width, 1);
     }
   });
 }
@@ -97,49 +66,50 @@ void layer_norm_bwd_typed(ffi::ThreadPool& pool, const T* x, const T* gamma_in,
   const A* mean = static_cast<const A*>(mean_in);
   const A* rstd = static_cast<const A*>(rstd_in);
   const std::vector<A> gv = to_accum<T, A>(gamma_in, width);
-  const A* g = gv.data();
+  const A* __restrict g = gv.data();
   const A inv_w = A(1) / A(width);
   const int64_t chunks = row_chunks(rows, width);
   // partial[c][0][:] = dgamma partial, partial[c][1][:] = dbeta partial of chunk c
   std::vector<A> partial(static_cast<size_t>(chunks) * 2 * width, A(0));
   parallel_for(pool, chunks, [&](int64_t c) {
-    A* pg = partial.data() + c * 2 * width;
-    A* pb = pg + width;
+    A* __restrict pg = partial.data() + c * 2 * width;
+    A* __restrict pb = pg + width;
+    norm::Rows<T, A> buf(width, 3);
     const int64_t r0 = rows * c / chunks, r1 = rows * (c + 1) / chunks;
     for (int64_t r = r0; r < r1; ++r) {
-      const T* xr = x + r * width;
-      const T* dyr = dy + r * width;
-      T* dxr = dx + r * width;
+      const A* __restrict xr = buf.in(x + r * width, 0);
+      const A* __restrict dyr = buf.in(dy + r * width, 1);
+      A* __restrict dxr = buf.out(dx + r * width, 2);
       const A mu = mean[r], inv = rstd[r];
-      A su, sux;  // sum u, sum u * (x - mean)
-      lane_sum2<A>(
-          width, [&](int64_t j) { return load<A>(dyr[j]) * g[j]; },
-          [&](int64_t j) { return load<A>(dyr[j]) * g[j] * (load<A>(xr[j]) - mu); }, su, sux);
-      const A c1 = su * inv_w;              // mean(u)
-      const A c2 = sux * inv * inv_w;       // mean(u * xhat)
+      A su, sux;  // sum u, sum u * (x - mean) with u = dy * gamma
+      norm::dy_sums(xr, dyr, g, mu, width, su, sux);
+      const A c1 = su * inv_w;         // mean(u)
+      const A c2 = sux * inv * inv_w;  // mean(u * xhat)
       for (int64_t j = 0; j < width; ++j) {
-        const A dyv = load<A>(dyr[j]);
-        const A xh = (load<A>(xr[j]) - mu) * inv;
-        dxr[j] = store<T>(inv * (dyv * g[j] - c1 - xh * c2));
-        pg[j] += dyv * xh;
-        pb[j] += dyv;
+        const A xh = (xr[j] - mu) * inv;
+        dxr[j] = inv * (dyr[j] * g[j] - c1 - xh * c2);
+        pg[j] += dyr[j] * xh;
+        pb[j] += dyr[j];
       }
+      buf.commit(dx + r * width, 2);
     }
   });
   // second pass: column blocks in parallel, chunks added in order
   const int64_t col_tasks = std::max<int64_t>(1, std::min<int64_t>(width / 256, 64));
   parallel_for(pool, col_tasks, [&](int64_t t) {
-    const int64_t j0 = width * t / col_tasks, j1 = width * (t + 1) / col_tasks;
+    const int64_t j0 = width * t / col_tasks, j1 = width * (t + 1) / col_tasks, n = j1 - j0;
     std::vector<A> sg(partial.begin() + j0, partial.begin() + j1);
     std::vector<A> sb(partial.begin() + width + j0, partial.begin() + width + j1);
+    A* __restrict sgp = sg.data();
+    A* __restrict sbp = sb.data();
     for (int64_t c = 1; c < chunks; ++c) {
-      const A* pg = partial.data() + c * 2 * width;
-      const A* pb = pg + width;
-      for (int64_t j = j0; j < j1; ++j) { sg[j - j0] += pg[j]; sb[j - j0] += pb[j]; }
+      const A* __restrict pg = partial.data() + c * 2 * width + j0;
+      const A* __restrict pb = pg + width;
+      for (int64_t j = 0; j < n; ++j) { sgp[j] += pg[j]; sbp[j] += pb[j]; }
     }
-    for (int64_t j = j0; j < j1; ++j) {
-      dgamma[j] = store<T>(sg[j - j0]);
-      dbeta[j] = store<T>(sb[j - j0]);
+    for (int64_t j = 0; j < n; ++j) {
+      dgamma[j0 + j] = store<T>(sgp[j]);
+      dbeta[j0 + j] = store<T>(sbp[j]);
     }
   });
 }
