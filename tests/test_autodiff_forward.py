@@ -43,6 +43,17 @@ JVP_CASES = ["act_gelu", "act_tanh", "binary_div", "binary_pow", "where_compare"
              "fused_swiglu", "if_where", "scan_final_carry", "dense_solve", "rope"]
 
 
+JVP_FAST = {"act_gelu", "binary_pow", "softmax", "layer_norm", "group_norm", "attention_softcap",
+            "conv2d_stride_pad_dil_groups", "max_pool2d", "softmax_cross_entropy", "scan_final_carry",
+            "if_where", "dense_solve"}
+VMAP_FAST = {"binary_add", "where_compare", "reduce_mean", "softmax", "matmul_batched", "layer_norm",
+             "reshape_transpose", "concat", "conv2d", "attention_custom", "dense_solve", "scan_trajectory"}
+
+
+def _marked(names, fast):
+    return [pytest.param(n, marks=() if n in fast else pytest.mark.slow) for n in names]
+
+
 def _case_graph(name):
     build, explicit = CASES[name]
     g = Graph(name)
@@ -51,7 +62,7 @@ def _case_graph(name):
     return g, explicit
 
 
-@pytest.mark.parametrize("name", JVP_CASES)
+@pytest.mark.parametrize("name", _marked(JVP_CASES, JVP_FAST))
 def test_jvp_matches_jax(name):
     g, explicit = _case_graph(name)
     params, inputs = feeds_for(g, explicit, np.random.RandomState(0))
@@ -186,7 +197,7 @@ VMAP_CASES = ["act_silu", "binary_add", "binary_max", "where_compare", "softmax"
               "fake_quantize_identity", "dense_solve", "fused_residual_ln", "scan_trajectory"]
 
 
-@pytest.mark.parametrize("name", VMAP_CASES)
+@pytest.mark.parametrize("name", _marked(VMAP_CASES, VMAP_FAST))
 def test_vmap_matches_jax(name):
     g, explicit = _case_graph(name)
     params, inputs = feeds_for(g, explicit, np.random.RandomState(0))
