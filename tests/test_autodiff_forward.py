@@ -248,3 +248,15 @@ def test_jacfwd_full_jacobian(x64):
     ref = jax.jacfwd(lambda v: f({"w": wv}, {"x": v})[0])(xv)
     assert jac.shape == (2, 3) and jac.dtype == np.float64
     _close(jac, ref, "jacobian", 1e-9)
+
+
+def test_jacfwd_through_a_session(x64):
+    g = Graph("f")
+    x = g.input("x", [2], "f64")
+    w = g.param("w", [2], "f64")
+    g.set_outputs([g.mul(g.sin(x), w), g.sum(g.exp(x), [0])])
+    compiled = rlx_jax.Session("cpu").compile(rlx_jax.jvp(g, ["x"]))
+    xv, wv = np.array([0.3, -1.2]), np.array([2.0, 0.5])
+    j1, j2 = rlx_jax.jacfwd(compiled, {"x": xv, "w": wv}, "x", [2])
+    _close(j1, np.diag(np.cos(xv) * wv), "jacobian 1", 1e-9)
+    _close(j2, np.exp(xv), "jacobian 2", 1e-9)

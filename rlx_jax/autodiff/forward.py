@@ -125,7 +125,8 @@ def jacfwd(compiled_jvp, primals: dict, wrt_name: str, wrt_shape, dtype="f64") -
     """pyrlx's helper: the full Jacobian of every output w.r.t. ``wrt_name`` from a
     compiled jvp graph, one run per basis vector of the tangent.
 
-    ``compiled_jvp`` is a ``jvp`` graph (lowered here with ``to_jax``) or a callable
+    ``compiled_jvp`` is a ``jvp`` graph (lowered here with ``to_jax``), a
+    ``Session(...).compile(jvp_graph)`` (params are uploaded with ``set_param``) or a callable
     ``fn(feeds: dict) -> list`` over all of its inputs by name (primals and tangents);
     ``primals`` maps the graph's Inputs and Params to arrays. Returns, per output
     tangent, an array ``[*out_shape, *wrt_shape]`` of ``dtype``."""
@@ -149,6 +150,23 @@ def jacfwd(compiled_jvp, primals: dict, wrt_name: str, wrt_shape, dtype="f64") -
             return fn(p, i)
         zero_tangents = {nm: np.zeros(tuple(leaves[nm].shape.dims), leaves[nm].shape.dtype.to_numpy())
                          for nm in tangent_names}
+    elif hasattr(compiled_jvp, "run") and isinstance(getattr(compiled_jvp, "_graph", None), Graph):
+        # a Session-compiled jvp graph (pyrlx's usage): params go through set_param
+        cg = compiled_jvp
+        jgraph = cg._graph
+        params = {n.op.name for n in jgraph.nodes if type(n.op).__name__ == "Param"}
+        leaves = {n.op.name: n for n in jgraph.nodes if type(n.op).__name__ in ("Input", "Param")}
+        if tname not in leaves:
+            raise GraphError(f"jacfwd: the jvp graph has no input {tname!r}")
+        n_out = len(jgraph.outputs) // 2
+        zero_tangents = {nm: np.zeros(tuple(leaves[nm].shape.dims), leaves[nm].shape.dtype.to_numpy())
+                         for nm in leaves if nm.startswith("tangent_")}
+
+        def run(feeds):
+            for k, v in feeds.items():
+                if k in params:
+                    cg.set_param(k, v)
+            return cg.run({k: v for k, v in feeds.items() if k not in params})
     else:
         run = compiled_jvp
         zero_tangents = {}
