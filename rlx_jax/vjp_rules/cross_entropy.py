@@ -235,43 +235,42 @@ def softmax_cross_entropy_backward(logits, labels, dloss):
 # ---- fused linear + cross-entropy --------------------------------------------------------
 
 
-def _chunks(weight, chunk_size):
-    """Pads weight [D, V] with zero columns to a multiple of chunk_size; returns the
-    padded weight and the number of chunks."""
+def _n_chunks(vocab, chunk_size):
+    return -(-vocab // chunk_size)
+
+
+def _chunk(hidden, weight, k, chunk_size, acc):
+    """Chunk k of the vocabulary, read in place (no padded copy of the weight): columns
+    [start, start + chunk) with start = min(k * chunk, V - chunk), so the last chunk may
+    overlap the one before; ``fresh`` marks the columns no earlier chunk has covered.
+    Returns (w_chunk, logits in ``acc`` with stale columns at -inf, column ids, fresh)."""
     vocab = weight.shape[1]
-    n = -(-vocab // chunk_size)
-    pad = n * chunk_size - vocab
-    if pad:
-        weight = jnp.pad(weight, ((0, 0), (0, pad)))
-    return weight, n
-
-
-def _chunk_logits(hidden, w_chunk, k, chunk_size, vocab, acc):
-    """Logits of chunk k in ``acc``, padding columns set to -inf; also the columns' ids."""
-    z = jnp.dot(hidden, w_chunk, preferred_element_type=acc).astype(acc)
-    cols = k * chunk_size + jnp.arange(chunk_size)
-    return jnp.where(cols < vocab, z, -jnp.inf), cols
+    start = jnp.minimum(k * chunk_size, vocab - chunk_size)
+    wc = lax.dynamic_slice_in_dim(weight, start, chunk_size, axis=1)
+    cols = start + jnp.arange(chunk_size)
+    fresh = cols >= k * chunk_size
+    z = jnp.dot(hidden, wc, preferred_element_type=acc).astype(acc)
+    return wc, jnp.where(fresh, z, -jnp.inf), cols, fresh
 
 
 def reference_fused_linear_cross_entropy(hidden, weight, labels, *, chunk_size):
     """Chunked forward with an online logsumexp; returns (loss [N], lse [N])."""
     acc = _acc(hidden.dtype)
     vocab = weight.shape[1]
-    wp, n = _chunks(weight, chunk_size)
     ok, idx = _label_parts(labels, vocab)
     rows = hidden.shape[0]
 
     def step(carry, k):
         m, s, picked = carry
-        wc = lax.dynamic_slice_in_dim(wp, k * chunk_size, chunk_size, axis=1)
-        z, cols = _chunk_logits(hidden, wc, k, chunk_size, vocab, acc)
+        _, z, cols, fresh = _chunk(hidden, weight, k, chunk_size, acc)
         m_new = jnp.maximum(m, lax.stop_gradient(jnp.max(z, axis=1)))
         s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z - m_new[:, None]), axis=1)
-        picked = picked + jnp.sum(jnp.where(cols == idx[:, None], z, 0), axis=1)
+        hit = fresh & (cols == idx[:, None])
+        picked = picked + jnp.sum(jnp.where(hit, z, 0), axis=1)
         return (m_new, s, picked), None
 
     init = (jnp.full((rows,), -jnp.inf, acc), jnp.zeros((rows,), acc), jnp.zeros((rows,), acc))
-    (m, s, picked), _ = lax.scan(step, init, jnp.arange(n))
+    (m, s, picked), _ = lax.scan(step, init, jnp.arange(_n_chunks(vocab, chunk_size)))
     lse = m + jnp.log(s)
     loss = jnp.where(ok, lse - picked, 0)
     return loss.astype(hidden.dtype), lse
@@ -282,51 +281,49 @@ def reference_fused_linear_cross_entropy_tangent(hidden, weight, labels, lse, t_
     with tz = t_hidden @ W_c + hidden @ t_W_c, t_lse = sum p * tz, t_loss = t_lse - tz[label]."""
     acc = lse.dtype
     vocab = weight.shape[1]
-    wp, n = _chunks(weight, chunk_size)
-    twp, _ = _chunks(t_weight, chunk_size)
     ok, idx = _label_parts(labels, vocab)
 
     def step(carry, k):
         t_lse, t_picked = carry
-        wc = lax.dynamic_slice_in_dim(wp, k * chunk_size, chunk_size, axis=1)
-        twc = lax.dynamic_slice_in_dim(twp, k * chunk_size, chunk_size, axis=1)
-        z, cols = _chunk_logits(hidden, wc, k, chunk_size, vocab, acc)
+        wc, z, cols, fresh = _chunk(hidden, weight, k, chunk_size, acc)
+        twc = lax.dynamic_slice_in_dim(t_weight, cols[0], chunk_size, axis=1)
         p = jnp.exp(z - lse[:, None])
         tz = jnp.dot(t_hidden, wc, preferred_element_type=acc) + jnp.dot(hidden, twc, preferred_element_type=acc)
-        tz = jnp.where(cols < vocab, tz.astype(acc), 0)
+        tz = jnp.where(fresh, tz.astype(acc), 0)
         t_lse = t_lse + jnp.sum(p * tz, axis=1)
         t_picked = t_picked + jnp.sum(jnp.where(cols == idx[:, None], tz, 0), axis=1)
         return (t_lse, t_picked), None
 
     zeros = jnp.zeros(lse.shape, acc)
-    (t_lse, t_picked), _ = lax.scan(step, (zeros, zeros), jnp.arange(n))
+    (t_lse, t_picked), _ = lax.scan(step, (zeros, zeros), jnp.arange(_n_chunks(vocab, chunk_size)))
     t_loss = jnp.where(ok, t_lse - t_picked, 0)
     return t_loss.astype(hidden.dtype), t_lse
 
 
 def reference_fused_linear_cross_entropy_bwd(hidden, weight, labels, lse, dloss, dlse, *, chunk_size):
     """(d hidden, d weight) for cotangents (dloss, dlse): per chunk, g = p * (dloss + dlse)
-    - onehot * dloss; d hidden += g @ W_c^T (carried), d W_c = hidden^T @ g."""
+    - onehot * dloss; d hidden += g @ W_c^T and d W[:, chunk] += hidden^T @ g, both
+    carried (d weight is updated in place, one [D, chunk] block per step)."""
     acc = lse.dtype
     vocab = weight.shape[1]
-    wp, n = _chunks(weight, chunk_size)
     ok, idx = _label_parts(labels, vocab)
     g_loss = jnp.where(ok, dloss.astype(acc), 0)
     g_lse = dlse.astype(acc)
-    hf = hidden
 
-    def step(dh, k):
-        wc = lax.dynamic_slice_in_dim(wp, k * chunk_size, chunk_size, axis=1)
-        z, cols = _chunk_logits(hf, wc, k, chunk_size, vocab, acc)
-        p = jnp.exp(z - lse[:, None])
-        g = p * (g_loss + g_lse)[:, None] - jnp.where(cols == idx[:, None], g_loss[:, None], 0)
-        dh = dh + jnp.dot(g.astype(hidden.dtype), wc.T, preferred_element_type=acc)
-        dwc = jnp.dot(hf.T, g.astype(hidden.dtype), preferred_element_type=acc)
-        return dh, dwc.astype(weight.dtype)
+    def step(carry, k):
+        dh, dw = carry
+        wc, z, cols, fresh = _chunk(hidden, weight, k, chunk_size, acc)
+        p = jnp.exp(z - lse[:, None])  # 0 on stale columns
+        hit = fresh & (cols == idx[:, None])
+        g = (p * (g_loss + g_lse)[:, None] - jnp.where(hit, g_loss[:, None], 0)).astype(hidden.dtype)
+        dh = dh + jnp.dot(g, wc.T, preferred_element_type=acc)
+        dwc = jnp.dot(hidden.T, g, preferred_element_type=acc).astype(weight.dtype)
+        block = lax.dynamic_slice_in_dim(dw, cols[0], chunk_size, axis=1)
+        dw = lax.dynamic_update_slice_in_dim(dw, block + dwc, cols[0], axis=1)
+        return (dh, dw), None
 
-    dh, dw = lax.scan(step, jnp.zeros(hidden.shape, acc), jnp.arange(n))
-    # dw: [n, D, chunk] -> [D, n * chunk] -> [D, V]
-    dw = jnp.moveaxis(dw, 0, 1).reshape(weight.shape[0], n * chunk_size)[:, :vocab]
+    init = (jnp.zeros(hidden.shape, acc), jnp.zeros(weight.shape, weight.dtype))
+    (dh, dw), _ = lax.scan(step, init, jnp.arange(_n_chunks(vocab, chunk_size)))
     return dh.astype(hidden.dtype), dw
 
 
