@@ -108,21 +108,21 @@ RLX_INLINE vf vtanh(vf y) {
   return y < vsplat(0.0f) ? -t : t;
 }
 
-// ---- gemm: C[M, N] (+)= A[M, K] B[K, N], row-major, M % 4 == 0, N % 32 == 0 -------------
-RLX_SIMD_CLONES
-void gemm_f32(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda, const float* b,
-              int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+// ---- gemm: C[M, N] (+)= op(A) B with op(A) = A [M, K] or, transposed, A^T (A stored
+// [K, M]); row-major; M % 4 == 0 and N % 32 == 0 (callers pad with zeros) --------------------
+template <bool TransA>
+RLX_INLINE void gemm_body(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
+                          const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
   for (int64_t i = 0; i < M; i += 4) {
     for (int64_t j = 0; j < N; j += 32) {
       vf acc[4][2];
       for (int r = 0; r < 4; ++r)
         for (int h = 0; h < 2; ++h)
           acc[r][h] = accumulate ? vload(c + (i + r) * ldc + j + h * kLanes) : vsplat(0.0f);
-      const float* a0 = a + i * lda;
       for (int64_t k = 0; k < K; ++k) {
         const vf b0 = vload(b + k * ldb + j), b1 = vload(b + k * ldb + j + kLanes);
         for (int r = 0; r < 4; ++r) {
-          const float av = a0[r * lda + k];
+          const float av = TransA ? a[k * lda + i + r] : a[(i + r) * lda + k];
           acc[r][0] += av * b0;
           acc[r][1] += av * b1;
         }
@@ -133,6 +133,19 @@ void gemm_f32(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda, cons
   }
 }
 
+RLX_SIMD_CLONES
+void gemm_nn_f32(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda, const float* b,
+                 int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  gemm_body<false>(M, N, K, a, lda, b, ldb, c, ldc, accumulate);
+}
+
+RLX_SIMD_CLONES
+void gemm_tn_f32(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda, const float* b,
+                 int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  gemm_body<true>(M, N, K, a, lda, b, ldb, c, ldc, accumulate);
+}
+
+template <bool TransA>
 void gemm_f64(int64_t M, int64_t N, int64_t K, const double* a, int64_t lda, const double* b,
               int64_t ldb, double* c, int64_t ldc, bool accumulate) {
   for (int64_t i = 0; i < M; ++i) {
@@ -140,20 +153,30 @@ void gemm_f64(int64_t M, int64_t N, int64_t K, const double* a, int64_t lda, con
     if (!accumulate)
       for (int64_t j = 0; j < N; ++j) ci[j] = 0.0;
     for (int64_t k = 0; k < K; ++k) {
-      const double av = a[i * lda + k];
+      const double av = TransA ? a[k * lda + i] : a[i * lda + k];
       const double* bk = b + k * ldb;
       for (int64_t j = 0; j < N; ++j) ci[j] += av * bk[j];
     }
   }
 }
 
+// C (+)= A B
 inline void gemm(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda, const float* b,
                  int64_t ldb, float* c, int64_t ldc, bool accumulate) {
-  gemm_f32(M, N, K, a, lda, b, ldb, c, ldc, accumulate);
+  gemm_nn_f32(M, N, K, a, lda, b, ldb, c, ldc, accumulate);
 }
 inline void gemm(int64_t M, int64_t N, int64_t K, const double* a, int64_t lda, const double* b,
                  int64_t ldb, double* c, int64_t ldc, bool accumulate) {
-  gemm_f64(M, N, K, a, lda, b, ldb, c, ldc, accumulate);
+  gemm_f64<false>(M, N, K, a, lda, b, ldb, c, ldc, accumulate);
+}
+// C (+)= A^T B, A stored [K, M]
+inline void gemm_tn(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda, const float* b,
+                    int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  gemm_tn_f32(M, N, K, a, lda, b, ldb, c, ldc, accumulate);
+}
+inline void gemm_tn(int64_t M, int64_t N, int64_t K, const double* a, int64_t lda,
+                    const double* b, int64_t ldb, double* c, int64_t ldc, bool accumulate) {
+  gemm_f64<true>(M, N, K, a, lda, b, ldb, c, ldc, accumulate);
 }
 
 // ---- per-tile score transforms ------------------------------------------------------------
@@ -502,7 +525,7 @@ void attention_bwd_typed(ffi::ThreadPool& pool, const Dims& d, const Opts& o, co
   parallel_for(pool, pairs * chunks, [&](int64_t task) {
     const int64_t chunk = task % chunks, kvh = (task / chunks) % d.Hkv, b = task / (chunks * d.Hkv);
     const int64_t kt0 = k_tiles * chunk / chunks, kt1 = k_tiles * (chunk + 1) / chunks;
-    Buf<A> bq, bdo, bdq, bstat, bk, bkt, bvt, bs, bdp, bp, bpt, bdst, bdk, bdv, bb, bdb, bkeep;
+    Buf<A> bq, bdo, bdq, bstat, bk, bkt, bvt, bs, bdp, bp, bdk, bdv, bb, bdb, bkeep;
     // per group head: scaled q, dout, dq accumulator [Sqp, Dp]; lse and delta [Sq]
     A* Qs = bq.alloc(dq_size);
     A* dO = bdo.alloc(dq_size);
@@ -514,8 +537,6 @@ void attention_bwd_typed(ffi::ThreadPool& pool, const Dims& d, const Opts& o, co
     A* S = bs.alloc(kTileQ * kTileK);
     A* dP = bdp.alloc(kTileQ * kTileK);
     A* P = bp.alloc(kTileQ * kTileK);
-    A* PT = bpt.alloc(kTileK * kTileQ);
-    A* dST = bdst.alloc(kTileK * kTileQ);
     A* dK = bdk.alloc(kTileK * Dp);
     A* dV = bdv.alloc(kTileK * Dp);
     A* BT = o.has_bias ? bb.alloc(kTileQ * kTileK) : nullptr;
@@ -576,13 +597,8 @@ void attention_bwd_typed(ffi::ThreadPool& pool, const Dims& d, const Opts& o, co
           bwd_tile(t, lse + i0, delta + i0, S, dP, P, DB);
           for (int64_t r = rows; r < Mp; ++r)
             for (int64_t c = 0; c < Np; ++c) { P[r * kTileK + c] = 0; S[r * kTileK + c] = 0; }
-          for (int64_t r = 0; r < Mp; ++r)
-            for (int64_t c = 0; c < Np; ++c) {
-              PT[c * kTileQ + r] = P[r * kTileK + c];
-              dST[c * kTileQ + r] = S[r * kTileK + c];
-            }
-          gemm(Np, Dp, Mp, PT, kTileQ, dog + i0 * Dp, Dp, dV, Dp, true);
-          gemm(Np, Dp, Mp, dST, kTileQ, qg + i0 * Dp, Dp, dK, Dp, true);
+          gemm_tn(Np, Dp, Mp, P, kTileK, dog + i0 * Dp, Dp, dV, Dp, true);
+          gemm_tn(Np, Dp, Mp, S, kTileK, qg + i0 * Dp, Dp, dK, Dp, true);
           gemm(Mp, Dp, Np, S, kTileK, K, Dp, dqg + i0 * Dp, Dp, true);
           if (DB)
             for (int64_t r = 0; r < rows; ++r) {
