@@ -416,3 +416,27 @@ def _(g):
     chain = [S("Binary", "Mul", (O("Input", 0), O("Input", 1))), S("Activation", "Tanh", (O("Step", 0),)),
              S("Binary", "Add", (O("Step", 1), O("Input", 0)))]
     return g.elementwise_region([a, b], chain, [3, 4], "f32")
+
+
+@case("lora_matmul_vector")
+def _(g):
+    return g.lora_matmul(g.param("x", [4]), g.param("w", [4, 5]), g.param("a", [4, 2]), g.param("b", [2, 5]), 2.0)
+
+
+@case("selective_scan")
+def _(g):
+    return g.selective_scan(g.param("x", [2, 3, 4]), g.param("pos_delta", [2, 3, 4]), g.param("a", [4, 2]),
+                            g.param("b", [2, 3, 2]), g.param("c", [2, 3, 2]))
+
+
+@case("gated_delta_net")
+def _(g):
+    ins = [g.param(n, [1, 3, 2, 4]) for n in ("q", "k", "v")]
+    return g.gated_delta_net(*ins, g.param("g", [1, 3, 2]), g.param("beta", [1, 3, 2]))
+
+
+@case("gated_delta_net_state")
+def _(g):
+    ins = [g.param(n, [1, 3, 2, 4]) for n in ("q", "k", "v")]
+    return g.gated_delta_net(*ins, g.param("g", [1, 3, 2]), g.param("beta", [1, 3, 2]),
+                             state=g.param("s0", [1, 2, 4, 4]))

@@ -99,22 +99,18 @@ def _batched_dense_solve(g, node, dy):
 
 @vjp_rule("LoraMatMul")
 def _lora(g, node, dy):
-    """y = x W + s (x A) B."""
+    """y = x W + s (x A) B, on x viewed as rows [M, K]."""
     x, w, a, b = node.inputs
     s = float(node.op.scale)
     k = E.dims(g, x)[-1]
     n = E.dims(g, w)[1]
     x2 = E.reshape(g, x, (-1, k)) if E.shape(g, x).rank != 2 else x
     d2 = E.reshape(g, dy, (-1, n)) if E.shape(g, dy).rank != 2 else dy
-    if E.shape(g, x).rank == 1:
-        x2, d2 = E.reshape(g, x, (1, k)), E.reshape(g, dy, (1, n))
-    dbt = matmul(g, dy, t_last_2(g, b))                       # dy B^T  [..., R]
-    dx = E.add(g, matmul(g, dy, t_last_2(g, w)), E.mul_s(g, matmul(g, dbt, t_last_2(g, a)), s))
-    if E.shape(g, x).rank == 1:
-        dx = E.reshape(g, dx, (k,))
+    d2bt = matmul(g, d2, t_last_2(g, b))                                   # [M, R]
+    dx2 = E.add(g, matmul(g, d2, t_last_2(g, w)), E.mul_s(g, matmul(g, d2bt, t_last_2(g, a)), s))
+    dx = E.reshape(g, dx2, E.dims(g, x))
     xt = E.transpose(g, x2, (1, 0))
     dw = matmul(g, xt, d2)
-    d2bt = matmul(g, d2, t_last_2(g, b))
     da = E.mul_s(g, matmul(g, xt, d2bt), s)
     xa = matmul(g, x2, a)
     db = E.mul_s(g, matmul(g, E.transpose(g, xa, (1, 0)), d2), s)

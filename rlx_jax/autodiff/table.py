@@ -36,7 +36,9 @@ def vjp_rule(*names):
 
 
 def _load():
-    from . import rules_elementwise, rules_shape, rules_linalg, rules_nn, rules_backward, rules_control  # noqa: F401
+    from . import (  # noqa: F401
+        rules_elementwise, rules_shape, rules_linalg, rules_nn, rules_backward, rules_control, rules_recurrent,
+    )
 
 
 def get_vjp_rule(op):
