@@ -440,3 +440,8 @@ def _(g):
     ins = [g.param(n, [1, 3, 2, 4]) for n in ("q", "k", "v")]
     return g.gated_delta_net(*ins, g.param("g", [1, 3, 2]), g.param("beta", [1, 3, 2]),
                              state=g.param("s0", [1, 2, 4, 4]))
+
+
+@case("axial_rope2d")
+def _(g):
+    return g.axial_rope2d(g.param("x", [2, 6, 16]), 3, 2, 8, 2)

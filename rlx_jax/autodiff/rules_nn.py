@@ -210,3 +210,14 @@ def _fft(g, node, dy):
 def _log_mel(g, node, dy):
     spec, fb = node.inputs
     return [g._add_node(LogMelBackward(), (spec, fb, dy)), None]
+
+
+@vjp_rule("AxialRope2d")
+def _axial_rope(g, node, dy):
+    """A rotation of interleaved (even, odd) pairs: R^T = S R S with S negating the odd
+    element of each pair, so dx = S * AxialRope2d(S * dy)."""
+    (x,) = node.inputs
+    xs = E.shape(g, x)
+    width = xs.dims[-1]
+    sign = E.const(g, np.tile(np.array([1.0, -1.0]), width // 2), xs.dtype)
+    return [E.mul(g, g._add_node(node.op, (E.mul(g, dy, sign),)), sign)]
