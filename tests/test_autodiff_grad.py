@@ -237,3 +237,23 @@ def test_custom_op_vjp_from_registry():
         _close(outs[1], 8 * np.sin(xv) * np.cos(xv), "d x")
     finally:
         unregister_op("ad_test_twice_sin")
+
+
+def test_dynamic_batch_dim():
+    """A gradient graph over a dynamic batch runs at any batch size."""
+    g = Graph("dyn")
+    x = g.input("x", ["batch", 3])
+    w, b = g.param("w", [3, 4]), g.param("b", [4])
+    h = g.relu(g.add(g.matmul(x, w), b))
+    g.set_outputs([g.mean(g.mul(h, h), [0, 1])])
+    gg = rlx_jax.grad_with_loss(g, ["w", "b"])
+    gg.verify()
+    f = rlx_jax.to_jax(gg)
+    rng = np.random.RandomState(0)
+    p = {"w": rng.randn(3, 4).astype("f4"), "b": rng.randn(4).astype("f4")}
+    for n in (2, 5):
+        xv = rng.randn(n, 3).astype("f4")
+        outs = f(p, {"x": xv, "d_output": np.float32(1)})
+        ref = jax.grad(lambda q: rlx_jax.to_jax(g)(q, {"x": xv})[0])(p)
+        _close(outs[1], ref["w"], f"w at batch {n}")
+        _close(outs[2], ref["b"], f"b at batch {n}")

@@ -171,6 +171,15 @@ def expand(g, x, ds) -> int:
     return g._add_node(Expand(target_shape=target(ds)), (x,))
 
 
+def expand_like(g, a, ref) -> int:
+    """``a`` broadcast to node ``ref``'s shape (a select against ``ref`` when that shape
+    has dynamic dims, which an Expand target cannot name)."""
+    rd = dims(g, ref)
+    if is_static(rd):
+        return expand(g, a, rd)
+    return where(g, scalar(g, True, DType.Bool), a, ref)
+
+
 def broadcast_to(g, x, s: Shape) -> int:
     """Broadcast ``x`` (numpy rules) to the dims of ``s``."""
     return expand(g, x, s.dims)

@@ -3,7 +3,7 @@ cross-entropy loss."""
 
 from __future__ import annotations
 
-from rlx_jax.ir import GraphError
+from rlx_jax.ir import DType, GraphError
 from rlx_jax.ir.op import CmpOp, ReduceOp
 from rlx_jax.ir.ops_backward import CumsumBackward, GatherBackward, SoftmaxCrossEntropyBackward
 from rlx_jax.ir.ops_linalg import ScatterAdd
@@ -89,12 +89,13 @@ def _reduce(g, node, dy):
     dyk = E.reshape(g, dy, kd)
     op = node.op.op
     if op is ReduceOp.Sum:
-        return [E.expand(g, dyk, xs.dims)]
+        return [E.expand_like(g, dyk, x)]
     if op is ReduceOp.Mean:
         cnt = E.numel([xs.dims[a] for a in axes])
-        if cnt is None:
-            raise GraphError(f"node %{node.id} Reduce Mean: reverse mode needs static reduced dims")
-        return [E.expand(g, E.mul_s(g, dyk, 1.0 / cnt), xs.dims)]
+        if cnt is None:   # a dynamic reduced dim: count the elements in the graph
+            ones = E.where(g, E.scalar(g, True, DType.Bool), E.scalar(g, 1, xs.dtype), x)
+            return [E.expand_like(g, E.div(g, dyk, E.sum_(g, ones, axes, keep_dim=True)), x)]
+        return [E.expand_like(g, E.mul_s(g, dyk, 1.0 / cnt), x)]
     yk = E.reshape(g, node.id, kd)
     if op in (ReduceOp.Max, ReduceOp.Min):
         # every element equal to the extreme receives the gradient (RLX semantics)
