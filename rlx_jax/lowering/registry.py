@@ -105,6 +105,7 @@ def _load_rules() -> None:
         "recurrent",
         "fused",
         "signal",
+        "splat",
         "control_flow",
     ):
         importlib.import_module(f"rlx_jax.lowering.{mod}")

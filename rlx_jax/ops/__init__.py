@@ -27,6 +27,9 @@ from rlx_jax.vjp_rules.rope import rope, rope_backward
 from rlx_jax.vjp_rules.cumsum import cumsum, cumsum_backward
 from rlx_jax.vjp_rules.activations import activation, activation_backward, relu_backward
 from rlx_jax.vjp_rules.complex import complex_norm_sq, complex_norm_sq_backward
+from rlx_jax.vjp_rules.gaussian_splat import (
+    gaussian_splat_render, gaussian_splat_render_backward, gaussian_splat_render_meta,
+)
 
 __all__ += ["softmax", "softmax_backward", "softmax_cross_entropy", "softmax_cross_entropy_backward"]
 __all__ += ["fused_linear_cross_entropy", "rope", "rope_backward", "cumsum", "cumsum_backward"]
@@ -38,3 +41,4 @@ __all__ += ["conv2d", "conv2d_backward", "conv2d_backward_input", "conv2d_backwa
 __all__ += ["max_pool2d", "max_pool2d_backward", "avg_pool2d", "avg_pool2d_backward"]
 __all__ += ["gather", "gather_backward", "scatter_add"]
 __all__ += ["fake_quantize", "fake_quantize_backward", "fake_quantize_lsq", "fake_quantize_lsq_backward"]
+__all__ += ["gaussian_splat_render", "gaussian_splat_render_backward", "gaussian_splat_render_meta"]

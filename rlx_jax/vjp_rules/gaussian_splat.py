@@ -306,13 +306,16 @@ def cuda_scratch_elems(n: int, params) -> int:
     """i32 elements of the CUDA kernels' scratch result (XLA allocates it)."""
     tiles = -(-params["width"] // params["tile_size"]) * -(-params["height"] // params["tile_size"])
     e = int(params["max_list_entries"])
-    # per Gaussian: 12 projected floats + tile box (4) + pair offset; per pair: key, value
-    # (sorted and unsorted) and 12 gradient floats; per tile: range (2); per pixel: 2
+    # per Gaussian: 10 projected floats, tile box (4), pair count and offset, limited
+    # log-scales (3) and flags; per pair: Gaussian and pair number (unsorted and sorted)
+    # and 9 gradient floats (16 reserved); per tile: start and cursor; per pixel: 2 spare
     pixels = params["width"] * params["height"]
-    return n * 17 + 2 + e * (4 + 12) + tiles * 2 + pixels * 2 + 64
+    return n * 20 + 2 + e * 16 + tiles * 2 + pixels * 2 + 64
 
 
 def _kernel_fwd_cuda(positions, scales, rotations, opacities, colors, sh_coeffs, meta, **params):
+    if params["tile_size"] > 16:  # the CUDA kernels run one thread per pixel of a tile (<= 256)
+        return reference_render(positions, scales, rotations, opacities, colors, sh_coeffs, meta, **params)
     n = positions.shape[0]
     out = (jax.ShapeDtypeStruct((params["height"] * params["width"] * 4,), positions.dtype),
            jax.ShapeDtypeStruct((cuda_scratch_elems(n, params),), jnp.int32))
@@ -323,6 +326,10 @@ def _kernel_fwd_cuda(positions, scales, rotations, opacities, colors, sh_coeffs,
 
 def _kernel_bwd_cuda(positions, scales, rotations, opacities, colors, sh_coeffs, meta, dy, *,
                      loss_grad_clip, sh_band, max_anisotropy, **params):
+    if params["tile_size"] > 16:
+        return reference_backward(positions, scales, rotations, opacities, colors, sh_coeffs, meta, dy,
+                                  loss_grad_clip=loss_grad_clip, sh_band=sh_band, max_anisotropy=max_anisotropy,
+                                  **params)
     n = positions.shape[0]
     outs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype)
                  for a in (positions, scales, rotations, opacities, colors, sh_coeffs))
