@@ -257,3 +257,15 @@ def test_dynamic_batch_dim():
         ref = jax.grad(lambda q: rlx_jax.to_jax(g)(q, {"x": xv})[0])(p)
         _close(outs[1], ref["w"], f"w at batch {n}")
         _close(outs[2], ref["b"], f"b at batch {n}")
+
+
+def test_unwritten_gradient_is_an_error_not_zeros():
+    """Rope's table gradients are not written: asking for them raises (even in TRAINING)."""
+    g = Graph("rope_tables")
+    x = g.param("x", [1, 2, 3, 4])
+    cos, sin = g.param("cos", [3, 2]), g.input("sin", [3, 2], "f32")
+    y = g.rope(x, cos, sin, 4)
+    g.set_outputs([g.sum(y, [0, 1, 2, 3])])
+    rlx_jax.grad_with_loss(g, ["x"])  # fine
+    with pytest.raises(GraphError, match="cos table"):
+        rlx_jax.grad_with_loss(g, ["x", "cos"], rlx_jax.GradWithLossOptions.TRAINING)

@@ -25,7 +25,7 @@ from rlx_jax.ir.op import ReduceOp
 
 from . import emit as E
 from .expansion import vjp_via_expansion
-from .table import backprop, vjp_rule
+from .table import Unsupported, backprop, vjp_rule
 
 
 def _expanding(build):
@@ -267,7 +267,8 @@ for _name, _b in (("LayerNormBackwardInput", _ln_bwd_input), ("LayerNormBackward
 def _rope_bwd(g, node, dy):
     # dx = rope(dy, cos, -sin) is linear in dy: its transpose is rope(., cos, sin).
     d, cos, sin = node.inputs
-    return [g._add_node(Rope(head_dim=node.op.head_dim, n_rot=node.op.n_rot), (dy, cos, sin)), None, None]
+    return [g._add_node(Rope(head_dim=node.op.head_dim, n_rot=node.op.n_rot), (dy, cos, sin)),
+            Unsupported("the cos table"), Unsupported("the sin table")]
 
 
 @vjp_rule("CumsumBackward")

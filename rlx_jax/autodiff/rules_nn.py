@@ -21,7 +21,7 @@ from rlx_jax.ir.ops_conv import Conv
 from rlx_jax.ir.ops_signal import Fft, LogMelBackward
 
 from . import emit as E
-from .table import vjp_rule
+from .table import Unsupported, vjp_rule
 
 
 # -- norms ---------------------------------------------------------------------------
@@ -127,7 +127,8 @@ def _attention(g, node, dy):
 @vjp_rule("Rope")
 def _rope(g, node, dy):
     x, cos, sin = node.inputs
-    return [g._add_node(RopeBackward(head_dim=node.op.head_dim, n_rot=node.op.n_rot), (dy, cos, sin)), None, None]
+    return [g._add_node(RopeBackward(head_dim=node.op.head_dim, n_rot=node.op.n_rot), (dy, cos, sin)),
+            Unsupported("the cos table"), Unsupported("the sin table")]
 
 
 # -- conv / pool ------------------------------------------------------------------------
@@ -209,7 +210,7 @@ def _fft(g, node, dy):
 @vjp_rule("LogMel")
 def _log_mel(g, node, dy):
     spec, fb = node.inputs
-    return [g._add_node(LogMelBackward(), (spec, fb, dy)), None]
+    return [g._add_node(LogMelBackward(), (spec, fb, dy)), Unsupported("the filterbank")]
 
 
 @vjp_rule("AxialRope2d")
