@@ -20,7 +20,9 @@ import jax
 import jax.numpy as jnp
 from jax.interpreters import ad
 
-from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, instantiate, np_scalar, rowwise_batching
+from rlx_jax.vjp_rules._primitive import (
+    NOT_MAPPED, FusedPrimitive, RowPartition, instantiate, np_scalar, rowwise_batching,
+)
 
 
 def _stat_dtype(dtype):
@@ -104,8 +106,10 @@ def _kernel_ok(*avals, **params):
     return x.ndim >= 1 and all(a.dtype == x.dtype for a in avals if a.ndim == x.ndim or a.ndim == 1)
 
 
+# Under SPMD sharding the rows split across devices; dgamma / dbeta are psum'd.
 rms_norm_fwd = FusedPrimitive(
-    "rlx_rms_norm_fwd", reference_rms_norm, target="rlx_rms_norm_fwd", kernel=_kernel_fwd
+    "rlx_rms_norm_fwd", reference_rms_norm, target="rlx_rms_norm_fwd", kernel=_kernel_fwd,
+    partition=RowPartition(row_args=(0,), row_outputs=(0,), stat_outputs=(1,)),
 )
 rms_norm_tangent = FusedPrimitive("rlx_rms_norm_tangent", reference_rms_norm_tangent)
 rms_norm_bwd = FusedPrimitive(
@@ -113,6 +117,7 @@ rms_norm_bwd = FusedPrimitive(
     reference_rms_norm_bwd,
     target="rlx_rms_norm_bwd",
     kernel={"cpu": _kernel_bwd, "cuda": _kernel_bwd_cuda},
+    partition=RowPartition(row_args=(0, 3), stat_args=(2,), row_outputs=(0,)),
 )
 
 
