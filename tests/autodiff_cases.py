@@ -445,3 +445,9 @@ def _(g):
 @case("axial_rope2d")
 def _(g):
     return g.axial_rope2d(g.param("x", [2, 6, 16]), 3, 2, 8, 2)
+
+
+@case("rope_tables_partial")
+def _(g):
+    x = g.param("x", [2, 3, 8])
+    return g.rope_n(x, g.param("cos", [3, 4]), g.param("sin", [3, 4]), 8, 4)

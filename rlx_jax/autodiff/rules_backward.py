@@ -266,9 +266,12 @@ for _name, _b in (("LayerNormBackwardInput", _ln_bwd_input), ("LayerNormBackward
 @vjp_rule("RopeBackward")
 def _rope_bwd(g, node, dy):
     # dx = rope(dy, cos, -sin) is linear in dy: its transpose is rope(., cos, sin).
+    from .rules_nn import rope_table_grads
+
     d, cos, sin = node.inputs
-    return [g._add_node(Rope(head_dim=node.op.head_dim, n_rot=node.op.n_rot), (dy, cos, sin)),
-            Unsupported("the cos table"), Unsupported("the sin table")]
+    # RopeBackward(d, cos, sin) = rope(d, cos, -sin): the sin gradient changes sign
+    dc, dsn = rope_table_grads(g, d, dy, E.shape(g, cos), node.op.head_dim, node.op.n_rot)
+    return [g._add_node(Rope(head_dim=node.op.head_dim, n_rot=node.op.n_rot), (dy, cos, sin)), dc, E.neg(g, dsn)]
 
 
 @vjp_rule("CumsumBackward")

@@ -127,8 +127,36 @@ def _attention(g, node, dy):
 @vjp_rule("Rope")
 def _rope(g, node, dy):
     x, cos, sin = node.inputs
-    return [g._add_node(RopeBackward(head_dim=node.op.head_dim, n_rot=node.op.n_rot), (dy, cos, sin)),
-            Unsupported("the cos table"), Unsupported("the sin table")]
+    dc, ds = rope_table_grads(g, x, dy, E.shape(g, cos), node.op.head_dim, node.op.n_rot)
+    return [g._add_node(RopeBackward(head_dim=node.op.head_dim, n_rot=node.op.n_rot), (dy, cos, sin)), dc, ds]
+
+
+def rope_table_grads(g, x, dy, table, head_dim, n_rot):
+    """d cos, d sin of NeoX RoPE on x [..., S, H*D]: with a = x[:half], b = x[half:n_rot]
+    per head, dcos = sum(dy_a a + dy_b b), dsin = sum(dy_b a - dy_a b) over batch and
+    heads; table columns >= n_rot/2 are not read (zero gradient)."""
+    from rlx_jax.ir.ops_shape import Concat, Narrow
+
+    ds_ = E.dims(g, x)
+    lead, s, w = tuple(ds_[:-2]), ds_[-2], ds_[-1]
+    h, half = w // head_dim, n_rot // 2
+    shp = lead + (s, h, head_dim)
+    xh, dh = E.reshape(g, x, shp), E.reshape(g, dy, shp)
+    ax = len(shp) - 1
+
+    def part(v, start):
+        return g._add_node(Narrow(axis=ax, start=start, len=half), (v,))
+
+    a, b, da, db = part(xh, 0), part(xh, half), part(dh, 0), part(dh, half)
+    red = tuple(range(len(lead))) + (len(lead) + 1,)
+    dc = E.sum_(g, E.add(g, E.mul(g, da, a), E.mul(g, db, b)), red)       # [S, half]
+    dsn = E.sum_(g, E.sub(g, E.mul(g, db, a), E.mul(g, da, b)), red)
+    t = table.dims[1]
+    if t > half:
+        z = E.zeros(g, Shape((s, t - half), E.dtype(g, dc)))
+        dc = g._add_node(Concat(axis=1), (dc, z))
+        dsn = g._add_node(Concat(axis=1), (dsn, z))
+    return dc, dsn
 
 
 # -- conv / pool ------------------------------------------------------------------------
