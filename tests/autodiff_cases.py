@@ -310,7 +310,7 @@ def _(g):
 
 @case("log_mel")
 def _(g):
-    return g.log_mel(g.param("pos_spec", [3, 6]), g.input("fb", [6, 4], "f32"))
+    return g.log_mel(g.param("pos_spec", [2, 3, 6]), g.param("pos_fb", [6, 4]))
 
 
 @case("fused_matmul_bias_act")

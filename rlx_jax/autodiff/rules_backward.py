@@ -25,7 +25,7 @@ from rlx_jax.ir.op import ReduceOp
 
 from . import emit as E
 from .expansion import vjp_via_expansion
-from .table import Unsupported, backprop, vjp_rule
+from .table import backprop, vjp_rule
 
 
 def _expanding(build):

@@ -21,7 +21,8 @@ from rlx_jax.ir.ops_conv import Conv
 from rlx_jax.ir.ops_signal import Fft, LogMelBackward
 
 from . import emit as E
-from .table import Unsupported, vjp_rule
+from .expansion import vjp_via_expansion
+from .table import vjp_rule
 
 
 # -- norms ---------------------------------------------------------------------------
@@ -238,7 +239,19 @@ def _fft(g, node, dy):
 @vjp_rule("LogMel")
 def _log_mel(g, node, dy):
     spec, fb = node.inputs
-    return [g._add_node(LogMelBackward(), (spec, fb, dy)), Unsupported("the filterbank")]
+    dfb = vjp_via_expansion(g, node, dy, _log_mel_primitives, wrt_inputs=[1])[1]
+    return [g._add_node(LogMelBackward(), (spec, fb, dy)), dfb]
+
+
+def _log_mel_primitives(t, ins):
+    """y = log(max(spectrum @ filterbank, 1e-10)) in primitive ops."""
+    from rlx_jax.ir.op import BinaryOp
+
+    from .rules_linalg import matmul
+
+    spec, fb = ins
+    m = matmul(t, spec, fb)
+    return E.act(t, "Log", E.binary(t, BinaryOp.Max, m, E.scalar(t, 1e-10, E.dtype(t, m))))
 
 
 @vjp_rule("AxialRope2d")

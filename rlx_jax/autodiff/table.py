@@ -16,14 +16,6 @@ from . import emit as E
 
 VJP_RULES: dict[str, Callable] = {}
 
-
-class Unsupported:
-    """A rule's answer for an input whose gradient exists but is not written: the sweep
-    raises (naming the node) when that input needs a gradient, instead of dropping it."""
-
-    def __init__(self, what: str):
-        self.what = what
-
 #: ops through which no gradient flows (RLX: Compare, TopK, Sample, RNG, StopGradient)
 NO_GRADIENT = {"Compare", "TopK", "Sample", "RngUniform", "RngNormal", "StopGradient",
                "Input", "Param", "Constant", "QMatMul", "QConv2d", "DequantMoEWeights"}
@@ -104,10 +96,6 @@ def backprop(g, seeds: dict, wrt, upto=None) -> dict:
             tgt = node.inputs[i]
             if tgt not in live:
                 continue
-            if isinstance(gi, Unsupported):
-                raise GraphError(
-                    f"node %{nid} {name}: graph-level reverse mode has no gradient for input {i} "
-                    f"({gi.what})")
             ts = g.node(tgt).shape
             if not E.is_float(ts.dtype):
                 continue
