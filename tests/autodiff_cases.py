@@ -451,3 +451,10 @@ def _(g):
 def _(g):
     x = g.param("x", [2, 3, 8])
     return g.rope_n(x, g.param("cos", [3, 4]), g.param("sin", [3, 4]), 8, 4)
+
+
+@case("scan_bcast")
+def _(g):
+    c0, w, xs = g.param("c0", [3]), g.param("w", [3]), g.param("xs", [4, 3])
+    step = body("step", [[3], [3], [3]], lambda b, c, ww, x: b.tanh(b.add(b.mul(c, ww), x)))
+    return g.scan(c0, step, 4, bcasts=[w], xs=[xs])

@@ -6,7 +6,8 @@
 * fused ops are unfused into the primitives they stand for (the same composition
   their lowering uses);
 * a ``Scan`` that keeps only its final carry is rewritten to save its trajectory
-  (its last row is the final carry), so that its gradient can be read off the rows.
+  (its last row is the final carry), so that its gradient can be read off the rows;
+  its broadcast operands become per-step xs (RLX's ScanBackward has none).
 
 :func:`prepare` returns the new graph and the map old node id -> new node id.
 """
@@ -183,10 +184,20 @@ def _scan(g, node, ins):
     from rlx_jax.ir.ops_control import Scan
 
     op = node.op
-    if op.save_trajectory:
+    nb = op.num_bcast
+    if nb:
+        # broadcast operands become per-step xs (the body sees the same Inputs in the same
+        # order); their gradient is the sum over steps (the Expand's VJP)
+        bc = [E.expand(g, E.reshape(g, b, (1,) + E.dims(g, b)), (op.length,) + E.dims(g, b))
+              for b in ins[1:1 + nb]]
+        ins = [ins[0], *bc, *ins[1 + nb:]]
+    if op.save_trajectory and not nb:
         return g._add_node(op, tuple(ins), node.shape)
-    traj_op = Scan(body=op.body, length=op.length, save_trajectory=True, num_bcast=op.num_bcast,
-                   num_xs=op.num_xs, num_checkpoints=0)
+    if op.save_trajectory:
+        return g._add_node(Scan(body=op.body, length=op.length, save_trajectory=True, num_bcast=0,
+                                num_xs=nb + op.num_xs, num_checkpoints=op.num_checkpoints), tuple(ins))
+    traj_op = Scan(body=op.body, length=op.length, save_trajectory=True, num_bcast=0,
+                   num_xs=nb + op.num_xs, num_checkpoints=0)
     traj = g._add_node(traj_op, tuple(ins))
     if op.length == 0:
         return ins[0]
