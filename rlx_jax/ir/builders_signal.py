@@ -108,12 +108,23 @@ class SignalBuilders(BuilderBase):
         real = self.narrow(out, last, 0, full)
         return self.narrow(real, last, 0, int(n))
 
+    def _freq_len(self, n) -> int:
+        """``n`` of fftfreq / rfftfreq, checked before numpy allocates ``[n]`` f64
+        (0 divides by zero; a huge n would try to allocate terabytes)."""
+        from .serde import MAX_BYTES
+
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            raise self._fault("Constant", f"fftfreq: n must be an int, got {n!r}")
+        if not 1 <= int(n) <= MAX_BYTES // 8:
+            raise self._fault("Constant", f"fftfreq: n={n} must be in 1..{MAX_BYTES // 8}")
+        return int(n)
+
     def fftfreq(self, n: int) -> int:
         """Constant f64 ``[n]`` of DFT sample frequencies (cycles per sample)."""
-        return self.constant(np.fft.fftfreq(int(n)).astype(np.float64))
+        return self.constant(np.fft.fftfreq(self._freq_len(n)).astype(np.float64))
 
     def rfftfreq(self, n: int) -> int:
-        return self.constant(np.fft.rfftfreq(int(n)).astype(np.float64))
+        return self.constant(np.fft.rfftfreq(self._freq_len(n)).astype(np.float64))
 
     def psd(self, re: int, im: int) -> int:
         """Power spectral density ``(re^2 + im^2) / N`` (N = last dim of re)."""
