@@ -12,9 +12,30 @@
 #include <cmath>
 
 #include "cpu/common.h"
+#include "cpu/rowwise.h"
 
 namespace rlx {
 namespace {
+
+// One f32 row of `heads` heads (the hot path; compiled for AVX2 and the baseline ISA).
+[[maybe_unused]] RLX_ROW_CLONES static void rope_row_f32(const float* __restrict x,
+                                                         const float* __restrict c,
+                                                         const float* __restrict sn,
+                                                         float* __restrict y, int64_t heads,
+                                                         int64_t head_dim, int64_t n_rot,
+                                                         float sign) {
+  const int64_t half = n_rot / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* xh = x + h * head_dim;
+    float* yh = y + h * head_dim;
+    for (int64_t i = 0; i < half; ++i) {
+      const float t = sign * sn[i], a = xh[i], b = xh[half + i];
+      yh[i] = a * c[i] - b * t;
+      yh[half + i] = b * c[i] + a * t;
+    }
+    for (int64_t j = n_rot; j < head_dim; ++j) yh[j] = xh[j];
+  }
+}
 
 template <typename T>
 void rope_typed(ffi::ThreadPool& pool, const T* x, const T* cos, const T* sin, T* y,
@@ -29,6 +50,10 @@ void rope_typed(ffi::ThreadPool& pool, const T* x, const T* cos, const T* sin, T
       const int64_t s = r % seq;
       const T* cr = cos + s * table_w;
       const T* sr = sin + s * table_w;
+      if constexpr (std::is_same<T, float>::value) {
+        rope_row_f32(x + r * width, cr, sr, y + r * width, heads, head_dim, n_rot, sign);
+        continue;
+      }
       for (int64_t h = 0; h < heads; ++h) {
         const T* xh = x + r * width + h * head_dim;
         T* yh = y + r * width + h * head_dim;

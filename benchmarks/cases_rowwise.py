@@ -1,0 +1,183 @@
+"""Row-wise fused ops: softmax cross-entropy, softmax, RoPE, cumsum, fused linear CE.
+
+Each case: ours (the rlx_jax op, its kernels) vs XLA's autodiff of the pure-JAX
+reference vs a copy of the op's minimal traffic. Floors:
+
+- softmax cross-entropy forward + backward [N, C]: logits read, dlogits written (2 N C);
+- softmax forward + backward [N, W]: x and dy read, dx written (3 N W); the backward
+  alone (given y): y and dy read, dx written (3 N W);
+- RoPE backward [N, W]: dy read, dx written (2 N W; the tables are O(S * n_rot));
+- cumsum backward [N, W]: dy read, dx written (2 N W);
+- fused linear cross-entropy: compute bound (three [N, D] x [D, V] matmuls); its floor
+  is reading hidden and weight and writing their gradients, so ours/copy is large by
+  nature. Its point is memory: the compiled temp size of ours vs the unfused version
+  is printed and stored in the JSON row (``temp_MB_ours`` / ``temp_MB_unfused``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.harness import Case
+from rlx_jax.ops import cumsum, fused_linear_cross_entropy, rope, softmax, softmax_cross_entropy
+from rlx_jax.vjp_rules.cross_entropy import reference_softmax_cross_entropy
+from rlx_jax.vjp_rules.cumsum import reference_cumsum
+from rlx_jax.vjp_rules.rope import reference_rope
+from rlx_jax.vjp_rules.softmax import reference_softmax, reference_softmax_bwd, softmax_bwd
+
+
+def _name(dtype) -> str:
+    return jnp.dtype(dtype).name
+
+
+def cross_entropy_case(n: int, c: int, dtype) -> Case:
+    def make(key):
+        kx, kl = jax.random.split(key)
+        logits = (2.0 * jax.random.normal(kx, (n, c), jnp.float32)).astype(dtype)
+        return logits, jax.random.randint(kl, (n,), 0, c, jnp.int32)
+
+    def grad_of(loss_fn):
+        return lambda x, y: jax.grad(lambda x: jnp.sum(loss_fn(x, y).astype(jnp.float32)) / n)(x)
+
+    return Case(
+        name=f"softmax_ce fwd+bwd {_name(dtype)} {n}x{c}",
+        make=make,
+        ours=grad_of(softmax_cross_entropy),
+        xla=grad_of(lambda x, y: reference_softmax_cross_entropy(x, y)[0]),
+        floor_bytes=2 * n * c * jnp.dtype(dtype).itemsize,
+    )
+
+
+def softmax_case(n: int, w: int, dtype) -> Case:
+    def make(key):
+        kx, kd = jax.random.split(key)
+        return (jax.random.normal(kx, (n, w), jnp.float32).astype(dtype), jax.random.normal(kd, (n, w), jnp.float32).astype(dtype))
+
+    def vjp_of(fn):
+        return lambda x, dy: jax.vjp(fn, x)[1](dy)[0]
+
+    return Case(
+        name=f"softmax fwd+bwd {_name(dtype)} {n}x{w}",
+        make=make,
+        ours=vjp_of(softmax),
+        xla=vjp_of(lambda x: reference_softmax(x)[0]),
+        floor_bytes=3 * n * w * jnp.dtype(dtype).itemsize,
+    )
+
+
+def softmax_bwd_case(n: int, w: int, dtype) -> Case:
+    def make(key):
+        kx, kd = jax.random.split(key)
+        y = reference_softmax(jax.random.normal(kx, (n, w), jnp.float32).astype(dtype))[0]
+        return y, jax.random.normal(kd, (n, w), jnp.float32).astype(dtype)
+
+    return Case(
+        name=f"softmax bwd_only {_name(dtype)} {n}x{w}",
+        make=make,
+        ours=lambda y, dy: softmax_bwd(y, dy)[0],
+        xla=lambda y, dy: reference_softmax_bwd(y, dy)[0],
+        floor_bytes=3 * n * w * jnp.dtype(dtype).itemsize,
+    )
+
+
+def rope_case(seq: int, heads: int, head_dim: int, n_rot: int, dtype) -> Case:
+    w = heads * head_dim
+
+    def make(key):
+        kx, ka = jax.random.split(key)
+        ang = jax.random.uniform(ka, (seq, n_rot // 2), jnp.float32, 0, 6.3)
+        dy = jax.random.normal(kx, (1, seq, w), jnp.float32).astype(dtype)
+        return dy, jnp.cos(ang).astype(dtype), jnp.sin(ang).astype(dtype)
+
+    def ours(dy, c, s):
+        return jax.vjp(lambda x: rope(x, c, s, head_dim=head_dim, n_rot=n_rot), dy)[1](dy)[0]
+
+    def xla(dy, c, s):
+        return jax.vjp(lambda x: reference_rope(x, c, s, head_dim=head_dim, n_rot=n_rot)[0], dy)[1](dy)[0]
+
+    return Case(
+        name=f"rope bwd {_name(dtype)} {seq}x{w} hd{head_dim} rot{n_rot}",
+        make=make,
+        ours=ours,
+        xla=xla,
+        floor_bytes=2 * seq * w * jnp.dtype(dtype).itemsize,
+    )
+
+
+def cumsum_case(n: int, w: int, axis: int, exclusive: bool, dtype) -> Case:
+    def make(key):
+        return (jax.random.normal(key, (n, w), jnp.float32).astype(dtype),)
+
+    def ours(dy):
+        return jax.vjp(lambda x: cumsum(x, axis=axis, exclusive=exclusive), dy)[1](dy)[0]
+
+    def xla(dy):
+        # XLA's autodiff of jnp.cumsum (what JAX users get today)
+        def f(x):
+            y = jnp.cumsum(x.astype(jnp.float32), axis=axis)
+            return (y - x if exclusive else y).astype(x.dtype)
+
+        return jax.vjp(f, dy)[1](dy)[0]
+
+    ex = " excl" if exclusive else ""
+    return Case(
+        name=f"cumsum bwd{ex} {_name(dtype)} {n}x{w} axis{axis}",
+        make=make,
+        ours=ours,
+        xla=xla,
+        floor_bytes=2 * n * w * jnp.dtype(dtype).itemsize,
+    )
+
+
+def fused_linear_case(n: int, d: int, v: int, chunk: int, dtype) -> Case:
+    def make(key):
+        kh, kw, kl = jax.random.split(key, 3)
+        h = jax.random.normal(kh, (n, d), jnp.float32).astype(dtype)
+        wt = (jax.random.normal(kw, (d, v), jnp.float32) / d**0.5).astype(dtype)
+        return h, wt, jax.random.randint(kl, (n,), 0, v, jnp.int32)
+
+    def ours(h, wt, y):
+        return jax.grad(lambda h, wt: jnp.sum(fused_linear_cross_entropy(h, wt, y, chunk_size=chunk)), (0, 1))(h, wt)
+
+    def xla(h, wt, y):
+        return jax.grad(lambda h, wt: jnp.sum(reference_softmax_cross_entropy(h @ wt, y)[0]), (0, 1))(h, wt)
+
+    specs = (jax.ShapeDtypeStruct((n, d), dtype), jax.ShapeDtypeStruct((d, v), dtype), jax.ShapeDtypeStruct((n,), jnp.int32))
+    mem = {}
+    for label, fn in (("ours", ours), ("unfused", xla)):
+        analysis = jax.jit(fn).lower(*specs).compile().memory_analysis()
+        mem[f"temp_MB_{label}"] = analysis.temp_size_in_bytes / 2**20
+    print(
+        f"# fused_linear_ce {n}x{d}x{v} chunk {chunk}: compiled temp memory ours {mem['temp_MB_ours']:.1f} MB "
+        f"vs unfused {mem['temp_MB_unfused']:.1f} MB (logits alone: {n * v * 4 / 2**20:.1f} MB)",
+        flush=True,
+    )
+    item = jnp.dtype(dtype).itemsize
+    return Case(
+        name=f"fused_linear_ce fwd+bwd {_name(dtype)} {n}x{d}x{v} c{chunk}",
+        make=make,
+        ours=ours,
+        xla=xla,
+        floor_bytes=2 * (n * d + d * v) * item,
+        extra=mem,
+    )
+
+
+def cases(device_kind: str) -> list[Case]:
+    if device_kind == "gpu":  # the kernels here are CPU kernels; on GPU the references run
+        return [cross_entropy_case(8192, 32000, jnp.float32), softmax_case(32768, 4096, jnp.float32)]
+    return [
+        cross_entropy_case(4096, 32000, jnp.float32),
+        cross_entropy_case(4096, 32000, jnp.bfloat16),
+        softmax_case(8192, 1024, jnp.float32),
+        softmax_bwd_case(8192, 1024, jnp.float32),
+        softmax_case(8192, 1024, jnp.bfloat16),
+        rope_case(8192, 16, 64, 64, jnp.float32),
+        rope_case(8192, 16, 64, 32, jnp.float32),
+        rope_case(8192, 16, 64, 64, jnp.bfloat16),
+        cumsum_case(8192, 1024, 1, False, jnp.float32),
+        cumsum_case(8192, 1024, 1, True, jnp.float32),
+        cumsum_case(8192, 1024, 0, False, jnp.float32),
+        fused_linear_case(1024, 256, 32000, 4096, jnp.float32),
+    ]
