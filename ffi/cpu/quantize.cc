@@ -10,8 +10,8 @@
 //   dx = dy * [|z| <= q]
 //   ds[g, c] = sum over rows of channel (g, c) of dy * psi(z),
 //   psi(z) = round(z) - z inside (round half away from zero), sign(z) q outside.
-// ds is reduced deterministically: each row chunk writes its own partial sums, then the
-// partials are added in chunk order.
+// ds is reduced deterministically: each row's sum (or, channel last, each row chunk's
+// per-column partial sums) has its own slot, then the slots are added in a fixed order.
 #include <cmath>
 
 #include "cpu/common.h"
@@ -36,10 +36,11 @@ ffi::Error quant_view(const char* who, const ffi::AnyBuffer& x, const ffi::AnyBu
   return ffi::Error::Success();
 }
 
-// round half away from zero of |z| <= q + 1 (vectorisable: an integer conversion)
+// round half away from zero of |z| <= q + 1 <= 2^15 (vectorisable: a 32-bit integer
+// conversion, which SSE2 has for f32 and f64; a 64-bit one would stay scalar)
 template <typename A>
 inline A round_small(A z) {
-  const A t = A(int64_t(z));
+  const A t = A(int32_t(z));
   const A d = z - t;
   return t + (d >= A(0.5) ? A(1) : A(0)) - (d <= A(-0.5) ? A(1) : A(0));
 }
@@ -121,35 +122,41 @@ void lsq_bwd_typed(ffi::ThreadPool& pool, const T* x, const void* s_in, const T*
   const RowPlan plan = row_plan(v);
   const int64_t w = plan.width, n_scales = v.g * v.c;
   const int64_t tasks = row_chunks(plan.rows, w, 256);
-  std::vector<A> partial(static_cast<size_t>(tasks) * n_scales, A(0));
   const A qa = A(q);
+  // One scale per row: each row's sum goes to its own slot. Channel last: each task keeps
+  // per-column partial sums.
+  std::vector<A> row_sum(plan.channel_last ? 0 : plan.rows);
+  std::vector<A> partial(plan.channel_last ? static_cast<size_t>(tasks) * n_scales : 0, A(0));
   parallel_for(pool, tasks, [&](int64_t t) {
     const int64_t r0 = plan.rows * t / tasks, r1 = plan.rows * (t + 1) / tasks;
-    A* part = partial.data() + t * n_scales;
     std::vector<A> s_eff(plan.channel_last ? w : 0);
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * w;
       const T* dyr = dy + r * w;
       T* dxr = dx + r * w;
-      if (plan.channel_last) {  // one scale per column: partial sums per column
+      if (plan.channel_last) {
         const int64_t g0 = (r / v.o) * v.c;
         for (int64_t j = 0; j < w; ++j) s_eff[j] = std::max(s[g0 + j], A(1e-12));
-        A* pr = part + g0;
+        A* pr = partial.data() + t * n_scales + g0;
         for (int64_t j = 0; j < w; ++j) pr[j] += lsq_element(xr[j], dyr[j], dxr[j], s_eff[j], qa);
         continue;
       }
-      const int64_t si = v.scale_index(r);
-      const A sc = std::max(s[si], A(1e-12));
+      const A sc = std::max(s[v.scale_index(r)], A(1e-12));
       A acc = 0;
 #pragma omp simd reduction(+ : acc)
       for (int64_t j = 0; j < w; ++j) acc += lsq_element(xr[j], dyr[j], dxr[j], sc, qa);
-      part[si] += acc;
+      row_sum[r] = acc;
     }
   });
-  for (int64_t k = 0; k < n_scales; ++k) {
-    A sum = 0;
-    for (int64_t t = 0; t < tasks; ++t) sum += partial[t * n_scales + k];
-    ds[k] = sum;
+  // fixed-order reductions: rows in order, or task partials in task order
+  for (int64_t k = 0; k < n_scales; ++k) ds[k] = A(0);
+  if (plan.channel_last) {
+    for (int64_t t = 0; t < tasks; ++t) {
+      const A* pt = partial.data() + t * n_scales;
+      for (int64_t k = 0; k < n_scales; ++k) ds[k] += pt[k];
+    }
+  } else {
+    for (int64_t r = 0; r < plan.rows; ++r) ds[v.scale_index(r)] += row_sum[r];
   }
 }
 
