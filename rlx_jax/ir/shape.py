@@ -120,6 +120,14 @@ class Shape:
     def __post_init__(self):
         object.__setattr__(self, "dims", tuple(as_dim(d) for d in self.dims))
         object.__setattr__(self, "dtype", DType.from_any(self.dtype))
+        # the JSON loader's rule (running product of the static dims), so that every
+        # shape a builder makes also loads back
+        total = 1
+        for d in self.dims:
+            if isinstance(d, int):
+                total *= d
+                if total > MAX_DIM:
+                    raise ValueError(f"shape {self.dims} declares more than {MAX_DIM} elements")
 
     @classmethod
     def of(cls, dims: Iterable, dtype) -> "Shape":
