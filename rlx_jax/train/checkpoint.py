@@ -18,6 +18,7 @@ import os
 import pathlib
 import shutil
 import tempfile
+import zipfile
 
 import jax
 import numpy as np
@@ -52,12 +53,24 @@ def load(directory, template):
     directory = pathlib.Path(directory)
     meta = json.loads((directory / "state.json").read_text())
     leaves, treedef = jax.tree_util.tree_flatten(template)
-    with np.load(directory / "arrays.npz", allow_pickle=False) as arrays:
+    try:
+        arrays = np.load(directory / "arrays.npz", allow_pickle=False)
+    except (zipfile.BadZipFile, EOFError) as exc:  # truncated or not an npz at all
+        raise ValueError(f"checkpoint {directory}: arrays.npz is not a readable npz file ({exc})") from None
+    if not hasattr(arrays, "files"):
+        raise ValueError(f"checkpoint {directory}: arrays.npz holds a single array, not an npz archive")
+    with arrays:
         if len(arrays.files) != len(leaves):
             raise ValueError(f"checkpoint {directory} holds {len(arrays.files)} arrays, the model needs {len(leaves)}")
         restored = []
         for i, ref in enumerate(leaves):
-            a = arrays[f"leaf_{i:05d}"]
+            key = f"leaf_{i:05d}"
+            if key not in arrays.files:
+                raise ValueError(f"checkpoint {directory}: arrays.npz has no array {key!r}")
+            try:
+                a = arrays[key]
+            except (zipfile.BadZipFile, EOFError) as exc:
+                raise ValueError(f"checkpoint {directory}: array {key!r} is corrupt ({exc})") from None
             ref = np.asarray(ref)
             if a.shape != ref.shape or a.dtype != ref.dtype:
                 raise ValueError(
