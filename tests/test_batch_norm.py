@@ -183,3 +183,11 @@ def test_kernel_rejects_bad_buffers_with_an_error():
     with pytest.raises(Exception, match="var must have shape"):
         jax.block_until_ready(bad(jnp.ones((2, 4)), jnp.ones(4), jnp.ones(4), jnp.ones(3), jnp.ones((2, 4)),
                                   eps=np.float32(EPS)))
+
+
+def test_backward_wrapper_without_gamma_gives_parameter_gradients():
+    (x, g, b, m, v), dy = _inputs((2, 4, 5), jnp.float32, seed=11)
+    _, dg, db = batch_norm_inference_backward(x, None, m, v, dy, eps=EPS)
+    want = jax.vjp(_ref, x, g, b, m, v)[1](dy)
+    assert_close(dg, want[1])
+    assert_close(db, want[2])

@@ -198,3 +198,11 @@ def test_kernel_rejects_bad_buffers_with_an_error():
     with pytest.raises(Exception, match="not divisible"):
         jax.block_until_ready(bad(jnp.ones((2, 6)), jnp.ones(6), jnp.ones(6), num_groups=np.int64(4),
                                   eps=np.float32(EPS)))
+
+
+def test_backward_wrapper_without_gamma_gives_parameter_gradients():
+    x, g, b, dy = _inputs((2, 4, 5), jnp.float32, seed=11)
+    _, dg, db = group_norm_backward(x, None, None, dy, num_groups=2, eps=EPS)
+    _, want_g, want_b = jax.vjp(_ref(2), x, g, b)[1](dy)
+    assert_close(dg, want_g)
+    assert_close(db, want_b)

@@ -270,3 +270,12 @@ def test_kernel_rejects_bad_buffers_with_an_error():
     bad = jax.ffi.ffi_call("rlx_layer_norm_fwd", out)
     with pytest.raises(Exception, match="gamma must have shape"):
         jax.block_until_ready(bad(x, jnp.ones(5), jnp.ones(4), eps=np.float32(EPS)))
+
+
+def test_backward_wrapper_without_gamma_gives_parameter_gradients():
+    """LayerNormBackwardGamma [x, dy] has no gamma: gamma=None stands for ones."""
+    x, g, b, dy = _inputs((4, 9), jnp.float32, seed=11)
+    _, dg, db = layer_norm_backward(x, None, None, dy)
+    _, want_g, want_b = jax.vjp(_ref, x, g, b)[1](dy)
+    assert_close(dg, want_g)
+    assert_close(db, want_b)

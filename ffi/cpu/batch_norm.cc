@@ -51,6 +51,7 @@ void batch_norm_inference_bwd_typed(ffi::ThreadPool& pool, const T* x, const T* 
         A* __restrict dxp = buf.out(dx + p * s, 2);
         const A k = sc[ch];
         norm::dy_sums<A>(xp, dyp, nullptr, m[ch], s, pb[p], pd[p]);
+#pragma omp simd
         for (int64_t j = 0; j < s; ++j) dxp[j] = dyp[j] * k;
         buf.commit(dx + p * s, 2);
       }
@@ -69,6 +70,7 @@ void batch_norm_inference_bwd_typed(ffi::ThreadPool& pool, const T* x, const T* 
         const A* __restrict xr = buf.in(x + r * c, 0);
         const A* __restrict dyr = buf.in(dy + r * c, 1);
         A* __restrict dxr = buf.out(dx + r * c, 2);
+#pragma omp simd
         for (int64_t j = 0; j < c; ++j) {
           dxr[j] = dyr[j] * sc[j];
           pbt[j] += dyr[j];

@@ -52,6 +52,7 @@ void group_norm_fwd_typed(ffi::ThreadPool& pool, const Layout& L, const T* x, co
         const A scale = inv * load<A>(gamma[c0 + ci]), shift = load<A>(beta[c0 + ci]);
         const A* __restrict xc = xb + ci * L.s;
         A* __restrict yc = yb + ci * L.s;
+#pragma omp simd
         for (int64_t j = 0; j < L.s; ++j) yc[j] = (xc[j] - mu) * scale + shift;
       }
       buf.commit(y + blk * L.m, 1);
@@ -98,6 +99,7 @@ void group_norm_bwd_typed(ffi::ThreadPool& pool, const Layout& L, const T* x, co
         const A* __restrict xc = xb + ci * L.s;
         const A* __restrict dyc = dyb + ci * L.s;
         A* __restrict dxc = dxb + ci * L.s;
+#pragma omp simd
         for (int64_t j = 0; j < L.s; ++j) dxc[j] = inv * (dyc[j] * g - c1 - (xc[j] - mu) * inv * c2);
       }
       buf.commit(dx + blk * L.m, 2);

@@ -52,6 +52,7 @@ void layer_norm_fwd_typed(ffi::ThreadPool& pool, const T* x, const T* gamma_in, 
       const A inv = A(1) / std::sqrt(norm::sq_dev(xr, mu, width) * inv_w + A(eps));
       mean[r] = mu;
       rstd[r] = inv;
+#pragma omp simd
       for (int64_t j = 0; j < width; ++j) yr[j] = (xr[j] - mu) * inv * g[j] + b[j];
       buf.commit(y + r * width, 1);
     }
@@ -85,6 +86,7 @@ void layer_norm_bwd_typed(ffi::ThreadPool& pool, const T* x, const T* gamma_in,
       norm::dy_sums(xr, dyr, g, mu, width, su, sux);
       const A c1 = su * inv_w;         // mean(u)
       const A c2 = sux * inv * inv_w;  // mean(u * xhat)
+#pragma omp simd
       for (int64_t j = 0; j < width; ++j) {
         const A xh = (xr[j] - mu) * inv;
         dxr[j] = inv * (dyr[j] * g[j] - c1 - xh * c2);
@@ -105,6 +107,7 @@ void layer_norm_bwd_typed(ffi::ThreadPool& pool, const T* x, const T* gamma_in,
     for (int64_t c = 1; c < chunks; ++c) {
       const A* __restrict pg = partial.data() + c * 2 * width + j0;
       const A* __restrict pb = pg + width;
+#pragma omp simd
       for (int64_t j = 0; j < n; ++j) { sgp[j] += pg[j]; sbp[j] += pb[j]; }
     }
     for (int64_t j = 0; j < n; ++j) {

@@ -187,8 +187,13 @@ def batch_norm_inference(x, gamma, beta, mean, var, *, eps: float = 1e-5):
 def batch_norm_inference_backward(x, gamma, mean, var, dy, *, eps: float = 1e-5):
     """RLX's BatchNormInferenceBackwardInput / Gamma / Beta in one call: returns
     (dx, dgamma, dbeta) for upstream gradient dy (shaped like x), from the fused
-    ``batch_norm_inference_bwd`` kernel."""
+    ``batch_norm_inference_bwd`` kernel. ``gamma=None`` stands for ones
+    (BatchNormInferenceBackwardGamma [x, mean, var, dy] has no gamma; dgamma and dbeta do
+    not depend on it)."""
     who = "batch_norm_inference_backward"
+    if gamma is None:
+        x = jnp.asarray(x)
+        gamma = jnp.ones((x.shape[1] if x.ndim >= 2 else 0,), x.dtype)
     x, (gamma_c, mean, var) = _prepare(x, (("gamma", gamma), ("mean", mean), ("var", var)), eps, who)
     dy = jnp.asarray(dy)
     if dy.shape != x.shape:

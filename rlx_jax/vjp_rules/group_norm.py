@@ -244,7 +244,13 @@ def group_norm(x, gamma, beta=None, *, num_groups: int, eps: float = 1e-5):
 def group_norm_backward(x, gamma, beta, dy, *, num_groups: int, eps: float = 1e-5):
     """RLX's GroupNormBackwardInput / Gamma / Beta in one call: returns (dx, dgamma, dbeta)
     for upstream gradient dy (shaped like x). The statistics are recomputed from x (the
-    RLX ops take none); the gradients come from the fused ``group_norm_bwd`` kernel."""
+    RLX ops take none); the gradients come from the fused ``group_norm_bwd`` kernel.
+
+    ``gamma=None`` stands for ones (GroupNormBackwardGamma / Beta [x, dy] have no gamma;
+    dgamma and dbeta do not depend on it)."""
+    if gamma is None:
+        x = jnp.asarray(x)
+        gamma = jnp.ones((x.shape[1] if x.ndim >= 2 else 0,), x.dtype)
     x, gamma_c, _, num_groups = _prepare(x, gamma, beta, num_groups, eps, "group_norm_backward")
     dy = jnp.asarray(dy)
     if dy.shape != x.shape:

@@ -207,7 +207,13 @@ def layer_norm_backward(x, gamma, beta, dy, *, axis: int = -1, eps: float = 1e-5
     """RLX's LayerNormBackwardInput and LayerNormBackwardGamma (and beta's gradient, the
     row sum of dy) in one call: returns (dx, dgamma, dbeta) for upstream gradient dy
     (shaped like x). The statistics are recomputed from x (the RLX ops take no saved
-    statistics); the gradients come from the fused ``layer_norm_bwd`` kernel."""
+    statistics); the gradients come from the fused ``layer_norm_bwd`` kernel.
+
+    ``gamma=None`` stands for ones: LayerNormBackwardGamma [x, dy] has no gamma input,
+    and dgamma, dbeta do not depend on it (dx then is that of gamma = 1)."""
+    if gamma is None:
+        x = jnp.asarray(x)
+        gamma = jnp.ones((x.shape[axis] if x.ndim and -x.ndim <= axis < x.ndim else 0,), x.dtype)
     x, gamma_c, beta, axis = _prepare(x, gamma, beta, axis, eps, who="layer_norm_backward")
     dy = jnp.asarray(dy)
     if dy.shape != x.shape:
