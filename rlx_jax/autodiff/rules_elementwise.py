@@ -89,7 +89,7 @@ def _conjugate(g, node, dy):
 
 def emit_region(t, op, ins):
     """Primitive expansion of an ElementwiseRegion chain over region inputs ``ins``."""
-    from rlx_jax.ir.op import ChainOperand  # noqa: F401
+    from rlx_jax.ir import DType
 
     steps = []
 
@@ -101,7 +101,7 @@ def emit_region(t, op, ins):
         if step.kind == "Activation":
             steps.append(E.act(t, step.attr, args[0]))
         elif step.kind == "Cast":
-            steps.append(E.cast(t, args[0], step.attr))
+            steps.append(E.cast(t, args[0], DType.from_any(step.attr)))
         elif step.kind == "Binary":
             steps.append(E.binary(t, BinaryOp.parse(step.attr), *args))
         elif step.kind == "Compare":
