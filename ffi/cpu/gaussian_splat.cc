@@ -242,6 +242,11 @@ ffi::Error SplatBwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> pos, ffi::Bu
   Scene s;
   std::string err;
   if (!read_scene(pos, scale, rot, opac, col, sh, meta, s, err)) return invalid(err);
+  // the gradients are written with the scene's sizes: a smaller result would overflow
+  if (d_pos->element_count() != pos.element_count() || d_scale->element_count() != scale.element_count() ||
+      d_rot->element_count() != rot.element_count() || d_opac->element_count() != opac.element_count() ||
+      d_col->element_count() != col.element_count() || d_sh->element_count() != sh.element_count())
+    return invalid("gaussian_splat backward: each gradient must have the size of its scene buffer");
   Params p = make_params(width, height, tile_size, radius_scale, alpha_cutoff, max_splat_steps,
                          transmittance_threshold, max_list_entries);
   const int64_t n = s.n;
