@@ -10,6 +10,7 @@ without the IR module that defines the class, and an op class made by
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any, Callable
 
 import numpy as np
@@ -83,14 +84,32 @@ def custom_lowering(name: str):
 
 
 _loaded = False
+_load_lock = threading.Lock()
+_loading_thread: int | None = None
 
 
 def _load_rules() -> None:
-    """Import every rule module once (they register themselves)."""
-    global _loaded
-    if _loaded:
+    """Import every rule module once (they register themselves).
+
+    Thread-safe: other threads wait until every module is imported (setting the flag
+    before the imports let a second thread see a half-filled table and report "no
+    lowering rule"); a call made by a rule module while it is being imported (the
+    loading thread itself) returns at once, as before."""
+    global _loaded, _loading_thread
+    if _loaded or _loading_thread == threading.get_ident():
         return
-    _loaded = True
+    with _load_lock:
+        if _loaded:
+            return
+        _loading_thread = threading.get_ident()
+        try:
+            _import_rule_modules()
+            _loaded = True
+        finally:
+            _loading_thread = None
+
+
+def _import_rule_modules() -> None:
     import importlib
 
     for mod in (
