@@ -1,0 +1,193 @@
+"""Determinism: every fused CPU kernel gives bitwise-identical forward values and
+gradients (parameter-gradient reductions included) on repeated runs with the same
+inputs, across fresh compilations, and in a fresh process.
+
+The shapes are large enough that the kernels split rows and parameter reductions
+across XLA's intra-op thread pool, which is where a racy or claim-order-dependent
+reduction would show. ``CASES`` covers every forward/backward target registered on
+the CPU (``test_cases_cover_every_target`` fails when a new kernel is not listed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rlx_jax
+from rlx_jax import ops
+
+F32 = jnp.float32
+
+
+def _rng(seed):
+    return np.random.default_rng(seed)
+
+
+def _arr(shape, seed, dtype=F32, lo=None, hi=None):
+    r = _rng(seed)
+    v = r.uniform(lo, hi, shape) if lo is not None else r.normal(size=shape)
+    return jnp.asarray(v, dtype)
+
+
+def _splat_case():
+    meta = ops.gaussian_splat_render_meta([0.3, -0.2, -4], [0, 0, 0], [0, 1, 0], 45.0, 0.1, 100.0,
+                                          [0.1, 0.2, 0.3], width=32, height=24, tile_size=8)
+    r = _rng(11)
+    n = 300
+    pos = r.uniform(-1, 1, (n, 3))
+    pos[:, 2] *= 0.5
+    scene = [pos, np.log(r.uniform(0.05, 0.3, (n, 3))), r.normal(size=(n, 4)), r.normal(size=n),
+             r.uniform(0, 1, (n, 3)), r.normal(size=(n, 4, 3)) * 0.2]
+    fn = lambda *a: ops.gaussian_splat_render(*a, meta, width=32, height=24, tile_size=8)
+    return fn, [jnp.asarray(a, F32) for a in scene], tuple(range(6))
+
+
+def _cases():
+    """name -> (targets, fn, args, argnums to differentiate)."""
+    c = {}
+    x = _arr((300, 128), 0)
+    g, b = _arr((128,), 1), _arr((128,), 2)
+    c["rms_norm"] = (("rlx_rms_norm_fwd", "rlx_rms_norm_bwd"), lambda x, g, b: ops.rms_norm(x, g, b), (x, g, b),
+                     (0, 1, 2))
+    c["rms_norm_bf16"] = (("rlx_rms_norm_fwd", "rlx_rms_norm_bwd"), lambda x, g, b: ops.rms_norm(x, g, b),
+                          tuple(a.astype(jnp.bfloat16) for a in (x, g, b)), (0, 1, 2))
+    c["layer_norm"] = (("rlx_layer_norm_fwd", "rlx_layer_norm_bwd"), lambda x, g, b: ops.layer_norm(x, g, b),
+                       (x, g, b), (0, 1, 2))
+    xg = _arr((8, 32, 10, 10), 3)
+    c["group_norm"] = (("rlx_group_norm_fwd", "rlx_group_norm_bwd"),
+                       lambda x, g, b: ops.group_norm(x, g, b, num_groups=4), (xg, _arr((32,), 4), _arr((32,), 5)),
+                       (0, 1, 2))
+    xb = _arr((16, 32, 8), 6)
+    c["batch_norm_inference"] = (("rlx_batch_norm_inference_bwd",),
+                                 lambda x, g, b, m, v: ops.batch_norm_inference(x, g, b, m, v),
+                                 (xb, _arr((32,), 7), _arr((32,), 8), _arr((32,), 9), _arr((32,), 10, lo=0.5, hi=2)),
+                                 (0, 1, 2))
+    c["softmax"] = (("rlx_softmax_fwd", "rlx_softmax_bwd"), lambda x: ops.softmax(x), (x,), (0,))
+    logits = _arr((300, 500), 12)
+    labels = jnp.asarray(_rng(13).integers(0, 500, 300), jnp.int32)
+    c["softmax_cross_entropy"] = (("rlx_softmax_ce_fwd", "rlx_softmax_ce_bwd"),
+                                  lambda l: ops.softmax_cross_entropy(l, labels), (logits,), (0,))
+    lab2 = jnp.asarray(_rng(14).integers(0, 1000, 64), jnp.int32)
+    c["fused_linear_cross_entropy"] = ((), lambda h, w: ops.fused_linear_cross_entropy(h, w, lab2, chunk_size=256),
+                                       (_arr((64, 32), 15), _arr((32, 1000), 16)), (0, 1))
+    c["cumsum"] = (("rlx_cumsum_fwd", "rlx_cumsum_bwd"), lambda x: ops.cumsum(x, axis=-1), (x,), (0,))
+    cs, sn = _arr((16, 16), 17), _arr((16, 16), 18)
+    c["rope"] = (("rlx_rope_fwd", "rlx_rope_bwd"), lambda x: ops.rope(x, cs, sn, head_dim=32), (_arr((4, 16, 64), 19),),
+                 (0,))
+    q, k, v = (_arr((2, 64, 4, 32), s) for s in (20, 21, 22))
+    c["attention_causal"] = (("rlx_attention_fwd", "rlx_attention_bwd"),
+                             lambda q, k, v: ops.attention(q, k, v, mask_kind="causal"), (q, k, v), (0, 1, 2))
+    bias = _arr((2, 4, 64, 64), 23)
+    mask = jnp.asarray(_rng(24).integers(0, 2, (2, 64)), F32)
+    c["attention_bias_mask"] = (("rlx_attention_fwd", "rlx_attention_bwd"),
+                                lambda q, k, v, bb: ops.attention(q, k, v, mask=mask, bias=bb), (q, k, v, bias),
+                                (0, 1, 2, 3))
+    idx = jnp.asarray(_rng(25).integers(0, 500, 4000), jnp.int32)  # many repeats per row
+    c["gather"] = (("rlx_gather_bwd",), lambda t: ops.gather(t, idx), (_arr((500, 64), 26),), (0,))
+    xp = _arr((8, 16, 32, 32), 27)
+    c["max_pool2d"] = (("rlx_max_pool2d_fwd", "rlx_max_pool2d_bwd"),
+                       lambda x: ops.max_pool2d(x, kernel_size=(3, 3), stride=(2, 2), padding=(1, 1)), (xp,), (0,))
+    c["avg_pool2d"] = (("rlx_avg_pool2d_bwd",),
+                       lambda x: ops.avg_pool2d(x, kernel_size=(3, 3), stride=(2, 2), padding=(1, 1)), (xp,), (0,))
+    xq = _arr((128, 32, 9), 28)
+    c["fake_quantize"] = (("rlx_fake_quantize_bwd",),
+                          lambda x: ops.fake_quantize(x, bits=4, scale=0.2, ste="clipped_identity"), (xq,), (0,))
+    c["fake_quantize_lsq"] = (("rlx_fake_quantize_lsq_bwd",),
+                              lambda x, s: ops.fake_quantize_lsq(x, s, bits=4, axis=1),
+                              (xq, _arr((32,), 29, lo=0.05, hi=0.3)), (0, 1))
+    fn, scene, argnums = _splat_case()
+    c["gaussian_splat"] = (("rlx_gaussian_splat_fwd", "rlx_gaussian_splat_bwd"), fn, tuple(scene), argnums)
+    return c
+
+
+def _runner(fn, argnums):
+    """One jitted function returning the forward value and the gradients of a weighted sum."""
+    def loss(*a):
+        y = fn(*a).astype(F32)
+        w = jnp.sin(jnp.arange(y.size, dtype=F32) * 0.37).reshape(y.shape)
+        return jnp.sum(y * w)
+
+    def both(*a):
+        return fn(*a), jax.grad(loss, argnums=argnums)(*a)
+
+    return jax.jit(both)
+
+
+def _digest(tree) -> str:
+    h = hashlib.sha256()
+    for leaf in jax.tree_util.tree_leaves(tree):
+        a = np.asarray(leaf)
+        h.update(str((a.shape, a.dtype)).encode())
+        h.update(np.ascontiguousarray(a).view(np.uint8).tobytes())
+    return h.hexdigest()
+
+
+def digests(names=None) -> dict:
+    out = {}
+    for name, (_, fn, args, argnums) in _cases().items():
+        if names is None or name in names:
+            out[name] = _digest(_runner(fn, argnums)(*args))
+    return out
+
+
+@pytest.fixture(scope="module")
+def cases():
+    if not rlx_jax.kernel_info()["cpu"]["loaded"]:
+        pytest.skip(f"compiled CPU kernels not loaded: {rlx_jax.kernel_info()['cpu']['error']}")
+    return _cases()
+
+
+def test_cases_cover_every_target(cases):
+    covered = {t for targets, *_ in cases.values() for t in targets}
+    missing = set(rlx_jax.kernel_info()["cpu"]["targets"]) - covered
+    assert not missing, f"targets without a determinism case: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("name", sorted(_cases()))
+def test_bitwise_identical_on_repeated_runs(cases, name):
+    targets, fn, args, argnums = cases[name]
+    run = _runner(fn, argnums)
+    text = run.lower(*args).as_text()
+    for t in targets:
+        assert t in text, f"{t} not in the lowered HLO of {name} (silent fallback)"
+    first = _digest(run(*args))
+    for _ in range(3):
+        assert _digest(run(*args)) == first, f"{name}: results differ between runs"
+    # a fresh compilation of the same computation agrees too
+    assert _digest(_runner(fn, argnums)(*args)) == first, f"{name}: results differ after recompiling"
+
+
+#: the fresh-process check in the default run (every case under -m slow)
+PROCESS_SUBSET = ("rms_norm", "group_norm", "attention_bias_mask", "gather", "fake_quantize_lsq", "gaussian_splat")
+
+
+def _fresh_process(names):
+    here = dict(digests(names))
+    env = dict(os.environ)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    code = ("import json, sys; sys.path.insert(0, %r); import test_reliability_determinism as t; "
+            "print('DIGESTS' + json.dumps(t.digests(%r)))" % (os.path.dirname(os.path.abspath(__file__)), names))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [l for l in proc.stdout.splitlines() if l.startswith("DIGESTS")][-1]
+    there = json.loads(line[len("DIGESTS"):])
+    differ = sorted(n for n in here if here[n] != there.get(n))
+    assert not differ, f"results differ between processes: {differ}"
+    return here
+
+
+def test_bitwise_identical_in_a_fresh_process(cases):
+    assert len(_fresh_process(list(PROCESS_SUBSET))) == len(PROCESS_SUBSET)
+
+
+@pytest.mark.slow
+def test_bitwise_identical_in_a_fresh_process_all_cases(cases):
+    assert len(_fresh_process(None)) == len(cases)
