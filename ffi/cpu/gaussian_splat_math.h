@@ -40,7 +40,8 @@ template <int N> RLX_HD Dual<N> operator*(const Dual<N>& a, const Dual<N>& b) {
   Dual<N> r(a.v * b.v); for (int i = 0; i < N; ++i) r.d[i] = a.d[i] * b.v + a.v * b.d[i]; return r; }
 template <int N> RLX_HD Dual<N> operator/(const Dual<N>& a, const Dual<N>& b) {
   float inv = 1.f / b.v; Dual<N> r(a.v * inv);
-  for (int i = 0; i < N; ++i) r.d[i] = (a.d[i] - r.v * b.d[i]) * inv; return r; }
+  for (int i = 0; i < N; ++i) { r.d[i] = (a.d[i] - r.v * b.d[i]) * inv; }
+  return r; }
 template <int N> RLX_HD Dual<N> operator+(const Dual<N>& a, float b) { Dual<N> r = a; r.v += b; return r; }
 template <int N> RLX_HD Dual<N> operator+(float b, const Dual<N>& a) { return a + b; }
 template <int N> RLX_HD Dual<N> operator-(const Dual<N>& a, float b) { Dual<N> r = a; r.v -= b; return r; }
@@ -54,7 +55,8 @@ template <int N> RLX_HD Dual<N> dexp(const Dual<N>& a) {
   float e = expf(a.v); Dual<N> r(e); for (int i = 0; i < N; ++i) r.d[i] = a.d[i] * e; return r; }
 template <int N> RLX_HD Dual<N> dsqrt(const Dual<N>& a) {
   float s = sqrtf(a.v); Dual<N> r(s); float k = 0.5f / s;
-  for (int i = 0; i < N; ++i) r.d[i] = a.d[i] * k; return r; }
+  for (int i = 0; i < N; ++i) { r.d[i] = a.d[i] * k; }
+  return r; }
 RLX_HD float dexp(float a) { return expf(a); }
 RLX_HD float dsqrt(float a) { return sqrtf(a); }
 RLX_HD float val(float a) { return a; }

@@ -491,6 +491,10 @@ ffi::Error SplatBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> pos, ffi::Buf
   if (!read_scene(pos, scale, rot, opac, col, sh, meta, s, err)) return ffi::Error::InvalidArgument(err);
   if (int64_t(dimg.element_count()) != width * height * 4)
     return ffi::Error::InvalidArgument("gaussian_splat: dy must be [H*W*4]");
+  if (d_pos->element_count() != pos.element_count() || d_scale->element_count() != scale.element_count() ||
+      d_rot->element_count() != rot.element_count() || d_opac->element_count() != opac.element_count() ||
+      d_col->element_count() != col.element_count() || d_sh->element_count() != sh.element_count())
+    return ffi::Error::InvalidArgument("gaussian_splat backward: each gradient must have the size of its scene buffer");
   int tiles = p.tiles_x * p.tiles_y;
   if (int64_t(scratch->element_count()) < scratch_needed(s.n, p.max_list, tiles, int64_t(width) * height))
     return ffi::Error::InvalidArgument("gaussian_splat (CUDA): scratch result too small");
