@@ -223,18 +223,15 @@ class Partition:
 
     ``factors(avals_in, avals_out, **params)`` names the axes of every operand and
     result (einsum style, e.g. q = ("b", "s", "h", "d")). Factors in ``shardable`` keep
-    the mesh axes they have on the first operand that carries them (``tied`` maps a
-    factor to another whose mesh axes it must share, e.g. kv heads to query heads);
-    every other axis is replicated, and a factor whose dims the mesh axes do not divide
-    is replicated too. A result lacking a sharded factor is a sum over that factor
+    the mesh axes they have on the first operand that carries them; every other axis
+    is replicated, and a factor whose dims the mesh axes do not divide is replicated too. A result lacking a sharded factor is a sum over that factor
     (a parameter gradient summed over rows): each shard computes its partial sum and
     they are added with a psum over the factor's mesh axes.
     """
 
-    def __init__(self, factors: Callable, shardable: Iterable[str], tied: dict | None = None):
+    def __init__(self, factors: Callable, shardable: Iterable[str]):
         self.factors = factors
         self.shardable = frozenset(shardable)
-        self.tied = dict(tied or {})
 
     def _assign(self, mesh, arg_shapes, f_in, f_out) -> dict:
         """factor -> tuple of mesh axis names (only sharded, divisible factors)."""
@@ -244,11 +241,8 @@ class Partition:
             spec = tuple(getattr(sharding, "spec", ())) if sharding is not None else ()
             spec = spec + (None,) * (len(fs) - len(spec))
             for f, entry in zip(fs, spec):
-                if f in self.shardable and f not in self.tied and f not in assign and entry is not None:
+                if f in self.shardable and f not in assign and entry is not None:
                     assign[f] = entry if isinstance(entry, tuple) else (entry,)
-        for f, leader in self.tied.items():
-            if leader in assign:
-                assign[f] = assign[leader]
         sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
         dims: dict = {}
         for shapes, fss in ((arg_shapes, f_in), (None, f_out)):
@@ -262,11 +256,6 @@ class Partition:
             n = math.prod(sizes[ax] for ax in axes)
             if all(d % n == 0 for d in dims.get(f, ())):
                 ok[f] = axes
-        # a tied factor only shards with its leader
-        for f, leader in self.tied.items():
-            if (f in ok) != (leader in ok):
-                ok.pop(f, None)
-                ok.pop(leader, None)
         return ok
 
     @staticmethod

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad
 
-from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, instantiate, np_scalar
+from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, Partition, instantiate, np_scalar
 
 MASK_KINDS = ("none", "causal", "sliding")
 _KIND_CODE = {"none": 0, "causal": 1, "sliding": 2}
@@ -238,14 +238,32 @@ def _kernel_ok(q, k, v, *rest, **params):
     return q.dtype in allowed and k.dtype == q.dtype and v.dtype == q.dtype
 
 
+def _partition_factors(avals_in, avals_out, *, has_mask, has_bias, **params):
+    """SPMD axes: q, out (b, s, h, d); k, v (b, t, h, d); lse (b, h, s); key mask (b, t);
+    bias (b, h, s, t). Batch and heads may split across devices. With grouped kv heads
+    (Hkv < H) the head axes get factors of their own that stay whole, since a shard of
+    query heads needs the kv heads of its groups: then only the batch splits."""
+    grouped = avals_in[1].shape[2] != avals_in[0].shape[2]
+    h, g = ("hq", "g") if grouped else ("h", "h")
+    q, kv, lse = ("b", "s", h, "d"), ("b", "t", g, "d"), ("b", h, "s")
+    bias = ("b", h, "s", "t")
+    extras = [("b", "t")] * has_mask + [bias] * has_bias
+    if len(avals_out) == 2:  # forward: q, k, v, [mask], [bias] -> out, lse
+        return [q, kv, kv, *extras], [q, lse]
+    # backward: q, k, v, out, lse, dout, dlse, [mask], [bias] -> dq, dk, dv, [dbias]
+    return [q, kv, kv, q, lse, q, lse, *extras], [q, kv, kv] + [bias] * has_bias
+
+
+_PARTITION = Partition(_partition_factors, shardable=["b", "h"])
+
 attention_fwd = FusedPrimitive(
     "rlx_attention_fwd", reference_attention, target="rlx_attention_fwd", kernel=_kernel_fwd,
-    kernel_ok=_kernel_ok, platforms=("cpu",),
+    kernel_ok=_kernel_ok, platforms=("cpu",), partition=_PARTITION,
 )
 attention_tangent = FusedPrimitive("rlx_attention_tangent", reference_attention_tangent)
 attention_bwd = FusedPrimitive(
     "rlx_attention_bwd", reference_attention_bwd, target="rlx_attention_bwd", kernel=_kernel_bwd,
-    kernel_ok=_kernel_ok, platforms=("cpu",),
+    kernel_ok=_kernel_ok, platforms=("cpu",), partition=_PARTITION,
 )
 
 

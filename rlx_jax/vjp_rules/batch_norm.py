@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.interpreters import ad
 
-from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, instantiate, np_scalar
+from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, Partition, instantiate, np_scalar
 from rlx_jax.vjp_rules.group_norm import merge_samples
 from rlx_jax.vjp_rules.layer_norm import stat_dtype
 
@@ -88,12 +88,22 @@ batch_norm_inference_fwd = FusedPrimitive("rlx_batch_norm_inference_fwd", refere
 batch_norm_inference_tangent = FusedPrimitive(
     "rlx_batch_norm_inference_tangent", reference_batch_norm_inference_tangent
 )
+def _partition_factors(avals_in, avals_out, **params):
+    """SPMD axes of the backward (x, gamma, mean, var, dy) -> (dx, dgamma, dbeta): x, dy
+    and dx are (n, c, spatial...) and may split along n and the spatial axes (the
+    channel statistics are per-channel constants); dgamma / dbeta are psum'd."""
+    spatial = tuple(f"s{i}" for i in range(len(avals_in[0].shape) - 2))
+    x = ("n", "c") + spatial
+    return [x, ("gc",), ("mc",), ("vc",), x], [x, ("dgc",), ("dbc",)]
+
+
 batch_norm_inference_bwd = FusedPrimitive(
     "rlx_batch_norm_inference_bwd",
     reference_batch_norm_inference_bwd,
     target="rlx_batch_norm_inference_bwd",
     kernel=_kernel_bwd,
     platforms=("cpu",),
+    partition=Partition(_partition_factors, shardable=["n"] + [f"s{i}" for i in range(8)]),
 )
 
 

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.interpreters import ad
 
-from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive
+from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, Partition
 
 
 def _acc(dtype):
@@ -65,8 +65,12 @@ def _kernel_bwd(dy, idx, *, num_rows):
 
 
 gather_fwd = FusedPrimitive("rlx_gather_fwd", reference_gather)
+# SPMD: dy (outer, index, inner) and indices (index,) may split along outer and index;
+# d_table (outer, row, inner) lacks the index axis, so the shards' scatter-adds are psum'd.
 gather_bwd = FusedPrimitive(
-    "rlx_gather_bwd", reference_gather_bwd, target="rlx_gather_bwd", kernel=_kernel_bwd, platforms=("cpu",)
+    "rlx_gather_bwd", reference_gather_bwd, target="rlx_gather_bwd", kernel=_kernel_bwd, platforms=("cpu",),
+    partition=Partition(lambda avals_in, avals_out, **params: ([("o", "i", "t"), ("i",)], [("o", "r", "t")]),
+                        shardable=["o", "i"]),
 )
 
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad
 
-from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, instantiate, np_scalar
+from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, Partition, instantiate, np_scalar
 from rlx_jax.vjp_rules.layer_norm import stat_dtype
 
 
@@ -113,12 +113,28 @@ def _kernel_bwd(x, gamma, mean, rstd, dy, *, num_groups, eps):
     return jax.ffi.ffi_call("rlx_group_norm_bwd", out)(x, gamma, mean, rstd, dy, num_groups=np.int64(num_groups))
 
 
+def _partition_factors(avals_in, avals_out, **params):
+    """SPMD axes: x / dy / y / dx are (n, c, spatial...), the saved statistics (n, group);
+    only the batch axis n may be split (a group spans channels and the whole image);
+    dgamma / dbeta lack n, so they are psum'd across it."""
+    spatial = tuple(f"s{i}" for i in range(len(avals_in[0].shape) - 2))
+    x = ("n", "c") + spatial
+    stat = ("n", "grp")
+    if len(avals_in) == 3:  # forward: x, gamma, beta -> y, mean, rstd
+        return [x, ("gc",), ("bc",)], [x, stat, stat]
+    return [x, ("gc",), stat, stat, x], [x, ("dgc",), ("dbc",)]  # backward
+
+
+_PARTITION = Partition(_partition_factors, shardable=["n"])
+
 group_norm_fwd = FusedPrimitive(
-    "rlx_group_norm_fwd", reference_group_norm, target="rlx_group_norm_fwd", kernel=_kernel_fwd
+    "rlx_group_norm_fwd", reference_group_norm, target="rlx_group_norm_fwd", kernel=_kernel_fwd,
+    partition=_PARTITION,
 )
 group_norm_tangent = FusedPrimitive("rlx_group_norm_tangent", reference_group_norm_tangent)
 group_norm_bwd = FusedPrimitive(
-    "rlx_group_norm_bwd", reference_group_norm_bwd, target="rlx_group_norm_bwd", kernel=_kernel_bwd
+    "rlx_group_norm_bwd", reference_group_norm_bwd, target="rlx_group_norm_bwd", kernel=_kernel_bwd,
+    partition=_PARTITION,
 )
 
 

@@ -26,7 +26,9 @@ import jax
 import jax.numpy as jnp
 from jax.interpreters import ad
 
-from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, instantiate, np_scalar, rowwise_batching
+from rlx_jax.vjp_rules._primitive import (
+    NOT_MAPPED, FusedPrimitive, RowPartition, instantiate, np_scalar, rowwise_batching,
+)
 
 
 def stat_dtype(dtype):
@@ -96,12 +98,15 @@ def _kernel_bwd(x, gamma, mean, rstd, dy, *, eps):
     return jax.ffi.ffi_call("rlx_layer_norm_bwd", out)(x, gamma, mean, rstd, dy)
 
 
+# Under SPMD sharding the rows split across devices; dgamma / dbeta are psum'd.
 layer_norm_fwd = FusedPrimitive(
-    "rlx_layer_norm_fwd", reference_layer_norm, target="rlx_layer_norm_fwd", kernel=_kernel_fwd
+    "rlx_layer_norm_fwd", reference_layer_norm, target="rlx_layer_norm_fwd", kernel=_kernel_fwd,
+    partition=RowPartition(row_args=(0,), row_outputs=(0,), stat_outputs=(1, 2)),
 )
 layer_norm_tangent = FusedPrimitive("rlx_layer_norm_tangent", reference_layer_norm_tangent)
 layer_norm_bwd = FusedPrimitive(
-    "rlx_layer_norm_bwd", reference_layer_norm_bwd, target="rlx_layer_norm_bwd", kernel=_kernel_bwd
+    "rlx_layer_norm_bwd", reference_layer_norm_bwd, target="rlx_layer_norm_bwd", kernel=_kernel_bwd,
+    partition=RowPartition(row_args=(0, 4), stat_args=(2, 3), row_outputs=(0,)),
 )
 
 

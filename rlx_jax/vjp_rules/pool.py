@@ -34,7 +34,7 @@ import numpy as np
 from jax import lax
 from jax.interpreters import ad
 
-from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive
+from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, Partition
 
 
 def _acc(dtype):
@@ -151,19 +151,33 @@ def _kernel_avg_bwd(dy, *, kernel_size, stride, padding, in_hw):
     return jax.ffi.ffi_call("rlx_avg_pool2d_bwd", out)(dy, **_geom(kernel_size, stride, padding))
 
 
+def _partition_factors(avals_in, avals_out, **params):
+    """SPMD axes: every operand and result is (planes..., height, width); the planes
+    (batch, channels) may split across devices, each plane's window stays whole."""
+    def axes(a, hw):
+        return tuple(f"p{i}" for i in range(len(a.shape) - 2)) + hw
+
+    f_in = [axes(a, ("ih", "iw") if i == 0 and "in_hw" not in params else ("oh", "ow"))
+            for i, a in enumerate(avals_in)]
+    f_out = [axes(a, ("ih", "iw") if "in_hw" in params else ("oh", "ow")) for a in avals_out]
+    return f_in, f_out
+
+
+_PARTITION = Partition(_partition_factors, shardable=[f"p{i}" for i in range(8)])
+
 max_pool2d_fwd = FusedPrimitive(
     "rlx_max_pool2d_fwd", reference_max_pool2d, target="rlx_max_pool2d_fwd", kernel=_kernel_max_fwd,
-    platforms=("cpu",),
+    platforms=("cpu",), partition=_PARTITION,
 )
 max_pool2d_tangent = FusedPrimitive("rlx_max_pool2d_tangent", reference_max_pool2d_tangent)
 max_pool2d_bwd = FusedPrimitive(
     "rlx_max_pool2d_bwd", reference_max_pool2d_bwd, target="rlx_max_pool2d_bwd", kernel=_kernel_max_bwd,
-    platforms=("cpu",),
+    platforms=("cpu",), partition=_PARTITION,
 )
 avg_pool2d_fwd = FusedPrimitive("rlx_avg_pool2d_fwd", reference_avg_pool2d)
 avg_pool2d_bwd = FusedPrimitive(
     "rlx_avg_pool2d_bwd", reference_avg_pool2d_bwd, target="rlx_avg_pool2d_bwd", kernel=_kernel_avg_bwd,
-    platforms=("cpu",),
+    platforms=("cpu",), partition=_PARTITION,
 )
 
 

@@ -1,0 +1,39 @@
+"""Fused ops under SPMD sharding, on 8 forced host CPU devices (in a subprocess, since
+the device count is fixed when JAX starts): same values and gradients as one device,
+and no all-gather of operands inserted around a fused kernel (read off the compiled HLO).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+CHECK = pathlib.Path(__file__).with_name("sharding_check.py")
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    proc = subprocess.run([sys.executable, str(CHECK)], capture_output=True, text=True, env=env, timeout=900)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert rows, f"sharding_check printed nothing:\n{proc.stderr[-3000:]}"
+    return {r["op"]: r for r in rows}
+
+
+OPS = ["rms_norm", "layer_norm", "group_norm", "softmax", "softmax_cross_entropy", "rope", "cumsum",
+       "attention", "attention_gqa", "gather", "max_pool2d", "train_step"]
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_sharded_op_matches_and_gathers_nothing(results, op):
+    r = results[op]
+    assert "error" not in r, r.get("error")
+    assert r["max_err"] < 1e-4, r
+    assert r["kernels"], "no rlx kernel in the compiled program: the test would prove nothing"
+    assert r["all_gathers"] == [], "\n".join(r["all_gathers"])
