@@ -39,7 +39,7 @@ import numpy as np
 from jax import lax
 from jax.interpreters import ad
 
-from rlx_jax.vjp_rules._primitive import FusedPrimitive, instantiate, rowwise_batching
+from rlx_jax.vjp_rules._primitive import FusedPrimitive, RowPartition, instantiate, rowwise_batching
 
 
 def _acc(dtype):
@@ -127,12 +127,14 @@ def _kernel_ok(logits, labels, *rest, **params):
     )
 
 
+# Under SPMD sharding the rows split across devices (the class axis stays whole).
 ce_fwd = FusedPrimitive(
     "rlx_softmax_ce_fwd",
     reference_softmax_cross_entropy,
     target="rlx_softmax_ce_fwd",
     kernel=_kernel_fwd,
     kernel_ok=_kernel_ok,
+    partition=RowPartition(row_args=(0,), stat_args=(1,), row_outputs=(), stat_outputs=(0, 1)),
 )
 ce_tangent = FusedPrimitive("rlx_softmax_ce_tangent", reference_softmax_cross_entropy_tangent)
 ce_bwd = FusedPrimitive(
@@ -141,6 +143,7 @@ ce_bwd = FusedPrimitive(
     target="rlx_softmax_ce_bwd",
     kernel=_kernel_bwd,
     kernel_ok=_kernel_ok,
+    partition=RowPartition(row_args=(0,), stat_args=(1, 2, 3), row_outputs=(0,)),
 )
 
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad
 
-from rlx_jax.vjp_rules._primitive import FusedPrimitive
+from rlx_jax.vjp_rules._primitive import FusedPrimitive, Partition
 
 
 def _acc(dtype):
@@ -71,8 +71,12 @@ def _kernel_ok(x, **params):
     return x.ndim == 3 and x.dtype in (jnp.float32, jnp.float64, jnp.bfloat16, jnp.float16)
 
 
+# SPMD: x is (outer, scanned, inner); outer and inner may split, the scanned axis stays whole.
+_PARTITION = Partition(lambda avals_in, avals_out, **params: ([("o", "a", "i")], [("o", "a", "i")]),
+                       shardable=["o", "i"])
 cumsum_fwd = FusedPrimitive(
-    "rlx_cumsum_fwd", reference_cumsum, target="rlx_cumsum_fwd", kernel=_kernel("rlx_cumsum_fwd"), kernel_ok=_kernel_ok
+    "rlx_cumsum_fwd", reference_cumsum, target="rlx_cumsum_fwd", kernel=_kernel("rlx_cumsum_fwd"), kernel_ok=_kernel_ok,
+    partition=_PARTITION,
 )
 cumsum_bwd = FusedPrimitive(
     "rlx_cumsum_bwd",
@@ -80,6 +84,7 @@ cumsum_bwd = FusedPrimitive(
     target="rlx_cumsum_bwd",
     kernel=_kernel("rlx_cumsum_bwd"),
     kernel_ok=_kernel_ok,
+    partition=_PARTITION,
 )
 
 _TRANSPOSE = {cumsum_fwd: cumsum_bwd, cumsum_bwd: cumsum_fwd}

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad
 
-from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive
+from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, Partition
 
 
 def _acc(dtype):
@@ -96,11 +96,18 @@ def _kernel_ok(x, cos, sin, **params):
     )
 
 
+# SPMD: x / y are (batch, seq, features), cos / sin (seq, table): batch and sequence may
+# split across devices (the tables split with the sequence), each position's features stay whole.
+_PARTITION = Partition(lambda avals_in, avals_out, **params: ([("b", "s", "f"), ("s", "t"), ("s", "t")],
+                                                             [("b", "s", "f")]),
+                       shardable=["b", "s"])
 rope_fwd = FusedPrimitive(
-    "rlx_rope_fwd", reference_rope, target="rlx_rope_fwd", kernel=_kernel("rlx_rope_fwd"), kernel_ok=_kernel_ok
+    "rlx_rope_fwd", reference_rope, target="rlx_rope_fwd", kernel=_kernel("rlx_rope_fwd"), kernel_ok=_kernel_ok,
+    partition=_PARTITION,
 )
 rope_bwd = FusedPrimitive(
-    "rlx_rope_bwd", reference_rope_bwd, target="rlx_rope_bwd", kernel=_kernel("rlx_rope_bwd"), kernel_ok=_kernel_ok
+    "rlx_rope_bwd", reference_rope_bwd, target="rlx_rope_bwd", kernel=_kernel("rlx_rope_bwd"), kernel_ok=_kernel_ok,
+    partition=_PARTITION,
 )
 
 _SIGN = {rope_fwd: 1.0, rope_bwd: -1.0}

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.interpreters import ad
 
-from rlx_jax.vjp_rules._primitive import FusedPrimitive, instantiate, rowwise_batching
+from rlx_jax.vjp_rules._primitive import FusedPrimitive, RowPartition, instantiate, rowwise_batching
 
 
 def _acc(dtype):
@@ -66,11 +66,14 @@ def _kernel_ok(*avals, **params):
     )
 
 
+# Under SPMD sharding the rows split across devices (the softmax axis stays whole).
 softmax_fwd = FusedPrimitive(
-    "rlx_softmax_fwd", reference_softmax, target="rlx_softmax_fwd", kernel=_kernel_fwd, kernel_ok=_kernel_ok
+    "rlx_softmax_fwd", reference_softmax, target="rlx_softmax_fwd", kernel=_kernel_fwd, kernel_ok=_kernel_ok,
+    partition=RowPartition(row_args=(0,)),
 )
 softmax_bwd = FusedPrimitive(
-    "rlx_softmax_bwd", reference_softmax_bwd, target="rlx_softmax_bwd", kernel=_kernel_bwd, kernel_ok=_kernel_ok
+    "rlx_softmax_bwd", reference_softmax_bwd, target="rlx_softmax_bwd", kernel=_kernel_bwd, kernel_ok=_kernel_ok,
+    partition=RowPartition(row_args=(0, 1)),
 )
 
 
