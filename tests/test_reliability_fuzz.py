@@ -316,6 +316,58 @@ def test_scan_body_signature_is_checked():
             Graph.from_json(doc)
 
 
+def _cf_body(shape, dtype="f32", out="same"):
+    b = Graph("b")
+    c = b.input("c", shape, dtype)
+    if out == "bool":  # a one-element predicate
+        b.set_outputs([b.compare("lt", b.reduce(c, "sum", list(range(len(shape)))), b.scalar(0.0, dtype))])
+    elif out == "elementwise_bool":
+        b.set_outputs([b.compare("lt", c, c)])
+    elif out == "reduced":
+        b.set_outputs([b.reduce(c, "sum", [0])])
+    else:
+        b.set_outputs([b.relu(c)])
+    return b
+
+
+CONTROL_FLOW = {
+    "if ok": (lambda g, x, p: g.if_(p, _cf_body([2, 3]), _cf_body([2, 3]), captures=(x,)), None),
+    "if branches disagree": (lambda g, x, p: g.if_(p, _cf_body([2, 3]), _cf_body([2, 3], out="reduced"), captures=(x,)),
+                             "branches disagree"),
+    "if predicate not one element": (lambda g, x, p: g.if_(x, _cf_body([2, 3]), _cf_body([2, 3]), captures=(x,)),
+                                     "predicate"),
+    "if branch input": (lambda g, x, p: g.if_(p, _cf_body([3, 2]), _cf_body([2, 3]), captures=(x,)), "input 0"),
+    "while ok": (lambda g, x, p: g.while_(x, _cf_body([2, 3], out="bool"), _cf_body([2, 3]), 5), None),
+    "while cond elementwise": (lambda g, x, p: g.while_(x, _cf_body([2, 3], out="elementwise_bool"), _cf_body([2, 3]), 5),
+                               "cond output"),
+    "while body changes the carry": (lambda g, x, p: g.while_(x, _cf_body([2, 3], out="bool"),
+                                                              _cf_body([2, 3], out="reduced"), 5), "body|carry|output"),
+    "while negative iterations": (lambda g, x, p: g.while_(x, _cf_body([2, 3], out="bool"), _cf_body([2, 3]), -1),
+                                  "max_iterations"),
+    "custom_fn ok": (lambda g, x, p: g.custom_fn([x], _cf_body([2, 3])), None),
+    "custom_fn arity": (lambda g, x, p: g.custom_fn([x, x], _cf_body([2, 3])), "expected 2"),
+    "custom_fn input shape": (lambda g, x, p: g.custom_fn([x], _cf_body([3, 3])), "input 0"),
+    "scan carry shape": (lambda g, x, p: g.scan(x, _cf_body([3, 3]), 2), "input 0"),
+    "scan carry dtype": (lambda g, x, p: g.scan(x, _cf_body([2, 3], "f16"), 2), "input 0"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONTROL_FLOW))
+def test_control_flow_body_signatures(case):
+    """Bodies whose inputs / outputs do not fit the op are refused by the builder; the
+    accepted ones survive a JSON round trip and the verifier."""
+    TRIED["body signatures"] += 1
+    build, match = CONTROL_FLOW[case]
+    g = Graph("g")
+    x, p = g.input("x", [2, 3]), g.input("p", [], "bool")
+    if match is None:
+        g.set_outputs([build(g, x, p)])
+        assert load_checked(g.to_json()) == g
+    else:
+        with pytest.raises(GraphError, match=match):
+            build(g, x, p)
+
+
 @fuzz_settings()
 @given(st.lists(st.integers(0, 4), max_size=3), st.sampled_from(["F32", "F16", "I32"]),
        st.one_of(st.none(), st.lists(st.integers(0, 4), max_size=3)), st.integers(-2, 4))
