@@ -674,3 +674,32 @@ def test_long_builders_with_hostile_arguments(name, data):
 def test_long_random_json_values(v):
     TRIED["random JSON values (long)"] += 1
     load_checked(json.dumps(v))
+
+
+# ---------------------------------------------------------------------------
+# 9. lowered graphs fed hostile values
+# ---------------------------------------------------------------------------
+
+FEED_VALUES = st.one_of(
+    st.builds(lambda shape, dt: np.ones(shape, dt),
+              st.lists(st.integers(0, 4), max_size=3).map(tuple),
+              st.sampled_from([np.float32, np.float64, np.int32, np.bool_, np.complex64, np.float16])),
+    st.sampled_from([None, "x", b"\x00", [1.0, 2.0], [[1.0] * 4] * 2, {}, object(), float("nan"), 3]),
+)
+
+
+@fuzz_settings(n=DEFAULT_EXAMPLES // 2)
+@given(st.dictionaries(st.sampled_from(["x", "w", "gam", "extra"]), FEED_VALUES, max_size=4),
+       st.booleans())
+def test_lowered_graph_with_hostile_feeds(feed, split):
+    """``to_jax(g)(params, inputs)`` with missing / unexpected names, wrong shapes and
+    dtypes or non-arrays raises ValueError / TypeError (or runs, for feeds that fit)."""
+    TRIED["hostile feeds (to_jax)"] += 1
+    from rlx_jax import to_jax
+
+    g = SEEDS[0]
+    params = {k: v for k, v in feed.items() if k != "x"} if split else dict(feed)
+    inputs = {k: v for k, v in feed.items() if k == "x"} if split else {}
+    out = expect_clean(to_jax(g), params, inputs)
+    if out is not None:  # the feed happened to fit: one result per graph output
+        assert len(out) == len(g.outputs)
