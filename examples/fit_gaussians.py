@@ -27,7 +27,7 @@ QUICK = os.environ.get("RLX_JAX_QUICK") == "1"
 SIZE = 40 if QUICK else 64
 GRID = 30 if QUICK else 50          # GRID^2 Gaussians
 STEPS = 60 if QUICK else 300
-PSNR_TARGET = 28.0 if QUICK else 30.0
+PSNR_TARGET = 28.0 if QUICK else 35.0
 K = 4                                # SH coefficients (bands 0 and 1)
 FOV = 2 * math.degrees(math.atan(1 / 3))
 META = gaussian_splat_render_meta([0, 0, -3], [0, 0, 0], [0, 1, 0], FOV, 0.1, 100.0, [0, 0, 0],

@@ -160,7 +160,7 @@ print(str(again).splitlines()[0])"""),
                "projection, SH colour, tile binning, per-tile depth sort, front-to-back compositing) and its "
                "fused backward gives the gradients of all six scene inputs. The code is `examples/fit_gaussians.py`; "
                "quick mode fits 900 Gaussians for 60 steps and must pass 28 dB PSNR (full mode: 2500 Gaussians, "
-               "300 steps, 30 dB)."),
+               "300 steps, 35 dB)."),
         ("code", SETUP),
         ("code", """import sys, pathlib
 sys.path.insert(0, str(pathlib.Path.cwd().parent / "examples"))

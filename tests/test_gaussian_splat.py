@@ -68,7 +68,7 @@ def test_kernel_is_in_the_jitted_hlo():
     assert "rlx_gaussian_splat_bwd" in grad.lower(*s).as_text()
 
 
-@pytest.mark.parametrize("k,n,seed", [(0, 30, 0), (16, 30, 4)])
+@pytest.mark.parametrize("k,n,seed", [(0, 30, 0), pytest.param(16, 30, 4, marks=pytest.mark.slow)])
 def test_kernel_matches_reference_image_and_gradients(k, n, seed):
     require_kernel()
     s = scene(n, seed=seed, k=k)
@@ -107,8 +107,8 @@ def test_cutoffs_change_the_image_and_kernel_follows(kw):
         assert_close(ref, base, atol=1e-6, rtol=1e-5)
     else:
         assert float(jnp.max(jnp.abs(ref - base))) > 1e-2, "the option had no effect"
-    if kw not in (CUTOFFS[1], CUTOFFS[3]):
-        return  # gradients: two options are enough on this 2-core budget
+    if kw is not CUTOFFS[1]:
+        return  # gradients: one option here (test_backward_options covers more) on this 2-core budget
     dy = np.random.default_rng(3).normal(size=img.shape).astype(np.float32)
     gk = gaussian_splat_render_backward(*s, META, dy, **p, loss_grad_clip=0.0, sh_band=-1, max_anisotropy=0.0)
     gr = jax.jit(lambda *a: gs.reference_backward(*a, META, dy, loss_grad_clip=0.0, sh_band=-1, max_anisotropy=0.0,
