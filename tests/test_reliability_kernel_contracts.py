@@ -306,13 +306,27 @@ def _run_all(full=False):
     return results, targets, crashes
 
 
+def _report(request, label, out):
+    results, targets, crashes = out
+    outcomes = {}
+    for r in results.values():
+        outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
+    line = (f"kernel contracts ({label}): {len(results)} calls over {len(targets)} CPU targets: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())) + f"; crashes {len(crashes)}")
+    rep = request.config.pluginmanager.get_plugin("terminalreporter")
+    if rep is not None:
+        rep.write_line(line)
+
+
 @pytest.fixture(scope="module")
-def contract_results():
+def contract_results(request):
     import rlx_jax
 
     if not rlx_jax.kernel_info()["cpu"]["loaded"]:
         pytest.skip(f"compiled CPU kernels not loaded: {rlx_jax.kernel_info()['cpu']['error']}")
-    return _run_all()
+    out = _run_all()
+    _report(request, "default", out)
+    return out
 
 
 def _accepted(results):
@@ -375,13 +389,15 @@ def test_zero_sized_inputs_return_at_once(contract_results):
 
 
 @pytest.mark.slow
-def test_full_matrix_every_operand_and_result():
+def test_full_matrix_every_operand_and_result(request):
     """Every operand and every result mutated (about twice the default cases)."""
     import rlx_jax
 
     if not rlx_jax.kernel_info()["cpu"]["loaded"]:
         pytest.skip("compiled CPU kernels not loaded")
-    results, targets, crashes = _run_all(full=True)
+    out = _run_all(full=True)
+    _report(request, "full", out)
+    results, targets, crashes = out
     assert not crashes, crashes
     accepted = _accepted(results)
     assert not accepted, "malformed calls accepted:\n" + "\n".join(accepted)
