@@ -21,7 +21,7 @@ F32 = jnp.float32
 THREADS = 4
 STRESS_SECONDS = 12.0      # wall-clock bound of the stress loop (after the first round)
 LEAK_CALLS = 10_000
-LEAK_TOLERANCE_MB = 24.0   # allowed RSS growth over the measured 10,000 calls
+LEAK_TOLERANCE_MB = 8.0    # allowed RSS growth over the measured 10,000 calls (measured: 0.05)
 
 
 def _arr(shape, seed, dtype=F32):
