@@ -138,9 +138,10 @@ def test_cumsum_propagates_nan_and_inf():
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "BUG (reported, attention owner): the CPU attention kernel turns a query row whose scores are NaN "
-    "into zeros (treated like a row with no visible key: ffi/cpu/attention.cc, `any = m != -inf && l > 0`), "
-    "while the pure-JAX reference and the plain formula give NaN; NaN inputs are silently hidden"))
+    "BUG (reported to the attention owner): when every visible score of a row is NaN (a NaN in that query "
+    "row), the CPU attention kernel returns zeros, as for a row with no visible key: the running row max "
+    "in fwd_tile (`vmax = x > vmax ? x : vmax`, std::max in f64) skips NaN, so it stays -inf and the row is "
+    "taken as empty. The pure-JAX reference and the plain formula give NaN; a single NaN key does propagate."))
 def test_attention_propagates_nan_to_its_rows():
     """A NaN in one query row poisons exactly that row's output (and every key's grad,
     as in the jnp formula)."""
