@@ -137,11 +137,6 @@ def test_cumsum_propagates_nan_and_inf():
     assert_same_nonfinite(_grad(f)(x), _grad(lambda x: jnp.cumsum(x, -1))(x))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (reported to the attention owner): when every visible score of a row is NaN (a NaN in that query "
-    "row), the CPU attention kernel returns zeros, as for a row with no visible key: the running row max "
-    "in fwd_tile (`vmax = x > vmax ? x : vmax`, std::max in f64) skips NaN, so it stays -inf and the row is "
-    "taken as empty. The pure-JAX reference and the plain formula give NaN; a single NaN key does propagate."))
 def test_attention_propagates_nan_to_its_rows():
     """A NaN in one query row poisons exactly that row's output (and every key's grad,
     as in the jnp formula)."""

@@ -61,9 +61,17 @@ RLX_INLINE vf vsplat(float x) { return vf{} + x; }
 RLX_INLINE vi viota(int32_t base) {
   return vi{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + base;
 }
+// Maxima that propagate NaN (a NaN score must give a NaN row, as the reference does,
+// not look like a row with no visible key).
+template <typename T>
+RLX_INLINE T nan_max(T a, T b) {
+  if (a != a) return a;
+  if (b != b) return b;
+  return b > a ? b : a;
+}
 RLX_INLINE float hmax(vf v) {
   float m = v[0];
-  for (int l = 1; l < kLanes; ++l) m = v[l] > m ? v[l] : m;
+  for (int l = 1; l < kLanes; ++l) m = nan_max(m, v[l]);
   return m;
 }
 RLX_INLINE float hsum(vf v) {  // fixed pairwise order
@@ -214,9 +222,9 @@ void fwd_tile_f32(const Tile<float>& t, float* S, float* P, float* m, float* l, 
       vi ok = (j >= lo) & (j <= hi) & (vload(t.keep + c) >= vsplat(0.5f));
       x = ok ? x : vsplat(ninf);
       vstore(s + c, x);
-      vmax = x > vmax ? x : vmax;
+      vmax = (x > vmax) | (x != x) ? x : vmax;
     }
-    const float mt = std::max(m[r], hmax(vmax));
+    const float mt = nan_max(m[r], hmax(vmax));
     if (mt == ninf) {  // nothing visible yet in this row
       for (int64_t c = 0; c < t.ncols; ++c) p[c] = 0.0f;
       alpha[r] = 1.0f;
@@ -249,9 +257,9 @@ void fwd_tile_f64(const Tile<double>& t, double* S, double* P, double* m, double
       const int64_t j = t.j0 + c;
       const bool ok = j >= t.lo[r] && j <= t.hi[r] && t.keep[c] >= 0.5;
       s[c] = ok ? x : ninf;
-      mx = std::max(mx, s[c]);
+      mx = nan_max(mx, s[c]);
     }
-    const double mt = std::max(m[r], mx);
+    const double mt = nan_max(m[r], mx);
     if (mt == ninf) {
       for (int64_t c = 0; c < t.ncols; ++c) p[c] = 0.0;
       alpha[r] = 1.0;
@@ -477,7 +485,8 @@ void attention_fwd_typed(ffi::ThreadPool& pool, const Dims& d, const Opts& o, co
       gemm(Mp, Dp, Np, P, kTileK, V, Dp, O, Dp, true);
     }
     for (int64_t r = 0; r < rows; ++r) {
-      const bool any = m[r] != ninf && l[r] > A(0);
+      // a NaN row (m or l NaN) is not an empty row: its NaN reaches out, lse and the grads
+      const bool any = m[r] != ninf && !(l[r] <= A(0));
       const A inv = any ? A(1) / l[r] : A(0);
       T* dst = out + ((b * d.Sq + i0 + r) * d.H + h) * d.D;
       for (int64_t e = 0; e < d.D; ++e) dst[e] = store<T>(O[r * Dp + e] * inv);
