@@ -60,9 +60,12 @@ print(sum(type(n.op).__name__.endswith("Backward") or "Backward" in type(n.op)._
         ("md", "## Fused ops in plain JAX code, checked in every autodiff mode"),
         ("code", """from jax.test_util import check_grads
 from rlx_jax.ops import rms_norm
-with jax.experimental.enable_x64():
+jax.config.update("jax_enable_x64", True)   # check_grads wants float64
+try:
     xs = jax.random.normal(key, (4, 6), jnp.float64)
     check_grads(lambda x, g: rms_norm(x, g), (xs, jnp.linspace(0.5, 1.5, 6)), order=2, modes=("fwd", "rev"))
+finally:
+    jax.config.update("jax_enable_x64", False)
 print("check_grads passed (fwd + rev, second order)")
 print("compiled kernels:", rlx_jax.kernel_info()["cpu"]["targets"])"""),
     ],

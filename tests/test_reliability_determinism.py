@@ -175,7 +175,10 @@ def _fresh_process(names):
     env.setdefault("JAX_PLATFORMS", "cpu")
     code = ("import json, sys; sys.path.insert(0, %r); import test_reliability_determinism as t; "
             "print('DIGESTS' + json.dumps(t.digests(%r)))" % (os.path.dirname(os.path.abspath(__file__)), names))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    # run from tests/ (not the repository root, whose rlx_jax/ has no compiled kernels and
+    # would shadow the installed package through `python -c`'s sys.path[0])
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [l for l in proc.stdout.splitlines() if l.startswith("DIGESTS")][-1]
     there = json.loads(line[len("DIGESTS"):])

@@ -4,6 +4,7 @@ the CLI's error handling. Small configurations keep it fast."""
 from __future__ import annotations
 
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -112,9 +113,10 @@ def test_cnn_reaches_95_percent(tmp_path):
     assert rec["evals"][-1]["test_accuracy"] >= 0.95
 
 
-def _cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "rlx_jax", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=300)
+def _cli(*args):
+    # from tests/, so `python -m` imports the installed package, not the source tree's
+    return subprocess.run([sys.executable, "-m", "rlx_jax", *args], capture_output=True, text=True,
+                          cwd=pathlib.Path(__file__).parent, timeout=300)
 
 
 def test_cli_errors_are_one_line_without_traceback(tmp_path):
