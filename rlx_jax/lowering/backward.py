@@ -18,16 +18,9 @@ from .registry import enum_name, lowering_rule
 
 
 def backward_fn(family: str, name: str | None = None):
-    """``rlx_jax.vjp_rules.<family>.<name or family_backward>`` (imported at call time)."""
-    name = name or f"{family}_backward"
-    try:
-        mod = importlib.import_module(f"rlx_jax.vjp_rules.{family}")
-    except ModuleNotFoundError:
-        mod = None
-    fn = getattr(mod, name, None) if mod is not None else None
-    if fn is None:
-        raise NotImplementedError(f"rlx_jax.vjp_rules.{family}.{name} is not available yet")
-    return fn
+    """``rlx_jax.vjp_rules.<family>.<name or family_backward>``: the wrapper the family's
+    transpose rule calls too (imported at call time, so the IR imports stay light)."""
+    return getattr(importlib.import_module(f"rlx_jax.vjp_rules.{family}"), name or f"{family}_backward")
 
 
 def _attrs(op, *names):

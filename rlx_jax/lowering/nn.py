@@ -19,17 +19,9 @@ from jax import lax
 from .registry import enum_name, lowering_rule
 
 
-def fused_ops():
-    """The ``rlx_jax.ops`` module (imported at call time)."""
-    return importlib.import_module("rlx_jax.ops")
-
-
 def fused(name: str):
-    ops = fused_ops()
-    fn = getattr(ops, name, None)
-    if fn is None:
-        raise NotImplementedError(f"rlx_jax.ops.{name} is not available yet")
-    return fn
+    """``rlx_jax.ops.<name>`` (imported at call time, so the IR imports stay light)."""
+    return getattr(importlib.import_module("rlx_jax.ops"), name)
 
 
 def index_array(ix):
