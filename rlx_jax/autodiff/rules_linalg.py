@@ -136,3 +136,78 @@ def _grouped(g, node, dy):
 def _scatter_add(g, node, dy):
     upd, idx = node.inputs
     return [g._add_node(Gather(axis=0), (dy, idx)), None]
+
+
+# -- weight-only quantised matmuls ------------------------------------------------------
+#
+# y = x @ W with W = dequant(w_q, scale, zp) [K, N]. As in RLX, only x gets a gradient:
+# dx = dy @ W^T. The quantised weights (integer / packed bytes) carry none, and the
+# dequantisation parameters get none either (RLX gives them zeros; here they are "no
+# gradient", so STRICT names them and TRAINING zero-fills them).
+
+def dequant_weight_node(g, node, k: int, n: int):
+    """W [K, N] (f32) of a DequantMatMul node, as a graph node.
+
+    GGUF schemes: ``DequantMoEWeights`` of the packed slab viewed as one expert. The
+    other schemes have no dequantisation op in RLX, so W is read off the op itself:
+    ``DequantMatMul(I_K, w_q, scale, zp)`` (the identity's rows pick W's rows; each
+    output is one product with 1.0, so W comes out exactly; costs K*K*N multiply-adds,
+    once per backward)."""
+    import numpy as np
+
+    from rlx_jax.ir import DType
+    from rlx_jax.ir.ops_quant import DequantMatMul, DequantMoEWeights
+
+    op = node.op
+    if op.scheme.is_gguf:
+        w3 = g._add_node(DequantMoEWeights(scheme=op.scheme), (node.inputs[1],), Shape((1, k, n), DType.F32))
+        return E.reshape(g, w3, (k, n))
+    eye = E.const(g, np.eye(k, dtype=np.float32), DType.F32)
+    return g._add_node(DequantMatMul(scheme=op.scheme), (eye,) + tuple(node.inputs[1:]), Shape((k, n), DType.F32))
+
+
+def _static_kn(node, x_dims, what):
+    from rlx_jax.ir import GraphError
+
+    k, n = x_dims[-1], node.shape.dims[-1]
+    if not isinstance(k, int) or not isinstance(n, int):
+        raise GraphError(f"node %{node.id} {what}: reverse mode needs static K and N (got K={k}, N={n})")
+    return k, n
+
+
+@vjp_rule("DequantMatMul")
+def _dequant_matmul(g, node, dy):
+    x = node.inputs[0]
+    xd = E.dims(g, x)
+    k, n = _static_kn(node, xd, "DequantMatMul")
+    w = E.cast(g, dequant_weight_node(g, node, k, n), E.dtype(g, dy))
+    wt = t_last_2(g, w)                                                   # [N, K]
+    if len(xd) == 1:
+        dx = E.reshape(g, matmul(g, E.reshape(g, dy, (1, n)), wt), (k,))
+    else:
+        dx = matmul(g, dy, wt)
+    return [dx] + [None] * (len(node.inputs) - 1)
+
+
+@vjp_rule("DequantGroupedMatMul")
+def _dequant_grouped(g, node, dy):
+    """dx[i] = dy[i] @ W[e_i]^T with W = DequantMoEWeights(packed) [E, K, N] (RLX's rule)."""
+    from rlx_jax.ir import DType, GraphError
+    from rlx_jax.ir.op import GGUF_BLOCKS
+    from rlx_jax.ir.ops_quant import DequantMoEWeights
+
+    x, packed, idx = node.inputs
+    op = node.op
+    k, n = _static_kn(node, E.dims(g, x), "DequantGroupedMatMul")
+    if not op.scheme.is_gguf:
+        raise GraphError(f"node %{node.id} DequantGroupedMatMul: scheme {op.scheme.kind} is not a GGUF scheme")
+    elems, nbytes = GGUF_BLOCKS[op.scheme.kind]
+    total = E.numel(E.dims(g, packed))
+    slab = (k * n) // elems * nbytes
+    if total is None or slab == 0 or total % slab:
+        raise GraphError(f"node %{node.id} DequantGroupedMatMul: packed weight of {total} bytes is not a whole "
+                         f"number of {slab}-byte [{k}, {n}] expert slabs")
+    w = g._add_node(DequantMoEWeights(scheme=op.scheme), (packed,), Shape((total // slab, k, n), DType.F32))
+    w = E.cast(g, w, E.dtype(g, dy))
+    dx = g._add_node(GroupedMatMul(), (dy, E.transpose(g, w, (0, 2, 1)), idx))
+    return [dx, None, None]
