@@ -7,7 +7,11 @@
   their lowering uses);
 * a ``Scan`` that keeps only its final carry is rewritten to save its trajectory
   (its last row is the final carry), so that its gradient can be read off the rows;
-  its broadcast operands become per-step xs (RLX's ScanBackward has none).
+  its broadcast operands become per-step xs (RLX's ScanBackward has none);
+* the decomposed splat pair ``GaussianSplatRasterize(GaussianSplatPrepare(scene...,
+  meta), meta)`` becomes one ``GaussianSplatRender(scene..., meta)`` (the same image:
+  Rasterize re-bins the per-Gaussian section Prepare writes), whose VJP is the fused
+  backward kernel.
 
 :func:`prepare` returns the new graph and the map old node id -> new node id.
 """
@@ -256,10 +260,41 @@ def prepare(graph, unroll_scans: bool = False):
             m[n.id] = _prep_body_result(g, UNFUSE[name](g, n.op, ins), n)
         elif name == "Scan":
             m[n.id] = _unroll_scan(g, n, ins) if unroll_scans else _scan(g, n, ins)
+        elif name == "GaussianSplatRasterize":
+            m[n.id] = _fuse_splat(graph, g, n, m)
         else:
             m[n.id] = g._add_node(n.op, tuple(ins), n.shape, n.name)
     g.set_outputs([m[o] for o in graph.outputs])
     return g, m
+
+
+_SPLAT_RENDER_FIELDS = ("width", "height", "tile_size", "alpha_cutoff", "max_splat_steps",
+                        "transmittance_threshold", "max_list_entries")
+
+
+def _fuse_splat(graph, g, n, m):
+    """GaussianSplatRasterize over a GaussianSplatPrepare -> GaussianSplatRender.
+
+    The render takes the camera from Prepare's meta and the background from
+    Rasterize's, so both must be the same node; the compositing attributes come from
+    Rasterize (Prepare's must agree, else its buffer would not fit), radius_scale
+    from Prepare."""
+    from rlx_jax.ir.ops_splat import GaussianSplatRender
+
+    prep = graph.node(n.inputs[0])
+    if type(prep.op).__name__ != "GaussianSplatPrepare":
+        raise GraphError(f"node %{n.id} GaussianSplatRasterize: autodiff fuses it with the GaussianSplatPrepare "
+                         f"that feeds it, but its input %{prep.id} is {type(prep.op).__name__}")
+    if prep.inputs[6] != n.inputs[1]:
+        raise GraphError(f"node %{n.id} GaussianSplatRasterize: its meta %{n.inputs[1]} differs from its "
+                         f"GaussianSplatPrepare's meta %{prep.inputs[6]}; the fused render has one meta")
+    for f in _SPLAT_RENDER_FIELDS:
+        if getattr(prep.op, f) != getattr(n.op, f):
+            raise GraphError(f"node %{n.id} GaussianSplatRasterize: {f}={getattr(n.op, f)!r} differs from its "
+                             f"GaussianSplatPrepare's {getattr(prep.op, f)!r}")
+    op = GaussianSplatRender(radius_scale=prep.op.radius_scale, **{f: getattr(n.op, f) for f in _SPLAT_RENDER_FIELDS})
+    out = g._add_node(op, tuple(m[i] for i in prep.inputs))
+    return _prep_body_result(g, out, n)
 
 
 def _prep_body_result(g, out, n):
@@ -272,4 +307,5 @@ def _prep_body_result(g, out, n):
 
 
 def needs_prepare(graph) -> bool:
-    return any(type(n.op).__name__ in ("CustomFn", "If", "While", "Scan", *UNFUSE) for n in graph.nodes)
+    return any(type(n.op).__name__ in ("CustomFn", "If", "While", "Scan", "GaussianSplatRasterize", *UNFUSE)
+               for n in graph.nodes)

@@ -263,3 +263,37 @@ def _axial_rope(g, node, dy):
     width = xs.dims[-1]
     sign = E.const(g, np.tile(np.array([1.0, -1.0]), width // 2), xs.dtype)
     return [E.mul(g, g._add_node(node.op, (E.mul(g, dy, sign),)), sign)]
+
+
+# -- Gaussian splatting ---------------------------------------------------------------------
+
+#: backward options of the emitted GaussianSplatRenderBackward: all off, so the graph
+#: gradient is the exact derivative of the render, the one ``jax.grad`` of the lowered
+#: GaussianSplatRender gives (loss_grad_clip 0 and max_anisotropy 0 switch those off;
+#: sh_band 3 keeps the gradient of all (3 + 1)^2 = 16 SH coefficients, the most a
+#: Gaussian has). RLX's own rule uses its training defaults (1.0, 0, 10.0); build a
+#: GaussianSplatRenderBackward node directly to get those.
+SPLAT_EXACT_BACKWARD = dict(loss_grad_clip=0.0, sh_band=3, max_anisotropy=0.0)
+
+_SPLAT_FIELDS = ("width", "height", "tile_size", "radius_scale", "alpha_cutoff", "max_splat_steps",
+                 "transmittance_threshold", "max_list_entries")
+
+
+@vjp_rule("GaussianSplatRender")
+def _gaussian_splat_render(g, node, dy):
+    """One GaussianSplatRenderBackward (the fused backward kernel) gives the packed
+    scene gradient ``[positions 3N | scales 3N | rotations 4N | opacities N | colors 3N
+    | sh]``; Narrow unpacks it. meta gets zeros (RLX's rule; the render is not
+    differentiable in the camera)."""
+    from rlx_jax.ir.ops_shape import Narrow
+    from rlx_jax.ir.ops_splat import GaussianSplatRenderBackward
+
+    op = node.op
+    kw = {f: getattr(op, f) for f in _SPLAT_FIELDS}
+    packed = g._add_node(GaussianSplatRenderBackward(**kw, **SPLAT_EXACT_BACKWARD), tuple(node.inputs) + (dy,))
+    out, start = [], 0
+    for i in node.inputs[:6]:
+        ln = E.dims(g, i)[0]
+        out.append(g._add_node(Narrow(axis=0, start=start, len=ln), (packed,)) if ln else E.zeros_like(g, i))
+        start += ln
+    return out + [E.zeros_like(g, node.inputs[6])]
