@@ -9,6 +9,7 @@ flops, fwd+bwd 3.5x that, halved for causal) and the compiled scratch memory
 
     python -m benchmarks.run --cases attention --device cpu --reps 5
     python -m benchmarks.cases_attention            # same cases, with GFLOP/s and memory
+    python -m benchmarks.cases_attention --reps 10  # on a GPU: ours / cuDNN / XLA TFLOP/s
 """
 
 from __future__ import annotations
@@ -84,17 +85,129 @@ def cases(device_kind: str) -> list[Case]:
     ]
 
 
+# ---- GPU: ours vs cuDNN vs XLA in one run (TFLOP/s) ------------------------------------------
+
+
+def _tflops(flops: float, ms: float) -> float:
+    return flops / ms / 1e9
+
+
+def _gpu_fns(kind_, *, softcap=None, mask=None):
+    """(ours, cudnn or None, xla) forward functions of (q, k, v)."""
+    causal = kind_ == "causal"
+
+    def ours(q, k, v):
+        return attention(q, k, v, mask_kind=kind_, softcap=softcap, mask=mask)
+
+    def xla_ref(q, k, v):  # XLA's fusion of the pure-JAX reference (softcap / key mask cases)
+        d = q.shape[-1]
+        params = dict(kind=kind_, window=0, scale=d**-0.5, softcap=float(softcap or 0.0),
+                      has_mask=mask is not None, has_bias=False)
+        extras = [mask] if mask is not None else []
+        return reference_attention(q, k, v, *extras, **params)[0]
+
+    if softcap is not None or mask is not None:
+        return ours, None, xla_ref
+
+    def cudnn(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+
+    def xla(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
+
+    return ours, cudnn, xla
+
+
+def _fwd_bwd(fn):
+    def run(q, k, v, dy):
+        out, vjp = jax.vjp(fn, q, k, v)
+        return vjp(dy)
+
+    return run
+
+
+def _max_rel(a, b) -> float:
+    errs = []
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        x, y = x.astype(jnp.float32), y.astype(jnp.float32)
+        errs.append(float(jnp.linalg.norm(x - y) / jnp.maximum(jnp.linalg.norm(y), 1e-6)))
+    return max(errs)
+
+
+def gpu_table(reps: int = 10, shapes=((4, 4096, 16, 128), (4, 4096, 16, 64)), quick: bool = False) -> None:
+    """TFLOP/s of ours, cuDNN and XLA (jax.nn.dot_product_attention implementations), bf16,
+    fwd and fwd+bwd, causal and not; then softcap and key-mask cases vs XLA (the pure-JAX
+    reference: cuDNN through JAX has no softcap). FLOPs: fwd 4 B H S^2 D (halved for
+    causal), fwd+bwd 3.5x fwd. ``rel err`` is ||ours - other|| / ||other|| (l2) of the
+    outputs or the gradients."""
+    from benchmarks.harness import time_fn
+
+    dev = next(d for d in jax.devices() if d.platform == "gpu")
+    print(f"# device: {dev.device_kind}; jax {jax.__version__}; bf16; median of {reps} reps, 3 warmup")
+    head = (f"{'case':44s} {'ours ms':>8s} {'ours TF/s':>9s} {'cuDNN TF/s':>10s} {'XLA TF/s':>9s} "
+            f"{'ours/cuDNN':>10s} {'ours/XLA':>8s} {'rel err':>8s}")
+    print(head)
+    print("-" * len(head))
+    rows = []
+    for b, s, h, d in shapes:
+        key = jax.random.PRNGKey(0)
+        ks = jax.random.split(key, 5)
+        q, k, v, dy = (jax.device_put(jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(jnp.bfloat16), dev)
+                       for kk in ks[:4])
+        key_mask = jax.device_put((jax.random.uniform(ks[4], (b, s)) > 0.2).astype(jnp.float32), dev)
+        variants = [("none", {}), ("causal", {})]
+        if not quick:
+            variants += [("none", dict(softcap=30.0)), ("causal", dict(softcap=30.0)),
+                         ("none", dict(mask=key_mask))]
+        for kind_, extra in variants:
+            ours, cudnn, xla = _gpu_fns(kind_, **extra)
+            tag = kind_ + ("+softcap" if "softcap" in extra else "") + ("+keymask" if "mask" in extra else "")
+            for backward in (False, True):
+                flops = 4 * b * h * s * s * d * (0.5 if kind_ == "causal" else 1.0) * (3.5 if backward else 1.0)
+                fns = [f for f in (ours, cudnn, xla)]
+                if backward:
+                    fns = [None if f is None else _fwd_bwd(f) for f in fns]
+                args = (q, k, v, dy) if backward else (q, k, v)
+                jitted = [None if f is None else jax.jit(f) for f in fns]
+                res = [None if f is None else f(*args) for f in jitted]
+                other = res[1] if res[1] is not None else res[2]
+                err = _max_rel(res[0], other)
+                times = []
+                for f in jitted:
+                    if f is None:
+                        times.append(float("nan"))
+                        continue
+                    try:
+                        times.append(time_fn(f, args, reps))
+                    except Exception as e:  # e.g. XLA running out of memory on the O(S^2) path
+                        print(f"#   {type(e).__name__}: {str(e)[:120]}")
+                        times.append(float("nan"))
+                t_ours, t_cudnn, t_xla = times
+                name = f"{'fwd+bwd' if backward else 'fwd'} {tag} B{b} S{s} H{h} D{d}"
+                tf = [_tflops(flops, t) for t in times]
+                print(f"{name:44s} {t_ours:8.3f} {tf[0]:9.1f} {tf[1]:10.1f} {tf[2]:9.1f} "
+                      f"{t_cudnn / t_ours:10.2f} {t_xla / t_ours:8.2f} {err:8.1e}", flush=True)
+                rows.append((name, t_ours, t_cudnn, t_xla, err))
+                del res
+    return rows
+
+
 def main() -> None:
-    """The runner's timing plus GFLOP/s and compiled scratch memory per case."""
+    """The runner's timing plus GFLOP/s and compiled scratch memory per case; on a GPU,
+    the ours / cuDNN / XLA TFLOP/s table (``gpu_table``) instead."""
     import argparse
 
     from benchmarks.harness import run_case
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="GPU: only plain and causal cases")
     args = parser.parse_args()
     device = jax.devices()[0]
     kind = "gpu" if device.platform in ("gpu", "cuda") else "cpu"
+    if kind == "gpu":
+        gpu_table(args.reps, quick=args.quick)
+        return
     print(f"# device: {device.device_kind} ({device.platform}); jax {jax.__version__}")
     head = (f"{'case':48s} {'ours ms':>9s} {'XLA ms':>9s} {'XLA/ours':>8s} {'ours GF/s':>9s} "
             f"{'XLA GF/s':>9s} {'ours tmp MB':>11s} {'XLA tmp MB':>10s}")

@@ -232,6 +232,51 @@ def _kernel_bwd(q, k, v, out, lse, dout, dlse, *extras, kind, window, scale, sof
     return tuple(res) if has_bias else tuple(res[:3])
 
 
+#: largest head dim of the CUDA kernels (ffi/cuda/attention_generic.cuh, kGenMaxD)
+CUDA_MAX_HEAD_DIM = 256
+
+
+def _cuda_ok(q):
+    """The CUDA kernels take f32 / bf16 / f16 with head dim <= 256; anything else (f64)
+    lowers to the reference on GPU."""
+    return q.dtype in (jnp.float32, jnp.bfloat16, jnp.float16) and q.shape[3] <= CUDA_MAX_HEAD_DIM
+
+
+def _kernel_fwd_cuda(q, k, v, *extras, **params):
+    if not _cuda_ok(q):
+        return reference_attention(q, k, v, *extras, **params)
+    return _kernel_fwd(q, k, v, *extras, **params)
+
+
+def cuda_bwd_scratch_size(b: int, h: int, sq: int) -> int:
+    """f32 elements of the CUDA backward's scratch result: delta_i = sum_d dout_id out_id
+    - dlse_i per (batch, head, query) row (at least one element)."""
+    return max(1, b * h * sq)
+
+
+def _kernel_bwd_cuda(q, k, v, out, lse, dout, dlse, *extras, kind, window, scale, softcap, has_mask,
+                     has_bias):
+    """As ``_kernel_bwd`` plus an f32 scratch result (XLA allocates it; the kernel allocates
+    nothing), dropped after the call."""
+    params = dict(kind=kind, window=window, scale=scale, softcap=softcap, has_mask=has_mask,
+                  has_bias=has_bias)
+    if not _cuda_ok(q):
+        return reference_attention_bwd(q, k, v, out, lse, dout, dlse, *extras, **params)
+    mask, bias, _ = _split(extras, has_mask, has_bias)
+    m, bb = _dummies(q, mask, bias)
+    b, sq, h, _ = q.shape
+    shapes = (
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct(k.shape, k.dtype),
+        jax.ShapeDtypeStruct(v.shape, v.dtype),
+        jax.ShapeDtypeStruct(bb.shape, bb.dtype),
+        jax.ShapeDtypeStruct((cuda_bwd_scratch_size(b, h, sq),), jnp.float32),
+    )
+    attrs = _attrs(kind, window, scale, softcap, has_mask, has_bias)
+    res = jax.ffi.ffi_call("rlx_attention_bwd", shapes)(q, k, v, out, lse, dout, dlse, m, bb, **attrs)
+    return tuple(res[:4]) if has_bias else tuple(res[:3])
+
+
 def _kernel_ok(q, k, v, *rest, **params):
     """The kernels take q, k, v (and bias, out, dout) of one dtype."""
     allowed = (jnp.float32, jnp.float64, jnp.bfloat16, jnp.float16)
@@ -257,13 +302,15 @@ def _partition_factors(avals_in, avals_out, *, has_mask, has_bias, **params):
 _PARTITION = Partition(_partition_factors, shardable=["b", "h"])
 
 attention_fwd = FusedPrimitive(
-    "rlx_attention_fwd", reference_attention, target="rlx_attention_fwd", kernel=_kernel_fwd,
-    kernel_ok=_kernel_ok, platforms=("cpu",), partition=_PARTITION,
+    "rlx_attention_fwd", reference_attention, target="rlx_attention_fwd",
+    kernel={"cpu": _kernel_fwd, "cuda": _kernel_fwd_cuda},
+    kernel_ok=_kernel_ok, platforms=("cpu", "cuda"), partition=_PARTITION,
 )
 attention_tangent = FusedPrimitive("rlx_attention_tangent", reference_attention_tangent)
 attention_bwd = FusedPrimitive(
-    "rlx_attention_bwd", reference_attention_bwd, target="rlx_attention_bwd", kernel=_kernel_bwd,
-    kernel_ok=_kernel_ok, platforms=("cpu",), partition=_PARTITION,
+    "rlx_attention_bwd", reference_attention_bwd, target="rlx_attention_bwd",
+    kernel={"cpu": _kernel_bwd, "cuda": _kernel_bwd_cuda},
+    kernel_ok=_kernel_ok, platforms=("cpu", "cuda"), partition=_PARTITION,
 )
 
 

@@ -1,0 +1,533 @@
+// Attention on tensor cores (sm_80+, mma.sync m16n8k16, bf16 / f16 in, f32 accumulation),
+// FlashAttention-2 style, for head dims 64 and 128. Masks, scale, softcap, key mask and
+// bias are runtime parameters (AttnArgs, attention_generic.cuh); template parameters are
+// only (dtype, head dim).
+//
+// Tiles: 64 query rows x 64 keys per step, 4 warps of 16 rows each (128 threads). Tiles go
+// global -> shared with cp.async (16-byte, zero-filled past the sequence end), double
+// buffered; operands go shared -> registers with ldmatrix (.trans for the operands that are
+// stored [k][n]). Shared rows are padded by 8 elements (16 bytes) so the 8 row addresses of
+// one ldmatrix phase fall in distinct bank groups.
+//
+// Fragment layout of m16n8k16 (g = lane / 4, t = lane % 4): A regs (row g, cols 2t..2t+1),
+// (row g+8, cols 2t..), (row g, cols 2t+8..), (row g+8, cols 2t+8..); B regs (k 2t..2t+1,
+// col g), (k 2t+8.., col g); C (row g, cols 2t, 2t+1), (row g+8, cols 2t, 2t+1). A C tile
+// of two adjacent 8-column blocks is, packed to 16-bit pairs, the A fragment of the next
+// product (P -> P V, dS -> dS K, ...), so probabilities never leave registers.
+//
+//   fwd:  block = (64-query tile, head, batch); loops over key tiles with an online softmax;
+//         writes out and lse. Fully hidden key tiles (causal / sliding) are skipped.
+//   dkdv: block = (64-key tile, kv head, batch); warp w owns 16 keys and loops over the
+//         query heads of the group and the query tiles: S^T = K Q^T, dP^T = V dO^T,
+//         P^T = exp(S^T - lse), dS^T = P^T (dP^T - delta), dV += P^T dO, dK += dR^T Q.
+//         No atomics: each block owns its dk / dv rows. It also writes dbias (then it visits
+//         every query tile, so hidden entries get their zeros).
+//   dq:   block = (64-query tile, head, batch); loops over key tiles: S = Q K^T, dP = dO V^T,
+//         dQ += dR K. Deterministic (no atomics), at the price of recomputing S and dP.
+// The masking work (per-element visibility) runs only on tiles that need it: partial tiles,
+// the causal / sliding diagonal bands, and every tile when a key mask is given.
+#pragma once
+
+#include <type_traits>
+
+#include "cuda/attention_generic.cuh"
+
+namespace rlx {
+namespace cuda {
+namespace attn {
+
+constexpr int kBQ = 64, kBK = 64, kMmaThreads = 128;
+
+template <int D>
+constexpr int mma_lds() { return D + 8; }  // padded shared row (elements)
+
+// Shared memory bytes of each kernel (elements are 2 bytes).
+template <int D>
+constexpr size_t mma_fwd_smem() { return size_t(2) * mma_lds<D>() * (kBQ + 4 * kBK); }
+template <int D>
+constexpr size_t mma_dkdv_smem() {
+  return size_t(2) * mma_lds<D>() * (2 * kBK + 4 * kBQ) + sizeof(float) * 4 * kBQ;
+}
+template <int D>
+constexpr size_t mma_dq_smem() { return size_t(2) * mma_lds<D>() * (2 * kBQ + 4 * kBK); }
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+#define RLX_ATTN_MMA 1
+#else
+#define RLX_ATTN_MMA 0
+#endif
+
+// ---- PTX wrappers ----------------------------------------------------------------------------
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+#if RLX_ATTN_MMA
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if RLX_ATTN_MMA
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+#if RLX_ATTN_MMA
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+#if RLX_ATTN_MMA
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+#endif
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
+#if RLX_ATTN_MMA
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+#endif
+}
+
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if RLX_ATTN_MMA
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+#endif
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  uint32_t r;
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    r = *reinterpret_cast<uint32_t*>(&v);
+  } else {
+    __half2 v = __floats2half2_rn(lo, hi);
+    r = *reinterpret_cast<uint32_t*>(&v);
+  }
+  return r;
+}
+
+// rows [r0, r0 + 64) of x (row r at x + r * rs, D elements) -> dst[64][LDS]; rows >= n zero.
+template <typename T, int D>
+__device__ __forceinline__ void load_tile(T* dst, const T* __restrict__ x, int64_t rs, int64_t r0, int64_t n) {
+  constexpr int kChunks = D / 8;  // 16-byte chunks per row
+  constexpr int LDS = mma_lds<D>();
+  for (int c = threadIdx.x; c < 64 * kChunks; c += kMmaThreads) {
+    const int r = c / kChunks, col = (c % kChunks) * 8;
+    const bool ok = r0 + r < n;
+    const T* src = ok ? x + (r0 + r) * rs + col : x;
+    cp_async16(dst + r * LDS + col, src, ok);
+  }
+}
+
+// C[16 x 64] (+)= A[16 x D] B^T, A rows at `a` (row stride LDS, the warp's 16 rows), B rows
+// (64 of them, [n][k] storage) at `bm`: the S = Q K^T shape.
+template <typename T, int D>
+__device__ __forceinline__ void mma_abt(float (&c)[8][4], const T* a, const T* bm, int lane) {
+  constexpr int LDS = mma_lds<D>();
+#pragma unroll
+  for (int kc = 0; kc < D / 16; ++kc) {
+    uint32_t af[4];
+    ldsm_x4(af, a + (lane & 15) * LDS + kc * 16 + (lane >> 4) * 8);
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      uint32_t bf[4];
+      ldsm_x4(bf, bm + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * LDS + kc * 16 + ((lane >> 3) & 1) * 8);
+      mma16816<T>(c[2 * np], af, bf[0], bf[1]);
+      mma16816<T>(c[2 * np + 1], af, bf[2], bf[3]);
+    }
+  }
+}
+
+// O[16 x D] += P[16 x 64] V, P given as C fragments (converted to A fragments here), V rows
+// (64 of them, [k][n] storage) at `vm`: the P V shape.
+template <typename T, int D>
+__device__ __forceinline__ void mma_pv(float (&o)[D / 8][4], const float (&p)[8][4], const T* vm, int lane) {
+  constexpr int LDS = mma_lds<D>();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    uint32_t pa[4];
+    pa[0] = pack2<T>(p[2 * kk][0], p[2 * kk][1]);
+    pa[1] = pack2<T>(p[2 * kk][2], p[2 * kk][3]);
+    pa[2] = pack2<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+    pa[3] = pack2<T>(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+#pragma unroll
+    for (int dp = 0; dp < D / 16; ++dp) {
+      uint32_t bf[4];
+      ldsm_x4_t(bf, vm + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + dp * 16 + (lane >> 4) * 8);
+      mma16816<T>(o[2 * dp], pa, bf[0], bf[1]);
+      mma16816<T>(o[2 * dp + 1], pa, bf[2], bf[3]);
+    }
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void zero(float (&c)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.f;
+}
+
+// Does the (query tile q0, key tile k0) block need per-element masking?
+__device__ __forceinline__ bool tile_needs_mask(const AttnArgs& a, int64_t q0, int64_t k0) {
+  if (a.mask != nullptr || k0 + kBK > a.Sk) return true;
+  if (a.kind >= 1 && k0 + kBK - 1 > q0 + a.off) return true;
+  if (a.kind == 2 && k0 < q0 + kBQ - 1 + a.off - a.window) return true;
+  return false;
+}
+
+// Key tiles [kbeg, kend) (kbeg a multiple of kBK) that query rows [q0, q_last] can see.
+__device__ __forceinline__ void key_range(const AttnArgs& a, int64_t q0, int64_t q_last, int64_t* kbeg,
+                                          int64_t* kend) {
+  int64_t e = a.Sk, s = 0;
+  if (a.kind != 0) e = min(a.Sk, q_last + a.off + 1);
+  if (a.kind == 2) s = max(int64_t(0), q0 + a.off - a.window);
+  *kbeg = s / kBK * kBK;
+  *kend = e;
+}
+
+// ---- forward ---------------------------------------------------------------------------------
+template <typename T, int D>
+__global__ void __launch_bounds__(kMmaThreads)
+    mma_fwd_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                   const T* __restrict__ bias, T* __restrict__ out, float* __restrict__ lse) {
+#if RLX_ATTN_MMA
+  constexpr int LDS = mma_lds<D>();
+  extern __shared__ uint4 smem_u4[];
+  T* Qs = reinterpret_cast<T*>(smem_u4);
+  T* Ks = Qs + kBQ * LDS;  // [2][kBK * LDS]
+  T* Vs = Ks + 2 * kBK * LDS;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  const int64_t nqt = (a.Sq + kBQ - 1) / kBQ;
+  int64_t blk = blockIdx.x;
+  const int64_t qt = nqt - 1 - blk % nqt;  // heaviest (causal) tiles first
+  blk /= nqt;
+  const int64_t h = blk % a.H, b = blk / a.H, hk = h / a.group;
+  const int64_t q0 = qt * kBQ;
+  const int64_t q_rs = a.H * D, kv_rs = a.Hkv * D;
+  const T* qb = q + (b * a.Sq * a.H + h) * D;
+  const T* kb = k + (b * a.Sk * a.Hkv + hk) * D;
+  const T* vb = v + (b * a.Sk * a.Hkv + hk) * D;
+  int64_t kbeg, kend;
+  key_range(a, q0, min(a.Sq - 1, q0 + kBQ - 1), &kbeg, &kend);
+  load_tile<T, D>(Qs, qb, q_rs, q0, a.Sq);
+  if (kbeg < kend) {
+    load_tile<T, D>(Ks, kb, kv_rs, kbeg, a.Sk);
+    load_tile<T, D>(Vs, vb, kv_rs, kbeg, a.Sk);
+  }
+  cp_async_commit();
+  const int64_t row0 = q0 + warp * 16 + g;  // this thread's rows: row0, row0 + 8
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  float o[D / 8][4];
+  zero(o);
+  int buf = 0;
+  for (int64_t k0 = kbeg; k0 < kend; k0 += kBK, buf ^= 1) {
+    cp_async_wait_all();
+    __syncthreads();
+    if (k0 + kBK < kend) {
+      load_tile<T, D>(Ks + (buf ^ 1) * kBK * LDS, kb, kv_rs, k0 + kBK, a.Sk);
+      load_tile<T, D>(Vs + (buf ^ 1) * kBK * LDS, vb, kv_rs, k0 + kBK, a.Sk);
+    }
+    cp_async_commit();
+    float s[8][4];
+    zero(s);
+    mma_abt<T, D>(s, Qs + warp * 16 * LDS, Ks + buf * kBK * LDS, lane);
+    const bool need = tile_needs_mask(a, q0, k0);
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t i = row0 + (e >> 1) * 8, j = k0 + nt * 8 + 2 * tq + (e & 1);
+        float th;
+        float x = cap_score(s[nt][e] * a.scale, a.softcap, &th);
+        if (need && (i >= a.Sq || !visible(a, b, i, j))) {
+          x = -INFINITY;
+        } else if (bias != nullptr && i < a.Sq) {
+          x += to_f32(bias[((b * a.H + h) * a.Sq + i) * a.Sk + j]);
+        }
+        s[nt][e] = x;
+        mx[e >> 1] = fmaxf(mx[e >> 1], x);
+      }
+    float mu[2], alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+      const float mn = fmaxf(m[r], mx[r]);
+      mu[r] = mn == -INFINITY ? 0.f : mn;
+      alpha[r] = __expf(m[r] - mu[r]);
+      m[r] = mn;
+    }
+    float ls[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float p = __expf(s[nt][e] - mu[e >> 1]);
+        s[nt][e] = p;
+        ls[e >> 1] += p;
+      }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + ls[r];
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+      o[nt][0] *= alpha[0];
+      o[nt][1] *= alpha[0];
+      o[nt][2] *= alpha[1];
+      o[nt][3] *= alpha[1];
+    }
+    mma_pv<T, D>(o, s, Vs + buf * kBK * LDS, lane);
+  }
+  cp_async_wait_all();
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    const int64_t i = row0 + r * 8;
+    if (i >= a.Sq) continue;
+    const bool live = l[r] > 0.f;
+    const float inv = live ? 1.f / l[r] : 0.f;
+    T* orow = out + ((b * a.Sq + i) * a.H + h) * D;
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt)
+      *reinterpret_cast<uint32_t*>(orow + nt * 8 + 2 * tq) = pack2<T>(o[nt][2 * r] * inv, o[nt][2 * r + 1] * inv);
+    if (tq == 0) lse[(b * a.H + h) * a.Sq + i] = live ? m[r] + logf(l[r]) : -INFINITY;
+  }
+#endif
+}
+
+// ---- backward: dk, dv (and dbias) ------------------------------------------------------------
+template <typename T, int D>
+__global__ void __launch_bounds__(kMmaThreads)
+    mma_dkdv_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                    const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                    const T* __restrict__ bias, T* __restrict__ dk, T* __restrict__ dv, T* __restrict__ dbias) {
+#if RLX_ATTN_MMA
+  constexpr int LDS = mma_lds<D>();
+  extern __shared__ uint4 smem_u4[];
+  T* Ks = reinterpret_cast<T*>(smem_u4);
+  T* Vs = Ks + kBK * LDS;
+  T* Qs = Vs + kBK * LDS;   // [2][kBQ * LDS]
+  T* Gs = Qs + 2 * kBQ * LDS;  // dout, [2][kBQ * LDS]
+  float* Ls = reinterpret_cast<float*>(Gs + 2 * kBQ * LDS);  // [2][kBQ]
+  float* Dl = Ls + 2 * kBQ;                                  // [2][kBQ]
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  const int64_t nkt = (a.Sk + kBK - 1) / kBK;
+  int64_t blk = blockIdx.x;
+  const int64_t kt = blk % nkt;
+  blk /= nkt;
+  const int64_t hk = blk % a.Hkv, b = blk / a.Hkv;
+  const int64_t k0 = kt * kBK;
+  const int64_t q_rs = a.H * D, kv_rs = a.Hkv * D;
+  load_tile<T, D>(Ks, k + (b * a.Sk * a.Hkv + hk) * D, kv_rs, k0, a.Sk);
+  load_tile<T, D>(Vs, v + (b * a.Sk * a.Hkv + hk) * D, kv_rs, k0, a.Sk);
+  // query tiles that see these keys (all of them when dbias must be written everywhere)
+  int64_t qbeg = 0, qend = a.Sq;
+  if (dbias == nullptr) {
+    if (a.kind != 0) qbeg = max(int64_t(0), k0 - a.off);
+    if (a.kind == 2) qend = min(a.Sq, min(a.Sk, k0 + kBK) - 1 + a.window - a.off + 1);
+  }
+  qbeg = qbeg / kBQ * kBQ;
+  const int64_t nq = qend > qbeg ? (qend - qbeg + kBQ - 1) / kBQ : 0;
+  const int64_t iters = nq * a.group;
+  auto stage = [&](int64_t it, int bf) {
+    const int64_t h = hk * a.group + it / nq, i0 = qbeg + (it % nq) * kBQ;
+    load_tile<T, D>(Qs + bf * kBQ * LDS, q + (b * a.Sq * a.H + h) * D, q_rs, i0, a.Sq);
+    load_tile<T, D>(Gs + bf * kBQ * LDS, dout + (b * a.Sq * a.H + h) * D, q_rs, i0, a.Sq);
+    if (threadIdx.x < kBQ) {
+      const int64_t i = i0 + threadIdx.x;
+      float L = INFINITY, dl = 0.f;
+      if (i < a.Sq) {
+        L = lse[(b * a.H + h) * a.Sq + i];
+        if (L == -INFINITY) L = INFINITY;  // dead row: P = 0
+        dl = delta[(b * a.H + h) * a.Sq + i];
+      }
+      Ls[bf * kBQ + threadIdx.x] = L;
+      Dl[bf * kBQ + threadIdx.x] = dl;
+    }
+  };
+  if (iters > 0) stage(0, 0);
+  cp_async_commit();
+  const int64_t j_row0 = k0 + warp * 16 + g;  // this thread's keys: j_row0, j_row0 + 8
+  bool kok[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t j = j_row0 + 8 * r;
+    kok[r] = j < a.Sk && (a.mask == nullptr || a.mask[b * a.Sk + j] >= 0.5f);
+  }
+  float dka[D / 8][4], dva[D / 8][4];
+  zero(dka);
+  zero(dva);
+  int buf = 0;
+  for (int64_t it = 0; it < iters; ++it, buf ^= 1) {
+    const int64_t h = hk * a.group + it / nq, i0 = qbeg + (it % nq) * kBQ;
+    cp_async_wait_all();
+    __syncthreads();
+    if (it + 1 < iters) stage(it + 1, buf ^ 1);
+    cp_async_commit();
+    const T* Qb = Qs + buf * kBQ * LDS;
+    const T* Gb = Gs + buf * kBQ * LDS;
+    const float* Lb = Ls + buf * kBQ;
+    const float* Db = Dl + buf * kBQ;
+    float st[8][4], dpt[8][4];
+    zero(st);
+    zero(dpt);
+    mma_abt<T, D>(st, Ks + warp * 16 * LDS, Qb, lane);
+    mma_abt<T, D>(dpt, Vs + warp * 16 * LDS, Gb, lane);
+    const bool need = tile_needs_mask(a, i0, k0);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1;
+        const int ic = nt * 8 + 2 * tq + (e & 1);
+        const int64_t i = i0 + ic, j = j_row0 + 8 * r;
+        float th;
+        float x = cap_score(st[nt][e] * a.scale, a.softcap, &th);
+        bool vis = true;
+        if (need) vis = kok[r] && i < a.Sq && kind_visible(a, i, j);
+        float p = 0.f, ds = 0.f;
+        if (vis) {
+          if (bias != nullptr && i < a.Sq && j < a.Sk) x += to_f32(bias[((b * a.H + h) * a.Sq + i) * a.Sk + j]);
+          p = __expf(x - Lb[ic]);
+          ds = p * (dpt[nt][e] - Db[ic]);
+        }
+        if (dbias != nullptr && i < a.Sq && j < a.Sk) dbias[((b * a.H + h) * a.Sq + i) * a.Sk + j] = from_f32<T>(ds);
+        st[nt][e] = p;
+        dpt[nt][e] = a.softcap > 0.f ? ds * (1.f - th * th) : ds;
+      }
+    mma_pv<T, D>(dva, st, Gb, lane);
+    mma_pv<T, D>(dka, dpt, Qb, lane);
+  }
+  cp_async_wait_all();
+  const int64_t kv_b = (b * a.Sk) * a.Hkv + hk;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t j = j_row0 + 8 * r;
+    if (j >= a.Sk) continue;
+    T* dkr = dk + (kv_b + j * a.Hkv) * D;
+    T* dvr = dv + (kv_b + j * a.Hkv) * D;
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+      *reinterpret_cast<uint32_t*>(dkr + nt * 8 + 2 * tq) =
+          pack2<T>(dka[nt][2 * r] * a.scale, dka[nt][2 * r + 1] * a.scale);
+      *reinterpret_cast<uint32_t*>(dvr + nt * 8 + 2 * tq) = pack2<T>(dva[nt][2 * r], dva[nt][2 * r + 1]);
+    }
+  }
+#endif
+}
+
+// ---- backward: dq ----------------------------------------------------------------------------
+template <typename T, int D>
+__global__ void __launch_bounds__(kMmaThreads)
+    mma_dq_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                  const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                  const T* __restrict__ bias, T* __restrict__ dq) {
+#if RLX_ATTN_MMA
+  constexpr int LDS = mma_lds<D>();
+  extern __shared__ uint4 smem_u4[];
+  T* Qs = reinterpret_cast<T*>(smem_u4);
+  T* Gs = Qs + kBQ * LDS;
+  T* Ks = Gs + kBQ * LDS;  // [2][kBK * LDS]
+  T* Vs = Ks + 2 * kBK * LDS;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  const int64_t nqt = (a.Sq + kBQ - 1) / kBQ;
+  int64_t blk = blockIdx.x;
+  const int64_t qt = nqt - 1 - blk % nqt;
+  blk /= nqt;
+  const int64_t h = blk % a.H, b = blk / a.H, hk = h / a.group;
+  const int64_t q0 = qt * kBQ;
+  const int64_t q_rs = a.H * D, kv_rs = a.Hkv * D;
+  const T* kb = k + (b * a.Sk * a.Hkv + hk) * D;
+  const T* vb = v + (b * a.Sk * a.Hkv + hk) * D;
+  int64_t kbeg, kend;
+  key_range(a, q0, min(a.Sq - 1, q0 + kBQ - 1), &kbeg, &kend);
+  load_tile<T, D>(Qs, q + (b * a.Sq * a.H + h) * D, q_rs, q0, a.Sq);
+  load_tile<T, D>(Gs, dout + (b * a.Sq * a.H + h) * D, q_rs, q0, a.Sq);
+  if (kbeg < kend) {
+    load_tile<T, D>(Ks, kb, kv_rs, kbeg, a.Sk);
+    load_tile<T, D>(Vs, vb, kv_rs, kbeg, a.Sk);
+  }
+  cp_async_commit();
+  const int64_t row0 = q0 + warp * 16 + g;
+  float L[2], dl[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t i = row0 + 8 * r;
+    L[r] = INFINITY;
+    dl[r] = 0.f;
+    if (i < a.Sq) {
+      L[r] = lse[(b * a.H + h) * a.Sq + i];
+      if (L[r] == -INFINITY) L[r] = INFINITY;
+      dl[r] = delta[(b * a.H + h) * a.Sq + i];
+    }
+  }
+  float dqa[D / 8][4];
+  zero(dqa);
+  int buf = 0;
+  for (int64_t k0 = kbeg; k0 < kend; k0 += kBK, buf ^= 1) {
+    cp_async_wait_all();
+    __syncthreads();
+    if (k0 + kBK < kend) {
+      load_tile<T, D>(Ks + (buf ^ 1) * kBK * LDS, kb, kv_rs, k0 + kBK, a.Sk);
+      load_tile<T, D>(Vs + (buf ^ 1) * kBK * LDS, vb, kv_rs, k0 + kBK, a.Sk);
+    }
+    cp_async_commit();
+    const T* Kb = Ks + buf * kBK * LDS;
+    const T* Vb = Vs + buf * kBK * LDS;
+    float s[8][4], dp[8][4];
+    zero(s);
+    zero(dp);
+    mma_abt<T, D>(s, Qs + warp * 16 * LDS, Kb, lane);
+    mma_abt<T, D>(dp, Gs + warp * 16 * LDS, Vb, lane);
+    const bool need = tile_needs_mask(a, q0, k0);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1;
+        const int64_t i = row0 + 8 * r, j = k0 + nt * 8 + 2 * tq + (e & 1);
+        float th;
+        float x = cap_score(s[nt][e] * a.scale, a.softcap, &th);
+        float ds = 0.f;
+        if (!need || (i < a.Sq && visible(a, b, i, j))) {
+          if (bias != nullptr && i < a.Sq) x += to_f32(bias[((b * a.H + h) * a.Sq + i) * a.Sk + j]);
+          const float p = __expf(x - L[r]);
+          ds = p * (dp[nt][e] - dl[r]);
+        }
+        s[nt][e] = a.softcap > 0.f ? ds * (1.f - th * th) : ds;
+      }
+    mma_pv<T, D>(dqa, s, Kb, lane);
+  }
+  cp_async_wait_all();
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t i = row0 + 8 * r;
+    if (i >= a.Sq) continue;
+    T* dqr = dq + ((b * a.Sq + i) * a.H + h) * D;
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt)
+      *reinterpret_cast<uint32_t*>(dqr + nt * 8 + 2 * tq) =
+          pack2<T>(dqa[nt][2 * r] * a.scale, dqa[nt][2 * r + 1] * a.scale);
+  }
+#endif
+}
+
+}  // namespace attn
+}  // namespace cuda
+}  // namespace rlx

@@ -1,0 +1,245 @@
+"""Attention on the GPU: the CUDA kernels (rlx_attention_fwd / rlx_attention_bwd on platform
+CUDA) against the float32 pure-JAX reference (highest matmul precision) on random data.
+Skipped where JAX sees no GPU.
+
+Cases cover both kernel paths: the tensor-core path (bf16 / f16, head dims 64 and 128) and
+the generic path (f32, and bf16 / f16 with head dims 32, 96, 256), every mask kind with and
+without scale and softcap, key mask, additive bias (with its gradient), GQA, odd lengths,
+Sq != Sk both ways, fully masked rows, the dlse term of the backward, zero-sized inputs and
+a bad scratch size."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rlx_jax
+from rlx_jax.ops import attention, attention_backward
+from rlx_jax.vjp_rules import attention as A
+
+HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
+pytestmark = pytest.mark.skipif(not HAS_GPU, reason="no GPU visible to JAX: the CUDA kernels cannot run here")
+
+# relative error allowed: ||got - want||_2 / ||want||_2 (and max-abs / max|want| <= 4x that)
+TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2, jnp.float16: 5e-3}
+
+
+def _gpu():
+    return next(d for d in jax.devices() if d.platform == "gpu")
+
+
+def _close(got, want, dtype, what):
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    want = np.asarray(jnp.asarray(want, jnp.float32), np.float64)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    if got.size == 0:
+        return
+    assert np.isfinite(got).all(), f"{what}: non-finite values"
+    tol = TOL[jnp.dtype(dtype).type]
+    norm = max(float(np.linalg.norm(want)), 1e-6)
+    rel = float(np.linalg.norm(got - want)) / norm
+    peak = max(float(np.max(np.abs(want))), 1e-6)
+    worst = float(np.max(np.abs(got - want))) / peak
+    assert rel <= tol and worst <= 4 * tol, f"{what}: rel l2 err {rel:.3g}, rel max err {worst:.3g} (tol {tol:.1g})"
+
+
+def _inputs(b, sq, sk, h, hkv, d, dtype, seed, *, mask=False, bias=False, dead_batch=False):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+    dev = _gpu()
+    q = jax.random.normal(ks[0], (b, sq, h, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (b, sk, hkv, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (b, sk, hkv, d), jnp.float32).astype(dtype)
+    dy = jax.random.normal(ks[3], (b, sq, h, d), jnp.float32).astype(dtype)
+    m = None
+    if mask:
+        m = (jax.random.uniform(ks[4], (b, sk)) > 0.3).astype(jnp.float32)
+        if dead_batch and b > 1:
+            m = m.at[1].set(0.0)  # every row of batch 1 sees no key
+    bb = None
+    if bias:
+        bb = (0.5 * jax.random.normal(ks[5], (b, h, sq, sk), jnp.float32)).astype(dtype)
+    put = lambda x: None if x is None else jax.device_put(x, dev)
+    return [put(x) for x in (q, k, v, dy, m, bb)]
+
+
+def _params(d, kind, window, scale, softcap, mask, bias):
+    return dict(kind=kind, window=window if kind == "sliding" else 0,
+                scale=float(scale if scale is not None else d**-0.5), softcap=float(softcap or 0.0),
+                has_mask=mask is not None, has_bias=bias is not None)
+
+
+def _f32(x):
+    return None if x is None else x.astype(jnp.float32)
+
+
+def _check_case(b, sq, sk, h, hkv, d, dtype, kind="none", window=None, scale=None, softcap=None,
+                mask=False, bias=False, dead_batch=False, dlse=False, seed=0):
+    q, k, v, dy, m, bb = _inputs(b, sq, sk, h, hkv, d, dtype, seed, mask=mask, bias=bias,
+                                 dead_batch=dead_batch)
+    p = _params(d, kind, window, scale, softcap, m, bb)
+    extras = [x for x in (m, bb) if x is not None]
+    extras32 = [x for x in (m, _f32(bb)) if x is not None]
+    with jax.default_matmul_precision("highest"):
+        # forward: out and lse vs the f32 reference on the same (rounded) values
+        out, lse = jax.jit(lambda *a: A.attention_fwd(*a, **p))(q, k, v, *extras)
+        out_r, lse_r = jax.jit(lambda *a: A.reference_attention(*a, **p))(_f32(q), _f32(k), _f32(v), *extras32)
+        _close(out, out_r, dtype, "out")
+        lse, lse_r = np.asarray(lse), np.asarray(lse_r)
+        assert (np.isneginf(lse) == np.isneginf(lse_r)).all(), "lse: -inf pattern differs"
+        fin = np.isfinite(lse_r)
+        _close(lse[fin], lse_r[fin], jnp.float32 if dtype == jnp.float32 else jnp.float16, "lse")
+        # backward primitive with the kernel's own out / lse (and a dlse term)
+        dl = jax.random.normal(jax.random.PRNGKey(seed + 7), lse.shape, jnp.float32) if dlse else jnp.zeros(lse.shape)
+        dl = jnp.where(jnp.isfinite(lse_r), dl, 0.0)
+        grads = jax.jit(lambda *a: A.attention_bwd(*a, **p))(q, k, v, out, jnp.asarray(lse), dy, dl, *extras)
+        grads_r = jax.jit(lambda *a: A.reference_attention_bwd(*a, **p))(
+            _f32(q), _f32(k), _f32(v), _f32(out), jnp.asarray(lse_r), _f32(dy), dl, *extras32)
+        names = ["dq", "dk", "dv", "dbias"]
+        for n, g, gr in zip(names, grads, grads_r):
+            _close(g, gr, dtype, n)
+        if dead_batch:
+            assert not np.asarray(jnp.abs(out[1].astype(jnp.float32))).any(), "dead rows must give out = 0"
+            assert np.isneginf(lse[1]).all()
+            assert not np.asarray(jnp.abs(grads[0][1].astype(jnp.float32))).any(), "dead rows: dq = 0"
+
+
+# ---- the tensor-core path (bf16 / f16, D 64 and 128) ----------------------------------------
+
+MMA_CASES = [
+    # b, sq, sk, h, hkv, d, dtype, options
+    (2, 128, 128, 4, 4, 64, jnp.bfloat16, {}),
+    (2, 128, 128, 4, 4, 128, jnp.bfloat16, {}),
+    (1, 200, 200, 4, 2, 64, jnp.bfloat16, dict(kind="causal")),
+    (1, 133, 77, 4, 1, 128, jnp.bfloat16, dict(kind="causal")),
+    (1, 77, 190, 2, 2, 128, jnp.float16, dict(kind="causal")),
+    (1, 150, 150, 2, 1, 64, jnp.float16, dict(kind="sliding", window=40)),
+    (2, 97, 161, 4, 2, 128, jnp.bfloat16, dict(kind="sliding", window=70)),
+    (1, 130, 130, 2, 2, 64, jnp.bfloat16, dict(kind="none", scale=0.3, softcap=2.0)),
+    (1, 130, 140, 4, 2, 128, jnp.float16, dict(kind="causal", scale=0.2, softcap=5.0)),
+    (3, 70, 130, 2, 1, 64, jnp.bfloat16, dict(kind="none", mask=True, dead_batch=True)),
+    (2, 99, 99, 2, 2, 128, jnp.bfloat16, dict(kind="causal", mask=True)),
+    (2, 65, 129, 4, 2, 64, jnp.bfloat16, dict(kind="none", bias=True)),
+    (1, 100, 100, 2, 1, 128, jnp.float16, dict(kind="sliding", window=17, bias=True, softcap=3.0, mask=True)),
+    (1, 96, 96, 2, 2, 64, jnp.bfloat16, dict(kind="causal", dlse=True)),
+    (2, 300, 300, 2, 2, 128, jnp.bfloat16, dict(kind="none", softcap=30.0, dlse=True)),
+]
+
+
+@pytest.mark.parametrize("case", MMA_CASES, ids=lambda c: "-".join(map(str, c[:6])) + f"-{jnp.dtype(c[6]).name}-{c[7]}")
+def test_tensor_core_path(case):
+    *shape, dtype, opts = case
+    _check_case(*shape, dtype, **opts)
+
+
+# ---- the generic path (f32, other head dims) -----------------------------------------------
+
+GENERIC_CASES = [
+    (2, 37, 37, 4, 4, 64, jnp.float32, {}),
+    (1, 45, 83, 4, 2, 32, jnp.float32, dict(kind="causal")),
+    (1, 83, 45, 2, 1, 96, jnp.float32, dict(kind="causal", softcap=1.5, scale=0.5)),
+    (2, 50, 50, 2, 2, 128, jnp.float32, dict(kind="sliding", window=9, mask=True, dead_batch=True)),
+    (1, 40, 33, 2, 2, 256, jnp.float32, dict(kind="none", bias=True, dlse=True)),
+    (1, 70, 70, 4, 2, 32, jnp.bfloat16, dict(kind="causal")),
+    (1, 61, 90, 2, 1, 96, jnp.float16, dict(kind="sliding", window=25, softcap=4.0)),
+    (1, 65, 65, 2, 2, 256, jnp.bfloat16, dict(kind="none", mask=True, bias=True)),
+    (1, 33, 33, 2, 2, 40, jnp.float32, dict(kind="causal", dlse=True)),
+]
+
+
+@pytest.mark.parametrize("case", GENERIC_CASES, ids=lambda c: "-".join(map(str, c[:6])) + f"-{jnp.dtype(c[6]).name}-{c[7]}")
+def test_generic_path(case):
+    *shape, dtype, opts = case
+    _check_case(*shape, dtype, **opts)
+
+
+# ---- through the public ops -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,d", [(jnp.bfloat16, 128), (jnp.float32, 64), (jnp.bfloat16, 96)])
+@pytest.mark.parametrize("kind", ["none", "causal", "sliding"])
+def test_grad_through_ops(dtype, d, kind):
+    q, k, v, dy, m, _ = _inputs(2, 90, 110, 4, 2, d, dtype, 3, mask=True)
+    window = 30 if kind == "sliding" else None
+    opts = dict(mask_kind=kind, window=window, mask=m, scale=0.25, softcap=8.0)
+
+    def loss(q, k, v):
+        o = attention(q, k, v, **opts)
+        return jnp.sum(o.astype(jnp.float32) * dy.astype(jnp.float32))
+
+    with jax.default_matmul_precision("highest"):
+        g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+        p = _params(d, kind, window, 0.25, 8.0, m, None)
+
+        def loss_ref(q, k, v):
+            o = A.reference_attention(q, k, v, m, **p)[0]
+            return jnp.sum(o * _f32(dy))
+
+        gr = jax.jit(jax.grad(loss_ref, argnums=(0, 1, 2)))(_f32(q), _f32(k), _f32(v))
+        for n, a, b in zip(("dq", "dk", "dv"), g, gr):
+            _close(a, b, dtype, n)
+        # attention_backward (the RLX AttentionBackward ops) gives the same gradients
+        g2 = jax.jit(lambda q, k, v, dy: attention_backward(q, k, v, dy, mask=m, **{
+            x: opts[x] for x in ("mask_kind", "window", "scale", "softcap")}))(q, k, v, dy)
+        for n, a, b in zip(("dq", "dk", "dv"), g2, gr):
+            _close(a, b, dtype, n + " (attention_backward)")
+
+
+def test_cuda_targets_in_hlo():
+    info = rlx_jax.kernel_info()["cuda"]
+    assert info["loaded"], info["error"]
+    assert {"rlx_attention_fwd", "rlx_attention_bwd"} <= set(info["targets"])
+    q, k, v, dy, _, _ = _inputs(2, 64, 64, 4, 2, 64, jnp.bfloat16, 0)
+    fn = jax.jit(lambda q, k, v: jax.vjp(lambda q, k, v: attention(q, k, v, mask_kind="causal"), q, k, v)[1](dy))
+    text = fn.lower(q, k, v).as_text()
+    assert "rlx_attention_fwd" in text and "rlx_attention_bwd" in text
+    # the CUDA backward carries its f32 scratch result (delta, B * H * Sq)
+    assert f"tensor<{A.cuda_bwd_scratch_size(2, 4, 64)}xf32>" in text
+
+
+def test_deterministic():
+    q, k, v, dy, _, _ = _inputs(1, 257, 257, 4, 2, 128, jnp.bfloat16, 5)
+    fn = jax.jit(lambda q, k, v, dy: attention_backward(q, k, v, dy, mask_kind="causal"))
+    a = [np.asarray(x.astype(jnp.float32)) for x in fn(q, k, v, dy)]
+    b = [np.asarray(x.astype(jnp.float32)) for x in fn(q, k, v, dy)]
+    for x, y in zip(a, b):
+        assert np.array_equal(x, y)
+
+
+@pytest.mark.parametrize("sq,sk,h,hkv", [(0, 16, 2, 2), (16, 0, 2, 1), (0, 0, 2, 2), (8, 8, 0, 0)])
+@pytest.mark.parametrize("d", [64, 32])
+def test_zero_sized(sq, sk, h, hkv, d):
+    dtype = jnp.bfloat16
+    q = jnp.ones((2, sq, h, d), dtype)
+    k = jnp.ones((2, sk, hkv, d), dtype)
+    v = jnp.ones((2, sk, hkv, d), dtype)
+    dy = jnp.ones((2, sq, h, d), dtype)
+    q, k, v, dy = (jax.device_put(x, _gpu()) for x in (q, k, v, dy))
+    out = jax.jit(lambda q, k, v: attention(q, k, v))(q, k, v)
+    assert out.shape == q.shape
+    assert not np.asarray(out.astype(jnp.float32)).any()  # no key: rows are 0
+    dq, dk, dv = jax.jit(lambda *a: attention_backward(*a))(q, k, v, dy)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    for g in (dq, dk, dv):
+        assert not np.asarray(g.astype(jnp.float32)).any()
+
+
+def test_bad_scratch_is_an_error():
+    q, k, v, dy, _, _ = _inputs(1, 16, 16, 2, 2, 64, jnp.bfloat16, 1)
+    p = _params(64, "none", None, None, None, None, None)
+    out, lse = A.attention_fwd(q, k, v, **p)
+    m, bb = A._dummies(q, None, None)
+    shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+              jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(bb.shape, bb.dtype),
+              jax.ShapeDtypeStruct((3,), jnp.float32))  # needs B * H * Sq = 32
+    call = jax.ffi.ffi_call("rlx_attention_bwd", shapes)
+    attrs = A._attrs("none", 0, p["scale"], 0.0, False, False)
+    with pytest.raises(Exception, match="scratch"):
+        jax.block_until_ready(jax.jit(lambda *a: call(*a, **attrs))(q, k, v, out, lse, dy, jnp.zeros_like(lse), m, bb))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d", [64, 128])
+def test_long_sequence(d):
+    _check_case(1, 2048, 2048, 4, 2, d, jnp.bfloat16, kind="causal", softcap=20.0)
