@@ -311,24 +311,59 @@ def _conv_bwd_weight(g, node, dy):
 
 @vjp_rule("MaxPool2dBackward")
 def _maxpool_bwd(g, node, dy):
-    """dx = P^T d, P picking each window's maximum: the cotangent of d is P G (each
-    window reads G at its maximum); x gets none (piecewise constant). Written for
-    non-overlapping windows without padding."""
+    """dx = P^T d with P the 0/1 matrix that picks each window's maximum, so the
+    cotangent of d is P G: output (i, j) reads G at its window's argmax. x gets none
+    (dx is piecewise constant in x).
+
+    Any geometry (overlapping windows, stride < kernel, padding): for each kernel
+    offset (a, b) in row-major order, a Gather of the flattened plane reads x and G at
+    input position (i*sh - ph + a, j*sw - pw + b) for every output (a constant index
+    table; positions in the padding are masked out). The forward's argmax rule is
+    reproduced exactly: the first offset whose x equals the window maximum wins (a
+    later equal value does not), and a window whose maximum is -inf (all padding or
+    all -inf) passes nothing."""
+    from rlx_jax.ir.ops_shape import Gather
+
     x, d = node.inputs
     op = node.op
-    n, c, h, w = E.dims(g, x)
-    kh, kw = op.kernel_size
-    if tuple(op.stride) != (kh, kw) or any(op.padding) or h % kh or w % kw:
-        raise GraphError(
-            f"node %{node.id} MaxPool2dBackward: second-order gradients are written for "
-            "non-overlapping windows without padding")
-    ho, wo = h // kh, w // kw
-    y = g._add_node(Pool(kind=ReduceOp.Max, kernel_size=(kh, kw), stride=(kh, kw), padding=(0, 0)), (x,))
-    yb = E.reshape(g, E.expand(g, E.reshape(g, y, (n, c, ho, 1, wo, 1)), (n, c, ho, kh, wo, kw)),
-                   (n, c, h, w))
-    hit = E.cmp(g, "Eq", x, yb)
-    sel = E.where(g, hit, dy, E.scalar(g, 0, E.dtype(g, dy)))
-    return [None, E.sum_(g, E.reshape(g, sel, (n, c, ho, kh, wo, kw)), (3, 5))]
+    xd = E.dims(g, x)
+    lead, (h, w) = tuple(xd[:-2]), xd[-2:]
+    if not isinstance(h, int) or not isinstance(w, int):
+        raise GraphError(f"node %{node.id} MaxPool2dBackward: second order needs static H and W")
+    (kh, kw), (sh, sw), (ph, pw) = tuple(op.kernel_size), tuple(op.stride), tuple(op.padding)
+    ho, wo = (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
+    dt = E.dtype(g, dy)
+    if ho <= 0 or wo <= 0 or h * w == 0:
+        return [None, E.zeros_like(g, d)]
+    flat = lambda v, n: E.reshape(g, v, lead + (n,))                  # noqa: E731
+    xf, gf = flat(x, h * w), flat(dy, h * w)
+    y = flat(g._add_node(Pool(kind=ReduceOp.Max, kernel_size=(kh, kw), stride=(sh, sw), padding=(ph, pw)), (x,)),
+             ho * wo)
+    live = E.cmp(g, "Gt", y, E.scalar(g, -np.inf, E.dtype(g, y)))
+    rows = np.arange(ho)[:, None] * sh - ph
+    cols = np.arange(wo)[None, :] * sw - pw
+    out, taken = None, None
+    for a in range(kh):
+        for b in range(kw):
+            r, c = rows + a, cols + b
+            inside = (r >= 0) & (r < h) & (c >= 0) & (c < w)
+            if not inside.any():
+                continue
+            idx = E.const(g, np.where(inside, r * w + c, 0).reshape(-1).astype(np.int32), DType.I32)
+            inside = inside.reshape(-1)
+            xo = g._add_node(Gather(axis=len(lead)), (xf, idx))
+            hit = E.cmp(g, "Eq", xo, y)
+            if not inside.all():
+                hit = E.where(g, E.const(g, inside, DType.Bool), hit, E.scalar(g, False, DType.Bool))
+            go = g._add_node(Gather(axis=len(lead)), (gf, idx))
+            if out is None:
+                out, taken = E.where(g, hit, go, E.scalar(g, 0, dt)), hit
+            else:
+                first = E.where(g, taken, E.scalar(g, False, DType.Bool), hit)
+                out = E.where(g, first, go, out)
+                taken = E.where(g, taken, taken, hit)
+    out = E.where(g, live, out, E.scalar(g, 0, dt))
+    return [None, E.reshape(g, out, tuple(E.dims(g, d)))]
 
 
 # -- loss / attention / complex ----------------------------------------------------------
@@ -426,6 +461,42 @@ def _lsq_bwd_x(g, node, dy):
     return [None, None, g._add_node(FakeQuantizeLSQBackwardX(bits=op.bits, axis=op.axis), (x, s, dy))]
 
 
+def _lsq_bwd_scale_expansion(t, op, ins):
+    """dscale[c] = sum over channel c of d * psi(z), z = x / max(s, 1e-12),
+    psi(z) = round(z) - z for |z| <= q, sign(z) q outside; in primitives.
+
+    round(z), sign(z) and the inside mask are piecewise constant: they are held
+    constant (StopGradient; the Round activation's own rule would be the
+    straight-through 1), so d psi / dz = -1 inside and 0 outside, the derivative the
+    JAX side's backward primitive has. Hence d/dd = psi, d/dx = -d / s inside and
+    d/ds = d x / s^2 inside."""
+    from rlx_jax.ir.ops_elementwise import StopGradient
+
+    x, sc, d = ins
+    dt = E.dtype(t, x)
+    r = E.shape(t, x).rank
+    q = float(2 ** (op.bits - 1) - 1)
+    a = None if op.axis is None else E.norm_axis(op.axis, r)
+    s_eff = E.binary(t, BinaryOp.Max, sc, E.scalar(t, 1e-12, E.dtype(t, sc)))
+    if a is not None:
+        s_eff = E.reshape(t, s_eff, tuple(E.dims(t, sc)[0] if i == a else 1 for i in range(r)))
+    z = E.div(t, x, E.cast(t, s_eff, dt))
+
+    def const(v):
+        return t._add_node(StopGradient(), (v,))
+
+    inside = E.cmp(t, "Le", E.act(t, "Abs", z), E.scalar(t, q, dt))
+    sign = E.where(t, E.cmp(t, "Gt", z, E.scalar(t, 0, dt)), E.scalar(t, q, dt),
+                   E.where(t, E.cmp(t, "Lt", z, E.scalar(t, 0, dt)), E.scalar(t, -q, dt), E.scalar(t, 0, dt)))
+    psi = E.where(t, inside, E.sub(t, const(E.act(t, "Round", z)), z), sign)
+    rest = tuple(i for i in range(r) if i != a)
+    out = E.sum_(t, E.mul(t, E.cast(t, d, dt), psi), rest)
+    return E.cast(t, E.reshape(t, out, E.dims(t, sc)), E.dtype(t, sc))
+
+
+vjp_rule("FakeQuantizeLSQBackwardScale")(_expanding(_lsq_bwd_scale_expansion))
+
+
 def _log_mel_bwd(t, op, ins):
     """dS = (d / m * [m > 1e-10]) @ F^T with m = S @ F."""
     from .rules_linalg import matmul, t_last_2
@@ -446,30 +517,58 @@ vjp_rule("LogMelBackward")(_expanding(_log_mel_bwd))
 
 def _scan_bwd_unrolled(t, op, ins, which):
     """ScanBackward(Xs) spelled out: the reverse sweep unrolled over the (static) length,
-    ``body_vjp`` inlined at each step; carries entering step s are ``init`` and the
-    trajectory rows. Returns dinit (``which`` None) or the stacked d xs_which."""
+    ``body_vjp`` inlined at each step. The carry entering step s is ``init`` (s = 0),
+    else trajectory row s - 1, or, for a checkpointed scan (0 < K < length, the
+    trajectory holds K rows only), carry s recomputed from ``init`` with
+    ``forward_body`` (as the lowering does; the trajectory then gets no gradient). The
+    upstream has ``length`` rows, or K rows at the checkpoint steps floor(r L / K).
+    Returns dinit (``which`` None) or the stacked d xs_which."""
     from rlx_jax.ir.ops_shape import Concat, Narrow
 
     from .prepare import inline
 
-    if not op.save_trajectory or (0 < op.num_checkpoints < op.length):
-        raise GraphError("second-order gradients of a scan need its full trajectory")
+    if not op.save_trajectory:
+        raise GraphError("second-order gradients of a scan need its trajectory (prepare saves it)")
     nx = op.num_xs
+    length, k = int(op.length), int(op.num_checkpoints)
+    checkpointed = 0 < k < length
+    if checkpointed and op.forward_body is None:
+        raise GraphError(f"second-order gradients of a scan with {k} of {length} checkpoints need the "
+                         "ScanBackward's forward_body to recompute the carries")
     init, traj, up = ins[0], ins[1], ins[2]
     xs = ins[3:3 + nx]
-    cd = E.dims(t, init)
+    up_rows = E.dims(t, up)[0]
+    ck_rows = [r * length // k for r in range(k)] if checkpointed else []
+    if up_rows != length and not (checkpointed and up_rows == k):
+        raise GraphError(f"ScanBackward upstream has {up_rows} rows; expected {length}"
+                         + (f" or {k}" if checkpointed else ""))
 
     def row(a, s):
         ds = E.dims(t, a)
         return E.reshape(t, t._add_node(Narrow(axis=0, start=s, len=1), (a,)), tuple(ds[1:]))
 
+    if checkpointed:
+        carries = [init]
+        for s in range(length - 1):
+            (c,) = inline(t, op.forward_body, [carries[-1]] + [row(x, s) for x in xs])
+            carries.append(E.cast(t, c, E.dtype(t, init)))
+    else:
+        carries = [init] + [row(traj, s) for s in range(length - 1)]
+
+    def upstream(s):
+        if up_rows == length:
+            return row(up, s)
+        return row(up, ck_rows.index(s)) if s in ck_rows else None
+
     dc = None
-    dx_rows = {i: [None] * op.length for i in range(nx)}
-    for s in range(op.length - 1, -1, -1):
-        u = row(up, s)
-        dc = u if dc is None else E.add(t, dc, u)
-        c_in = init if s == 0 else row(traj, s - 1)
-        outs = inline(t, op.body_vjp, [c_in] + [row(x, s) for x in xs], {"d_output": dc})
+    dx_rows = {i: [None] * length for i in range(nx)}
+    for s in range(length - 1, -1, -1):
+        u = upstream(s)
+        if u is not None:
+            dc = u if dc is None else E.add(t, dc, u)
+        if dc is None:
+            dc = E.zeros(t, E.shape(t, init))
+        outs = inline(t, op.body_vjp, [carries[s]] + [row(x, s) for x in xs], {"d_output": dc})
         dc = E.cast(t, outs[0], E.dtype(t, init))
         for i in range(nx):
             dx_rows[i][s] = E.reshape(t, outs[1 + i], (1,) + tuple(E.dims(t, xs[i])[1:]))
