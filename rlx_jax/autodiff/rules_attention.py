@@ -2,10 +2,23 @@
 give: a logit softcap (the op has no softcap attribute) and the additive bias of mask
 kind Bias (the op yields dq / dk / dv only).
 
+Why an expansion and not AttentionBackward: RLX's AttentionBackward carries only
+``num_heads, head_dim, mask_kind, wrt`` (RLX_IR.md's backward table; the seed's
+attention VJP passes nothing else, which is the known RLX bug of dropping score_scale
+and softcap). A score_scale s is still exact through AttentionBackward (feed
+``q * s * sqrt(D)``, scale dq back, see ``rules_nn._attention``), but
+``c * tanh(s / c)`` is not a rescaling of q, so the backward op cannot express it.
+Adding fields to AttentionBackward would break the contract that rlx_jax's ops are
+RLX's ops field for field (a graph saved for RLX would be read with the softcap
+silently dropped), so the gradient of a softcapped attention is spelled out in
+primitives: it materialises the [B, H, Sq, Sk] scores (O(S^2) memory) and is differentiable
+again like any primitive graph. Checked for every mask kind with a score scale and a
+softcap, in every layout (tests/autodiff_cases.py ``attention_*_softcap``).
+
 Layouts as RLX: rank 3 ``[B, S, H*D]``; rank 4 ``[B, H, S, D]`` when dim 1 equals
 num_heads, else ``[B, S, H, D]``; grouped kv heads (head h reads kv head h // G).
 Scores ``q.k * scale`` (scale = score_scale or 1/sqrt(D)), then ``c * tanh(s / c)``,
-then the bias / mask, then softmax over keys.
+then the bias / mask (masked scores -1e30), then softmax over keys.
 """
 
 from __future__ import annotations
@@ -97,7 +110,9 @@ def _build(node):
 
 
 def attention_softcap_vjp(g, node, dy):
-    """dq, dk, dv (and d bias) of attention with a logit softcap, in primitives."""
+    """dq, dk, dv (and d bias) of attention with a logit softcap, in primitives: the
+    reverse sweep over :func:`emit_attention` (RLX's AttentionBackward has no softcap
+    field, see the module doc); the forward value still comes from the Attention node."""
     n = len(node.inputs)
     wrt = [0, 1, 2] + ([3] if node.op.mask_kind.kind == "Bias" else [])
     return vjp_via_expansion(g, node, dy, _build(node), wrt_inputs=wrt)[:n]

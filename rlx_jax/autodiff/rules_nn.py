@@ -98,6 +98,10 @@ def _layer_norm_2d(g, node, dy):
 
 @vjp_rule("Attention")
 def _attention(g, node, dy):
+    """AttentionBackward (one per q / k / v) when it can express the op: any mask kind
+    and score_scale (through a rescaled q). With a logit softcap it cannot (RLX's
+    AttentionBackward has no softcap field; adding one would break RLX compatibility),
+    so the gradient is expanded in primitives (``rules_attention``, O(S^2) memory)."""
     op = node.op
     q, k, v = node.inputs[:3]
     mask = tuple(node.inputs[3:])
