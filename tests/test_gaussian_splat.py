@@ -14,6 +14,13 @@ from rlx_jax.vjp_rules import gaussian_splat as gs
 from testutil import platform
 
 
+@pytest.fixture(autouse=True)
+def _full_precision_matmuls():
+    """On GPU XLA's default f32 matmul is TF32-like; the reference oracle needs full f32."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 def assert_close(got, want, atol, rtol, err_msg=""):
     np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64), atol=atol, rtol=rtol,
                                err_msg=err_msg)

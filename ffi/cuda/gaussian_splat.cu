@@ -1,18 +1,27 @@
 // 3-D Gaussian splatting on NVIDIA GPUs (RLX GaussianSplatRender / Backward); the same
 // maths and order of decisions as ffi/cpu/gaussian_splat.cc (shared header
 // cpu/gaussian_splat_math.h). All working memory is an i32 scratch result that XLA
-// allocates (size: cuda_scratch_elems in rlx_jax/vjp_rules/gaussian_splat.py).
+// allocates (size: cuda_scratch_elems in rlx_jax/vjp_rules/gaussian_splat.py, which must
+// agree with scratch_needed below). No host synchronisation: the camera is built from
+// meta on the device, and every list is sized by the static max_list_entries bound, so
+// a call only enqueues work on XLA's stream (CUDA-graph capturable).
 //
-// Pipeline: preprocess (thread per Gaussian) -> pair numbers (block scan) -> per-tile
-// counts and buckets -> per-tile order by (depth, index) (rank by counting: keys are
-// unique, so the order does not depend on the bucket order atomics produced) ->
-// composite (block per tile, thread per pixel). Backward: the same preparation, then per
-// tile all pixels walk the tile's list back to front together; each pair's 9 partial
-// gradients are block-reduced in a fixed order and written to that pair's own slot (no
-// atomics on gradients), then summed Gaussian by Gaussian and chained through the
-// projection with forward-mode duals. Deterministic.
+// Pipeline: camera (one thread) -> anisotropy limit and preprocess (thread per Gaussian)
+// -> pair numbers (block scan) -> per-tile counts (pairs numbered >= max_list_entries
+// dropped) -> bucket each pair into its tile with the 64-bit key (depth, index) ->
+// per-tile sort (block per tile: bitonic sort of chunks of kSortChunk keys in shared
+// memory, then merge passes by ranking in global memory; keys are unique, so the result
+// does not depend on the bucket order the atomics produced, and equal depths order by
+// index exactly as the CPU kernel's comparison does) -> composite (block per tile,
+// thread per pixel).
+// Backward: the same preparation, then per tile all pixels walk the tile's list back to
+// front together; each pair's 9 partial gradients are block-reduced in a fixed order and
+// written to that pair's own slot (pairs no pixel reached get zeros), then summed
+// Gaussian by Gaussian in pair order and chained through the projection with
+// forward-mode duals. No float atomics: bitwise deterministic.
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 
@@ -39,85 +48,138 @@ struct Scene {
   int n, k;
 };
 
-// scratch layout (i32 units)
+typedef unsigned long long Key;  // (orderable depth bits << 32) | Gaussian index
+
+// scratch layout (i32 units); the pair region first so the 64-bit keys are 8-byte aligned
 struct Work {
-  float* gf;        // 10 per Gaussian: u v c0 c1 c2 r g b opac depth
-  int* rect;        // 4 per Gaussian (x0 x1 y0 y1), x0 = x1 when invisible
-  int* cnt;         // pairs per Gaussian
-  int* off;         // first pair number
-  int* total;       // [0] total pairs (uncapped, clipped to int), [1] pairs kept
-  int* pg;          // unsorted Gaussian of each bucket slot
-  int* pr;          // unsorted pair number
-  int* sg;          // sorted
-  int* sr;
-  float* pair_grad; // 9 per pair
-  int* tile_start;  // tiles + 1
-  int* cursor;      // tiles
-  float* scales;    // 3 per Gaussian: log-scales the pass uses (anisotropy-limited)
+  Camera* cam;       // kCamSlots i32
+  Key* key_a;        // per pair: bucketed keys, then sorted in place
+  Key* key_b;        // per pair: merge buffer
+  int* sg;           // per pair: Gaussian of each list entry, tile by tile, depth order
+  int* sr;           // per pair (backward only): its pair number
+  float* pair_grad;  // 9 per pair (backward only)
+  float* gf;         // 10 per Gaussian: u v c0 c1 c2 r g b opac depth
+  int* rect;         // 4 per Gaussian (x0 x1 y0 y1), all 0 when invisible
+  int* cnt;          // pairs per Gaussian
+  int* off;          // first pair number
+  int* total;        // [0] kept pairs (clipped to int), [1] kept pairs capped by max_list
+  float* scales;     // 3 per Gaussian: log-scales the pass uses (anisotropy-limited)
   unsigned char* clamped;  // 3 per Gaussian
+  int* tile_start;   // tiles + 1
+  int* cursor;       // tiles
 };
 
-Work carve(int32_t* base, int n, int64_t e, int tiles) {
+constexpr int64_t kCamSlots = 32;
+static_assert(sizeof(Camera) <= kCamSlots * 4, "camera slot too small");
+
+// i32 elements the kernels use; rlx_jax.vjp_rules.gaussian_splat.cuda_scratch_elems must
+// return exactly this (it is checked on every call)
+int64_t scratch_needed(int64_t n, int64_t e, int64_t tiles, bool backward) {
+  return kCamSlots + (backward ? 15 : 5) * e + 20 * n + 2 * tiles + 8;
+}
+
+Work carve(int32_t* base, int64_t n, int64_t e, int64_t tiles, bool backward) {
   Work w;
   int32_t* p = base;
-  w.gf = reinterpret_cast<float*>(p); p += 10 * int64_t(n);
-  w.rect = p; p += 4 * int64_t(n);
-  w.cnt = p; p += n;
-  w.off = p; p += n;
-  w.total = p; p += 2;
-  w.pg = p; p += e;
-  w.pr = p; p += e;
+  w.cam = reinterpret_cast<Camera*>(p); p += kCamSlots;
+  w.key_a = reinterpret_cast<Key*>(p); p += 2 * e;
+  w.key_b = reinterpret_cast<Key*>(p); p += 2 * e;
   w.sg = p; p += e;
-  w.sr = p; p += e;
-  w.pair_grad = reinterpret_cast<float*>(p); p += 9 * e;
-  w.scales = reinterpret_cast<float*>(p); p += 3 * int64_t(n);
-  w.clamped = reinterpret_cast<unsigned char*>(p); p += (3 * int64_t(n) + 3) / 4;
+  w.sr = nullptr;
+  w.pair_grad = nullptr;
+  if (backward) {
+    w.sr = p; p += e;
+    w.pair_grad = reinterpret_cast<float*>(p); p += 9 * e;
+  }
+  w.gf = reinterpret_cast<float*>(p); p += 10 * n;
+  w.rect = p; p += 4 * n;
+  w.cnt = p; p += n;
+  w.off = p; p += n + 1;
+  w.total = p; p += 2;
+  w.scales = reinterpret_cast<float*>(p); p += 3 * n;
+  w.clamped = reinterpret_cast<unsigned char*>(p); p += (3 * n + 3) / 4;
   w.tile_start = p; p += tiles + 1;
   w.cursor = p; p += tiles;
+  // used: kCamSlots + (5|15) e + 19 n + ceil(3n/4) + 2 tiles + 4 <= scratch_needed (n >= 1)
   return w;
 }
 
-int64_t scratch_needed(int n, int64_t e, int tiles, int64_t pixels) {
-  // must not exceed rlx_jax.vjp_rules.gaussian_splat.cuda_scratch_elems
-  return 20 * int64_t(n) + 2 + e * 16 + int64_t(tiles) * 2 + pixels * 2 + 64;
+// ---- camera on the device (double precision, rounded once to float: independent of
+// --use_fast_math; agrees with the host float computation of camera_from_meta to an ulp)
+__device__ void unit3d(double* v) {
+  double n = sqrt(v[0] * v[0] + v[1] * v[1] + v[2] * v[2]);
+  n = n > 1e-8 ? n : 1e-8;
+  v[0] /= n; v[1] /= n; v[2] /= n;
 }
-int64_t scratch_used(int n, int64_t e, int tiles) {
-  return 16 * int64_t(n) + 2 + 13 * e + 3 * int64_t(n) + (3 * int64_t(n) + 3) / 4 + 2 * int64_t(tiles) + 1;
+__device__ void cross3d(const double* a, const double* b, double* o) {
+  o[0] = a[1] * b[2] - a[2] * b[1];
+  o[1] = a[2] * b[0] - a[0] * b[2];
+  o[2] = a[0] * b[1] - a[1] * b[0];
 }
 
-__global__ void limit_scales(Scene s, float max_aniso, Work w) {
+__global__ void make_camera(const float* m, int width, int height, Camera* out) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  Camera c;
+  double up[3] = {m[6], m[7], m[8]};
+  unit3d(up);
+  double fwd[3] = {double(m[3]) - m[0], double(m[4]) - m[1], double(m[5]) - m[2]};
+  unit3d(fwd);
+  double right[3], upc[3];
+  cross3d(up, fwd, right);
+  unit3d(right);
+  cross3d(fwd, right, upc);
+  unit3d(upc);
+  for (int i = 0; i < 3; ++i) {
+    c.pos[i] = m[i];
+    c.basis[i] = float(right[i]);
+    c.basis[3 + i] = float(upc[i]);
+    c.basis[6 + i] = float(fwd[i]);
+    c.bg[i] = m[12 + i];
+  }
+  // the host computes 0.5 * height / tanf(0.5 * fov * deg2rad) in float
+  float half_angle = 0.5f * m[9] * 0.017453292519943295f;  // exact-rounded float products
+  const float tan_half = float(tan(double(half_angle)));                // tanf, correctly rounded
+  c.focal = __fdiv_rn(0.5f * float(height), tan_half);                   // IEEE division
+  c.near_ = m[10];
+  c.far_ = m[11];
+  c.width = float(width);
+  c.height = float(height);
+  *out = c;
+}
+
+__global__ void limit_scales(Scene s, float log_max_aniso, bool limit, Work w) {
   int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= s.n) return;
-  const float* sc = s.scale + 3 * i;
-  float floor_ = -INFINITY;
-  if (max_aniso > 0.f) floor_ = fmaxf(sc[0], fmaxf(sc[1], sc[2])) - logf(fmaxf(max_aniso, 1.f));
+  const float* sc = s.scale + 3 * int64_t(i);
+  float floor_ = limit ? fmaxf(sc[0], fmaxf(sc[1], sc[2])) - log_max_aniso : -INFINITY;
   for (int j = 0; j < 3; ++j) {
     bool c = sc[j] < floor_;
-    w.scales[3 * i + j] = c ? floor_ : sc[j];
-    w.clamped[3 * i + j] = c ? 1 : 0;
+    w.scales[3 * int64_t(i) + j] = c ? floor_ : sc[j];
+    w.clamped[3 * int64_t(i) + j] = c ? 1 : 0;
   }
 }
 
-__global__ void preprocess(Scene s, Camera cam, Params p, Work w) {
+__global__ void preprocess(Scene s, Params p, Work w) {
   int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= s.n) return;
+  const Camera cam = *w.cam;
   float u = 0.f, v = 0.f, conic[3] = {0.f, 0.f, 0.f}, depth = 0.f, lam = 0.f;
-  bool vis = splat::project_gaussian<float>(s.pos + 3 * i, w.scales + 3 * i, s.rot + 4 * i, cam, u, v, conic, depth,
-                                            lam);
+  bool vis = splat::project_gaussian<float>(s.pos + 3 * int64_t(i), w.scales + 3 * int64_t(i),
+                                            s.rot + 4 * int64_t(i), cam, u, v, conic, depth, lam);
   float* g = w.gf + 10 * int64_t(i);
   float dx, dy, dz;
-  splat::view_dir<float>(s.pos + 3 * i, cam, dx, dy, dz);
+  splat::view_dir<float>(s.pos + 3 * int64_t(i), cam, dx, dy, dz);
   float b[splat::kMaxSh];
   splat::sh_basis<float>(dx, dy, dz, s.k, b);
   for (int ch = 0; ch < 3; ++ch) {
-    float acc = s.col[3 * i + ch];
+    float acc = s.col[3 * int64_t(i) + ch];
     for (int k = 0; k < s.k; ++k) acc += b[k] * s.sh[(int64_t(i) * s.k + k) * 3 + ch];
     g[5 + ch] = acc;
   }
   g[0] = u; g[1] = v; g[2] = conic[0]; g[3] = conic[1]; g[4] = conic[2];
   g[8] = splat::sigmoidf(s.opac[i]);
   g[9] = depth;
-  int* r = w.rect + 4 * i;
+  int* r = w.rect + 4 * int64_t(i);
   if (vis) {
     splat::tile_rect(u, v, lam, p.radius_scale, p.tile_size, p.tiles_x, p.tiles_y, r);
   } else {
@@ -127,7 +189,8 @@ __global__ void preprocess(Scene s, Camera cam, Params p, Work w) {
   w.cnt[i] = (vis && cw > 0 && ch > 0) ? cw * ch : 0;
 }
 
-// exclusive scan of m ints by one block of 1024 threads; total (and capped total) to out_total
+// exclusive scan of m ints by one block of 1024 threads (out[m] = total, clipped to int);
+// with out_total: [0] = total clipped to int, [1] = min(total, cap)
 __global__ void block_scan(const int* in, int* out, int m, int* out_total, int64_t cap) {
   __shared__ long long sums[1024];
   int t = threadIdx.x;
@@ -149,19 +212,21 @@ __global__ void block_scan(const int* in, int* out, int m, int* out_total, int64
     out[i] = int(run < 0x7fffffffLL ? run : 0x7fffffffLL);
     run += x;
   }
-  if (t == blockDim.x - 1 && out_total) {
+  if (t == blockDim.x - 1) {
     long long tot = sums[t];
     long long big = tot < 0x7fffffffLL ? tot : 0x7fffffffLL;
-    out_total[0] = int(big);
-    out_total[1] = int(tot < cap ? tot : cap);
     out[m] = int(big);
+    if (out_total) {
+      out_total[0] = int(big);
+      out_total[1] = int(tot < cap ? tot : cap);
+    }
   }
 }
 
 __global__ void count_tiles(Scene s, Params p, Work w) {
   int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= s.n || w.cnt[i] == 0) return;
-  const int* r = w.rect + 4 * i;
+  const int* r = w.rect + 4 * int64_t(i);
   int64_t rank = w.off[i];
   for (int y = r[2]; y < r[3]; ++y)
     for (int x = r[0]; x < r[1]; ++x, ++rank) {
@@ -175,35 +240,97 @@ __global__ void copy_ints(const int* a, int* b, int m) {
   if (i < m) b[i] = a[i];
 }
 
+// float -> unsigned with the same order for non-NaN values (-0 and +0 equal, as the CPU
+// kernel's float comparison treats them)
+__device__ __forceinline__ unsigned order_bits(float d) {
+  unsigned u = __float_as_uint(d == 0.f ? 0.f : d);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
 __global__ void bucket(Scene s, Params p, Work w) {
   int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= s.n || w.cnt[i] == 0) return;
-  const int* r = w.rect + 4 * i;
+  const int* r = w.rect + 4 * int64_t(i);
+  Key key = (Key(order_bits(w.gf[10 * int64_t(i) + 9])) << 32) | Key(unsigned(i));
   int64_t rank = w.off[i];
   for (int y = r[2]; y < r[3]; ++y)
     for (int x = r[0]; x < r[1]; ++x, ++rank) {
       if (rank >= p.max_list) return;
       int slot = atomicAdd(&w.cursor[y * p.tiles_x + x], 1);
-      w.pg[slot] = i;
-      w.pr[slot] = int(rank);
+      w.key_a[slot] = key;
     }
 }
 
-// block per tile: position of each entry = number of entries with a smaller (depth, index)
-__global__ void sort_tiles(Work w) {
-  int t = blockIdx.x;
-  int a = w.tile_start[t], b = w.tile_start[t + 1];
-  for (int e = a + threadIdx.x; e < b; e += blockDim.x) {
-    int g = w.pg[e];
-    float d = w.gf[10 * int64_t(g) + 9];
-    int pos = 0;
-    for (int f = a; f < b; ++f) {
-      int h = w.pg[f];
-      float dh = w.gf[10 * int64_t(h) + 9];
-      pos += (dh < d || (dh == d && h < g)) ? 1 : 0;
+constexpr int kSortThreads = 512;
+constexpr int kSortChunk = 4096;  // keys sorted in shared memory at once (32 KiB)
+
+// number of keys in sorted k[0, len) smaller than key
+__device__ __forceinline__ int rank_in(const Key* k, int len, Key key) {
+  int lo = 0, hi = len;
+  while (lo < hi) {
+    int mid = (lo + hi) >> 1;
+    if (k[mid] < key) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+// block per tile: sort the tile's keys ascending, then write the Gaussian of each entry
+// (and in the backward its pair number: offset + row-major position in its tile box)
+__global__ void __launch_bounds__(kSortThreads) sort_tiles(Params p, Work w) {
+  __shared__ Key sk[kSortChunk];
+  const int t = blockIdx.x;
+  const int a = w.tile_start[t], m = w.tile_start[t + 1] - a;
+  if (m <= 0) return;
+  Key* src = w.key_a + a;
+  Key* dst = w.key_b + a;
+  // 1. chunks of kSortChunk keys: bitonic sort in shared memory (padded with ~0)
+  for (int c0 = 0; c0 < m; c0 += kSortChunk) {
+    const int len = m - c0 < kSortChunk ? m - c0 : kSortChunk;
+    int pw = 1;
+    while (pw < len) pw <<= 1;
+    for (int i = threadIdx.x; i < pw; i += blockDim.x) sk[i] = i < len ? src[c0 + i] : ~Key(0);
+    __syncthreads();
+    for (int k = 2; k <= pw; k <<= 1)
+      for (int j = k >> 1; j > 0; j >>= 1) {
+        for (int i = threadIdx.x; i < pw; i += blockDim.x) {
+          int ixj = i ^ j;
+          if (ixj > i) {
+            Key x = sk[i], y = sk[ixj];
+            bool up = (i & k) == 0;
+            if ((x > y) == up) { sk[i] = y; sk[ixj] = x; }
+          }
+        }
+        __syncthreads();
+      }
+    for (int i = threadIdx.x; i < len; i += blockDim.x) src[c0 + i] = sk[i];
+    __syncthreads();
+  }
+  // 2. merge sorted runs pairwise (keys unique: position = own index + rank in partner)
+  for (int64_t width = kSortChunk; width < m; width <<= 1) {
+    for (int i = threadIdx.x; i < m; i += blockDim.x) {
+      const int64_t run = i / width, start = run * width, base = (run & ~int64_t(1)) * width;
+      const Key key = src[i];
+      int64_t other;
+      if (run & 1) {
+        other = rank_in(src + base, int(width), key);
+      } else {
+        int64_t r0 = start + width;
+        int64_t rlen = m - r0 < width ? m - r0 : width;
+        other = rlen > 0 ? rank_in(src + r0, int(rlen), key) : 0;
+      }
+      dst[base + (i - start) + other] = key;
     }
-    w.sg[a + pos] = g;
-    w.sr[a + pos] = w.pr[e];
+    __syncthreads();
+    Key* tmp = src; src = dst; dst = tmp;
+  }
+  const int tx = t % p.tiles_x, ty = t / p.tiles_x;
+  for (int i = threadIdx.x; i < m; i += blockDim.x) {
+    int g = int(unsigned(src[i] & 0xffffffffull));
+    w.sg[a + i] = g;
+    if (w.sr) {
+      const int* r = w.rect + 4 * int64_t(g);
+      w.sr[a + i] = w.off[g] + (ty - r[2]) * (r[1] - r[0]) + (tx - r[0]);
+    }
   }
 }
 
@@ -238,10 +365,11 @@ __device__ void composite(const Work& w, const Params& p, int a, int b, float px
   t_final = T;
 }
 
-__global__ void render(Params p, Camera cam, Work w, float* img) {
+__global__ void render(Params p, Work w, float* img) {
   int t = blockIdx.x;
   int tx0 = (t % p.tiles_x) * p.tile_size, ty0 = (t / p.tiles_x) * p.tile_size;
   int a = w.tile_start[t], b = w.tile_start[t + 1];
+  const float bg[3] = {w.cam->bg[0], w.cam->bg[1], w.cam->bg[2]};
   for (int l = threadIdx.x; l < p.tile_size * p.tile_size; l += blockDim.x) {
     int x = tx0 + l % p.tile_size, y = ty0 + l / p.tile_size;
     if (x >= p.width || y >= p.height) continue;
@@ -249,7 +377,7 @@ __global__ void render(Params p, Camera cam, Work w, float* img) {
     int last;
     composite(w, p, a, b, x + 0.5f, y + 0.5f, rgb, T, last);
     float* o = img + (int64_t(y) * p.width + x) * 4;
-    for (int c = 0; c < 3; ++c) o[c] = rgb[c] + T * cam.bg[c];
+    for (int c = 0; c < 3; ++c) o[c] = rgb[c] + T * bg[c];
     o[3] = 1.f - T;
   }
 }
@@ -257,21 +385,23 @@ __global__ void render(Params p, Camera cam, Work w, float* img) {
 constexpr int kBwdThreads = 256;
 
 // block per tile, one thread per pixel (tile_size <= 16 here); all threads walk the list
-// back to front together so each pair's gradient is reduced within the block
-__global__ void __launch_bounds__(kBwdThreads) raster_backward(Params p, Camera cam, Work w, const float* dimg,
-                                                                float clip) {
+// back to front together so each pair's gradient is reduced within the block (warp
+// shuffles, then the warps' sums in warp order: a fixed order)
+__global__ void __launch_bounds__(kBwdThreads) raster_backward(Params p, Work w, const float* dimg, float clip) {
   __shared__ float red[kBwdThreads / 32][9];
   __shared__ int max_last;
   int t = blockIdx.x;
   int tx0 = (t % p.tiles_x) * p.tile_size, ty0 = (t / p.tiles_x) * p.tile_size;
   int a = w.tile_start[t], b = w.tile_start[t + 1];
+  if (a == b) return;
   if (threadIdx.x == 0) max_last = a;
   __syncthreads();
   int l = threadIdx.x;
   int x = tx0 + l % p.tile_size, y = ty0 + l / p.tile_size;
   bool active = l < p.tile_size * p.tile_size && x < p.width && y < p.height;
   float px = x + 0.5f, py = y + 0.5f;
-  float t_final = 1.f, T = 1.f, g4[4] = {0.f, 0.f, 0.f, 0.f}, acc[3] = {cam.bg[0], cam.bg[1], cam.bg[2]};
+  float t_final = 1.f, T = 1.f, g4[4] = {0.f, 0.f, 0.f, 0.f};
+  float acc[3] = {w.cam->bg[0], w.cam->bg[1], w.cam->bg[2]};
   int last = a;
   if (active) {
     float rgb[3];
@@ -285,8 +415,14 @@ __global__ void __launch_bounds__(kBwdThreads) raster_backward(Params p, Camera 
     atomicMax(&max_last, last);
   }
   __syncthreads();
+  const int top = max_last;
+  // entries no pixel of the tile reached carry no gradient: their slots get zeros
+  for (int e = top + threadIdx.x; e < b; e += blockDim.x) {
+    float* slot = w.pair_grad + int64_t(w.sr[e]) * 9;
+    for (int j = 0; j < 9; ++j) slot[j] = 0.f;
+  }
   int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int e = max_last - 1; e >= a; --e) {
+  for (int e = top - 1; e >= a; --e) {
     float part[9] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     if (active && e < last) {
       const float* g = w.gf + 10 * int64_t(w.sg[e]);
@@ -328,22 +464,25 @@ __global__ void __launch_bounds__(kBwdThreads) raster_backward(Params p, Camera 
   }
 }
 
-__global__ void chain(Scene s, Camera cam, Work w, int64_t keep_sh, float* gp, float* gs, float* gr, float* go,
-                      float* gc, float* gsh) {
+__global__ void chain(Scene s, Work w, int64_t keep_sh, float* gp, float* gs, float* gr, float* go, float* gc,
+                      float* gsh) {
   int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= s.n) return;
+  const Camera cam = *w.cam;
   float sum[9] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   int pairs = w.total[1];
   if (w.cnt[i]) {
-    int end = w.off[i] + w.cnt[i] < pairs ? w.off[i] + w.cnt[i] : pairs;
-    for (int k = w.off[i]; k < end; ++k)
-      for (int j = 0; j < 9; ++j) sum[j] += w.pair_grad[int64_t(k) * 9 + j];
+    int64_t end = int64_t(w.off[i]) + w.cnt[i];
+    end = end < pairs ? end : pairs;
+    for (int64_t k = w.off[i]; k < end; ++k)
+      for (int j = 0; j < 9; ++j) sum[j] += w.pair_grad[k * 9 + j];
   }
   float sig = w.gf[10 * int64_t(i) + 8];
   go[i] = sum[8] * sig * (1.f - sig);
-  for (int c = 0; c < 3; ++c) gc[3 * i + c] = sum[5 + c];
+  for (int c = 0; c < 3; ++c) gc[3 * int64_t(i) + c] = sum[5 + c];
   using D3 = Dual<3>;
-  D3 p3[3] = {D3::seed(s.pos[3 * i], 0), D3::seed(s.pos[3 * i + 1], 1), D3::seed(s.pos[3 * i + 2], 2)};
+  const float* pos = s.pos + 3 * int64_t(i);
+  D3 p3[3] = {D3::seed(pos[0], 0), D3::seed(pos[1], 1), D3::seed(pos[2], 2)};
   D3 vx, vy, vz;
   splat::view_dir<D3>(p3, cam, vx, vy, vz);
   D3 basis[splat::kMaxSh];
@@ -360,23 +499,25 @@ __global__ void chain(Scene s, Camera cam, Work w, int64_t keep_sh, float* gp, f
   if (w.cnt[i]) {
     using D10 = Dual<10>;
     D10 pp[3], ls[3], qq[4];
-    for (int j = 0; j < 3; ++j) pp[j] = D10::seed(s.pos[3 * i + j], j);
+    for (int j = 0; j < 3; ++j) pp[j] = D10::seed(pos[j], j);
     for (int j = 0; j < 3; ++j)
-      ls[j] = w.clamped[3 * i + j] ? D10(w.scales[3 * i + j]) : D10::seed(w.scales[3 * i + j], 3 + j);
-    for (int j = 0; j < 4; ++j) qq[j] = D10::seed(s.rot[4 * i + j], 6 + j);
+      ls[j] = w.clamped[3 * int64_t(i) + j] ? D10(w.scales[3 * int64_t(i) + j])
+                                            : D10::seed(w.scales[3 * int64_t(i) + j], 3 + j);
+    for (int j = 0; j < 4; ++j) qq[j] = D10::seed(s.rot[4 * int64_t(i) + j], 6 + j);
     D10 u, v, conic[3];
     float depth, lam;
     splat::project_gaussian<D10>(pp, ls, qq, cam, u, v, conic, depth, lam);
     const D10* outs[5] = {&u, &v, &conic[0], &conic[1], &conic[2]};
     for (int o = 0; o < 5; ++o) {
       float wgt = sum[o];
+      if (wgt == 0.f) continue;
       for (int j = 0; j < 3; ++j) dpos[j] += wgt * outs[o]->d[j];
       for (int j = 0; j < 3; ++j) dscale[j] += wgt * outs[o]->d[3 + j];
       for (int j = 0; j < 4; ++j) drot[j] += wgt * outs[o]->d[6 + j];
     }
   }
-  for (int j = 0; j < 3; ++j) { gp[3 * i + j] = dpos[j]; gs[3 * i + j] = dscale[j]; }
-  for (int j = 0; j < 4; ++j) gr[4 * i + j] = drot[j];
+  for (int j = 0; j < 3; ++j) { gp[3 * int64_t(i) + j] = dpos[j]; gs[3 * int64_t(i) + j] = dscale[j]; }
+  for (int j = 0; j < 4; ++j) gr[4 * int64_t(i) + j] = drot[j];
 }
 
 ffi::Error check(cudaError_t err, const char* what) {
@@ -384,21 +525,23 @@ ffi::Error check(cudaError_t err, const char* what) {
   return ffi::Error::Success();
 }
 
-// shared preparation; on return w holds sorted per-tile lists
-ffi::Error prepare(cudaStream_t stream, const Scene& s, const Camera& cam, const Params& p, float max_aniso,
+// shared preparation (no host synchronisation); on return w holds sorted per-tile lists
+ffi::Error prepare(cudaStream_t stream, const Scene& s, const float* meta, const Params& p, float max_aniso,
                    const Work& w) {
   int tiles = p.tiles_x * p.tiles_y;
   int blocks = (s.n + 255) / 256;
-  limit_scales<<<blocks, 256, 0, stream>>>(s, max_aniso, w);
-  preprocess<<<blocks, 256, 0, stream>>>(s, cam, p, w);
-  // pair numbers; w.off has room for n + 1 (it is followed by total)
+  make_camera<<<1, 32, 0, stream>>>(meta, p.width, p.height, w.cam);
+  const bool limit = max_aniso > 0.f;
+  const float log_aniso = limit ? std::log(max_aniso > 1.f ? max_aniso : 1.f) : 0.f;  // as the CPU kernel
+  limit_scales<<<blocks, 256, 0, stream>>>(s, log_aniso, limit, w);
+  preprocess<<<blocks, 256, 0, stream>>>(s, p, w);
   block_scan<<<1, 1024, 0, stream>>>(w.cnt, w.off, s.n, nullptr, p.max_list);
-  cudaMemsetAsync(w.cursor, 0, sizeof(int) * tiles, stream);
+  if (auto e = check(cudaMemsetAsync(w.cursor, 0, sizeof(int) * tiles, stream), "memset"); e.failure()) return e;
   count_tiles<<<blocks, 256, 0, stream>>>(s, p, w);
   block_scan<<<1, 1024, 0, stream>>>(w.cursor, w.tile_start, tiles, w.total, p.max_list);
   copy_ints<<<(tiles + 255) / 256, 256, 0, stream>>>(w.tile_start, w.cursor, tiles);
   bucket<<<blocks, 256, 0, stream>>>(s, p, w);
-  sort_tiles<<<tiles, 256, 0, stream>>>(w);
+  sort_tiles<<<tiles, kSortThreads, 0, stream>>>(p, w);
   return check(cudaGetLastError(), "prepare");
 }
 
@@ -406,14 +549,19 @@ bool read_scene(ffi::Buffer<ffi::F32>& pos, ffi::Buffer<ffi::F32>& scale, ffi::B
                 ffi::Buffer<ffi::F32>& opac, ffi::Buffer<ffi::F32>& col, ffi::Buffer<ffi::F32>& sh,
                 ffi::Buffer<ffi::F32>& meta, Scene& s, std::string& err) {
   int64_t n = int64_t(pos.element_count()) / 3;
-  s.n = int(n);
   s.pos = pos.typed_data(); s.scale = scale.typed_data(); s.rot = rot.typed_data();
   s.opac = opac.typed_data(); s.col = col.typed_data(); s.sh = sh.typed_data();
-  if (n <= 0 || int64_t(scale.element_count()) != 3 * n || int64_t(rot.element_count()) != 4 * n ||
-      int64_t(opac.element_count()) != n || int64_t(col.element_count()) != 3 * n) {
+  if (n <= 0 || 3 * n != int64_t(pos.element_count()) || int64_t(scale.element_count()) != 3 * n ||
+      int64_t(rot.element_count()) != 4 * n || int64_t(opac.element_count()) != n ||
+      int64_t(col.element_count()) != 3 * n) {
     err = "gaussian_splat: scene buffers disagree on the Gaussian count (or it is 0)";
     return false;
   }
+  if (n >= (int64_t(1) << 31) / 32) {
+    err = "gaussian_splat (CUDA): too many Gaussians for 32-bit pair numbers";
+    return false;
+  }
+  s.n = int(n);
   int64_t k = int64_t(sh.element_count()) / (3 * n);
   if (k * 3 * n != int64_t(sh.element_count()) || k > splat::kMaxSh) {
     err = "gaussian_splat: sh_coeffs must hold K <= 16 coefficients x 3 per Gaussian";
@@ -427,23 +575,27 @@ bool read_scene(ffi::Buffer<ffi::F32>& pos, ffi::Buffer<ffi::F32>& scale, ffi::B
   return true;
 }
 
-// meta lives on the device: the camera is built on the host from a copy
-ffi::Error host_camera(cudaStream_t stream, const float* meta, const Params& p, Camera& cam) {
-  float m[23];
-  if (auto e = check(cudaMemcpyAsync(m, meta, sizeof(m), cudaMemcpyDeviceToHost, stream), "meta copy"); e.failure())
-    return e;
-  if (auto e = check(cudaStreamSynchronize(stream), "meta sync"); e.failure()) return e;
-  cam = splat::camera_from_meta(m, p.width, p.height);
-  return ffi::Error::Success();
-}
-
 ffi::Error make_params(int64_t width, int64_t height, int64_t tile_size, float radius_scale, float alpha_cutoff,
                        int64_t max_steps, float threshold, int64_t max_list, Params& p) {
   if (width <= 0 || height <= 0 || tile_size <= 0 || tile_size > 16)
     return ffi::Error::InvalidArgument("gaussian_splat (CUDA): width, height > 0 and 0 < tile_size <= 16");
-  if (max_list > 0x7fffffffLL) return ffi::Error::InvalidArgument("gaussian_splat (CUDA): max_list_entries < 2^31");
-  p = Params{int(width), int(height), int(tile_size), int((width + tile_size - 1) / tile_size),
-             int((height + tile_size - 1) / tile_size), radius_scale, alpha_cutoff, max_steps, threshold, max_list};
+  if (width > (1 << 20) || height > (1 << 20))
+    return ffi::Error::InvalidArgument("gaussian_splat (CUDA): width and height must be <= 2^20");
+  if (max_list < 0 || max_list > 0x7fffffffLL)
+    return ffi::Error::InvalidArgument("gaussian_splat (CUDA): 0 <= max_list_entries < 2^31");
+  int64_t tx = (width + tile_size - 1) / tile_size, ty = (height + tile_size - 1) / tile_size;
+  if (tx * ty >= 0x7fffffffLL) return ffi::Error::InvalidArgument("gaussian_splat (CUDA): too many tiles");
+  p = Params{int(width), int(height), int(tile_size), int(tx), int(ty), radius_scale, alpha_cutoff, max_steps,
+             threshold, max_list};
+  return ffi::Error::Success();
+}
+
+ffi::Error check_scratch(int64_t have, const Scene& s, const Params& p, bool backward) {
+  int64_t need = scratch_needed(s.n, p.max_list, int64_t(p.tiles_x) * p.tiles_y, backward);
+  if (have < need)
+    return ffi::Error::InvalidArgument("gaussian_splat (CUDA): scratch result has " +
+                                       std::to_string(have) + " i32 elements, needs " +
+                                       std::to_string(need));
   return ffi::Error::Success();
 }
 
@@ -460,15 +612,13 @@ ffi::Error SplatFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> pos, ffi::Buf
   Scene s;
   std::string err;
   if (!read_scene(pos, scale, rot, opac, col, sh, meta, s, err)) return ffi::Error::InvalidArgument(err);
+  if (int64_t(img->element_count()) != width * height * 4)
+    return ffi::Error::InvalidArgument("gaussian_splat: image must be [H*W*4]");
+  if (auto e = check_scratch(int64_t(scratch->element_count()), s, p, false); e.failure()) return e;
   int tiles = p.tiles_x * p.tiles_y;
-  if (int64_t(scratch->element_count()) < scratch_needed(s.n, p.max_list, tiles, int64_t(width) * height) ||
-      scratch_used(s.n, p.max_list, tiles) > scratch_needed(s.n, p.max_list, tiles, int64_t(width) * height))
-    return ffi::Error::InvalidArgument("gaussian_splat (CUDA): scratch result too small");
-  Camera cam;
-  if (auto e = host_camera(stream, meta.typed_data(), p, cam); e.failure()) return e;
-  Work w = carve(scratch->typed_data(), s.n, p.max_list, tiles);
-  if (auto e = prepare(stream, s, cam, p, 0.f, w); e.failure()) return e;
-  render<<<tiles, 256, 0, stream>>>(p, cam, w, img->typed_data());
+  Work w = carve(scratch->typed_data(), s.n, p.max_list, tiles, false);
+  if (auto e = prepare(stream, s, meta.typed_data(), p, 0.f, w); e.failure()) return e;
+  render<<<tiles, 256, 0, stream>>>(p, w, img->typed_data());
   return check(cudaGetLastError(), "render");
 }
 
@@ -495,16 +645,13 @@ ffi::Error SplatBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> pos, ffi::Buf
       d_rot->element_count() != rot.element_count() || d_opac->element_count() != opac.element_count() ||
       d_col->element_count() != col.element_count() || d_sh->element_count() != sh.element_count())
     return ffi::Error::InvalidArgument("gaussian_splat backward: each gradient must have the size of its scene buffer");
+  if (auto e = check_scratch(int64_t(scratch->element_count()), s, p, true); e.failure()) return e;
   int tiles = p.tiles_x * p.tiles_y;
-  if (int64_t(scratch->element_count()) < scratch_needed(s.n, p.max_list, tiles, int64_t(width) * height))
-    return ffi::Error::InvalidArgument("gaussian_splat (CUDA): scratch result too small");
-  Camera cam;
-  if (auto e = host_camera(stream, meta.typed_data(), p, cam); e.failure()) return e;
-  Work w = carve(scratch->typed_data(), s.n, p.max_list, tiles);
-  if (auto e = prepare(stream, s, cam, p, max_anisotropy, w); e.failure()) return e;
-  raster_backward<<<tiles, kBwdThreads, 0, stream>>>(p, cam, w, dimg.typed_data(), loss_grad_clip);
+  Work w = carve(scratch->typed_data(), s.n, p.max_list, tiles, true);
+  if (auto e = prepare(stream, s, meta.typed_data(), p, max_anisotropy, w); e.failure()) return e;
+  raster_backward<<<tiles, kBwdThreads, 0, stream>>>(p, w, dimg.typed_data(), loss_grad_clip);
   int64_t keep_sh = sh_band < 0 ? s.k : (sh_band + 1) * (sh_band + 1);
-  chain<<<(s.n + 127) / 128, 128, 0, stream>>>(s, cam, w, keep_sh, d_pos->typed_data(), d_scale->typed_data(),
+  chain<<<(s.n + 127) / 128, 128, 0, stream>>>(s, w, keep_sh, d_pos->typed_data(), d_scale->typed_data(),
                                                d_rot->typed_data(), d_opac->typed_data(), d_col->typed_data(),
                                                d_sh->typed_data());
   return check(cudaGetLastError(), "backward");
@@ -533,7 +680,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxGaussianSplatFwdCuda, SplatFwdImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>() RLX_SPLAT_CUDA_ATTRS);
+                                  .Ret<ffi::Buffer<ffi::S32>>() RLX_SPLAT_CUDA_ATTRS,
+                              {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxGaussianSplatBwdCuda, SplatBwdImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -554,7 +702,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxGaussianSplatBwdCuda, SplatBwdImpl,
                                   .Ret<ffi::Buffer<ffi::S32>>() RLX_SPLAT_CUDA_ATTRS
                                   .Attr<float>("loss_grad_clip")
                                   .Attr<int64_t>("sh_band")
-                                  .Attr<float>("max_anisotropy"));
+                                  .Attr<float>("max_anisotropy"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 RLX_CUDA_REGISTER_HANDLER("rlx_gaussian_splat_fwd", RlxGaussianSplatFwdCuda);
 RLX_CUDA_REGISTER_HANDLER("rlx_gaussian_splat_bwd", RlxGaussianSplatBwdCuda);

@@ -302,15 +302,18 @@ def _kernel_bwd(positions, scales, rotations, opacities, colors, sh_coeffs, meta
         **_bwd_attrs(loss_grad_clip, sh_band, max_anisotropy, params))
 
 
-def cuda_scratch_elems(n: int, params) -> int:
-    """i32 elements of the CUDA kernels' scratch result (XLA allocates it)."""
+def cuda_scratch_elems(n: int, params, backward: bool = False) -> int:
+    """i32 elements of the CUDA kernels' scratch result (XLA allocates it; it must equal
+    ``scratch_needed`` in ffi/cuda/gaussian_splat.cu, which checks it on every call).
+
+    32 for the camera; per tile-Gaussian pair (max_list_entries bounds them, so the size
+    is static and the kernels never synchronise with the host): two 64-bit sort keys and
+    the sorted Gaussian index (5), plus in the backward its pair number and 9 gradient
+    floats (10); per Gaussian 20 (projection, tile box, count, offset, limited
+    log-scales, flags); per tile 2 (start, cursor); 8 spare."""
     tiles = -(-params["width"] // params["tile_size"]) * -(-params["height"] // params["tile_size"])
     e = int(params["max_list_entries"])
-    # per Gaussian: 10 projected floats, tile box (4), pair count and offset, limited
-    # log-scales (3) and flags; per pair: Gaussian and pair number (unsorted and sorted)
-    # and 9 gradient floats (16 reserved); per tile: start and cursor; per pixel: 2 spare
-    pixels = params["width"] * params["height"]
-    return n * 20 + 2 + e * 16 + tiles * 2 + pixels * 2 + 64
+    return 32 + (15 if backward else 5) * e + 20 * n + 2 * tiles + 8
 
 
 def _kernel_fwd_cuda(positions, scales, rotations, opacities, colors, sh_coeffs, meta, **params):
@@ -333,7 +336,7 @@ def _kernel_bwd_cuda(positions, scales, rotations, opacities, colors, sh_coeffs,
     n = positions.shape[0]
     outs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype)
                  for a in (positions, scales, rotations, opacities, colors, sh_coeffs))
-    outs += (jax.ShapeDtypeStruct((cuda_scratch_elems(n, params),), jnp.int32),)
+    outs += (jax.ShapeDtypeStruct((cuda_scratch_elems(n, params, backward=True),), jnp.int32),)
     res = jax.ffi.ffi_call("rlx_gaussian_splat_bwd", outs)(
         positions, scales, rotations, opacities, colors, sh_coeffs, meta, dy,
         **_bwd_attrs(loss_grad_clip, sh_band, max_anisotropy, params))
