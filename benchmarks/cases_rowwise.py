@@ -49,6 +49,56 @@ def cross_entropy_case(n: int, c: int, dtype) -> Case:
     )
 
 
+def cross_entropy_bwd_case(n: int, c: int, dtype) -> Case:
+    """The backward alone, each side from its own forward's residuals: the arguments are
+    the two ``jax.vjp`` closures (ours holds logits and the saved lse; XLA's whatever its
+    linearisation of the reference kept) and dloss. Floor: logits read, dlogits written
+    (2 N C; the per-row lse, labels and dloss are O(N))."""
+
+    def make(key):
+        kx, kl, kd = jax.random.split(key, 3)
+        logits = (2.0 * jax.random.normal(kx, (n, c), jnp.float32)).astype(dtype)
+        labels = jax.random.randint(kl, (n,), 0, c, jnp.int32)
+        dloss = jax.random.normal(kd, (n,), jnp.float32).astype(dtype)
+        _, vjp_ours = jax.jit(lambda x: jax.vjp(lambda x: softmax_cross_entropy(x, labels), x))(logits)
+        _, vjp_ref = jax.jit(lambda x: jax.vjp(lambda x: reference_softmax_cross_entropy(x, labels)[0], x))(logits)
+        return vjp_ours, vjp_ref, dloss
+
+    return Case(
+        name=f"softmax_ce bwd {_name(dtype)} {n}x{c}",
+        make=make,
+        ours=lambda vo, vr, dl: vo(dl)[0],
+        xla=lambda vo, vr, dl: vr(dl)[0],
+        floor_bytes=2 * n * c * jnp.dtype(dtype).itemsize,
+    )
+
+
+def fused_linear_memory(n: int, d: int, v: int, chunk: int, dtype) -> dict:
+    """Compiled memory of the gradient (d hidden, d weight) of the fused linear +
+    cross-entropy vs the unfused ``softmax_cross_entropy(hidden @ weight)`` (XLA autodiff
+    of the reference), from ``compiled.memory_analysis()`` of the jitted grad: temp
+    bytes and the peak estimate arguments + outputs + temp - aliased. Nothing runs."""
+    def ours(h, wt, y):
+        return jax.grad(lambda h, wt: jnp.sum(fused_linear_cross_entropy(h, wt, y, chunk_size=chunk)), (0, 1))(h, wt)
+
+    def unfused(h, wt, y):
+        return jax.grad(lambda h, wt: jnp.sum(reference_softmax_cross_entropy(h @ wt, y)[0]), (0, 1))(h, wt)
+
+    specs = (jax.ShapeDtypeStruct((n, d), dtype), jax.ShapeDtypeStruct((d, v), dtype),
+             jax.ShapeDtypeStruct((n,), jnp.int32))
+    out = {}
+    for label, fn in (("ours", ours), ("unfused", unfused)):
+        m = jax.jit(fn).lower(*specs).compile().memory_analysis()
+        peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+        out[f"temp_MB_{label}"] = m.temp_size_in_bytes / 2**20
+        out[f"peak_MB_{label}"] = peak / 2**20
+    print(f"# fused_linear_ce grad {_name(dtype)} {n}x{d}x{v} chunk {chunk}: temp MB ours {out['temp_MB_ours']:.0f} "
+          f"vs unfused {out['temp_MB_unfused']:.0f} ({out['temp_MB_ours'] / out['temp_MB_unfused']:.3f}); "
+          f"peak MB ours {out['peak_MB_ours']:.0f} vs unfused {out['peak_MB_unfused']:.0f} "
+          f"({out['peak_MB_ours'] / out['peak_MB_unfused']:.3f})", flush=True)
+    return out
+
+
 def softmax_case(n: int, w: int, dtype) -> Case:
     def make(key):
         kx, kd = jax.random.split(key)
@@ -165,8 +215,17 @@ def fused_linear_case(n: int, d: int, v: int, chunk: int, dtype) -> Case:
 
 
 def cases(device_kind: str) -> list[Case]:
-    if device_kind == "gpu":  # the kernels here are CPU kernels; on GPU the references run
-        return [cross_entropy_case(8192, 32000, jnp.float32), softmax_case(32768, 4096, jnp.float32)]
+    if device_kind == "gpu":  # cross-entropy and softmax: the CUDA kernels; RoPE, cumsum: references
+        return [
+            cross_entropy_case(8192, 32000, jnp.float32),
+            cross_entropy_case(8192, 32000, jnp.bfloat16),
+            cross_entropy_bwd_case(8192, 32000, jnp.float32),
+            cross_entropy_bwd_case(8192, 32000, jnp.bfloat16),
+            softmax_case(32768, 4096, jnp.float32),
+            softmax_case(32768, 4096, jnp.bfloat16),
+            softmax_bwd_case(32768, 4096, jnp.float32),
+            softmax_bwd_case(32768, 4096, jnp.bfloat16),
+        ]
     return [
         cross_entropy_case(4096, 32000, jnp.float32),
         cross_entropy_case(4096, 32000, jnp.bfloat16),

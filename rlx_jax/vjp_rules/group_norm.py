@@ -113,6 +113,25 @@ def _kernel_bwd(x, gamma, mean, rstd, dy, *, num_groups, eps):
     return jax.ffi.ffi_call("rlx_group_norm_bwd", out)(x, gamma, mean, rstd, dy, num_groups=np.int64(num_groups))
 
 
+def cuda_bwd_scratch_size(n: int, channels: int, num_groups: int) -> int:
+    """f32 elements of the CUDA backward's scratch result: per (sample, channel) sums
+    of dy and dy * (x - mean) ([2, N, C]), then per (sample, group) mean(u) and
+    mean(u * xhat) ([2, N, G])."""
+    return 2 * n * channels + 2 * n * num_groups
+
+
+def _kernel_bwd_cuda(x, gamma, mean, rstd, dy, *, num_groups, eps):
+    """The CUDA call: as ``_kernel_bwd`` plus an f32 scratch result (XLA allocates it;
+    the kernel allocates nothing), dropped after the call."""
+    scratch = jax.ShapeDtypeStruct((cuda_bwd_scratch_size(x.shape[0], x.shape[1], num_groups),), jnp.float32)
+    p = jax.ShapeDtypeStruct(gamma.shape, gamma.dtype)
+    out = (jax.ShapeDtypeStruct(x.shape, x.dtype), p, p, scratch)
+    dx, dg, db, _ = jax.ffi.ffi_call("rlx_group_norm_bwd", out)(
+        x, gamma, mean, rstd, dy, num_groups=np.int64(num_groups)
+    )
+    return dx, dg, db
+
+
 def _partition_factors(avals_in, avals_out, **params):
     """SPMD axes: x / dy / y / dx are (n, c, spatial...), the saved statistics (n, group);
     only the batch axis n may be split (a group spans channels and the whole image);
@@ -133,7 +152,8 @@ group_norm_fwd = FusedPrimitive(
 )
 group_norm_tangent = FusedPrimitive("rlx_group_norm_tangent", reference_group_norm_tangent)
 group_norm_bwd = FusedPrimitive(
-    "rlx_group_norm_bwd", reference_group_norm_bwd, target="rlx_group_norm_bwd", kernel=_kernel_bwd,
+    "rlx_group_norm_bwd", reference_group_norm_bwd, target="rlx_group_norm_bwd",
+    kernel={"cpu": _kernel_bwd, "cuda": _kernel_bwd_cuda},
     partition=_PARTITION,
 )
 

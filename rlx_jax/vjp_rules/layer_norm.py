@@ -22,6 +22,8 @@ same ``layer_norm_bwd`` primitive.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax.interpreters import ad
@@ -29,6 +31,7 @@ from jax.interpreters import ad
 from rlx_jax.vjp_rules._primitive import (
     NOT_MAPPED, FusedPrimitive, RowPartition, instantiate, np_scalar, rowwise_batching,
 )
+from rlx_jax.vjp_rules.rms_norm import cuda_bwd_scratch_size as rms_cuda_bwd_scratch_size
 
 
 def stat_dtype(dtype):
@@ -98,6 +101,25 @@ def _kernel_bwd(x, gamma, mean, rstd, dy, *, eps):
     return jax.ffi.ffi_call("rlx_layer_norm_bwd", out)(x, gamma, mean, rstd, dy)
 
 
+def cuda_bwd_scratch_size(rows: int, width: int) -> int:
+    """f32 elements of the CUDA backward's scratch result: per-block partial sums of
+    dgamma and dbeta ([P, 2, width], P at most 1024 blocks, rows and 2^23 / (2 width))
+    followed by two f32 per row (the wide-row path's sum(u) and sum(u * xhat)); the
+    same layout and size as RMSNorm's."""
+    return rms_cuda_bwd_scratch_size(rows, width)
+
+
+def _kernel_bwd_cuda(x, gamma, mean, rstd, dy, *, eps):
+    """The CUDA call: as ``_kernel_bwd`` plus an f32 scratch result (XLA allocates it;
+    the kernel allocates nothing), dropped after the call."""
+    rows = math.prod(x.shape[:-1])
+    scratch = jax.ShapeDtypeStruct((cuda_bwd_scratch_size(rows, x.shape[-1]),), jnp.float32)
+    p = jax.ShapeDtypeStruct(gamma.shape, gamma.dtype)
+    out = (jax.ShapeDtypeStruct(x.shape, x.dtype), p, p, scratch)
+    dx, dg, db, _ = jax.ffi.ffi_call("rlx_layer_norm_bwd", out)(x, gamma, mean, rstd, dy)
+    return dx, dg, db
+
+
 # Under SPMD sharding the rows split across devices; dgamma / dbeta are psum'd.
 layer_norm_fwd = FusedPrimitive(
     "rlx_layer_norm_fwd", reference_layer_norm, target="rlx_layer_norm_fwd", kernel=_kernel_fwd,
@@ -105,7 +127,8 @@ layer_norm_fwd = FusedPrimitive(
 )
 layer_norm_tangent = FusedPrimitive("rlx_layer_norm_tangent", reference_layer_norm_tangent)
 layer_norm_bwd = FusedPrimitive(
-    "rlx_layer_norm_bwd", reference_layer_norm_bwd, target="rlx_layer_norm_bwd", kernel=_kernel_bwd,
+    "rlx_layer_norm_bwd", reference_layer_norm_bwd, target="rlx_layer_norm_bwd",
+    kernel={"cpu": _kernel_bwd, "cuda": _kernel_bwd_cuda},
     partition=RowPartition(row_args=(0, 4), stat_args=(2, 3), row_outputs=(0,)),
 )
 

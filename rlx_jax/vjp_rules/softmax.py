@@ -57,6 +57,15 @@ def _kernel_bwd(y, dy):
     return jax.ffi.ffi_call("rlx_softmax_bwd", (jax.ShapeDtypeStruct(y.shape, y.dtype),))(y, dy)
 
 
+def _kernel_fwd_cuda(x):
+    """CUDA: the same call; f64 (which the CUDA kernels do not take) lowers the reference."""
+    return reference_softmax(x) if x.dtype == jnp.float64 else _kernel_fwd(x)
+
+
+def _kernel_bwd_cuda(y, dy):
+    return reference_softmax_bwd(y, dy) if y.dtype == jnp.float64 else _kernel_bwd(y, dy)
+
+
 def _kernel_ok(*avals, **params):
     x = avals[0]
     return (
@@ -68,11 +77,13 @@ def _kernel_ok(*avals, **params):
 
 # Under SPMD sharding the rows split across devices (the softmax axis stays whole).
 softmax_fwd = FusedPrimitive(
-    "rlx_softmax_fwd", reference_softmax, target="rlx_softmax_fwd", kernel=_kernel_fwd, kernel_ok=_kernel_ok,
+    "rlx_softmax_fwd", reference_softmax, target="rlx_softmax_fwd",
+    kernel={"cpu": _kernel_fwd, "cuda": _kernel_fwd_cuda}, kernel_ok=_kernel_ok,
     partition=RowPartition(row_args=(0,)),
 )
 softmax_bwd = FusedPrimitive(
-    "rlx_softmax_bwd", reference_softmax_bwd, target="rlx_softmax_bwd", kernel=_kernel_bwd, kernel_ok=_kernel_ok,
+    "rlx_softmax_bwd", reference_softmax_bwd, target="rlx_softmax_bwd",
+    kernel={"cpu": _kernel_bwd, "cuda": _kernel_bwd_cuda}, kernel_ok=_kernel_ok,
     partition=RowPartition(row_args=(0, 1)),
 )
 

@@ -1,0 +1,273 @@
+// XLA FFI handlers for softmax cross-entropy with int32 class labels on CUDA: targets
+// rlx_softmax_ce_fwd and rlx_softmax_ce_bwd, with the operands and semantics of the CPU
+// handlers (ffi/cpu/cross_entropy.cc).
+//
+//   logits [R.., C], labels int32 [R..]
+//   forward:  lse_n = log sum_j exp(logits_nj) (f32 [R..]), loss_n = lse_n - logits_n,label_n
+//   backward: dlogits_nj = (exp(logits_nj - lse_n) - [j == label_n]) * dloss_n
+// A label outside [0, C) marks a row that takes no part: loss 0, zero gradient; labels
+// are compared with C before any indexing.
+//
+// Passes over the logits. The forward reads each row once (a running max and rescaled
+// sum per thread, reduced over the row group in a fixed order) and writes two numbers
+// per row. The backward with the saved lse is one streaming read of the logits and one
+// write of dlogits. With `recompute_lse` (the RLX backward op, no saved statistics) it
+// first computes lse from the row (default-cached loads), then writes dlogits walking
+// the row's chunks in reverse: the last chunk is still in registers and the others are
+// re-read from L2. Layout: rowwise_common.cuh.
+#include "cuda/rowwise_common.cuh"
+
+namespace rlx {
+namespace cuda {
+namespace {
+
+using namespace rw;
+
+constexpr int kMaxThreads = 512;
+constexpr int kElems = 16;  // elements a thread keeps per chunk
+
+template <typename T, int VEC, int NV>
+__device__ __forceinline__ void load_chunk(const T* __restrict__ row, int64_t c0, int tpr, int t, int64_t W,
+                                           bool rv, bool stream, float (&v)[NV][VEC]) {
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int64_t col = c0 + int64_t(t + k * tpr) * VEC;
+    if (rv && col < W) {
+      load_vec_rw<T, VEC>(row + col, v[k], stream);
+    } else {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) v[k][i] = -INFINITY;
+    }
+  }
+}
+
+// Running (max, sum of exp(v - max)) of one thread over chunk v.
+template <int NV, int VEC>
+__device__ __forceinline__ void online_update(const float (&v)[NV][VEC], float& m, float& s) {
+  float cm = -INFINITY;
+#pragma unroll
+  for (int k = 0; k < NV; ++k)
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) cm = fmaxf(cm, v[k][i]);
+  if (cm > m) {
+    s *= fast_exp(m - cm);
+    m = cm;
+  }
+  if (m != -INFINITY) {
+#pragma unroll
+    for (int k = 0; k < NV; ++k)
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) s += fast_exp(v[k][i] - m);
+  }
+}
+
+// lse of the row from the threads' running (m, s): max then sum over the group.
+__device__ __forceinline__ float group_lse(float m, float s, int tpr, float* red, int& ph) {
+  const float M = group_max(m, tpr, red, ph);
+  ph ^= 1;
+  const float S = group_sum(m == -INFINITY ? 0.f : s * fast_exp(m - M), tpr, red, ph);
+  ph ^= 1;
+  return M + logf(S);
+}
+
+template <typename T, int VEC, int NV>
+__global__ void __launch_bounds__(kMaxThreads, 2)
+ce_fwd_k(const T* __restrict__ logits, const int32_t* __restrict__ labels, T* __restrict__ loss,
+         float* __restrict__ lse, int64_t rows, int64_t C, int tpr) {
+  __shared__ float red[64];
+  const int gpb = blockDim.x / tpr;
+  const int g = threadIdx.x / tpr, t = threadIdx.x - g * tpr;
+  const int64_t chunk = int64_t(tpr) * NV * VEC;
+  const int64_t nch = (C + chunk - 1) / chunk;
+  int ph = 0;
+  for (int64_t rb = blockIdx.x; rb * gpb < rows; rb += gridDim.x) {
+    const int64_t r = rb * gpb + g;
+    const bool rv = r < rows;
+    const T* lr = logits + (rv ? r : 0) * C;
+    float v[NV][VEC];
+    float m = -INFINITY, s = 0.f;
+    for (int64_t c = 0; c < nch; ++c) {
+      load_chunk<T, VEC, NV>(lr, c * chunk, tpr, t, C, rv, true, v);
+      online_update<NV, VEC>(v, m, s);
+    }
+    const float l = group_lse(m, s, tpr, red, ph);
+    if (rv && t == 0) {
+      const int32_t label = labels[r];
+      const bool ok = label >= 0 && int64_t(label) < C;
+      lse[r] = l;
+      loss[r] = from_f32<T>(ok ? l - to_f32(lr[label]) : 0.f);
+    }
+  }
+}
+
+template <typename T, int VEC, int NV>
+__global__ void __launch_bounds__(kMaxThreads, 2)
+ce_bwd_k(const T* __restrict__ logits, const int32_t* __restrict__ labels, const float* __restrict__ lse_in,
+         const T* __restrict__ dloss, T* __restrict__ dlogits, int64_t rows, int64_t C, int tpr, bool recompute) {
+  __shared__ float red[64];
+  const int gpb = blockDim.x / tpr;
+  const int g = threadIdx.x / tpr, t = threadIdx.x - g * tpr;
+  const int64_t chunk = int64_t(tpr) * NV * VEC;
+  const int64_t nch = (C + chunk - 1) / chunk;
+  int ph = 0;
+  for (int64_t rb = blockIdx.x; rb * gpb < rows; rb += gridDim.x) {
+    const int64_t r = rb * gpb + g;
+    const bool rv = r < rows;
+    const T* lr = logits + (rv ? r : 0) * C;
+    float v[NV][VEC];
+    float l = 0.f;
+    if (recompute) {  // uniform over the block: the reductions' barriers are reached by all
+      float m = -INFINITY, s = 0.f;
+      for (int64_t c = 0; c < nch; ++c) {
+        load_chunk<T, VEC, NV>(lr, c * chunk, tpr, t, C, rv, nch == 1, v);
+        online_update<NV, VEC>(v, m, s);
+      }
+      l = group_lse(m, s, tpr, red, ph);
+    }
+    if (!rv) continue;
+    if (!recompute) l = lse_in[r];
+    const int32_t label = labels[r];
+    const bool ok = label >= 0 && int64_t(label) < C;
+    const float gr = ok ? to_f32(dloss[r]) : 0.f;
+    T* dr = dlogits + r * C;
+    for (int64_t c = nch - 1; c >= 0; --c) {
+      if (!recompute || c != nch - 1) load_chunk<T, VEC, NV>(lr, c * chunk, tpr, t, C, true, true, v);
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int64_t col = c * chunk + int64_t(t + k * tpr) * VEC;
+        if (col >= C) continue;
+        float o[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const float p = fast_exp(v[k][i] - l) * gr;
+          o[i] = (col + i == int64_t(label)) ? p - gr : p;
+        }
+        store_vec<T, VEC>(dr + col, o);
+      }
+    }
+  }
+}
+
+template <typename F>
+void with_vec(bool vector_ok, F&& f) {
+  if (vector_ok) f(std::true_type{});
+  else f(std::false_type{});
+}
+
+template <typename T>
+ffi::Error launch_fwd(cudaStream_t stream, const T* logits, const int32_t* labels, T* loss, float* lse, int64_t rows,
+                      int64_t C) {
+  constexpr int v16 = kVec16<T>;
+  const int sms = num_sms();
+  with_vec(aligned16(logits) && C % v16 == 0, [&](auto vec16) {
+    constexpr int VEC = decltype(vec16)::value ? v16 : 1;
+    constexpr int NV = VEC == 1 ? 8 : kElems / VEC;  // the scalar path: 8 (16 spills)
+    const Geom gm = row_geom(rows, ceil_div(C, VEC), NV, kMaxThreads, sms);
+    ce_fwd_k<T, VEC, NV><<<unsigned(gm.grid), gm.threads, 0, stream>>>(logits, labels, loss, lse, rows, C, gm.tpr);
+  });
+  return check_launch("softmax_cross_entropy (cuda) launch");
+}
+
+template <typename T>
+ffi::Error launch_bwd(cudaStream_t stream, const T* logits, const int32_t* labels, const float* lse, const T* dloss,
+                      T* dlogits, int64_t rows, int64_t C, bool recompute) {
+  constexpr int v16 = kVec16<T>;
+  const int sms = num_sms();
+  with_vec(aligned16(logits) && aligned16(dlogits) && C % v16 == 0, [&](auto vec16) {
+    constexpr int VEC = decltype(vec16)::value ? v16 : 1;
+    constexpr int NV = VEC == 1 ? 8 : kElems / VEC;  // the scalar path: 8 (16 spills)
+    const Geom gm = row_geom(rows, ceil_div(C, VEC), NV, kMaxThreads, sms);
+    ce_bwd_k<T, VEC, NV><<<unsigned(gm.grid), gm.threads, 0, stream>>>(logits, labels, lse, dloss, dlogits, rows, C,
+                                                                       gm.tpr, recompute);
+  });
+  return check_launch("softmax_cross_entropy backward (cuda) launch");
+}
+
+ffi::Error check_labels(const ffi::AnyBuffer& logits, const ffi::AnyBuffer& labels) {
+  auto dl = logits.dimensions(), dt = labels.dimensions();
+  if (dl.size() < 1) return invalid("softmax_cross_entropy: logits must have rank >= 1");
+  if (labels.element_type() != ffi::DataType::S32)
+    return invalid("softmax_cross_entropy: labels must be int32, got " + dtype_name(labels.element_type()));
+  if (dt.size() + 1 != dl.size() || !std::equal(dt.begin(), dt.end(), dl.begin()))
+    return invalid("softmax_cross_entropy: labels must have the shape of logits without its last axis");
+  return ffi::Error::Success();
+}
+
+bool rows_shaped(const ffi::AnyBuffer& a, const ffi::AnyBuffer& labels) {
+  auto da = a.dimensions(), dt = labels.dimensions();
+  return da.size() == dt.size() && std::equal(da.begin(), da.end(), dt.begin());
+}
+
+ffi::Error CeFwdImpl(cudaStream_t stream, ffi::AnyBuffer logits, ffi::AnyBuffer labels,
+                     ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse) {
+  if (auto e = check_labels(logits, labels); e.failure()) return e;
+  if (!rows_shaped(*loss, labels) || loss->element_type() != logits.element_type())
+    return invalid("softmax_cross_entropy: loss must have the labels' shape and the logits' dtype");
+  if (!rows_shaped(*lse, labels) || lse->element_type() != ffi::DataType::F32)
+    return invalid("softmax_cross_entropy (cuda): lse must be f32, one per row");
+  const RowsView v = rows_view(logits);
+  if (v.rows == 0) return ffi::Error::Success();
+  if (v.width == 0) return invalid("softmax_cross_entropy: logits need at least one class");
+  ffi::Error result = ffi::Error::Success();
+  const bool ok = dispatch(logits.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    result = launch_fwd<T>(stream, static_cast<const T*>(logits.untyped_data()),
+                           static_cast<const int32_t*>(labels.untyped_data()), static_cast<T*>(loss->untyped_data()),
+                           static_cast<float*>(lse->untyped_data()), v.rows, v.width);
+  });
+  if (!ok) return invalid("softmax_cross_entropy (cuda): unsupported dtype " + dtype_name(logits.element_type()));
+  return result;
+}
+
+ffi::Error CeBwdImpl(cudaStream_t stream, ffi::AnyBuffer logits, ffi::AnyBuffer labels, ffi::AnyBuffer lse,
+                     ffi::AnyBuffer dloss, ffi::Result<ffi::AnyBuffer> dlogits, bool recompute_lse) {
+  if (auto e = check_labels(logits, labels); e.failure()) return e;
+  if (!rows_shaped(lse, labels) || lse.element_type() != ffi::DataType::F32)
+    return invalid("softmax_cross_entropy backward (cuda): lse must be f32, one per row");
+  if (!rows_shaped(dloss, labels) || dloss.element_type() != logits.element_type())
+    return invalid("softmax_cross_entropy backward: dloss must have the labels' shape and the logits' dtype");
+  if (!same_dims(logits, *dlogits) || dlogits->element_type() != logits.element_type())
+    return invalid("softmax_cross_entropy backward: dlogits must match logits");
+  const RowsView v = rows_view(logits);
+  if (v.rows == 0 || v.width == 0) return ffi::Error::Success();
+  ffi::Error result = ffi::Error::Success();
+  const bool ok = dispatch(logits.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    result = launch_bwd<T>(stream, static_cast<const T*>(logits.untyped_data()),
+                           static_cast<const int32_t*>(labels.untyped_data()),
+                           static_cast<const float*>(lse.untyped_data()), static_cast<const T*>(dloss.untyped_data()),
+                           static_cast<T*>(dlogits->untyped_data()), v.rows, v.width, recompute_lse);
+  });
+  if (!ok)
+    return invalid("softmax_cross_entropy backward (cuda): unsupported dtype " + dtype_name(logits.element_type()));
+  return result;
+}
+
+}  // namespace
+
+// Command-buffer compatible: kernels on XLA's stream only, launch shapes from the
+// buffer shapes and the device.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxSoftmaxCeFwdCuda, CeFwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()   // logits
+                                  .Arg<ffi::AnyBuffer>()   // labels (int32)
+                                  .Ret<ffi::AnyBuffer>()   // loss
+                                  .Ret<ffi::AnyBuffer>(),  // lse (f32)
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxSoftmaxCeBwdCuda, CeBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // logits
+                                  .Arg<ffi::AnyBuffer>()  // labels (int32)
+                                  .Arg<ffi::AnyBuffer>()  // lse (f32)
+                                  .Arg<ffi::AnyBuffer>()  // dloss
+                                  .Ret<ffi::AnyBuffer>()  // dlogits
+                                  .Attr<bool>("recompute_lse"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+RLX_CUDA_REGISTER_HANDLER("rlx_softmax_ce_fwd", RlxSoftmaxCeFwdCuda);
+RLX_CUDA_REGISTER_HANDLER("rlx_softmax_ce_bwd", RlxSoftmaxCeBwdCuda);
+
+}  // namespace cuda
+}  // namespace rlx

@@ -1,0 +1,131 @@
+// Shared pieces of the row-wise CUDA handlers (LayerNorm, GroupNorm, softmax, softmax
+// cross-entropy): buffer views and validation helpers, dtype dispatch, the max
+// reduction that goes with common.cuh's group_sum, a fast exponential, and the launch
+// geometry of "a group of tpr threads per row" kernels.
+//
+// Row-group layout (as in rms_norm_kernels.cuh): a block of `threads` threads holds
+// threads / tpr row groups; thread t of a group owns the vectors of VEC elements at
+// columns (t + k * tpr) * VEC. tpr is a power of two <= 32 (several rows per warp,
+// reduced by shuffles) or equals the block size (one row per block, reduced through
+// shared memory). Every loop that contains a reduction has a trip count that is
+// uniform over the block, so the reductions' barriers are reached by all threads.
+#pragma once
+
+#include <cmath>
+#include <string>
+
+#include "cuda/common.cuh"
+
+namespace rlx {
+namespace cuda {
+namespace rw {
+
+struct RowsView {
+  int64_t rows;
+  int64_t width;
+};
+// [R.., W] -> rows = prod(R..), width = W; a scalar is one row of one element.
+inline RowsView rows_view(const ffi::AnyBuffer& b) {
+  auto d = b.dimensions();
+  if (d.size() == 0) return {1, 1};
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < d.size(); ++i) rows *= d[i];
+  return {rows, d.back()};
+}
+inline bool same_dims(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b) {
+  auto da = a.dimensions(), db = b.dimensions();
+  return da.size() == db.size() && std::equal(da.begin(), da.end(), db.begin());
+}
+inline ffi::Error invalid(const std::string& msg) { return ffi::Error::InvalidArgument(msg); }
+
+// Calls fn(T{}) with T the CUDA storage type of dtype; false when unsupported (f64 is
+// not taken on CUDA: the Python side lowers the reference for it).
+template <typename F>
+bool dispatch(ffi::DataType dtype, F&& fn) {
+  switch (dtype) {
+    case ffi::DataType::F32: fn(float{}); return true;
+    case ffi::DataType::BF16: fn(__nv_bfloat16{}); return true;
+    case ffi::DataType::F16: fn(__half{}); return true;
+    default: return false;
+  }
+}
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+inline int pow2_ceil(int64_t v) {
+  int p = 1;
+  while (p < v) p <<= 1;
+  return p;
+}
+
+// exp(x) through ex2: one MUFU op and a multiply (relative error a few 1e-7 for the
+// arguments <= 0 the kernels use).
+__device__ __forceinline__ float fast_exp(float x) { return exp2f(x * 1.4426950408889634f); }
+
+// Max of v over a group of tpr threads; same contract as group_sum (red holds two
+// parity slots of 32 floats; alternate `parity` between consecutive calls on red).
+__device__ __forceinline__ float group_max(float v, int tpr, float* red, int parity) {
+  if (tpr <= 32) {
+    for (int o = tpr >> 1; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  float* slot = red + parity * 32;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) slot[warp] = v;
+  __syncthreads();
+  const int nw = tpr >> 5;
+  float s = -INFINITY;
+  for (int w = 0; w < nw; ++w) s = fmaxf(s, slot[w]);
+  return s;
+}
+
+// VEC elements at p as f32: one 16-byte load when VEC * sizeof(T) == 16. `stream`
+// selects the evict-first load (data read once) over the default caching one (data
+// read again soon, from L2).
+template <typename T, int VEC>
+__device__ __forceinline__ void load_vec_rw(const T* __restrict__ p, float (&v)[VEC], bool stream) {
+  if constexpr (VEC * sizeof(T) == 16) {
+    const uint4 raw = stream ? __ldcs(reinterpret_cast<const uint4*>(p)) : __ldg(reinterpret_cast<const uint4*>(p));
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) v[i] = to_f32(e[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) v[i] = to_f32(p[i]);
+  }
+}
+
+// Launch geometry of a row-group kernel over rows of `nvec` vectors, each thread
+// taking `per_thread` vectors of a row per step.
+struct Geom {
+  int tpr = 32;
+  int threads = 256;
+  int64_t grid = 1;
+};
+inline Geom row_geom(int64_t rows, int64_t nvec, int per_thread, int max_threads, int sms) {
+  Geom g;
+  const int64_t need = ceil_div(std::max<int64_t>(nvec, 1), per_thread);
+  if (need <= 32) {
+    g.tpr = pow2_ceil(need);
+    g.threads = 256;
+  } else {
+    g.tpr = int(std::min<int64_t>(ceil_div(need, 32) * 32, max_threads));
+    g.threads = g.tpr;
+  }
+  const int64_t gpb = g.threads / g.tpr;
+  const int64_t blocks = ceil_div(rows, gpb);
+  // grid-stride beyond ~16 waves of 2048 threads per SM
+  g.grid = std::max<int64_t>(1, std::min<int64_t>(blocks, int64_t(sms) * (2048 / g.threads) * 16));
+  return g;
+}
+
+inline int num_sms() {
+  DeviceInfo dev;
+  if (device_info(&dev) != cudaSuccess) return 132;
+  return dev.sms;
+}
+
+}  // namespace rw
+}  // namespace cuda
+}  // namespace rlx

@@ -1,0 +1,222 @@
+// XLA FFI handlers for softmax over the last axis on CUDA: targets rlx_softmax_fwd and
+// rlx_softmax_bwd, with the operands and semantics of the CPU handlers (ffi/cpu/softmax.cc).
+//
+//   rlx_softmax_fwd: x [R.., W] -> y = exp(x - max(x)) / sum(exp(x - max(x)))
+//   rlx_softmax_bwd: y, dy [R.., W] -> dx = y * (dy - sum(dy * y))
+// One dtype for all operands (f32, bf16, f16), f32 arithmetic.
+//
+// Work layout (rowwise_common.cuh): a group of tpr threads per row; the row is walked in
+// chunks of tpr * NV vectors of 16 bytes that a thread keeps in registers. The forward
+// keeps a running (max, rescaled sum) per thread over the chunks, reduces them over the
+// group (max, then sum: fixed order), then writes the chunks in reverse order: the last
+// chunk is still in registers, so rows of one chunk (up to 8192 f32 / 8192 16-bit
+// elements per 512-thread block) are read once from memory; wider rows re-read the
+// earlier chunks, which the first pass left in L2 (default-cached loads).
+// The backward does the same with the row dot product sum(dy * y).
+#include "cuda/rowwise_common.cuh"
+
+namespace rlx {
+namespace cuda {
+namespace {
+
+using namespace rw;
+
+constexpr int kMaxThreads = 512;
+
+template <typename T, int VEC, int NV>
+__device__ __forceinline__ void load_chunk(const T* __restrict__ row, int64_t c0, int tpr, int t, int64_t W,
+                                           bool rv, bool stream, float fill, float (&v)[NV][VEC]) {
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int64_t col = c0 + int64_t(t + k * tpr) * VEC;
+    if (rv && col < W) {
+      load_vec_rw<T, VEC>(row + col, v[k], stream);
+    } else {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) v[k][i] = fill;
+    }
+  }
+}
+
+template <typename T, int VEC, int NV>
+__global__ void __launch_bounds__(kMaxThreads, 2)
+softmax_fwd_k(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int64_t W, int tpr) {
+  __shared__ float red[64];
+  const int gpb = blockDim.x / tpr;
+  const int g = threadIdx.x / tpr, t = threadIdx.x - g * tpr;
+  const int64_t chunk = int64_t(tpr) * NV * VEC;
+  const int64_t nch = (W + chunk - 1) / chunk;
+  const bool one = nch == 1;
+  int ph = 0;
+  for (int64_t rb = blockIdx.x; rb * gpb < rows; rb += gridDim.x) {
+    const int64_t r = rb * gpb + g;
+    const bool rv = r < rows;
+    const T* xr = x + (rv ? r : 0) * W;
+    float v[NV][VEC];
+    float m = -INFINITY, s = 0.f;
+    for (int64_t c = 0; c < nch; ++c) {
+      load_chunk<T, VEC, NV>(xr, c * chunk, tpr, t, W, rv, one, -INFINITY, v);
+      float cm = -INFINITY;
+#pragma unroll
+      for (int k = 0; k < NV; ++k)
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) cm = fmaxf(cm, v[k][i]);
+      if (cm > m) {
+        s *= fast_exp(m - cm);
+        m = cm;
+      }
+      if (m != -INFINITY) {
+#pragma unroll
+        for (int k = 0; k < NV; ++k)
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) s += fast_exp(v[k][i] - m);
+      }
+    }
+    const float M = group_max(m, tpr, red, ph);
+    ph ^= 1;
+    const float S = group_sum(m == -INFINITY ? 0.f : s * fast_exp(m - M), tpr, red, ph);
+    ph ^= 1;
+    const float inv = 1.f / S;
+    if (!rv) continue;
+    T* yr = y + r * W;
+    for (int64_t c = nch - 1; c >= 0; --c) {
+      if (c != nch - 1) load_chunk<T, VEC, NV>(xr, c * chunk, tpr, t, W, true, true, -INFINITY, v);
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int64_t col = c * chunk + int64_t(t + k * tpr) * VEC;
+        if (col >= W) continue;
+        float o[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) o[i] = fast_exp(v[k][i] - M) * inv;
+        store_vec<T, VEC>(yr + col, o);
+      }
+    }
+  }
+}
+
+template <typename T, int VEC, int NV>
+__global__ void __launch_bounds__(kMaxThreads, 2)
+softmax_bwd_k(const T* __restrict__ y, const T* __restrict__ dy, T* __restrict__ dx, int64_t rows, int64_t W,
+              int tpr) {
+  __shared__ float red[64];
+  const int gpb = blockDim.x / tpr;
+  const int g = threadIdx.x / tpr, t = threadIdx.x - g * tpr;
+  const int64_t chunk = int64_t(tpr) * NV * VEC;
+  const int64_t nch = (W + chunk - 1) / chunk;
+  const bool one = nch == 1;
+  int ph = 0;
+  for (int64_t rb = blockIdx.x; rb * gpb < rows; rb += gridDim.x) {
+    const int64_t r = rb * gpb + g;
+    const bool rv = r < rows;
+    const int64_t off = (rv ? r : 0) * W;
+    float a[NV][VEC], b[NV][VEC];
+    float dot = 0.f;
+    for (int64_t c = 0; c < nch; ++c) {
+      load_chunk<T, VEC, NV>(y + off, c * chunk, tpr, t, W, rv, one, 0.f, a);
+      load_chunk<T, VEC, NV>(dy + off, c * chunk, tpr, t, W, rv, one, 0.f, b);
+#pragma unroll
+      for (int k = 0; k < NV; ++k)
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) dot += a[k][i] * b[k][i];
+    }
+    dot = group_sum(dot, tpr, red, ph);
+    ph ^= 1;
+    if (!rv) continue;
+    for (int64_t c = nch - 1; c >= 0; --c) {
+      if (c != nch - 1) {
+        load_chunk<T, VEC, NV>(y + off, c * chunk, tpr, t, W, true, true, 0.f, a);
+        load_chunk<T, VEC, NV>(dy + off, c * chunk, tpr, t, W, true, true, 0.f, b);
+      }
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int64_t col = c * chunk + int64_t(t + k * tpr) * VEC;
+        if (col >= W) continue;
+        float o[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) o[i] = a[k][i] * (b[k][i] - dot);
+        store_vec<T, VEC>(dx + off + col, o);
+      }
+    }
+  }
+}
+
+// Elements per thread per chunk: 16 in the forward (one array), 8 in the backward (two).
+template <typename T, bool BWD>
+ffi::Error launch(cudaStream_t stream, const T* a, const T* b, T* out, int64_t rows, int64_t W) {
+  constexpr int v16 = kVec16<T>;
+  constexpr int kElems = BWD ? 8 : 16;
+  const bool aligned = aligned16(a) && aligned16(out) && (!BWD || aligned16(b));
+  const int sms = num_sms();
+  auto go = [&](auto vec_c) {
+    constexpr int VEC = decltype(vec_c)::value;
+    constexpr int NV = kElems / VEC;
+    const Geom gm = row_geom(rows, ceil_div(W, VEC), NV, kMaxThreads, sms);
+    if constexpr (BWD)
+      softmax_bwd_k<T, VEC, NV><<<unsigned(gm.grid), gm.threads, 0, stream>>>(a, b, out, rows, W, gm.tpr);
+    else
+      softmax_fwd_k<T, VEC, NV><<<unsigned(gm.grid), gm.threads, 0, stream>>>(a, out, rows, W, gm.tpr);
+  };
+  if (aligned && W % v16 == 0)
+    go(std::integral_constant<int, v16>{});
+  else
+    go(std::integral_constant<int, 1>{});
+  return check_launch(BWD ? "softmax backward (cuda) launch" : "softmax (cuda) launch");
+}
+
+ffi::Error SoftmaxFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
+  if (x.dimensions().size() < 1) return invalid("softmax: x must have rank >= 1");
+  if (!same_dims(x, *y) || y->element_type() != x.element_type())
+    return invalid("softmax: output y must match x in shape and dtype");
+  const RowsView v = rows_view(x);
+  if (v.rows == 0 || v.width == 0) return ffi::Error::Success();
+  ffi::Error result = ffi::Error::Success();
+  const bool ok = dispatch(x.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    result = launch<T, false>(stream, static_cast<const T*>(x.untyped_data()), nullptr,
+                              static_cast<T*>(y->untyped_data()), v.rows, v.width);
+  });
+  if (!ok) return invalid("softmax (cuda): unsupported dtype " + dtype_name(x.element_type()));
+  return result;
+}
+
+ffi::Error SoftmaxBwdImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dx) {
+  if (y.dimensions().size() < 1) return invalid("softmax backward: y must have rank >= 1");
+  if (!same_dims(y, dy) || dy.element_type() != y.element_type())
+    return invalid("softmax backward: dy must match y in shape and dtype");
+  if (!same_dims(y, *dx) || dx->element_type() != y.element_type())
+    return invalid("softmax backward: dx must match y in shape and dtype");
+  const RowsView v = rows_view(y);
+  if (v.rows == 0 || v.width == 0) return ffi::Error::Success();
+  ffi::Error result = ffi::Error::Success();
+  const bool ok = dispatch(y.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    result = launch<T, true>(stream, static_cast<const T*>(y.untyped_data()), static_cast<const T*>(dy.untyped_data()),
+                             static_cast<T*>(dx->untyped_data()), v.rows, v.width);
+  });
+  if (!ok) return invalid("softmax backward (cuda): unsupported dtype " + dtype_name(y.element_type()));
+  return result;
+}
+
+}  // namespace
+
+// Command-buffer compatible: kernels on XLA's stream only, launch shapes from the
+// buffer shapes and the device.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxSoftmaxFwdCuda, SoftmaxFwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()   // x
+                                  .Ret<ffi::AnyBuffer>(),  // y
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxSoftmaxBwdCuda, SoftmaxBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()   // y
+                                  .Arg<ffi::AnyBuffer>()   // dy
+                                  .Ret<ffi::AnyBuffer>(),  // dx
+                              {ffi::Traits::kCmdBufferCompatible});
+
+RLX_CUDA_REGISTER_HANDLER("rlx_softmax_fwd", RlxSoftmaxFwdCuda);
+RLX_CUDA_REGISTER_HANDLER("rlx_softmax_bwd", RlxSoftmaxBwdCuda);
+
+}  // namespace cuda
+}  // namespace rlx

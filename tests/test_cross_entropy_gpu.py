@@ -1,0 +1,114 @@
+"""Softmax cross-entropy on the GPU: the CUDA kernels (rlx_softmax_ce_fwd /
+rlx_softmax_ce_bwd on platform CUDA) against the f32 reference on random data, with
+invalid labels (ignored rows) mixed in. Skipped where JAX sees no GPU."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rlx_jax
+from rlx_jax.ops import softmax_cross_entropy, softmax_cross_entropy_backward
+from rlx_jax.vjp_rules.cross_entropy import (
+    ce_bwd,
+    ce_fwd,
+    reference_softmax_cross_entropy,
+    reference_softmax_cross_entropy_bwd,
+)
+
+HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
+pytestmark = pytest.mark.skipif(not HAS_GPU, reason="no GPU visible to JAX: the CUDA kernels cannot run here")
+
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
+
+
+def _gpu():
+    return next(d for d in jax.devices() if d.platform == "gpu")
+
+
+def _inputs(n, c, dtype, seed):
+    kx, kl, kd = jax.random.split(jax.random.PRNGKey(seed), 3)
+    logits = (3.0 * jax.random.normal(kx, (n, c), jnp.float32)).astype(dtype)
+    labels = jax.random.randint(kl, (n,), 0, max(c, 1), jnp.int32)
+    if n >= 4:  # invalid labels: ignored rows (loss 0, zero gradient)
+        labels = labels.at[1].set(-100).at[3].set(c)
+    dloss = jax.random.normal(kd, (n,), jnp.float32).astype(dtype)
+    return [jax.device_put(a, _gpu()) for a in (logits, labels, dloss)]
+
+
+def _close(got, want, dtype, what, scale=None):
+    got = np.asarray(jnp.asarray(got, jnp.float32))
+    want = np.asarray(jnp.asarray(want, jnp.float32))
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    if got.size == 0:
+        return
+    assert np.isfinite(got).all(), f"{what}: non-finite values (unwritten output?)"
+    scale = scale if scale is not None else max(float(np.max(np.abs(want))), 1e-30)
+    err = float(np.max(np.abs(got - want)))
+    tol = TOL[jnp.dtype(dtype).type]
+    assert err <= tol * scale, f"{what}: max abs err {err:.3g} > {tol:.1g} * {scale:.3g}"
+
+
+def test_cuda_kernels_loaded_and_in_hlo():
+    info = rlx_jax.kernel_info()["cuda"]
+    assert info["loaded"], info["error"]
+    assert {"rlx_softmax_ce_fwd", "rlx_softmax_ce_bwd"} <= set(info["targets"])
+    logits, labels, _ = _inputs(8, 256, jnp.float32, 0)
+    fn = jax.jit(lambda x, y: jax.grad(lambda x: jnp.sum(softmax_cross_entropy(x, y)))(x))
+    text = fn.lower(logits, labels).as_text()
+    assert "rlx_softmax_ce_fwd" in text and "rlx_softmax_ce_bwd" in text
+
+
+SHAPES = [(1, 1), (37, 5), (64, 64), (33, 999), (257, 1024), (16, 8192), (9, 12288), (8, 32000), (4, 65536),
+          (0, 100)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_forward_and_backward_match_f32_reference(shape, dtype):
+    logits, labels, dloss = _inputs(*shape, dtype, seed=sum(shape) % 1000)
+    loss, lse = jax.jit(ce_fwd)(logits, labels)
+    loss_ref, lse_ref = reference_softmax_cross_entropy(logits.astype(jnp.float32), labels)
+    assert loss.dtype == dtype and lse.dtype == jnp.float32
+    _close(lse, lse_ref, jnp.float32, "lse", scale=max(float(jnp.max(jnp.abs(lse_ref), initial=1.0)), 1.0))
+    _close(loss, loss_ref, dtype, "loss", scale=max(float(jnp.max(jnp.abs(loss_ref), initial=1.0)), 1.0))
+    if shape[0] >= 4:
+        assert float(loss[1]) == 0.0 and float(loss[3]) == 0.0
+    for recompute in (False, True):
+        (dl,) = jax.jit(lambda *a: ce_bwd(*a, recompute_lse=recompute))(logits, labels, lse_ref, dloss)
+        (dl_ref,) = reference_softmax_cross_entropy_bwd(logits.astype(jnp.float32), labels, lse_ref,
+                                                         dloss.astype(jnp.float32))
+        assert dl.dtype == dtype
+        _close(dl, dl_ref, dtype, f"dlogits (recompute_lse={recompute})")
+        if shape[0] >= 4:
+            assert not np.any(np.asarray(dl[1], np.float32)) and not np.any(np.asarray(dl[3], np.float32))
+
+
+def test_grad_and_rlx_backward_op():
+    logits, labels, dloss = _inputs(48, 3000, jnp.float32, seed=6)
+    got = jax.jit(lambda x, y: jax.grad(lambda x: jnp.sum(softmax_cross_entropy(x, y) * dloss))(x))(logits, labels)
+    want = jax.grad(lambda x: jnp.sum(reference_softmax_cross_entropy(x, labels)[0] * dloss))(logits)
+    _close(got, want, jnp.float32, "grad")
+    got2 = jax.jit(softmax_cross_entropy_backward)(logits, labels, dloss)
+    _close(got2, want, jnp.float32, "softmax_cross_entropy_backward")
+
+
+def test_extreme_logits():
+    logits = jnp.array([[1e30, 0.0, -1e30, 5.0], [-jnp.inf, 0.0, 1.0, -jnp.inf], [88.0, 89.0, 90.0, -100.0]],
+                       jnp.float32)
+    labels = jnp.array([0, 2, 1], jnp.int32)
+    loss, lse = jax.jit(ce_fwd)(jax.device_put(logits, _gpu()), labels)
+    loss_ref, lse_ref = reference_softmax_cross_entropy(logits, labels)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(loss), np.asarray(loss_ref), rtol=1e-5, atol=1e-6)
+
+
+def test_bad_labels_dtype_is_an_error_not_a_crash():
+    logits, _, _ = _inputs(4, 64, jnp.float32, seed=1)
+    out = (jax.ShapeDtypeStruct((4,), jnp.float32), jax.ShapeDtypeStruct((4,), jnp.float32))
+    call = jax.ffi.ffi_call("rlx_softmax_ce_fwd", out)
+    with pytest.raises(Exception, match="int32"):
+        jax.block_until_ready(jax.jit(call)(logits, jnp.zeros((4,), jnp.float32)))
