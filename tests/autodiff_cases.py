@@ -458,3 +458,122 @@ def _(g):
     c0, w, xs = g.param("c0", [3]), g.param("w", [3]), g.param("xs", [4, 3])
     step = body("step", [[3], [3], [3]], lambda b, c, ww, x: b.tanh(b.add(b.mul(c, ww), x)))
     return g.scan(c0, step, 4, bcasts=[w], xs=[xs])
+
+
+# -- max pooling: overlapping windows, padding, ties ---------------------------------------
+
+@case("max_pool2d_ties", x=lambda r: r.randint(-2, 3, (1, 2, 6, 5)))
+def _(g):
+    # integer values: many windows hold their maximum twice (the first one wins); squared
+    # so that the second derivative runs through MaxPool2dBackward's own VJP
+    y = g.max_pool2d(g.param("x", [1, 2, 6, 5]), 3, stride=2, padding=(1, 1))
+    return g.mul(y, y)
+
+
+@case("max_pool2d_rect_overlap")
+def _(g):
+    y = g.max_pool2d(g.param("x", [2, 1, 7, 6]), (3, 2), stride=(1, 2), padding=(1, 1))
+    return g.mul(y, y)
+
+
+# -- weight-only quantised matmuls (d x only) ---------------------------------------------
+
+_i8 = lambda r: r.randint(-128, 128, (8, 5))                       # noqa: E731
+
+
+@case("dequant_matmul_int8_asym", w=_i8, s=lambda r: r.uniform(0.05, 0.2, (2, 5)), z=lambda r: r.randn(2, 5))
+def _(g):
+    return g.dequant_matmul([g.param("x", [2, 3, 8]), g.input("w", [8, 5], "i8"), g.input("s", [2, 5], "f32"),
+                             g.input("z", [2, 5], "f32")], "Int8BlockAsym:4", [2, 3, 5])
+
+
+@case("dequant_matmul_int4", w=lambda r: r.randint(0, 256, (20,)), s=lambda r: r.uniform(0.05, 0.2, (2, 5)),
+      z=lambda r: np.zeros((2, 5)))
+def _(g):
+    return g.dequant_matmul([g.param("x", [3, 8]), g.input("w", [20], "u8"), g.input("s", [2, 5], "f32"),
+                             g.input("z", [2, 5], "f32")], "Int4Block:4", [3, 5])
+
+
+def _gguf_q8_0(r, nblocks):
+    """GGUF Q8_0 blocks: f16 scale, then 32 int8 values."""
+    raw = r.randint(0, 256, (nblocks, 34)).astype(np.uint8)
+    for blk in raw:
+        blk[0:2] = np.frombuffer(np.float16(r.uniform(0.01, 0.05)).tobytes(), np.uint8)
+    return raw.reshape(-1)
+
+
+@case("dequant_matmul_gguf", w=lambda r: _gguf_q8_0(r, 2))
+def _(g):
+    return g.dequant_matmul([g.param("x", [3, 32]), g.input("w", [68], "u8")], "GgufQ8_0", [3, 2])
+
+
+@case("dequant_grouped_matmul_gguf", w=lambda r: _gguf_q8_0(r, 6), e=lambda r: r.randint(0, 3, (5,)))
+def _(g):
+    return g.dequant_grouped_matmul(g.param("x", [5, 32]), g.input("w", [204], "u8"), g.input("e", [5], "i32"),
+                                    "GgufQ8_0", [5, 2])
+
+
+# -- Gaussian splatting --------------------------------------------------------------------
+
+_SPLAT_N, _SPLAT_K, _SPLAT_W, _SPLAT_H = 12, 4, 12, 8
+_SPLAT_KW = dict(width=_SPLAT_W, height=_SPLAT_H, tile_size=4, max_list_entries=4096)
+
+
+def _splat_meta(r):
+    from rlx_jax.ops import gaussian_splat_render_meta
+
+    return np.asarray(gaussian_splat_render_meta([0.3, -0.2, -4], [0, 0, 0], [0, 1, 0], 45.0, 0.1, 100.0,
+                                                 [0.1, 0.2, 0.3]), np.float32)
+
+
+def _splat_feeds():
+    n, k = _SPLAT_N, _SPLAT_K
+
+    def pos(r):
+        p = r.uniform(-1, 1, (n, 3))
+        p[:, 2] *= 0.5
+        return p.reshape(-1)
+
+    return dict(positions=pos, scales=lambda r: np.log(r.uniform(0.1, 0.4, 3 * n)),
+                rotations=lambda r: r.randn(4 * n), opacities=lambda r: r.randn(n),
+                colors=lambda r: r.uniform(0, 1, 3 * n), sh=lambda r: 0.2 * r.randn(n * k * 3), meta=_splat_meta)
+
+
+def _splat_scene(g):
+    n, k = _SPLAT_N, _SPLAT_K
+    return [g.param("positions", [3 * n]), g.param("scales", [3 * n]), g.param("rotations", [4 * n]),
+            g.param("opacities", [n]), g.param("colors", [3 * n]), g.param("sh", [n * k * 3]),
+            g.input("meta", [23], "f32")]
+
+
+@case("gaussian_splat_render", **_splat_feeds())
+def _(g):
+    return g.gaussian_splat_render(*_splat_scene(g), **_SPLAT_KW)
+
+
+@case("gaussian_splat_prepare_rasterize", **_splat_feeds())
+def _(g):
+    from rlx_jax.lowering.splat import prep_len
+
+    ids = _splat_scene(g)
+    prep = g.gaussian_splat_prepare(ids, [prep_len(_SPLAT_N, _SPLAT_W, _SPLAT_H, 4, 4096)], **_SPLAT_KW)
+    return g.gaussian_splat_rasterize(prep, ids[6], **_SPLAT_KW)
+
+
+# -- attention: every mask kind with a score scale and a logit softcap ----------------------
+
+case("attention_none_scale_softcap")(_attn(score_scale=0.6, softcap=1.5))
+case("attention_causal_scale_softcap")(_attn("causal", score_scale=0.6, softcap=1.5))
+case("attention_sliding_scale_softcap")(_attn("sliding:1", score_scale=0.6, softcap=1.5))
+case("attention_custom_scale_softcap", **_keep)(_attn("custom", score_scale=0.6, softcap=1.5))
+case("attention_bias_scale_softcap")(_attn("bias", score_scale=0.6, softcap=1.5))
+case("attention_bhsd_softcap")(_attn("causal", softcap=3.0, layout="bhsd"))
+case("attention_flat_gqa_softcap")(_attn("sliding:2", score_scale=0.4, softcap=1.0, layout="flat", gqa=True))
+
+
+# -- LSQ per channel -----------------------------------------------------------------------
+
+@case("fake_quantize_lsq_per_channel")
+def _(g):
+    return g.fake_quantize_lsq(g.param("x", [3, 4, 5]), g.param("pos_s", [4]), 3, axis=1)
+

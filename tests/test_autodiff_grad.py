@@ -23,10 +23,13 @@ FAST = {"act_gelu", "act_relu", "binary_mul", "binary_pow", "where_compare", "re
         "attention_causal", "attention_softcap", "attention_bias", "conv2d_stride_pad_dil_groups",
         "max_pool2d", "avg_pool2d", "softmax_cross_entropy", "cumsum", "gather_axis0", "rope",
         "fake_quantize_lsq", "complex_norm_sq", "fused_transformer_layer", "if_where", "scan_final_carry",
-        "custom_fn_vjp_body", "narrow", "concat", "dense_solve", "grouped_matmul"}
+        "custom_fn_vjp_body", "narrow", "concat", "dense_solve", "grouped_matmul", "max_pool2d_ties",
+        "dequant_matmul_int8_asym", "dequant_grouped_matmul_gguf", "gaussian_splat_prepare_rasterize",
+        "attention_custom_scale_softcap", "attention_bias_scale_softcap", "attention_sliding_scale_softcap"}
 FAST_SECOND = {"act_gelu", "binary_pow", "softmax", "layer_norm", "rms_norm", "group_norm",
                "attention_causal", "conv2d_stride_pad_dil_groups", "max_pool2d", "softmax_cross_entropy",
-               "scan_trajectory", "complex_norm_sq", "fake_quantize_tanh"}
+               "scan_trajectory", "complex_norm_sq", "fake_quantize_tanh", "max_pool2d_overlap", "max_pool2d_ties",
+               "max_pool2d_rect_overlap", "attention_custom_scale_softcap"}
 
 
 def _params(fast):
@@ -113,7 +116,9 @@ def _second_order_graph(name):
 # constant first derivatives (the second derivative is zero almost everywhere, and
 # both sides give zero) are kept; these have none:
 SECOND_ORDER_SKIP = {
-    "max_pool2d_overlap": "MaxPool2dBackward's own VJP is written for non-overlapping windows only",
+    "gaussian_splat_render": "GaussianSplatRenderBackward has no VJP (RLX has no op for it and the render is "
+                             "not expressible in IR primitives); test_autodiff_gaps checks the error",
+    "gaussian_splat_prepare_rasterize": "as gaussian_splat_render",
     "fake_quantize_hard_tanh": "the max-abs element lies on the hard-tanh STE's kink (|x| = q s) by "
                                "construction; the second derivative there is undefined",
 }
