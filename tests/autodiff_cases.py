@@ -577,3 +577,11 @@ case("attention_flat_gqa_softcap")(_attn("sliding:2", score_scale=0.4, softcap=1
 def _(g):
     return g.fake_quantize_lsq(g.param("x", [3, 4, 5]), g.param("pos_s", [4]), 3, axis=1)
 
+
+
+@case("dequant_matmul_fp8_e4m3", w=lambda r: r.randint(0, 0x78, (8, 5)) | (r.randint(0, 2, (8, 5)) << 7),
+      s=lambda r: r.uniform(0.5, 2.0, (5,)), z=lambda r: np.zeros((5,)))
+def _(g):
+    # bytes with exponent < 15 (finite values), random signs; per-column scale
+    return g.dequant_matmul([g.param("x", [3, 8]), g.input("w", [8, 5], "u8"), g.input("s", [5], "f32"),
+                             g.input("z", [5], "f32")], "Fp8E4m3", [3, 5])
