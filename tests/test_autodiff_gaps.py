@@ -318,3 +318,19 @@ def test_attention_softcap_expansion_only_when_needed(softcap):
         assert kinds.count("AttentionBackward") == 3 and "Softmax" not in kinds
     else:
         assert "AttentionBackward" not in kinds and "Softmax" in kinds
+
+
+def test_splat_zero_gaussians():
+    """N = 0: the render is the background and every scene gradient is empty."""
+    from autodiff_cases import _splat_meta
+
+    g = Graph("splat0")
+    ids = [g.param(n, [0]) for n in ("p", "s", "r", "o", "c", "sh")] + [g.input("meta", [23])]
+    y = g.gaussian_splat_render(*ids, width=4, height=2, tile_size=4)
+    g.set_outputs([g.sum(y, [0])])
+    gg = rlx_jax.grad_with_loss(g, ["p", "o", "sh"])
+    gg.verify()
+    p = {n: np.zeros((0,), np.float32) for n in ("p", "s", "r", "o", "c", "sh")}
+    outs = rlx_jax.to_jax(gg)(p, {"meta": _splat_meta(None), "d_output": np.float32(1)})
+    assert [np.asarray(o).shape for o in outs[1:]] == [(0,), (0,), (0,)]
+    _close(outs[0], rlx_jax.to_jax(g)(p, {"meta": _splat_meta(None)})[0], "loss")
