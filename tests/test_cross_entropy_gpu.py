@@ -71,7 +71,7 @@ SHAPES = [(1, 1), (37, 5), (64, 64), (33, 999), (257, 1024), (16, 8192), (9, 122
 def test_forward_and_backward_match_f32_reference(shape, dtype):
     logits, labels, dloss = _inputs(*shape, dtype, seed=sum(shape) % 1000)
     loss, lse = jax.jit(ce_fwd)(logits, labels)
-    loss_ref, lse_ref = reference_softmax_cross_entropy(logits.astype(jnp.float32), labels)
+    loss_ref, lse_ref = jax.jit(reference_softmax_cross_entropy)(logits.astype(jnp.float32), labels)
     assert loss.dtype == dtype and lse.dtype == jnp.float32
     _close(lse, lse_ref, jnp.float32, "lse", scale=max(float(jnp.max(jnp.abs(lse_ref), initial=1.0)), 1.0))
     _close(loss, loss_ref, dtype, "loss", scale=max(float(jnp.max(jnp.abs(loss_ref), initial=1.0)), 1.0))
@@ -79,8 +79,8 @@ def test_forward_and_backward_match_f32_reference(shape, dtype):
         assert float(loss[1]) == 0.0 and float(loss[3]) == 0.0
     for recompute in (False, True):
         (dl,) = jax.jit(lambda *a: ce_bwd(*a, recompute_lse=recompute))(logits, labels, lse_ref, dloss)
-        (dl_ref,) = reference_softmax_cross_entropy_bwd(logits.astype(jnp.float32), labels, lse_ref,
-                                                         dloss.astype(jnp.float32))
+        (dl_ref,) = jax.jit(reference_softmax_cross_entropy_bwd)(logits.astype(jnp.float32), labels, lse_ref,
+                                                                  dloss.astype(jnp.float32))
         assert dl.dtype == dtype
         _close(dl, dl_ref, dtype, f"dlogits (recompute_lse={recompute})")
         if shape[0] >= 4:

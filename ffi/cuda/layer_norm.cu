@@ -23,6 +23,8 @@
 // added by reduce_partials in a fixed order (no atomics: deterministic). Wider rows are
 // split into column slabs and take their row statistics from ln_row_stats, which reads
 // the row once more (the documented slower path).
+#include <cstdlib>
+
 #include "cuda/rms_norm_kernels.cuh"
 #include "cuda/rowwise_common.cuh"
 
@@ -291,6 +293,122 @@ ln_bwd_rows(const T* __restrict__ x, const T* __restrict__ gamma, const float* _
   }
 }
 
+// ---- sm_90 staged backward: rows of x and dy staged through shared memory ------------------
+// RMSNorm's bwd_rows_tma structure (rms_norm_kernels.cuh): one row group per block; thread 0
+// keeps pl.stages rows of x and dy in flight by cp.async.bulk, each stage completing on its
+// mbarrier; threads read their columns from shared memory into registers, and the row
+// reduction's barrier tells thread 0 that the stage may be refilled. Bytes in flight then
+// no longer depend on registers (what the 16-bit register path lacks).
+template <typename T, int NV>
+__global__ void __launch_bounds__(max_threads_for(NV * kVec16<T>, false))
+ln_bwd_rows_tma(const T* __restrict__ x, const T* __restrict__ gamma, const float* __restrict__ mean,
+                const float* __restrict__ rstd, const T* __restrict__ dy, T* __restrict__ dx,
+                float* __restrict__ partial, RowPlan pl) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();
+#else
+  constexpr int VEC = kVec16<T>;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  float* red = reinterpret_cast<float*>(smem_raw);
+  uint64_t* bar = reinterpret_cast<uint64_t*>(smem_raw + 512);
+  unsigned char* stages = smem_raw + rms::kTmaHeader;
+  const int S = pl.stages;
+  const int tpr = blockDim.x;
+  const int t = threadIdx.x;
+  const int64_t p = blockIdx.x;
+  const int64_t W = pl.width;
+  const int64_t r0 = pl.rows * p / pl.parts, r1 = pl.rows * (p + 1) / pl.parts;
+  const int64_t n = r1 - r0;
+  const uint32_t row_bytes = uint32_t(W * int64_t(sizeof(T)));
+
+  int64_t col[NV];
+  bool ok[NV];
+  float gm[NV][VEC], ag[NV][VEC], ab[NV][VEC];
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    col[k] = int64_t(t + k * tpr) * VEC;
+    ok[k] = col[k] < W;
+    if (ok[k]) {
+      load_vec_cached<T, VEC>(gamma + col[k], gm[k]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) gm[k][i] = 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) ag[k][i] = ab[k][i] = 0.f;
+  }
+
+  if (t == 0) {
+    for (int q = 0; q < S; ++q) mbar_init(&bar[q], 1);
+    mbar_init_fence();
+  }
+  __syncthreads();
+  auto issue = [&](int64_t i) {
+    const int q = int(i % S);
+    unsigned char* xs = stages + size_t(q) * 2 * row_bytes;
+    mbar_arrive_expect_tx(&bar[q], 2 * row_bytes);
+    bulk_load(xs, x + (r0 + i) * W, row_bytes, &bar[q]);
+    bulk_load(xs + row_bytes, dy + (r0 + i) * W, row_bytes, &bar[q]);
+  };
+  if (t == 0)
+    for (int64_t i = 0; i < n && i < S; ++i) issue(i);
+
+  for (int64_t i = 0; i < n; ++i) {
+    const int q = int(i % S);
+    const int64_t r = r0 + i;
+    const float mu = mean[r], rs = rstd[r];
+    mbar_wait(&bar[q], uint32_t((i / S) & 1));
+    const T* xs = reinterpret_cast<const T*>(stages + size_t(q) * 2 * row_bytes);
+    const T* ds = xs + W;
+    float xa[NV][VEC], da[NV][VEC];
+    float pu = 0.f, pux = 0.f;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      if (ok[k]) {
+        rms::load_vec_smem<T, VEC>(xs + col[k], xa[k]);
+        rms::load_vec_smem<T, VEC>(ds + col[k], da[k]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) xa[k][e] = da[k][e] = 0.f;
+      }
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const float u = da[k][e] * gm[k][e];
+        pu += u;
+        pux += u * (xa[k][e] - mu);
+      }
+    }
+    const float2 v = group_sum2(pu, pux, tpr, red, int(i & 1));  // its barrier: stage q is read
+    if (t == 0 && i + S < n) {
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      issue(i + S);
+    }
+    const float a = v.x / float(W), b = v.y * rs / float(W);
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      if (!ok[k]) continue;
+      float o[VEC];
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const float xh = (xa[k][e] - mu) * rs;
+        o[e] = rs * (da[k][e] * gm[k][e] - a - xh * b);
+        ag[k][e] += da[k][e] * xh;
+        ab[k][e] += da[k][e];
+      }
+      store_vec<T, VEC>(dx + r * W + col[k], o);
+    }
+  }
+  float* pg = partial + p * 2 * W;
+  float* pb = pg + W;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    if (!ok[k]) continue;
+    store_f32<VEC>(pg + col[k], ag[k]);
+    store_f32<VEC>(pb + col[k], ab[k]);
+  }
+#endif
+}
+
 // Row statistics of the slabbed (wide-row) path, one block per row (grid-stride).
 // Forward: mean, rstd from sums shifted by the row's first element (x0):
 //   mean = x0 + S1 / W, var = S2 / W - (S1 / W)^2 with S1 = sum (x - x0), S2 = sum (x - x0)^2.
@@ -345,6 +463,18 @@ ln_row_stats(const T* __restrict__ x, const T* __restrict__ dy, const T* __restr
   }
 }
 
+// The staged backward is on by default where it applies; RLX_LAYER_NORM_CUDA_STAGED=0 turns
+// it off (the register path everywhere), read once per process.
+inline rms::Tuning staged_tuning() {
+  static const int tma = [] {
+    const char* v = std::getenv("RLX_LAYER_NORM_CUDA_STAGED");
+    return (v != nullptr && v[0] == '0') ? 0 : -1;
+  }();
+  rms::Tuning tu;
+  tu.tma = tma;
+  return tu;
+}
+
 template <typename T>
 ffi::Error launch_fwd(cudaStream_t stream, const T* x, const T* gamma, const T* beta, T* y, float* mean, float* rstd,
                       float eps, int64_t rows, int64_t W) {
@@ -379,11 +509,23 @@ ffi::Error launch_bwd(cudaStream_t stream, const T* x, const T* gamma, const flo
   if (rows > 0) {
     const bool aligned =
         aligned16(x) && aligned16(gamma) && aligned16(dy) && aligned16(dx) && aligned16(scratch);
-    RowPlan pl = rms::column_plan<T>(rows, W, aligned, {});
+    const rms::Tuning tu = staged_tuning();
+    RowPlan pl = rms::column_plan<T>(rows, W, aligned, tu);
     cudaError_t err = cudaSuccess;
     const bool ok = rms::with_variant<T>(pl, [&](auto vec, auto nv, auto pf) {
       constexpr int VEC = decltype(vec)::value, NV = decltype(nv)::value;
       constexpr bool PF = decltype(pf)::value;
+      if constexpr (VEC != 1) {
+        // sm_90, one pass, rows of at least 2 KB (RMSNorm's measured threshold): staged
+        auto staged = ln_bwd_rows_tma<T, NV>;
+        if (rms::plan_staged(pl, staged, W * int64_t(sizeof(T)), 2 * W * int64_t(sizeof(T)), 2, tu)) {
+          err = rms::set_parts(pl, staged, max_parts);
+          if (err != cudaSuccess) return;
+          staged<<<unsigned(pl.parts), pl.threads, rms::smem_bytes(pl), stream>>>(x, gamma, mean, rstd, dy, dx,
+                                                                                 partial, pl);
+          return;
+        }
+      }
       auto kernel = ln_bwd_rows<T, VEC, NV, PF>;
       err = rms::set_parts(pl, kernel, max_parts);
       if (err != cudaSuccess) return;
