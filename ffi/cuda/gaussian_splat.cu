@@ -4,7 +4,9 @@
 // allocates (size: cuda_scratch_elems in rlx_jax/vjp_rules/gaussian_splat.py, which must
 // agree with scratch_needed below). No host synchronisation: the camera is built from
 // meta on the device, and every list is sized by the static max_list_entries bound, so
-// a call only enqueues work on XLA's stream (CUDA-graph capturable).
+// a call only enqueues kernels and a memset on XLA's stream (the handlers are marked
+// command-buffer compatible; capture into a CUDA graph by XLA was not observed in the
+// 2026-11-22 H200 run, see benchmarks/results/splat_gpu_h200_2026-11-22.txt).
 //
 // Pipeline: camera (one thread) -> anisotropy limit and preprocess (thread per Gaussian)
 // -> pair numbers (block scan) -> per-tile counts (pairs numbered >= max_list_entries
