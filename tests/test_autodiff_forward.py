@@ -136,6 +136,23 @@ def cnn_graph(dt="f64"):
     return g, ["w", "gamma", "beta", "fc"], feeds
 
 
+def cnn_overlap_graph(dt="f64"):
+    """The CNN with overlapping, padded max pooling (3x3, stride 2, padding 1): its hvp
+    runs through MaxPool2dBackward's own VJP."""
+    g = Graph("cnn_overlap")
+    x = g.input("x", [2, 2, 6, 6], dt)
+    w = g.param("w", [4, 2, 3, 3], dt)
+    gamma, beta = g.param("gamma", [4], dt), g.param("beta", [4], dt)
+    fc = g.param("fc", [4 * 3 * 3, 3], dt)
+    labels = g.input("labels", [2], "i32")
+    c = g.group_norm(g.conv2d(x, w, padding=(1, 1)), gamma, beta, 2)
+    c = g.max_pool2d(g.silu(c), 3, stride=2, padding=(1, 1))
+    logits = g.matmul(g.reshape(c, [2, 36]), fc)
+    g.set_outputs([g.mean(g.softmax_cross_entropy_with_logits(logits, labels), [0])])
+    feeds = {"x": np.random.RandomState(2).randn(2, 2, 6, 6).astype("f4"), "labels": np.array([1, 2], np.int32)}
+    return g, ["w", "gamma", "beta", "fc"], feeds
+
+
 def transformer_graph(dt="f64"):
     g = Graph("block")
     b, s, h, d = 2, 3, 2, 4
@@ -156,7 +173,8 @@ def transformer_graph(dt="f64"):
     return g, ["wq", "wk", "wv", "wo", "ln_g", "ln_b", "w1", "w2"], feeds
 
 
-@pytest.mark.parametrize("maker", [mlp_graph, cnn_graph, transformer_graph], ids=["mlp", "cnn", "transformer"])
+@pytest.mark.parametrize("maker", [mlp_graph, cnn_graph, cnn_overlap_graph, transformer_graph],
+                         ids=["mlp", "cnn", "cnn_overlap_pool", "transformer"])
 def test_hvp_matches_jax_hessian(maker, x64):
     g, wrt, inputs = maker()
     rng = np.random.RandomState(0)
