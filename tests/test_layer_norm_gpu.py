@@ -121,7 +121,8 @@ def test_grad_through_custom_vjp(dtype):
 
 
 def test_non_last_axis_and_jvp():
-    x, g, b, _ = _inputs((6, 96, 5), jnp.float32, seed=7)
+    x, g, b, _ = _inputs((6, 5, 96), jnp.float32, seed=7)
+    x = jnp.moveaxis(x, 2, 1)  # [6, 96, 5], normalised over axis 1 (size 96 = gamma's)
     tx = jax.random.normal(jax.random.PRNGKey(8), x.shape, jnp.float32)
     f = lambda x: layer_norm(x, g, b, axis=1, eps=EPS)  # noqa: E731
     ref = lambda x: jnp.moveaxis(reference_layer_norm(jnp.moveaxis(x, 1, -1), g, b, eps=EPS)[0], -1, 1)  # noqa: E731
