@@ -140,6 +140,16 @@ def test_zero_rows_give_zero_parameter_gradients():
     np.testing.assert_array_equal(np.asarray(db, np.float32), 0)
 
 
+def test_empty_rows_give_nan_statistics():
+    """Width 0: mean and rstd are 0/0 (NaN), as in the reference and the CPU kernel, not
+    left unwritten."""
+    x = jax.device_put(jnp.zeros((5, 0), jnp.float32), _gpu())
+    g = jax.device_put(jnp.zeros((0,), jnp.float32), _gpu())
+    y, mean, rstd = jax.jit(lambda x, g: layer_norm_fwd(x, g, g, eps=EPS))(x, g)
+    assert y.shape == (5, 0)
+    assert np.isnan(np.asarray(mean)).all() and np.isnan(np.asarray(rstd)).all()
+
+
 @pytest.mark.parametrize("shape", [(4099, 4096), (1000, 333), (64, 12288)], ids=str)
 def test_backward_bitwise_deterministic(shape):
     x, g, b, dy = _inputs(shape, jnp.float32, seed=9)

@@ -475,6 +475,12 @@ inline rms::Tuning staged_tuning() {
   return tu;
 }
 
+// Fills n floats with value (grid-stride).
+__global__ void fill_f32(float* __restrict__ p, int64_t n, float value) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    p[i] = value;
+}
+
 template <typename T>
 ffi::Error launch_fwd(cudaStream_t stream, const T* x, const T* gamma, const T* beta, T* y, float* mean, float* rstd,
                       float eps, int64_t rows, int64_t W) {
@@ -582,7 +588,13 @@ ffi::Error LayerNormFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
   const auto v = rows_view(x);
   if (auto e = check_stat(*mean, v.rows, "mean"); e.failure()) return e;
   if (auto e = check_stat(*rstd, v.rows, "rstd"); e.failure()) return e;
-  if (v.rows == 0 || v.width == 0) return ffi::Error::Success();
+  if (v.rows == 0) return ffi::Error::Success();
+  if (v.width == 0) {  // empty rows: statistics are 0/0, as in the reference and the CPU kernel
+    const unsigned grid = unsigned(std::min<int64_t>(rw::ceil_div(v.rows, 256), 1024));
+    ln::fill_f32<<<grid, 256, 0, stream>>>(static_cast<float*>(mean->untyped_data()), v.rows, NAN);
+    ln::fill_f32<<<grid, 256, 0, stream>>>(static_cast<float*>(rstd->untyped_data()), v.rows, NAN);
+    return check_launch("layer_norm forward (cuda) launch");
+  }
   ffi::Error result = ffi::Error::Success();
   const bool ok = rw::dispatch(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
