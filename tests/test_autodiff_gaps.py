@@ -356,3 +356,26 @@ def test_every_op_has_a_vjp_rule_or_a_reason():
     has_vjp_rule("MatMul")                      # loads the rule modules
     missing = set(OP_CLASSES) - set(VJP_RULES) - NO_GRADIENT - set(UNFUSE)
     assert missing == set(NO_RULE), sorted(missing ^ set(NO_RULE))
+
+
+# -- a forward graph with a checkpointed trajectory: [K, *carry] ----------------------------
+
+def test_checkpointed_trajectory_scan_forward_graph_declares_k_rows_and_differentiates():
+    """Scan(save_trajectory, num_checkpoints=K < length) outputs the K rows
+    floor(t * length / K) (RLX's op.rs); the shape rule declares [K, *carry], the graph
+    lowers, and grad_with_loss through it matches jax.grad."""
+    length, k = 7, 3
+    body = Graph("step")
+    c, b, x = body.input("c", [4], "f32"), body.input("b", [4], "f32"), body.input("x", [4], "f32")
+    body.set_outputs([body.tanh(body.add(body.mul(c, b), x))])
+    g = Graph("ckpt_traj")
+    init, b, xs = g.param("init", [4], "f32"), g.param("b", [4], "f32"), g.param("xs", [length, 4], "f32")
+    traj = g.scan(init, body, length, bcasts=[b], xs=[xs], save_trajectory=True, num_checkpoints=k)
+    assert g.node(traj).shape.dims == (k, 4)
+    g.set_outputs([_weighted_sum(g, traj, 3)])
+    g.verify()
+    rng = np.random.RandomState(1)
+    params = {"init": rng.randn(4).astype(np.float32), "b": rng.randn(4).astype(np.float32),
+              "xs": (0.5 * rng.randn(length, 4)).astype(np.float32)}
+    gg, _ = _grad_vs_jax(g, params, {}, ["init", "b", "xs"])
+    assert any(type(n.op).__name__ == "ScanBackward" for n in gg.nodes)

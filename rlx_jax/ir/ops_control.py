@@ -13,7 +13,7 @@ from .dtypes import DType
 from .errors import OpFault
 from .op import Op, op_class
 from .registry import get_custom_op
-from .shape import Shape, shapes_match
+from .shape import Shape, dims_compatible, shapes_match
 
 
 def body_inputs(g) -> list:
@@ -111,7 +111,9 @@ class Scan(Op):
     """``lax.scan``: ``carry = body(carry, *bcasts, *xs[t])`` for t < ``length``; inputs
     ``[init, bcasts (num_bcast), xs (num_xs, each [length, ...])]``; output the final
     carry, or ``[length, *carry]`` (row t = carry after step t+1) with
-    ``save_trajectory``. ``num_checkpoints`` > 0 bounds backward memory."""
+    ``save_trajectory``. ``num_checkpoints`` = K > 0 bounds backward memory; with
+    ``save_trajectory`` and 0 < K < length only the K rows ``floor(t * length / K)``
+    are kept: ``[K, *carry]`` (RLX's op.rs)."""
 
     body: "Graph"
     length: int
@@ -133,16 +135,28 @@ class Scan(Op):
         steps = scan_xs_steps(self.length, ins[1 + self.num_bcast:])
         check_signature("Scan", self.body, [init, *bc, *steps], out_shapes=[init])
         if self.save_trajectory:
-            return Shape((self.length,) + init.dims, init.dtype)
+            return Shape((trajectory_rows(self.length, self.num_checkpoints),) + init.dims, init.dtype)
         return init
+
+
+def trajectory_rows(length: int, num_checkpoints: int) -> int:
+    """Rows of a saved trajectory: ``length``, or K when 0 < K = num_checkpoints < length."""
+    return num_checkpoints if 0 < num_checkpoints < length else length
 
 
 def _check_scan_bwd(op, ins):
     init, traj, up = ins[:3]
     steps = scan_xs_steps(op.length, ins[3:])
-    d_out = Shape((op.length,) + init.dims, init.dtype) if op.save_trajectory else init
-    if not shapes_match(up, d_out):
-        raise OpFault(f"upstream {up} must match the scan output {d_out}")
+    if op.save_trajectory:
+        # the scan's output rows (K when checkpointed), or all `length` rows
+        rows = {trajectory_rows(op.length, op.num_checkpoints), op.length}
+        ok = up.rank == init.rank + 1 and any(dims_compatible(up.dims[0], r) for r in rows) and shapes_match(
+            Shape(up.dims[1:], up.dtype), init)
+        if not ok:
+            want = " or ".join(f"[{r}, *carry]" for r in sorted(rows))
+            raise OpFault(f"upstream {up} must match the scan output {want} for carry {init}")
+    elif not shapes_match(up, init):
+        raise OpFault(f"upstream {up} must match the scan output {init}")
     if traj.rank != init.rank + 1:
         raise OpFault(f"trajectory {traj} must be [length, *carry] for carry {init}")
     check_signature("ScanBackward body_vjp", op.body_vjp, [init, *steps, init],
