@@ -81,22 +81,28 @@ def _check_case(b, sq, sk, h, hkv, d, dtype, kind="none", window=None, scale=Non
     p = _params(d, kind, window, scale, softcap, m, bb)
     extras = [x for x in (m, bb) if x is not None]
     extras32 = [x for x in (m, _f32(bb)) if x is not None]
+    dl = jax.random.normal(jax.random.PRNGKey(seed + 7), (b, h, sq), jnp.float32) if dlse else jnp.zeros((b, h, sq))
+
+    def ours(q, k, v, dy, dl, *extras):  # forward, then the backward from the kernel's out / lse
+        out, lse = A.attention_fwd(q, k, v, *extras, **p)
+        dlm = jnp.where(jnp.isfinite(lse), dl, 0.0)
+        return out, lse, A.attention_bwd(q, k, v, out, lse, dy, dlm, *extras, **p)
+
+    def ref(q, k, v, dy, dl, out, *extras):  # f32 reference; its backward uses our out
+        out_r, lse_r = A.reference_attention(q, k, v, *extras, **p)
+        dlm = jnp.where(jnp.isfinite(lse_r), dl, 0.0)
+        return out_r, lse_r, A.reference_attention_bwd(q, k, v, out, lse_r, dy, dlm, *extras, **p)
+
     with jax.default_matmul_precision("highest"):
-        # forward: out and lse vs the f32 reference on the same (rounded) values
-        out, lse = jax.jit(lambda *a: A.attention_fwd(*a, **p))(q, k, v, *extras)
-        out_r, lse_r = jax.jit(lambda *a: A.reference_attention(*a, **p))(_f32(q), _f32(k), _f32(v), *extras32)
+        out, lse, grads = jax.jit(ours)(q, k, v, dy, dl, *extras)
+        out_r, lse_r, grads_r = jax.jit(ref)(_f32(q), _f32(k), _f32(v), _f32(dy), dl, _f32(out), *extras32)
         _close(out, out_r, dtype, "out")
         lse, lse_r = np.asarray(lse), np.asarray(lse_r)
         assert (np.isneginf(lse) == np.isneginf(lse_r)).all(), "lse: -inf pattern differs"
         fin = np.isfinite(lse_r)
         _close(lse[fin], lse_r[fin], jnp.float32 if dtype == jnp.float32 else jnp.float16, "lse")
-        # backward primitive with the kernel's own out / lse (and a dlse term)
-        dl = jax.random.normal(jax.random.PRNGKey(seed + 7), lse.shape, jnp.float32) if dlse else jnp.zeros(lse.shape)
-        dl = jnp.where(jnp.isfinite(lse_r), dl, 0.0)
-        grads = jax.jit(lambda *a: A.attention_bwd(*a, **p))(q, k, v, out, jnp.asarray(lse), dy, dl, *extras)
-        grads_r = jax.jit(lambda *a: A.reference_attention_bwd(*a, **p))(
-            _f32(q), _f32(k), _f32(v), _f32(out), jnp.asarray(lse_r), _f32(dy), dl, *extras32)
         names = ["dq", "dk", "dv", "dbias"]
+        assert len(grads) == len(grads_r) == 3 + int(bias)
         for n, g, gr in zip(names, grads, grads_r):
             _close(g, gr, dtype, n)
         if dead_batch:
@@ -157,8 +163,8 @@ def test_generic_path(case):
 # ---- through the public ops -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype,d", [(jnp.bfloat16, 128), (jnp.float32, 64), (jnp.bfloat16, 96)])
-@pytest.mark.parametrize("kind", ["none", "causal", "sliding"])
+@pytest.mark.parametrize("dtype,d,kind", [(jnp.bfloat16, 128, "causal"), (jnp.bfloat16, 64, "sliding"),
+                                          (jnp.float32, 64, "none"), (jnp.float16, 96, "causal")])
 def test_grad_through_ops(dtype, d, kind):
     q, k, v, dy, m, _ = _inputs(2, 90, 110, 4, 2, d, dtype, 3, mask=True)
     window = 30 if kind == "sliding" else None
@@ -207,14 +213,14 @@ def test_deterministic():
         assert np.array_equal(x, y)
 
 
-@pytest.mark.parametrize("sq,sk,h,hkv", [(0, 16, 2, 2), (16, 0, 2, 1), (0, 0, 2, 2), (8, 8, 0, 0)])
+@pytest.mark.parametrize("b,sq,sk,h,hkv", [(2, 0, 16, 2, 2), (2, 16, 0, 2, 1), (2, 0, 0, 2, 2), (0, 8, 8, 2, 2)])
 @pytest.mark.parametrize("d", [64, 32])
-def test_zero_sized(sq, sk, h, hkv, d):
+def test_zero_sized(b, sq, sk, h, hkv, d):
     dtype = jnp.bfloat16
-    q = jnp.ones((2, sq, h, d), dtype)
-    k = jnp.ones((2, sk, hkv, d), dtype)
-    v = jnp.ones((2, sk, hkv, d), dtype)
-    dy = jnp.ones((2, sq, h, d), dtype)
+    q = jnp.ones((b, sq, h, d), dtype)
+    k = jnp.ones((b, sk, hkv, d), dtype)
+    v = jnp.ones((b, sk, hkv, d), dtype)
+    dy = jnp.ones((b, sq, h, d), dtype)
     q, k, v, dy = (jax.device_put(x, _gpu()) for x in (q, k, v, dy))
     out = jax.jit(lambda q, k, v: attention(q, k, v))(q, k, v)
     assert out.shape == q.shape

@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(kGenWarps * 32)
   const int64_t hk = h / a.group;
   const int64_t i = qb * kGenWarps + warp;
   const bool row_ok = i < a.Sq;
-  const int64_t q_rs = a.H * a.D, kv_rs = a.Hkv * a.D;
+  const int64_t kv_rs = a.Hkv * a.D;
   if (row_ok)
     for (int64_t d = lane; d < a.D; d += 32) qrow[d] = to_f32(q[((b * a.Sq + i) * a.H + h) * a.D + d]);
   // keys this block needs: up to the last visible position of its last row

@@ -43,7 +43,7 @@ constexpr int mma_lds() { return D + 8; }  // padded shared row (elements)
 
 // Shared memory bytes of each kernel (elements are 2 bytes).
 template <int D>
-constexpr size_t mma_fwd_smem() { return size_t(2) * mma_lds<D>() * (kBQ + 4 * kBK); }
+constexpr size_t mma_fwd_smem(int mt, int nk) { return size_t(2) * mma_lds<D>() * (64 * mt + 4 * nk); }
 template <int D>
 constexpr size_t mma_dkdv_smem() {
   return size_t(2) * mma_lds<D>() * (2 * kBK + 4 * kBQ) + sizeof(float) * 4 * kBQ;
@@ -122,12 +122,12 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   return r;
 }
 
-// rows [r0, r0 + 64) of x (row r at x + r * rs, D elements) -> dst[64][LDS]; rows >= n zero.
-template <typename T, int D>
+// rows [r0, r0 + ROWS) of x (row r at x + r * rs, D elements) -> dst[64][LDS]; rows >= n zero.
+template <typename T, int D, int ROWS = 64>
 __device__ __forceinline__ void load_tile(T* dst, const T* __restrict__ x, int64_t rs, int64_t r0, int64_t n) {
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
   constexpr int LDS = mma_lds<D>();
-  for (int c = threadIdx.x; c < 64 * kChunks; c += kMmaThreads) {
+  for (int c = threadIdx.x; c < ROWS * kChunks; c += kMmaThreads) {
     const int r = c / kChunks, col = (c % kChunks) * 8;
     const bool ok = r0 + r < n;
     const T* src = ok ? x + (r0 + r) * rs + col : x;
@@ -135,45 +135,67 @@ __device__ __forceinline__ void load_tile(T* dst, const T* __restrict__ x, int64
   }
 }
 
-// C[16 x 64] (+)= A[16 x D] B^T, A rows at `a` (row stride LDS, the warp's 16 rows), B rows
-// (64 of them, [n][k] storage) at `bm`: the S = Q K^T shape.
-template <typename T, int D>
-__device__ __forceinline__ void mma_abt(float (&c)[8][4], const T* a, const T* bm, int lane) {
+// C[16 MT x 64] (+)= A[16 MT x D] B^T, A rows at `a` (row stride LDS, the warp's 16 MT rows),
+// B rows (64 of them, [n][k] storage) at `bm`: the S = Q K^T shape. Each B fragment loaded
+// from shared memory feeds MT products.
+template <typename T, int D, int MT, int NK = kBK>
+__device__ __forceinline__ void mma_abt_m(float (&c)[MT][NK / 8][4], const T* a, const T* bm, int lane) {
   constexpr int LDS = mma_lds<D>();
 #pragma unroll
   for (int kc = 0; kc < D / 16; ++kc) {
-    uint32_t af[4];
-    ldsm_x4(af, a + (lane & 15) * LDS + kc * 16 + (lane >> 4) * 8);
+    uint32_t af[MT][4];
 #pragma unroll
-    for (int np = 0; np < 4; ++np) {
+    for (int mt = 0; mt < MT; ++mt) ldsm_x4(af[mt], a + (mt * 16 + (lane & 15)) * LDS + kc * 16 + (lane >> 4) * 8);
+#pragma unroll
+    for (int np = 0; np < NK / 16; ++np) {
       uint32_t bf[4];
       ldsm_x4(bf, bm + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * LDS + kc * 16 + ((lane >> 3) & 1) * 8);
-      mma16816<T>(c[2 * np], af, bf[0], bf[1]);
-      mma16816<T>(c[2 * np + 1], af, bf[2], bf[3]);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma16816<T>(c[mt][2 * np], af[mt], bf[0], bf[1]);
+        mma16816<T>(c[mt][2 * np + 1], af[mt], bf[2], bf[3]);
+      }
     }
   }
 }
 
-// O[16 x D] += P[16 x 64] V, P given as C fragments (converted to A fragments here), V rows
-// (64 of them, [k][n] storage) at `vm`: the P V shape.
-template <typename T, int D>
-__device__ __forceinline__ void mma_pv(float (&o)[D / 8][4], const float (&p)[8][4], const T* vm, int lane) {
+// O[16 MT x D] += P[16 MT x 64] V, P given as C fragments (converted to A fragments here), V
+// rows (64 of them, [k][n] storage) at `vm`: the P V shape.
+template <typename T, int D, int MT, int NK = kBK>
+__device__ __forceinline__ void mma_pv_m(float (&o)[MT][D / 8][4], const float (&p)[MT][NK / 8][4], const T* vm,
+                                         int lane) {
   constexpr int LDS = mma_lds<D>();
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    uint32_t pa[4];
-    pa[0] = pack2<T>(p[2 * kk][0], p[2 * kk][1]);
-    pa[1] = pack2<T>(p[2 * kk][2], p[2 * kk][3]);
-    pa[2] = pack2<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]);
-    pa[3] = pack2<T>(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+  for (int kk = 0; kk < NK / 16; ++kk) {
+    uint32_t pa[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      pa[mt][0] = pack2<T>(p[mt][2 * kk][0], p[mt][2 * kk][1]);
+      pa[mt][1] = pack2<T>(p[mt][2 * kk][2], p[mt][2 * kk][3]);
+      pa[mt][2] = pack2<T>(p[mt][2 * kk + 1][0], p[mt][2 * kk + 1][1]);
+      pa[mt][3] = pack2<T>(p[mt][2 * kk + 1][2], p[mt][2 * kk + 1][3]);
+    }
 #pragma unroll
     for (int dp = 0; dp < D / 16; ++dp) {
       uint32_t bf[4];
       ldsm_x4_t(bf, vm + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + dp * 16 + (lane >> 4) * 8);
-      mma16816<T>(o[2 * dp], pa, bf[0], bf[1]);
-      mma16816<T>(o[2 * dp + 1], pa, bf[2], bf[3]);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma16816<T>(o[mt][2 * dp], pa[mt], bf[0], bf[1]);
+        mma16816<T>(o[mt][2 * dp + 1], pa[mt], bf[2], bf[3]);
+      }
     }
   }
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void mma_abt(float (&c)[8][4], const T* a, const T* bm, int lane) {
+  mma_abt_m<T, D, 1>(*reinterpret_cast<float(*)[1][8][4]>(&c), a, bm, lane);
+}
+template <typename T, int D>
+__device__ __forceinline__ void mma_pv(float (&o)[D / 8][4], const float (&p)[8][4], const T* vm, int lane) {
+  mma_pv_m<T, D, 1>(*reinterpret_cast<float(*)[1][D / 8][4]>(&o), *reinterpret_cast<const float(*)[1][8][4]>(&p),
+                    vm, lane);
 }
 
 template <int N>
@@ -183,131 +205,152 @@ __device__ __forceinline__ void zero(float (&c)[N][4]) {
 }
 
 // Does the (query tile q0, key tile k0) block need per-element masking?
-__device__ __forceinline__ bool tile_needs_mask(const AttnArgs& a, int64_t q0, int64_t k0) {
-  if (a.mask != nullptr || k0 + kBK > a.Sk) return true;
-  if (a.kind >= 1 && k0 + kBK - 1 > q0 + a.off) return true;
-  if (a.kind == 2 && k0 < q0 + kBQ - 1 + a.off - a.window) return true;
+// (rows: the query rows [q0, q0 + rows) the caller masks.)
+__device__ __forceinline__ bool tile_needs_mask(const AttnArgs& a, int64_t q0, int64_t k0, int64_t rows = kBQ,
+                                                int64_t cols = kBK) {
+  if (a.mask != nullptr || k0 + cols > a.Sk) return true;
+  if (a.kind >= 1 && k0 + cols - 1 > q0 + a.off) return true;
+  if (a.kind == 2 && k0 < q0 + rows - 1 + a.off - a.window) return true;
   return false;
 }
 
 // Key tiles [kbeg, kend) (kbeg a multiple of kBK) that query rows [q0, q_last] can see.
 __device__ __forceinline__ void key_range(const AttnArgs& a, int64_t q0, int64_t q_last, int64_t* kbeg,
-                                          int64_t* kend) {
+                                          int64_t* kend, int64_t tile = kBK) {
   int64_t e = a.Sk, s = 0;
   if (a.kind != 0) e = min(a.Sk, q_last + a.off + 1);
   if (a.kind == 2) s = max(int64_t(0), q0 + a.off - a.window);
-  *kbeg = s / kBK * kBK;
+  *kbeg = s / tile * tile;
   *kend = e;
 }
 
 // ---- forward ---------------------------------------------------------------------------------
-template <typename T, int D>
+// Template: MT m-tiles of 16 rows per warp (block rows 16 MT * 4; warp w owns rows
+// [16 MT w, 16 MT (w + 1))), NK keys per step. The launcher uses MT = 1, NK = 64 (measured
+// fastest of the variants tried; see attention.cu).
+
+template <typename T, int D, int MT, int NK>
 __global__ void __launch_bounds__(kMmaThreads)
     mma_fwd_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                    const T* __restrict__ bias, T* __restrict__ out, float* __restrict__ lse) {
 #if RLX_ATTN_MMA
   constexpr int LDS = mma_lds<D>();
+  constexpr int kFwdBQ = 16 * MT * (kMmaThreads / 32);
   extern __shared__ uint4 smem_u4[];
   T* Qs = reinterpret_cast<T*>(smem_u4);
-  T* Ks = Qs + kBQ * LDS;  // [2][kBK * LDS]
-  T* Vs = Ks + 2 * kBK * LDS;
+  T* Ks = Qs + kFwdBQ * LDS;  // [2][NK * LDS]
+  T* Vs = Ks + 2 * NK * LDS;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
-  const int64_t nqt = (a.Sq + kBQ - 1) / kBQ;
+  const int64_t nqt = (a.Sq + kFwdBQ - 1) / kFwdBQ;
   int64_t blk = blockIdx.x;
   const int64_t qt = nqt - 1 - blk % nqt;  // heaviest (causal) tiles first
   blk /= nqt;
   const int64_t h = blk % a.H, b = blk / a.H, hk = h / a.group;
-  const int64_t q0 = qt * kBQ;
+  const int64_t q0 = qt * kFwdBQ;
   const int64_t q_rs = a.H * D, kv_rs = a.Hkv * D;
   const T* qb = q + (b * a.Sq * a.H + h) * D;
   const T* kb = k + (b * a.Sk * a.Hkv + hk) * D;
   const T* vb = v + (b * a.Sk * a.Hkv + hk) * D;
   int64_t kbeg, kend;
-  key_range(a, q0, min(a.Sq - 1, q0 + kBQ - 1), &kbeg, &kend);
-  load_tile<T, D>(Qs, qb, q_rs, q0, a.Sq);
+  key_range(a, q0, min(a.Sq - 1, q0 + kFwdBQ - 1), &kbeg, &kend, NK);
+#pragma unroll
+  for (int part = 0; part < MT; ++part) load_tile<T, D, 64>(Qs + part * 64 * LDS, qb, q_rs, q0 + part * 64, a.Sq);
   if (kbeg < kend) {
-    load_tile<T, D>(Ks, kb, kv_rs, kbeg, a.Sk);
-    load_tile<T, D>(Vs, vb, kv_rs, kbeg, a.Sk);
+    load_tile<T, D, NK>(Ks, kb, kv_rs, kbeg, a.Sk);
+    load_tile<T, D, NK>(Vs, vb, kv_rs, kbeg, a.Sk);
   }
   cp_async_commit();
-  const int64_t row0 = q0 + warp * 16 + g;  // this thread's rows: row0, row0 + 8
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  float o[D / 8][4];
-  zero(o);
+  const int64_t wrow0 = q0 + warp * 16 * MT;  // this warp's rows; thread rows wrow0 + 16 mt + 8 r + g
+  float m[MT][2], l[MT][2];
+  float o[MT][D / 8][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    m[mt][0] = m[mt][1] = -INFINITY;
+    l[mt][0] = l[mt][1] = 0.f;
+    zero(o[mt]);
+  }
   int buf = 0;
-  for (int64_t k0 = kbeg; k0 < kend; k0 += kBK, buf ^= 1) {
+  for (int64_t k0 = kbeg; k0 < kend; k0 += NK, buf ^= 1) {
     cp_async_wait_all();
     __syncthreads();
-    if (k0 + kBK < kend) {
-      load_tile<T, D>(Ks + (buf ^ 1) * kBK * LDS, kb, kv_rs, k0 + kBK, a.Sk);
-      load_tile<T, D>(Vs + (buf ^ 1) * kBK * LDS, vb, kv_rs, k0 + kBK, a.Sk);
+    if (k0 + NK < kend) {
+      load_tile<T, D, NK>(Ks + (buf ^ 1) * NK * LDS, kb, kv_rs, k0 + NK, a.Sk);
+      load_tile<T, D, NK>(Vs + (buf ^ 1) * NK * LDS, vb, kv_rs, k0 + NK, a.Sk);
     }
     cp_async_commit();
-    float s[8][4];
-    zero(s);
-    mma_abt<T, D>(s, Qs + warp * 16 * LDS, Ks + buf * kBK * LDS, lane);
-    const bool need = tile_needs_mask(a, q0, k0);
-    float mx[2] = {-INFINITY, -INFINITY};
+    float s[MT][NK / 8][4];
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
+    for (int mt = 0; mt < MT; ++mt) zero(s[mt]);
+    mma_abt_m<T, D, MT, NK>(s, Qs + warp * 16 * MT * LDS, Ks + buf * NK * LDS, lane);
+    const bool need = tile_needs_mask(a, wrow0, k0, 16 * MT, NK);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int64_t i = row0 + (e >> 1) * 8, j = k0 + nt * 8 + 2 * tq + (e & 1);
-        float th;
-        float x = cap_score(s[nt][e] * a.scale, a.softcap, &th);
-        if (need && (i >= a.Sq || !visible(a, b, i, j))) {
-          x = -INFINITY;
-        } else if (bias != nullptr && i < a.Sq) {
-          x += to_f32(bias[((b * a.H + h) * a.Sq + i) * a.Sk + j]);
+    for (int mt = 0; mt < MT; ++mt) {
+      float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int nt = 0; nt < NK / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int64_t i = wrow0 + mt * 16 + (e >> 1) * 8 + g, j = k0 + nt * 8 + 2 * tq + (e & 1);
+          float th;
+          float x = cap_score(s[mt][nt][e] * a.scale, a.softcap, &th);
+          if (need && (i >= a.Sq || !visible(a, b, i, j))) {
+            x = -INFINITY;
+          } else if (bias != nullptr && i < a.Sq) {
+            x += to_f32(bias[((b * a.H + h) * a.Sq + i) * a.Sk + j]);
+          }
+          s[mt][nt][e] = x;
+          mx[e >> 1] = fmaxf(mx[e >> 1], x);
         }
-        s[nt][e] = x;
-        mx[e >> 1] = fmaxf(mx[e >> 1], x);
+      float mu[2], alpha[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        const float mn = fmaxf(m[mt][r], mx[r]);
+        mu[r] = mn == -INFINITY ? 0.f : mn;
+        alpha[r] = __expf(m[mt][r] - mu[r]);
+        m[mt][r] = mn;
       }
-    float mu[2], alpha[2];
+      float ls[2] = {0.f, 0.f};
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-      const float mn = fmaxf(m[r], mx[r]);
-      mu[r] = mn == -INFINITY ? 0.f : mn;
-      alpha[r] = __expf(m[r] - mu[r]);
-      m[r] = mn;
-    }
-    float ls[2] = {0.f, 0.f};
+      for (int nt = 0; nt < NK / 8; ++nt)
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
+        for (int e = 0; e < 4; ++e) {
+          const float p = __expf(s[mt][nt][e] - mu[e >> 1]);
+          s[mt][nt][e] = p;
+          ls[e >> 1] += p;
+        }
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float p = __expf(s[nt][e] - mu[e >> 1]);
-        s[nt][e] = p;
-        ls[e >> 1] += p;
+      for (int r = 0; r < 2; ++r) l[mt][r] = l[mt][r] * alpha[r] + ls[r];
+#pragma unroll
+      for (int nt = 0; nt < D / 8; ++nt) {
+        o[mt][nt][0] *= alpha[0];
+        o[mt][nt][1] *= alpha[0];
+        o[mt][nt][2] *= alpha[1];
+        o[mt][nt][3] *= alpha[1];
       }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + ls[r];
-#pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt) {
-      o[nt][0] *= alpha[0];
-      o[nt][1] *= alpha[0];
-      o[nt][2] *= alpha[1];
-      o[nt][3] *= alpha[1];
     }
-    mma_pv<T, D>(o, s, Vs + buf * kBK * LDS, lane);
+    mma_pv_m<T, D, MT, NK>(o, s, Vs + buf * NK * LDS, lane);
   }
   cp_async_wait_all();
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    const int64_t i = row0 + r * 8;
-    if (i >= a.Sq) continue;
-    const bool live = l[r] > 0.f;
-    const float inv = live ? 1.f / l[r] : 0.f;
-    T* orow = out + ((b * a.Sq + i) * a.H + h) * D;
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt)
-      *reinterpret_cast<uint32_t*>(orow + nt * 8 + 2 * tq) = pack2<T>(o[nt][2 * r] * inv, o[nt][2 * r + 1] * inv);
-    if (tq == 0) lse[(b * a.H + h) * a.Sq + i] = live ? m[r] + logf(l[r]) : -INFINITY;
-  }
+    for (int r = 0; r < 2; ++r) {
+      float lr = l[mt][r];
+      lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+      lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+      const int64_t i = wrow0 + mt * 16 + r * 8 + g;
+      if (i >= a.Sq) continue;
+      const bool live = lr > 0.f;
+      const float inv = live ? 1.f / lr : 0.f;
+      T* orow = out + ((b * a.Sq + i) * a.H + h) * D;
+#pragma unroll
+      for (int nt = 0; nt < D / 8; ++nt)
+        *reinterpret_cast<uint32_t*>(orow + nt * 8 + 2 * tq) =
+            pack2<T>(o[mt][nt][2 * r] * inv, o[mt][nt][2 * r + 1] * inv);
+      if (tq == 0) lse[(b * a.H + h) * a.Sq + i] = live ? m[mt][r] + logf(lr) : -INFINITY;
+    }
 #endif
 }
 
