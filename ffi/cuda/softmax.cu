@@ -3,6 +3,8 @@
 //
 //   rlx_softmax_fwd: x [R.., W] -> y = exp(x - max(x)) / sum(exp(x - max(x)))
 //   rlx_softmax_bwd: y, dy [R.., W] -> dx = y * (dy - sum(dy * y))
+//   rlx_softmax_bwd_x: x, dy [R.., W] -> the same dx with y = softmax(x) recomputed in
+//     the row pass (a pullback keeps x, not y: the forward need not write y)
 // One dtype for all operands (f32, bf16, f16), f32 arithmetic.
 //
 // Work layout (rowwise_common.cuh): a group of tpr threads per row; the row is walked in
@@ -13,6 +15,11 @@
 // elements per 512-thread block) are read once from memory; wider rows re-read the
 // earlier chunks, which the first pass left in L2 (default-cached loads).
 // The backward does the same with the row dot product sum(dy * y).
+// The backward from x keeps, per thread, a running max m, s = sum exp(x - m) and
+// d = sum exp(x - m) dy (both rescaled when m grows), reduces max, then s and d over the
+// group, and writes dx = exp(x - M) / S * (dy - D / S) chunk by chunk in reverse order.
+// Rows of one chunk take the group max first instead, so each element is exponentiated
+// once and kept in registers.
 #include "cuda/rowwise_common.cuh"
 
 namespace rlx {
@@ -140,9 +147,121 @@ softmax_bwd_k(const T* __restrict__ y, const T* __restrict__ dy, T* __restrict__
   }
 }
 
-// Elements per thread per chunk: 16 in the forward (one array), 8 in the backward (two).
-template <typename T, bool BWD>
+template <typename T, int VEC, int NV>
+__global__ void __launch_bounds__(kMaxThreads, 2)
+softmax_bwd_x_k(const T* __restrict__ x, const T* __restrict__ dy, T* __restrict__ dx, int64_t rows, int64_t W,
+                int tpr) {
+  __shared__ float red[64];
+  const int gpb = blockDim.x / tpr;
+  const int g = threadIdx.x / tpr, t = threadIdx.x - g * tpr;
+  const int64_t chunk = int64_t(tpr) * NV * VEC;
+  const int64_t nch = (W + chunk - 1) / chunk;
+  const bool one = nch == 1;  // uniform over the grid: the branches below keep barriers uniform
+  int ph = 0;
+  for (int64_t rb = blockIdx.x; rb * gpb < rows; rb += gridDim.x) {
+    const int64_t r = rb * gpb + g;
+    const bool rv = r < rows;
+    const int64_t off = (rv ? r : 0) * W;
+    float a[NV][VEC], b[NV][VEC];  // x (then exp(x - M)), dy
+    float M, inv, dot;
+    if (one) {
+      load_chunk<T, VEC, NV>(x + off, 0, tpr, t, W, rv, true, -INFINITY, a);
+      load_chunk<T, VEC, NV>(dy + off, 0, tpr, t, W, rv, true, 0.f, b);
+      float m = -INFINITY;
+#pragma unroll
+      for (int k = 0; k < NV; ++k)
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) m = fmaxf(m, a[k][i]);
+      M = group_max(m, tpr, red, ph);
+      ph ^= 1;
+      float s = 0.f, d = 0.f;
+#pragma unroll
+      for (int k = 0; k < NV; ++k)
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          // padding (x = -inf) gives exp(-inf) = 0; a row of -inf gives NaN, as the reference
+          a[k][i] = fast_exp(a[k][i] - M);
+          s += a[k][i];
+          d += a[k][i] * b[k][i];
+        }
+      const float S = group_sum(s, tpr, red, ph);
+      ph ^= 1;
+      const float D = group_sum(d, tpr, red, ph);
+      ph ^= 1;
+      inv = 1.f / S;
+      dot = D * inv;
+      if (!rv) continue;
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int64_t col = int64_t(t + k * tpr) * VEC;
+        if (col >= W) continue;
+        float o[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) o[i] = a[k][i] * inv * (b[k][i] - dot);
+        store_vec<T, VEC>(dx + off + col, o);
+      }
+      continue;
+    }
+    float m = -INFINITY, s = 0.f, d = 0.f;
+    for (int64_t c = 0; c < nch; ++c) {
+      load_chunk<T, VEC, NV>(x + off, c * chunk, tpr, t, W, rv, false, -INFINITY, a);
+      load_chunk<T, VEC, NV>(dy + off, c * chunk, tpr, t, W, rv, false, 0.f, b);
+      float cm = -INFINITY;
+#pragma unroll
+      for (int k = 0; k < NV; ++k)
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) cm = fmaxf(cm, a[k][i]);
+      if (cm > m) {
+        const float f = fast_exp(m - cm);  // 0 while m is -inf
+        s *= f;
+        d *= f;
+        m = cm;
+      }
+      if (m != -INFINITY) {
+#pragma unroll
+        for (int k = 0; k < NV; ++k)
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) {
+            const float e = fast_exp(a[k][i] - m);
+            s += e;
+            d += e * b[k][i];
+          }
+      }
+    }
+    M = group_max(m, tpr, red, ph);
+    ph ^= 1;
+    const float f = m == -INFINITY ? 0.f : fast_exp(m - M);
+    const float S = group_sum(s * f, tpr, red, ph);
+    ph ^= 1;
+    const float D = group_sum(d * f, tpr, red, ph);
+    ph ^= 1;
+    inv = 1.f / S;
+    dot = D * inv;
+    if (!rv) continue;
+    for (int64_t c = nch - 1; c >= 0; --c) {
+      if (c != nch - 1) {
+        load_chunk<T, VEC, NV>(x + off, c * chunk, tpr, t, W, true, true, -INFINITY, a);
+        load_chunk<T, VEC, NV>(dy + off, c * chunk, tpr, t, W, true, true, 0.f, b);
+      }
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int64_t col = c * chunk + int64_t(t + k * tpr) * VEC;
+        if (col >= W) continue;
+        float o[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) o[i] = fast_exp(a[k][i] - M) * inv * (b[k][i] - dot);
+        store_vec<T, VEC>(dx + off + col, o);
+      }
+    }
+  }
+}
+
+enum class Kind { kFwd, kBwd, kBwdX };
+
+// Elements per thread per chunk: 16 in the forward (one array), 8 in the backwards (two).
+template <typename T, Kind K>
 ffi::Error launch(cudaStream_t stream, const T* a, const T* b, T* out, int64_t rows, int64_t W) {
+  constexpr bool BWD = K != Kind::kFwd;
   constexpr int v16 = kVec16<T>;
   constexpr int kElems = BWD ? 8 : 16;
   const bool aligned = aligned16(a) && aligned16(out) && (!BWD || aligned16(b));
@@ -151,7 +270,9 @@ ffi::Error launch(cudaStream_t stream, const T* a, const T* b, T* out, int64_t r
     constexpr int VEC = decltype(vec_c)::value;
     constexpr int NV = kElems / VEC;
     const Geom gm = row_geom(rows, ceil_div(W, VEC), NV, kMaxThreads, sms);
-    if constexpr (BWD)
+    if constexpr (K == Kind::kBwdX)
+      softmax_bwd_x_k<T, VEC, NV><<<unsigned(gm.grid), gm.threads, 0, stream>>>(a, b, out, rows, W, gm.tpr);
+    else if constexpr (K == Kind::kBwd)
       softmax_bwd_k<T, VEC, NV><<<unsigned(gm.grid), gm.threads, 0, stream>>>(a, b, out, rows, W, gm.tpr);
     else
       softmax_fwd_k<T, VEC, NV><<<unsigned(gm.grid), gm.threads, 0, stream>>>(a, out, rows, W, gm.tpr);
@@ -172,7 +293,7 @@ ffi::Error SoftmaxFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi
   ffi::Error result = ffi::Error::Success();
   const bool ok = dispatch(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
-    result = launch<T, false>(stream, static_cast<const T*>(x.untyped_data()), nullptr,
+    result = launch<T, Kind::kFwd>(stream, static_cast<const T*>(x.untyped_data()), nullptr,
                               static_cast<T*>(y->untyped_data()), v.rows, v.width);
   });
   if (!ok) return invalid("softmax (cuda): unsupported dtype " + dtype_name(x.element_type()));
@@ -190,10 +311,29 @@ ffi::Error SoftmaxBwdImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::AnyBuffer 
   ffi::Error result = ffi::Error::Success();
   const bool ok = dispatch(y.element_type(), [&](auto tag) {
     using T = decltype(tag);
-    result = launch<T, true>(stream, static_cast<const T*>(y.untyped_data()), static_cast<const T*>(dy.untyped_data()),
+    result = launch<T, Kind::kBwd>(stream, static_cast<const T*>(y.untyped_data()), static_cast<const T*>(dy.untyped_data()),
                              static_cast<T*>(dx->untyped_data()), v.rows, v.width);
   });
   if (!ok) return invalid("softmax backward (cuda): unsupported dtype " + dtype_name(y.element_type()));
+  return result;
+}
+
+ffi::Error SoftmaxBwdXImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dx) {
+  if (x.dimensions().size() < 1) return invalid("softmax backward: x must have rank >= 1");
+  if (!same_dims(x, dy) || dy.element_type() != x.element_type())
+    return invalid("softmax backward: dy must match x in shape and dtype");
+  if (!same_dims(x, *dx) || dx->element_type() != x.element_type())
+    return invalid("softmax backward: dx must match x in shape and dtype");
+  const RowsView v = rows_view(x);
+  if (v.rows == 0 || v.width == 0) return ffi::Error::Success();
+  ffi::Error result = ffi::Error::Success();
+  const bool ok = dispatch(x.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    result = launch<T, Kind::kBwdX>(stream, static_cast<const T*>(x.untyped_data()),
+                                    static_cast<const T*>(dy.untyped_data()), static_cast<T*>(dx->untyped_data()),
+                                    v.rows, v.width);
+  });
+  if (!ok) return invalid("softmax backward (cuda): unsupported dtype " + dtype_name(x.element_type()));
   return result;
 }
 
@@ -215,8 +355,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxSoftmaxBwdCuda, SoftmaxBwdImpl,
                                   .Ret<ffi::AnyBuffer>(),  // dx
                               {ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxSoftmaxBwdXCuda, SoftmaxBwdXImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()   // x
+                                  .Arg<ffi::AnyBuffer>()   // dy
+                                  .Ret<ffi::AnyBuffer>(),  // dx
+                              {ffi::Traits::kCmdBufferCompatible});
+
 RLX_CUDA_REGISTER_HANDLER("rlx_softmax_fwd", RlxSoftmaxFwdCuda);
 RLX_CUDA_REGISTER_HANDLER("rlx_softmax_bwd", RlxSoftmaxBwdCuda);
+RLX_CUDA_REGISTER_HANDLER("rlx_softmax_bwd_x", RlxSoftmaxBwdXCuda);
 
 }  // namespace cuda
 }  // namespace rlx
