@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ from jax.test_util import check_grads
 
 import rlx_jax
 from rlx_jax.ops import softmax, softmax_backward
+from rlx_jax.vjp_rules.softmax import reference_softmax_bwd_x, softmax_bwd_x
 from testutil import assert_close, hlo_text, platform
 
 SHAPES = [(3, 5, 33), (1, 1), (2, 1025), (0, 16), (3, 0)]
@@ -23,12 +26,20 @@ def _x(shape, dtype, seed=0, scale=3.0):
 def test_kernels_registered_and_used():
     info = rlx_jax.kernel_info()[platform()]
     assert info["loaded"], info["error"]
-    assert {"rlx_softmax_fwd", "rlx_softmax_bwd"} <= set(info["targets"])
+    assert {"rlx_softmax_fwd", "rlx_softmax_bwd", "rlx_softmax_bwd_x"} <= set(info["targets"])
     x = _x((4, 8), jnp.float32)
-    text = hlo_text(jax.grad(lambda x: jnp.sum(softmax(x) ** 2)), x)
-    assert "rlx_softmax_fwd" in text and "rlx_softmax_bwd" in text
-    # forward mode runs the backward kernel as the tangent map
-    assert "rlx_softmax_bwd" in hlo_text(lambda x: jax.jvp(softmax, (x,), (x,))[1], x)
+    # reverse mode runs the backward from x (exact target names: rlx_softmax_bwd is a prefix)
+    assert _targets(hlo_text(jax.grad(lambda x: jnp.sum(softmax(x) ** 2)), x)) == {
+        "rlx_softmax_fwd", "rlx_softmax_bwd_x"}
+    # forward mode runs it as the tangent map
+    assert "rlx_softmax_bwd_x" in _targets(hlo_text(lambda x: jax.jvp(softmax, (x,), (x,))[1], x))
+    # the RLX SoftmaxBackward op's wrapper, which receives y, keeps rlx_softmax_bwd
+    assert _targets(hlo_text(softmax_backward, x, x)) == {"rlx_softmax_bwd"}
+
+
+def _targets(text):
+    """The rlx_* custom-call targets in a lowered (StableHLO) or compiled (HLO) text."""
+    return set(re.findall(r"@(rlx_\w+)\(", text)) | set(re.findall(r'custom_call_target="(rlx_\w+)"', text))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -105,3 +116,84 @@ def test_errors():
         softmax(jnp.float32(1.0))
     with pytest.raises(ValueError, match="dy shape"):
         softmax_backward(jnp.ones((2, 3)), jnp.ones((3, 2)))
+
+
+# ---- the backward from x (target rlx_softmax_bwd_x) -----------------------------------
+
+BWD_X_SHAPES = SHAPES + [(4, 7), (3, 17), (2, 1031), (5, 2, 9)]
+
+
+def _bwd_x_oracle(x, dy):
+    """NumPy f64: y = softmax(x), dx = y * (dy - sum(dy * y))."""
+    x, dy = np.asarray(x, np.float64), np.asarray(dy, np.float64)
+    if x.size == 0:
+        return np.zeros(x.shape)
+    e = np.exp(x - x.max(-1, keepdims=True))
+    y = e / e.sum(-1, keepdims=True)
+    return y * (dy - (y * dy).sum(-1, keepdims=True))
+
+
+def test_grad_drops_the_forward_kernel_when_y_is_unused():
+    """sum(softmax(x) * w): the pullback reads x only, so the compiled gradient has no
+    forward kernel left (XLA removes it as dead code); the value-and-grad keeps it."""
+    x, w = _x((16, 40), jnp.float32), _x((16, 40), jnp.float32, seed=5)
+    grad = jax.grad(lambda x: jnp.sum(softmax(x) * w))
+    compiled = jax.jit(grad).lower(x).compile().as_text()
+    assert _targets(compiled) == {"rlx_softmax_bwd_x"}
+    assert_close(grad(x), _bwd_x_oracle(x, w))
+    vg = jax.jit(jax.value_and_grad(lambda x: jnp.sum(softmax(x) * w))).lower(x).compile().as_text()
+    assert _targets(vg) == {"rlx_softmax_fwd", "rlx_softmax_bwd_x"}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", BWD_X_SHAPES)
+def test_backward_from_x_matches_reference(shape, dtype):
+    x, dy = _x(shape, dtype, seed=6), _x(shape, dtype, seed=7, scale=1.0)
+    f = jax.jit(lambda x, dy: softmax_bwd_x(x, dy)[0])
+    assert "rlx_softmax_bwd_x" in _targets(f.lower(x, dy).as_text())
+    got = f(x, dy)
+    assert got.dtype == dtype and got.shape == shape
+    assert_close(got, _bwd_x_oracle(x.astype(jnp.float32), dy.astype(jnp.float32)), dtype)
+    assert_close(got, reference_softmax_bwd_x(x, dy)[0], dtype)
+
+
+def test_backward_from_x_f64(x64):
+    x = jax.random.normal(jax.random.PRNGKey(8), (7, 37), jnp.float64) * 4
+    dy = jax.random.normal(jax.random.PRNGKey(9), (7, 37), jnp.float64)
+    f = jax.jit(lambda x, dy: softmax_bwd_x(x, dy)[0])
+    assert "rlx_softmax_bwd_x" in _targets(f.lower(x, dy).as_text())
+    np.testing.assert_allclose(np.asarray(f(x, dy)), _bwd_x_oracle(x, dy), rtol=1e-12, atol=1e-13)
+    check_grads(lambda x, d: softmax_bwd_x(x, d)[0], (x[:3, :6], dy[:3, :6]), order=2, modes=("fwd", "rev"))
+
+
+def test_backward_from_x_masked_and_large_logits():
+    x = jnp.array([[0.0, -jnp.inf, 1.0, -jnp.inf, 3.0], [1e4, 1e4 - 1.0, -1e4, -jnp.inf, 2.0]], jnp.float32)
+    dy = _x(x.shape, jnp.float32, seed=10, scale=1.0)
+    got = np.asarray(jax.jit(lambda x, dy: softmax_bwd_x(x, dy)[0])(x, dy))
+    assert got[0, 1] == 0 and got[0, 3] == 0 and got[1, 3] == 0
+    assert_close(got, _bwd_x_oracle(x, dy))
+    # jax.grad through ops.softmax agrees with XLA's autodiff of jax.nn.softmax there
+    g = jax.grad(lambda x: jnp.sum(softmax(x) * dy))(x)
+    assert_close(g, jax.grad(lambda x: jnp.sum(jax.nn.softmax(x) * dy))(x))
+
+
+def test_backward_from_x_vmap_keeps_kernel():
+    x, dy = _x((4, 3, 9), jnp.float32, seed=11), _x((4, 3, 9), jnp.float32, seed=12)
+    f = jax.vmap(lambda x, d: softmax_bwd_x(x, d)[0], in_axes=(1, None), out_axes=1)
+    assert "rlx_softmax_bwd_x" in _targets(hlo_text(f, x, dy[:, 0]))
+    want = _bwd_x_oracle(x, np.broadcast_to(np.asarray(dy[:, 0])[:, None], x.shape))
+    assert_close(f(x, dy[:, 0]), want)
+    # per-example gradients through the op
+    g = jax.vmap(jax.grad(lambda x, d: jnp.sum(softmax(x) * d)))
+    assert "rlx_softmax_bwd_x" in _targets(hlo_text(g, x, dy))
+    assert_close(g(x, dy), _bwd_x_oracle(x, dy))
+
+
+def test_backward_from_x_rejects_mismatched_operands():
+    x = jnp.ones((4, 8), jnp.float32)
+    call = jax.ffi.ffi_call("rlx_softmax_bwd_x", (jax.ShapeDtypeStruct((4, 8), jnp.float32),))
+    with pytest.raises(Exception, match="dy must match"):
+        jax.block_until_ready(jax.jit(call)(x, jnp.ones((4, 8), jnp.bfloat16)))
+    bad = jax.ffi.ffi_call("rlx_softmax_bwd_x", (jax.ShapeDtypeStruct((8, 4), jnp.float32),))
+    with pytest.raises(Exception, match="dx must match"):
+        jax.block_until_ready(jax.jit(bad)(x, x))
