@@ -70,7 +70,9 @@ def _cases():
                                  lambda x, g, b, m, v: ops.batch_norm_inference(x, g, b, m, v),
                                  (xb, _arr((32,), 7), _arr((32,), 8), _arr((32,), 9), _arr((32,), 10, lo=0.5, hi=2)),
                                  (0, 1, 2))
-    c["softmax"] = (("rlx_softmax_fwd", "rlx_softmax_bwd"), lambda x: ops.softmax(x), (x,), (0,))
+    c["softmax"] = (("rlx_softmax_fwd", "rlx_softmax_bwd_x"), lambda x: ops.softmax(x), (x,), (0,))
+    c["softmax_backward"] = (("rlx_softmax_bwd",), lambda y, d: ops.softmax_backward(y, d),
+                             (ops.softmax(x), _arr((300, 128), 30)), (0, 1))
     logits = _arr((300, 500), 12)
     labels = jnp.asarray(_rng(13).integers(0, 500, 300), jnp.int32)
     c["softmax_cross_entropy"] = (("rlx_softmax_ce_fwd", "rlx_softmax_ce_bwd"),

@@ -89,6 +89,7 @@ def _drivers():
 
     def rowwise(n):
         lower(lambda x: ops.softmax(x), sds(n, 5, 7))
+        lower(lambda y, d: ops.softmax_backward(y, d), sds(n, 5, 7), sds(n, 5, 7), argnums=(0, 1))
         lower(lambda x, y: ops.softmax_cross_entropy(x, y), sds(n, 11), sds(n, dtype=jnp.int32))
         lower(lambda x: ops.cumsum(x, axis=-1), sds(n, 5, 6))
         cs = sds(5, 4)
