@@ -161,7 +161,8 @@ def test_backward_from_x_f64(x64):
     x = jax.random.normal(jax.random.PRNGKey(8), (7, 37), jnp.float64) * 4
     dy = jax.random.normal(jax.random.PRNGKey(9), (7, 37), jnp.float64)
     f = jax.jit(lambda x, dy: softmax_bwd_x(x, dy)[0])
-    assert "rlx_softmax_bwd_x" in _targets(f.lower(x, dy).as_text())
+    if platform() == "cpu":  # the CUDA kernels take no f64: the reference runs there
+        assert "rlx_softmax_bwd_x" in _targets(f.lower(x, dy).as_text())
     np.testing.assert_allclose(np.asarray(f(x, dy)), _bwd_x_oracle(x, dy), rtol=1e-12, atol=1e-13)
     check_grads(lambda x, d: softmax_bwd_x(x, d)[0], (x[:3, :6], dy[:3, :6]), order=2, modes=("fwd", "rev"))
 
