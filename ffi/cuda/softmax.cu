@@ -18,8 +18,8 @@
 // The backward from x keeps, per thread, a running max m, s = sum exp(x - m) and
 // d = sum exp(x - m) dy (both rescaled when m grows), reduces max, then s and d over the
 // group, and writes dx = exp(x - M) / S * (dy - D / S) chunk by chunk in reverse order.
-// Rows of one chunk take the group max first instead, so each element is exponentiated
-// once and kept in registers.
+// Rows of one chunk (a separate instantiation, picked by the launcher) take the group
+// max first instead, so each element is exponentiated once and kept in registers.
 #include "cuda/rowwise_common.cuh"
 
 namespace rlx {
@@ -147,16 +147,16 @@ softmax_bwd_k(const T* __restrict__ y, const T* __restrict__ dy, T* __restrict__
   }
 }
 
-template <typename T, int VEC, int NV>
+// ONE: every row fits one chunk (W <= tpr * NV * VEC), decided by the launcher.
+template <typename T, int VEC, int NV, bool ONE>
 __global__ void __launch_bounds__(kMaxThreads, 2)
 softmax_bwd_x_k(const T* __restrict__ x, const T* __restrict__ dy, T* __restrict__ dx, int64_t rows, int64_t W,
                 int tpr) {
   __shared__ float red[64];
   const int gpb = blockDim.x / tpr;
   const int g = threadIdx.x / tpr, t = threadIdx.x - g * tpr;
-  const int64_t chunk = int64_t(tpr) * NV * VEC;
-  const int64_t nch = (W + chunk - 1) / chunk;
-  const bool one = nch == 1;  // uniform over the grid: the branches below keep barriers uniform
+  [[maybe_unused]] const int64_t chunk = int64_t(tpr) * NV * VEC;
+  [[maybe_unused]] const int64_t nch = (W + chunk - 1) / chunk;
   int ph = 0;
   for (int64_t rb = blockIdx.x; rb * gpb < rows; rb += gridDim.x) {
     const int64_t r = rb * gpb + g;
@@ -164,7 +164,7 @@ softmax_bwd_x_k(const T* __restrict__ x, const T* __restrict__ dy, T* __restrict
     const int64_t off = (rv ? r : 0) * W;
     float a[NV][VEC], b[NV][VEC];  // x (then exp(x - M)), dy
     float M, inv, dot;
-    if (one) {
+    if constexpr (ONE) {
       load_chunk<T, VEC, NV>(x + off, 0, tpr, t, W, rv, true, -INFINITY, a);
       load_chunk<T, VEC, NV>(dy + off, 0, tpr, t, W, rv, true, 0.f, b);
       float m = -INFINITY;
@@ -200,57 +200,57 @@ softmax_bwd_x_k(const T* __restrict__ x, const T* __restrict__ dy, T* __restrict
         for (int i = 0; i < VEC; ++i) o[i] = a[k][i] * inv * (b[k][i] - dot);
         store_vec<T, VEC>(dx + off + col, o);
       }
-      continue;
-    }
-    float m = -INFINITY, s = 0.f, d = 0.f;
-    for (int64_t c = 0; c < nch; ++c) {
-      load_chunk<T, VEC, NV>(x + off, c * chunk, tpr, t, W, rv, false, -INFINITY, a);
-      load_chunk<T, VEC, NV>(dy + off, c * chunk, tpr, t, W, rv, false, 0.f, b);
-      float cm = -INFINITY;
-#pragma unroll
-      for (int k = 0; k < NV; ++k)
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) cm = fmaxf(cm, a[k][i]);
-      if (cm > m) {
-        const float f = fast_exp(m - cm);  // 0 while m is -inf
-        s *= f;
-        d *= f;
-        m = cm;
-      }
-      if (m != -INFINITY) {
+    } else {
+      float m = -INFINITY, s = 0.f, d = 0.f;
+      for (int64_t c = 0; c < nch; ++c) {
+        load_chunk<T, VEC, NV>(x + off, c * chunk, tpr, t, W, rv, false, -INFINITY, a);
+        load_chunk<T, VEC, NV>(dy + off, c * chunk, tpr, t, W, rv, false, 0.f, b);
+        float cm = -INFINITY;
 #pragma unroll
         for (int k = 0; k < NV; ++k)
 #pragma unroll
-          for (int i = 0; i < VEC; ++i) {
-            const float e = fast_exp(a[k][i] - m);
-            s += e;
-            d += e * b[k][i];
-          }
-      }
-    }
-    M = group_max(m, tpr, red, ph);
-    ph ^= 1;
-    const float f = m == -INFINITY ? 0.f : fast_exp(m - M);
-    const float S = group_sum(s * f, tpr, red, ph);
-    ph ^= 1;
-    const float D = group_sum(d * f, tpr, red, ph);
-    ph ^= 1;
-    inv = 1.f / S;
-    dot = D * inv;
-    if (!rv) continue;
-    for (int64_t c = nch - 1; c >= 0; --c) {
-      if (c != nch - 1) {
-        load_chunk<T, VEC, NV>(x + off, c * chunk, tpr, t, W, true, true, -INFINITY, a);
-        load_chunk<T, VEC, NV>(dy + off, c * chunk, tpr, t, W, true, true, 0.f, b);
-      }
+          for (int i = 0; i < VEC; ++i) cm = fmaxf(cm, a[k][i]);
+        if (cm > m) {
+          const float f = fast_exp(m - cm);  // 0 while m is -inf
+          s *= f;
+          d *= f;
+          m = cm;
+        }
+        if (m != -INFINITY) {
 #pragma unroll
-      for (int k = 0; k < NV; ++k) {
-        const int64_t col = c * chunk + int64_t(t + k * tpr) * VEC;
-        if (col >= W) continue;
-        float o[VEC];
+          for (int k = 0; k < NV; ++k)
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) o[i] = fast_exp(a[k][i] - M) * inv * (b[k][i] - dot);
-        store_vec<T, VEC>(dx + off + col, o);
+            for (int i = 0; i < VEC; ++i) {
+              const float e = fast_exp(a[k][i] - m);
+              s += e;
+              d += e * b[k][i];
+            }
+        }
+      }
+      M = group_max(m, tpr, red, ph);
+      ph ^= 1;
+      const float f = m == -INFINITY ? 0.f : fast_exp(m - M);
+      const float S = group_sum(s * f, tpr, red, ph);
+      ph ^= 1;
+      const float D = group_sum(d * f, tpr, red, ph);
+      ph ^= 1;
+      inv = 1.f / S;
+      dot = D * inv;
+      if (!rv) continue;
+      for (int64_t c = nch - 1; c >= 0; --c) {
+        if (c != nch - 1) {
+          load_chunk<T, VEC, NV>(x + off, c * chunk, tpr, t, W, true, true, -INFINITY, a);
+          load_chunk<T, VEC, NV>(dy + off, c * chunk, tpr, t, W, true, true, 0.f, b);
+        }
+#pragma unroll
+        for (int k = 0; k < NV; ++k) {
+          const int64_t col = c * chunk + int64_t(t + k * tpr) * VEC;
+          if (col >= W) continue;
+          float o[VEC];
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) o[i] = fast_exp(a[k][i] - M) * inv * (b[k][i] - dot);
+          store_vec<T, VEC>(dx + off + col, o);
+        }
       }
     }
   }
@@ -270,9 +270,12 @@ ffi::Error launch(cudaStream_t stream, const T* a, const T* b, T* out, int64_t r
     constexpr int VEC = decltype(vec_c)::value;
     constexpr int NV = kElems / VEC;
     const Geom gm = row_geom(rows, ceil_div(W, VEC), NV, kMaxThreads, sms);
-    if constexpr (K == Kind::kBwdX)
-      softmax_bwd_x_k<T, VEC, NV><<<unsigned(gm.grid), gm.threads, 0, stream>>>(a, b, out, rows, W, gm.tpr);
-    else if constexpr (K == Kind::kBwd)
+    if constexpr (K == Kind::kBwdX) {
+      if (W <= int64_t(gm.tpr) * NV * VEC)
+        softmax_bwd_x_k<T, VEC, NV, true><<<unsigned(gm.grid), gm.threads, 0, stream>>>(a, b, out, rows, W, gm.tpr);
+      else
+        softmax_bwd_x_k<T, VEC, NV, false><<<unsigned(gm.grid), gm.threads, 0, stream>>>(a, b, out, rows, W, gm.tpr);
+    } else if constexpr (K == Kind::kBwd)
       softmax_bwd_k<T, VEC, NV><<<unsigned(gm.grid), gm.threads, 0, stream>>>(a, b, out, rows, W, gm.tpr);
     else
       softmax_fwd_k<T, VEC, NV><<<unsigned(gm.grid), gm.threads, 0, stream>>>(a, out, rows, W, gm.tpr);
