@@ -96,6 +96,29 @@ RLX_ROW_CLONES static void softmax_bwd_x_finish(float* e, const float* dy, float
   for (int64_t j = 0; j < n; ++j) e[j] = e[j] * inv * (dy[j] - dot);
 }
 
+// bf16 <-> f32 rows, compiled with the row clones so that they vectorise with AVX2 (the
+// generic load/store of common.h are compiled for the baseline ISA only). Same values
+// as load<float> / store<bf16> (exact widening; round to nearest even, NaN kept quiet).
+RLX_ROW_CLONES static void bf16_row_to_f32(const bf16* src, float* dst, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = to_f32(src[j]);
+}
+RLX_ROW_CLONES static void f32_row_to_bf16(const float* src, bf16* dst, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = from_f32_bf16(src[j]);
+}
+
+// f32 views of an input row / rounding of a result row for the backward from x.
+template <typename T>
+const float* bwd_x_in(const T* src, float* scratch, int64_t n) { return row_as_f32<T>(src, scratch, n); }
+template <>
+const float* bwd_x_in<bf16>(const bf16* src, float* scratch, int64_t n) {
+  bf16_row_to_f32(src, scratch, n);
+  return scratch;
+}
+template <typename T>
+void bwd_x_out(const float* src, T* dst, int64_t n) { store_row<T>(src, dst, n); }
+template <>
+void bwd_x_out<bf16>(const float* src, bf16* dst, int64_t n) { f32_row_to_bf16(src, dst, n); }
+
 template <typename T>
 void softmax_bwd_x_typed(ffi::ThreadPool& pool, const T* x, const T* dy, T* dx, int64_t rows,
                          int64_t width) {
@@ -105,14 +128,14 @@ void softmax_bwd_x_typed(ffi::ThreadPool& pool, const T* x, const T* dy, T* dx, 
     std::vector<float> x_buf(f32 ? 0 : width), dy_buf(f32 ? 0 : width), out_buf(f32 ? 0 : width);
     const int64_t r0 = rows * c / chunks, r1 = rows * (c + 1) / chunks;
     for (int64_t r = r0; r < r1; ++r) {
-      const float* xr = row_as_f32<T>(x + r * width, x_buf.data(), width);
-      const float* dyr = row_as_f32<T>(dy + r * width, dy_buf.data(), width);
+      const float* xr = bwd_x_in<T>(x + r * width, x_buf.data(), width);
+      const float* dyr = bwd_x_in<T>(dy + r * width, dy_buf.data(), width);
       float* er = out_row_f32<T>(dx + r * width, out_buf.data());  // e, then dx
       const float m = row_max(xr, width);
       const float inv = 1.0f / exp_shift_sum(xr, m, er, width);
       const float dot = row_dot(er, dyr, width) * inv;
       softmax_bwd_x_finish(er, dyr, inv, dot, width);
-      store_row<T>(er, dx + r * width, width);
+      bwd_x_out<T>(er, dx + r * width, width);
     }
   });
 }
