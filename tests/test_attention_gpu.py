@@ -45,7 +45,7 @@ def _close(got, want, dtype, what):
     assert rel <= tol and worst <= 4 * tol, f"{what}: rel l2 err {rel:.3g}, rel max err {worst:.3g} (tol {tol:.1g})"
 
 
-def _inputs(b, sq, sk, h, hkv, d, dtype, seed, *, mask=False, bias=False, dead_batch=False):
+def _inputs(b, sq, sk, h, hkv, d, dtype, seed, *, mask=False, bias=False, dead_batch=False, mask_tiles=False):
     ks = jax.random.split(jax.random.PRNGKey(seed), 6)
     dev = _gpu()
     q = jax.random.normal(ks[0], (b, sq, h, d), jnp.float32).astype(dtype)
@@ -57,6 +57,8 @@ def _inputs(b, sq, sk, h, hkv, d, dtype, seed, *, mask=False, bias=False, dead_b
         m = (jax.random.uniform(ks[4], (b, sk)) > 0.3).astype(jnp.float32)
         if dead_batch and b > 1:
             m = m.at[1].set(0.0)  # every row of batch 1 sees no key
+        if mask_tiles:  # whole 64-key tiles hidden (skipped) and kept (no per-key masking)
+            m = m.at[0, 64:192].set(0.0).at[-1, :64].set(1.0)
     bb = None
     if bias:
         bb = (0.5 * jax.random.normal(ks[5], (b, h, sq, sk), jnp.float32)).astype(dtype)
@@ -75,9 +77,9 @@ def _f32(x):
 
 
 def _check_case(b, sq, sk, h, hkv, d, dtype, kind="none", window=None, scale=None, softcap=None,
-                mask=False, bias=False, dead_batch=False, dlse=False, seed=0):
-    q, k, v, dy, m, bb = _inputs(b, sq, sk, h, hkv, d, dtype, seed, mask=mask, bias=bias,
-                                 dead_batch=dead_batch)
+                mask=False, bias=False, dead_batch=False, dlse=False, seed=0, mask_tiles=False):
+    q, k, v, dy, m, bb = _inputs(b, sq, sk, h, hkv, d, dtype, seed, mask=mask or mask_tiles, bias=bias,
+                                 dead_batch=dead_batch, mask_tiles=mask_tiles)
     p = _params(d, kind, window, scale, softcap, m, bb)
     extras = [x for x in (m, bb) if x is not None]
     extras32 = [x for x in (m, _f32(bb)) if x is not None]
@@ -130,6 +132,10 @@ MMA_CASES = [
     (1, 100, 100, 2, 1, 128, jnp.float16, dict(kind="sliding", window=17, bias=True, softcap=3.0, mask=True)),
     (1, 96, 96, 2, 2, 64, jnp.bfloat16, dict(kind="causal", dlse=True)),
     (2, 300, 300, 2, 2, 128, jnp.bfloat16, dict(kind="none", softcap=30.0, dlse=True)),
+    # key mask with whole key tiles hidden (skipped by every kernel) and kept
+    (2, 150, 260, 4, 2, 128, jnp.bfloat16, dict(kind="none", mask_tiles=True)),
+    (2, 200, 230, 2, 1, 64, jnp.float16, dict(kind="causal", mask_tiles=True, softcap=10.0)),
+    (2, 130, 200, 2, 2, 64, jnp.bfloat16, dict(kind="none", mask_tiles=True, bias=True)),
 ]
 
 
@@ -190,6 +196,60 @@ def test_grad_through_ops(dtype, d, kind):
             x: opts[x] for x in ("mask_kind", "window", "scale", "softcap")}))(q, k, v, dy)
         for n, a, b in zip(("dq", "dk", "dv"), g2, gr):
             _close(a, b, dtype, n + " (attention_backward)")
+
+
+# ---- NaN rows: as the CPU kernel (ffi/cpu/attention.cc) -------------------------------------
+
+
+def _fwd_bwd(q, k, v, dy, p):
+    out, lse = A.attention_fwd(q, k, v, **p)
+    return out, lse, A.attention_bwd(q, k, v, out, lse, dy, jnp.zeros(lse.shape, jnp.float32), **p)
+
+
+def _ref_fwd_bwd(q, k, v, dy, p):
+    out, lse = A.reference_attention(q, k, v, **p)
+    return out, lse, A.reference_attention_bwd(q, k, v, out, lse, dy, jnp.zeros(lse.shape, jnp.float32), **p)
+
+
+@pytest.mark.parametrize("dtype,d", [(jnp.bfloat16, 64), (jnp.float16, 128), (jnp.float32, 32)])
+def test_nan_row_propagates_as_cpu_kernel(dtype, d):
+    """A NaN in q row i of head 1 makes that row's scores NaN: out and lse of the row are NaN (not
+    a row with no visible key: out 0, lse -inf), so are its dq row and the dk / dv of its kv
+    head (every key is visible: mask kind none), exactly as the CPU kernel; everything else
+    matches the reference computed with the NaN replaced by 0."""
+    b, s, h, hkv, row = 1, 90, 4, 2, 50
+    q, k, v, dy, _, _ = _inputs(b, s, s, h, hkv, d, dtype, 11)
+    q_nan = q.at[0, row, 1, 3].set(jnp.nan)
+    p = _params(d, "none", None, None, None, None, None)
+    with jax.default_matmul_precision("highest"):
+        got = jax.jit(lambda *a: _fwd_bwd(*a, p))(q_nan, k, v, dy)
+        nan_out = np.zeros((b, s, h), bool)
+        nan_out[0, row, 1] = True
+        out, lse, dq, dk, dv = [np.asarray(jnp.asarray(x, jnp.float32)) for x in (got[0], got[1], *got[2])]
+        assert (np.isnan(out).all(-1) == nan_out).all() and (np.isnan(out).any(-1) == nan_out).all(), "out NaN rows"
+        assert (np.isnan(lse) == np.swapaxes(nan_out, 1, 2)).all(), "lse: NaN exactly at the NaN row"
+        assert (np.isnan(dq).all(-1) == nan_out).all() and (np.isnan(dq).any(-1) == nan_out).all(), "dq NaN rows"
+        for name, g in (("dk", dk), ("dv", dv)):
+            assert np.isnan(g[:, :, 0]).all(), f"{name}: kv head 0 (read by the NaN row) must be NaN"
+            assert np.isfinite(g[:, :, 1]).all(), f"{name}: kv head 1 must stay finite"
+        # the CPU kernel gives the same NaN pattern (out, lse, grads)
+        cpu = jax.devices("cpu")[0]
+        on_cpu = [jax.device_put(x, cpu) for x in (q_nan, k, v, dy)]
+        ref_cpu = jax.jit(lambda *a: _fwd_bwd(*a, p))(*on_cpu)
+        for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv),
+                              (ref_cpu[0], ref_cpu[1], *ref_cpu[2])):
+            y = np.asarray(jnp.asarray(y, jnp.float32))
+            assert (np.isnan(x) == np.isnan(y)).all(), f"{name}: NaN pattern differs from the CPU kernel"
+        # the rest is the attention of the inputs without the NaN
+        q0 = q.at[0, row, 1, 3].set(0)
+        want = jax.jit(lambda *a: _ref_fwd_bwd(*a, p))(*[_f32(x) for x in (q0, k, v, dy)])
+        fin = ~nan_out
+        _close(out[fin], np.asarray(want[0])[fin], dtype, "out (finite rows)")
+        fin_l = np.swapaxes(fin, 1, 2)
+        _close(lse[fin_l], np.asarray(want[1])[fin_l], jnp.float32 if dtype == jnp.float32 else jnp.float16, "lse")
+        _close(dq[fin], np.asarray(want[2][0])[fin], dtype, "dq (finite rows)")
+        for name, g, w in (("dk", dk, want[2][1]), ("dv", dv, want[2][2])):
+            _close(g[:, :, 1], np.asarray(w)[:, :, 1], dtype, name + " (kv head 1)")
 
 
 def test_cuda_targets_in_hlo():

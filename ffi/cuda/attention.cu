@@ -14,6 +14,7 @@
 // Path: bf16 / f16 with head dim 64 or 128 on sm_80+ run the mma.sync kernels; everything
 // else (f32, other head dims up to 256) runs the generic kernels. Both are deterministic.
 #include <cmath>
+#include <cstdlib>
 #include <string>
 
 #include "cuda/attention_mma.cuh"
@@ -138,11 +139,12 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
   if (cudaError_t e = device_info(&info); e != cudaSuccess) return cuda_error("attention", e);
   if (use_mma<T>(a, info.device)) {
     if constexpr (!std::is_same<T, float>::value) {
-      auto run = [&](auto kernel, int mt, int nk) -> ffi::Error {
+      auto run = [&](auto kernel, int mt, int nk, int nbuf) -> ffi::Error {
         const int64_t rows = 64 * mt;
         const int64_t blocks = (a.Sq + rows - 1) / rows * a.H * a.B;
         if (auto e = grid_check(blocks, "attention"); e.failure()) return e;
-        const size_t smem = a.D == 64 ? attn::mma_fwd_smem<64>(mt, nk) : attn::mma_fwd_smem<128>(mt, nk);
+        const size_t smem =
+            a.D == 64 ? attn::mma_fwd_smem<64>(mt, nk, nbuf) : attn::mma_fwd_smem<128>(mt, nk, nbuf);
         if (auto e = prepare(info.device, kernel, smem, "attention"); e.failure()) return e;
         kernel<<<unsigned(blocks), attn::kMmaThreads, smem, stream>>>(a, q, k, v, bias, out, lse);
         return check_launch("attention forward (mma)");
@@ -151,8 +153,20 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
       // 128 rows per block, two m-tiles per warp, 64 keys per step at D 64 and 32 at D 128,
       // took 5.47 ms at D 64 and 5.44 ms at D 128, against 3.69 ms and 5.45 ms for this tiling
       // in a later run on another machine; the template keeps MT / NK as parameters.)
-      if (a.D == 64) return run(attn::mma_fwd_kernel<T, 64, 1, 64>, 1, 64);
-      return run(attn::mma_fwd_kernel<T, 128, 1, 64>, 1, 64);
+      // Pipeline: RLX_ATTENTION_CUDA_FWD=db selects the double-buffered K / V forward (the
+      // previous kernel), =st1 the staggered one without a register cap; default: staggered
+      // (one K and one V buffer) with __launch_bounds__ asking for 4 (D 64) / 3 (D 128) blocks
+      // per SM. The variants stay selectable for A/B timing on the device.
+      const char* env = std::getenv("RLX_ATTENTION_CUDA_FWD");
+      const int variant = env == nullptr ? 0 : std::string(env) == "db" ? 1 : std::string(env) == "st1" ? 2 : 0;
+      if (a.D == 64) {
+        if (variant == 1) return run(attn::mma_fwd_kernel<T, 64, 1, 64, false, 1>, 1, 64, 2);
+        if (variant == 2) return run(attn::mma_fwd_kernel<T, 64, 1, 64, true, 1>, 1, 64, 1);
+        return run(attn::mma_fwd_kernel<T, 64, 1, 64, true, 4>, 1, 64, 1);
+      }
+      if (variant == 1) return run(attn::mma_fwd_kernel<T, 128, 1, 64, false, 1>, 1, 64, 2);
+      if (variant == 2) return run(attn::mma_fwd_kernel<T, 128, 1, 64, true, 1>, 1, 64, 1);
+      return run(attn::mma_fwd_kernel<T, 128, 1, 64, true, 3>, 1, 64, 1);
     }
   }
   const int64_t blocks = (a.Sq + attn::kGenWarps - 1) / attn::kGenWarps * a.H * a.B;

@@ -66,9 +66,14 @@ __device__ __forceinline__ float cap_score(float r, float softcap, float* th) {
   return r;
 }
 
+// Maximum that propagates NaN (fmaxf drops it): a NaN score gives a NaN row (out, lse and the
+// gradients), as the reference and the CPU kernel (ffi/cpu/attention.cc, nan_max) do, instead of
+// a row that looks as if it had no visible key.
+__device__ __forceinline__ float nan_max(float a, float b) { return a != a ? a : (b > a || b != b ? b : a); }
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  for (int o = 16; o > 0; o >>= 1) v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
 __device__ __forceinline__ float warp_sum(float v) {
@@ -151,7 +156,7 @@ __global__ void __launch_bounds__(kGenWarps * 32)
       if (bias) s += to_f32(bias[((b * a.H + h) * a.Sq + i) * a.Sk + j]);
     }
     const float mc = warp_max(s);
-    const float mn = fmaxf(m, mc);
+    const float mn = nan_max(m, mc);
     if (mn == -INFINITY) continue;  // nothing visible yet
     const float alpha = __expf(m - mn);  // m = -inf: 0
     const float p = __expf(s - mn);
@@ -171,7 +176,7 @@ __global__ void __launch_bounds__(kGenWarps * 32)
     m = mn;
   }
   if (!row_ok) return;
-  const bool live = l > 0.f;
+  const bool live = !(l <= 0.f);  // a NaN row is live: its NaN reaches out and lse
   const float inv = live ? 1.f / l : 0.f;
   T* orow = out + ((b * a.Sq + i) * a.H + h) * a.D;
 #pragma unroll

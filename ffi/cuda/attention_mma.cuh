@@ -42,8 +42,11 @@ template <int D>
 constexpr int mma_lds() { return D + 8; }  // padded shared row (elements)
 
 // Shared memory bytes of each kernel (elements are 2 bytes).
+// nbuf: K / V buffers (2: double buffered; 1: the staggered pipeline of mma_fwd_kernel).
 template <int D>
-constexpr size_t mma_fwd_smem(int mt, int nk) { return size_t(2) * mma_lds<D>() * (64 * mt + 4 * nk); }
+constexpr size_t mma_fwd_smem(int mt, int nk, int nbuf = 2) {
+  return size_t(2) * mma_lds<D>() * (64 * mt + 2 * nbuf * nk);
+}
 template <int D>
 constexpr size_t mma_dkdv_smem() {
   return size_t(2) * mma_lds<D>() * (2 * kBK + 4 * kBQ) + sizeof(float) * 4 * kBQ;
@@ -120,6 +123,40 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
     r = *reinterpret_cast<uint32_t*>(&v);
   }
   return r;
+}
+
+// 2^x (ex2.approx; 2^-inf = 0). Scores are carried in log2 units (scale * log2 e folded into
+// the score multiplier) so each probability costs one add or fma and one ex2.
+constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Key mask of one key tile as bits: lane l of every warp reads keys k0 + 32 w + l (w < W) into
+// mv (prefetched one tile ahead), and mask_bits turns them into W words (bit l of word w: key
+// k0 + 32 w + l is kept; keys >= Sk are not). Every warp computes the same words, so a tile
+// with no kept key is skipped by the whole block at once.
+template <int W>
+__device__ __forceinline__ void mask_load(float (&mv)[W], const float* mrow, int64_t k0, int64_t sk, int lane) {
+#pragma unroll
+  for (int w = 0; w < W; ++w) {
+    const int64_t j = k0 + 32 * w + lane;
+    mv[w] = j < sk ? mrow[j] : 0.f;
+  }
+}
+template <int W>
+__device__ __forceinline__ void mask_bits(uint32_t (&bits)[W], const float (&mv)[W], bool* all_on, bool* none) {
+  bool all = true, any = false;
+#pragma unroll
+  for (int w = 0; w < W; ++w) {
+    bits[w] = __ballot_sync(0xffffffffu, mv[w] >= 0.5f);
+    all = all && bits[w] == 0xffffffffu;
+    any = any || bits[w] != 0u;
+  }
+  *all_on = all;
+  *none = !any;
 }
 
 // rows [r0, r0 + ROWS) of x (row r at x + r * rs, D elements) -> dst[64][LDS]; rows >= n zero.
@@ -204,11 +241,12 @@ __device__ __forceinline__ void zero(float (&c)[N][4]) {
   for (int i = 0; i < N; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.f;
 }
 
-// Does the (query tile q0, key tile k0) block need per-element masking?
-// (rows: the query rows [q0, q0 + rows) the caller masks.)
+// Does the (query tile q0, key tile k0) block need per-element masking for the mask kind or
+// the sequence end? (rows: the query rows [q0, q0 + rows) the caller masks.) The key mask is
+// handled by each kernel from its bits (kept keys of the tile), not here.
 __device__ __forceinline__ bool tile_needs_mask(const AttnArgs& a, int64_t q0, int64_t k0, int64_t rows = kBQ,
                                                 int64_t cols = kBK) {
-  if (a.mask != nullptr || k0 + cols > a.Sk) return true;
+  if (k0 + cols > a.Sk) return true;
   if (a.kind >= 1 && k0 + cols - 1 > q0 + a.off) return true;
   if (a.kind == 2 && k0 < q0 + rows - 1 + a.off - a.window) return true;
   return false;
@@ -228,18 +266,27 @@ __device__ __forceinline__ void key_range(const AttnArgs& a, int64_t q0, int64_t
 // Template: MT m-tiles of 16 rows per warp (block rows 16 MT * 4; warp w owns rows
 // [16 MT w, 16 MT (w + 1))), NK keys per step. The launcher uses MT = 1, NK = 64 (faster at D 64
 // and as fast at D 128 as the variant tried; see attention.cu).
+// STAGGER false: K and V double buffered (both tiles of step t + 1 load during step t).
+// STAGGER true: one K and one V buffer (less shared memory: more blocks per SM); V of step t
+// loads while S = Q K^T and the softmax run, K of step t + 1 while O += P V runs.
+// MINB: minimum blocks per SM for __launch_bounds__ (caps the registers; 1: no cap).
+// Scores are carried in log2 units: m (row max) and the exponents are log2-scaled; lse is
+// converted back (ln) at the end.
 
-template <typename T, int D, int MT, int NK>
-__global__ void __launch_bounds__(kMmaThreads)
+template <typename T, int D, int MT, int NK, bool STAGGER, int MINB>
+__global__ void __launch_bounds__(kMmaThreads, MINB)
     mma_fwd_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                    const T* __restrict__ bias, T* __restrict__ out, float* __restrict__ lse) {
 #if RLX_ATTN_MMA
+  static_assert(NK % 32 == 0, "NK: whole mask words");
   constexpr int LDS = mma_lds<D>();
   constexpr int kFwdBQ = 16 * MT * (kMmaThreads / 32);
+  constexpr int NBUF = STAGGER ? 1 : 2;
+  constexpr int W = NK / 32;
   extern __shared__ uint4 smem_u4[];
   T* Qs = reinterpret_cast<T*>(smem_u4);
-  T* Ks = Qs + kFwdBQ * LDS;  // [2][NK * LDS]
-  T* Vs = Ks + 2 * NK * LDS;
+  T* Ks = Qs + kFwdBQ * LDS;  // [NBUF][NK * LDS]
+  T* Vs = Ks + NBUF * NK * LDS;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   const int64_t nqt = (a.Sq + kFwdBQ - 1) / kFwdBQ;
   int64_t blk = blockIdx.x;
@@ -251,16 +298,22 @@ __global__ void __launch_bounds__(kMmaThreads)
   const T* qb = q + (b * a.Sq * a.H + h) * D;
   const T* kb = k + (b * a.Sk * a.Hkv + hk) * D;
   const T* vb = v + (b * a.Sk * a.Hkv + hk) * D;
+  const float* mrow = a.mask != nullptr ? a.mask + b * a.Sk : nullptr;
   int64_t kbeg, kend;
   key_range(a, q0, min(a.Sq - 1, q0 + kFwdBQ - 1), &kbeg, &kend, NK);
 #pragma unroll
   for (int part = 0; part < MT; ++part) load_tile<T, D, 64>(Qs + part * 64 * LDS, qb, q_rs, q0 + part * 64, a.Sq);
   if (kbeg < kend) {
     load_tile<T, D, NK>(Ks, kb, kv_rs, kbeg, a.Sk);
-    load_tile<T, D, NK>(Vs, vb, kv_rs, kbeg, a.Sk);
+    if (!STAGGER) load_tile<T, D, NK>(Vs, vb, kv_rs, kbeg, a.Sk);
   }
   cp_async_commit();
+  float mv[W];
+  if (mrow != nullptr && kbeg < kend) mask_load(mv, mrow, kbeg, a.Sk, lane);
   const int64_t wrow0 = q0 + warp * 16 * MT;  // this warp's rows; thread rows wrow0 + 16 mt + 8 r + g
+  const float c2 = a.scale * kLog2e;          // raw score -> log2 units (no softcap)
+  const float cap2 = a.softcap * kLog2e;
+  const float inv_cap = a.softcap > 0.f ? 1.f / a.softcap : 0.f;
   float m[MT][2], l[MT][2];
   float o[MT][D / 8][4];
 #pragma unroll
@@ -270,67 +323,92 @@ __global__ void __launch_bounds__(kMmaThreads)
     zero(o[mt]);
   }
   int buf = 0;
-  for (int64_t k0 = kbeg; k0 < kend; k0 += NK, buf ^= 1) {
+  for (int64_t k0 = kbeg; k0 < kend; k0 += NK) {
     cp_async_wait_all();
     __syncthreads();
-    if (k0 + NK < kend) {
+    uint32_t bits[W];
+    bool all_on = true, none = false;
+    if (mrow != nullptr) {
+      mask_bits(bits, mv, &all_on, &none);
+      if (k0 + NK < kend) mask_load(mv, mrow, k0 + NK, a.Sk, lane);
+    } else {
+#pragma unroll
+      for (int w = 0; w < W; ++w) bits[w] = 0xffffffffu;
+    }
+    if constexpr (STAGGER) {
+      if (!none) load_tile<T, D, NK>(Vs, vb, kv_rs, k0, a.Sk);
+    } else if (k0 + NK < kend) {
       load_tile<T, D, NK>(Ks + (buf ^ 1) * NK * LDS, kb, kv_rs, k0 + NK, a.Sk);
       load_tile<T, D, NK>(Vs + (buf ^ 1) * NK * LDS, vb, kv_rs, k0 + NK, a.Sk);
     }
     cp_async_commit();
     float s[MT][NK / 8][4];
+    if (!none) {  // block-uniform: no kept key in this tile, nothing to add
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) zero(s[mt]);
-    mma_abt_m<T, D, MT, NK>(s, Qs + warp * 16 * MT * LDS, Ks + buf * NK * LDS, lane);
-    const bool need = tile_needs_mask(a, wrow0, k0, 16 * MT, NK);
+      for (int mt = 0; mt < MT; ++mt) zero(s[mt]);
+      mma_abt_m<T, D, MT, NK>(s, Qs + warp * 16 * MT * LDS, Ks + buf * NK * LDS, lane);
+      const bool kneed = tile_needs_mask(a, wrow0, k0, 16 * MT, NK);
+      const bool need = kneed || !all_on;
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      float mx[2] = {-INFINITY, -INFINITY};
+      for (int mt = 0; mt < MT; ++mt) {
+        float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-      for (int nt = 0; nt < NK / 8; ++nt)
+        for (int nt = 0; nt < NK / 8; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int64_t i = wrow0 + mt * 16 + (e >> 1) * 8 + g, j = k0 + nt * 8 + 2 * tq + (e & 1);
-          float th;
-          float x = cap_score(s[mt][nt][e] * a.scale, a.softcap, &th);
-          if (need && (i >= a.Sq || !visible(a, b, i, j))) {
-            x = -INFINITY;
-          } else if (bias != nullptr && i < a.Sq) {
-            x += to_f32(bias[((b * a.H + h) * a.Sq + i) * a.Sk + j]);
+          for (int e = 0; e < 4; ++e) {
+            const int jl = nt * 8 + 2 * tq + (e & 1);
+            const int64_t i = wrow0 + mt * 16 + (e >> 1) * 8 + g, j = k0 + jl;
+            bool vis = true;
+            if (need)
+              vis = ((bits[nt >> 2] >> (jl & 31)) & 1u) && (!kneed || (i < a.Sq && j < a.Sk && kind_visible(a, i, j)));
+            float x;
+            if (!vis) {
+              x = -INFINITY;
+            } else {
+              x = a.softcap > 0.f ? cap2 * tanhf(s[mt][nt][e] * a.scale * inv_cap) : s[mt][nt][e] * c2;
+              if (bias != nullptr && i < a.Sq) x = fmaf(to_f32(bias[((b * a.H + h) * a.Sq + i) * a.Sk + j]), kLog2e, x);
+            }
+            s[mt][nt][e] = x;
+            mx[e >> 1] = nan_max(mx[e >> 1], x);
           }
-          s[mt][nt][e] = x;
-          mx[e >> 1] = fmaxf(mx[e >> 1], x);
+        float mu[2], alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          mx[r] = nan_max(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+          mx[r] = nan_max(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+          const float mn = nan_max(m[mt][r], mx[r]);
+          mu[r] = mn == -INFINITY ? 0.f : mn;
+          alpha[r] = ex2(m[mt][r] - mu[r]);
+          m[mt][r] = mn;
         }
-      float mu[2], alpha[2];
+        float ls[2] = {0.f, 0.f};
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        const float mn = fmaxf(m[mt][r], mx[r]);
-        mu[r] = mn == -INFINITY ? 0.f : mn;
-        alpha[r] = __expf(m[mt][r] - mu[r]);
-        m[mt][r] = mn;
-      }
-      float ls[2] = {0.f, 0.f};
+        for (int nt = 0; nt < NK / 8; ++nt)
 #pragma unroll
-      for (int nt = 0; nt < NK / 8; ++nt)
+          for (int e = 0; e < 4; ++e) {
+            const float p = ex2(s[mt][nt][e] - mu[e >> 1]);
+            s[mt][nt][e] = p;
+            ls[e >> 1] += p;
+          }
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float p = __expf(s[mt][nt][e] - mu[e >> 1]);
-          s[mt][nt][e] = p;
-          ls[e >> 1] += p;
+        for (int r = 0; r < 2; ++r) l[mt][r] = l[mt][r] * alpha[r] + ls[r];
+#pragma unroll
+        for (int nt = 0; nt < D / 8; ++nt) {
+          o[mt][nt][0] *= alpha[0];
+          o[mt][nt][1] *= alpha[0];
+          o[mt][nt][2] *= alpha[1];
+          o[mt][nt][3] *= alpha[1];
         }
-#pragma unroll
-      for (int r = 0; r < 2; ++r) l[mt][r] = l[mt][r] * alpha[r] + ls[r];
-#pragma unroll
-      for (int nt = 0; nt < D / 8; ++nt) {
-        o[mt][nt][0] *= alpha[0];
-        o[mt][nt][1] *= alpha[0];
-        o[mt][nt][2] *= alpha[1];
-        o[mt][nt][3] *= alpha[1];
       }
     }
-    mma_pv_m<T, D, MT, NK>(o, s, Vs + buf * NK * LDS, lane);
+    if constexpr (STAGGER) {
+      cp_async_wait_all();  // V of this step
+      __syncthreads();      // and every warp is done reading K
+      if (k0 + NK < kend) load_tile<T, D, NK>(Ks, kb, kv_rs, k0 + NK, a.Sk);
+      cp_async_commit();
+    }
+    if (!none) mma_pv_m<T, D, MT, NK>(o, s, Vs + buf * NK * LDS, lane);
+    if constexpr (!STAGGER) buf ^= 1;
   }
   cp_async_wait_all();
 #pragma unroll
@@ -342,14 +420,14 @@ __global__ void __launch_bounds__(kMmaThreads)
       lr += __shfl_xor_sync(0xffffffffu, lr, 2);
       const int64_t i = wrow0 + mt * 16 + r * 8 + g;
       if (i >= a.Sq) continue;
-      const bool live = lr > 0.f;
+      const bool live = !(lr <= 0.f);  // NaN rows are live: NaN out and lse, as the CPU kernel
       const float inv = live ? 1.f / lr : 0.f;
       T* orow = out + ((b * a.Sq + i) * a.H + h) * D;
 #pragma unroll
       for (int nt = 0; nt < D / 8; ++nt)
         *reinterpret_cast<uint32_t*>(orow + nt * 8 + 2 * tq) =
             pack2<T>(o[mt][nt][2 * r] * inv, o[mt][nt][2 * r + 1] * inv);
-      if (tq == 0) lse[(b * a.H + h) * a.Sq + i] = live ? m[mt][r] + logf(lr) : -INFINITY;
+      if (tq == 0) lse[(b * a.H + h) * a.Sq + i] = live ? m[mt][r] * kLn2 + logf(lr) : -INFINITY;
     }
 #endif
 }
@@ -377,6 +455,28 @@ __global__ void __launch_bounds__(kMmaThreads)
   const int64_t hk = blk % a.Hkv, b = blk / a.Hkv;
   const int64_t k0 = kt * kBK;
   const int64_t q_rs = a.H * D, kv_rs = a.Hkv * D;
+  const int64_t j_row0 = k0 + warp * 16 + g;  // this thread's keys: j_row0, j_row0 + 8
+  bool kok[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t j = j_row0 + 8 * r;
+    kok[r] = j < a.Sk && (a.mask == nullptr || a.mask[b * a.Sk + j] >= 0.5f);
+  }
+  // Keys of this warp all kept (no per-element key masking) / none kept (nothing to add).
+  const bool w_all = __all_sync(0xffffffffu, kok[0] && kok[1]);
+  const bool w_skip = !__any_sync(0xffffffffu, kok[0] || kok[1]) && dbias == nullptr;
+  if (a.mask != nullptr && dbias == nullptr && !__syncthreads_or(kok[0] || kok[1])) {
+    // no key of this tile is kept: dk = dv = 0, nothing to load
+    const int64_t kv_b = (b * a.Sk) * a.Hkv + hk;
+    for (int c = threadIdx.x; c < kBK * (D / 8); c += kMmaThreads) {
+      const int64_t j = k0 + c / (D / 8);
+      if (j >= a.Sk) continue;
+      const uint4 z = make_uint4(0u, 0u, 0u, 0u);
+      *reinterpret_cast<uint4*>(dk + (kv_b + j * a.Hkv) * D + (c % (D / 8)) * 8) = z;
+      *reinterpret_cast<uint4*>(dv + (kv_b + j * a.Hkv) * D + (c % (D / 8)) * 8) = z;
+    }
+    return;
+  }
   load_tile<T, D>(Ks, k + (b * a.Sk * a.Hkv + hk) * D, kv_rs, k0, a.Sk);
   load_tile<T, D>(Vs, v + (b * a.Sk * a.Hkv + hk) * D, kv_rs, k0, a.Sk);
   // query tiles that see these keys (all of them when dbias must be written everywhere)
@@ -400,19 +500,12 @@ __global__ void __launch_bounds__(kMmaThreads)
         if (L == -INFINITY) L = INFINITY;  // dead row: P = 0
         dl = delta[(b * a.H + h) * a.Sq + i];
       }
-      Ls[bf * kBQ + threadIdx.x] = L;
+      Ls[bf * kBQ + threadIdx.x] = L * kLog2e;  // log2 units
       Dl[bf * kBQ + threadIdx.x] = dl;
     }
   };
   if (iters > 0) stage(0, 0);
   cp_async_commit();
-  const int64_t j_row0 = k0 + warp * 16 + g;  // this thread's keys: j_row0, j_row0 + 8
-  bool kok[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t j = j_row0 + 8 * r;
-    kok[r] = j < a.Sk && (a.mask == nullptr || a.mask[b * a.Sk + j] >= 0.5f);
-  }
   float dka[D / 8][4], dva[D / 8][4];
   zero(dka);
   zero(dva);
@@ -427,12 +520,13 @@ __global__ void __launch_bounds__(kMmaThreads)
     const T* Gb = Gs + buf * kBQ * LDS;
     const float* Lb = Ls + buf * kBQ;
     const float* Db = Dl + buf * kBQ;
+    if (w_skip) continue;  // warp-uniform; the block's syncs are at the loop top only
     float st[8][4], dpt[8][4];
     zero(st);
     zero(dpt);
     mma_abt<T, D>(st, Ks + warp * 16 * LDS, Qb, lane);
     mma_abt<T, D>(dpt, Vs + warp * 16 * LDS, Gb, lane);
-    const bool need = tile_needs_mask(a, i0, k0);
+    const bool need = !w_all || tile_needs_mask(a, i0, k0);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
@@ -447,7 +541,7 @@ __global__ void __launch_bounds__(kMmaThreads)
         float p = 0.f, ds = 0.f;
         if (vis) {
           if (bias != nullptr && i < a.Sq && j < a.Sk) x += to_f32(bias[((b * a.H + h) * a.Sq + i) * a.Sk + j]);
-          p = __expf(x - Lb[ic]);
+          p = ex2(fmaf(x, kLog2e, -Lb[ic]));
           ds = p * (dpt[nt][e] - Db[ic]);
         }
         if (dbias != nullptr && i < a.Sq && j < a.Sk) dbias[((b * a.H + h) * a.Sq + i) * a.Sk + j] = from_f32<T>(ds);
@@ -507,6 +601,9 @@ __global__ void __launch_bounds__(kMmaThreads)
     load_tile<T, D>(Vs, vb, kv_rs, kbeg, a.Sk);
   }
   cp_async_commit();
+  const float* mrow = a.mask != nullptr ? a.mask + b * a.Sk : nullptr;
+  float mv[kBK / 32];
+  if (mrow != nullptr && kbeg < kend) mask_load(mv, mrow, kbeg, a.Sk, lane);
   const int64_t row0 = q0 + warp * 16 + g;
   float L[2], dl[2];
 #pragma unroll
@@ -519,6 +616,7 @@ __global__ void __launch_bounds__(kMmaThreads)
       if (L[r] == -INFINITY) L[r] = INFINITY;
       dl[r] = delta[(b * a.H + h) * a.Sq + i];
     }
+    L[r] *= kLog2e;  // log2 units
   }
   float dqa[D / 8][4];
   zero(dqa);
@@ -526,11 +624,21 @@ __global__ void __launch_bounds__(kMmaThreads)
   for (int64_t k0 = kbeg; k0 < kend; k0 += kBK, buf ^= 1) {
     cp_async_wait_all();
     __syncthreads();
+    uint32_t bits[kBK / 32];
+    bool all_on = true, none = false;
+    if (mrow != nullptr) {
+      mask_bits(bits, mv, &all_on, &none);
+      if (k0 + kBK < kend) mask_load(mv, mrow, k0 + kBK, a.Sk, lane);
+    } else {
+#pragma unroll
+      for (int w = 0; w < kBK / 32; ++w) bits[w] = 0xffffffffu;
+    }
     if (k0 + kBK < kend) {
       load_tile<T, D>(Ks + (buf ^ 1) * kBK * LDS, kb, kv_rs, k0 + kBK, a.Sk);
       load_tile<T, D>(Vs + (buf ^ 1) * kBK * LDS, vb, kv_rs, k0 + kBK, a.Sk);
     }
     cp_async_commit();
+    if (none) continue;  // block-uniform: no kept key in this tile
     const T* Kb = Ks + buf * kBK * LDS;
     const T* Vb = Vs + buf * kBK * LDS;
     float s[8][4], dp[8][4];
@@ -538,19 +646,22 @@ __global__ void __launch_bounds__(kMmaThreads)
     zero(dp);
     mma_abt<T, D>(s, Qs + warp * 16 * LDS, Kb, lane);
     mma_abt<T, D>(dp, Gs + warp * 16 * LDS, Vb, lane);
-    const bool need = tile_needs_mask(a, q0, k0);
+    const bool kneed = tile_needs_mask(a, q0, k0);
+    const bool need = kneed || !all_on;
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = e >> 1;
-        const int64_t i = row0 + 8 * r, j = k0 + nt * 8 + 2 * tq + (e & 1);
+        const int jl = nt * 8 + 2 * tq + (e & 1);
+        const int64_t i = row0 + 8 * r, j = k0 + jl;
         float th;
         float x = cap_score(s[nt][e] * a.scale, a.softcap, &th);
         float ds = 0.f;
-        if (!need || (i < a.Sq && visible(a, b, i, j))) {
+        if (!need || (((bits[nt >> 2] >> (jl & 31)) & 1u) &&
+                      (!kneed || (i < a.Sq && j < a.Sk && kind_visible(a, i, j))))) {
           if (bias != nullptr && i < a.Sq) x += to_f32(bias[((b * a.H + h) * a.Sq + i) * a.Sk + j]);
-          const float p = __expf(x - L[r]);
+          const float p = ex2(fmaf(x, kLog2e, -L[r]));
           ds = p * (dp[nt][e] - dl[r]);
         }
         s[nt][e] = a.softcap > 0.f ? ds * (1.f - th * th) : ds;
