@@ -25,7 +25,10 @@
 //   dq:   block = (64-query tile, head, batch); loops over key tiles: S = Q K^T, dP = dO V^T,
 //         dQ += dR K. Deterministic (no atomics), at the price of recomputing S and dP.
 // The masking work (per-element visibility) runs only on tiles that need it: partial tiles,
-// the causal / sliding diagonal bands, and every tile when a key mask is given.
+// the causal / sliding diagonal bands, and key tiles where the key mask hides some keys (the
+// mask is read once per tile into ballot bits; tiles with no kept key are skipped).
+// The forward's default pipeline has one K and one V buffer (staggered loads, see
+// mma_fwd_kernel); dq and dkdv double buffer as described above.
 #pragma once
 
 #include <type_traits>
