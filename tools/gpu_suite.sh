@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call on the GPU machine (device tool), from the repository root:
 #   tools/gpu_suite.sh [stages...]     stages: build tests sanitize bench   (default: all)
-# Builds both kernel modules for sm_90 into /tmp/rlx-gpu, runs every tests/*_gpu.py file
+# Builds both kernel modules for sm_90 into build/gpu (kept between calls while the machine is warm), runs every tests/*_gpu.py file
 # (several pytest processes share the GPU; the tests do not time anything), a
 # compute-sanitizer memcheck/racecheck pass over the small cases of each CUDA family,
 # then the GPU benchmarks one at a time. Logs and a summary go to $OUT (or /tmp/rlx-out).
@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 stages=" ${*:-build tests sanitize bench} "
 has() { [[ "$stages" == *" $1 "* ]]; }
 step() { echo "=== $* ($(date +%T))"; }
-B=/tmp/rlx-gpu
+B=${RLX_GPU_BUILD:-$PWD/build/gpu}
 if has build; then
   step build
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
