@@ -153,20 +153,25 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
       // 128 rows per block, two m-tiles per warp, 64 keys per step at D 64 and 32 at D 128,
       // took 5.47 ms at D 64 and 5.44 ms at D 128, against 3.69 ms and 5.45 ms for this tiling
       // in a later run on another machine; the template keeps MT / NK as parameters.)
-      // Pipeline: RLX_ATTENTION_CUDA_FWD=db selects the double-buffered K / V forward (the
-      // previous kernel), =st1 the staggered one without a register cap; default: staggered
-      // (one K and one V buffer) with __launch_bounds__ asking for 4 (D 64) / 3 (D 128) blocks
-      // per SM. The variants stay selectable for A/B timing on the device.
+      // Pipelines: db = K / V double buffered, no register cap (the previous kernel); st =
+      // staggered (one K and one V buffer) with __launch_bounds__ asking for 4 (D 64) / 3 (D 128)
+      // blocks per SM. Default per head dim, the faster one measured: without a key mask db at
+      // D 64 (3.13 vs 3.43 ms, bb975a1 vs e7bdacc A/B) and st at D 128 (4.77 vs 5.36 ms); with a
+      // key mask (template flag MASK: the unmasked kernels carry no mask bits) st at both.
+      // RLX_ATTENTION_CUDA_FWD=db / st picks the other no-mask pipeline for A/B timing on the
+      // device (st1, the uncapped staggered one, is no longer built: it never won).
       const char* env = std::getenv("RLX_ATTENTION_CUDA_FWD");
-      const int variant = env == nullptr ? 0 : std::string(env) == "db" ? 1 : std::string(env) == "st1" ? 2 : 0;
-      if (a.D == 64) {
-        if (variant == 1) return run(attn::mma_fwd_kernel<T, 64, 1, 64, false, 1>, 1, 64, 2);
-        if (variant == 2) return run(attn::mma_fwd_kernel<T, 64, 1, 64, true, 1>, 1, 64, 1);
-        return run(attn::mma_fwd_kernel<T, 64, 1, 64, true, 4>, 1, 64, 1);
+      const std::string var = env == nullptr ? std::string() : std::string(env);
+      if (a.mask != nullptr) {
+        if (a.D == 64) return run(attn::mma_fwd_kernel<T, 64, 1, 64, true, 4, true>, 1, 64, 1);
+        return run(attn::mma_fwd_kernel<T, 128, 1, 64, true, 3, true>, 1, 64, 1);
       }
-      if (variant == 1) return run(attn::mma_fwd_kernel<T, 128, 1, 64, false, 1>, 1, 64, 2);
-      if (variant == 2) return run(attn::mma_fwd_kernel<T, 128, 1, 64, true, 1>, 1, 64, 1);
-      return run(attn::mma_fwd_kernel<T, 128, 1, 64, true, 3>, 1, 64, 1);
+      if (a.D == 64) {
+        if (var == "st") return run(attn::mma_fwd_kernel<T, 64, 1, 64, true, 4, false>, 1, 64, 1);
+        return run(attn::mma_fwd_kernel<T, 64, 1, 64, false, 1, false>, 1, 64, 2);
+      }
+      if (var == "db") return run(attn::mma_fwd_kernel<T, 128, 1, 64, false, 1, false>, 1, 64, 2);
+      return run(attn::mma_fwd_kernel<T, 128, 1, 64, true, 3, false>, 1, 64, 1);
     }
   }
   const int64_t blocks = (a.Sq + attn::kGenWarps - 1) / attn::kGenWarps * a.H * a.B;
@@ -211,11 +216,21 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
         }
         return ffi::Error::Success();
       };
-      if (a.D == 64)
-        return run(attn::mma_dkdv_kernel<T, 64>, attn::mma_dkdv_smem<64>(), attn::mma_dq_kernel<T, 64>,
+      // The key mask is a template flag: without one, the kernels carry no mask bits or flags
+      // (fewer live registers; the unmasked backward was slower with the runtime checks).
+      const bool km = a.mask != nullptr;
+      if (a.D == 64) {
+        if (km)
+          return run(attn::mma_dkdv_kernel<T, 64, true>, attn::mma_dkdv_smem<64>(), attn::mma_dq_kernel<T, 64, true>,
+                     attn::mma_dq_smem<64>());
+        return run(attn::mma_dkdv_kernel<T, 64, false>, attn::mma_dkdv_smem<64>(), attn::mma_dq_kernel<T, 64, false>,
                    attn::mma_dq_smem<64>());
-      return run(attn::mma_dkdv_kernel<T, 128>, attn::mma_dkdv_smem<128>(), attn::mma_dq_kernel<T, 128>,
-                 attn::mma_dq_smem<128>());
+      }
+      if (km)
+        return run(attn::mma_dkdv_kernel<T, 128, true>, attn::mma_dkdv_smem<128>(),
+                   attn::mma_dq_kernel<T, 128, true>, attn::mma_dq_smem<128>());
+      return run(attn::mma_dkdv_kernel<T, 128, false>, attn::mma_dkdv_smem<128>(),
+                 attn::mma_dq_kernel<T, 128, false>, attn::mma_dq_smem<128>());
     }
   }
   if (auto e = grid_check(std::max(q_blocks_g, k_blocks_g), "attention backward"); e.failure()) return e;

@@ -1,7 +1,8 @@
 // Attention on tensor cores (sm_80+, mma.sync m16n8k16, bf16 / f16 in, f32 accumulation),
-// FlashAttention-2 style, for head dims 64 and 128. Masks, scale, softcap, key mask and
-// bias are runtime parameters (AttnArgs, attention_generic.cuh); each kernel is instantiated
-// once per (dtype, head dim).
+// FlashAttention-2 style, for head dims 64 and 128. Mask kind, scale, softcap and bias are
+// runtime parameters (AttnArgs, attention_generic.cuh); whether a key mask is given is a
+// template flag (MASK), so the unmasked kernels carry no mask bits or flags. Each kernel is
+// instantiated per (dtype, head dim, MASK) (the forward also per pipeline, see attention.cu).
 //
 // Tiles: 64 query rows x 64 keys per step, 4 warps of 16 rows each (128 threads). Tiles go
 // global -> shared with cp.async (16-byte, zero-filled past the sequence end), double
@@ -27,8 +28,11 @@
 // The masking work (per-element visibility) runs only on tiles that need it: partial tiles,
 // the causal / sliding diagonal bands, and key tiles where the key mask hides some keys (the
 // mask is read once per tile into ballot bits; tiles with no kept key are skipped).
-// The forward's default pipeline has one K and one V buffer (staggered loads, see
-// mma_fwd_kernel); dq and dkdv double buffer as described above.
+// The forward's pipeline is per head dim (attention.cu): without a key mask, double buffered
+// at D 64 and staggered (one K and one V buffer, see mma_fwd_kernel) at D 128; with a key
+// mask staggered at both. dq and dkdv double buffer as described above.
+// NaN: a NaN score gives p = NaN (ex2 of NaN), so the row's l, output, lse (forward) and its
+// dq / dk / dv contributions (backward) are NaN, as the CPU kernel; the row max uses fmaxf.
 #pragma once
 
 #include <type_traits>
@@ -273,10 +277,12 @@ __device__ __forceinline__ void key_range(const AttnArgs& a, int64_t q0, int64_t
 // STAGGER true: one K and one V buffer (less shared memory: more blocks per SM); V of step t
 // loads while S = Q K^T and the softmax run, K of step t + 1 while O += P V runs.
 // MINB: minimum blocks per SM for __launch_bounds__ (caps the registers; 1: no cap).
+// MASK: a key mask is given (a.mask != nullptr): per key tile, mask bits and a skip of tiles
+// with no kept key; false compiles all of that out.
 // Scores are carried in log2 units: m (row max) and the exponents are log2-scaled; lse is
 // converted back (ln) at the end.
 
-template <typename T, int D, int MT, int NK, bool STAGGER, int MINB>
+template <typename T, int D, int MT, int NK, bool STAGGER, int MINB, bool MASK>
 __global__ void __launch_bounds__(kMmaThreads, MINB)
     mma_fwd_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                    const T* __restrict__ bias, T* __restrict__ out, float* __restrict__ lse) {
@@ -301,7 +307,7 @@ __global__ void __launch_bounds__(kMmaThreads, MINB)
   const T* qb = q + (b * a.Sq * a.H + h) * D;
   const T* kb = k + (b * a.Sk * a.Hkv + hk) * D;
   const T* vb = v + (b * a.Sk * a.Hkv + hk) * D;
-  const float* mrow = a.mask != nullptr ? a.mask + b * a.Sk : nullptr;
+  const float* mrow = MASK ? a.mask + b * a.Sk : nullptr;
   int64_t kbeg, kend;
   key_range(a, q0, min(a.Sq - 1, q0 + kFwdBQ - 1), &kbeg, &kend, NK);
 #pragma unroll
@@ -311,8 +317,10 @@ __global__ void __launch_bounds__(kMmaThreads, MINB)
     if (!STAGGER) load_tile<T, D, NK>(Vs, vb, kv_rs, kbeg, a.Sk);
   }
   cp_async_commit();
-  float mv[W];
-  if (mrow != nullptr && kbeg < kend) mask_load(mv, mrow, kbeg, a.Sk, lane);
+  float mv[MASK ? W : 1];
+  if constexpr (MASK) {
+    if (kbeg < kend) mask_load(mv, mrow, kbeg, a.Sk, lane);
+  }
   const int64_t wrow0 = q0 + warp * 16 * MT;  // this warp's rows; thread rows wrow0 + 16 mt + 8 r + g
   const float c2 = a.scale * kLog2e;          // raw score -> log2 units (no softcap)
   const float cap2 = a.softcap * kLog2e;
@@ -329,14 +337,12 @@ __global__ void __launch_bounds__(kMmaThreads, MINB)
   for (int64_t k0 = kbeg; k0 < kend; k0 += NK) {
     cp_async_wait_all();
     __syncthreads();
-    uint32_t bits[W];
+    // MASK false (no key mask): no bits, no skipping; the compiler sees constants
+    uint32_t bits[MASK ? W : 1];
     bool all_on = true, none = false;
-    if (mrow != nullptr) {
+    if constexpr (MASK) {
       mask_bits(bits, mv, &all_on, &none);
       if (k0 + NK < kend) mask_load(mv, mrow, k0 + NK, a.Sk, lane);
-    } else {
-#pragma unroll
-      for (int w = 0; w < W; ++w) bits[w] = 0xffffffffu;
     }
     if constexpr (STAGGER) {
       if (!none) load_tile<T, D, NK>(Vs, vb, kv_rs, k0, a.Sk);
@@ -362,8 +368,13 @@ __global__ void __launch_bounds__(kMmaThreads, MINB)
             const int jl = nt * 8 + 2 * tq + (e & 1);
             const int64_t i = wrow0 + mt * 16 + (e >> 1) * 8 + g, j = k0 + jl;
             bool vis = true;
-            if (need)
-              vis = ((bits[nt >> 2] >> (jl & 31)) & 1u) && (!kneed || (i < a.Sq && j < a.Sk && kind_visible(a, i, j)));
+            if constexpr (MASK) {
+              if (need)
+                vis = ((bits[nt >> 2] >> (jl & 31)) & 1u) &&
+                      (!kneed || (i < a.Sq && j < a.Sk && kind_visible(a, i, j)));
+            } else {
+              if (need) vis = i < a.Sq && j < a.Sk && kind_visible(a, i, j);
+            }
             float x;
             if (!vis) {
               x = -INFINITY;
@@ -372,14 +383,16 @@ __global__ void __launch_bounds__(kMmaThreads, MINB)
               if (bias != nullptr && i < a.Sq) x = fmaf(to_f32(bias[((b * a.H + h) * a.Sq + i) * a.Sk + j]), kLog2e, x);
             }
             s[mt][nt][e] = x;
-            mx[e >> 1] = nan_max(mx[e >> 1], x);
+            mx[e >> 1] = fmaxf(mx[e >> 1], x);
           }
         float mu[2], alpha[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          mx[r] = nan_max(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-          mx[r] = nan_max(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-          const float mn = nan_max(m[mt][r], mx[r]);
+          // fmaxf drops NaN scores from the max, but such a score still gives p = ex2(NaN) =
+          // NaN below, so l, the output row and lse come out NaN (the CPU kernel's result).
+          mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+          mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+          const float mn = fmaxf(m[mt][r], mx[r]);
           mu[r] = mn == -INFINITY ? 0.f : mn;
           alpha[r] = ex2(m[mt][r] - mu[r]);
           m[mt][r] = mn;
@@ -436,7 +449,8 @@ __global__ void __launch_bounds__(kMmaThreads, MINB)
 }
 
 // ---- backward: dk, dv (and dbias) ------------------------------------------------------------
-template <typename T, int D>
+// MASK: a key mask is given (a.mask != nullptr); false compiles the key-mask logic out.
+template <typename T, int D, bool MASK>
 __global__ void __launch_bounds__(kMmaThreads)
     mma_dkdv_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                     const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
@@ -463,12 +477,16 @@ __global__ void __launch_bounds__(kMmaThreads)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int64_t j = j_row0 + 8 * r;
-    kok[r] = j < a.Sk && (a.mask == nullptr || a.mask[b * a.Sk + j] >= 0.5f);
+    kok[r] = j < a.Sk && (!MASK || a.mask[b * a.Sk + j] >= 0.5f);
   }
   // Keys of this warp all kept (no per-element key masking) / none kept (nothing to add).
-  const bool w_all = __all_sync(0xffffffffu, kok[0] && kok[1]);
-  const bool w_skip = !__any_sync(0xffffffffu, kok[0] || kok[1]) && dbias == nullptr;
-  if (a.mask != nullptr && dbias == nullptr && !__syncthreads_or(kok[0] || kok[1])) {
+  // Without a key mask the tile test (partial last tile) covers both.
+  bool w_all = true, w_skip = false;
+  if constexpr (MASK) {
+    w_all = __all_sync(0xffffffffu, kok[0] && kok[1]);
+    w_skip = !__any_sync(0xffffffffu, kok[0] || kok[1]) && dbias == nullptr;
+  }
+  if (MASK && dbias == nullptr && !__syncthreads_or(kok[0] || kok[1])) {
     // no key of this tile is kept: dk = dv = 0, nothing to load
     const int64_t kv_b = (b * a.Sk) * a.Hkv + hk;
     for (int c = threadIdx.x; c < kBK * (D / 8); c += kMmaThreads) {
@@ -523,13 +541,15 @@ __global__ void __launch_bounds__(kMmaThreads)
     const T* Gb = Gs + buf * kBQ * LDS;
     const float* Lb = Ls + buf * kBQ;
     const float* Db = Dl + buf * kBQ;
-    if (w_skip) continue;  // warp-uniform; the block's syncs are at the loop top only
+    if constexpr (MASK) {
+      if (w_skip) continue;  // warp-uniform; the block's syncs are at the loop top only
+    }
     float st[8][4], dpt[8][4];
     zero(st);
     zero(dpt);
     mma_abt<T, D>(st, Ks + warp * 16 * LDS, Qb, lane);
     mma_abt<T, D>(dpt, Vs + warp * 16 * LDS, Gb, lane);
-    const bool need = !w_all || tile_needs_mask(a, i0, k0);
+    const bool need = (MASK && !w_all) || tile_needs_mask(a, i0, k0);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
@@ -573,7 +593,8 @@ __global__ void __launch_bounds__(kMmaThreads)
 }
 
 // ---- backward: dq ----------------------------------------------------------------------------
-template <typename T, int D>
+// MASK: as mma_dkdv_kernel.
+template <typename T, int D, bool MASK>
 __global__ void __launch_bounds__(kMmaThreads)
     mma_dq_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                   const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
@@ -604,9 +625,11 @@ __global__ void __launch_bounds__(kMmaThreads)
     load_tile<T, D>(Vs, vb, kv_rs, kbeg, a.Sk);
   }
   cp_async_commit();
-  const float* mrow = a.mask != nullptr ? a.mask + b * a.Sk : nullptr;
-  float mv[kBK / 32];
-  if (mrow != nullptr && kbeg < kend) mask_load(mv, mrow, kbeg, a.Sk, lane);
+  const float* mrow = MASK ? a.mask + b * a.Sk : nullptr;
+  float mv[MASK ? kBK / 32 : 1];
+  if constexpr (MASK) {
+    if (kbeg < kend) mask_load(mv, mrow, kbeg, a.Sk, lane);
+  }
   const int64_t row0 = q0 + warp * 16 + g;
   float L[2], dl[2];
 #pragma unroll
@@ -627,14 +650,11 @@ __global__ void __launch_bounds__(kMmaThreads)
   for (int64_t k0 = kbeg; k0 < kend; k0 += kBK, buf ^= 1) {
     cp_async_wait_all();
     __syncthreads();
-    uint32_t bits[kBK / 32];
+    uint32_t bits[MASK ? kBK / 32 : 1];
     bool all_on = true, none = false;
-    if (mrow != nullptr) {
+    if constexpr (MASK) {
       mask_bits(bits, mv, &all_on, &none);
       if (k0 + kBK < kend) mask_load(mv, mrow, k0 + kBK, a.Sk, lane);
-    } else {
-#pragma unroll
-      for (int w = 0; w < kBK / 32; ++w) bits[w] = 0xffffffffu;
     }
     if (k0 + kBK < kend) {
       load_tile<T, D>(Ks + (buf ^ 1) * kBK * LDS, kb, kv_rs, k0 + kBK, a.Sk);
@@ -661,8 +681,14 @@ __global__ void __launch_bounds__(kMmaThreads)
         float th;
         float x = cap_score(s[nt][e] * a.scale, a.softcap, &th);
         float ds = 0.f;
-        if (!need || (((bits[nt >> 2] >> (jl & 31)) & 1u) &&
-                      (!kneed || (i < a.Sq && j < a.Sk && kind_visible(a, i, j))))) {
+        bool vis = true;
+        if constexpr (MASK) {
+          if (need)
+            vis = ((bits[nt >> 2] >> (jl & 31)) & 1u) && (!kneed || (i < a.Sq && j < a.Sk && kind_visible(a, i, j)));
+        } else {
+          if (need) vis = i < a.Sq && j < a.Sk && kind_visible(a, i, j);
+        }
+        if (vis) {
           if (bias != nullptr && i < a.Sq) x += to_f32(bias[((b * a.H + h) * a.Sq + i) * a.Sk + j]);
           const float p = ex2(fmaf(x, kLog2e, -L[r]));
           ds = p * (dp[nt][e] - dl[r]);
