@@ -309,3 +309,61 @@ def test_bad_scratch_is_an_error():
 @pytest.mark.parametrize("d", [64, 128])
 def test_long_sequence(d):
     _check_case(1, 2048, 2048, 4, 2, d, jnp.bfloat16, kind="causal", softcap=20.0)
+
+
+# ---- forward pipelines and the key-mask template flag (ffi/cuda/attention.cu) ---------------
+
+
+@pytest.mark.parametrize("pipe", ["db", "st"])
+@pytest.mark.parametrize("d,kind", [(64, "none"), (64, "causal"), (128, "none"), (128, "sliding")])
+def test_fwd_pipeline_env(monkeypatch, pipe, d, kind):
+    """Both no-mask forward pipelines (RLX_ATTENTION_CUDA_FWD: db double buffered, st staggered
+    with launch bounds; the default is db at D 64 and st at D 128) against the reference, odd
+    lengths so partial query / key tiles are masked."""
+    monkeypatch.setenv("RLX_ATTENTION_CUDA_FWD", pipe)
+    _check_case(1, 141, 203, 4, 2, d, jnp.bfloat16, kind=kind, window=50, seed=5)
+
+
+@pytest.mark.parametrize("dtype,d", [(jnp.bfloat16, 64), (jnp.float16, 128)])
+def test_nan_row_with_key_mask(dtype, d):
+    """The key-masked kernels (MASK template flag) propagate a NaN row as the CPU kernel does:
+    same NaN pattern in out, lse and dq, and NaN dk / dv at the kept keys of the NaN row's kv
+    head (keys 64..127 hidden: a skipped key tile); the rest matches the reference. (At hidden
+    keys of that kv head the CPU kernel gives NaN dk / dv, the CUDA kernels' skipped tiles 0:
+    not compared.)"""
+    b, s, h, hkv, row = 1, 150, 4, 2, 70
+    q, k, v, dy, m, _ = _inputs(b, s, s, h, hkv, d, dtype, 13, mask=True)
+    m = m.at[0, 64:128].set(0.0)
+    q_nan = q.at[0, row, 1, 5].set(jnp.nan)
+    p = _params(d, "none", None, None, None, m, None)
+
+    def f(q, k, v, dy, m):
+        out, lse = A.attention_fwd(q, k, v, m, **p)
+        return out, lse, A.attention_bwd(q, k, v, out, lse, dy, jnp.zeros(lse.shape, jnp.float32), m, **p)
+
+    def fr(q, k, v, dy, m):
+        out, lse = A.reference_attention(q, k, v, m, **p)
+        return out, lse, A.reference_attention_bwd(q, k, v, out, lse, dy, jnp.zeros(lse.shape, jnp.float32), m, **p)
+
+    with jax.default_matmul_precision("highest"):
+        got = jax.jit(f)(q_nan, k, v, dy, m)
+        got = [np.asarray(jnp.asarray(x, jnp.float32)) for x in (got[0], got[1], *got[2])]
+        cpu = jax.devices("cpu")[0]
+        ref_cpu = jax.jit(f)(*[jax.device_put(x, cpu) for x in (q_nan, k, v, dy, m)])
+        ref_cpu = [np.asarray(jnp.asarray(x, jnp.float32)) for x in (ref_cpu[0], ref_cpu[1], *ref_cpu[2])]
+        for name, x, y in zip(("out", "lse", "dq"), got, ref_cpu):
+            assert np.isnan(x).any() and (np.isnan(x) == np.isnan(y)).all(), f"{name}: NaN pattern differs from CPU"
+        out, lse, dq, dk, dv = got
+        kept = np.asarray(m[0]) >= 0.5
+        for name, g, y in (("dk", dk, ref_cpu[3]), ("dv", dv, ref_cpu[4])):
+            assert np.isnan(g[0, kept, 0]).all() and np.isnan(y[0, kept, 0]).all(), f"{name}: kept keys of kv head 0"
+        nan_out = np.zeros((b, s, h), bool)
+        nan_out[0, row, 1] = True
+        assert (np.isnan(out).all(-1) == nan_out).all() and (np.isnan(out).any(-1) == nan_out).all(), "out NaN rows"
+        want = jax.jit(fr)(*[_f32(x) for x in (q.at[0, row, 1, 5].set(0), k, v, dy)], m)
+        fin = ~nan_out
+        _close(out[fin], np.asarray(want[0])[fin], dtype, "out (finite rows)")
+        _close(dq[fin], np.asarray(want[2][0])[fin], dtype, "dq (finite rows)")
+        for name, g, w in (("dk", dk, want[2][1]), ("dv", dv, want[2][2])):
+            _close(g[:, :, 1], np.asarray(w)[:, :, 1], dtype, name + " (kv head 1)")
+            assert not g[0, 64:128, 1].any(), f"{name}: hidden keys get 0"
