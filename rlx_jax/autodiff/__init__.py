@@ -20,5 +20,6 @@ from .forward import hvp, jacfwd, jvp  # noqa: E402
 __all__ += ["hvp", "jacfwd", "jvp"]
 
 from .batch import vmap  # noqa: E402
+from . import jax_custom  # noqa: E402,F401  (registers rlx_jax's Custom ops: second order of the splat)
 
 __all__ += ["vmap"]

@@ -301,3 +301,28 @@ def _gaussian_splat_render(g, node, dy):
         out.append(g._add_node(Narrow(axis=0, start=start, len=ln), (packed,)) if ln else E.zeros_like(g, i))
         start += ln
     return out + [E.zeros_like(g, node.inputs[6])]
+
+
+@vjp_rule("GaussianSplatRenderBackward")
+def _gaussian_splat_render_backward(g, node, dy):
+    """Second order of the render. RLX has no op for the derivative of its splat
+    backward, so this emits rlx_jax's own Custom op (``jax_custom.py``):
+    ``rlx_jax.gaussian_splat_render_backward_vjp``: one node packing the six scene
+    cotangents (unpacked with Narrow) and one for the image cotangent ``dy``, each
+    lowering to ``jax.vjp`` of the backward (all of its options honoured) and
+    differentiable again by the same mechanism. The ``dy``
+    node is the render's forward mode (J t), which is how ``rlx_jax.jvp`` / ``hvp``
+    (built on the transposition identity, no separate JVP table) reach the render.
+    meta gets zeros. Such graphs run through ``to_jax``; RLX itself would need these
+    Custom ops registered to run them."""
+    from .jax_custom import SPLAT_BACKWARD, emit_vjp
+
+    op = node.op
+    params = {f: getattr(op, f) for f in _SPLAT_FIELDS}
+    params.update(loss_grad_clip=float(op.loss_grad_clip), sh_band=int(op.sh_band),
+                  max_anisotropy=float(op.max_anisotropy))
+    for f in ("width", "height", "tile_size", "max_splat_steps", "max_list_entries"):
+        params[f] = int(params[f])
+    for f in ("radius_scale", "alpha_cutoff", "transmittance_threshold"):
+        params[f] = float(params[f])
+    return emit_vjp(g, SPLAT_BACKWARD, params, [], list(node.inputs), dy)
