@@ -216,9 +216,6 @@ def test_custom_op_attrs_and_shape_checks(x64):
         h.custom(SPLAT_BACKWARD + "_vjp", ins + [ins[0]], encode_attrs({}, [[]]))
 
 
-@pytest.mark.xfail(raises=TypeError, strict=True,
-                   reason="IR bug (not autodiff): Custom's field `attrs` shadows Op.attrs(), so "
-                          "printing any graph with a Custom node raises TypeError in Op.attr_text")
 def test_second_order_graph_prints(x64):
     g = _graph(np.float64)
     gg = rlx_jax.grad_with_loss(g, ["o"])

@@ -558,7 +558,7 @@ class Op:
             if isinstance(getattr(self, f.name), Graph)
         }
 
-    def attrs(self) -> dict:
+    def attr_values(self) -> dict:
         """Attribute values by field name."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
@@ -567,7 +567,7 @@ class Op:
         from .graph import Graph
 
         parts = []
-        for k, v in self.attrs().items():
+        for k, v in self.attr_values().items():
             if isinstance(v, Graph):
                 v = f"<graph {v.name!r}: {len(v)} nodes>"
             elif isinstance(v, bytes):

@@ -319,6 +319,10 @@ def _custom(op, args, ctx):
     # A registered op: its lowering is looked up by name (register_custom_lowering),
     # else through the IR's op registry entry (an attribute `lower` or `jax_fn`).
     fn = custom_lowering(op.name)
+    if fn is None and op.name.startswith("rlx_jax."):
+        # rlx_jax's own Custom ops (autodiff of ops with no RLX derivative op) register
+        # when rlx_jax.autodiff is imported: a graph loaded from JSON may come first
+        import rlx_jax.autodiff  # noqa: F401
     if fn is None:
         try:
             import rlx_jax.ir as ir
