@@ -19,8 +19,9 @@ import rlx_jax
 from rlx_jax.ops import attention, attention_backward
 from rlx_jax.vjp_rules import attention as A
 
-HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
-pytestmark = pytest.mark.skipif(not HAS_GPU, reason="no GPU visible to JAX: the CUDA kernels cannot run here")
+from gpu_testutil import requires_gpu
+
+pytestmark = requires_gpu
 
 # relative error allowed: ||got - want||_2 / ||want||_2 (and max-abs / max|want| <= 4x that)
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2, jnp.float16: 5e-3}

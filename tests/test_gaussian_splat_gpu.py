@@ -21,8 +21,9 @@ import rlx_jax as rlx
 from rlx_jax.ops import gaussian_splat_render, gaussian_splat_render_backward, gaussian_splat_render_meta
 from rlx_jax.vjp_rules import gaussian_splat as gs
 
-HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
-pytestmark = pytest.mark.skipif(not HAS_GPU, reason="no GPU visible to JAX: the CUDA kernels cannot run here")
+from gpu_testutil import requires_gpu
+
+pytestmark = requires_gpu
 
 TARGETS = ("rlx_gaussian_splat_fwd", "rlx_gaussian_splat_bwd")
 META = gaussian_splat_render_meta([0.3, -0.2, -4], [0, 0, 0], [0, 1, 0], 45.0, 0.1, 100.0, [0.1, 0.2, 0.3])

@@ -20,8 +20,9 @@ import test_reliability_determinism as det
 from rlx_jax.ops import rms_norm
 from rlx_jax.vjp_rules.rms_norm import reference_rms_norm, reference_rms_norm_bwd
 
-HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
-pytestmark = pytest.mark.skipif(not HAS_GPU, reason="no GPU visible to JAX: the CUDA kernels cannot run here")
+from gpu_testutil import requires_gpu
+
+pytestmark = requires_gpu
 
 
 def _cuda_targets() -> set[str]:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import rlx_jax
+from gpu_testutil import as_f32, assert_close, gpu, requires_gpu
 from rlx_jax.ops import rms_norm
 from rlx_jax.vjp_rules.rms_norm import (
     cuda_bwd_scratch_size,
@@ -22,8 +23,7 @@ from rlx_jax.vjp_rules.rms_norm import (
     rms_norm_fwd,
 )
 
-HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
-pytestmark = pytest.mark.skipif(not HAS_GPU, reason="no GPU visible to JAX: the CUDA kernels cannot run here")
+pytestmark = requires_gpu
 
 EPS = 1e-6
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -31,8 +31,7 @@ DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
 
 
-def _gpu():
-    return next(d for d in jax.devices() if d.platform == "gpu")
+_gpu = gpu
 
 
 def _inputs(shape, dtype, seed):
@@ -47,20 +46,10 @@ def _inputs(shape, dtype, seed):
 
 
 def _close(got, want, dtype, what):
-    got = np.asarray(jnp.asarray(got, jnp.float32))
-    want = np.asarray(jnp.asarray(want, jnp.float32))
-    assert got.shape == want.shape, (what, got.shape, want.shape)
-    if got.size == 0:
-        return
-    assert np.isfinite(got).all(), f"{what}: non-finite values (unwritten output?)"
-    scale = max(float(np.max(np.abs(want))), 1.0)
-    err = float(np.max(np.abs(got - want)))
-    tol = TOL[jnp.dtype(dtype).type]
-    assert err <= tol * scale, f"{what}: max abs err {err:.3g} > {tol:.1g} * {scale:.3g}"
+    assert_close(got, want, TOL[jnp.dtype(dtype).type], what)
 
 
-def _f32(*arrays):
-    return [a.astype(jnp.float32) for a in arrays]
+_f32 = as_f32
 
 
 def test_cuda_kernels_loaded_and_in_hlo():

@@ -16,20 +16,19 @@ import numpy as np
 import pytest
 
 import rlx_jax
+from gpu_testutil import assert_close, gpu, requires_gpu
 from rlx_jax.ops import softmax
 from rlx_jax.vjp_rules.softmax import (
     reference_softmax, reference_softmax_bwd, reference_softmax_bwd_x, softmax_bwd, softmax_bwd_x, softmax_fwd,
 )
 
-HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
-pytestmark = pytest.mark.skipif(not HAS_GPU, reason="no GPU visible to JAX: the CUDA kernels cannot run here")
+pytestmark = requires_gpu
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
 
 
-def _gpu():
-    return next(d for d in jax.devices() if d.platform == "gpu")
+_gpu = gpu
 
 
 def _inputs(shape, dtype, seed):
@@ -40,16 +39,7 @@ def _inputs(shape, dtype, seed):
 
 
 def _close(got, want, dtype, what, scale=None):
-    got = np.asarray(jnp.asarray(got, jnp.float32))
-    want = np.asarray(jnp.asarray(want, jnp.float32))
-    assert got.shape == want.shape, (what, got.shape, want.shape)
-    if got.size == 0:
-        return
-    assert np.isfinite(got).all(), f"{what}: non-finite values (unwritten output?)"
-    scale = scale if scale is not None else max(float(np.max(np.abs(want))), 1e-30)
-    err = float(np.max(np.abs(got - want)))
-    tol = TOL[jnp.dtype(dtype).type]
-    assert err <= tol * scale, f"{what}: max abs err {err:.3g} > {tol:.1g} * {scale:.3g}"
+    assert_close(got, want, TOL[jnp.dtype(dtype).type], what, scale=scale, min_scale=1e-30)
 
 
 def test_cuda_kernels_loaded_and_in_hlo():
