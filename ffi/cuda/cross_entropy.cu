@@ -26,47 +26,10 @@ using namespace rw;
 constexpr int kMaxThreads = 512;
 constexpr int kElems = 16;  // elements a thread keeps per chunk
 
-template <typename T, int VEC, int NV>
-__device__ __forceinline__ void load_chunk(const T* __restrict__ row, int64_t c0, int tpr, int t, int64_t W,
-                                           bool rv, bool stream, float (&v)[NV][VEC]) {
-#pragma unroll
-  for (int k = 0; k < NV; ++k) {
-    const int64_t col = c0 + int64_t(t + k * tpr) * VEC;
-    if (rv && col < W) {
-      load_vec_rw<T, VEC>(row + col, v[k], stream);
-    } else {
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) v[k][i] = -INFINITY;
-    }
-  }
-}
-
-// Running (max, sum of exp(v - max)) of one thread over chunk v.
-template <int NV, int VEC>
-__device__ __forceinline__ void online_update(const float (&v)[NV][VEC], float& m, float& s) {
-  float cm = -INFINITY;
-#pragma unroll
-  for (int k = 0; k < NV; ++k)
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) cm = fmaxf(cm, v[k][i]);
-  if (cm > m) {
-    s *= fast_exp(m - cm);
-    m = cm;
-  }
-  if (m != -INFINITY) {
-#pragma unroll
-    for (int k = 0; k < NV; ++k)
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) s += fast_exp(v[k][i] - m);
-  }
-}
-
 // lse of the row from the threads' running (m, s): max then sum over the group.
 __device__ __forceinline__ float group_lse(float m, float s, int tpr, float* red, int& ph) {
-  const float M = group_max(m, tpr, red, ph);
-  ph ^= 1;
-  const float S = group_sum(m == -INFINITY ? 0.f : s * fast_exp(m - M), tpr, red, ph);
-  ph ^= 1;
+  float M;
+  const float S = group_sumexp(m, s, tpr, red, ph, M);
   return M + logf(S);
 }
 
@@ -87,8 +50,8 @@ ce_fwd_k(const T* __restrict__ logits, const int32_t* __restrict__ labels, T* __
     float v[NV][VEC];
     float m = -INFINITY, s = 0.f;
     for (int64_t c = 0; c < nch; ++c) {
-      load_chunk<T, VEC, NV>(lr, c * chunk, tpr, t, C, rv, true, v);
-      online_update<NV, VEC>(v, m, s);
+      load_chunk<T, VEC, NV>(lr, c * chunk, tpr, t, C, rv, true, -INFINITY, v);
+      online_max_sumexp<NV, VEC>(v, m, s);
     }
     const float l = group_lse(m, s, tpr, red, ph);
     if (rv && t == 0) {
@@ -119,8 +82,8 @@ ce_bwd_k(const T* __restrict__ logits, const int32_t* __restrict__ labels, const
     if (recompute) {  // uniform over the block: the reductions' barriers are reached by all
       float m = -INFINITY, s = 0.f;
       for (int64_t c = 0; c < nch; ++c) {
-        load_chunk<T, VEC, NV>(lr, c * chunk, tpr, t, C, rv, nch == 1, v);
-        online_update<NV, VEC>(v, m, s);
+        load_chunk<T, VEC, NV>(lr, c * chunk, tpr, t, C, rv, nch == 1, -INFINITY, v);
+        online_max_sumexp<NV, VEC>(v, m, s);
       }
       l = group_lse(m, s, tpr, red, ph);
     }
@@ -131,7 +94,7 @@ ce_bwd_k(const T* __restrict__ logits, const int32_t* __restrict__ labels, const
     const float gr = ok ? to_f32(dloss[r]) : 0.f;
     T* dr = dlogits + r * C;
     for (int64_t c = nch - 1; c >= 0; --c) {
-      if (!recompute || c != nch - 1) load_chunk<T, VEC, NV>(lr, c * chunk, tpr, t, C, true, true, v);
+      if (!recompute || c != nch - 1) load_chunk<T, VEC, NV>(lr, c * chunk, tpr, t, C, true, true, -INFINITY, v);
 #pragma unroll
       for (int k = 0; k < NV; ++k) {
         const int64_t col = c * chunk + int64_t(t + k * tpr) * VEC;

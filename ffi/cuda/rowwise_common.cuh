@@ -1,6 +1,7 @@
 // Shared pieces of the row-wise CUDA handlers (LayerNorm, GroupNorm, softmax, softmax
 // cross-entropy): buffer views and validation helpers, dtype dispatch, the max
-// reduction that goes with common.cuh's group_sum, a fast exponential, and the launch
+// reduction that goes with common.cuh's group_sum, a fast exponential, row chunk loads
+// and the running max / sum-exp of softmax and cross-entropy, and the launch
 // geometry of "a group of tpr threads per row" kernels.
 //
 // Row-group layout (as in rms_norm_kernels.cuh): a block of `threads` threads holds
@@ -94,6 +95,63 @@ __device__ __forceinline__ void load_vec_rw(const T* __restrict__ p, float (&v)[
 #pragma unroll
     for (int i = 0; i < VEC; ++i) v[i] = to_f32(p[i]);
   }
+}
+
+// ---- row chunks (softmax, cross-entropy) ------------------------------------------------
+// A row walked in chunks of tpr * NV vectors: thread t of the group holds the vectors at
+// columns c0 + (t + k * tpr) * VEC, k < NV, of chunk c0. Columns past W, and every
+// column of an invalid row (rv false), read as `fill` (-inf for logits: exp gives 0).
+template <typename T, int VEC, int NV>
+__device__ __forceinline__ void load_chunk(const T* __restrict__ row, int64_t c0, int tpr, int t, int64_t W,
+                                           bool rv, bool stream, float fill, float (&v)[NV][VEC]) {
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int64_t col = c0 + int64_t(t + k * tpr) * VEC;
+    if (rv && col < W) {
+      load_vec_rw<T, VEC>(row + col, v[k], stream);
+    } else {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) v[k][i] = fill;
+    }
+  }
+}
+
+// Max of a thread's chunk.
+template <int NV, int VEC>
+__device__ __forceinline__ float chunk_max(const float (&v)[NV][VEC]) {
+  float cm = -INFINITY;
+#pragma unroll
+  for (int k = 0; k < NV; ++k)
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) cm = fmaxf(cm, v[k][i]);
+  return cm;
+}
+
+// Running (max m, sum s of exp(v - m)) of one thread over its chunks: s is rescaled
+// when m grows; nothing is added while m is -inf (a chunk of -inf only).
+template <int NV, int VEC>
+__device__ __forceinline__ void online_max_sumexp(const float (&v)[NV][VEC], float& m, float& s) {
+  const float cm = chunk_max<NV, VEC>(v);
+  if (cm > m) {
+    s *= fast_exp(m - cm);
+    m = cm;
+  }
+  if (m != -INFINITY) {
+#pragma unroll
+    for (int k = 0; k < NV; ++k)
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) s += fast_exp(v[k][i] - m);
+  }
+}
+
+// The row's max M and sum S of exp(x - M) from the threads' running (m, s): group max,
+// then group sum of s * exp(m - M) (fixed order). Two reductions: `ph` advances twice.
+__device__ __forceinline__ float group_sumexp(float m, float s, int tpr, float* red, int& ph, float& M) {
+  M = group_max(m, tpr, red, ph);
+  ph ^= 1;
+  const float S = group_sum(m == -INFINITY ? 0.f : s * fast_exp(m - M), tpr, red, ph);
+  ph ^= 1;
+  return S;
 }
 
 // Launch geometry of a row-group kernel over rows of `nvec` vectors, each thread

@@ -31,21 +31,6 @@ using namespace rw;
 constexpr int kMaxThreads = 512;
 
 template <typename T, int VEC, int NV>
-__device__ __forceinline__ void load_chunk(const T* __restrict__ row, int64_t c0, int tpr, int t, int64_t W,
-                                           bool rv, bool stream, float fill, float (&v)[NV][VEC]) {
-#pragma unroll
-  for (int k = 0; k < NV; ++k) {
-    const int64_t col = c0 + int64_t(t + k * tpr) * VEC;
-    if (rv && col < W) {
-      load_vec_rw<T, VEC>(row + col, v[k], stream);
-    } else {
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) v[k][i] = fill;
-    }
-  }
-}
-
-template <typename T, int VEC, int NV>
 __global__ void __launch_bounds__(kMaxThreads, 2)
 softmax_fwd_k(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int64_t W, int tpr) {
   __shared__ float red[64];
@@ -63,27 +48,10 @@ softmax_fwd_k(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int64_t 
     float m = -INFINITY, s = 0.f;
     for (int64_t c = 0; c < nch; ++c) {
       load_chunk<T, VEC, NV>(xr, c * chunk, tpr, t, W, rv, one, -INFINITY, v);
-      float cm = -INFINITY;
-#pragma unroll
-      for (int k = 0; k < NV; ++k)
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) cm = fmaxf(cm, v[k][i]);
-      if (cm > m) {
-        s *= fast_exp(m - cm);
-        m = cm;
-      }
-      if (m != -INFINITY) {
-#pragma unroll
-        for (int k = 0; k < NV; ++k)
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) s += fast_exp(v[k][i] - m);
-      }
+      online_max_sumexp<NV, VEC>(v, m, s);
     }
-    const float M = group_max(m, tpr, red, ph);
-    ph ^= 1;
-    const float S = group_sum(m == -INFINITY ? 0.f : s * fast_exp(m - M), tpr, red, ph);
-    ph ^= 1;
-    const float inv = 1.f / S;
+    float M;
+    const float inv = 1.f / group_sumexp(m, s, tpr, red, ph, M);
     if (!rv) continue;
     T* yr = y + r * W;
     for (int64_t c = nch - 1; c >= 0; --c) {
@@ -167,12 +135,7 @@ softmax_bwd_x_k(const T* __restrict__ x, const T* __restrict__ dy, T* __restrict
     if constexpr (ONE) {
       load_chunk<T, VEC, NV>(x + off, 0, tpr, t, W, rv, true, -INFINITY, a);
       load_chunk<T, VEC, NV>(dy + off, 0, tpr, t, W, rv, true, 0.f, b);
-      float m = -INFINITY;
-#pragma unroll
-      for (int k = 0; k < NV; ++k)
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) m = fmaxf(m, a[k][i]);
-      M = group_max(m, tpr, red, ph);
+      M = group_max(chunk_max<NV, VEC>(a), tpr, red, ph);
       ph ^= 1;
       float s = 0.f, d = 0.f;
 #pragma unroll
@@ -205,11 +168,7 @@ softmax_bwd_x_k(const T* __restrict__ x, const T* __restrict__ dy, T* __restrict
       for (int64_t c = 0; c < nch; ++c) {
         load_chunk<T, VEC, NV>(x + off, c * chunk, tpr, t, W, rv, false, -INFINITY, a);
         load_chunk<T, VEC, NV>(dy + off, c * chunk, tpr, t, W, rv, false, 0.f, b);
-        float cm = -INFINITY;
-#pragma unroll
-        for (int k = 0; k < NV; ++k)
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) cm = fmaxf(cm, a[k][i]);
+        const float cm = chunk_max<NV, VEC>(a);
         if (cm > m) {
           const float f = fast_exp(m - cm);  // 0 while m is -inf
           s *= f;
