@@ -83,9 +83,9 @@ class FakeQuantizeBackward(_Backward):
         return ins[0]
 
 
-@op_class
-class FakeQuantizeLSQBackwardX(_Backward):
-    """LSQ gradient w.r.t. x (STE inside the clamp range); inputs ``[x, scale, dy]``."""
+@dataclasses.dataclass(frozen=True)
+class _LsqBackward(_Backward):
+    """The two LSQ gradients share fields and operands: inputs ``[x, scale, dy]``."""
 
     bits: int
     axis: Optional[int]
@@ -96,33 +96,28 @@ class FakeQuantizeLSQBackwardX(_Backward):
     def arity(self):
         return 3
 
-    def infer(self, ins):
+    def _checked(self, ins):
         x, s, dy = ins
         check_scale_input(self.axis, x, s, "scale")
         like("fake_quantize_lsq_backward dy", x, dy)
-        return x
+        return x, s
 
 
 @op_class
-class FakeQuantizeLSQBackwardScale(_Backward):
+class FakeQuantizeLSQBackwardX(_LsqBackward):
+    """LSQ gradient w.r.t. x (STE inside the clamp range) -> x's shape."""
+
+    def infer(self, ins):
+        return self._checked(ins)[0]
+
+
+@op_class
+class FakeQuantizeLSQBackwardScale(_LsqBackward):
     """LSQ gradient w.r.t. the scale: ``dscale[c] = sum psi(x/s) dy`` with ``psi(z) =
-    round(z) - z`` inside the range, ``sign(z) qmax`` outside; inputs ``[x, scale, dy]``
-    -> scale's shape."""
-
-    bits: int
-    axis: Optional[int]
-
-    def validate(self):
-        _check_bits(self.bits)
-
-    def arity(self):
-        return 3
+    round(z) - z`` inside the range, ``sign(z) qmax`` outside -> scale's shape."""
 
     def infer(self, ins):
-        x, s, dy = ins
-        check_scale_input(self.axis, x, s, "scale")
-        like("fake_quantize_lsq_backward dy", x, dy)
-        return s
+        return self._checked(ins)[1]
 
 
 @op_class
