@@ -29,10 +29,12 @@ channel axis, I: axes after it; axis None -> C = 1), scales [G, C] in f32 (f64 f
 Primitives (each lowers to its FFI kernel where registered, else to its reference):
 - ``fake_quantize_fwd`` (x, s) -> y; ``fake_quantize_tangent`` (x, s, tx) -> ste' * tx,
   linear in tx, transposed by ``fake_quantize_bwd`` (x, s, dy) -> dx  [rlx_fake_quantize_bwd
-  for clipped_identity and hardtanh; tanh stays on XLA, whose vectorised tanh wins]
+  for clipped_identity and hardtanh, CPU and CUDA; tanh stays on XLA, whose vectorised
+  tanh wins on the CPU]
 - ``lsq_fwd`` (x, s) -> y; ``lsq_tangent`` (x, s, tx, ts) -> [|z|<=q] tx + psi(z) ts,
   linear in (tx, ts), transposed by ``lsq_bwd`` (x, s, dy) -> (dx, ds)
-                                                                 [rlx_fake_quantize_lsq_bwd]
+                                             [rlx_fake_quantize_lsq_bwd, CPU and CUDA;
+                                              the CUDA call adds an f32 scratch result]
 """
 
 from __future__ import annotations
@@ -152,6 +154,36 @@ def _kernel_lsq_bwd(x, s, dy, *, q):
     return jax.ffi.ffi_call("rlx_fake_quantize_lsq_bwd", out)(x, s, dy, q_max=np.float32(q))
 
 
+def cuda_lsq_scratch_size(g: int, o: int, c: int, i: int) -> int:
+    """f32 elements of the CUDA LSQ backward's scratch result for x [G, O, C, I]: the
+    partial sums of dscale, as ffi/cuda/channel_reduce.cuh plans them (I >= 32: one per
+    row segment of 4096 elements; else one per (chunk of rows, column), with chunks of
+    max(16, ceil(O / 256)) rows). At least 1."""
+    if i >= 32:
+        per_sum = g * o * c * -(-i // 4096)
+    else:
+        rpc = max(16, -(-o // 256))
+        per_sum = -(-o // rpc) * g * c * i
+    return max(1, per_sum)
+
+
+def _kernel_bwd_cuda(x, s, dy, *, q, ste):
+    """The CUDA call (same contract as the CPU one; f32, bf16, f16: f64 lowers the
+    reference)."""
+    if x.dtype == jnp.float64:
+        return reference_fake_quantize_bwd(x, s, dy, q=q, ste=ste)
+    return _kernel_bwd(x, s, dy, q=q, ste=ste)
+
+
+def _kernel_lsq_bwd_cuda(x, s, dy, *, q):
+    """The CUDA call: as ``_kernel_lsq_bwd`` plus an f32 scratch result of per-block
+    partial sums of dscale (XLA allocates it; the kernel allocates nothing), dropped."""
+    scratch = jax.ShapeDtypeStruct((cuda_lsq_scratch_size(*x.shape),), jnp.float32)
+    out = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(s.shape, s.dtype), scratch)
+    dx, ds, _ = jax.ffi.ffi_call("rlx_fake_quantize_lsq_bwd", out)(x, s, dy, q_max=np.float32(q))
+    return dx, ds
+
+
 fake_quantize_fwd = FusedPrimitive("rlx_fake_quantize_fwd", reference_fake_quantize)
 fake_quantize_tangent = FusedPrimitive("rlx_fake_quantize_tangent", reference_fake_quantize_tangent)
 def _bwd_kernel_ok(x, s, dy, *, q, ste):
@@ -162,14 +194,14 @@ def _bwd_kernel_ok(x, s, dy, *, q, ste):
 
 
 fake_quantize_bwd = FusedPrimitive(
-    "rlx_fake_quantize_bwd", reference_fake_quantize_bwd, target="rlx_fake_quantize_bwd", kernel=_kernel_bwd,
-    kernel_ok=_bwd_kernel_ok, platforms=("cpu",),
+    "rlx_fake_quantize_bwd", reference_fake_quantize_bwd, target="rlx_fake_quantize_bwd",
+    kernel={"cpu": _kernel_bwd, "cuda": _kernel_bwd_cuda}, kernel_ok=_bwd_kernel_ok,
 )
 lsq_fwd = FusedPrimitive("rlx_fake_quantize_lsq_fwd", reference_lsq)
 lsq_tangent = FusedPrimitive("rlx_fake_quantize_lsq_tangent", reference_lsq_tangent)
 lsq_bwd = FusedPrimitive(
-    "rlx_fake_quantize_lsq_bwd", reference_lsq_bwd, target="rlx_fake_quantize_lsq_bwd", kernel=_kernel_lsq_bwd,
-    platforms=("cpu",),
+    "rlx_fake_quantize_lsq_bwd", reference_lsq_bwd, target="rlx_fake_quantize_lsq_bwd",
+    kernel={"cpu": _kernel_lsq_bwd, "cuda": _kernel_lsq_bwd_cuda},
 )
 
 
