@@ -15,8 +15,9 @@ Primitives:
 - ``batch_norm_inference_tangent``: (x, gamma, mean, var, tx, tgamma, tbeta, tmean,
   tvar) -> ty, linear in the tangents; its transpose calls the backward;
 - ``batch_norm_inference_bwd``: (x, gamma, mean, var, dy) -> (dx, dgamma, dbeta), the
-  RLX ops BatchNormInferenceBackwardInput / Gamma / Beta; CPU kernel
-  ``rlx_batch_norm_inference_bwd`` (one read of x and dy).
+  RLX ops BatchNormInferenceBackwardInput / Gamma / Beta; CPU and CUDA kernel
+  ``rlx_batch_norm_inference_bwd`` (one read of x and dy; the CUDA call adds an f32
+  scratch result for its deterministic two-stage channel sums).
 """
 
 from __future__ import annotations
@@ -84,6 +85,33 @@ def _kernel_bwd(x, gamma, mean, var, dy, *, eps):
     return jax.ffi.ffi_call("rlx_batch_norm_inference_bwd", out)(x, gamma, mean, var, dy, eps=np_scalar(eps))
 
 
+def cuda_bwd_scratch_size(shape) -> int:
+    """f32 elements of the CUDA backward's scratch result for x of ``shape`` [N, C, S..]:
+    two partial sums (dgamma, dbeta) per entry of ffi/cuda/channel_reduce.cuh's plan for
+    the view [1, N, C, S] (S >= 32: one per 4096-element segment of a plane; else one per
+    (chunk of max(16, ceil(N / 256)) samples, column)). At least 1."""
+    n, c = shape[0], shape[1]
+    s = 1
+    for d in shape[2:]:
+        s *= d
+    if s >= 32:
+        per_sum = n * c * -(-s // 4096)
+    else:
+        rpc = max(16, -(-n // 256))
+        per_sum = -(-n // rpc) * c * s
+    return max(1, 2 * per_sum)
+
+
+def _kernel_bwd_cuda(x, gamma, mean, var, dy, *, eps):
+    """The CUDA call: as ``_kernel_bwd`` plus an f32 scratch result (XLA allocates it;
+    the kernel allocates nothing), dropped after the call."""
+    p = jax.ShapeDtypeStruct(gamma.shape, gamma.dtype)
+    scratch = jax.ShapeDtypeStruct((cuda_bwd_scratch_size(x.shape),), jnp.float32)
+    out = (jax.ShapeDtypeStruct(x.shape, x.dtype), p, p, scratch)
+    dx, dg, db, _ = jax.ffi.ffi_call("rlx_batch_norm_inference_bwd", out)(x, gamma, mean, var, dy, eps=np_scalar(eps))
+    return dx, dg, db
+
+
 batch_norm_inference_fwd = FusedPrimitive("rlx_batch_norm_inference_fwd", reference_batch_norm_inference)
 batch_norm_inference_tangent = FusedPrimitive(
     "rlx_batch_norm_inference_tangent", reference_batch_norm_inference_tangent
@@ -101,8 +129,7 @@ batch_norm_inference_bwd = FusedPrimitive(
     "rlx_batch_norm_inference_bwd",
     reference_batch_norm_inference_bwd,
     target="rlx_batch_norm_inference_bwd",
-    kernel=_kernel_bwd,
-    platforms=("cpu",),
+    kernel={"cpu": _kernel_bwd, "cuda": _kernel_bwd_cuda},
     partition=Partition(_partition_factors, shardable=["n"] + [f"s{i}" for i in range(8)]),
 )
 
