@@ -1,0 +1,256 @@
+// XLA FFI handlers for NeoX rotary position embedding on CUDA: targets rlx_rope_fwd and
+// rlx_rope_bwd, with the operands, attributes and semantics of the CPU handlers
+// (ffi/cpu/rope.cc, rlx_jax/vjp_rules/rope.py):
+//
+//   x, y: [B, S, W = H * head_dim]; cos, sin: [S, T] with T >= n_rot / 2 (x's dtype)
+//   per head, half = n_rot / 2, i < half, c = cos[s, i], t = sign * sin[s, i]:
+//     y[i] = x[i] c - x[half + i] t,  y[half + i] = x[half + i] c + x[i] t,
+//     y[j] = x[j] for n_rot <= j < head_dim;   sign = +1 forward, -1 backward.
+//
+// Work layout: a row (b, s) of W values splits into "items" of VEC consecutive
+// elements: per head, half / VEC pair items (item k reads x[kV..], x[half + kV..] and
+// writes both) followed by (head_dim - n_rot) / VEC copy items. VEC is the widest power
+// of two (at most 16 bytes) dividing half, head_dim and the table width with all four
+// buffers 16-byte aligned; else narrower, down to scalars. A block is TX x TY threads:
+// threadIdx.y picks a row of the block's TY rows, threadIdx.x strides over the row's
+// items; blocks stride over row groups. Each output element is written by exactly one
+// thread with the same arithmetic every run (no reductions): deterministic. f32 math
+// for f32/bf16/f16, f64 for f64. Nothing is allocated; kernels run on XLA's stream.
+#include "cuda/common.cuh"
+
+namespace rlx {
+namespace cuda {
+namespace {
+
+ffi::Error invalid(const std::string& msg) { return ffi::Error::InvalidArgument(msg); }
+
+bool same_dims(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b) {
+  auto da = a.dimensions(), db = b.dimensions();
+  return da.size() == db.size() && std::equal(da.begin(), da.end(), db.begin());
+}
+
+template <typename T> struct Acc { using type = float; };
+template <> struct Acc<double> { using type = double; };
+
+__device__ __forceinline__ double to_acc(double v) { return v; }
+__device__ __forceinline__ float to_acc(float v) { return v; }
+__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
+template <typename T, typename A> __device__ __forceinline__ T from_acc(A v);
+template <> __device__ __forceinline__ double from_acc<double, double>(double v) { return v; }
+template <> __device__ __forceinline__ float from_acc<float, float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16, float>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <> __device__ __forceinline__ __half from_acc<__half, float>(float v) { return __float2half_rn(v); }
+
+// VEC elements of T as one aligned access (VEC * sizeof(T) bytes: 2..16).
+template <typename T, int VEC>
+struct alignas(VEC * sizeof(T)) Pack {
+  T v[VEC];
+};
+
+template <typename T, int VEC>
+__device__ __forceinline__ Pack<T, VEC> ld_stream(const T* p) {
+  if constexpr (VEC * sizeof(T) == 16) {
+    uint4 r = __ldcs(reinterpret_cast<const uint4*>(p));
+    return *reinterpret_cast<Pack<T, VEC>*>(&r);
+  } else {
+    return *reinterpret_cast<const Pack<T, VEC>*>(p);
+  }
+}
+// Tables are re-read by every batch entry and head: default caching (read-only path).
+template <typename T, int VEC>
+__device__ __forceinline__ Pack<T, VEC> ld_cached(const T* p) {
+  if constexpr (VEC * sizeof(T) == 16) {
+    uint4 r = __ldg(reinterpret_cast<const uint4*>(p));
+    return *reinterpret_cast<Pack<T, VEC>*>(&r);
+  } else {
+    return *reinterpret_cast<const Pack<T, VEC>*>(p);
+  }
+}
+template <typename T, int VEC>
+__device__ __forceinline__ void st_stream(T* p, const Pack<T, VEC>& v) {
+  if constexpr (VEC * sizeof(T) == 16) {
+    __stcs(reinterpret_cast<uint4*>(p), *reinterpret_cast<const uint4*>(&v));
+  } else {
+    *reinterpret_cast<Pack<T, VEC>*>(p) = v;
+  }
+}
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(256) rope_k(const T* __restrict__ x, const T* __restrict__ cs,
+                                              const T* __restrict__ sn, T* __restrict__ y, int64_t rows,
+                                              int64_t seq, int64_t width, int64_t table_w, int head_dim,
+                                              int half, int n_rot, int items_per_head, int items_per_row,
+                                              bool backward) {
+  using A = typename Acc<T>::type;
+  using P = Pack<T, VEC>;
+  const int pair_items = half / VEC;
+  const int64_t row_step = int64_t(gridDim.x) * blockDim.y;
+  for (int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y; row < rows; row += row_step) {
+    const int64_t s = row % seq;
+    const T* xr = x + row * width;
+    T* yr = y + row * width;
+    const T* cr = cs + s * table_w;
+    const T* sr = sn + s * table_w;
+    for (int it = threadIdx.x; it < items_per_row; it += blockDim.x) {
+      const int h = it / items_per_head;
+      const int k = it - h * items_per_head;
+      const int64_t base = int64_t(h) * head_dim;
+      if (k < pair_items) {
+        const int i = k * VEC;
+        const P a = ld_stream<T, VEC>(xr + base + i);
+        const P b = ld_stream<T, VEC>(xr + base + half + i);
+        const P c = ld_cached<T, VEC>(cr + i);
+        const P t = ld_cached<T, VEC>(sr + i);
+        P ya, yb;
+#pragma unroll
+        for (int q = 0; q < VEC; ++q) {
+          const A cq = to_acc(c.v[q]);
+          const A tq = backward ? -to_acc(t.v[q]) : to_acc(t.v[q]);
+          const A aq = to_acc(a.v[q]), bq = to_acc(b.v[q]);
+          ya.v[q] = from_acc<T, A>(aq * cq - bq * tq);
+          yb.v[q] = from_acc<T, A>(bq * cq + aq * tq);
+        }
+        st_stream<T, VEC>(yr + base + i, ya);
+        st_stream<T, VEC>(yr + base + half + i, yb);
+      } else {
+        const int64_t j = base + n_rot + int64_t(k - pair_items) * VEC;
+        st_stream<T, VEC>(yr + j, ld_stream<T, VEC>(xr + j));
+      }
+    }
+  }
+}
+
+template <typename T>
+bool aligned_to(const void* p, int bytes) {
+  return (reinterpret_cast<uintptr_t>(p) % uintptr_t(bytes)) == 0;
+}
+
+template <typename T, int VEC>
+ffi::Error launch_vec(cudaStream_t stream, const T* x, const T* cs, const T* sn, T* y, int64_t rows,
+                      int64_t seq, int64_t width, int64_t table_w, int64_t head_dim, int64_t n_rot,
+                      bool backward) {
+  const int half = int(n_rot / 2);
+  const int items_per_head = int(half / VEC + (head_dim - n_rot) / VEC);
+  const int64_t heads = width / head_dim;
+  const int64_t items_per_row64 = heads * items_per_head;
+  if (items_per_row64 > INT32_MAX) return invalid("rope (cuda): rows wider than 2^31 vectors are not supported");
+  const int items_per_row = int(items_per_row64);
+  if (items_per_row == 0) return ffi::Error::Success();
+  int tx = 32;
+  while (tx < items_per_row && tx < 256) tx *= 2;
+  const int ty = 256 / tx;
+  DeviceInfo info;
+  if (cudaError_t e = device_info(&info); e != cudaSuccess) return cuda_error("rope (cuda): device query", e);
+  const int64_t groups = (rows + ty - 1) / ty;
+  // enough resident blocks to fill the device (8 of 256 threads per SM), each looping
+  // over row groups
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(groups, int64_t(info.sms) * 16));
+  rope_k<T, VEC><<<dim3(unsigned(blocks)), dim3(tx, ty), 0, stream>>>(
+      x, cs, sn, y, rows, seq, width, table_w, int(head_dim), half, int(n_rot), items_per_head, items_per_row,
+      backward);
+  return check_launch("rope (cuda): kernel launch");
+}
+
+template <typename T>
+ffi::Error launch(cudaStream_t stream, const T* x, const T* cs, const T* sn, T* y, int64_t rows, int64_t seq,
+                  int64_t width, int64_t table_w, int64_t head_dim, int64_t n_rot, bool backward) {
+  const int64_t half = n_rot / 2;
+  auto fits = [&](int vec) {
+    const int bytes = vec * int(sizeof(T));
+    return (half % vec == 0) && (head_dim % vec == 0) && (table_w % vec == 0) && aligned_to<T>(x, bytes) &&
+           aligned_to<T>(y, bytes) && aligned_to<T>(cs, bytes) && aligned_to<T>(sn, bytes);
+  };
+  constexpr int kMax = 16 / int(sizeof(T));
+  if constexpr (kMax >= 8) {
+    if (fits(8)) return launch_vec<T, 8>(stream, x, cs, sn, y, rows, seq, width, table_w, head_dim, n_rot, backward);
+  }
+  if constexpr (kMax >= 4) {
+    if (fits(4)) return launch_vec<T, 4>(stream, x, cs, sn, y, rows, seq, width, table_w, head_dim, n_rot, backward);
+  }
+  if constexpr (kMax >= 2) {
+    if (fits(2)) return launch_vec<T, 2>(stream, x, cs, sn, y, rows, seq, width, table_w, head_dim, n_rot, backward);
+  }
+  return launch_vec<T, 1>(stream, x, cs, sn, y, rows, seq, width, table_w, head_dim, n_rot, backward);
+}
+
+template <typename F>
+bool dispatch(ffi::DataType dtype, F&& fn) {
+  switch (dtype) {
+    case ffi::DataType::F32: fn(float{}); return true;
+    case ffi::DataType::F64: fn(double{}); return true;
+    case ffi::DataType::BF16: fn(__nv_bfloat16{}); return true;
+    case ffi::DataType::F16: fn(__half{}); return true;
+    default: return false;
+  }
+}
+
+// The checks and messages of the CPU handler.
+ffi::Error RopeImpl(cudaStream_t stream, const ffi::AnyBuffer& x, const ffi::AnyBuffer& cos,
+                    const ffi::AnyBuffer& sin, ffi::Result<ffi::AnyBuffer>& y, int64_t head_dim, int64_t n_rot,
+                    bool backward) {
+  auto dx = x.dimensions(), dc = cos.dimensions();
+  if (dx.size() != 3) return invalid("rope: x must be [batch, seq, heads * head_dim]");
+  if (head_dim <= 0 || n_rot < 0 || n_rot > head_dim || n_rot % 2 != 0)
+    return invalid("rope: need head_dim > 0 and an even n_rot in [0, head_dim], got head_dim=" +
+                   std::to_string(head_dim) + " n_rot=" + std::to_string(n_rot));
+  if (head_dim > INT32_MAX) return invalid("rope (cuda): head_dim must be < 2^31");
+  const int64_t batch = dx[0], seq = dx[1], width = dx[2];
+  if (width % head_dim != 0)
+    return invalid("rope: the last axis of x (" + std::to_string(width) + ") must be a multiple of head_dim (" +
+                   std::to_string(head_dim) + ")");
+  if (dc.size() != 2 || dc[0] != seq || dc[1] < n_rot / 2)
+    return invalid("rope: cos must be [seq=" + std::to_string(seq) + ", >= n_rot/2=" + std::to_string(n_rot / 2) +
+                   "]");
+  if (!same_dims(cos, sin)) return invalid("rope: sin must have the shape of cos");
+  if (cos.element_type() != x.element_type() || sin.element_type() != x.element_type())
+    return invalid("rope: cos and sin must have x's dtype " + dtype_name(x.element_type()));
+  if (!same_dims(x, *y) || y->element_type() != x.element_type()) return invalid("rope: output must match x");
+  if (batch == 0 || seq == 0 || width == 0) return ffi::Error::Success();
+  ffi::Error result = ffi::Error::Success();
+  bool ok = dispatch(x.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    result = launch<T>(stream, static_cast<const T*>(x.untyped_data()), static_cast<const T*>(cos.untyped_data()),
+                       static_cast<const T*>(sin.untyped_data()), static_cast<T*>(y->untyped_data()), batch * seq,
+                       seq, width, dc[1], head_dim, n_rot, backward);
+  });
+  if (!ok) return invalid("rope: unsupported dtype " + dtype_name(x.element_type()));
+  return result;
+}
+
+ffi::Error RopeFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer cos, ffi::AnyBuffer sin,
+                       ffi::Result<ffi::AnyBuffer> y, int64_t head_dim, int64_t n_rot) {
+  return RopeImpl(stream, x, cos, sin, y, head_dim, n_rot, false);
+}
+
+ffi::Error RopeBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer cos, ffi::AnyBuffer sin,
+                       ffi::Result<ffi::AnyBuffer> dx, int64_t head_dim, int64_t n_rot) {
+  return RopeImpl(stream, dy, cos, sin, dx, head_dim, n_rot, true);
+}
+
+}  // namespace
+
+#define RLX_ROPE_CUDA_BINDING                        \
+  ffi::Ffi::Bind()                                   \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()      \
+      .Arg<ffi::AnyBuffer>()  /* x (dy)  */          \
+      .Arg<ffi::AnyBuffer>()  /* cos */              \
+      .Arg<ffi::AnyBuffer>()  /* sin */              \
+      .Ret<ffi::AnyBuffer>()  /* y (dx) */           \
+      .Attr<int64_t>("head_dim")                     \
+      .Attr<int64_t>("n_rot")
+
+// Command-buffer compatible: one launch on XLA's stream whose shape depends on the
+// buffer shapes, their alignment and the device alone.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxRopeFwdCuda, RopeFwdImpl, RLX_ROPE_CUDA_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxRopeBwdCuda, RopeBwdImpl, RLX_ROPE_CUDA_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
+
+RLX_CUDA_REGISTER_HANDLER("rlx_rope_fwd", RlxRopeFwdCuda);
+RLX_CUDA_REGISTER_HANDLER("rlx_rope_bwd", RlxRopeBwdCuda);
+
+}  // namespace cuda
+}  // namespace rlx
