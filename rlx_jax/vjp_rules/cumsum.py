@@ -67,6 +67,48 @@ def _kernel(target):
     return call
 
 
+# CUDA: the same call plus a scratch result (the per-chunk totals of a long scan axis,
+# ffi/cuda/cumsum.cu); its size follows from the shape by the formula the kernel checks.
+_CUDA_ROW_CHUNK_ALIGN = 4096
+_CUDA_COL_TARGET = 1 << 18
+
+
+def cuda_chunks(o: int, l: int, i: int) -> int:
+    """Chunks the CUDA kernel splits the scan axis into (mirrors cumsum_chunks in
+    ffi/cuda/cumsum.cu): several only for a long axis with few rows / columns."""
+    if o == 0 or l == 0 or i == 0:
+        return 1
+    n = 1
+    if i == 1:
+        if o < 256 and l >= 16384:
+            n = min(-(-512 // o), -(-l // 8192))
+    elif o * i < _CUDA_COL_TARGET and l >= 128:
+        n = min(-(-_CUDA_COL_TARGET // (o * i)), -(-l // 64), 1024)
+    if n <= 1:
+        return 1
+    length = -(-l // n)
+    if i == 1:
+        length = -(-length // _CUDA_ROW_CHUNK_ALIGN) * _CUDA_ROW_CHUNK_ALIGN
+    return -(-l // length)
+
+
+def cuda_scratch_size(o: int, l: int, i: int) -> int:
+    """Elements of the CUDA kernels' scratch result for x [o, l, i]."""
+    n = cuda_chunks(o, l, i)
+    return o * i * n if n > 1 else 1
+
+
+def _kernel_cuda(target):
+    def call(x, *, exclusive):
+        o, l, i = x.shape
+        acc = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+        out = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((cuda_scratch_size(o, l, i),), acc))
+        y, _ = jax.ffi.ffi_call(target, out)(x, exclusive=np.bool_(exclusive))
+        return (y,)
+
+    return call
+
+
 def _kernel_ok(x, **params):
     return x.ndim == 3 and x.dtype in (jnp.float32, jnp.float64, jnp.bfloat16, jnp.float16)
 
@@ -75,14 +117,18 @@ def _kernel_ok(x, **params):
 _PARTITION = Partition(lambda avals_in, avals_out, **params: ([("o", "a", "i")], [("o", "a", "i")]),
                        shardable=["o", "i"])
 cumsum_fwd = FusedPrimitive(
-    "rlx_cumsum_fwd", reference_cumsum, target="rlx_cumsum_fwd", kernel=_kernel("rlx_cumsum_fwd"), kernel_ok=_kernel_ok,
+    "rlx_cumsum_fwd",
+    reference_cumsum,
+    target="rlx_cumsum_fwd",
+    kernel={"cpu": _kernel("rlx_cumsum_fwd"), "cuda": _kernel_cuda("rlx_cumsum_fwd")},
+    kernel_ok=_kernel_ok,
     partition=_PARTITION,
 )
 cumsum_bwd = FusedPrimitive(
     "rlx_cumsum_bwd",
     reference_cumsum_bwd,
     target="rlx_cumsum_bwd",
-    kernel=_kernel("rlx_cumsum_bwd"),
+    kernel={"cpu": _kernel("rlx_cumsum_bwd"), "cuda": _kernel_cuda("rlx_cumsum_bwd")},
     kernel_ok=_kernel_ok,
     partition=_PARTITION,
 )

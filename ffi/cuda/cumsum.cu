@@ -1,0 +1,449 @@
+// XLA FFI handlers for the cumulative sum on CUDA: targets rlx_cumsum_fwd and
+// rlx_cumsum_bwd, with the operands, attribute and semantics of the CPU handlers
+// (ffi/cpu/cumsum.cc) plus one scratch result:
+//
+//   x [O, L, I] -> y [O, L, I] (x's dtype), scratch [S] (f32; f64 for f64 inputs)
+//   forward  (rlx_cumsum_fwd): y[o, l, i] = sum_{k <= l} x[o, k, i]  (k < l if exclusive)
+//   backward (rlx_cumsum_bwd): y[o, l, i] = sum_{k >= l} x[o, k, i]  (k > l if exclusive)
+// S >= cumsum_scratch_size(O, L, I) below; rlx_jax/vjp_rules/cumsum.py sizes it with the
+// same formula (cuda_scratch_size). Sums run in f32 (f64 for f64).
+//
+// Work layout. Scan positions k run in scan order (k = l forward, k = L - 1 - l reverse).
+// - I == 1 (scan along contiguous rows): a group of tpr threads (4..256, a power of two)
+//   scans one row, or one chunk of a row, in sub-tiles of tpr * VEC elements (each
+//   thread VEC consecutive elements as one 16-byte access where aligned), NV sub-tiles
+//   loaded before they are scanned; a group scan (warp shuffles, then the group's warp
+//   totals in a fixed order) gives each thread its prefix; the running carry crosses
+//   sub-tiles.
+// - I > 1 (scan across rows of I contiguous values): one thread per (o, VEC columns),
+//   walking its positions sequentially with 4 loads in flight.
+// A long scan axis with few rows / columns splits into C chunks (C from the shape
+// alone, cumsum_chunks): pass 1 writes each chunk's total to scratch, pass 2 turns the
+// totals of each (o, i) into exclusive prefixes (one warp per (o, i), fixed order),
+// pass 3 rescans each chunk from its prefix. Every sum is taken in an order fixed by
+// the shape: results are bitwise reproducible run to run (no atomics). Nothing is
+// allocated; all launches go to XLA's stream.
+#include "cuda/common.cuh"
+
+namespace rlx {
+namespace cuda {
+namespace {
+
+ffi::Error invalid(const std::string& msg) { return ffi::Error::InvalidArgument(msg); }
+
+bool same_dims(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b) {
+  auto da = a.dimensions(), db = b.dimensions();
+  return da.size() == db.size() && std::equal(da.begin(), da.end(), db.begin());
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// ---- the chunking (keep in sync with rlx_jax/vjp_rules/cumsum.py) ---------------------
+constexpr int64_t kRowChunkAlign = 4096;  // row chunks: a multiple of every sub-tile group
+constexpr int64_t kColTarget = int64_t(1) << 18;
+
+struct Chunks { int64_t n; int64_t len; };
+Chunks cumsum_chunks(int64_t o, int64_t l, int64_t i) {
+  if (o == 0 || l == 0 || i == 0) return {1, l};
+  int64_t n = 1;
+  if (i == 1) {
+    if (o < 256 && l >= 16384) n = std::min(ceil_div(512, o), ceil_div(l, 8192));
+  } else {
+    if (o * i < kColTarget && l >= 128) n = std::min({ceil_div(kColTarget, o * i), ceil_div(l, 64), int64_t(1024)});
+  }
+  if (n <= 1) return {1, l};
+  int64_t len = ceil_div(l, n);
+  if (i == 1) len = ceil_div(len, kRowChunkAlign) * kRowChunkAlign;
+  return {ceil_div(l, len), len};
+}
+// The formula of the Python side: O * I * C where C > 1, else 1.
+int64_t cumsum_scratch_size(int64_t o, int64_t l, int64_t i) {
+  const Chunks c = cumsum_chunks(o, l, i);
+  return c.n > 1 ? o * i * c.n : 1;
+}
+
+template <typename T> struct Acc { using type = float; };
+template <> struct Acc<double> { using type = double; };
+
+__device__ __forceinline__ double to_acc(double v) { return v; }
+__device__ __forceinline__ float to_acc(float v) { return v; }
+__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
+template <typename T, typename A> __device__ __forceinline__ T from_acc(A v);
+template <> __device__ __forceinline__ double from_acc<double, double>(double v) { return v; }
+template <> __device__ __forceinline__ float from_acc<float, float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16, float>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <> __device__ __forceinline__ __half from_acc<__half, float>(float v) { return __float2half_rn(v); }
+
+template <typename T, int VEC>
+struct alignas(VEC * sizeof(T)) Pack {
+  T v[VEC];
+};
+// STREAM: the last read of x (evict first); otherwise default caching, so that the
+// rescan of pass 3 finds pass 1's data in L2 when it fits.
+template <typename T, int VEC, bool STREAM>
+__device__ __forceinline__ Pack<T, VEC> ld(const T* p) {
+  if constexpr (VEC * sizeof(T) == 16) {
+    uint4 r = STREAM ? __ldcs(reinterpret_cast<const uint4*>(p)) : __ldcg(reinterpret_cast<const uint4*>(p));
+    return *reinterpret_cast<Pack<T, VEC>*>(&r);
+  } else {
+    return *reinterpret_cast<const Pack<T, VEC>*>(p);
+  }
+}
+template <typename T, int VEC>
+__device__ __forceinline__ void st(T* p, const Pack<T, VEC>& v) {
+  if constexpr (VEC * sizeof(T) == 16) {
+    __stcs(reinterpret_cast<uint4*>(p), *reinterpret_cast<const uint4*>(&v));
+  } else {
+    *reinterpret_cast<Pack<T, VEC>*>(p) = v;
+  }
+}
+
+enum Mode { kFull = 0, kSums = 1, kCarry = 2 };
+
+// Inclusive and exclusive scan of v over aligned groups of tpr threads (a power of two,
+// 4..256); *total gets the group's sum (the same bits in every thread). With tpr > 32
+// the group's warps exchange totals through red[parity][8 warps]; alternating parity
+// between calls makes one barrier per call enough. Every thread of the block must call.
+template <typename A>
+__device__ __forceinline__ void group_scan(A v, int tpr, A* red, int parity, A* incl, A* excl, A* total) {
+  const int lane = threadIdx.x & 31;
+  const int w = tpr < 32 ? tpr : 32;
+  const int sl = lane & (w - 1);
+  for (int d = 1; d < w; d <<= 1) {
+    const A n = __shfl_up_sync(0xffffffffu, v, d, w);
+    if (sl >= d) v += n;
+  }
+  A ex = __shfl_up_sync(0xffffffffu, v, 1, w);
+  if (sl == 0) ex = A(0);
+  A tot = __shfl_sync(0xffffffffu, v, w - 1, w);
+  if (tpr > 32) {
+    const int warp = threadIdx.x >> 5, wpg = tpr >> 5, first = (warp / wpg) * wpg;
+    A* slot = red + parity * 8;
+    if (lane == 31) slot[warp] = tot;
+    __syncthreads();
+    A pre = A(0);
+    tot = A(0);
+    for (int k = first; k < first + wpg; ++k) {
+      if (k == warp) pre = tot;
+      tot += slot[k];
+    }
+    v += pre;
+    ex += pre;
+  }
+  *incl = v;
+  *excl = ex;
+  *total = tot;
+}
+
+// I == 1. One unit = (row, chunk); a group of tpr threads per unit, 256 / tpr groups a
+// block. trips: sub-tile groups per unit (the same for every group of a block: with
+// several groups a block, there is one chunk per row of length L).
+template <typename T, int VEC, int NV, int MODE>
+__global__ void __launch_bounds__(256) row_scan_k(const T* __restrict__ x, T* __restrict__ y,
+                                                  typename Acc<T>::type* __restrict__ scr, int64_t units,
+                                                  int64_t L, int64_t nchunk, int64_t chunk_len, int tpr,
+                                                  bool exclusive, bool reverse) {
+  using A = typename Acc<T>::type;
+  __shared__ A red[16];
+  const int gpb = blockDim.x / tpr;
+  const int g = threadIdx.x / tpr, t = threadIdx.x - g * tpr;
+  const int64_t unit = int64_t(blockIdx.x) * gpb + g;
+  const bool live = unit < units;
+  const int64_t row = live ? unit / nchunk : 0;
+  const int64_t c = live ? unit - row * nchunk : 0;
+  const int64_t k0 = c * chunk_len;
+  const int64_t k1 = live ? std::min(L, k0 + chunk_len) : k0;
+  // the trip count of the block's first unit (all units of a multi-group block have it)
+  const int64_t u0 = int64_t(blockIdx.x) * gpb, c0 = u0 % nchunk;
+  const int64_t span = std::min(L, c0 * chunk_len + chunk_len) - c0 * chunk_len;
+  const int64_t sub = int64_t(tpr) * VEC;
+  const int64_t trips = (span + sub * NV - 1) / (sub * NV);
+  const T* xr = x + row * L;
+  T* yr = y + row * L;
+  A carry = (MODE == kCarry && live) ? scr[unit] : A(0);
+  int parity = 0;
+  for (int64_t tr = 0; tr < trips; ++tr) {
+    A v[NV][VEC];
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int64_t ks = k0 + (tr * NV + j) * sub + int64_t(t) * VEC;  // first scan position
+      if (ks + VEC <= k1) {
+        const int64_t p = reverse ? L - ks - VEC : ks;
+        const Pack<T, VEC> e = ld<T, VEC, MODE != kSums>(xr + p);
+#pragma unroll
+        for (int q = 0; q < VEC; ++q) v[j][q] = to_acc(reverse ? e.v[VEC - 1 - q] : e.v[q]);  // both indices static
+      } else {
+#pragma unroll
+        for (int q = 0; q < VEC; ++q) {
+          const int64_t k = ks + q;
+          v[j][q] = k < k1 ? to_acc(xr[reverse ? L - 1 - k : k]) : A(0);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      A s = A(0);
+#pragma unroll
+      for (int q = 0; q < VEC; ++q) s += v[j][q];
+      A incl, excl, total;
+      group_scan<A>(s, tpr, red, parity, &incl, &excl, &total);
+      parity ^= 1;
+      if (MODE != kSums) {
+        const int64_t ks = k0 + (tr * NV + j) * sub + int64_t(t) * VEC;
+        A run = carry + excl;
+        Pack<T, VEC> o;
+#pragma unroll
+        for (int q = 0; q < VEC; ++q) {
+          if (exclusive) {
+            o.v[q] = from_acc<T, A>(run);
+            run += v[j][q];
+          } else {
+            run += v[j][q];
+            o.v[q] = from_acc<T, A>(run);
+          }
+        }
+        if (ks + VEC <= k1) {
+          const int64_t p = reverse ? L - ks - VEC : ks;
+          Pack<T, VEC> w;
+#pragma unroll
+          for (int q = 0; q < VEC; ++q) w.v[q] = reverse ? o.v[VEC - 1 - q] : o.v[q];
+          st<T, VEC>(yr + p, w);
+        } else {
+#pragma unroll
+          for (int q = 0; q < VEC; ++q) {
+            const int64_t k = ks + q;
+            if (k < k1) yr[reverse ? L - 1 - k : k] = o.v[q];
+          }
+        }
+      }
+      carry += total;
+    }
+  }
+  if (MODE == kSums && live && t == 0) scr[unit] = carry;
+}
+
+// I > 1. One thread per (o, chunk, VEC columns).
+template <typename T, int VEC, int MODE>
+__global__ void __launch_bounds__(256) col_scan_k(const T* __restrict__ x, T* __restrict__ y,
+                                                  typename Acc<T>::type* __restrict__ scr, int64_t O, int64_t L,
+                                                  int64_t I, int64_t nchunk, int64_t chunk_len, bool exclusive,
+                                                  bool reverse) {
+  using A = typename Acc<T>::type;
+  constexpr int U = 4;
+  const int64_t iv_n = I / VEC;
+  const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (tid >= O * nchunk * iv_n) return;
+  const int64_t iv = tid % iv_n, r = tid / iv_n;
+  const int64_t c = r % nchunk, o = r / nchunk;
+  const int64_t i = iv * VEC;
+  A acc[VEC];
+#pragma unroll
+  for (int q = 0; q < VEC; ++q) acc[q] = MODE == kCarry ? scr[(o * nchunk + c) * I + i + q] : A(0);
+  const int64_t k0 = c * chunk_len, k1 = std::min(L, k0 + chunk_len);
+  const T* xb = x + o * L * I + i;
+  T* yb = y + o * L * I + i;
+  for (int64_t k = k0; k < k1; k += U) {
+    Pack<T, VEC> e[U] = {};
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t kk = k + u;
+      if (kk < k1) e[u] = ld<T, VEC, MODE != kSums>(xb + (reverse ? L - 1 - kk : kk) * I);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t kk = k + u;
+      if (kk < k1) {
+        if (MODE == kSums) {
+#pragma unroll
+          for (int q = 0; q < VEC; ++q) acc[q] += to_acc(e[u].v[q]);
+        } else {
+          Pack<T, VEC> w;
+#pragma unroll
+          for (int q = 0; q < VEC; ++q) {
+            const A val = to_acc(e[u].v[q]);
+            if (exclusive) {
+              w.v[q] = from_acc<T, A>(acc[q]);
+              acc[q] += val;
+            } else {
+              acc[q] += val;
+              w.v[q] = from_acc<T, A>(acc[q]);
+            }
+          }
+          st<T, VEC>(yb + (reverse ? L - 1 - kk : kk) * I, w);
+        }
+      }
+    }
+  }
+  if (MODE == kSums) {
+#pragma unroll
+    for (int q = 0; q < VEC; ++q) scr[(o * nchunk + c) * I + i + q] = acc[q];
+  }
+}
+
+// Pass 2: scr [O, nchunk, cols] chunk totals -> exclusive prefixes over the chunk axis,
+// one warp per (o, col), 32 chunks at a time in a fixed order.
+template <typename A>
+__global__ void __launch_bounds__(256) chunk_prefix_k(A* __restrict__ scr, int64_t O, int64_t nchunk, int64_t cols) {
+  const int64_t wid = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (wid >= O * cols) return;  // whole warps leave together
+  const int64_t o = wid / cols, col = wid - o * cols;
+  A* base = scr + o * nchunk * cols + col;
+  A carry = A(0);
+  for (int64_t c0 = 0; c0 < nchunk; c0 += 32) {
+    const int64_t cc = c0 + lane;
+    const A v0 = cc < nchunk ? base[cc * cols] : A(0);
+    A v = v0;
+    for (int d = 1; d < 32; d <<= 1) {
+      const A n = __shfl_up_sync(0xffffffffu, v, d);
+      if (lane >= d) v += n;
+    }
+    A ex = __shfl_up_sync(0xffffffffu, v, 1);
+    if (lane == 0) ex = A(0);
+    const A tot = __shfl_sync(0xffffffffu, v, 31);
+    if (cc < nchunk) base[cc * cols] = carry + ex;
+    carry += tot;
+  }
+}
+
+bool aligned_to(const void* p, int bytes) { return (reinterpret_cast<uintptr_t>(p) % uintptr_t(bytes)) == 0; }
+
+template <typename T, int VEC>
+ffi::Error launch_rows(cudaStream_t stream, const T* x, T* y, typename Acc<T>::type* scr, int64_t O, int64_t L,
+                       Chunks ch, bool exclusive, bool reverse) {
+  constexpr int NV = 2;
+  const int64_t span = ch.n > 1 ? ch.len : L;
+  int tpr = 4;
+  while (tpr < 256 && int64_t(tpr) * VEC * NV < span) tpr *= 2;
+  const int gpb = 256 / tpr;
+  const int64_t units = O * ch.n;
+  const int64_t blocks = ceil_div(units, gpb);
+  if (blocks > INT32_MAX) return invalid("cumsum (cuda): too many rows");
+  if (ch.n == 1) {
+    row_scan_k<T, VEC, NV, kFull><<<unsigned(blocks), 256, 0, stream>>>(x, y, scr, units, L, 1, L, tpr, exclusive,
+                                                                         reverse);
+  } else {
+    using A = typename Acc<T>::type;
+    row_scan_k<T, VEC, NV, kSums><<<unsigned(blocks), 256, 0, stream>>>(x, y, scr, units, L, ch.n, ch.len, tpr,
+                                                                         exclusive, reverse);
+    chunk_prefix_k<A><<<unsigned(ceil_div(O * 32, 256)), 256, 0, stream>>>(scr, O, ch.n, 1);
+    row_scan_k<T, VEC, NV, kCarry><<<unsigned(blocks), 256, 0, stream>>>(x, y, scr, units, L, ch.n, ch.len, tpr,
+                                                                          exclusive, reverse);
+  }
+  return check_launch("cumsum (cuda): row scan launch");
+}
+
+template <typename T, int VEC>
+ffi::Error launch_cols(cudaStream_t stream, const T* x, T* y, typename Acc<T>::type* scr, int64_t O, int64_t L,
+                       int64_t I, Chunks ch, bool exclusive, bool reverse) {
+  using A = typename Acc<T>::type;
+  const int64_t threads = O * ch.n * (I / VEC);
+  const int64_t blocks = ceil_div(threads, 256);
+  if (blocks > INT32_MAX) return invalid("cumsum (cuda): input too large");
+  if (ch.n == 1) {
+    col_scan_k<T, VEC, kFull><<<unsigned(blocks), 256, 0, stream>>>(x, y, scr, O, L, I, 1, L, exclusive, reverse);
+  } else {
+    col_scan_k<T, VEC, kSums><<<unsigned(blocks), 256, 0, stream>>>(x, y, scr, O, L, I, ch.n, ch.len, exclusive,
+                                                                     reverse);
+    const int64_t pblocks = ceil_div(O * I * 32, 256);
+    if (pblocks > INT32_MAX) return invalid("cumsum (cuda): input too large");
+    chunk_prefix_k<A><<<unsigned(pblocks), 256, 0, stream>>>(scr, O, ch.n, I);
+    col_scan_k<T, VEC, kCarry><<<unsigned(blocks), 256, 0, stream>>>(x, y, scr, O, L, I, ch.n, ch.len, exclusive,
+                                                                      reverse);
+  }
+  return check_launch("cumsum (cuda): column scan launch");
+}
+
+template <typename T>
+ffi::Error launch(cudaStream_t stream, const T* x, T* y, typename Acc<T>::type* scr, int64_t O, int64_t L,
+                  int64_t I, bool exclusive, bool reverse) {
+  const Chunks ch = cumsum_chunks(O, L, I);
+  constexpr int kMax = 16 / int(sizeof(T));
+  // the vector width: it must divide the contiguous run (L for rows, I for columns) so
+  // that every vector stays aligned, and both buffers must be aligned to it
+  const int64_t run = I == 1 ? L : I;
+  auto fits = [&](int vec) {
+    return run % vec == 0 && aligned_to(x, vec * int(sizeof(T))) && aligned_to(y, vec * int(sizeof(T)));
+  };
+  if (I == 1) {
+    if constexpr (kMax >= 8) if (fits(8)) return launch_rows<T, 8>(stream, x, y, scr, O, L, ch, exclusive, reverse);
+    if constexpr (kMax >= 4) if (fits(4)) return launch_rows<T, 4>(stream, x, y, scr, O, L, ch, exclusive, reverse);
+    if (fits(2)) return launch_rows<T, 2>(stream, x, y, scr, O, L, ch, exclusive, reverse);
+    return launch_rows<T, 1>(stream, x, y, scr, O, L, ch, exclusive, reverse);
+  }
+  if constexpr (kMax >= 8) if (fits(8)) return launch_cols<T, 8>(stream, x, y, scr, O, L, I, ch, exclusive, reverse);
+  if constexpr (kMax >= 4) if (fits(4)) return launch_cols<T, 4>(stream, x, y, scr, O, L, I, ch, exclusive, reverse);
+  if (fits(2)) return launch_cols<T, 2>(stream, x, y, scr, O, L, I, ch, exclusive, reverse);
+  return launch_cols<T, 1>(stream, x, y, scr, O, L, I, ch, exclusive, reverse);
+}
+
+template <typename F>
+bool dispatch(ffi::DataType dtype, F&& fn) {
+  switch (dtype) {
+    case ffi::DataType::F32: fn(float{}); return true;
+    case ffi::DataType::F64: fn(double{}); return true;
+    case ffi::DataType::BF16: fn(__nv_bfloat16{}); return true;
+    case ffi::DataType::F16: fn(__half{}); return true;
+    default: return false;
+  }
+}
+
+ffi::Error CumsumImpl(cudaStream_t stream, const ffi::AnyBuffer& x, ffi::Result<ffi::AnyBuffer>& y,
+                      ffi::Result<ffi::AnyBuffer>& scratch, bool exclusive, bool reverse) {
+  auto d = x.dimensions();
+  if (d.size() != 3) return invalid("cumsum: x must be [outer, len, inner]");
+  if (!same_dims(x, *y) || y->element_type() != x.element_type())
+    return invalid("cumsum: output must match x in shape and dtype");
+  const ffi::DataType acc = x.element_type() == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
+  const int64_t need = cumsum_scratch_size(d[0], d[1], d[2]);
+  if (scratch->element_type() != acc || int64_t(scratch->element_count()) < need)
+    return invalid("cumsum (cuda): scratch must be " + dtype_name(acc) + " with at least " + std::to_string(need) +
+                   " elements, got " + dtype_name(scratch->element_type()) + "[" +
+                   std::to_string(scratch->element_count()) + "]");
+  if (x.element_count() == 0) return ffi::Error::Success();
+  ffi::Error result = ffi::Error::Success();
+  bool ok = dispatch(x.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    using A = typename Acc<T>::type;
+    result = launch<T>(stream, static_cast<const T*>(x.untyped_data()), static_cast<T*>(y->untyped_data()),
+                       static_cast<A*>(scratch->untyped_data()), d[0], d[1], d[2], exclusive, reverse);
+  });
+  if (!ok) return invalid("cumsum: unsupported dtype " + dtype_name(x.element_type()));
+  return result;
+}
+
+ffi::Error CumsumFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                         ffi::Result<ffi::AnyBuffer> scratch, bool exclusive) {
+  return CumsumImpl(stream, x, y, scratch, exclusive, false);
+}
+
+ffi::Error CumsumBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dx,
+                         ffi::Result<ffi::AnyBuffer> scratch, bool exclusive) {
+  return CumsumImpl(stream, dy, dx, scratch, exclusive, true);
+}
+
+}  // namespace
+
+#define RLX_CUMSUM_CUDA_BINDING                 \
+  ffi::Ffi::Bind()                              \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>() \
+      .Arg<ffi::AnyBuffer>() /* x (dy) */       \
+      .Ret<ffi::AnyBuffer>() /* y (dx) */       \
+      .Ret<ffi::AnyBuffer>() /* scratch */      \
+      .Attr<bool>("exclusive")
+
+// Command-buffer compatible: launches on XLA's stream only, shaped by the buffer
+// shapes, their alignment and nothing else.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxCumsumFwdCuda, CumsumFwdImpl, RLX_CUMSUM_CUDA_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxCumsumBwdCuda, CumsumBwdImpl, RLX_CUMSUM_CUDA_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
+
+RLX_CUDA_REGISTER_HANDLER("rlx_cumsum_fwd", RlxCumsumFwdCuda);
+RLX_CUDA_REGISTER_HANDLER("rlx_cumsum_bwd", RlxCumsumBwdCuda);
+
+}  // namespace cuda
+}  // namespace rlx
