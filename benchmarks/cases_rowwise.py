@@ -214,8 +214,24 @@ def fused_linear_case(n: int, d: int, v: int, chunk: int, dtype) -> Case:
     )
 
 
+def rope_cumsum_gpu_cases() -> list[Case]:
+    """RoPE and cumsum backward at GPU sizes (the CUDA kernels of ffi/cuda/rope.cu and
+    cumsum.cu): 32768 positions x 32 heads x 128 (full and half rotary), cumsum over
+    rows of 32768 x 4096 (one pass), down the 32768 axis (columns: chunked, three
+    passes) and along 64 rows of 2^20 (chunked rows)."""
+    return [
+        rope_case(32768, 32, 128, 128, jnp.float32),
+        rope_case(32768, 32, 128, 128, jnp.bfloat16),
+        rope_case(32768, 32, 128, 64, jnp.bfloat16),
+        cumsum_case(32768, 4096, 1, False, jnp.float32),
+        cumsum_case(32768, 4096, 1, True, jnp.bfloat16),
+        cumsum_case(32768, 4096, 0, False, jnp.float32),
+        cumsum_case(64, 1 << 20, 1, False, jnp.float32),
+    ]
+
+
 def cases(device_kind: str) -> list[Case]:
-    if device_kind == "gpu":  # cross-entropy and softmax: the CUDA kernels; RoPE, cumsum: references
+    if device_kind == "gpu":  # cross-entropy, softmax, RoPE, cumsum: the CUDA kernels
         return [
             cross_entropy_case(8192, 32000, jnp.float32),
             cross_entropy_case(8192, 32000, jnp.bfloat16),
@@ -225,6 +241,7 @@ def cases(device_kind: str) -> list[Case]:
             softmax_case(32768, 4096, jnp.bfloat16),
             softmax_bwd_case(32768, 4096, jnp.float32),
             softmax_bwd_case(32768, 4096, jnp.bfloat16),
+            *rope_cumsum_gpu_cases(),
         ]
     return [
         cross_entropy_case(4096, 32000, jnp.float32),
