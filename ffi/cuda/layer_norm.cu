@@ -14,8 +14,10 @@
 //   with S >= 2 R + 2 W (sized by rlx_jax/vjp_rules/layer_norm.py): per-block partial
 //   sums of dgamma/dbeta [P][2][W], then the wide-row path's two row sums [2][R].
 //
-// The work layout is RMSNorm's (rms_norm_kernels.cuh: RowPlan, column_plan, the
-// persistent grid, reduce_partials): a row group holds a row in registers (16-byte
+// The work layout and its code are RMSNorm's (rms_norm_kernels.cuh: RowPlan, column_plan,
+// the persistent grid, the one-pass kernel bodies fwd_rows_body / bwd_rows_body /
+// bwd_rows_tma_body, reduce_partials); this file holds LayerNorm's maths (LnFwd, LnBwd),
+// its row statistics and its handlers. A row group holds a row in registers (16-byte
 // vector loads), so rows up to 8192 wide are one pass: the forward reads x once (mean,
 // then the centred variance from the registers: two fixed-order group reductions) and
 // writes y; the backward reads x and dy once and writes dx, keeping each thread's
@@ -36,377 +38,115 @@ using rms::kSmemRed;
 using rms::max_threads_for;
 using rms::RowPlan;
 
+// ---- LayerNorm's maths over RMSNorm's row machinery (rms_norm_kernels.cuh: fwd_rows_body,
+// bwd_rows_body, bwd_rows_tma_body own the layout, the loads, the reductions' barriers and
+// the dgamma/dbeta partial rows) ------------------------------------------------------------
+struct LnFwd {
+  float* __restrict__ mean;
+  float* __restrict__ rstd;
+  float eps;
+  struct Stat { float mu, rs; };
+  __device__ __forceinline__ Stat saved(int64_t r, bool rv, bool one_pass) const {
+    Stat st;
+    st.mu = (rv && !one_pass) ? mean[r] : 0.f;
+    st.rs = (rv && !one_pass) ? rstd[r] : 0.f;
+    return st;
+  }
+  // mean, then the centred variance from the registers: two fixed-order group sums
+  // (parity slots 0 and 1)
+  template <int NV, int VEC>
+  __device__ __forceinline__ Stat row(const float (&x)[NV][VEC], const bool (&ok)[NV], int64_t W, int tpr, float* red,
+                                      int64_t, bool write, int64_t r) const {
+    float sx = 0.f;
+#pragma unroll
+    for (int k = 0; k < NV; ++k)
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) sx += x[k][i];
+    const float mu = group_sum(sx, tpr, red, 0) / float(W);
+    float q = 0.f;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      if (!ok[k]) continue;
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        const float d = x[k][i] - mu;
+        q += d * d;
+      }
+    }
+    q = group_sum(q, tpr, red, 1);
+    const float rs = rsqrtf(q / float(W) + eps);
+    if (write) {
+      mean[r] = mu;
+      rstd[r] = rs;
+    }
+    return {mu, rs};
+  }
+  __device__ __forceinline__ float y(const Stat& st, float x, float g, float b) const {
+    return (x - st.mu) * st.rs * g + b;
+  }
+};
+
+// sums: the slabbed path's per-row sum(u) [R] then sum(u * xhat) [R].
+struct LnBwd {
+  const float* __restrict__ mean;
+  const float* __restrict__ rstd;
+  const float* __restrict__ sums;
+  int64_t R;
+  struct Stat { float mu, rs, su, sux; };  // sum u, sum u * xhat
+  struct Acc { float pu, pux; };
+  __device__ __forceinline__ Stat saved(int64_t r, bool rv, bool one_pass) const {
+    Stat st;
+    st.mu = rv ? mean[r] : 0.f;
+    st.rs = rv ? rstd[r] : 0.f;
+    st.su = (rv && !one_pass) ? sums[r] : 0.f;
+    st.sux = (rv && !one_pass) ? sums[R + r] : 0.f;
+    return st;
+  }
+  __device__ __forceinline__ void acc(Acc& a, const Stat& st, float x, float d, float g) const {
+    const float u = d * g;
+    a.pu += u;
+    a.pux += u * (x - st.mu);
+  }
+  __device__ __forceinline__ void reduce(const Acc& a, Stat& st, int64_t, int tpr, float* red, int parity) const {
+    const float2 v = group_sum2(a.pu, a.pux, tpr, red, parity);
+    st.su = v.x;
+    st.sux = v.y * st.rs;
+  }
+  struct Coef { float mu, rs, a, b; };
+  __device__ __forceinline__ Coef coef(const Stat& st, int64_t W) const {
+    return {st.mu, st.rs, st.su / float(W), st.sux / float(W)};
+  }
+  __device__ __forceinline__ void dx(const Coef& c, float x, float d, float g, float& o, float& ag) const {
+    const float xh = (x - c.mu) * c.rs;
+    o = c.rs * (d * g - c.a - xh * c.b);
+    ag += d * xh;
+  }
+};
+
 template <typename T, int VEC, int NV, bool PF>
 __global__ void __launch_bounds__(max_threads_for(NV * VEC, PF))
 ln_fwd_rows(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta, T* __restrict__ y,
             float* __restrict__ mean, float* __restrict__ rstd, float eps, RowPlan pl) {
-  extern __shared__ float smem[];
-  float* red = smem;
-  const int tpr = pl.tpr;
-  const int gpb = blockDim.x / tpr;
-  const int g = threadIdx.x / tpr;
-  const int t = threadIdx.x - g * tpr;
-  const int64_t p = blockIdx.x / pl.slabs;
-  const int64_t s = blockIdx.x - p * pl.slabs;
-  const int64_t W = pl.width;
-  const int64_t r0 = pl.rows * p / pl.parts, r1 = pl.rows * (p + 1) / pl.parts;
-  const int64_t c0 = s * pl.slab_cols;
-  const int64_t c1 = min(W, c0 + pl.slab_cols);
-  const bool one_pass = pl.slabs == 1;
-
-  int64_t col[NV];
-  bool ok[NV];
-  float gm[NV][VEC], bt[NV][VEC];
-#pragma unroll
-  for (int k = 0; k < NV; ++k) {
-    col[k] = c0 + int64_t(t + k * tpr) * VEC;
-    ok[k] = col[k] < c1;
-    if (ok[k]) {
-      load_vec_cached<T, VEC>(gamma + col[k], gm[k]);
-      load_vec_cached<T, VEC>(beta + col[k], bt[k]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) gm[k][i] = bt[k][i] = 0.f;
-    }
-  }
-
-  const int64_t n_iter = (r1 - r0 + gpb - 1) / gpb;
-  float xa[NV][VEC], xb[NV][VEC];
-  float mu_a = 0.f, mu_b = 0.f, rs_a = 0.f, rs_b = 0.f;
-  auto load_row = [&](int64_t it, float (&xr)[NV][VEC], float& mu, float& rs) {
-    const int64_t r = r0 + it * gpb + g;
-    const bool rv = r < r1;
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      if (rv && ok[k]) {
-        load_vec<T, VEC>(x + r * W + col[k], xr[k]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) xr[k][i] = 0.f;
-      }
-    }
-    mu = (rv && !one_pass) ? mean[r] : 0.f;
-    rs = (rv && !one_pass) ? rstd[r] : 0.f;
-  };
-
-  if (PF && n_iter > 0) load_row(0, xa, mu_a, rs_a);
-  for (int64_t it = 0; it < n_iter; ++it) {
-    if (!PF) {
-      load_row(it, xa, mu_a, rs_a);
-    } else if (it + 1 < n_iter) {
-      load_row(it + 1, xb, mu_b, rs_b);
-    }
-    const int64_t r = r0 + it * gpb + g;
-    const bool rv = r < r1;
-    float mu = mu_a, rs = rs_a;
-    if (one_pass) {
-      float sx = 0.f;
-#pragma unroll
-      for (int k = 0; k < NV; ++k)
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) sx += xa[k][i];
-      mu = group_sum(sx, tpr, red, 0) / float(W);
-      float q = 0.f;
-#pragma unroll
-      for (int k = 0; k < NV; ++k) {
-        if (!ok[k]) continue;
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          const float d = xa[k][i] - mu;
-          q += d * d;
-        }
-      }
-      q = group_sum(q, tpr, red, 1);
-      rs = rsqrtf(q / float(W) + eps);
-      if (rv && t == 0) {
-        mean[r] = mu;
-        rstd[r] = rs;
-      }
-    }
-    if (rv) {
-#pragma unroll
-      for (int k = 0; k < NV; ++k) {
-        if (!ok[k]) continue;
-        float o[VEC];
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) o[i] = (xa[k][i] - mu) * rs * gm[k][i] + bt[k][i];
-        store_vec<T, VEC>(y + r * W + col[k], o);
-      }
-    }
-    if (PF) {
-#pragma unroll
-      for (int k = 0; k < NV; ++k)
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) xa[k][i] = xb[k][i];
-      mu_a = mu_b;
-      rs_a = rs_b;
-    }
-  }
+  rms::fwd_rows_body<T, VEC, NV, PF>(x, gamma, beta, y, pl, LnFwd{mean, rstd, eps});
 }
 
-// sums: the slabbed path's per-row sum(u) [rows] then sum(u * xhat) [rows].
 template <typename T, int VEC, int NV, bool PF>
 __global__ void __launch_bounds__(max_threads_for(NV * VEC, PF))
 ln_bwd_rows(const T* __restrict__ x, const T* __restrict__ gamma, const float* __restrict__ mean,
             const float* __restrict__ rstd, const T* __restrict__ dy, T* __restrict__ dx, float* __restrict__ partial,
             const float* __restrict__ sums, RowPlan pl) {
-  extern __shared__ float smem[];
-  float* red = smem;
-  const int tpr = pl.tpr;
-  const int gpb = blockDim.x / tpr;
-  const int g = threadIdx.x / tpr;
-  const int t = threadIdx.x - g * tpr;
-  const int64_t p = blockIdx.x / pl.slabs;
-  const int64_t s = blockIdx.x - p * pl.slabs;
-  const int64_t W = pl.width;
-  const int64_t R = pl.rows;
-  const int64_t r0 = pl.rows * p / pl.parts, r1 = pl.rows * (p + 1) / pl.parts;
-  const int64_t c0 = s * pl.slab_cols;
-  const int64_t c1 = min(W, c0 + pl.slab_cols);
-  const bool one_pass = pl.slabs == 1;
-
-  int64_t col[NV];
-  bool ok[NV];
-  float gm[NV][VEC], ag[NV][VEC], ab[NV][VEC];
-#pragma unroll
-  for (int k = 0; k < NV; ++k) {
-    col[k] = c0 + int64_t(t + k * tpr) * VEC;
-    ok[k] = col[k] < c1;
-    if (ok[k]) {
-      load_vec_cached<T, VEC>(gamma + col[k], gm[k]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) gm[k][i] = 0.f;
-    }
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) ag[k][i] = ab[k][i] = 0.f;
-  }
-
-  const int64_t n_iter = (r1 - r0 + gpb - 1) / gpb;
-  float xa[NV][VEC], da[NV][VEC], xb[NV][VEC], db[NV][VEC];
-  float4 st_a = make_float4(0.f, 0.f, 0.f, 0.f), st_b = st_a;  // mean, rstd, sum u, sum u*xhat
-
-  auto load_row = [&](int64_t it, float (&xr)[NV][VEC], float (&dr)[NV][VEC], float4& st) {
-    const int64_t r = r0 + it * gpb + g;
-    const bool rv = r < r1;
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      if (rv && ok[k]) {
-        load_vec<T, VEC>(x + r * W + col[k], xr[k]);
-        load_vec<T, VEC>(dy + r * W + col[k], dr[k]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) xr[k][i] = dr[k][i] = 0.f;
-      }
-    }
-    st.x = rv ? mean[r] : 0.f;
-    st.y = rv ? rstd[r] : 0.f;
-    st.z = (rv && !one_pass) ? sums[r] : 0.f;
-    st.w = (rv && !one_pass) ? sums[R + r] : 0.f;
-  };
-
-  if (PF && n_iter > 0) load_row(0, xa, da, st_a);
-  for (int64_t it = 0; it < n_iter; ++it) {
-    if (!PF) {
-      load_row(it, xa, da, st_a);
-    } else if (it + 1 < n_iter) {
-      load_row(it + 1, xb, db, st_b);
-    }
-    const int64_t r = r0 + it * gpb + g;
-    const bool rv = r < r1;
-    const float mu = st_a.x, rs = st_a.y;
-    float su = st_a.z, sux = st_a.w;
-    if (one_pass) {
-      float pu = 0.f, pux = 0.f;
-#pragma unroll
-      for (int k = 0; k < NV; ++k)
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          const float u = da[k][i] * gm[k][i];
-          pu += u;
-          pux += u * (xa[k][i] - mu);
-        }
-      const float2 v = group_sum2(pu, pux, tpr, red, int(it & 1));
-      su = v.x;
-      sux = v.y * rs;
-    }
-    if (rv) {
-      const float a = su / float(W), b = sux / float(W);
-#pragma unroll
-      for (int k = 0; k < NV; ++k) {
-        if (!ok[k]) continue;
-        float o[VEC];
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          const float xh = (xa[k][i] - mu) * rs;
-          o[i] = rs * (da[k][i] * gm[k][i] - a - xh * b);
-          ag[k][i] += da[k][i] * xh;
-          ab[k][i] += da[k][i];
-        }
-        store_vec<T, VEC>(dx + r * W + col[k], o);
-      }
-    }
-    if (PF) {
-#pragma unroll
-      for (int k = 0; k < NV; ++k)
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          xa[k][i] = xb[k][i];
-          da[k][i] = db[k][i];
-        }
-      st_a = st_b;
-    }
-  }
-
-  float* pg = partial + p * 2 * W;
-  float* pb = pg + W;
-  if (gpb == 1) {
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      if (!ok[k]) continue;
-      store_f32<VEC>(pg + col[k], ag[k]);
-      store_f32<VEC>(pb + col[k], ab[k]);
-    }
-    return;
-  }
-  // several row groups per block: add the groups' sums in group order, one partial row
-  float* buf = smem + kSmemRed;  // [2][slab_cols]
-  const int64_t sc = pl.slab_cols;
-  for (int gg = 0; gg < gpb; ++gg) {
-    if (g == gg) {
-#pragma unroll
-      for (int k = 0; k < NV; ++k) {
-        if (!ok[k]) continue;
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          const int64_t lc = col[k] - c0 + i;
-          buf[lc] = gg == 0 ? ag[k][i] : buf[lc] + ag[k][i];
-          buf[sc + lc] = gg == 0 ? ab[k][i] : buf[sc + lc] + ab[k][i];
-        }
-      }
-    }
-    __syncthreads();
-  }
-  for (int64_t j = threadIdx.x; j < c1 - c0; j += blockDim.x) {
-    pg[c0 + j] = buf[j];
-    pb[c0 + j] = buf[sc + j];
-  }
+  rms::bwd_rows_body<T, VEC, NV, PF>(x, gamma, dy, dx, partial, pl, LnBwd{mean, rstd, sums, pl.rows});
 }
 
-// ---- sm_90 staged backward: rows of x and dy staged through shared memory ------------------
-// RMSNorm's bwd_rows_tma structure (rms_norm_kernels.cuh): one row group per block; thread 0
-// keeps pl.stages rows of x and dy in flight by cp.async.bulk, each stage completing on its
-// mbarrier; threads read their columns from shared memory into registers, and the row
-// reduction's barrier tells thread 0 that the stage may be refilled. Bytes in flight then
-// no longer depend on registers (what the 16-bit register path lacks).
+// sm_90 staged backward (rms::bwd_rows_tma_body): thread 0 keeps pl.stages rows of x and dy
+// in flight by cp.async.bulk; bytes in flight then no longer depend on registers (what
+// the 16-bit register path lacks).
 template <typename T, int NV>
 __global__ void __launch_bounds__(max_threads_for(NV * kVec16<T>, false))
 ln_bwd_rows_tma(const T* __restrict__ x, const T* __restrict__ gamma, const float* __restrict__ mean,
                 const float* __restrict__ rstd, const T* __restrict__ dy, T* __restrict__ dx,
                 float* __restrict__ partial, RowPlan pl) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-  __trap();
-#else
-  constexpr int VEC = kVec16<T>;
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  float* red = reinterpret_cast<float*>(smem_raw);
-  uint64_t* bar = reinterpret_cast<uint64_t*>(smem_raw + 512);
-  unsigned char* stages = smem_raw + rms::kTmaHeader;
-  const int S = pl.stages;
-  const int tpr = blockDim.x;
-  const int t = threadIdx.x;
-  const int64_t p = blockIdx.x;
-  const int64_t W = pl.width;
-  const int64_t r0 = pl.rows * p / pl.parts, r1 = pl.rows * (p + 1) / pl.parts;
-  const int64_t n = r1 - r0;
-  const uint32_t row_bytes = uint32_t(W * int64_t(sizeof(T)));
-
-  int64_t col[NV];
-  bool ok[NV];
-  float gm[NV][VEC], ag[NV][VEC], ab[NV][VEC];
-#pragma unroll
-  for (int k = 0; k < NV; ++k) {
-    col[k] = int64_t(t + k * tpr) * VEC;
-    ok[k] = col[k] < W;
-    if (ok[k]) {
-      load_vec_cached<T, VEC>(gamma + col[k], gm[k]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) gm[k][i] = 0.f;
-    }
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) ag[k][i] = ab[k][i] = 0.f;
-  }
-
-  if (t == 0) {
-    for (int q = 0; q < S; ++q) mbar_init(&bar[q], 1);
-    mbar_init_fence();
-  }
-  __syncthreads();
-  auto issue = [&](int64_t i) {
-    const int q = int(i % S);
-    unsigned char* xs = stages + size_t(q) * 2 * row_bytes;
-    mbar_arrive_expect_tx(&bar[q], 2 * row_bytes);
-    bulk_load(xs, x + (r0 + i) * W, row_bytes, &bar[q]);
-    bulk_load(xs + row_bytes, dy + (r0 + i) * W, row_bytes, &bar[q]);
-  };
-  if (t == 0)
-    for (int64_t i = 0; i < n && i < S; ++i) issue(i);
-
-  for (int64_t i = 0; i < n; ++i) {
-    const int q = int(i % S);
-    const int64_t r = r0 + i;
-    const float mu = mean[r], rs = rstd[r];
-    mbar_wait(&bar[q], uint32_t((i / S) & 1));
-    const T* xs = reinterpret_cast<const T*>(stages + size_t(q) * 2 * row_bytes);
-    const T* ds = xs + W;
-    float xa[NV][VEC], da[NV][VEC];
-    float pu = 0.f, pux = 0.f;
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      if (ok[k]) {
-        rms::load_vec_smem<T, VEC>(xs + col[k], xa[k]);
-        rms::load_vec_smem<T, VEC>(ds + col[k], da[k]);
-      } else {
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) xa[k][e] = da[k][e] = 0.f;
-      }
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        const float u = da[k][e] * gm[k][e];
-        pu += u;
-        pux += u * (xa[k][e] - mu);
-      }
-    }
-    const float2 v = group_sum2(pu, pux, tpr, red, int(i & 1));  // its barrier: stage q is read
-    if (t == 0 && i + S < n) {
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      issue(i + S);
-    }
-    const float a = v.x / float(W), b = v.y * rs / float(W);
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      if (!ok[k]) continue;
-      float o[VEC];
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        const float xh = (xa[k][e] - mu) * rs;
-        o[e] = rs * (da[k][e] * gm[k][e] - a - xh * b);
-        ag[k][e] += da[k][e] * xh;
-        ab[k][e] += da[k][e];
-      }
-      store_vec<T, VEC>(dx + r * W + col[k], o);
-    }
-  }
-  float* pg = partial + p * 2 * W;
-  float* pb = pg + W;
-#pragma unroll
-  for (int k = 0; k < NV; ++k) {
-    if (!ok[k]) continue;
-    store_f32<VEC>(pg + col[k], ag[k]);
-    store_f32<VEC>(pb + col[k], ab[k]);
-  }
-#endif
+  rms::bwd_rows_tma_body<T, NV>(x, gamma, dy, dx, partial, pl, LnBwd{mean, rstd, nullptr, pl.rows});
 }
 
 // Row statistics of the slabbed (wide-row) path, one block per row (grid-stride).

@@ -1,5 +1,7 @@
 // RMSNorm CUDA kernels and their launch plans (included by rms_norm.cu, and by the
-// stand-alone timing harness ffi/cuda/tools/rms_norm_sweep.cu).
+// stand-alone timing harness ffi/cuda/tools/rms_norm_sweep.cu), and the row machinery
+// that LayerNorm's kernels (layer_norm.cu) share: the one-pass kernel bodies are written
+// once over a maths policy (see "row machinery" below).
 //
 //   x: [R, W] rows, gamma, beta: [W]
 //   r   = 1 / sqrt(mean_j x_j^2 + eps)                          (rstd, f32 [R])
@@ -58,119 +60,78 @@ constexpr int max_threads_for(int elems, bool pf) {
 
 constexpr int kSmemRed = 128;  // floats: two parity slots of 2 x 32 warp sums
 
-// ---- backward: one pass over rows -------------------------------------------------------
-template <typename T, int VEC, int NV, bool PF>
-__global__ void __launch_bounds__(max_threads_for(NV * VEC, PF))
-bwd_rows(const T* __restrict__ x, const T* __restrict__ gamma, const float* __restrict__ rstd,
-         const T* __restrict__ dy, T* __restrict__ dx, float* __restrict__ partial,
-         const float* __restrict__ dot_in, RowPlan pl) {
-  extern __shared__ float smem[];
-  float* red = smem;
-  const int tpr = pl.tpr;
-  const int gpb = blockDim.x / tpr;
-  const int g = threadIdx.x / tpr;
-  const int t = threadIdx.x - g * tpr;
-  const int64_t p = blockIdx.x / pl.slabs;
-  const int64_t s = blockIdx.x - p * pl.slabs;
-  const int64_t W = pl.width;
-  const int64_t r0 = pl.rows * p / pl.parts, r1 = pl.rows * (p + 1) / pl.parts;
-  const int64_t c0 = s * pl.slab_cols;
-  const int64_t c1 = min(W, c0 + pl.slab_cols);
-  const bool one_pass = pl.slabs == 1;
-  // recompute rstd from x in the row reduction (one pass only: the slabbed path gets
-  // rstd from the statistics kernel)
-  const bool recompute = one_pass && pl.eps >= 0.f;
+// ---- row machinery shared with LayerNorm (layer_norm.cu) ----------------------------------
+// The one-pass kernels are written once, in fwd_rows_body, bwd_rows_body and
+// bwd_rows_tma_body, over a maths policy `Op` (RMSNorm's below, LayerNorm's in
+// layer_norm.cu). The bodies own the work layout: the block's rows and column slab, the
+// columns and parameters of a thread, the row loads (prefetched or not), the reductions'
+// parity, the dgamma/dbeta sums and the block's partial row. The policy owns the maths:
+//   Stat                      per-row statistics (loaded or reduced)
+//   saved(r, rv, one_pass)    the statistics a row starts with (saved ones, or zeros)
+// forward:
+//   row(x, ok, W, tpr, red, it, write, r)   one pass: reduce the row, return its Stat
+//                                           (storing it when `write`)
+//   y(st, x, g, b)            an output element
+// backward:
+//   Acc, acc(a, st, x, dy, g)  a thread's partial row sums, per element
+//   reduce(a, st, W, tpr, red, parity)  group reduction into st (one pass; a barrier)
+//   coef(st, W)               row coefficients, then dx(c, x, dy, g, o, ag): the dx
+//                             element and the dgamma sum (the dbeta sum is dy's)
 
-  int64_t col[NV];
-  bool ok[NV];
-  float gm[NV][VEC], ag[NV][VEC], ab[NV][VEC];
+// Thread t's columns col[k] = c0 + (t + k * tpr) * VEC (ok[k]: below c1) and gamma
+// (and, with BETA, beta) at them; 0 where !ok.
+template <typename T, int VEC, int NV, bool BETA = false>
+__device__ __forceinline__ void row_columns(int64_t c0, int64_t c1, int t, int tpr, const T* __restrict__ gamma,
+                                            int64_t (&col)[NV], bool (&ok)[NV], float (&gm)[NV][VEC],
+                                            const T* __restrict__ beta = nullptr, float (*bt)[VEC] = nullptr) {
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
     col[k] = c0 + int64_t(t + k * tpr) * VEC;
     ok[k] = col[k] < c1;
     if (ok[k]) {
       load_vec_cached<T, VEC>(gamma + col[k], gm[k]);
+      if constexpr (BETA) load_vec_cached<T, VEC>(beta + col[k], bt[k]);
     } else {
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) gm[k][i] = 0.f;
-    }
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) ag[k][i] = ab[k][i] = 0.f;
-  }
-
-  const int64_t n_iter = (r1 - r0 + gpb - 1) / gpb;
-  float xa[NV][VEC], da[NV][VEC], xb[NV][VEC], db[NV][VEC];
-  float rs_a = 0.f, rs_b = 0.f, dot_a = 0.f, dot_b = 0.f;
-
-  auto load_row = [&](int64_t it, float (&xr)[NV][VEC], float (&dr)[NV][VEC], float& rs, float& dot) {
-    const int64_t r = r0 + it * gpb + g;
-    const bool rv = r < r1;
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      if (rv && ok[k]) {
-        load_vec<T, VEC>(x + r * W + col[k], xr[k]);
-        load_vec<T, VEC>(dy + r * W + col[k], dr[k]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) xr[k][i] = dr[k][i] = 0.f;
+      for (int i = 0; i < VEC; ++i) {
+        gm[k][i] = 0.f;
+        if constexpr (BETA) bt[k][i] = 0.f;
       }
-    }
-    rs = (rv && !recompute) ? rstd[r] : 0.f;
-    dot = (rv && !one_pass) ? dot_in[r] : 0.f;
-  };
-
-  if (PF && n_iter > 0) load_row(0, xa, da, rs_a, dot_a);
-  for (int64_t it = 0; it < n_iter; ++it) {
-    if (!PF) {
-      load_row(it, xa, da, rs_a, dot_a);
-    } else if (it + 1 < n_iter) {
-      load_row(it + 1, xb, db, rs_b, dot_b);
-    }
-    const int64_t r = r0 + it * gpb + g;
-    const bool rv = r < r1;
-    float dot = dot_a, rs = rs_a;
-    if (one_pass) {
-      float part = 0.f, ss = 0.f;
-#pragma unroll
-      for (int k = 0; k < NV; ++k)
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          part += da[k][i] * gm[k][i] * xa[k][i];
-          ss += xa[k][i] * xa[k][i];
-        }
-      if (recompute) {
-        const float2 v = group_sum2(part, ss, tpr, red, int(it & 1));
-        dot = v.x;
-        rs = rsqrtf(v.y / float(W) + pl.eps);
-      } else {
-        dot = group_sum(part, tpr, red, int(it & 1));
-      }
-    }
-    if (rv) {
-      const float coef = rs * rs * rs * dot / float(W);
-#pragma unroll
-      for (int k = 0; k < NV; ++k) {
-        if (!ok[k]) continue;
-        float o[VEC];
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          o[i] = rs * da[k][i] * gm[k][i] - coef * xa[k][i];
-          ag[k][i] += da[k][i] * xa[k][i] * rs;
-          ab[k][i] += da[k][i];
-        }
-        store_vec<T, VEC>(dx + r * W + col[k], o);
-      }
-    }
-    if (PF) {
-#pragma unroll
-      for (int k = 0; k < NV; ++k)
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) { xa[k][i] = xb[k][i]; da[k][i] = db[k][i]; }
-      rs_a = rs_b;
-      dot_a = dot_b;
     }
   }
+}
 
+// Row r of a (row length W) at the thread's columns; 0 where the row is invalid (rv
+// false) or the column is not the thread's. With a2 (the backward's dy), the same
+// columns of a second array into v2, each vector next to v's.
+template <typename T, int VEC, int NV, bool TWO = false>
+__device__ __forceinline__ void load_row_vecs(const T* __restrict__ a, int64_t r, int64_t W, const int64_t (&col)[NV],
+                                              const bool (&ok)[NV], bool rv, float (&v)[NV][VEC],
+                                              const T* __restrict__ a2 = nullptr, float (*v2)[VEC] = nullptr) {
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    if (rv && ok[k]) {
+      load_vec<T, VEC>(a + r * W + col[k], v[k]);
+      if constexpr (TWO) load_vec<T, VEC>(a2 + r * W + col[k], v2[k]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        v[k][i] = 0.f;
+        if constexpr (TWO) v2[k][i] = 0.f;
+      }
+    }
+  }
+}
+
+// The block's dgamma/dbeta partial row: partial[p][0][c0:c1] = dgamma sums, [p][1] =
+// dbeta sums. One row group per block (gpb == 1): each thread stores its columns.
+// Several (narrow rows): the groups' sums are added in group order through shared
+// memory (buf: [2][slab_cols] floats), then written once.
+template <int VEC, int NV>
+__device__ __forceinline__ void write_partials(const float (&ag)[NV][VEC], const float (&ab)[NV][VEC],
+                                               const int64_t (&col)[NV], const bool (&ok)[NV],
+                                               float* __restrict__ partial, int64_t p, int64_t W, int gpb, int g,
+                                               int64_t c0, int64_t c1, int64_t sc, float* buf) {
   float* pg = partial + p * 2 * W;
   float* pb = pg + W;
   if (gpb == 1) {
@@ -182,10 +143,6 @@ bwd_rows(const T* __restrict__ x, const T* __restrict__ gamma, const float* __re
     }
     return;
   }
-  // Several row groups per block (narrow rows): add the groups' sums in group order
-  // through shared memory, then write one partial row for the block.
-  float* buf = smem + kSmemRed;  // [2][slab_cols]
-  const int64_t sc = pl.slab_cols;
   for (int gg = 0; gg < gpb; ++gg) {
     if (g == gg) {
 #pragma unroll
@@ -207,11 +164,95 @@ bwd_rows(const T* __restrict__ x, const T* __restrict__ gamma, const float* __re
   }
 }
 
+// ---- backward: one pass over rows -------------------------------------------------------
+template <typename T, int VEC, int NV, bool PF, typename Op>
+__device__ __forceinline__ void bwd_rows_body(const T* __restrict__ x, const T* __restrict__ gamma,
+                                              const T* __restrict__ dy, T* __restrict__ dx,
+                                              float* __restrict__ partial, const RowPlan& pl, const Op& op) {
+  using Stat = typename Op::Stat;
+  extern __shared__ float smem[];
+  float* red = smem;
+  const int tpr = pl.tpr;
+  const int gpb = blockDim.x / tpr;
+  const int g = threadIdx.x / tpr;
+  const int t = threadIdx.x - g * tpr;
+  const int64_t p = blockIdx.x / pl.slabs;
+  const int64_t s = blockIdx.x - p * pl.slabs;
+  const int64_t W = pl.width;
+  const int64_t r0 = pl.rows * p / pl.parts, r1 = pl.rows * (p + 1) / pl.parts;
+  const int64_t c0 = s * pl.slab_cols;
+  const int64_t c1 = min(W, c0 + pl.slab_cols);
+  const bool one_pass = pl.slabs == 1;
+
+  int64_t col[NV];
+  bool ok[NV];
+  float gm[NV][VEC], ag[NV][VEC], ab[NV][VEC];
+  row_columns<T, VEC, NV>(c0, c1, t, tpr, gamma, col, ok, gm);
+#pragma unroll
+  for (int k = 0; k < NV; ++k)
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) ag[k][i] = ab[k][i] = 0.f;
+
+  const int64_t n_iter = (r1 - r0 + gpb - 1) / gpb;
+  float xa[NV][VEC], da[NV][VEC], xb[NV][VEC], db[NV][VEC];
+  Stat st_a{}, st_b{};
+
+  auto load_row = [&](int64_t it, float (&xr)[NV][VEC], float (&dr)[NV][VEC], Stat& st) {
+    const int64_t r = r0 + it * gpb + g;
+    const bool rv = r < r1;
+    load_row_vecs<T, VEC, NV, true>(x, r, W, col, ok, rv, xr, dy, dr);
+    st = op.saved(r, rv, one_pass);
+  };
+
+  if (PF && n_iter > 0) load_row(0, xa, da, st_a);
+  for (int64_t it = 0; it < n_iter; ++it) {
+    if (!PF) {
+      load_row(it, xa, da, st_a);
+    } else if (it + 1 < n_iter) {
+      load_row(it + 1, xb, db, st_b);
+    }
+    const int64_t r = r0 + it * gpb + g;
+    const bool rv = r < r1;
+    Stat st = st_a;
+    if (one_pass) {
+      typename Op::Acc acc{};
+#pragma unroll
+      for (int k = 0; k < NV; ++k)
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) op.acc(acc, st, xa[k][i], da[k][i], gm[k][i]);
+      op.reduce(acc, st, W, tpr, red, int(it & 1));
+    }
+    if (rv) {
+      const auto c = op.coef(st, W);
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        if (!ok[k]) continue;
+        float o[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          op.dx(c, xa[k][i], da[k][i], gm[k][i], o[i], ag[k][i]);
+          ab[k][i] += da[k][i];
+        }
+        store_vec<T, VEC>(dx + r * W + col[k], o);
+      }
+    }
+    if (PF) {
+#pragma unroll
+      for (int k = 0; k < NV; ++k)
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) { xa[k][i] = xb[k][i]; da[k][i] = db[k][i]; }
+      st_a = st_b;
+    }
+  }
+  write_partials<VEC, NV>(ag, ab, col, ok, partial, p, W, gpb, g, c0, c1, pl.slab_cols, smem + kSmemRed);
+}
+
 // ---- forward: one pass over rows ----------------------------------------------------------
-template <typename T, int VEC, int NV, bool PF>
-__global__ void __launch_bounds__(max_threads_for(NV * VEC, PF))
-fwd_rows(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta,
-         T* __restrict__ y, float* __restrict__ rstd, float eps, RowPlan pl) {
+template <typename T, int VEC, int NV, bool PF, typename Op>
+__device__ __forceinline__ void fwd_rows_body(const T* __restrict__ x, const T* __restrict__ gamma,
+                                              const T* __restrict__ beta, T* __restrict__ y, const RowPlan& pl,
+                                              const Op& op) {
+  using Stat = typename Op::Stat;
   extern __shared__ float smem[];
   float* red = smem;
   const int tpr = pl.tpr;
@@ -229,64 +270,36 @@ fwd_rows(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restri
   int64_t col[NV];
   bool ok[NV];
   float gm[NV][VEC], bt[NV][VEC];
-#pragma unroll
-  for (int k = 0; k < NV; ++k) {
-    col[k] = c0 + int64_t(t + k * tpr) * VEC;
-    ok[k] = col[k] < c1;
-    if (ok[k]) {
-      load_vec_cached<T, VEC>(gamma + col[k], gm[k]);
-      load_vec_cached<T, VEC>(beta + col[k], bt[k]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) gm[k][i] = bt[k][i] = 0.f;
-    }
-  }
+  row_columns<T, VEC, NV, true>(c0, c1, t, tpr, gamma, col, ok, gm, beta, bt);
 
   const int64_t n_iter = (r1 - r0 + gpb - 1) / gpb;
   float xa[NV][VEC], xb[NV][VEC];
-  float rs_a = 0.f, rs_b = 0.f;
-  auto load_row = [&](int64_t it, float (&xr)[NV][VEC], float& rs) {
+  Stat st_a{}, st_b{};
+  auto load_row = [&](int64_t it, float (&xr)[NV][VEC], Stat& st) {
     const int64_t r = r0 + it * gpb + g;
     const bool rv = r < r1;
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      if (rv && ok[k]) {
-        load_vec<T, VEC>(x + r * W + col[k], xr[k]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) xr[k][i] = 0.f;
-      }
-    }
-    rs = (rv && !one_pass) ? rstd[r] : 0.f;
+    load_row_vecs<T, VEC, NV>(x, r, W, col, ok, rv, xr);
+    st = op.saved(r, rv, one_pass);
   };
 
-  if (PF && n_iter > 0) load_row(0, xa, rs_a);
+  if (PF && n_iter > 0) load_row(0, xa, st_a);
   for (int64_t it = 0; it < n_iter; ++it) {
     if (!PF) {
-      load_row(it, xa, rs_a);
+      load_row(it, xa, st_a);
     } else if (it + 1 < n_iter) {
-      load_row(it + 1, xb, rs_b);
+      load_row(it + 1, xb, st_b);
     }
     const int64_t r = r0 + it * gpb + g;
     const bool rv = r < r1;
-    float rs = rs_a;
-    if (one_pass) {
-      float ss = 0.f;
-#pragma unroll
-      for (int k = 0; k < NV; ++k)
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) ss += xa[k][i] * xa[k][i];
-      ss = group_sum(ss, tpr, red, int(it & 1));
-      rs = rsqrtf(ss / float(W) + eps);
-      if (rv && t == 0) rstd[r] = rs;
-    }
+    Stat st = st_a;
+    if (one_pass) st = op.row(xa, ok, W, tpr, red, it, rv && t == 0, r);
     if (rv) {
 #pragma unroll
       for (int k = 0; k < NV; ++k) {
         if (!ok[k]) continue;
         float o[VEC];
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) o[i] = xa[k][i] * rs * gm[k][i] + bt[k][i];
+        for (int i = 0; i < VEC; ++i) o[i] = op.y(st, xa[k][i], gm[k][i], bt[k][i]);
         store_vec<T, VEC>(y + r * W + col[k], o);
       }
     }
@@ -295,9 +308,92 @@ fwd_rows(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restri
       for (int k = 0; k < NV; ++k)
 #pragma unroll
         for (int i = 0; i < VEC; ++i) xa[k][i] = xb[k][i];
-      rs_a = rs_b;
+      st_a = st_b;
     }
   }
+}
+
+// ---- RMSNorm's maths --------------------------------------------------------------------------
+struct RmsFwd {
+  float* __restrict__ rstd;
+  float eps;
+  struct Stat { float rs; };
+  __device__ __forceinline__ Stat saved(int64_t r, bool rv, bool one_pass) const {
+    return {(rv && !one_pass) ? rstd[r] : 0.f};
+  }
+  template <int NV, int VEC>
+  __device__ __forceinline__ Stat row(const float (&x)[NV][VEC], const bool (&)[NV], int64_t W, int tpr, float* red,
+                                      int64_t it, bool write, int64_t r) const {
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < NV; ++k)
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) ss += x[k][i] * x[k][i];
+    ss = group_sum(ss, tpr, red, int(it & 1));
+    const float rs = rsqrtf(ss / float(W) + eps);
+    if (write) rstd[r] = rs;
+    return {rs};
+  }
+  __device__ __forceinline__ float y(const Stat& st, float x, float g, float b) const { return x * st.rs * g + b; }
+};
+
+// MODE 0: rstd saved; 1: recomputed from x with eps; -1: a run-time choice, `rc` (the
+// register kernel: one pass and eps >= 0).
+template <int MODE>
+struct RmsBwd {
+  const float* __restrict__ rstd;
+  const float* __restrict__ dot_in;  // the slabbed path's sum u x per row
+  float eps;
+  bool rc;
+  struct Stat { float dot, rs; };
+  struct Acc { float part, ss; };
+  __device__ __forceinline__ bool recompute(bool one_pass) const {
+    return MODE < 0 ? rc : (one_pass && MODE == 1);
+  }
+  __device__ __forceinline__ Stat saved(int64_t r, bool rv, bool one_pass) const {
+    Stat st;
+    const bool slab = rv && !one_pass;
+    st.rs = (rv && !recompute(one_pass)) ? rstd[r] : 0.f;
+    st.dot = slab ? dot_in[r] : 0.f;
+    return st;
+  }
+  __device__ __forceinline__ void acc(Acc& a, const Stat&, float x, float d, float g) const {
+    a.part += d * g * x;
+    if constexpr (MODE != 0) a.ss += x * x;
+  }
+  __device__ __forceinline__ void reduce(const Acc& a, Stat& st, int64_t W, int tpr, float* red, int parity) const {
+    if (recompute(true)) {
+      const float2 v = group_sum2(a.part, a.ss, tpr, red, parity);
+      st.dot = v.x;
+      st.rs = rsqrtf(v.y / float(W) + eps);
+    } else {
+      st.dot = group_sum(a.part, tpr, red, parity);
+    }
+  }
+  struct Coef { float rs, coef; };
+  __device__ __forceinline__ Coef coef(const Stat& st, int64_t W) const {
+    return {st.rs, st.rs * st.rs * st.rs * st.dot / float(W)};
+  }
+  __device__ __forceinline__ void dx(const Coef& c, float x, float d, float g, float& o, float& ag) const {
+    o = c.rs * d * g - c.coef * x;
+    ag += d * x * c.rs;
+  }
+};
+
+template <typename T, int VEC, int NV, bool PF>
+__global__ void __launch_bounds__(max_threads_for(NV * VEC, PF))
+bwd_rows(const T* __restrict__ x, const T* __restrict__ gamma, const float* __restrict__ rstd,
+         const T* __restrict__ dy, T* __restrict__ dx, float* __restrict__ partial,
+         const float* __restrict__ dot_in, RowPlan pl) {
+  const bool recompute = pl.slabs == 1 && pl.eps >= 0.f;  // rstd from x (one pass only)
+  bwd_rows_body<T, VEC, NV, PF>(x, gamma, dy, dx, partial, pl, RmsBwd<-1>{rstd, dot_in, pl.eps, recompute});
+}
+
+template <typename T, int VEC, int NV, bool PF>
+__global__ void __launch_bounds__(max_threads_for(NV * VEC, PF))
+fwd_rows(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta,
+         T* __restrict__ y, float* __restrict__ rstd, float eps, RowPlan pl) {
+  fwd_rows_body<T, VEC, NV, PF>(x, gamma, beta, y, pl, RmsFwd{rstd, eps});
 }
 
 // ---- per-row statistics for the slabbed (very wide row) path ---------------------------------
@@ -378,13 +474,16 @@ __device__ __forceinline__ void load_vec_smem(const T* p, float (&v)[VEC]) {
   for (int i = 0; i < VEC; ++i) v[i] = to_f32(e[i]);
 }
 
-template <typename T, int NV, bool RC>
-__global__ void __launch_bounds__(max_threads_for(NV * kVec16<T>, false))
-bwd_rows_tma(const T* __restrict__ x, const T* __restrict__ gamma, const float* __restrict__ rstd,
-             const T* __restrict__ dy, T* __restrict__ dx, float* __restrict__ partial, RowPlan pl) {
+// Backward of the staged path, over a maths policy (see bwd_rows_body): thread 0 keeps
+// pl.stages rows of x and dy in flight (one stage: the row of x, then of dy).
+template <typename T, int NV, typename Op>
+__device__ __forceinline__ void bwd_rows_tma_body(const T* __restrict__ x, const T* __restrict__ gamma,
+                                                  const T* __restrict__ dy, T* __restrict__ dx,
+                                                  float* __restrict__ partial, const RowPlan& pl, const Op& op) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();
 #else
+  using Stat = typename Op::Stat;
   constexpr int VEC = kVec16<T>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   float* red = reinterpret_cast<float*>(smem_raw);
@@ -398,24 +497,15 @@ bwd_rows_tma(const T* __restrict__ x, const T* __restrict__ gamma, const float* 
   const int64_t r0 = pl.rows * p / pl.parts, r1 = pl.rows * (p + 1) / pl.parts;
   const int64_t n = r1 - r0;
   const uint32_t row_bytes = uint32_t(W * int64_t(sizeof(T)));
-  constexpr bool recompute = RC;  // rstd recomputed from x (pl.eps); a template flag: registers
 
   int64_t col[NV];
   bool ok[NV];
   float gm[NV][VEC], ag[NV][VEC], ab[NV][VEC];
+  row_columns<T, VEC, NV>(0, W, t, tpr, gamma, col, ok, gm);
 #pragma unroll
-  for (int k = 0; k < NV; ++k) {
-    col[k] = int64_t(t + k * tpr) * VEC;
-    ok[k] = col[k] < W;
-    if (ok[k]) {
-      load_vec_cached<T, VEC>(gamma + col[k], gm[k]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) gm[k][i] = 0.f;
-    }
+  for (int k = 0; k < NV; ++k)
 #pragma unroll
     for (int i = 0; i < VEC; ++i) ag[k][i] = ab[k][i] = 0.f;
-  }
 
   if (t == 0) {
     for (int q = 0; q < S; ++q) mbar_init(&bar[q], 1);
@@ -435,12 +525,12 @@ bwd_rows_tma(const T* __restrict__ x, const T* __restrict__ gamma, const float* 
   for (int64_t i = 0; i < n; ++i) {
     const int q = int(i % S);
     const int64_t r = r0 + i;
-    float rs = recompute ? 0.f : rstd[r];
+    Stat st = op.saved(r, true, true);
     mbar_wait(&bar[q], uint32_t((i / S) & 1));
     const T* xs = reinterpret_cast<const T*>(stages + size_t(q) * 2 * row_bytes);
     const T* ds = xs + W;
     float xa[NV][VEC], da[NV][VEC];
-    float part = 0.f, ss = 0.f;
+    typename Op::Acc acc{};
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
       if (ok[k]) {
@@ -451,46 +541,36 @@ bwd_rows_tma(const T* __restrict__ x, const T* __restrict__ gamma, const float* 
         for (int e = 0; e < VEC; ++e) xa[k][e] = da[k][e] = 0.f;
       }
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        part += da[k][e] * gm[k][e] * xa[k][e];
-        if constexpr (RC) ss += xa[k][e] * xa[k][e];
-      }
+      for (int e = 0; e < VEC; ++e) op.acc(acc, st, xa[k][e], da[k][e], gm[k][e]);
     }
-    float dot;  // the reductions' barrier: stage q is read
-    if constexpr (RC) {
-      const float2 v = group_sum2(part, ss, tpr, red, int(i & 1));
-      dot = v.x;
-      rs = rsqrtf(v.y / float(W) + pl.eps);
-    } else {
-      dot = group_sum(part, tpr, red, int(i & 1));
-    }
+    op.reduce(acc, st, W, tpr, red, int(i & 1));  // its barrier: stage q is read
     if (t == 0 && i + S < n) {
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       issue(i + S);
     }
-    const float coef = rs * rs * rs * dot / float(W);
+    const auto c = op.coef(st, W);
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
       if (!ok[k]) continue;
       float o[VEC];
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
-        o[e] = rs * da[k][e] * gm[k][e] - coef * xa[k][e];
-        ag[k][e] += da[k][e] * xa[k][e] * rs;
+        op.dx(c, xa[k][e], da[k][e], gm[k][e], o[e], ag[k][e]);
         ab[k][e] += da[k][e];
       }
       store_vec<T, VEC>(dx + r * W + col[k], o);
     }
   }
-  float* pg = partial + p * 2 * W;
-  float* pb = pg + W;
-#pragma unroll
-  for (int k = 0; k < NV; ++k) {
-    if (!ok[k]) continue;
-    store_f32<VEC>(pg + col[k], ag[k]);
-    store_f32<VEC>(pb + col[k], ab[k]);
-  }
+  write_partials<VEC, NV>(ag, ab, col, ok, partial, p, W, 1, 0, 0, W, W, nullptr);
 #endif
+}
+
+template <typename T, int NV, bool RC>
+__global__ void __launch_bounds__(max_threads_for(NV * kVec16<T>, false))
+bwd_rows_tma(const T* __restrict__ x, const T* __restrict__ gamma, const float* __restrict__ rstd,
+             const T* __restrict__ dy, T* __restrict__ dx, float* __restrict__ partial, RowPlan pl) {
+  // RC: rstd recomputed from x (pl.eps); a template flag: registers
+  bwd_rows_tma_body<T, NV>(x, gamma, dy, dx, partial, pl, RmsBwd<RC ? 1 : 0>{rstd, nullptr, pl.eps, RC});
 }
 
 template <typename T, int NV>
@@ -517,18 +597,7 @@ fwd_rows_tma(const T* __restrict__ x, const T* __restrict__ gamma, const T* __re
   int64_t col[NV];
   bool ok[NV];
   float gm[NV][VEC], bt[NV][VEC];
-#pragma unroll
-  for (int k = 0; k < NV; ++k) {
-    col[k] = int64_t(t + k * tpr) * VEC;
-    ok[k] = col[k] < W;
-    if (ok[k]) {
-      load_vec_cached<T, VEC>(gamma + col[k], gm[k]);
-      load_vec_cached<T, VEC>(beta + col[k], bt[k]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) gm[k][i] = bt[k][i] = 0.f;
-    }
-  }
+  row_columns<T, VEC, NV, true>(0, W, t, tpr, gamma, col, ok, gm, beta, bt);
   if (t == 0) {
     for (int q = 0; q < S; ++q) mbar_init(&bar[q], 1);
     mbar_init_fence();
