@@ -298,16 +298,7 @@ using rw::rows_view;
 using rw::same_dims;
 
 ffi::Error check_param(const ffi::AnyBuffer& x, const ffi::AnyBuffer& p, const char* what) {
-  if (x.dimensions().size() < 1) return invalid("layer_norm: x must have rank >= 1");
-  const int64_t width = rows_view(x).width;
-  auto d = p.dimensions();
-  if (d.size() != 1 || d[0] != width)
-    return invalid(std::string("layer_norm: ") + what + " must have shape [" + std::to_string(width) +
-                   "] (the last axis of x)");
-  if (p.element_type() != x.element_type())
-    return invalid(std::string("layer_norm: ") + what + " dtype " + dtype_name(p.element_type()) +
-                   " differs from x dtype " + dtype_name(x.element_type()));
-  return ffi::Error::Success();
+  return rw::check_row_param(x, p, "layer_norm", what);
 }
 
 ffi::Error check_stat(const ffi::AnyBuffer& s, int64_t rows, const char* what) {

@@ -9,47 +9,31 @@
 //   rlx_jax/vjp_rules/rms_norm.py): per-block partial sums of dgamma/dbeta and, for
 //   very wide rows, the per-row dot products. XLA allocates it; nothing is allocated here.
 #include "cuda/rms_norm_kernels.cuh"
+#include "cuda/rowwise_common.cuh"
 
 namespace rlx {
 namespace cuda {
 namespace {
 
-struct RowsView { int64_t rows; int64_t width; };
-RowsView rows_view(const ffi::AnyBuffer& b) {
-  auto d = b.dimensions();
-  if (d.size() == 0) return {1, 1};
-  int64_t rows = 1;
-  for (size_t i = 0; i + 1 < d.size(); ++i) rows *= d[i];
-  return {rows, d.back()};
-}
-bool same_dims(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b) {
-  auto da = a.dimensions(), db = b.dimensions();
-  return da.size() == db.size() && std::equal(da.begin(), da.end(), db.begin());
-}
-ffi::Error invalid(const std::string& msg) { return ffi::Error::InvalidArgument(msg); }
+using rw::dispatch;
+using rw::invalid;
+using rw::rows_view;
+using rw::same_dims;
 
 ffi::Error check_param(const ffi::AnyBuffer& x, const ffi::AnyBuffer& p, const char* what) {
-  if (x.dimensions().size() < 1) return invalid("rms_norm: x must have rank >= 1");
-  const int64_t width = rows_view(x).width;
-  auto d = p.dimensions();
-  if (d.size() != 1 || d[0] != width)
-    return invalid(std::string("rms_norm: ") + what + " must have shape [" + std::to_string(width) +
-                   "] (the last axis of x)");
-  if (p.element_type() != x.element_type())
-    return invalid(std::string("rms_norm: ") + what + " dtype " + dtype_name(p.element_type()) +
-                   " differs from x dtype " + dtype_name(x.element_type()));
-  return ffi::Error::Success();
+  return rw::check_row_param(x, p, "rms_norm", what);
 }
 
-// Calls fn(T{}) with T the CUDA storage type of dtype; false when unsupported.
-template <typename F>
-bool dispatch(ffi::DataType dtype, F&& fn) {
-  switch (dtype) {
-    case ffi::DataType::F32: fn(float{}); return true;
-    case ffi::DataType::BF16: fn(__nv_bfloat16{}); return true;
-    case ffi::DataType::F16: fn(__half{}); return true;
-    default: return false;
-  }
+// The operands both backward handlers share: gamma, dy, dx, dgamma, dbeta against x.
+ffi::Error check_bwd(const ffi::AnyBuffer& x, const ffi::AnyBuffer& gamma, const ffi::AnyBuffer& dy,
+                     const ffi::AnyBuffer& dx, const ffi::AnyBuffer& dgamma, const ffi::AnyBuffer& dbeta) {
+  if (auto e = check_param(x, gamma, "gamma"); e.failure()) return e;
+  if (!same_dims(x, dy) || dy.element_type() != x.element_type())
+    return invalid("rms_norm backward: dy must match x in shape and dtype");
+  if (!same_dims(x, dx) || dx.element_type() != x.element_type())
+    return invalid("rms_norm backward: dx must match x");
+  if (auto e = check_param(x, dgamma, "dgamma"); e.failure()) return e;
+  return check_param(x, dbeta, "dbeta");
 }
 
 ffi::Error RmsNormFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer gamma, ffi::AnyBuffer beta,
@@ -79,13 +63,7 @@ ffi::Error RmsNormFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
 ffi::Error RmsNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer gamma, ffi::AnyBuffer rstd,
                           ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dgamma,
                           ffi::Result<ffi::AnyBuffer> dbeta, ffi::Result<ffi::AnyBuffer> scratch) {
-  if (auto e = check_param(x, gamma, "gamma"); e.failure()) return e;
-  if (!same_dims(x, dy) || dy.element_type() != x.element_type())
-    return invalid("rms_norm backward: dy must match x in shape and dtype");
-  if (!same_dims(x, *dx) || dx->element_type() != x.element_type())
-    return invalid("rms_norm backward: dx must match x");
-  if (auto e = check_param(x, *dgamma, "dgamma"); e.failure()) return e;
-  if (auto e = check_param(x, *dbeta, "dbeta"); e.failure()) return e;
+  if (auto e = check_bwd(x, gamma, dy, *dx, *dgamma, *dbeta); e.failure()) return e;
   const auto rv_ = rows_view(x);
   const int64_t rows = rv_.rows, width = rv_.width;
   if (rstd.element_type() != ffi::DataType::F32 || int64_t(rstd.element_count()) != rows)
@@ -116,13 +94,7 @@ ffi::Error RmsNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
 ffi::Error RmsNormBwdXImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer gamma, ffi::AnyBuffer dy,
                            ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dgamma,
                            ffi::Result<ffi::AnyBuffer> dbeta, ffi::Result<ffi::AnyBuffer> scratch, float eps) {
-  if (auto e = check_param(x, gamma, "gamma"); e.failure()) return e;
-  if (!same_dims(x, dy) || dy.element_type() != x.element_type())
-    return invalid("rms_norm backward: dy must match x in shape and dtype");
-  if (!same_dims(x, *dx) || dx->element_type() != x.element_type())
-    return invalid("rms_norm backward: dx must match x");
-  if (auto e = check_param(x, *dgamma, "dgamma"); e.failure()) return e;
-  if (auto e = check_param(x, *dbeta, "dbeta"); e.failure()) return e;
+  if (auto e = check_bwd(x, gamma, dy, *dx, *dgamma, *dbeta); e.failure()) return e;
   if (!(eps >= 0.0f)) return invalid("rms_norm: eps must be >= 0");
   const auto rv_ = rows_view(x);
   const int64_t rows = rv_.rows, width = rv_.width;

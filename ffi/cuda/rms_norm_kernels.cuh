@@ -30,6 +30,7 @@
 #include <type_traits>
 
 #include "cuda/common.cuh"
+#include "cuda/rowwise_common.cuh"
 
 namespace rlx {
 namespace cuda {
@@ -659,12 +660,8 @@ struct Tuning {
 // Shared-memory budget per block of the staged path: two blocks fit on one SM.
 constexpr int64_t kTmaBudget = 110 * 1024;
 
-inline int pow2_ceil(int64_t v) {
-  int p = 1;
-  while (p < v) p <<= 1;
-  return p;
-}
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+using rw::ceil_div;
+using rw::pow2_ceil;
 
 // Column layout of a plan (everything but `parts`).
 template <typename T>

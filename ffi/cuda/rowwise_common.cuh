@@ -39,6 +39,22 @@ inline bool same_dims(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b) {
 }
 inline ffi::Error invalid(const std::string& msg) { return ffi::Error::InvalidArgument(msg); }
 
+// A per-column parameter p (gamma, beta, their gradients) of a norm `op` over the last
+// axis of x: shape [W] and x's dtype.
+inline ffi::Error check_row_param(const ffi::AnyBuffer& x, const ffi::AnyBuffer& p, const char* op,
+                                  const char* what) {
+  if (x.dimensions().size() < 1) return invalid(std::string(op) + ": x must have rank >= 1");
+  const int64_t width = rows_view(x).width;
+  auto d = p.dimensions();
+  if (d.size() != 1 || d[0] != width)
+    return invalid(std::string(op) + ": " + what + " must have shape [" + std::to_string(width) +
+                   "] (the last axis of x)");
+  if (p.element_type() != x.element_type())
+    return invalid(std::string(op) + ": " + what + " dtype " + dtype_name(p.element_type()) +
+                   " differs from x dtype " + dtype_name(x.element_type()));
+  return ffi::Error::Success();
+}
+
 // Calls fn(T{}) with T the CUDA storage type of dtype; false when unsupported (f64 is
 // not taken on CUDA: the Python side lowers the reference for it).
 template <typename F>
