@@ -165,6 +165,29 @@ __device__ __forceinline__ void write_partials(const float (&ag)[NV][VEC], const
   }
 }
 
+// A block's share of a plan (register kernels): row chunk [r0, r1) (chunk p), column slab
+// [c0, c1), and the thread's row group g (gpb groups of tpr threads a block) and place t
+// in it; one_pass: the row is not split into slabs.
+struct BlockRows {
+  int tpr, gpb, g, t;
+  int64_t p, W, r0, r1, c0, c1;
+  bool one_pass;
+  __device__ __forceinline__ explicit BlockRows(const RowPlan& pl) {
+    tpr = pl.tpr;
+    gpb = blockDim.x / tpr;
+    g = threadIdx.x / tpr;
+    t = threadIdx.x - g * tpr;
+    p = blockIdx.x / pl.slabs;
+    const int64_t s = blockIdx.x - p * pl.slabs;
+    W = pl.width;
+    r0 = pl.rows * p / pl.parts;
+    r1 = pl.rows * (p + 1) / pl.parts;
+    c0 = s * pl.slab_cols;
+    c1 = min(W, c0 + pl.slab_cols);
+    one_pass = pl.slabs == 1;
+  }
+};
+
 // ---- backward: one pass over rows -------------------------------------------------------
 template <typename T, int VEC, int NV, bool PF, typename Op>
 __device__ __forceinline__ void bwd_rows_body(const T* __restrict__ x, const T* __restrict__ gamma,
@@ -173,36 +196,26 @@ __device__ __forceinline__ void bwd_rows_body(const T* __restrict__ x, const T* 
   using Stat = typename Op::Stat;
   extern __shared__ float smem[];
   float* red = smem;
-  const int tpr = pl.tpr;
-  const int gpb = blockDim.x / tpr;
-  const int g = threadIdx.x / tpr;
-  const int t = threadIdx.x - g * tpr;
-  const int64_t p = blockIdx.x / pl.slabs;
-  const int64_t s = blockIdx.x - p * pl.slabs;
-  const int64_t W = pl.width;
-  const int64_t r0 = pl.rows * p / pl.parts, r1 = pl.rows * (p + 1) / pl.parts;
-  const int64_t c0 = s * pl.slab_cols;
-  const int64_t c1 = min(W, c0 + pl.slab_cols);
-  const bool one_pass = pl.slabs == 1;
+  const BlockRows blk(pl);
 
   int64_t col[NV];
   bool ok[NV];
   float gm[NV][VEC], ag[NV][VEC], ab[NV][VEC];
-  row_columns<T, VEC, NV>(c0, c1, t, tpr, gamma, col, ok, gm);
+  row_columns<T, VEC, NV>(blk.c0, blk.c1, blk.t, blk.tpr, gamma, col, ok, gm);
 #pragma unroll
   for (int k = 0; k < NV; ++k)
 #pragma unroll
     for (int i = 0; i < VEC; ++i) ag[k][i] = ab[k][i] = 0.f;
 
-  const int64_t n_iter = (r1 - r0 + gpb - 1) / gpb;
+  const int64_t n_iter = (blk.r1 - blk.r0 + blk.gpb - 1) / blk.gpb;
   float xa[NV][VEC], da[NV][VEC], xb[NV][VEC], db[NV][VEC];
   Stat st_a{}, st_b{};
 
   auto load_row = [&](int64_t it, float (&xr)[NV][VEC], float (&dr)[NV][VEC], Stat& st) {
-    const int64_t r = r0 + it * gpb + g;
-    const bool rv = r < r1;
-    load_row_vecs<T, VEC, NV, true>(x, r, W, col, ok, rv, xr, dy, dr);
-    st = op.saved(r, rv, one_pass);
+    const int64_t r = blk.r0 + it * blk.gpb + blk.g;
+    const bool rv = r < blk.r1;
+    load_row_vecs<T, VEC, NV, true>(x, r, blk.W, col, ok, rv, xr, dy, dr);
+    st = op.saved(r, rv, blk.one_pass);
   };
 
   if (PF && n_iter > 0) load_row(0, xa, da, st_a);
@@ -212,19 +225,19 @@ __device__ __forceinline__ void bwd_rows_body(const T* __restrict__ x, const T* 
     } else if (it + 1 < n_iter) {
       load_row(it + 1, xb, db, st_b);
     }
-    const int64_t r = r0 + it * gpb + g;
-    const bool rv = r < r1;
+    const int64_t r = blk.r0 + it * blk.gpb + blk.g;
+    const bool rv = r < blk.r1;
     Stat st = st_a;
-    if (one_pass) {
+    if (blk.one_pass) {
       typename Op::Acc acc{};
 #pragma unroll
       for (int k = 0; k < NV; ++k)
 #pragma unroll
         for (int i = 0; i < VEC; ++i) op.acc(acc, st, xa[k][i], da[k][i], gm[k][i]);
-      op.reduce(acc, st, W, tpr, red, int(it & 1));
+      op.reduce(acc, st, blk.W, blk.tpr, red, int(it & 1));
     }
     if (rv) {
-      const auto c = op.coef(st, W);
+      const auto c = op.coef(st, blk.W);
 #pragma unroll
       for (int k = 0; k < NV; ++k) {
         if (!ok[k]) continue;
@@ -234,7 +247,7 @@ __device__ __forceinline__ void bwd_rows_body(const T* __restrict__ x, const T* 
           op.dx(c, xa[k][i], da[k][i], gm[k][i], o[i], ag[k][i]);
           ab[k][i] += da[k][i];
         }
-        store_vec<T, VEC>(dx + r * W + col[k], o);
+        store_vec<T, VEC>(dx + r * blk.W + col[k], o);
       }
     }
     if (PF) {
@@ -245,7 +258,8 @@ __device__ __forceinline__ void bwd_rows_body(const T* __restrict__ x, const T* 
       st_a = st_b;
     }
   }
-  write_partials<VEC, NV>(ag, ab, col, ok, partial, p, W, gpb, g, c0, c1, pl.slab_cols, smem + kSmemRed);
+  write_partials<VEC, NV>(ag, ab, col, ok, partial, blk.p, blk.W, blk.gpb, blk.g, blk.c0, blk.c1, pl.slab_cols,
+                          smem + kSmemRed);
 }
 
 // ---- forward: one pass over rows ----------------------------------------------------------
@@ -256,31 +270,21 @@ __device__ __forceinline__ void fwd_rows_body(const T* __restrict__ x, const T* 
   using Stat = typename Op::Stat;
   extern __shared__ float smem[];
   float* red = smem;
-  const int tpr = pl.tpr;
-  const int gpb = blockDim.x / tpr;
-  const int g = threadIdx.x / tpr;
-  const int t = threadIdx.x - g * tpr;
-  const int64_t p = blockIdx.x / pl.slabs;
-  const int64_t s = blockIdx.x - p * pl.slabs;
-  const int64_t W = pl.width;
-  const int64_t r0 = pl.rows * p / pl.parts, r1 = pl.rows * (p + 1) / pl.parts;
-  const int64_t c0 = s * pl.slab_cols;
-  const int64_t c1 = min(W, c0 + pl.slab_cols);
-  const bool one_pass = pl.slabs == 1;
+  const BlockRows blk(pl);
 
   int64_t col[NV];
   bool ok[NV];
   float gm[NV][VEC], bt[NV][VEC];
-  row_columns<T, VEC, NV, true>(c0, c1, t, tpr, gamma, col, ok, gm, beta, bt);
+  row_columns<T, VEC, NV, true>(blk.c0, blk.c1, blk.t, blk.tpr, gamma, col, ok, gm, beta, bt);
 
-  const int64_t n_iter = (r1 - r0 + gpb - 1) / gpb;
+  const int64_t n_iter = (blk.r1 - blk.r0 + blk.gpb - 1) / blk.gpb;
   float xa[NV][VEC], xb[NV][VEC];
   Stat st_a{}, st_b{};
   auto load_row = [&](int64_t it, float (&xr)[NV][VEC], Stat& st) {
-    const int64_t r = r0 + it * gpb + g;
-    const bool rv = r < r1;
-    load_row_vecs<T, VEC, NV>(x, r, W, col, ok, rv, xr);
-    st = op.saved(r, rv, one_pass);
+    const int64_t r = blk.r0 + it * blk.gpb + blk.g;
+    const bool rv = r < blk.r1;
+    load_row_vecs<T, VEC, NV>(x, r, blk.W, col, ok, rv, xr);
+    st = op.saved(r, rv, blk.one_pass);
   };
 
   if (PF && n_iter > 0) load_row(0, xa, st_a);
@@ -290,10 +294,10 @@ __device__ __forceinline__ void fwd_rows_body(const T* __restrict__ x, const T* 
     } else if (it + 1 < n_iter) {
       load_row(it + 1, xb, st_b);
     }
-    const int64_t r = r0 + it * gpb + g;
-    const bool rv = r < r1;
+    const int64_t r = blk.r0 + it * blk.gpb + blk.g;
+    const bool rv = r < blk.r1;
     Stat st = st_a;
-    if (one_pass) st = op.row(xa, ok, W, tpr, red, it, rv && t == 0, r);
+    if (blk.one_pass) st = op.row(xa, ok, blk.W, blk.tpr, red, it, rv && blk.t == 0, r);
     if (rv) {
 #pragma unroll
       for (int k = 0; k < NV; ++k) {
@@ -301,7 +305,7 @@ __device__ __forceinline__ void fwd_rows_body(const T* __restrict__ x, const T* 
         float o[VEC];
 #pragma unroll
         for (int i = 0; i < VEC; ++i) o[i] = op.y(st, xa[k][i], gm[k][i], bt[k][i]);
-        store_vec<T, VEC>(y + r * W + col[k], o);
+        store_vec<T, VEC>(y + r * blk.W + col[k], o);
       }
     }
     if (PF) {
