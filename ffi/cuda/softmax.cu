@@ -262,41 +262,34 @@ ffi::Error SoftmaxFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi
   return result;
 }
 
-ffi::Error SoftmaxBwdImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dx) {
-  if (y.dimensions().size() < 1) return invalid("softmax backward: y must have rank >= 1");
-  if (!same_dims(y, dy) || dy.element_type() != y.element_type())
-    return invalid("softmax backward: dy must match y in shape and dtype");
-  if (!same_dims(y, *dx) || dx->element_type() != y.element_type())
-    return invalid("softmax backward: dx must match y in shape and dtype");
-  const RowsView v = rows_view(y);
+// rlx_softmax_bwd (a = y) and rlx_softmax_bwd_x (a = x): a, dy -> dx, one dtype.
+template <Kind K>
+ffi::Error softmax_bwd_impl(cudaStream_t stream, const ffi::AnyBuffer& a, const ffi::AnyBuffer& dy,
+                            ffi::Result<ffi::AnyBuffer> dx, const char* a_name) {
+  const std::string what = "softmax backward: ";
+  if (a.dimensions().size() < 1) return invalid(what + a_name + " must have rank >= 1");
+  if (!same_dims(a, dy) || dy.element_type() != a.element_type())
+    return invalid(what + "dy must match " + a_name + " in shape and dtype");
+  if (!same_dims(a, *dx) || dx->element_type() != a.element_type())
+    return invalid(what + "dx must match " + a_name + " in shape and dtype");
+  const RowsView v = rows_view(a);
   if (v.rows == 0 || v.width == 0) return ffi::Error::Success();
   ffi::Error result = ffi::Error::Success();
-  const bool ok = dispatch(y.element_type(), [&](auto tag) {
+  const bool ok = dispatch(a.element_type(), [&](auto tag) {
     using T = decltype(tag);
-    result = launch<T, Kind::kBwd>(stream, static_cast<const T*>(y.untyped_data()), static_cast<const T*>(dy.untyped_data()),
-                             static_cast<T*>(dx->untyped_data()), v.rows, v.width);
+    result = launch<T, K>(stream, static_cast<const T*>(a.untyped_data()), static_cast<const T*>(dy.untyped_data()),
+                          static_cast<T*>(dx->untyped_data()), v.rows, v.width);
   });
-  if (!ok) return invalid("softmax backward (cuda): unsupported dtype " + dtype_name(y.element_type()));
+  if (!ok) return invalid("softmax backward (cuda): unsupported dtype " + dtype_name(a.element_type()));
   return result;
 }
 
+ffi::Error SoftmaxBwdImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dx) {
+  return softmax_bwd_impl<Kind::kBwd>(stream, y, dy, dx, "y");
+}
+
 ffi::Error SoftmaxBwdXImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dx) {
-  if (x.dimensions().size() < 1) return invalid("softmax backward: x must have rank >= 1");
-  if (!same_dims(x, dy) || dy.element_type() != x.element_type())
-    return invalid("softmax backward: dy must match x in shape and dtype");
-  if (!same_dims(x, *dx) || dx->element_type() != x.element_type())
-    return invalid("softmax backward: dx must match x in shape and dtype");
-  const RowsView v = rows_view(x);
-  if (v.rows == 0 || v.width == 0) return ffi::Error::Success();
-  ffi::Error result = ffi::Error::Success();
-  const bool ok = dispatch(x.element_type(), [&](auto tag) {
-    using T = decltype(tag);
-    result = launch<T, Kind::kBwdX>(stream, static_cast<const T*>(x.untyped_data()),
-                                    static_cast<const T*>(dy.untyped_data()), static_cast<T*>(dx->untyped_data()),
-                                    v.rows, v.width);
-  });
-  if (!ok) return invalid("softmax backward (cuda): unsupported dtype " + dtype_name(x.element_type()));
-  return result;
+  return softmax_bwd_impl<Kind::kBwdX>(stream, x, dy, dx, "x");
 }
 
 }  // namespace
