@@ -17,14 +17,14 @@
 // The work layout and its code are RMSNorm's (rms_norm_kernels.cuh: RowPlan, column_plan,
 // the persistent grid, the one-pass kernel bodies fwd_rows_body / bwd_rows_body /
 // bwd_rows_tma_body, reduce_partials); this file holds LayerNorm's maths (LnFwd, LnBwd),
-// its row statistics and its handlers. A row group holds a row in registers (16-byte
+// its row statistics (LnStats) and its handlers. A row group holds a row in registers (16-byte
 // vector loads), so rows up to 8192 wide are one pass: the forward reads x once (mean,
 // then the centred variance from the registers: two fixed-order group reductions) and
 // writes y; the backward reads x and dy once and writes dx, keeping each thread's
 // columns' dgamma/dbeta sums in registers across its rows; one partial row per block,
 // added by reduce_partials in a fixed order (no atomics: deterministic). Wider rows are
-// split into column slabs and take their row statistics from ln_row_stats, which reads
-// the row once more (the documented slower path).
+// split into column slabs and take their row statistics from ln_row_stats (LnStats on
+// rms::row_stats_body), which reads the row once more (the documented slower path).
 #include <cstdlib>
 
 #include "cuda/rms_norm_kernels.cuh"
@@ -149,58 +149,56 @@ ln_bwd_rows_tma(const T* __restrict__ x, const T* __restrict__ gamma, const floa
   rms::bwd_rows_tma_body<T, NV>(x, gamma, dy, dx, partial, pl, LnBwd{mean, rstd, nullptr, pl.rows});
 }
 
-// Row statistics of the slabbed (wide-row) path, one block per row (grid-stride).
+// Row statistics of the slabbed (wide-row) path (rms::row_stats_body: one block per row,
+// grid-stride; x, dy and gamma through the read-only cache).
 // Forward: mean, rstd from sums shifted by the row's first element (x0):
 //   mean = x0 + S1 / W, var = S2 / W - (S1 / W)^2 with S1 = sum (x - x0), S2 = sum (x - x0)^2.
 // Backward: sums[r] = sum u, sums[R + r] = sum u * xhat.
+template <bool BWD>
+struct LnStats {
+  float* __restrict__ mean;
+  float* __restrict__ rstd;
+  float* __restrict__ sums;
+  float eps;
+  int64_t rows;
+  static constexpr bool kBwd = BWD, kStream = false;
+  struct Row { float x0, rs; };  // the shift (the mean in the backward), rstd
+  struct Acc { float a, b; };
+  template <typename T>
+  __device__ __forceinline__ Row begin(const T* xr, int64_t r) const {
+    return {BWD ? mean[r] : to_f32(xr[0]), BWD ? rstd[r] : 0.f};
+  }
+  __device__ __forceinline__ void add(Acc& acc, const Row& row, float x) const {
+    const float d = x - row.x0;
+    acc.a += d;
+    acc.b += d * d;
+  }
+  __device__ __forceinline__ void add(Acc& acc, const Row& row, float x, float dy, float g) const {
+    const float u = dy * g;
+    acc.a += u;
+    acc.b += u * (x - row.x0);
+  }
+  __device__ __forceinline__ float2 reduce(const Acc& acc, float* red, int parity) const {
+    return group_sum2(acc.a, acc.b, blockDim.x, red, parity);
+  }
+  __device__ __forceinline__ void store(int64_t r, const Row& row, float2 v, int64_t W) const {
+    if constexpr (BWD) {
+      sums[r] = v.x;
+      sums[rows + r] = v.y * row.rs;
+    } else {
+      const float m1 = v.x / float(W);
+      const float var = fmaxf(v.y / float(W) - m1 * m1, 0.f);
+      mean[r] = row.x0 + m1;
+      rstd[r] = rsqrtf(var + eps);
+    }
+  }
+};
+
 template <typename T, int VEC, bool BWD>
 __global__ void __launch_bounds__(512)
 ln_row_stats(const T* __restrict__ x, const T* __restrict__ dy, const T* __restrict__ gamma, float* __restrict__ mean,
              float* __restrict__ rstd, float* __restrict__ sums, float eps, int64_t rows, int64_t W) {
-  __shared__ float red[kSmemRed];
-  int parity = 0;
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const T* xr = x + r * W;
-    float a = 0.f, b = 0.f;
-    const float x0 = BWD ? mean[r] : to_f32(xr[0]);
-    const float rs = BWD ? rstd[r] : 0.f;
-#pragma unroll 4
-    for (int64_t j = int64_t(threadIdx.x) * VEC; j < W; j += int64_t(blockDim.x) * VEC) {
-      float xv[VEC];
-      load_vec_cached<T, VEC>(xr + j, xv);
-      if constexpr (BWD) {
-        float dv[VEC], gv[VEC];
-        load_vec_cached<T, VEC>(dy + r * W + j, dv);
-        load_vec_cached<T, VEC>(gamma + j, gv);
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          const float u = dv[i] * gv[i];
-          a += u;
-          b += u * (xv[i] - x0);
-        }
-      } else {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          const float d = xv[i] - x0;
-          a += d;
-          b += d * d;
-        }
-      }
-    }
-    const float2 v = group_sum2(a, b, blockDim.x, red, parity);
-    parity ^= 1;
-    if (threadIdx.x == 0) {
-      if constexpr (BWD) {
-        sums[r] = v.x;
-        sums[rows + r] = v.y * rs;
-      } else {
-        const float m1 = v.x / float(W);
-        const float var = fmaxf(v.y / float(W) - m1 * m1, 0.f);
-        mean[r] = x0 + m1;
-        rstd[r] = rsqrtf(var + eps);
-      }
-    }
-  }
+  rms::row_stats_body<T, VEC>(x, dy, gamma, rows, W, LnStats<BWD>{mean, rstd, sums, eps, rows});
 }
 
 // The staged backward is on by default where it applies; RLX_LAYER_NORM_CUDA_STAGED=0 turns

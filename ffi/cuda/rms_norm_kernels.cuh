@@ -402,36 +402,73 @@ fwd_rows(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restri
 }
 
 // ---- per-row statistics for the slabbed (very wide row) path ---------------------------------
-// One block per row (grid-stride over rows). BWD: out[r] = sum_j dy_j * gamma_j * x_j;
-// else out[r] = rsqrt(mean_j x_j^2 + eps).
+// One block per row (grid-stride over rows): each thread folds its vectors of row r (x,
+// and in the backward dy and gamma) into the policy's accumulator, the block reduces it
+// and thread 0 stores the row's statistics. The policy (RmsStats below, LnStats in
+// layer_norm.cu) gives kBwd, kStream (x and dy by streaming loads, else cached),
+// begin(xr, r) (per-row constants), Acc, add(acc, row, x[, dy, g]), reduce(acc, red,
+// parity) (a barrier) and store(r, row, v, W).
+template <typename T, int VEC, bool STREAM>
+__device__ __forceinline__ void load_vec_policy(const T* __restrict__ p, float (&v)[VEC]) {
+  if constexpr (STREAM) load_vec<T, VEC>(p, v);
+  else load_vec_cached<T, VEC>(p, v);
+}
+
+template <typename T, int VEC, typename Op>
+__device__ __forceinline__ void row_stats_body(const T* __restrict__ x, const T* __restrict__ dy,
+                                               const T* __restrict__ gamma, int64_t rows, int64_t W, const Op& op) {
+  __shared__ float red[kSmemRed];
+  int parity = 0;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* xr = x + r * W;
+    const auto row = op.begin(xr, r);
+    typename Op::Acc acc{};
+#pragma unroll 4
+    for (int64_t j = int64_t(threadIdx.x) * VEC; j < W; j += int64_t(blockDim.x) * VEC) {
+      float xv[VEC];
+      load_vec_policy<T, VEC, Op::kStream>(xr + j, xv);
+      if constexpr (Op::kBwd) {
+        float dv[VEC], gv[VEC];
+        load_vec_policy<T, VEC, Op::kStream>(dy + r * W + j, dv);
+        load_vec_cached<T, VEC>(gamma + j, gv);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) op.add(acc, row, xv[i], dv[i], gv[i]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) op.add(acc, row, xv[i]);
+      }
+    }
+    const auto v = op.reduce(acc, red, parity);
+    parity ^= 1;
+    if (threadIdx.x == 0) op.store(r, row, v, W);
+  }
+}
+
+// RMSNorm: BWD: out[r] = sum_j dy_j * gamma_j * x_j; else out[r] = rsqrt(mean_j x_j^2 + eps).
+template <bool BWD>
+struct RmsStats {
+  float* __restrict__ out;
+  float eps;
+  static constexpr bool kBwd = BWD, kStream = true;
+  struct Row {};
+  using Acc = float;
+  template <typename T>
+  __device__ __forceinline__ Row begin(const T*, int64_t) const { return {}; }
+  __device__ __forceinline__ void add(float& a, Row, float x) const { a += x * x; }
+  __device__ __forceinline__ void add(float& a, Row, float x, float d, float g) const { a += d * g * x; }
+  __device__ __forceinline__ float reduce(float a, float* red, int parity) const {
+    return group_sum(a, blockDim.x, red, parity);
+  }
+  __device__ __forceinline__ void store(int64_t r, Row, float v, int64_t W) const {
+    out[r] = BWD ? v : rsqrtf(v / float(W) + eps);
+  }
+};
+
 template <typename T, int VEC, bool BWD>
 __global__ void __launch_bounds__(512)
 row_stats(const T* __restrict__ x, const T* __restrict__ dy, const T* __restrict__ gamma,
           float* __restrict__ out, float eps, int64_t rows, int64_t W) {
-  __shared__ float red[kSmemRed];
-  int parity = 0;
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    float acc = 0.f;
-    const T* xr = x + r * W;
-#pragma unroll 4
-    for (int64_t j = int64_t(threadIdx.x) * VEC; j < W; j += int64_t(blockDim.x) * VEC) {
-      float xv[VEC];
-      load_vec<T, VEC>(xr + j, xv);
-      if constexpr (BWD) {
-        float dv[VEC], gv[VEC];
-        load_vec<T, VEC>(dy + r * W + j, dv);
-        load_vec_cached<T, VEC>(gamma + j, gv);
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) acc += dv[i] * gv[i] * xv[i];
-      } else {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) acc += xv[i] * xv[i];
-      }
-    }
-    acc = group_sum(acc, blockDim.x, red, parity);
-    parity ^= 1;
-    if (threadIdx.x == 0) out[r] = BWD ? acc : rsqrtf(acc / float(W) + eps);
-  }
+  row_stats_body<T, VEC>(x, dy, gamma, rows, W, RmsStats<BWD>{out, eps});
 }
 
 // ---- second pass of the backward: dgamma, dbeta from the partial rows -------------------------
