@@ -22,6 +22,8 @@ Primitives (each lowers to its FFI kernel where registered, else to its referenc
   its transpose is the backward)
 - ``max_pool2d_bwd``: (dy, argmax) -> dx (linear in dy; transpose: the tangent)
                                                                    [rlx_max_pool2d_bwd]
+  (the CUDA kernel gathers per input element over the windows covering it, so its call
+  also carries the window geometry; an argmax always lies in its own window)
 - ``avg_pool2d_fwd``: x -> y (linear; XLA's reduce_window; transpose: the backward)
 - ``avg_pool2d_bwd``: dy -> dx (linear; transpose: the forward)    [rlx_avg_pool2d_bwd]
 """
@@ -146,6 +148,13 @@ def _kernel_max_bwd(dy, argmax, *, kernel_size, stride, padding, in_hw):
     return jax.ffi.ffi_call("rlx_max_pool2d_bwd", out)(dy, argmax)
 
 
+def _kernel_max_bwd_cuda(dy, argmax, *, kernel_size, stride, padding, in_hw):
+    """The CUDA backward gathers per input element over the windows covering it (no
+    scatter, no atomics), so it takes the window geometry too (see ffi/cuda/pool.cu)."""
+    out = (jax.ShapeDtypeStruct(dy.shape[:-2] + tuple(in_hw), dy.dtype),)
+    return jax.ffi.ffi_call("rlx_max_pool2d_bwd", out)(dy, argmax, **_geom(kernel_size, stride, padding))
+
+
 def _kernel_avg_bwd(dy, *, kernel_size, stride, padding, in_hw):
     out = (jax.ShapeDtypeStruct(dy.shape[:-2] + tuple(in_hw), dy.dtype),)
     return jax.ffi.ffi_call("rlx_avg_pool2d_bwd", out)(dy, **_geom(kernel_size, stride, padding))
@@ -167,17 +176,17 @@ _PARTITION = Partition(_partition_factors, shardable=[f"p{i}" for i in range(8)]
 
 max_pool2d_fwd = FusedPrimitive(
     "rlx_max_pool2d_fwd", reference_max_pool2d, target="rlx_max_pool2d_fwd", kernel=_kernel_max_fwd,
-    platforms=("cpu",), partition=_PARTITION,
+    platforms=("cpu", "cuda"), partition=_PARTITION,
 )
 max_pool2d_tangent = FusedPrimitive("rlx_max_pool2d_tangent", reference_max_pool2d_tangent)
 max_pool2d_bwd = FusedPrimitive(
-    "rlx_max_pool2d_bwd", reference_max_pool2d_bwd, target="rlx_max_pool2d_bwd", kernel=_kernel_max_bwd,
-    platforms=("cpu",), partition=_PARTITION,
+    "rlx_max_pool2d_bwd", reference_max_pool2d_bwd, target="rlx_max_pool2d_bwd",
+    kernel={"cpu": _kernel_max_bwd, "cuda": _kernel_max_bwd_cuda}, platforms=("cpu", "cuda"), partition=_PARTITION,
 )
 avg_pool2d_fwd = FusedPrimitive("rlx_avg_pool2d_fwd", reference_avg_pool2d)
 avg_pool2d_bwd = FusedPrimitive(
     "rlx_avg_pool2d_bwd", reference_avg_pool2d_bwd, target="rlx_avg_pool2d_bwd", kernel=_kernel_avg_bwd,
-    platforms=("cpu",), partition=_PARTITION,
+    platforms=("cpu", "cuda"), partition=_PARTITION,
 )
 
 

@@ -1,0 +1,253 @@
+"""Pooling on the GPU: the CUDA kernels rlx_max_pool2d_fwd, rlx_max_pool2d_bwd and
+rlx_avg_pool2d_bwd against the pure-JAX references (f32 on the GPU). Skipped where JAX
+sees no GPU.
+
+Geometries: non-overlapping, overlapping, padded, non-square windows and strides,
+windows lying wholly in the padding (argmax -1, y = -inf), odd plane sizes, an empty
+spatial axis, zero planes; ties (integer-valued inputs) must pick the first maximum in
+row-major window order as the CPU kernel does."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rlx_jax
+from gpu_testutil import as_f32, assert_close, gpu, requires_gpu
+from rlx_jax.ops import avg_pool2d, avg_pool2d_backward, max_pool2d, max_pool2d_backward
+from rlx_jax.vjp_rules.pool import (
+    max_pool2d_bwd,
+    max_pool2d_fwd,
+    reference_avg_pool2d,
+    reference_avg_pool2d_bwd,
+    reference_max_pool2d,
+    reference_max_pool2d_bwd,
+)
+
+pytestmark = requires_gpu
+
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+TOL = {jnp.float32: 2e-6, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
+TARGETS = ("rlx_max_pool2d_fwd", "rlx_max_pool2d_bwd", "rlx_avg_pool2d_bwd")
+
+# (x shape, kernel, stride, padding)
+GEOMS = [
+    ((2, 3, 8, 8), (2, 2), (2, 2), (0, 0)),
+    ((2, 3, 7, 9), (3, 3), (2, 2), (1, 1)),
+    ((1, 2, 11, 13), (3, 3), (1, 1), (1, 1)),  # overlap: every input in up to 9 windows
+    ((3, 2, 9, 10), (2, 3), (1, 2), (1, 0)),  # non-square window / stride / padding
+    ((1, 1, 4, 5), (2, 2), (1, 1), (2, 2)),  # windows wholly in the padding
+    ((2, 2, 5, 5), (5, 5), (1, 1), (0, 0)),  # one window = the whole plane
+    ((2, 1, 3, 6, 7), (3, 2), (3, 1), (1, 1)),  # rank 5: three plane axes
+    ((1, 1, 33, 65), (4, 4), (3, 5), (2, 1)),
+]
+
+
+def _gid(g):
+    shape, k, s, p = g
+    return f"{'x'.join(map(str, shape))}-k{k[0]}{k[1]}s{s[0]}{s[1]}p{p[0]}{p[1]}"
+
+
+def _geom(k, s, p):
+    return dict(kernel_size=k, stride=s, padding=p)
+
+
+def _put(*arrays):
+    dev = gpu()
+    return [jax.device_put(a, dev) for a in arrays]
+
+
+def _x(shape, dtype, seed, ties=False):
+    x = jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32)
+    if ties:  # few distinct values: many equal maxima per window
+        x = jnp.round(2 * x)
+    return x.astype(dtype)
+
+
+def _dy(shape, dtype, seed):
+    return jax.random.normal(jax.random.PRNGKey(seed + 1000), shape, jnp.float32).astype(dtype)
+
+
+def _close(got, want, dtype, what):
+    assert_close(got, want, TOL[jnp.dtype(dtype).type], what)
+
+
+def test_cuda_targets_registered_and_in_hlo():
+    info = rlx_jax.kernel_info()["cuda"]
+    assert info["loaded"], info["error"]
+    assert set(TARGETS) <= set(info["targets"])
+    (x,) = _put(_x((2, 3, 8, 8), jnp.float32, 0))
+    geom = _geom((3, 3), (2, 2), (1, 1))
+    loss = lambda x: jnp.sum(max_pool2d(x, **geom) ** 2) + jnp.sum(jnp.sin(avg_pool2d(x, **geom)))
+    text = jax.jit(jax.grad(loss)).lower(x).as_text()
+    for t in TARGETS:
+        assert t in text, f"{t} not in the lowered HLO on GPU (silent fallback)"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+@pytest.mark.parametrize("g", GEOMS, ids=_gid)
+def test_max_pool_forward_exact(g, ties, dtype):
+    """y and argmax equal the reference's bit for bit (max is exact; first maximum)."""
+    shape, k, s, p = g
+    (x,) = _put(_x(shape, dtype, seed=len(shape) + k[0], ties=ties))
+    y, am = jax.jit(lambda x: max_pool2d_fwd(x, **_geom(k, s, p)))(x)
+    y_ref, am_ref = reference_max_pool2d(x, **_geom(k, s, p))
+    assert y.dtype == dtype and am.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)), np.asarray(y_ref.astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(am), np.asarray(am_ref))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+@pytest.mark.parametrize("g", GEOMS, ids=_gid)
+def test_max_pool_gradient(g, ties, dtype):
+    """dx through jax.vjp of max_pool2d and through max_pool2d_backward (the RLX op's
+    wrapper) vs the f32 reference scatter at the reference argmax; without ties also vs
+    XLA's autodiff of the reference max (f32)."""
+    shape, k, s, p = g
+    geom = _geom(k, s, p)
+    x = _x(shape, dtype, seed=7 + k[1], ties=ties)
+    y_ref, am_ref = reference_max_pool2d(x, **geom)
+    dy = _dy(y_ref.shape, dtype, seed=3)
+    x, dy = _put(x, dy)
+    y, pull = jax.vjp(lambda x: max_pool2d(x, **geom), x)
+    (dx,) = jax.jit(pull)(dy)
+    dx2 = jax.jit(lambda x, dy: max_pool2d_backward(x, dy, **geom))(x, dy)
+    (want,) = reference_max_pool2d_bwd(dy.astype(jnp.float32), am_ref, in_hw=shape[-2:], **geom)
+    assert dx.dtype == dtype and dx.shape == x.shape
+    _close(dx, want, dtype, "dx (vjp)")
+    _close(dx2, want, dtype, "dx (max_pool2d_backward)")
+    if not ties and dtype == jnp.float32:  # 16-bit rounding makes ties even in normal data
+        xf, dyf = as_f32(x, dy)
+        (want_ad,) = jax.vjp(lambda x: reference_max_pool2d(x, **geom)[0], xf)[1](dyf)
+        _close(dx, want_ad, dtype, "dx vs XLA autodiff")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("g", GEOMS, ids=_gid)
+def test_avg_pool_gradient(g, dtype):
+    shape, k, s, p = g
+    geom = _geom(k, s, p)
+    x = _x(shape, dtype, seed=11)
+    y_ref = reference_avg_pool2d(x, **geom)[0]
+    dy = _dy(y_ref.shape, dtype, seed=5)
+    x, dy = _put(x, dy)
+    (dx,) = jax.jit(jax.vjp(lambda x: avg_pool2d(x, **geom), x)[1])(dy)
+    dx2 = jax.jit(lambda dy: avg_pool2d_backward(dy, x_shape=shape, **geom))(dy)
+    xf, dyf = as_f32(x, dy)
+    (want,) = jax.vjp(lambda x: reference_avg_pool2d(x, **geom)[0], xf)[1](dyf)
+    assert dx.dtype == dtype and dx.shape == x.shape
+    _close(dx, want, dtype, "dx (vjp)")
+    _close(dx2, want, dtype, "dx (avg_pool2d_backward)")
+    (want2,) = reference_avg_pool2d_bwd(dyf, in_hw=shape[-2:], **geom)
+    _close(dx2, want2, dtype, "dx vs reference_avg_pool2d_bwd")
+
+
+def test_max_pool_sanitizer_small():
+    """Small overlapping + padded case with ties and -inf windows (run under memcheck)."""
+    geom = _geom((3, 2), (2, 1), (1, 1))
+    x = _x((2, 3, 5, 6), jnp.float32, seed=1, ties=True)
+    x = x.at[0, 0].set(-jnp.inf)  # a plane of -inf: argmax -1 everywhere, no gradient
+    y_ref, am_ref = reference_max_pool2d(x, **geom)
+    dy = _dy(y_ref.shape, jnp.float32, seed=2)
+    x, dy = _put(x, dy)
+    y, pull = jax.vjp(lambda x: max_pool2d(x, **geom), x)
+    _, am = jax.jit(lambda x: max_pool2d_fwd(x, **geom))(x)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))
+    np.testing.assert_array_equal(np.asarray(am), np.asarray(am_ref))
+    assert (np.asarray(am)[0, 0] == -1).all()
+    (dx,) = pull(dy)
+    (want,) = reference_max_pool2d_bwd(dy, am_ref, in_hw=(5, 6), **geom)
+    _close(dx, want, jnp.float32, "dx")
+    np.testing.assert_array_equal(np.asarray(dx)[0, 0], 0)
+
+
+def test_avg_pool_sanitizer_small():
+    geom = _geom((3, 3), (2, 2), (1, 1))
+    x, dy = _put(_x((2, 3, 7, 5), jnp.bfloat16, seed=4), _dy((2, 3, 4, 3), jnp.bfloat16, seed=4))
+    (dx,) = jax.vjp(lambda x: avg_pool2d(x, **geom), x)[1](dy)
+    xf, dyf = as_f32(x, dy)
+    (want,) = jax.vjp(lambda x: reference_avg_pool2d(x, **geom)[0], xf)[1](dyf)
+    _close(dx, want, jnp.bfloat16, "dx")
+
+
+@pytest.mark.parametrize("shape,k,s,p", [((0, 3, 6, 6), (2, 2), (2, 2), (0, 0)),
+                                         ((2, 3, 0, 5), (2, 2), (1, 1), (1, 1))],
+                         ids=["zero_planes", "zero_height"])
+def test_zero_sized(shape, k, s, p):
+    geom = _geom(k, s, p)
+    (x,) = _put(jnp.zeros(shape, jnp.float32))
+    y, am = jax.jit(lambda x: max_pool2d_fwd(x, **geom))(x)
+    y_ref, am_ref = reference_max_pool2d(x, **geom)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))  # zero height: all -inf
+    np.testing.assert_array_equal(np.asarray(am), np.asarray(am_ref))
+    dy = jnp.ones(y.shape, jnp.float32)
+    (dx,) = jax.jit(jax.vjp(lambda x: max_pool2d(x, **geom), x)[1])(dy)
+    (dxa,) = jax.jit(jax.vjp(lambda x: avg_pool2d(x, **geom), x)[1])(dy)
+    assert dx.shape == shape and dxa.shape == shape
+
+
+def test_vmap_keeps_kernels():
+    geom = _geom((3, 3), (2, 2), (1, 1))
+    x, dy = _put(_x((4, 2, 3, 9, 9), jnp.float32, seed=8), _dy((4, 2, 3, 5, 5), jnp.float32, seed=8))
+
+    def both(x, dy):
+        dm = jax.vjp(lambda x: max_pool2d(x, **geom), x)[1](dy)[0]
+        da = jax.vjp(lambda x: avg_pool2d(x, **geom), x)[1](dy)[0]
+        return dm, da
+
+    f = jax.jit(jax.vmap(both))
+    text = f.lower(x, dy).as_text()
+    for t in TARGETS:
+        assert t in text
+    dm, da = f(x, dy)
+    ref = jax.vmap(lambda x, dy: (
+        jax.vjp(lambda x: reference_max_pool2d(x, **geom)[0], x)[1](dy)[0],
+        jax.vjp(lambda x: reference_avg_pool2d(x, **geom)[0], x)[1](dy)[0]))
+    wm, wa = ref(x, dy)
+    _close(dm, wm, jnp.float32, "max dx")
+    _close(da, wa, jnp.float32, "avg dx")
+
+
+def test_second_order_through_kernels():
+    """grad of (grad . v): the backward's transpose is the tangent; max pool is piecewise
+    linear, so the gradient of <dL/dx, v> w.r.t. dy-weights is checked against jvp."""
+    geom = _geom((2, 2), (2, 2), (0, 0))
+    (x,) = _put(_x((1, 2, 6, 6), jnp.float32, seed=9))
+    v = jnp.ones_like(x)
+    f = lambda x: jnp.sum(jnp.sin(max_pool2d(x, **geom)))
+    hvp = jax.jit(lambda x: jax.jvp(jax.grad(f), (x,), (v,))[1])(x)
+    fr = lambda x: jnp.sum(jnp.sin(reference_max_pool2d(x, **geom)[0]))
+    want = jax.jvp(jax.grad(fr), (x,), (v,))[1]
+    _close(hvp, want, jnp.float32, "hvp")
+
+
+def test_bad_operands_raise():
+    """The CUDA handlers refuse inconsistent calls with an error, not a crash."""
+    geom = dict(kh=np.int64(2), kw=np.int64(2), sh=np.int64(2), sw=np.int64(2), ph=np.int64(0), pw=np.int64(0))
+    dy, am = _put(jnp.ones((1, 2, 3, 3), jnp.float32), jnp.zeros((1, 2, 3, 3), jnp.int32))
+    bad_dx = (jax.ShapeDtypeStruct((1, 2, 9, 9), jnp.float32),)  # 9x9 pools to 4x4, not 3x3
+    with pytest.raises(Exception, match="pooled dims"):
+        jax.block_until_ready(jax.jit(lambda dy, am: jax.ffi.ffi_call("rlx_max_pool2d_bwd", bad_dx)(dy, am, **geom))(dy, am))
+    with pytest.raises(Exception, match="stride"):
+        jax.block_until_ready(jax.jit(lambda dy: jax.ffi.ffi_call("rlx_avg_pool2d_bwd", bad_dx)(
+            dy, **{**geom, "sh": np.int64(0)}))(dy))
+
+
+@pytest.mark.slow
+def test_avg_pool_backward_64bit_indices():
+    """dx of more than 2^30 elements (the kernels' 64-bit index path): k = s = 2 without
+    padding, so dx[h, w] = dy[h // 2, w // 2] / 4; the first and last rows are checked."""
+    h = w = 32800
+    (dy,) = _put(jnp.ones((1, 1, h // 2, w // 2), jnp.bfloat16))
+    dy = jax.jit(lambda d: d * (1 + jnp.arange(w // 2, dtype=jnp.bfloat16) % 7))(dy)
+    dx = jax.jit(lambda dy: avg_pool2d_backward(dy, x_shape=(1, 1, h, w), kernel_size=2, stride=2))(dy)
+    assert dx.size > 2**30
+    for rows in (slice(0, 2), slice(h - 2, h)):
+        want = jnp.repeat(dy[0, 0, rows.start // 2].astype(jnp.float32), 2) / 4
+        got = dx[0, 0, rows].astype(jnp.float32)
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want))
