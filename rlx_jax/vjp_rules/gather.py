@@ -19,8 +19,10 @@ Primitives (each lowers to its FFI kernel where registered, else to its referenc
   gather, a copy); its transpose is the backward;
 - ``gather_bwd``: (dy [O, K, T], idx [K]) -> d_table [O, V, T]; linear in dy; its
   transpose is the forward.                                          [rlx_gather_bwd]
-The kernel sorts the indices into per-row buckets (a counting sort) and gives each
+The CPU kernel sorts the indices into per-row buckets (a counting sort) and gives each
 thread whole table rows, so no two threads write the same row: no atomics, no races.
+On CUDA, XLA sorts (indices, positions) stably before the call and the kernel reduces
+each run of equal indices, one thread group per table row (same sums, same order).
 """
 
 from __future__ import annotations
@@ -64,11 +66,22 @@ def _kernel_bwd(dy, idx, *, num_rows):
     return jax.ffi.ffi_call("rlx_gather_bwd", out)(dy, idx)
 
 
+def _kernel_bwd_cuda(dy, idx, *, num_rows):
+    """The CUDA call takes the indices stably sorted with their positions (XLA's sort),
+    so the kernel reduces each run of equal indices in increasing position without
+    atomics: (dy, keys, order) -> d_table (see ffi/cuda/gather.cu)."""
+    o, k, t = dy.shape
+    keys, order = jax.lax.sort((idx, jax.lax.iota(jnp.int32, k)), num_keys=1, is_stable=True)
+    out = (jax.ShapeDtypeStruct((o, num_rows, t), dy.dtype),)
+    return jax.ffi.ffi_call("rlx_gather_bwd", out)(dy, keys, order)
+
+
 gather_fwd = FusedPrimitive("rlx_gather_fwd", reference_gather)
 # SPMD: dy (outer, index, inner) and indices (index,) may split along outer and index;
 # d_table (outer, row, inner) lacks the index axis, so the shards' scatter-adds are psum'd.
 gather_bwd = FusedPrimitive(
-    "rlx_gather_bwd", reference_gather_bwd, target="rlx_gather_bwd", kernel=_kernel_bwd, platforms=("cpu",),
+    "rlx_gather_bwd", reference_gather_bwd, target="rlx_gather_bwd",
+    kernel={"cpu": _kernel_bwd, "cuda": _kernel_bwd_cuda}, platforms=("cpu", "cuda"),
     partition=Partition(lambda avals_in, avals_out, **params: ([("o", "i", "t"), ("i",)], [("o", "r", "t")]),
                         shardable=["o", "i"]),
 )
