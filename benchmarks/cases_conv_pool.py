@@ -105,23 +105,31 @@ def _embedding_case(v, d, k, dtype) -> Case:
     )
 
 
-def _fake_quantize_case(shape, axis, ste, dtype, bits=4) -> Case:
+def _fake_quantize_case(shape, axis, ste, dtype, bits=4, fixed_scale=None) -> Case:
+    """RLX's FakeQuantizeBackward: the per-batch scale is recomputed from x (one more
+    read of x than the floor counts, in both columns), or ``fixed_scale`` is given (the
+    kernel alone: x, dy read, dx written)."""
+
     def make(key):
         kx, kd = jax.random.split(key)
         return (jax.random.normal(kx, shape, jnp.float32).astype(dtype),
                 jax.random.normal(kd, shape, jnp.float32).astype(dtype))
 
     def ours(x, dy):
-        return fake_quantize_backward(x, dy, bits=bits, axis=axis, ste=ste)
+        return fake_quantize_backward(x, dy, bits=bits, axis=axis, ste=ste, scale=fixed_scale)
 
     def xla(x, dy):
         x4, _ = _layout("bench", x, axis)
         q = float(q_max(bits))
-        s = per_batch_scale(x4, q)
+        if fixed_scale is None:
+            s = per_batch_scale(x4, q)
+        else:
+            s = jnp.full((1, x4.shape[2]), fixed_scale, jnp.float32)
         return reference_fake_quantize_bwd(x4, s, dy.reshape(x4.shape), q=q, ste=ste)[0].reshape(shape)
 
+    scale_name = "" if fixed_scale is None else " fixed-scale"
     return Case(
-        name=f"fake_quantize bwd {ste} {jnp.dtype(dtype).name} {'x'.join(map(str, shape))} axis={axis}",
+        name=f"fake_quantize bwd {ste}{scale_name} {jnp.dtype(dtype).name} {'x'.join(map(str, shape))} axis={axis}",
         make=make, ours=ours, xla=xla, floor_bytes=3 * _nbytes(shape, dtype),
     )
 
@@ -195,8 +203,17 @@ def _conv_case(n, c, hw, o, k, dtype) -> Case:
 
 
 def cases(device_kind: str) -> list[Case]:
-    if device_kind == "gpu":  # CPU kernels only in this family
-        return []
+    if device_kind == "gpu":  # the CUDA fake-quantize / LSQ kernels (ffi/cuda/quantize.cu)
+        big = (65536, 4096)  # 1 GiB per f32 tensor: the ~0.18 ms per-call wait of the harness stays small
+        return [
+            _fake_quantize_case(big, 0, "clipped_identity", jnp.float32, fixed_scale=0.3),
+            _fake_quantize_case(big, 1, "hardtanh", jnp.bfloat16, fixed_scale=0.3),
+            _fake_quantize_case(big, 0, "clipped_identity", jnp.float32),
+            _lsq_case(big, None, jnp.float32),
+            _lsq_case(big, 0, jnp.float32),
+            _lsq_case(big, 1, jnp.float32),
+            _lsq_case(big, 1, jnp.bfloat16),
+        ]
     shape = (32, 64, 56, 56)
     return [
         _max_pool_case(shape, 3, 2, 1, jnp.float32),

@@ -132,10 +132,12 @@ def batch_norm_cases(shape, dtype) -> list[Case]:
 
 
 def cases(device_kind: str) -> list[Case]:
-    if device_kind == "gpu":  # the CUDA kernels (ffi/cuda/layer_norm.cu, group_norm.cu)
+    if device_kind == "gpu":  # the CUDA kernels (ffi/cuda/layer_norm.cu, group_norm.cu, batch_norm.cu)
         return [*layer_norm_cases(32768, 4096, jnp.float32), *layer_norm_cases(32768, 4096, jnp.bfloat16),
                 *group_norm_cases((32, 512, 64, 64), 32, jnp.float32),
-                *group_norm_cases((32, 512, 64, 64), 32, jnp.bfloat16)]
+                *group_norm_cases((32, 512, 64, 64), 32, jnp.bfloat16),
+                *batch_norm_cases((128, 512, 64, 64), jnp.float32),  # ffi/cuda/batch_norm.cu
+                *batch_norm_cases((65536, 4096), jnp.bfloat16)]
     return [
         *layer_norm_cases(8192, 1024, jnp.float32),
         *layer_norm_cases(8192, 1024, jnp.bfloat16),

@@ -15,7 +15,9 @@
 //   width W = C * I are split into `chunks` chunks of `rpc` rows; a block of
 //   tx * ty threads takes a tile of tx * VEC columns of one chunk, thread (x, y) walks
 //   rows y, y + ty, ... of the chunk, and the ty partial column sums are added in y order
-//   through shared memory into partial[s][(chunk * G + g) * W + column].
+//   through shared memory into partial[s][(chunk * G + g) * W + column]; tx <= 64, so a
+//   wide row gives ty = 4. Ops without sums (NS == 0) need no scratch and take chunks of
+//   kMinChunkRows rows (more blocks).
 // A second kernel adds each channel's partials in a fixed order (strided per thread, then
 // in thread order), so results are bitwise reproducible: no atomics anywhere.
 // Everything is f32 arithmetic; the kernels allocate nothing and only launch on the
@@ -35,6 +37,7 @@ constexpr int64_t kSegment = 4096;     // elements of one warp task in the row l
 constexpr int64_t kMinChunkRows = 16;  // column layout: rows per chunk at least ...
 constexpr int64_t kMaxChunks = 256;    // ... and at most this many chunks
 constexpr int kThreads = 256;
+constexpr int kMaxTx = 64;             // column layout: threads across the columns at most
 
 struct View {
   int64_t g, o, c, i;
@@ -80,8 +83,24 @@ __global__ void __launch_bounds__(kThreads) row_kernel(Op op, View v, int64_t se
     const int64_t j1 = std::min(v.i, (seg + 1) * kSegment);
     const int64_t base = r * v.i;
     float acc[NS > 0 ? NS : 1] = {};
-#pragma unroll 4
-    for (int64_t j = seg * kSegment + lane * VEC; j < j1; j += 32 * VEC) {
+    int64_t j = seg * kSegment + lane * VEC;
+    // four vectors of x and dy in flight per thread, then their dx
+    for (; j + 3 * 32 * VEC < j1; j += 4 * 32 * VEC) {
+      float xv[4][VEC], dyv[4][VEC];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        load_vec<T, VEC>(op.x + base + j + u * 32 * VEC, xv[u]);
+        load_vec<T, VEC>(op.dy + base + j + u * 32 * VEC, dyv[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        float dxv[VEC];
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) dxv[k] = op.apply(xv[u][k], dyv[u][k], p, acc);
+        store_vec<T, VEC>(op.dx + base + j + u * 32 * VEC, dxv);
+      }
+    }
+    for (; j < j1; j += 32 * VEC) {
       float xv[VEC], dyv[VEC], dxv[VEC];
       load_vec<T, VEC>(op.x + base + j, xv);
       load_vec<T, VEC>(op.dy + base + j, dyv);
@@ -244,7 +263,9 @@ ffi::Error launch_vec(cudaStream_t stream, const Op& op, const View& v, const Pl
     } else {
       const int64_t w = v.c * v.i;
       const int64_t cols = rw::ceil_div(w, VEC);
-      const int tx = int(std::min<int64_t>(kThreads, rw::pow2_ceil(cols)));
+      // at most 64 threads across the columns, so that wide rows still give ty = 4 rows
+      // per block (a block covers 1 KiB of a row: coalesced) and 4x the blocks
+      const int tx = int(std::min<int64_t>(kMaxTx, rw::pow2_ceil(cols)));
       const int64_t col_tiles = rw::ceil_div(cols, tx);
       const int64_t blocks = col_tiles * plan.chunks * v.g;
       if (blocks >= (int64_t(1) << 31)) return ffi::Error::InvalidArgument(std::string(who) + ": tensor too large");
@@ -276,7 +297,12 @@ template <class Op>
 ffi::Error launch(cudaStream_t stream, const Op& op, const View& v, float* partial, const char* who) {
   using T = typename Op::T;
   constexpr int V = kVec16<T>;
-  const Plan plan = make_plan(v);
+  Plan plan = make_plan(v);
+  if (Op::NS == 0 && !plan.row) {  // no sums, no scratch: short chunks, many blocks
+    plan.rpc = kMinChunkRows;
+    plan.chunks = rw::ceil_div(v.o, plan.rpc);
+    plan.per_sum = 0;
+  }
   const int64_t unit = plan.row ? v.i : v.c * v.i;
   const bool vec = unit % V == 0 && aligned16(op.x) && aligned16(op.dy) && aligned16(op.dx);
   return vec ? launch_vec<Op, V>(stream, op, v, plan, partial, who)
