@@ -13,6 +13,13 @@
 //   The CUDA call has one more result than the CPU one: the f32 scratch of per-warp /
 //   per-chunk partial sums, S >= max(1, per_sum) with per_sum from channel_reduce.cuh's
 //   plan (rlx_jax/vjp_rules/quantize.py: cuda_lsq_scratch_size). XLA allocates it.
+//
+// rlx_fake_quantize_bwd is compiled and registered only with -DRLX_CUDA_FAKE_QUANTIZE_STE
+// (e.g. CMAKE_CUDA_FLAGS): it is elementwise, and XLA's own fusion of the reference runs at
+// the copy floor (below the 1:1 copy for this 2-read / 1-write mix) and fuses the per-batch
+// max-abs scale into the same pass; this kernel measured 0.68-0.90x XLA on an H200
+// (benchmarks/results/quantize_bn_h200_2026-11-22.txt), so by default the STE gradient stays
+// on XLA on GPUs. The code is the version that passed the GPU tests there.
 // Divisions are IEEE (__fdiv_rn) although the module builds with --use_fast_math: the
 // rounding of z at halves and the |z| <= q edge must agree with the CPU kernel and XLA.
 // x, dy, dx in f32, bf16 or f16 (f64 stays on the CPU / XLA); arithmetic in f32.
@@ -35,6 +42,7 @@ ffi::Error quant_view(const char* who, const ffi::AnyBuffer& x, const ffi::AnyBu
   return ffi::Error::Success();
 }
 
+#ifdef RLX_CUDA_FAKE_QUANTIZE_STE
 template <typename TT, int STE>
 struct SteOp {
   using T = TT;
@@ -71,6 +79,7 @@ struct SteOp {
     return g * f;
   }
 };
+#endif  // RLX_CUDA_FAKE_QUANTIZE_STE
 
 template <typename TT>
 struct LsqOp {
@@ -102,6 +111,7 @@ ffi::Error check_xdy(const char* who, const ffi::AnyBuffer& x, const ffi::AnyBuf
   return ffi::Error::Success();
 }
 
+#ifdef RLX_CUDA_FAKE_QUANTIZE_STE
 ffi::Error FakeQuantizeBwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s, ffi::AnyBuffer dy,
                                ffi::Result<ffi::AnyBuffer> dx, float q_max, int64_t ste) {
   const char* who = "fake_quantize backward";
@@ -132,6 +142,7 @@ ffi::Error FakeQuantizeBwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
   if (!ok) return invalid("fake_quantize backward (cuda): unsupported dtype " + dtype_name(x.element_type()));
   return result;
 }
+#endif  // RLX_CUDA_FAKE_QUANTIZE_STE
 
 ffi::Error LsqBwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s, ffi::AnyBuffer dy,
                       ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> ds,
@@ -163,6 +174,7 @@ ffi::Error LsqBwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s, f
 
 // Command-buffer compatible: kernels (and a device-to-device copy) on XLA's stream only,
 // launch shapes from the buffer shapes and the device alone.
+#ifdef RLX_CUDA_FAKE_QUANTIZE_STE
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxFakeQuantizeBwdCuda, FakeQuantizeBwdImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -173,6 +185,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxFakeQuantizeBwdCuda, FakeQuantizeBwdImpl,
                                   .Attr<float>("q_max")
                                   .Attr<int64_t>("ste"),
                               {ffi::Traits::kCmdBufferCompatible});
+RLX_CUDA_REGISTER_HANDLER("rlx_fake_quantize_bwd", RlxFakeQuantizeBwdCuda);
+#endif  // RLX_CUDA_FAKE_QUANTIZE_STE
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxFakeQuantizeLsqBwdCuda, LsqBwdImpl,
                               ffi::Ffi::Bind()
@@ -186,7 +200,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxFakeQuantizeLsqBwdCuda, LsqBwdImpl,
                                   .Attr<float>("q_max"),
                               {ffi::Traits::kCmdBufferCompatible});
 
-RLX_CUDA_REGISTER_HANDLER("rlx_fake_quantize_bwd", RlxFakeQuantizeBwdCuda);
 RLX_CUDA_REGISTER_HANDLER("rlx_fake_quantize_lsq_bwd", RlxFakeQuantizeLsqBwdCuda);
 
 }  // namespace cuda

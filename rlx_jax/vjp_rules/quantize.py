@@ -29,8 +29,9 @@ channel axis, I: axes after it; axis None -> C = 1), scales [G, C] in f32 (f64 f
 Primitives (each lowers to its FFI kernel where registered, else to its reference):
 - ``fake_quantize_fwd`` (x, s) -> y; ``fake_quantize_tangent`` (x, s, tx) -> ste' * tx,
   linear in tx, transposed by ``fake_quantize_bwd`` (x, s, dy) -> dx  [rlx_fake_quantize_bwd
-  for clipped_identity and hardtanh, CPU and CUDA; tanh stays on XLA, whose vectorised
-  tanh wins on the CPU]
+  for clipped_identity and hardtanh on the CPU; tanh stays on XLA, whose vectorised tanh
+  wins there. On GPUs the STE gradient is XLA's fusion, already at the copy floor: the
+  CUDA kernel is built only with -DRLX_CUDA_FAKE_QUANTIZE_STE, see ffi/cuda/quantize.cu]
 - ``lsq_fwd`` (x, s) -> y; ``lsq_tangent`` (x, s, tx, ts) -> [|z|<=q] tx + psi(z) ts,
   linear in (tx, ts), transposed by ``lsq_bwd`` (x, s, dy) -> (dx, ds)
                                              [rlx_fake_quantize_lsq_bwd, CPU and CUDA;
@@ -169,7 +170,8 @@ def cuda_lsq_scratch_size(g: int, o: int, c: int, i: int) -> int:
 
 def _kernel_bwd_cuda(x, s, dy, *, q, ste):
     """The CUDA call (same contract as the CPU one; f32, bf16, f16: f64 lowers the
-    reference)."""
+    reference). Used only where rlx_fake_quantize_bwd is registered for CUDA (opt-in
+    builds, see the module docstring)."""
     if x.dtype == jnp.float64:
         return reference_fake_quantize_bwd(x, s, dy, q=q, ste=ste)
     return _kernel_bwd(x, s, dy, q=q, ste=ste)
