@@ -202,6 +202,21 @@ def _conv_case(n, c, hw, o, k, dtype) -> Case:
     )
 
 
+def _pool_gather_gpu_cases() -> list[Case]:
+    """GPU sizes for the ops with CUDA kernels in ffi/cuda/pool.cu and gather.cu."""
+    big = (128, 64, 112, 112)  # a ResNet stem's pooling input at batch 128
+    return [
+        _max_pool_case(big, 3, 2, 1, jnp.float32),
+        _max_pool_case(big, 3, 2, 1, jnp.bfloat16),
+        _max_pool_case(big, 2, 2, 0, jnp.float32),
+        _avg_pool_case(big, 3, 2, 1, jnp.float32),
+        _avg_pool_case(big, 2, 2, 0, jnp.bfloat16),
+        _embedding_case(32000, 4096, 16384, jnp.float32),
+        _embedding_case(32000, 4096, 16384, jnp.bfloat16),
+        _embedding_case(128256, 4096, 8192, jnp.bfloat16),
+    ]
+
+
 def cases(device_kind: str) -> list[Case]:
     if device_kind == "gpu":  # the CUDA LSQ kernel (ffi/cuda/quantize.cu)
         # 1 GiB per f32 tensor: the ~0.18 ms per-call wait of the harness stays small. The STE
@@ -214,7 +229,7 @@ def cases(device_kind: str) -> list[Case]:
             _lsq_case(big, 0, jnp.float32),
             _lsq_case(big, 1, jnp.float32),
             _lsq_case(big, 1, jnp.bfloat16),
-        ]
+        ] + _pool_gather_gpu_cases()
     shape = (32, 64, 56, 56)
     return [
         _max_pool_case(shape, 3, 2, 1, jnp.float32),
