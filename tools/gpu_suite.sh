@@ -14,6 +14,11 @@ stages=" ${*:-build tests sanitize bench} "
 has() { [[ "$stages" == *" $1 "* ]]; }
 step() { echo "=== $* ($(date +%T))"; }
 B=${RLX_GPU_BUILD:-$PWD/build/gpu}
+# RLX_GPU_EXCLUDE: a regex of test file names (e.g. "attention") the tests and sanitize stages
+# leave out; RLX_SANITIZE_ATTENTION=0 skips the per-pipeline attention sanitizer runs;
+# RLX_BENCH_CASES / RLX_BENCH_REPS / RLX_BENCH_TIMEOUT: the bench stage's case modules, repetitions, time limit.
+EXCLUDE=${RLX_GPU_EXCLUDE:-^$}
+gpu_test_files() { for f in tests/test_*_gpu.py; do [[ "$(basename "$f")" =~ $EXCLUDE ]] || echo "$f"; done; }
 if has build; then
   step build
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
@@ -29,14 +34,14 @@ python3 -c 'import jax, rlx_jax; i = rlx_jax.kernel_info(); print("jax", jax.__v
 if has tests; then
   step tests
   pids=()
-  for f in tests/*_gpu.py; do
+  for f in $(gpu_test_files); do
     n=$(basename "$f" .py)
     ( timeout 420 python3 -m pytest -q -p no:cacheprovider --import-mode=importlib -m "not slow" "$f" \
         >"$OUT/$n.txt" 2>&1; echo "rc=$?" >>"$OUT/$n.txt" ) &
     pids+=($!)
   done
   wait "${pids[@]}"
-  for f in tests/*_gpu.py; do
+  for f in $(gpu_test_files); do
     n=$(basename "$f" .py)
     printf "%-32s %s | %s\n" "$n" "$(grep -E '^[0-9]+ (passed|failed)|passed|failed' "$OUT/$n.txt" | tail -1)" "$(tail -1 "$OUT/$n.txt")"
   done
@@ -50,7 +55,7 @@ if has sanitize; then
   export XLA_PYTHON_CLIENT_ALLOCATOR=platform
   K="${RLX_SANITIZE_K:-37x64 or 33x999 or 37x5 or 3x6x5x7 or sanitizer or 2-37-37 or 1-96-96}"
   pids=()
-  for f in tests/test_*_gpu.py; do
+  for f in $(gpu_test_files); do
     n=$(basename "$f" .py); [ "$n" = test_reliability_gpu ] && continue
     ( timeout 300 compute-sanitizer --tool memcheck --leak-check no --target-processes all python3 -m pytest -q \
         -p no:cacheprovider --import-mode=importlib -m "not slow" "$f" -k "$K" >"$OUT/memcheck_$n.txt" 2>&1
@@ -59,7 +64,7 @@ if has sanitize; then
   done
   # attention: each forward pipeline and the backward, with and without a key mask, under
   # memcheck and racecheck (the shared-memory K / V buffers are where a race would be)
-  ( i=0
+  [ "${RLX_SANITIZE_ATTENTION:-1}" = 1 ] && ( i=0
     for tool in memcheck racecheck; do
       for cfg in "64 bfloat16 causal fwd" "64 bfloat16 none fwd 1" "128 bfloat16 none fwd" "128 float16 causal bwd" \
                  "64 bfloat16 sliding bwd 1" "64 float32 causal bwd"; do
@@ -72,17 +77,17 @@ if has sanitize; then
       >"$OUT/attn_racecheck_st.txt" 2>&1
     echo "attention racecheck [64 st fwd] rc=$? $(grep -h 'RACECHECK SUMMARY' "$OUT/attn_racecheck_st.txt" | tail -1)"
   ) >"$OUT/attention_sanitize.txt" 2>&1 &
-  pids+=($!)
+  [ "${RLX_SANITIZE_ATTENTION:-1}" = 1 ] && pids+=($!)
   wait "${pids[@]}"
   for f in "$OUT"/memcheck_*.txt; do
     printf "%-40s %s | %s | %s\n" "$(basename "$f" .txt)" "$(grep -E 'passed|failed' "$f" | tail -1)" \
       "$(grep 'ERROR SUMMARY' "$f" | tail -1)" "$(tail -1 "$f")"
   done
-  cat "$OUT/attention_sanitize.txt"
+  [ "${RLX_SANITIZE_ATTENTION:-1}" = 1 ] && cat "$OUT/attention_sanitize.txt"
 fi
 if has bench; then
   step bench
-  timeout 360 python3 -m benchmarks.run --cases rms_norm,norms,rowwise,conv_pool --device gpu --reps 10 \
+  timeout "${RLX_BENCH_TIMEOUT:-360}" python3 -m benchmarks.run --cases "${RLX_BENCH_CASES:-rms_norm,norms,rowwise,conv_pool}" --device gpu --reps "${RLX_BENCH_REPS:-10}" \
     --json "$OUT/bench.json" >"$OUT/bench.txt" 2>&1
   echo "bench rc=$?"; grep -v Warning "$OUT/bench.txt" | tail -40
 fi
