@@ -1,7 +1,15 @@
 """Softmax cross-entropy and fused linear cross-entropy: kernels vs references,
-ignored labels, gradients in every mode, vmap, memory, errors."""
+ignored labels, gradients in every mode, vmap, memory, errors; on the CPU, the
+gradient without the forward kernel, both lse paths of the backward kernel, and the
+same bits from the AVX2 and AVX-512 row bodies and from one or several threads."""
 
 from __future__ import annotations
+
+import hashlib
+import os
+import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -11,10 +19,12 @@ from jax.test_util import check_grads
 
 import rlx_jax
 from rlx_jax.ops import fused_linear_cross_entropy, softmax_cross_entropy, softmax_cross_entropy_backward
+from rlx_jax.vjp_rules import cross_entropy as ce_rules
 from testutil import assert_close, hlo_text, platform
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
-SHAPES = [(4, 7), (3, 1025), (1, 1), (0, 5)]
+# widths around the kernels' 16-element blocks: tail only, one whole block, blocks + tail
+SHAPES = [(4, 7), (2, 16), (3, 1025), (5, 4099), (1, 1), (0, 5)]
 
 
 def _inputs(n, c, dtype=jnp.float32, seed=0):
@@ -110,6 +120,91 @@ def test_errors():
         softmax_cross_entropy(jnp.zeros((3, 0)), labels)
     with pytest.raises(ValueError, match="dloss"):
         softmax_cross_entropy_backward(logits, labels, jnp.ones(4))
+
+
+# ---- CPU kernel paths -------------------------------------------------------------------
+
+cpu_only = pytest.mark.skipif(platform() != "cpu", reason="the CPU kernels' lowering")
+
+
+def _compiled_targets(fn, *args):
+    return sorted(re.findall(r'custom_call_target="([^"]+)"', jax.jit(fn).lower(*args).compile().as_text()))
+
+
+@cpu_only
+def test_cpu_gradient_needs_no_forward_kernel():
+    """The CPU backward recomputes lse from each row, so when nothing reads the loss
+    the compiled gradient holds the backward kernel alone (one read of the logits);
+    value_and_grad keeps both kernels."""
+    logits, labels = _inputs(8, 37)
+    loss = lambda x: jnp.sum(softmax_cross_entropy(x, labels))
+    assert _compiled_targets(jax.grad(loss), logits) == ["rlx_softmax_ce_bwd"]
+    assert _compiled_targets(jax.value_and_grad(loss), logits) == ["rlx_softmax_ce_bwd", "rlx_softmax_ce_fwd"]
+
+
+def _bwd_both_paths(dtype):
+    """The backward kernel called directly with a saved lse and with recompute_lse (lse
+    operand then ignored: garbage is passed), against the reference."""
+    logits, labels = _inputs(5, 1043, dtype=dtype, seed=3)
+    labels = labels.at[2].set(-100)
+    acc = jnp.float64 if dtype == jnp.float64 else jnp.float32
+    dloss = jax.random.normal(jax.random.PRNGKey(4), (5,), acc).astype(dtype)
+    lf = logits.astype(acc)
+    _, lse = ce_rules.reference_softmax_cross_entropy(lf, labels)
+    (want,) = ce_rules.reference_softmax_cross_entropy_bwd(lf, labels, lse, dloss.astype(acc))
+    for recompute, lse_arg in ((False, lse), (True, jnp.full_like(lse, 123.0))):
+        call = jax.jit(lambda *a: ce_rules._kernel_bwd(*a, recompute_lse=recompute))
+        assert "rlx_softmax_ce_bwd" in call.lower(logits, labels, lse_arg, dloss).as_text()
+        (got,) = call(logits, labels, lse_arg, dloss)
+        assert got.dtype == dtype
+        assert_close(got, want, dtype)
+        assert np.all(np.asarray(got)[2] == 0)
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_backward_kernel_saved_and_recomputed_lse(dtype):
+    _bwd_both_paths(dtype)
+
+
+@cpu_only
+def test_cpu_backward_kernel_saved_and_recomputed_lse_f64(x64):
+    _bwd_both_paths(jnp.float64)
+
+
+def _ce_digest() -> str:
+    """sha256 of the CPU kernels' loss, gradient (backward alone) and value-and-grad on
+    rows wider than many 16-element blocks, f32 and bf16 (run here and in a subprocess)."""
+    h = hashlib.sha256()
+    for dtype in (jnp.float32, jnp.bfloat16):
+        r = np.random.default_rng(0)
+        x = jnp.asarray(3 * r.normal(size=(64, 4099)), dtype)
+        y = jnp.asarray(r.integers(-1, 4099, 64), jnp.int32)
+        w = jnp.sin(jnp.arange(64, dtype=jnp.float32))
+        loss = lambda x: jnp.sum(softmax_cross_entropy(x, y).astype(jnp.float32) * w)
+        for out in (jax.jit(softmax_cross_entropy)(x, y), jax.jit(jax.grad(loss))(x), jax.jit(jax.value_and_grad(loss))(x)):
+            for leaf in jax.tree_util.tree_leaves(out):
+                h.update(np.asarray(leaf).tobytes())
+    return h.hexdigest()
+
+
+@cpu_only
+def test_cpu_same_bits_with_the_avx2_body_and_one_thread():
+    """A fresh process pinned to one core (XLA's pool then has one thread) and forced
+    onto the 8-lane row body (RLX_JAX_CPU_NO_AVX512) gives the same bits as this one
+    (several threads; the 16-lane body where the CPU has AVX-512)."""
+    here = _ce_digest()
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, RLX_JAX_CPU_NO_AVX512="1", JAX_PLATFORMS="cpu")
+    one_core = {min(os.sched_getaffinity(0))}
+    # pinned before jax starts, so XLA sizes its intra-op pool to one thread
+    code = (f"import os, sys; os.sched_setaffinity(0, {one_core!r}); sys.path.insert(0, {tests_dir!r}); "
+            "import test_cross_entropy as t; print('DIGEST' + t._ce_digest())")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
+                          cwd=tests_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    there = [l for l in proc.stdout.splitlines() if l.startswith("DIGEST")][-1][len("DIGEST"):]
+    assert there == here
 
 
 # ---- fused linear + cross-entropy --------------------------------------------------------

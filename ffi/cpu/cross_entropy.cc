@@ -8,8 +8,13 @@
 // no part in the loss: its loss is 0 and its logits get a zero gradient. Labels are
 // compared against C before any indexing, so no label can read out of bounds.
 // The backward reads each logits row once from memory and writes dlogits once. When
-// `recompute_lse` is set (the RLX backward op, which has no saved statistics) it
-// computes lse itself from the row while the row is still in cache.
+// `recompute_lse` is set it ignores the lse operand and works from the row alone, while
+// the row is in cache: m = max_j x_j (the one pass that reads memory), e_j = exp(x_j - m)
+// written into the dlogits row with s = sum_j e_j, then dlogits_j = e_j * (dloss / s)
+// (minus dloss at the label) in place: one exp per element, as with a given lse. The
+// RLX backward op (no saved statistics) and, on the CPU, every gradient use this form,
+// so the gradient's only residual is the logits and XLA drops the forward kernel when
+// nothing reads the loss (jax.grad of a loss: one read of the logits, one write).
 #include <cmath>
 #include <vector>
 
@@ -20,6 +25,33 @@ namespace rlx {
 namespace {
 
 inline bool label_ok(int32_t label, int64_t classes) { return label >= 0 && label < classes; }
+
+// bf16 <-> f32 rows compiled with the row clones, so that they vectorise (the generic
+// load/store of common.h are compiled for the baseline ISA only); same values as
+// load<float> / store<bf16>. f16 rows use the generic scalar conversions.
+RLX_ROW_CLONES static void ce_bf16_to_f32(const bf16* src, float* dst, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = to_f32(src[j]);
+}
+RLX_ROW_CLONES static void ce_f32_to_bf16(const float* src, bf16* dst, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = from_f32_bf16(src[j]);
+}
+template <typename T>
+const float* ce_row_in(const T* src, float* scratch, int64_t n) { return row_as_f32<T>(src, scratch, n); }
+template <>
+const float* ce_row_in<bf16>(const bf16* src, float* scratch, int64_t n) {
+  ce_bf16_to_f32(src, scratch, n);
+  return scratch;
+}
+template <typename T>
+void ce_row_out(const float* src, T* dst, int64_t n) { store_row<T>(src, dst, n); }
+template <>
+void ce_row_out<bf16>(const float* src, bf16* dst, int64_t n) { ce_f32_to_bf16(src, dst, n); }
+
+// The row after row r (nullptr for the last row): prefetched during row r's exp pass.
+template <typename T>
+const T* next_row(const T* row, int64_t r, int64_t rows, int64_t classes) {
+  return r + 1 < rows ? row + classes : nullptr;
+}
 
 template <typename T>
 void ce_fwd_typed(ffi::ThreadPool& pool, const T* logits, const int32_t* labels, T* loss,
@@ -39,9 +71,9 @@ void ce_fwd_typed(ffi::ThreadPool& pool, const T* logits, const int32_t* labels,
         for (int64_t j = 0; j < classes; ++j) s += std::exp(lr[j] - m);
         l = m + std::log(s);
       } else {
-        const float* xr = row_as_f32<T>(lr, buf.data(), classes);
+        const float* xr = ce_row_in<T>(lr, buf.data(), classes);
         const float m = row_max(xr, classes);
-        l = m + std::log(exp_shift_sum(xr, m, nullptr, classes));
+        l = m + std::log(exp_shift_sum16(xr, m, nullptr, classes, next_row(lr, r, rows, classes), sizeof(T)));
       }
       lse[r] = l;
       const int32_t label = labels[r];
@@ -68,26 +100,33 @@ void ce_bwd_typed(ffi::ThreadPool& pool, const T* logits, const int32_t* labels,
       const bool ok = label_ok(label, classes);
       const A g = ok ? load<A>(dloss[r]) : A(0);
       if constexpr (std::is_same<T, double>::value) {
-        double l = lse[r];
         if (recompute) {
           double m = -INFINITY, s = 0;
           for (int64_t j = 0; j < classes; ++j) m = lr[j] > m ? lr[j] : m;
-          for (int64_t j = 0; j < classes; ++j) s += std::exp(lr[j] - m);
-          l = m + std::log(s);
+          for (int64_t j = 0; j < classes; ++j) {
+            dr[j] = std::exp(lr[j] - m);
+            s += dr[j];
+          }
+          const double scale = g / s;
+          for (int64_t j = 0; j < classes; ++j) dr[j] *= scale;
+        } else {
+          const double l = lse[r];
+          for (int64_t j = 0; j < classes; ++j) dr[j] = std::exp(lr[j] - l) * g;
         }
-        for (int64_t j = 0; j < classes; ++j) dr[j] = std::exp(lr[j] - l) * g;
         if (ok) dr[label] -= g;
       } else {
-        const float* xr = row_as_f32<T>(lr, in_buf.data(), classes);
+        const float* xr = ce_row_in<T>(lr, in_buf.data(), classes);
         float* outr = out_row_f32<T>(dr, out_buf.data());
-        float l = recompute ? 0.0f : float(lse[r]);
         if (recompute) {
           const float m = row_max(xr, classes);
-          l = m + std::log(exp_shift_sum(xr, m, nullptr, classes));
+          // e_j into the output row, while the next logits row is prefetched into L2
+          const float s = exp_shift_sum16(xr, m, outr, classes, next_row(lr, r, rows, classes), sizeof(T));
+          scale_row(outr, float(g) / s, classes);
+        } else {
+          exp_shift_scale(xr, float(lse[r]), float(g), outr, classes);
         }
-        exp_shift_scale(xr, l, float(g), outr, classes);
         if (ok) outr[label] -= float(g);
-        store_row<T>(outr, dr, classes);
+        ce_row_out<T>(outr, dr, classes);
       }
     }
   });

@@ -5,11 +5,14 @@
 // and the clone is picked at load time by CPU features (an "arch=haswell" clone
 // would be picked by CPU model, i.e. never on newer CPUs), so the module stays
 // portable. Summation order is fixed (8 lanes, then the lanes in
-// order), so results are deterministic on a given ISA.
+// order), so results are deterministic on a given ISA. exp_shift_sum16 (the
+// cross-entropy rows) adds a body of 16-lane vectors for AVX-512 CPUs, picked at run
+// time by CPU features, with the same values as its 8-lane body.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #include "cpu/common.h"
@@ -41,31 +44,39 @@ inline __attribute__((always_inline)) float v8_hmax(const v8f& v) {
   return m;
 }
 
-// exp(x), 8 lanes: Cody-Waite reduction x = n ln2 + r with |r| <= ln2/2, a degree-6
-// polynomial for e^r (Cephes coefficients; max relative error about 1e-7 against
-// double exp) and 2^n built from exponent bits. x < -87.33 (including -inf) gives
-// exactly 0; x is clamped at 88 so finite x gives a finite result; NaN propagates.
-inline __attribute__((always_inline)) v8f vexp8(const v8f& x) {
-  const v8f lo = v8_splat(-87.3365447505531f), hi = v8_splat(88.0f);
-  v8f xc = x > hi ? hi : x;
+// exp(x), lane-wise on a vector V of floats (I: the int32 vector of the same lanes):
+// Cody-Waite reduction x = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial for e^r
+// (Cephes coefficients; max relative error about 1e-7 against double exp) and 2^n
+// built from exponent bits. x < -87.33 (including -inf) gives exactly 0; x is clamped
+// at 88 so finite x gives a finite result; NaN propagates. Every lane sees the same
+// operations, so a lane's value does not depend on the vector width.
+template <typename V, typename I>
+inline __attribute__((always_inline)) V vexp_lanes(const V& x) {
+  const V zero = V{} + 0.0f;
+  const V lo = zero + -87.3365447505531f, hi = zero + 88.0f;
+  V xc = x > hi ? hi : x;
   xc = xc < lo ? lo : xc;
-  const v8f magic = v8_splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-  v8f n = (xc * 1.44269504088896341f + magic) - magic;
-  v8f r = xc - n * 0.693359375f;
+  const V magic = zero + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  V n = (xc * 1.44269504088896341f + magic) - magic;
+  V r = xc - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  v8f p = v8_splat(1.9875691500e-4f);
+  V p = zero + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  v8i e = (__builtin_convertvector(n, v8i) + 127) << 23;
-  v8f scale;
+  I e = (__builtin_convertvector(n, I) + 127) << 23;
+  V scale;
+  static_assert(sizeof scale == sizeof e, "float and int32 vectors of the same lanes");
   std::memcpy(&scale, &e, sizeof scale);
-  v8f v = p * scale;
-  return x < lo ? v8_splat(0.0f) : v;
+  V v = p * scale;
+  return x < lo ? zero : v;
 }
+
+// exp(x), 8 lanes.
+inline __attribute__((always_inline)) v8f vexp8(const v8f& x) { return vexp_lanes<v8f, v8i>(x); }
 
 // Scalar exp with the same formula (row tails).
 inline float vexp1(float x) {
@@ -105,6 +116,97 @@ inline float vexp1(float x) {
     s += e;
   }
   return s;
+}
+
+// ---- exp-sum over 16-float blocks, AVX-512 where the CPU has it ------------------
+// exp_shift_sum16(x, shift, out, n): the same as exp_shift_sum (sum_j exp(x[j] - shift),
+// out[j] = exp(x[j] - shift) when out != nullptr) but summed in 16 lanes: lane k holds
+// the elements j = 16 i + k, the lanes are then added in order 0..15, the tail (n mod
+// 16 elements) last, in order. On a CPU with AVX-512 (x86-64-v4: F, BW, CD, DQ, VL)
+// one 16-lane vector per block; elsewhere two 8-lane halves in the row clones. Both
+// bodies do the same operations in the same order (FMA on both), so AVX2 and AVX-512
+// machines give bitwise the same values; only the baseline (SSE2, no FMA) clone
+// rounds differently. The exp is the cost of the softmax-type rows (about 0.7 ns per
+// element and core with 8 lanes), which the 16-lane body about halves.
+// `next` (optional): the next row, of elements of next_elem bytes, prefetched into L2
+// (one prefetch per 16 elements, at byte offset j * next_elem) while this row's exp
+// runs from cache, so that the row after is read from memory during the exp work
+// instead of in a separate, memory-bound pass of its own. Prefetches do not change
+// any value.
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+// Tail elements one at a time through the 8-lane exp, inlined into each body (so every
+// body evaluates it with its own FMA code, as its vector loop), added to s in order.
+inline __attribute__((always_inline)) float exp_tail_sum(const float* x, float shift, float* out, int64_t n,
+                                                         float s) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float e = vexp8(v8_splat(x[j] - shift))[0];
+    if (out) out[j] = e;
+    s += e;
+  }
+  return s;
+}
+
+[[maybe_unused]] RLX_ROW_CLONES static float exp_shift_sum16_v8(const float* x, float shift, float* out,
+                                                              int64_t n, const char* next, int64_t next_elem) {
+  v8f lo = v8_splat(0.0f), hi = lo;  // lanes 0..7 and 8..15 of each 16-block
+  const v8f sh = v8_splat(shift);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    if (next) __builtin_prefetch(next + j * next_elem, 0, 2);
+    v8f e = vexp8(v8_load(x + j) - sh), f = vexp8(v8_load(x + j + 8) - sh);
+    if (out) {
+      v8_store(out + j, e);
+      v8_store(out + j + 8, f);
+    }
+    lo += e;
+    hi += f;
+  }
+  float s = 0.0f;
+  for (int k = 0; k < 8; ++k) s += lo[k];
+  for (int k = 0; k < 8; ++k) s += hi[k];
+  return exp_tail_sum(x + j, shift, out ? out + j : nullptr, n - j, s);
+}
+
+[[maybe_unused]] __attribute__((target("arch=x86-64-v4"))) static float exp_shift_sum16_v16(
+    const float* x, float shift, float* out, int64_t n, const char* next, int64_t next_elem) {
+  v16f acc = v16f{} + 0.0f;
+  const v16f sh = v16f{} + shift;
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    if (next) __builtin_prefetch(next + j * next_elem, 0, 2);
+    v16f v;
+    std::memcpy(&v, x + j, sizeof v);
+    v16f e = vexp_lanes<v16f, v16i>(v - sh);
+    if (out) std::memcpy(out + j, &e, sizeof e);
+    acc += e;
+  }
+  float s = 0.0f;
+  for (int k = 0; k < 16; ++k) s += acc[k];
+  return exp_tail_sum(x + j, shift, out ? out + j : nullptr, n - j, s);
+}
+
+// Whether the CPU (and the OS, which libgcc checks through XCR0) runs x86-64-v4 code.
+// RLX_JAX_CPU_NO_AVX512=1 in the environment (read once) takes the 8-lane body instead:
+// for comparing the two bodies on one machine (they give the same bits).
+inline bool cpu_has_x86_64_v4() {
+  static const bool yes = [] {
+    const char* off = std::getenv("RLX_JAX_CPU_NO_AVX512");
+    if (off && off[0] && off[0] != '0') return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vl");
+  }();
+  return yes;
+}
+
+[[maybe_unused]] static float exp_shift_sum16(const float* x, float shift, float* out, int64_t n,
+                                              const void* next = nullptr, int64_t next_elem = 4) {
+  const char* nx = static_cast<const char*>(next);
+  return cpu_has_x86_64_v4() ? exp_shift_sum16_v16(x, shift, out, n, nx, next_elem)
+                             : exp_shift_sum16_v8(x, shift, out, n, nx, next_elem);
 }
 
 // out[j] = exp(x[j] - shift) * scale

@@ -18,9 +18,13 @@ the leading axes of logits are rows, so vmap stays on the kernels):
 - ``ce_tangent``: (logits, labels, lse, t_logits) -> t_loss = sum(p * t) - t[label],
   linear in t_logits; its transpose is the backward;
 - ``ce_bwd``: (logits, labels, lse, dloss) -> dlogits, one read of the logits and one
-  write of dlogits. With ``recompute_lse=True`` (the RLX SoftmaxCrossEntropyBackward
-  op, which has no saved statistics) the kernel ignores ``lse`` and computes it from
-  each row while the row is in cache, so it is still one pass over the logits.
+  write of dlogits; ``lse`` must be the logits' logsumexp. With ``recompute_lse=True``
+  (the RLX SoftmaxCrossEntropyBackward op, which has no saved statistics) the kernel
+  ignores ``lse`` and computes it from each row while the row is in cache, so it is
+  still one pass over the logits. **On the CPU the kernel always recomputes** and is
+  not given ``lse``: a gradient then depends on the logits only, and when nothing
+  reads the loss XLA drops the forward kernel (one read of the logits and one write
+  of dlogits in all, as XLA's own fused autodiff). CUDA passes the saved ``lse``.
 
 ``fused_linear_cross_entropy(hidden [N, D], weight [D, V], labels [N], *, chunk_size)``
 is ``softmax_cross_entropy(hidden @ weight, labels)`` without ever materialising the
@@ -117,6 +121,19 @@ def _kernel_bwd(logits, labels, lse, dloss, *, recompute_lse=False):
     )
 
 
+def _kernel_bwd_cpu(logits, labels, lse, dloss, *, recompute_lse=False):
+    """CPU: the kernel always recomputes lse from each row (``recompute_lse=True``: a
+    max pass over the row in cache, no extra exp) and the lse operand is a zero
+    placeholder, so the call does not depend on the forward kernel. When nothing reads
+    the loss (``jax.grad`` of a loss), XLA then removes the forward kernel and the
+    gradient reads the logits once and writes dlogits once, instead of reading the
+    logits twice. Same result as the given lse whenever it is the logits' logsumexp,
+    which it is for every caller (the transpose passes ``ce_fwd``'s)."""
+    del lse
+    placeholder = jnp.zeros(labels.shape, _acc(logits.dtype))
+    return _kernel_bwd(logits, labels, placeholder, dloss, recompute_lse=True)
+
+
 def _kernel_fwd_cuda(logits, labels):
     """CUDA: the same call (lse f32); f64 (which the CUDA kernels do not take) lowers
     the reference."""
@@ -155,7 +172,7 @@ ce_bwd = FusedPrimitive(
     "rlx_softmax_ce_bwd",
     reference_softmax_cross_entropy_bwd,
     target="rlx_softmax_ce_bwd",
-    kernel={"cpu": _kernel_bwd, "cuda": _kernel_bwd_cuda},
+    kernel={"cpu": _kernel_bwd_cpu, "cuda": _kernel_bwd_cuda},
     kernel_ok=_kernel_ok,
     partition=RowPartition(row_args=(0,), stat_args=(1, 2, 3), row_outputs=(0,)),
 )
