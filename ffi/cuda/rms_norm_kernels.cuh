@@ -516,6 +516,42 @@ __device__ __forceinline__ void load_vec_smem(const T* p, float (&v)[VEC]) {
   for (int i = 0; i < VEC; ++i) v[i] = to_f32(e[i]);
 }
 
+// A block of the staged path: shared memory layout (kTmaHeader bytes: red, then the
+// mbarriers; then pl.stages stages), its row chunk [r0, r1) (n rows, chunk p), the
+// thread t of the block's one row group (tpr == blockDim.x) and a row's bytes.
+// init_barriers: thread 0 initialises the stages' mbarriers, then a block barrier.
+struct StagedBlock {
+  float* red;
+  uint64_t* bar;
+  unsigned char* stages;
+  int S, tpr, t;
+  int64_t p, W, r0, r1, n;
+  uint32_t row_bytes;
+  __device__ __forceinline__ StagedBlock(unsigned char* smem_raw, const RowPlan& pl, int64_t elem_bytes) {
+    red = reinterpret_cast<float*>(smem_raw);
+    bar = reinterpret_cast<uint64_t*>(smem_raw + 512);
+    stages = smem_raw + kTmaHeader;
+    S = pl.stages;
+    tpr = blockDim.x;
+    t = threadIdx.x;
+    p = blockIdx.x;
+    W = pl.width;
+    r0 = pl.rows * p / pl.parts;
+    r1 = pl.rows * (p + 1) / pl.parts;
+    n = r1 - r0;
+    row_bytes = uint32_t(W * elem_bytes);
+  }
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+  __device__ __forceinline__ void init_barriers() const {
+    if (t == 0) {
+      for (int q = 0; q < S; ++q) mbar_init(&bar[q], 1);
+      mbar_init_fence();
+    }
+    __syncthreads();
+  }
+#endif
+};
+
 // Backward of the staged path, over a maths policy (see bwd_rows_body): thread 0 keeps
 // pl.stages rows of x and dy in flight (one stage: the row of x, then of dy).
 template <typename T, int NV, typename Op>
@@ -528,49 +564,35 @@ __device__ __forceinline__ void bwd_rows_tma_body(const T* __restrict__ x, const
   using Stat = typename Op::Stat;
   constexpr int VEC = kVec16<T>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  float* red = reinterpret_cast<float*>(smem_raw);
-  uint64_t* bar = reinterpret_cast<uint64_t*>(smem_raw + 512);
-  unsigned char* stages = smem_raw + kTmaHeader;
-  const int S = pl.stages;
-  const int tpr = blockDim.x;
-  const int t = threadIdx.x;
-  const int64_t p = blockIdx.x;
-  const int64_t W = pl.width;
-  const int64_t r0 = pl.rows * p / pl.parts, r1 = pl.rows * (p + 1) / pl.parts;
-  const int64_t n = r1 - r0;
-  const uint32_t row_bytes = uint32_t(W * int64_t(sizeof(T)));
+  const StagedBlock sb(smem_raw, pl, int64_t(sizeof(T)));
 
   int64_t col[NV];
   bool ok[NV];
   float gm[NV][VEC], ag[NV][VEC], ab[NV][VEC];
-  row_columns<T, VEC, NV>(0, W, t, tpr, gamma, col, ok, gm);
+  row_columns<T, VEC, NV>(0, sb.W, sb.t, sb.tpr, gamma, col, ok, gm);
 #pragma unroll
   for (int k = 0; k < NV; ++k)
 #pragma unroll
     for (int i = 0; i < VEC; ++i) ag[k][i] = ab[k][i] = 0.f;
 
-  if (t == 0) {
-    for (int q = 0; q < S; ++q) mbar_init(&bar[q], 1);
-    mbar_init_fence();
-  }
-  __syncthreads();
+  sb.init_barriers();
   auto issue = [&](int64_t i) {
-    const int q = int(i % S);
-    unsigned char* xs = stages + size_t(q) * 2 * row_bytes;
-    mbar_arrive_expect_tx(&bar[q], 2 * row_bytes);
-    bulk_load(xs, x + (r0 + i) * W, row_bytes, &bar[q]);
-    bulk_load(xs + row_bytes, dy + (r0 + i) * W, row_bytes, &bar[q]);
+    const int q = int(i % sb.S);
+    unsigned char* xs = sb.stages + size_t(q) * 2 * sb.row_bytes;
+    mbar_arrive_expect_tx(&sb.bar[q], 2 * sb.row_bytes);
+    bulk_load(xs, x + (sb.r0 + i) * sb.W, sb.row_bytes, &sb.bar[q]);
+    bulk_load(xs + sb.row_bytes, dy + (sb.r0 + i) * sb.W, sb.row_bytes, &sb.bar[q]);
   };
-  if (t == 0)
-    for (int64_t i = 0; i < n && i < S; ++i) issue(i);
+  if (sb.t == 0)
+    for (int64_t i = 0; i < sb.n && i < sb.S; ++i) issue(i);
 
-  for (int64_t i = 0; i < n; ++i) {
-    const int q = int(i % S);
-    const int64_t r = r0 + i;
+  for (int64_t i = 0; i < sb.n; ++i) {
+    const int q = int(i % sb.S);
+    const int64_t r = sb.r0 + i;
     Stat st = op.saved(r, true, true);
-    mbar_wait(&bar[q], uint32_t((i / S) & 1));
-    const T* xs = reinterpret_cast<const T*>(stages + size_t(q) * 2 * row_bytes);
-    const T* ds = xs + W;
+    mbar_wait(&sb.bar[q], uint32_t((i / sb.S) & 1));
+    const T* xs = reinterpret_cast<const T*>(sb.stages + size_t(q) * 2 * sb.row_bytes);
+    const T* ds = xs + sb.W;
     float xa[NV][VEC], da[NV][VEC];
     typename Op::Acc acc{};
 #pragma unroll
@@ -585,12 +607,12 @@ __device__ __forceinline__ void bwd_rows_tma_body(const T* __restrict__ x, const
 #pragma unroll
       for (int e = 0; e < VEC; ++e) op.acc(acc, st, xa[k][e], da[k][e], gm[k][e]);
     }
-    op.reduce(acc, st, W, tpr, red, int(i & 1));  // its barrier: stage q is read
-    if (t == 0 && i + S < n) {
+    op.reduce(acc, st, sb.W, sb.tpr, sb.red, int(i & 1));  // its barrier: stage q is read
+    if (sb.t == 0 && i + sb.S < sb.n) {
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      issue(i + S);
+      issue(i + sb.S);
     }
-    const auto c = op.coef(st, W);
+    const auto c = op.coef(st, sb.W);
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
       if (!ok[k]) continue;
@@ -600,10 +622,10 @@ __device__ __forceinline__ void bwd_rows_tma_body(const T* __restrict__ x, const
         op.dx(c, xa[k][e], da[k][e], gm[k][e], o[e], ag[k][e]);
         ab[k][e] += da[k][e];
       }
-      store_vec<T, VEC>(dx + r * W + col[k], o);
+      store_vec<T, VEC>(dx + r * sb.W + col[k], o);
     }
   }
-  write_partials<VEC, NV>(ag, ab, col, ok, partial, p, W, 1, 0, 0, W, W, nullptr);
+  write_partials<VEC, NV>(ag, ab, col, ok, partial, sb.p, sb.W, 1, 0, 0, sb.W, sb.W, nullptr);
 #endif
 }
 
@@ -624,40 +646,26 @@ fwd_rows_tma(const T* __restrict__ x, const T* __restrict__ gamma, const T* __re
 #else
   constexpr int VEC = kVec16<T>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  float* red = reinterpret_cast<float*>(smem_raw);
-  uint64_t* bar = reinterpret_cast<uint64_t*>(smem_raw + 512);
-  unsigned char* stages = smem_raw + kTmaHeader;
-  const int S = pl.stages;
-  const int tpr = blockDim.x;
-  const int t = threadIdx.x;
-  const int64_t p = blockIdx.x;
-  const int64_t W = pl.width;
-  const int64_t r0 = pl.rows * p / pl.parts, r1 = pl.rows * (p + 1) / pl.parts;
-  const int64_t n = r1 - r0;
-  const uint32_t row_bytes = uint32_t(W * int64_t(sizeof(T)));
+  const StagedBlock sb(smem_raw, pl, int64_t(sizeof(T)));
 
   int64_t col[NV];
   bool ok[NV];
   float gm[NV][VEC], bt[NV][VEC];
-  row_columns<T, VEC, NV, true>(0, W, t, tpr, gamma, col, ok, gm, beta, bt);
-  if (t == 0) {
-    for (int q = 0; q < S; ++q) mbar_init(&bar[q], 1);
-    mbar_init_fence();
-  }
-  __syncthreads();
+  row_columns<T, VEC, NV, true>(0, sb.W, sb.t, sb.tpr, gamma, col, ok, gm, beta, bt);
+  sb.init_barriers();
   auto issue = [&](int64_t i) {
-    const int q = int(i % S);
-    mbar_arrive_expect_tx(&bar[q], row_bytes);
-    bulk_load(stages + size_t(q) * row_bytes, x + (r0 + i) * W, row_bytes, &bar[q]);
+    const int q = int(i % sb.S);
+    mbar_arrive_expect_tx(&sb.bar[q], sb.row_bytes);
+    bulk_load(sb.stages + size_t(q) * sb.row_bytes, x + (sb.r0 + i) * sb.W, sb.row_bytes, &sb.bar[q]);
   };
-  if (t == 0)
-    for (int64_t i = 0; i < n && i < S; ++i) issue(i);
+  if (sb.t == 0)
+    for (int64_t i = 0; i < sb.n && i < sb.S; ++i) issue(i);
 
-  for (int64_t i = 0; i < n; ++i) {
-    const int q = int(i % S);
-    const int64_t r = r0 + i;
-    mbar_wait(&bar[q], uint32_t((i / S) & 1));
-    const T* xs = reinterpret_cast<const T*>(stages + size_t(q) * row_bytes);
+  for (int64_t i = 0; i < sb.n; ++i) {
+    const int q = int(i % sb.S);
+    const int64_t r = sb.r0 + i;
+    mbar_wait(&sb.bar[q], uint32_t((i / sb.S) & 1));
+    const T* xs = reinterpret_cast<const T*>(sb.stages + size_t(q) * sb.row_bytes);
     float xa[NV][VEC];
     float ss = 0.f;
 #pragma unroll
@@ -671,20 +679,20 @@ fwd_rows_tma(const T* __restrict__ x, const T* __restrict__ gamma, const T* __re
 #pragma unroll
       for (int e = 0; e < VEC; ++e) ss += xa[k][e] * xa[k][e];
     }
-    ss = group_sum(ss, tpr, red, int(i & 1));  // barrier: stage q is read
-    if (t == 0 && i + S < n) {
+    ss = group_sum(ss, sb.tpr, sb.red, int(i & 1));  // barrier: stage q is read
+    if (sb.t == 0 && i + sb.S < sb.n) {
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      issue(i + S);
+      issue(i + sb.S);
     }
-    const float rs = rsqrtf(ss / float(W) + eps);
-    if (t == 0) rstd[r] = rs;
+    const float rs = rsqrtf(ss / float(sb.W) + eps);
+    if (sb.t == 0) rstd[r] = rs;
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
       if (!ok[k]) continue;
       float o[VEC];
 #pragma unroll
       for (int e = 0; e < VEC; ++e) o[e] = xa[k][e] * rs * gm[k][e] + bt[k][e];
-      store_vec<T, VEC>(y + r * W + col[k], o);
+      store_vec<T, VEC>(y + r * sb.W + col[k], o);
     }
   }
 #endif
