@@ -174,7 +174,11 @@ def test_repeated_runs_bitwise_identical():
 
 
 def test_bad_operands_raise():
-    call = jax.ffi.ffi_call("rlx_gather_bwd", jax.ShapeDtypeStruct((1, 5, 3), jnp.float32))
+    d_table = jax.ShapeDtypeStruct((1, 5, 3), jnp.float32)
+    call = jax.ffi.ffi_call("rlx_gather_bwd", (d_table, jax.ShapeDtypeStruct((6,), jnp.int32)))
     dy, keys, order = _put(jnp.ones((1, 2, 3)), jnp.array([0, 1, 2], jnp.int32), jnp.array([0, 1], jnp.int32))
     with pytest.raises(Exception, match="K = dy.shape"):
         jax.block_until_ready(jax.jit(call)(dy, keys, order))
+    short = jax.ffi.ffi_call("rlx_gather_bwd", (d_table, jax.ShapeDtypeStruct((5,), jnp.int32)))  # needs V + 1
+    with pytest.raises(Exception, match="scratch"):
+        jax.block_until_ready(jax.jit(short)(dy, keys[:2], order))

@@ -2,7 +2,8 @@
 // (the CPU kernel is ffi/cpu/gather.cc; the maths is in rlx_jax/vjp_rules/gather.py).
 //
 // CUDA contract (differs from the CPU one: the sort is done by XLA before the call):
-//   dy [O, K, T] (f32, bf16, f16), keys [K] i32, order [K] i32 -> d_table [O, V, T]
+//   dy [O, K, T] (f32, bf16, f16), keys [K] i32, order [K] i32
+//     -> d_table [O, V, T], starts [S] i32 with S >= V + 1 (scratch: XLA allocates it)
 //   where (keys, order) = a STABLE sort of the flat indices with their positions
 //   (keys[s] = idx[order[s]], non-decreasing; equal keys in increasing position), so
 //   the positions k that hit table row v are order[s] for s in the run of keys == v,
@@ -13,10 +14,12 @@
 //   every table row is owned by one group of threads and written exactly once (zeros
 //   when no index hits it).
 //
-// Work layout: a group of `tpr` threads (a power of two <= 256) per table row (o, v),
-// each thread a strided set of VEC-element column chunks (16-byte vectors when T is a
-// multiple of VEC and the buffers are aligned); the group finds its run by two binary
-// searches over the keys. Nothing is allocated; zero-sized operands return at once.
+// Two kernels: (1) starts[v] = first s with clamp(keys[s]) >= v for v in [0, V] (one
+// thread per v, a binary search each; starts[V] = K), so row v's run is
+// [starts[v], starts[v + 1]); (2) a group of `tpr` threads (a power of two <= 256) per
+// table row (o, v), each thread a strided set of VEC-element column chunks (16-byte
+// vectors when T is a multiple of VEC and the buffers are aligned). Nothing is
+// allocated; zero-sized operands return at once.
 #include <limits>
 
 #include "cuda/common.cuh"
@@ -53,9 +56,16 @@ __device__ __forceinline__ int64_t lower_bound(const int32_t* __restrict__ keys,
   return lo;
 }
 
+__global__ void __launch_bounds__(kThreads) run_starts_kernel(const int32_t* __restrict__ keys, int64_t k,
+                                                              int64_t v_dim, int32_t* __restrict__ starts) {
+  const int64_t step = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t v = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; v <= v_dim; v += step)
+    starts[v] = int32_t(lower_bound(keys, k, v_dim, v));
+}
+
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kThreads) gather_bwd_kernel(const T* __restrict__ dy,
-                                                              const int32_t* __restrict__ keys,
+                                                              const int32_t* __restrict__ starts,
                                                               const int32_t* __restrict__ order,
                                                               T* __restrict__ out, int64_t o_dim, int64_t k,
                                                               int64_t v_dim, int64_t t, int tpr) {
@@ -66,8 +76,7 @@ __global__ void __launch_bounds__(kThreads) gather_bwd_kernel(const T* __restric
   for (int64_t row = int64_t(blockIdx.x) * groups + threadIdx.x / tpr; row < rows;
        row += int64_t(gridDim.x) * groups) {
     const int64_t o = row / v_dim, v = row - o * v_dim;
-    const int64_t s0 = lower_bound(keys, k, v_dim, v);
-    const int64_t s1 = lower_bound(keys, k, v_dim, v + 1);
+    const int64_t s0 = __ldg(starts + v), s1 = __ldg(starts + v + 1);
     T* dst = out + row * t;
     const T* base = dy + o * k * t;
     for (int64_t c = lane; c < chunks; c += tpr) {
@@ -104,22 +113,24 @@ int threads_per_row(int64_t chunks) {
 }
 
 template <typename T, int VEC>
-ffi::Error launch(cudaStream_t stream, const T* dy, const int32_t* keys, const int32_t* order, T* out,
-                  int64_t o_dim, int64_t k, int64_t v_dim, int64_t t) {
+ffi::Error launch(cudaStream_t stream, const T* dy, const int32_t* keys, const int32_t* order, int32_t* starts,
+                  T* out, int64_t o_dim, int64_t k, int64_t v_dim, int64_t t) {
   DeviceInfo info;
   if (cudaError_t e = device_info(&info); e != cudaSuccess) return cuda_error("gather backward: device query", e);
+  const int64_t cap = int64_t(info.sms) * 64;
+  const int64_t sblocks = std::min<int64_t>((v_dim + 1 + kThreads - 1) / kThreads, cap);
+  run_starts_kernel<<<unsigned(sblocks), kThreads, 0, stream>>>(keys, k, v_dim, starts);
   const int tpr = threads_per_row(t / VEC);
   const int64_t groups = kThreads / tpr;
   const int64_t rows = o_dim * v_dim;
-  const int64_t need = (rows + groups - 1) / groups;
-  const int64_t cap = int64_t(info.sms) * 32;
-  const unsigned blocks = unsigned(need < cap ? need : cap);
-  gather_bwd_kernel<T, VEC><<<blocks, kThreads, 0, stream>>>(dy, keys, order, out, o_dim, k, v_dim, t, tpr);
+  const int64_t blocks = std::min<int64_t>((rows + groups - 1) / groups, cap);
+  gather_bwd_kernel<T, VEC><<<unsigned(blocks), kThreads, 0, stream>>>(dy, starts, order, out, o_dim, k, v_dim, t,
+                                                                       tpr);
   return check_launch("gather backward (cuda) launch");
 }
 
 ffi::Error GatherBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer keys, ffi::AnyBuffer order,
-                         ffi::Result<ffi::AnyBuffer> d_table) {
+                         ffi::Result<ffi::AnyBuffer> d_table, ffi::Result<ffi::AnyBuffer> starts) {
   auto dd = dy.dimensions(), dk = keys.dimensions(), dp = order.dimensions(), dt = d_table->dimensions();
   if (dd.size() != 3 || dt.size() != 3)
     return invalid("gather backward: dy and d_table must be [O, K, T] / [O, V, T]");
@@ -130,6 +141,11 @@ ffi::Error GatherBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer 
   if (dt[0] != dd[0] || dt[2] != dd[2]) return invalid("gather backward: d_table must be [O, V, T] for dy [O, K, T]");
   if (d_table->element_type() != dy.element_type()) return invalid("gather backward: d_table dtype must match dy");
   const int64_t o_dim = dd[0], k = dd[1], t = dd[2], v_dim = dt[1];
+  if (k > int64_t(std::numeric_limits<int32_t>::max()))
+    return invalid("gather backward (cuda): more than 2^31 - 1 indices");
+  if (starts->element_type() != ffi::DataType::S32 || int64_t(starts->element_count()) < v_dim + 1)
+    return invalid("gather backward (cuda): scratch must be i32 with at least V + 1 (" + std::to_string(v_dim + 1) +
+                   ") elements");
   if (o_dim == 0 || v_dim == 0 || t == 0) {
     if (k > 0 && v_dim == 0 && o_dim * t > 0) return invalid("gather backward: indices into an empty axis");
     return ffi::Error::Success();
@@ -142,10 +158,11 @@ ffi::Error GatherBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer 
     T* dst = static_cast<T*>(d_table->untyped_data());
     const int32_t* kp = static_cast<const int32_t*>(keys.untyped_data());
     const int32_t* op = static_cast<const int32_t*>(order.untyped_data());
+    int32_t* sp = static_cast<int32_t*>(starts->untyped_data());
     if (t % V == 0 && aligned16(src) && aligned16(dst))
-      result = launch<T, V>(stream, src, kp, op, dst, o_dim, k, v_dim, t);
+      result = launch<T, V>(stream, src, kp, op, sp, dst, o_dim, k, v_dim, t);
     else
-      result = launch<T, 1>(stream, src, kp, op, dst, o_dim, k, v_dim, t);
+      result = launch<T, 1>(stream, src, kp, op, sp, dst, o_dim, k, v_dim, t);
   });
   if (!ok) return invalid("gather backward (cuda): unsupported dtype " + dtype_name(dy.element_type()));
   return result;
@@ -153,7 +170,7 @@ ffi::Error GatherBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer 
 
 }  // namespace
 
-// Command-buffer compatible: one kernel launch on XLA's stream, its shape from the
+// Command-buffer compatible: two kernel launches on XLA's stream, its shape from the
 // buffer shapes and the device.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxGatherBwdCuda, GatherBwdImpl,
                               ffi::Ffi::Bind()
@@ -161,7 +178,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxGatherBwdCuda, GatherBwdImpl,
                                   .Arg<ffi::AnyBuffer>()   // dy [O, K, T]
                                   .Arg<ffi::AnyBuffer>()   // keys [K] i32 (sorted indices)
                                   .Arg<ffi::AnyBuffer>()   // order [K] i32 (stable sort permutation)
-                                  .Ret<ffi::AnyBuffer>(),  // d_table [O, V, T]
+                                  .Ret<ffi::AnyBuffer>()   // d_table [O, V, T]
+                                  .Ret<ffi::AnyBuffer>(),  // starts [>= V + 1] i32 (scratch)
                               {ffi::Traits::kCmdBufferCompatible});
 
 RLX_CUDA_REGISTER_HANDLER("rlx_gather_bwd", RlxGatherBwdCuda);

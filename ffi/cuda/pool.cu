@@ -1,6 +1,8 @@
-// XLA FFI handlers for 2-D pooling on CUDA: targets rlx_max_pool2d_fwd,
-// rlx_max_pool2d_bwd and rlx_avg_pool2d_bwd (the CPU kernels in ffi/cpu/pool.cc define
-// the maths; see rlx_jax/vjp_rules/pool.py).
+// XLA FFI handlers for 2-D max pooling on CUDA: targets rlx_max_pool2d_fwd and
+// rlx_max_pool2d_bwd (the CPU kernels in ffi/cpu/pool.cc define the maths; see
+// rlx_jax/vjp_rules/pool.py). Average pooling's backward has no CUDA kernel: a
+// one-column-per-thread kernel measured 0.35-0.85x XLA's code on an H200 (2026-11-22,
+// benchmarks/results/gather_pool_h200_2026-11-22.txt), so on GPUs it stays XLA's.
 //
 // x [P..., H, W] (every leading index is a plane), window (kh, kw), stride (sh, sw),
 // padding (ph, pw) on both sides; Ho = (H + 2 ph - kh) / sh + 1; window (i, j) covers
@@ -19,14 +21,9 @@
 //   the same sums in the same order as the CPU kernel's scatter for every argmax the
 //   forward produces (an argmax always lies in its own window; an index outside its
 //   window, which the forward never writes, passes no gradient here).
-// rlx_avg_pool2d_bwd: dy -> dx, attrs as on CPU. One thread per input element: the sum
-//   over the covering outputs (row by row: each row's sum over the covering columns,
-//   then those row sums in increasing row order, as the CPU kernel) times 1 / (kh kw)
-//   (count_include_pad).
-//
-// Every kernel is a grid-stride loop over elements (32-bit index arithmetic when every
-// extent fits, else 64-bit), runs on XLA's stream,
-// allocates nothing, and returns at once on zero-sized operands.
+// Every kernel gives each thread one column and a few consecutive rows of a plane (see
+// Launch below), runs on XLA's stream, allocates nothing, and returns at once on
+// zero-sized operands.
 #include <cmath>
 #include <limits>
 
@@ -91,140 +88,143 @@ bool dispatch(ffi::DataType dtype, F&& fn) {
 }
 
 // Outputs whose windows cover input coordinate n along one axis: [lo, hi) within
-// [0, out). Window i covers i*s - p + [0, k): i*s <= n + p and i*s >= n + p - k + 1.
-template <typename I>
-__device__ __forceinline__ void covering(I n, I k, I s, I p, I out, I* lo, I* hi) {
-  const I top = n + p;
-  const I bottom = top - k + 1;
-  const I first = bottom <= 0 ? 0 : (bottom + s - 1) / s;
-  const I last = top < 0 ? -1 : top / s;
-  *lo = first > 0 ? first : 0;
-  *hi = last + 1 < out ? last + 1 : out;
-  if (*hi < *lo) *hi = *lo;
-}
-
-constexpr int kThreads = 256;
-
-// The window geometry in the index type I of a kernel instantiation: int (every
-// extent, padded extent and element count below 2^30: cheap 32-bit divisions) or
-// int64_t.
-template <typename I>
-struct GeomI {
-  I kh, kw, sh, sw, ph, pw;
+// [0, out), as the CPU kernel's covering(). Window i covers i*s - p + [0, k):
+// i*s <= n + p and i*s >= n + p - k + 1. The unclipped bounds (first i with
+// i*s >= n + p - k + 1, first i with i*s > n + p) only grow with n, so a thread walking
+// down consecutive rows divides once and then steps them (Cover::advance).
+struct Cover {
+  int k, s, p, out;
+  int first, past;  // unclipped: first covering window, one past the last
+  __device__ __forceinline__ void init(int n) {
+    const int top = n + p, bottom = top - k + 1;
+    first = bottom <= 0 ? 0 : (bottom + s - 1) / s;
+    past = top < 0 ? 0 : top / s + 1;
+  }
+  __device__ __forceinline__ void advance(int n) {  // n = previous n + 1
+    const int top = n + p, bottom = top - k + 1;
+    while (first * s < bottom) ++first;
+    while (past * s <= top) ++past;
+  }
+  __device__ __forceinline__ int lo() const { return first; }
+  __device__ __forceinline__ int hi() const {
+    const int h = past < out ? past : out;
+    return h < first ? first : h;
+  }
 };
 
-// Element e of a [planes, n1, n2] layout -> (plane, a, b); two divisions.
-template <typename I>
-__device__ __forceinline__ void split3(I e, I n1, I n2, I* p, I* a, I* b) {
-  const I t = e / n2;
-  *b = e - t * n2;
-  *p = t / n1;
-  *a = t - *p * n1;
+// Work layout of every kernel here: blockDim (TX, TY) with TX * TY = 256 threads;
+// thread x walks one column of one plane (grid.x tiles the columns), thread y takes
+// kRows consecutive rows (grid.y tiles the rows), grid.z the planes (both y and z
+// loop when the grid limit is reached). A warp covers 32 consecutive columns of one
+// row: coalesced loads and stores. No per-element integer division.
+constexpr int kThreads = 256;
+constexpr int kRows = 8;
+
+struct Launch {
+  dim3 grid, block;
+  int row_tiles;
+};
+
+Launch launch_for(int64_t planes, int64_t rows, int64_t cols) {
+  const int tx = cols <= 32 ? 32 : (cols <= 64 ? 64 : 128);
+  const int ty = kThreads / tx;
+  const int64_t row_tiles = (rows + int64_t(ty) * kRows - 1) / (int64_t(ty) * kRows);
+  Launch l;
+  l.block = dim3(unsigned(tx), unsigned(ty), 1);
+  l.grid = dim3(unsigned((cols + tx - 1) / tx), unsigned(std::min<int64_t>(row_tiles, 65535)),
+                unsigned(std::min<int64_t>(planes, 65535)));
+  l.row_tiles = int(row_tiles);
+  return l;
 }
 
-template <typename T, typename I>
+struct Geom32 {
+  int kh, kw, sh, sw, ph, pw;
+};
+
+template <typename T>
 __global__ void __launch_bounds__(kThreads) max_fwd_kernel(const T* __restrict__ x, T* __restrict__ y,
-                                                           int32_t* __restrict__ am, I total, I h, I w, I ho, I wo,
-                                                           GeomI<I> g) {
-  const I step = I(gridDim.x) * I(blockDim.x);
-  for (I e = I(blockIdx.x) * I(blockDim.x) + I(threadIdx.x); e < total; e += step) {
-    I p, i, j;
-    split3(e, ho, wo, &p, &i, &j);
-    const T* xp = x + int64_t(p) * h * w;
-    const I rs = i * g.sh - g.ph, cs = j * g.sw - g.pw;
-    const I r0 = rs > 0 ? rs : 0, r1 = rs + g.kh < h ? rs + g.kh : h;
-    const I c0 = cs > 0 ? cs : 0, c1 = cs + g.kw < w ? cs + g.kw : w;
-    float best = -INFINITY;
-    I arg = -1;
-    for (I r = r0; r < r1; ++r) {
-      const T* row = xp + r * w;
-      for (I c = c0; c < c1; ++c) {
-        const float v = to_f32(row[c]);
-        if (v > best) {
-          best = v;
-          arg = r * w + c;
+                                                           int32_t* __restrict__ am, int64_t planes, int h, int w,
+                                                           int ho, int wo, Geom32 g, int row_tiles) {
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= wo) return;  // no barriers below
+  const int cs = j * g.sw - g.pw;
+  const int c0 = cs > 0 ? cs : 0, c1 = cs + g.kw < w ? cs + g.kw : w;
+  for (int64_t p = blockIdx.z; p < planes; p += gridDim.z) {
+    const T* xp = x + p * int64_t(h) * w;
+    T* yp = y + p * int64_t(ho) * wo;
+    int32_t* ap = am + p * int64_t(ho) * wo;
+    for (int rt = blockIdx.y; rt < row_tiles; rt += gridDim.y) {
+      const int i_begin = (rt * int(blockDim.y) + int(threadIdx.y)) * kRows;
+      const int i_end = i_begin + kRows < ho ? i_begin + kRows : ho;
+      for (int i = i_begin; i < i_end; ++i) {
+        const int rs = i * g.sh - g.ph;
+        const int r0 = rs > 0 ? rs : 0, r1 = rs + g.kh < h ? rs + g.kh : h;
+        float best = -INFINITY;
+        int64_t arg = -1;
+        for (int r = r0; r < r1; ++r) {
+          const T* row = xp + int64_t(r) * w;
+          for (int c = c0; c < c1; ++c) {
+            const float v = to_f32(row[c]);
+            if (v > best) {
+              best = v;
+              arg = int64_t(r) * w + c;
+            }
+          }
         }
+        const int64_t o = int64_t(i) * wo + j;
+        yp[o] = arg >= 0 ? xp[arg] : from_f32<T>(best);
+        ap[o] = int32_t(arg);
       }
     }
-    y[e] = arg >= 0 ? xp[arg] : from_f32<T>(best);
-    am[e] = int32_t(arg);
   }
 }
 
-template <typename T, typename I>
+template <typename T>
 __global__ void __launch_bounds__(kThreads) max_bwd_kernel(const T* __restrict__ dy, const int32_t* __restrict__ am,
-                                                           T* __restrict__ dx, I total, I h, I w, I ho, I wo,
-                                                           GeomI<I> g) {
-  const I step = I(gridDim.x) * I(blockDim.x);
-  for (I e = I(blockIdx.x) * I(blockDim.x) + I(threadIdx.x); e < total; e += step) {
-    I p, r, c;
-    split3(e, h, w, &p, &r, &c);
-    I i0, i1, j0, j1;
-    covering<I>(r, g.kh, g.sh, g.ph, ho, &i0, &i1);
-    covering<I>(c, g.kw, g.sw, g.pw, wo, &j0, &j1);
-    const int32_t me = int32_t(r * w + c);
-    const T* dyp = dy + int64_t(p) * ho * wo;
-    const int32_t* ap = am + int64_t(p) * ho * wo;
-    float acc = 0.f;
-    for (I i = i0; i < i1; ++i)
-      for (I j = j0; j < j1; ++j) {
-        const I o = i * wo + j;
-        if (__ldg(ap + o) == me) acc += to_f32(dyp[o]);
+                                                           T* __restrict__ dx, int64_t planes, int h, int w, int ho,
+                                                           int wo, Geom32 g, int row_tiles) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= w) return;
+  Cover cc{g.kw, g.sw, g.pw, wo};
+  cc.init(c);
+  const int j0 = cc.lo(), j1 = cc.hi();
+  for (int64_t p = blockIdx.z; p < planes; p += gridDim.z) {
+    const T* dyp = dy + p * int64_t(ho) * wo;
+    const int32_t* ap = am + p * int64_t(ho) * wo;
+    T* dxp = dx + p * int64_t(h) * w;
+    for (int rt = blockIdx.y; rt < row_tiles; rt += gridDim.y) {
+      const int r_begin = (rt * int(blockDim.y) + int(threadIdx.y)) * kRows;
+      const int r_end = r_begin + kRows < h ? r_begin + kRows : h;
+      Cover rc{g.kh, g.sh, g.ph, ho};
+      rc.init(r_begin);
+      for (int r = r_begin; r < r_end; ++r) {
+        if (r > r_begin) rc.advance(r);
+        const int i0 = rc.lo(), i1 = rc.hi();
+        const int32_t me = int32_t(int64_t(r) * w + c);
+        float acc = 0.f;
+        for (int i = i0; i < i1; ++i)
+          for (int j = j0; j < j1; ++j) {
+            const int64_t o = int64_t(i) * wo + j;
+            if (__ldg(ap + o) == me) acc += to_f32(dyp[o]);
+          }
+        dxp[int64_t(r) * w + c] = from_f32<T>(acc);
       }
-    dx[e] = from_f32<T>(acc);
-  }
-}
-
-template <typename T, typename I>
-__global__ void __launch_bounds__(kThreads) avg_bwd_kernel(const T* __restrict__ dy, T* __restrict__ dx, I total, I h,
-                                                           I w, I ho, I wo, GeomI<I> g, float inv) {
-  const I step = I(gridDim.x) * I(blockDim.x);
-  for (I e = I(blockIdx.x) * I(blockDim.x) + I(threadIdx.x); e < total; e += step) {
-    I p, r, c;
-    split3(e, h, w, &p, &r, &c);
-    I i0, i1, j0, j1;
-    covering<I>(r, g.kh, g.sh, g.ph, ho, &i0, &i1);
-    covering<I>(c, g.kw, g.sw, g.pw, wo, &j0, &j1);
-    const T* dyp = dy + int64_t(p) * ho * wo;
-    float s = 0.f;
-    for (I i = i0; i < i1; ++i) {
-      float rs = 0.f;
-      for (I j = j0; j < j1; ++j) rs += to_f32(dyp[i * wo + j]);
-      s += rs;
     }
-    dx[e] = from_f32<T>(s * inv);
   }
 }
 
-// True when every index a kernel forms for these extents fits a 32-bit int: element
-// counts, padded extents, window and stride below 2^30 (sums of two stay below 2^31).
-bool fits32(int64_t total, const PlaneView& v, int64_t ho, int64_t wo, const Geom& g) {
+// The kernels index within a plane with 32-bit coordinates: every extent, padded
+// extent, window and stride must stay below 2^30 (sums of two stay below 2^31).
+ffi::Error check_extents(const char* who, const PlaneView& v, int64_t ho, int64_t wo, const Geom& g) {
   const int64_t lim = int64_t(1) << 30;
-  return total < lim && v.planes * v.h * v.w < lim && v.planes * ho * wo < lim && v.h + 2 * g.ph < lim &&
-         v.w + 2 * g.pw < lim && g.kh < lim && g.kw < lim && g.sh < lim && g.sw < lim;
-}
-
-template <typename I>
-GeomI<I> geom_as(const Geom& g) {
-  return {I(g.kh), I(g.kw), I(g.sh), I(g.sw), I(g.ph), I(g.pw)};
-}
-
-// Launches kernel<I> with I = int when fits32, else int64_t (fn(I{}) launches).
-template <typename F>
-void with_index(bool small, F&& fn) {
-  if (small) fn(int{});
-  else fn(int64_t{});
-}
-
-// Blocks of kThreads for `total` elements: enough to fill the device, the rest by the
-// grid-stride loop.
-ffi::Error grid_for(int64_t total, unsigned* blocks) {
-  DeviceInfo info;
-  if (cudaError_t e = device_info(&info); e != cudaSuccess) return cuda_error("pool: device query", e);
-  const int64_t need = (total + kThreads - 1) / kThreads;
-  const int64_t cap = int64_t(info.sms) * 32;
-  *blocks = unsigned(need < cap ? need : cap);
+  if (v.h + 2 * g.ph >= lim || v.w + 2 * g.pw >= lim || ho >= lim || wo >= lim || g.kh >= lim || g.kw >= lim ||
+      g.sh >= lim || g.sw >= lim)
+    return invalid(std::string(who) + " (cuda): plane extents, padding, window and stride must be below 2^30");
   return ffi::Error::Success();
+}
+
+Geom32 geom32(const Geom& g) {
+  return {int(g.kh), int(g.kw), int(g.sh), int(g.sw), int(g.ph), int(g.pw)};
 }
 
 ffi::Error MaxPoolFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
@@ -241,18 +241,15 @@ ffi::Error MaxPoolFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi
     return invalid("max_pool2d: a plane of more than 2^31 - 1 elements does not fit an i32 argmax");
   auto dd = y->dimensions();
   const int64_t ho = dd[dd.size() - 2], wo = dd[dd.size() - 1];
-  const int64_t total = v.planes * ho * wo;
-  if (total == 0) return ffi::Error::Success();
-  unsigned blocks = 0;
-  if (auto e = grid_for(total, &blocks); e.failure()) return e;
+  if (v.planes == 0 || ho == 0 || wo == 0) return ffi::Error::Success();
+  if (auto e = check_extents("max_pool2d", v, ho, wo, g); e.failure()) return e;
+  const Launch l = launch_for(v.planes, ho, wo);
   bool ok = dispatch(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
-    with_index(fits32(total, v, ho, wo, g), [&](auto itag) {
-      using I = decltype(itag);
-      max_fwd_kernel<T, I><<<blocks, kThreads, 0, stream>>>(
-          static_cast<const T*>(x.untyped_data()), static_cast<T*>(y->untyped_data()),
-          static_cast<int32_t*>(argmax->untyped_data()), I(total), I(v.h), I(v.w), I(ho), I(wo), geom_as<I>(g));
-    });
+    max_fwd_kernel<T><<<l.grid, l.block, 0, stream>>>(
+        static_cast<const T*>(x.untyped_data()), static_cast<T*>(y->untyped_data()),
+        static_cast<int32_t*>(argmax->untyped_data()), v.planes, int(v.h), int(v.w), int(ho), int(wo), geom32(g),
+        l.row_tiles);
   });
   if (!ok) return invalid("max_pool2d (cuda): unsupported dtype " + dtype_name(x.element_type()));
   return check_launch("max_pool2d (cuda) forward launch");
@@ -272,48 +269,17 @@ ffi::Error MaxPoolBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer
     return invalid("max_pool2d backward: a plane of more than 2^31 - 1 elements does not fit an i32 argmax");
   auto dd = dy.dimensions();
   const int64_t ho = dd[dd.size() - 2], wo = dd[dd.size() - 1];
-  const int64_t total = v.planes * v.h * v.w;
-  if (total == 0) return ffi::Error::Success();
-  unsigned blocks = 0;
-  if (auto e = grid_for(total, &blocks); e.failure()) return e;
+  if (v.planes == 0 || v.h == 0 || v.w == 0) return ffi::Error::Success();
+  if (auto e = check_extents("max_pool2d backward", v, ho, wo, g); e.failure()) return e;
+  const Launch l = launch_for(v.planes, v.h, v.w);
   bool ok = dispatch(dy.element_type(), [&](auto tag) {
     using T = decltype(tag);
-    with_index(fits32(total, v, ho, wo, g), [&](auto itag) {
-      using I = decltype(itag);
-      max_bwd_kernel<T, I><<<blocks, kThreads, 0, stream>>>(
-          static_cast<const T*>(dy.untyped_data()), static_cast<const int32_t*>(argmax.untyped_data()),
-          static_cast<T*>(dx->untyped_data()), I(total), I(v.h), I(v.w), I(ho), I(wo), geom_as<I>(g));
-    });
+    max_bwd_kernel<T><<<l.grid, l.block, 0, stream>>>(
+        static_cast<const T*>(dy.untyped_data()), static_cast<const int32_t*>(argmax.untyped_data()),
+        static_cast<T*>(dx->untyped_data()), v.planes, int(v.h), int(v.w), int(ho), int(wo), geom32(g), l.row_tiles);
   });
   if (!ok) return invalid("max_pool2d backward (cuda): unsupported dtype " + dtype_name(dy.element_type()));
   return check_launch("max_pool2d (cuda) backward launch");
-}
-
-ffi::Error AvgPoolBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dx, int64_t kh,
-                          int64_t kw, int64_t sh, int64_t sw, int64_t ph, int64_t pw) {
-  const Geom g{kh, kw, sh, sw, ph, pw};
-  if (auto e = check_geom("avg_pool2d backward", g); e.failure()) return e;
-  if (auto e = check_pair("avg_pool2d backward", *dx, dy, g); e.failure()) return e;
-  if (dx->element_type() != dy.element_type()) return invalid("avg_pool2d backward: dx dtype must match dy");
-  const PlaneView v = plane_view(*dx);
-  auto dd = dy.dimensions();
-  const int64_t ho = dd[dd.size() - 2], wo = dd[dd.size() - 1];
-  const int64_t total = v.planes * v.h * v.w;
-  if (total == 0) return ffi::Error::Success();
-  unsigned blocks = 0;
-  if (auto e = grid_for(total, &blocks); e.failure()) return e;
-  const float inv = 1.0f / float(g.kh * g.kw);
-  bool ok = dispatch(dy.element_type(), [&](auto tag) {
-    using T = decltype(tag);
-    with_index(fits32(total, v, ho, wo, g), [&](auto itag) {
-      using I = decltype(itag);
-      avg_bwd_kernel<T, I><<<blocks, kThreads, 0, stream>>>(static_cast<const T*>(dy.untyped_data()),
-                                                            static_cast<T*>(dx->untyped_data()), I(total), I(v.h),
-                                                            I(v.w), I(ho), I(wo), geom_as<I>(g), inv);
-    });
-  });
-  if (!ok) return invalid("avg_pool2d backward (cuda): unsupported dtype " + dtype_name(dy.element_type()));
-  return check_launch("avg_pool2d (cuda) backward launch");
 }
 
 }  // namespace
@@ -348,22 +314,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxMaxPool2dBwdCuda, MaxPoolBwdImpl,
                                   .Attr<int64_t>("pw"),
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAvgPool2dBwdCuda, AvgPoolBwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // dy
-                                  .Ret<ffi::AnyBuffer>()  // dx
-                                  .Attr<int64_t>("kh")
-                                  .Attr<int64_t>("kw")
-                                  .Attr<int64_t>("sh")
-                                  .Attr<int64_t>("sw")
-                                  .Attr<int64_t>("ph")
-                                  .Attr<int64_t>("pw"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
 RLX_CUDA_REGISTER_HANDLER("rlx_max_pool2d_fwd", RlxMaxPool2dFwdCuda);
 RLX_CUDA_REGISTER_HANDLER("rlx_max_pool2d_bwd", RlxMaxPool2dBwdCuda);
-RLX_CUDA_REGISTER_HANDLER("rlx_avg_pool2d_bwd", RlxAvgPool2dBwdCuda);
 
 }  // namespace cuda
 }  // namespace rlx

@@ -69,11 +69,13 @@ def _kernel_bwd(dy, idx, *, num_rows):
 def _kernel_bwd_cuda(dy, idx, *, num_rows):
     """The CUDA call takes the indices stably sorted with their positions (XLA's sort),
     so the kernel reduces each run of equal indices in increasing position without
-    atomics: (dy, keys, order) -> d_table (see ffi/cuda/gather.cu)."""
+    atomics: (dy, keys, order) -> (d_table, scratch: each row's run start, i32 [V + 1])
+    (see ffi/cuda/gather.cu)."""
     o, k, t = dy.shape
     keys, order = jax.lax.sort((idx, jax.lax.iota(jnp.int32, k)), num_keys=1, is_stable=True)
-    out = (jax.ShapeDtypeStruct((o, num_rows, t), dy.dtype),)
-    return jax.ffi.ffi_call("rlx_gather_bwd", out)(dy, keys, order)
+    out = (jax.ShapeDtypeStruct((o, num_rows, t), dy.dtype), jax.ShapeDtypeStruct((num_rows + 1,), jnp.int32))
+    d_table, _ = jax.ffi.ffi_call("rlx_gather_bwd", out)(dy, keys, order)
+    return (d_table,)
 
 
 gather_fwd = FusedPrimitive("rlx_gather_fwd", reference_gather)
