@@ -56,7 +56,7 @@ struct LnFwd {
   // (parity slots 0 and 1)
   template <int NV, int VEC>
   __device__ __forceinline__ Stat row(const float (&x)[NV][VEC], const bool (&ok)[NV], int64_t W, int tpr, float* red,
-                                      int64_t, bool write, int64_t r) const {
+                                      int64_t, bool rv, int t, int64_t r) const {
     float sx = 0.f;
 #pragma unroll
     for (int k = 0; k < NV; ++k)
@@ -75,7 +75,7 @@ struct LnFwd {
     }
     q = group_sum(q, tpr, red, 1);
     const float rs = rsqrtf(q / float(W) + eps);
-    if (write) {
+    if (rv && t == 0) {
       mean[r] = mu;
       rstd[r] = rs;
     }

@@ -70,8 +70,8 @@ constexpr int kSmemRed = 128;  // floats: two parity slots of 2 x 32 warp sums
 //   Stat                      per-row statistics (loaded or reduced)
 //   saved(r, rv, one_pass)    the statistics a row starts with (saved ones, or zeros)
 // forward:
-//   row(x, ok, W, tpr, red, it, write, r)   one pass: reduce the row, return its Stat
-//                                           (storing it when `write`)
+//   row(x, ok, W, tpr, red, it, rv, t, r)   one pass: reduce the row, return its Stat
+//                                           (thread t == 0 of a valid row stores it)
 //   y(st, x, g, b)            an output element
 // backward:
 //   Acc, acc(a, st, x, dy, g)  a thread's partial row sums, per element
@@ -297,7 +297,7 @@ __device__ __forceinline__ void fwd_rows_body(const T* __restrict__ x, const T* 
     const int64_t r = blk.r0 + it * blk.gpb + blk.g;
     const bool rv = r < blk.r1;
     Stat st = st_a;
-    if (blk.one_pass) st = op.row(xa, ok, blk.W, blk.tpr, red, it, rv && blk.t == 0, r);
+    if (blk.one_pass) st = op.row(xa, ok, blk.W, blk.tpr, red, it, rv, blk.t, r);
     if (rv) {
 #pragma unroll
       for (int k = 0; k < NV; ++k) {
@@ -328,7 +328,7 @@ struct RmsFwd {
   }
   template <int NV, int VEC>
   __device__ __forceinline__ Stat row(const float (&x)[NV][VEC], const bool (&)[NV], int64_t W, int tpr, float* red,
-                                      int64_t it, bool write, int64_t r) const {
+                                      int64_t it, bool rv, int t, int64_t r) const {
     float ss = 0.f;
 #pragma unroll
     for (int k = 0; k < NV; ++k)
@@ -336,7 +336,7 @@ struct RmsFwd {
       for (int i = 0; i < VEC; ++i) ss += x[k][i] * x[k][i];
     ss = group_sum(ss, tpr, red, int(it & 1));
     const float rs = rsqrtf(ss / float(W) + eps);
-    if (write) rstd[r] = rs;
+    if (rv && t == 0) rstd[r] = rs;
     return {rs};
   }
   __device__ __forceinline__ float y(const Stat& st, float x, float g, float b) const { return x * st.rs * g + b; }
