@@ -2,6 +2,7 @@
 
     python -m benchmarks.run                       # every case module, default device
     python -m benchmarks.run --cases rms_norm --device cpu --json out.json
+    python -m benchmarks.run --cases rowwise --filter "softmax fwd"   # only matching cases
 
 Each ``benchmarks/cases_<name>.py`` defines ``cases(device_kind) -> list[Case]``
 (device_kind is "cpu" or "gpu"); see harness.py for what is timed.
@@ -13,6 +14,7 @@ import argparse
 import importlib
 import json
 import pathlib
+import re
 import sys
 
 import jax
@@ -43,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=["cpu", "gpu"], default=None, help="default: the default JAX backend")
     parser.add_argument("--reps", type=int, default=20, help="timed repetitions per round (median taken)")
     parser.add_argument("--json", type=pathlib.Path, default=None, help="also write the rows as JSON here")
+    parser.add_argument("--filter", default=None, metavar="REGEX",
+                        help="run only the cases whose name matches REGEX (re.search)")
     args = parser.parse_args(argv)
 
     import rlx_jax
@@ -55,10 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     kind = "gpu" if device.platform in ("gpu", "cuda", "rocm") else "cpu"
     print(f"# device: {device.device_kind} ({device.platform}); jax {jax.__version__}; "
           f"kernels: {({p: i['loaded'] for p, i in rlx_jax.kernel_info().items()})}", flush=True)
+    pattern = re.compile(args.filter) if args.filter else None
     rows = []
     for name in names:
         module = importlib.import_module(f"benchmarks.cases_{name}")
         for case in module.cases(kind):
+            if pattern is not None and not pattern.search(case.name):
+                continue
             row = run_case(case, device, args.reps)
             rows.append(row)
             print(format_table([row]).splitlines()[-1], flush=True)
