@@ -25,8 +25,6 @@ namespace {
 
 using attn::AttnArgs;
 
-ffi::Error invalid(const std::string& msg) { return ffi::Error::InvalidArgument(msg); }
-
 std::string dims_str(const ffi::AnyBuffer& x) {
   std::string s = "[";
   auto dd = x.dimensions();
@@ -37,11 +35,6 @@ bool has_dims(const ffi::AnyBuffer& x, std::initializer_list<int64_t> want) {
   auto dd = x.dimensions();
   return dd.size() == want.size() && std::equal(dd.begin(), dd.end(), want.begin());
 }
-bool same_dims(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b) {
-  auto da = a.dimensions(), db = b.dimensions();
-  return da.size() == db.size() && std::equal(da.begin(), da.end(), db.begin());
-}
-
 struct Opts {
   int64_t kind, window;
   double scale, softcap;
@@ -89,16 +82,6 @@ ffi::Error check_inputs(const char* who, const ffi::AnyBuffer& q, const ffi::Any
   a->softcap = float(o.softcap);
   a->mask = nullptr;
   return ffi::Error::Success();
-}
-
-template <typename F>
-bool dispatch(ffi::DataType dtype, F&& fn) {
-  switch (dtype) {
-    case ffi::DataType::F32: fn(float{}); return true;
-    case ffi::DataType::BF16: fn(__nv_bfloat16{}); return true;
-    case ffi::DataType::F16: fn(__half{}); return true;
-    default: return false;
-  }
 }
 
 // Tensor-core path available for this call?

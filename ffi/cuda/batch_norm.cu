@@ -17,8 +17,6 @@ namespace rlx {
 namespace cuda {
 namespace {
 
-using rw::invalid;
-using rw::same_dims;
 
 template <typename TT>
 struct BnOp {
@@ -86,7 +84,7 @@ ffi::Error BatchNormInferenceBwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi:
     return invalid("batch_norm_inference backward (cuda): scratch must be f32 with at least " +
                    std::to_string(need) + " elements, got " + std::to_string(scratch->element_count()));
   ffi::Error result = ffi::Error::Success();
-  bool ok = rw::dispatch(x.element_type(), [&](auto tag) {
+  bool ok = dispatch(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
     BnOp<T> op{static_cast<const T*>(x.untyped_data()),     static_cast<const T*>(dy.untyped_data()),
                static_cast<T*>(dx->untyped_data()),         static_cast<const T*>(gamma.untyped_data()),

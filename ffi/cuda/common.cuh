@@ -57,6 +57,33 @@ inline std::string dtype_name(ffi::DataType t) {
 namespace rlx {
 namespace cuda {
 
+// ---- handler helpers (host side) ---------------------------------------------------
+inline ffi::Error invalid(const std::string& msg) { return ffi::Error::InvalidArgument(msg); }
+
+inline bool same_dims(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b) {
+  auto da = a.dimensions(), db = b.dimensions();
+  return da.size() == db.size() && std::equal(da.begin(), da.end(), db.begin());
+}
+
+// Calls fn(T{}) with T the CUDA storage type of a floating dtype (f32, bf16, f16, and f64
+// when WITH_F64); false for any other dtype. Most families take no f64 on CUDA: their
+// Python side lowers the reference for it.
+template <bool WITH_F64 = false, typename F>
+bool dispatch(ffi::DataType dtype, F&& fn) {
+  switch (dtype) {
+    case ffi::DataType::F32: fn(float{}); return true;
+    case ffi::DataType::BF16: fn(__nv_bfloat16{}); return true;
+    case ffi::DataType::F16: fn(__half{}); return true;
+    case ffi::DataType::F64:
+      if constexpr (WITH_F64) {
+        fn(double{});
+        return true;
+      }
+      return false;
+    default: return false;
+  }
+}
+
 // ---- element conversions (f32 arithmetic) ----------------------------------------
 __device__ __forceinline__ float to_f32(float v) { return v; }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }

@@ -29,13 +29,6 @@ namespace rlx {
 namespace cuda {
 namespace {
 
-ffi::Error invalid(const std::string& msg) { return ffi::Error::InvalidArgument(msg); }
-
-bool same_dims(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b) {
-  auto da = a.dimensions(), db = b.dimensions();
-  return da.size() == db.size() && std::equal(da.begin(), da.end(), db.begin());
-}
-
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // ---- the chunking (keep in sync with rlx_jax/vjp_rules/cumsum.py) ---------------------
@@ -380,17 +373,6 @@ ffi::Error launch(cudaStream_t stream, const T* x, T* y, typename Acc<T>::type* 
   return launch_cols<T, 1>(stream, x, y, scr, O, L, I, ch, exclusive, reverse);
 }
 
-template <typename F>
-bool dispatch(ffi::DataType dtype, F&& fn) {
-  switch (dtype) {
-    case ffi::DataType::F32: fn(float{}); return true;
-    case ffi::DataType::F64: fn(double{}); return true;
-    case ffi::DataType::BF16: fn(__nv_bfloat16{}); return true;
-    case ffi::DataType::F16: fn(__half{}); return true;
-    default: return false;
-  }
-}
-
 ffi::Error CumsumImpl(cudaStream_t stream, const ffi::AnyBuffer& x, ffi::Result<ffi::AnyBuffer>& y,
                       ffi::Result<ffi::AnyBuffer>& scratch, bool exclusive, bool reverse) {
   auto d = x.dimensions();
@@ -405,7 +387,7 @@ ffi::Error CumsumImpl(cudaStream_t stream, const ffi::AnyBuffer& x, ffi::Result<
                    std::to_string(scratch->element_count()) + "]");
   if (x.element_count() == 0) return ffi::Error::Success();
   ffi::Error result = ffi::Error::Success();
-  bool ok = dispatch(x.element_type(), [&](auto tag) {
+  bool ok = dispatch<true>(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
     using A = typename Acc<T>::type;
     result = launch<T>(stream, static_cast<const T*>(x.untyped_data()), static_cast<T*>(y->untyped_data()),

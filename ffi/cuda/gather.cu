@@ -28,18 +28,6 @@ namespace rlx {
 namespace cuda {
 namespace {
 
-ffi::Error invalid(const std::string& msg) { return ffi::Error::InvalidArgument(msg); }
-
-template <typename F>
-bool dispatch(ffi::DataType dtype, F&& fn) {
-  switch (dtype) {
-    case ffi::DataType::F32: fn(float{}); return true;
-    case ffi::DataType::BF16: fn(__nv_bfloat16{}); return true;
-    case ffi::DataType::F16: fn(__half{}); return true;
-    default: return false;
-  }
-}
-
 constexpr int kThreads = 256;
 
 // First s in [0, k) with clamp(keys[s], 0, v_dim - 1) >= target (k when none).

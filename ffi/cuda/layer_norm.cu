@@ -291,9 +291,7 @@ ffi::Error launch_bwd(cudaStream_t stream, const T* x, const T* gamma, const flo
 
 namespace {
 
-using rw::invalid;
 using rw::rows_view;
-using rw::same_dims;
 
 ffi::Error check_param(const ffi::AnyBuffer& x, const ffi::AnyBuffer& p, const char* what) {
   return rw::check_row_param(x, p, "layer_norm", what);
@@ -325,7 +323,7 @@ ffi::Error LayerNormFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
     return check_launch("layer_norm forward (cuda) launch");
   }
   ffi::Error result = ffi::Error::Success();
-  const bool ok = rw::dispatch(x.element_type(), [&](auto tag) {
+  const bool ok = dispatch(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
     result = ln::launch_fwd<T>(stream, static_cast<const T*>(x.untyped_data()),
                                static_cast<const T*>(gamma.untyped_data()), static_cast<const T*>(beta.untyped_data()),
@@ -356,7 +354,7 @@ ffi::Error LayerNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
     return invalid("layer_norm backward (cuda): scratch must be f32 with at least 2 * rows + 2 * width (" +
                    std::to_string(2 * v.rows + 2 * v.width) + ") elements, got " + std::to_string(scratch_len));
   ffi::Error result = ffi::Error::Success();
-  const bool ok = rw::dispatch(x.element_type(), [&](auto tag) {
+  const bool ok = dispatch(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
     result = ln::launch_bwd<T>(
         stream, static_cast<const T*>(x.untyped_data()), static_cast<const T*>(gamma.untyped_data()),

@@ -48,12 +48,6 @@ PlaneView plane_view(const ffi::AnyBuffer& b) {
   return {planes, d[d.size() - 2], d[d.size() - 1]};
 }
 
-bool same_dims(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b) {
-  auto da = a.dimensions(), db = b.dimensions();
-  return da.size() == db.size() && std::equal(da.begin(), da.end(), db.begin());
-}
-ffi::Error invalid(const std::string& msg) { return ffi::Error::InvalidArgument(msg); }
-
 int64_t pooled(int64_t n, int64_t k, int64_t s, int64_t p) { return (n + 2 * p - k) / s + 1; }
 
 ffi::Error check_geom(const char* who, const Geom& g) {
@@ -75,16 +69,6 @@ ffi::Error check_pair(const char* who, const ffi::AnyBuffer& in, const ffi::AnyB
   if (dout[di.size() - 2] != pooled(h, g.kh, g.sh, g.ph) || dout[di.size() - 1] != pooled(w, g.kw, g.sw, g.pw))
     return invalid(std::string(who) + ": pooled dims do not match the window geometry");
   return ffi::Error::Success();
-}
-
-template <typename F>
-bool dispatch(ffi::DataType dtype, F&& fn) {
-  switch (dtype) {
-    case ffi::DataType::F32: fn(float{}); return true;
-    case ffi::DataType::BF16: fn(__nv_bfloat16{}); return true;
-    case ffi::DataType::F16: fn(__half{}); return true;
-    default: return false;
-  }
 }
 
 // Outputs whose windows cover input coordinate n along one axis: [lo, hi) within

@@ -29,8 +29,6 @@ namespace rlx {
 namespace cuda {
 namespace {
 
-using rw::invalid;
-using rw::same_dims;
 
 ffi::Error quant_view(const char* who, const ffi::AnyBuffer& x, const ffi::AnyBuffer& s, chan::View* v) {
   auto dx = x.dimensions(), ds = s.dimensions();
@@ -122,7 +120,7 @@ ffi::Error FakeQuantizeBwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
   if (!(q_max >= 1.0f)) return invalid("fake_quantize backward: q_max must be >= 1");
   if (v.elements() == 0) return ffi::Error::Success();
   ffi::Error result = ffi::Error::Success();
-  bool ok = rw::dispatch(x.element_type(), [&](auto tag) {
+  bool ok = dispatch(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
     const T* xp = static_cast<const T*>(x.untyped_data());
     const T* dyp = static_cast<const T*>(dy.untyped_data());
@@ -159,7 +157,7 @@ ffi::Error LsqBwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s, f
     return invalid("fake_quantize_lsq backward (cuda): scratch must be f32 with at least " + std::to_string(need) +
                    " elements, got " + std::to_string(scratch->element_count()));
   ffi::Error result = ffi::Error::Success();
-  bool ok = rw::dispatch(x.element_type(), [&](auto tag) {
+  bool ok = dispatch(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
     LsqOp<T> op{static_cast<const T*>(x.untyped_data()), static_cast<const T*>(dy.untyped_data()),
                 static_cast<T*>(dx->untyped_data()), static_cast<const float*>(s.untyped_data()),

@@ -15,10 +15,7 @@ namespace rlx {
 namespace cuda {
 namespace {
 
-using rw::dispatch;
-using rw::invalid;
 using rw::rows_view;
-using rw::same_dims;
 
 ffi::Error check_param(const ffi::AnyBuffer& x, const ffi::AnyBuffer& p, const char* what) {
   return rw::check_row_param(x, p, "rms_norm", what);

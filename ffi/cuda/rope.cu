@@ -22,13 +22,6 @@ namespace rlx {
 namespace cuda {
 namespace {
 
-ffi::Error invalid(const std::string& msg) { return ffi::Error::InvalidArgument(msg); }
-
-bool same_dims(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b) {
-  auto da = a.dimensions(), db = b.dimensions();
-  return da.size() == db.size() && std::equal(da.begin(), da.end(), db.begin());
-}
-
 template <typename T> struct Acc { using type = float; };
 template <> struct Acc<double> { using type = double; };
 
@@ -176,17 +169,6 @@ ffi::Error launch(cudaStream_t stream, const T* x, const T* cs, const T* sn, T* 
   return launch_vec<T, 1>(stream, x, cs, sn, y, rows, seq, width, table_w, head_dim, n_rot, backward);
 }
 
-template <typename F>
-bool dispatch(ffi::DataType dtype, F&& fn) {
-  switch (dtype) {
-    case ffi::DataType::F32: fn(float{}); return true;
-    case ffi::DataType::F64: fn(double{}); return true;
-    case ffi::DataType::BF16: fn(__nv_bfloat16{}); return true;
-    case ffi::DataType::F16: fn(__half{}); return true;
-    default: return false;
-  }
-}
-
 // The checks and messages of the CPU handler.
 ffi::Error RopeImpl(cudaStream_t stream, const ffi::AnyBuffer& x, const ffi::AnyBuffer& cos,
                     const ffi::AnyBuffer& sin, ffi::Result<ffi::AnyBuffer>& y, int64_t head_dim, int64_t n_rot,
@@ -210,7 +192,7 @@ ffi::Error RopeImpl(cudaStream_t stream, const ffi::AnyBuffer& x, const ffi::Any
   if (!same_dims(x, *y) || y->element_type() != x.element_type()) return invalid("rope: output must match x");
   if (batch == 0 || seq == 0 || width == 0) return ffi::Error::Success();
   ffi::Error result = ffi::Error::Success();
-  bool ok = dispatch(x.element_type(), [&](auto tag) {
+  bool ok = dispatch<true>(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
     result = launch<T>(stream, static_cast<const T*>(x.untyped_data()), static_cast<const T*>(cos.untyped_data()),
                        static_cast<const T*>(sin.untyped_data()), static_cast<T*>(y->untyped_data()), batch * seq,

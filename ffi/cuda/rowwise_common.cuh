@@ -33,12 +33,6 @@ inline RowsView rows_view(const ffi::AnyBuffer& b) {
   for (size_t i = 0; i + 1 < d.size(); ++i) rows *= d[i];
   return {rows, d.back()};
 }
-inline bool same_dims(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b) {
-  auto da = a.dimensions(), db = b.dimensions();
-  return da.size() == db.size() && std::equal(da.begin(), da.end(), db.begin());
-}
-inline ffi::Error invalid(const std::string& msg) { return ffi::Error::InvalidArgument(msg); }
-
 // A per-column parameter p (gamma, beta, their gradients) of a norm `op` over the last
 // axis of x: shape [W] and x's dtype.
 inline ffi::Error check_row_param(const ffi::AnyBuffer& x, const ffi::AnyBuffer& p, const char* op,
@@ -53,18 +47,6 @@ inline ffi::Error check_row_param(const ffi::AnyBuffer& x, const ffi::AnyBuffer&
     return invalid(std::string(op) + ": " + what + " dtype " + dtype_name(p.element_type()) +
                    " differs from x dtype " + dtype_name(x.element_type()));
   return ffi::Error::Success();
-}
-
-// Calls fn(T{}) with T the CUDA storage type of dtype; false when unsupported (f64 is
-// not taken on CUDA: the Python side lowers the reference for it).
-template <typename F>
-bool dispatch(ffi::DataType dtype, F&& fn) {
-  switch (dtype) {
-    case ffi::DataType::F32: fn(float{}); return true;
-    case ffi::DataType::BF16: fn(__nv_bfloat16{}); return true;
-    case ffi::DataType::F16: fn(__half{}); return true;
-    default: return false;
-  }
 }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
