@@ -53,6 +53,7 @@ inline std::string dtype_name(ffi::DataType t) {
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <type_traits>
 
 namespace rlx {
 namespace cuda {
@@ -95,6 +96,24 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(flo
   return __float2bfloat16_rn(v);
 }
 template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
+
+// Accumulator type of an element type: f32, except f64 for f64 data (the families that
+// take f64 on CUDA, RoPE and cumsum, accumulate it in f64). to_acc / from_acc convert
+// (round to nearest even on the way back to 16-bit types).
+template <typename T>
+using acc_t = std::conditional_t<std::is_same<T, double>::value, double, float>;
+__device__ __forceinline__ double to_acc(double v) { return v; }
+__device__ __forceinline__ float to_acc(float v) { return v; }
+__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
+template <typename T>
+__device__ __forceinline__ T from_acc(acc_t<T> v) {
+  if constexpr (std::is_same<T, double>::value) {
+    return v;
+  } else {
+    return from_f32<T>(v);
+  }
+}
 
 // Elements per 16-byte vector of T.
 template <typename T> constexpr int kVec16 = 16 / int(sizeof(T));
@@ -143,6 +162,42 @@ __device__ __forceinline__ void store_vec(T* __restrict__ p, const float (&v)[VE
   } else {
 #pragma unroll
     for (int i = 0; i < VEC; ++i) p[i] = from_f32<T>(v[i]);
+  }
+}
+
+// VEC elements of T kept in their storage type, as one aligned access of VEC * sizeof(T)
+// bytes (2..16). ld_pack's cache policy: kStream (ld.global.cs: read once, evict first),
+// kL2 (ld.global.cg: default L2 caching, bypass L1: data re-read later by another pass),
+// kReadOnly (ld.global.nc: tables re-read by many blocks). st_pack_stream: st.global.cs.
+// The cache hints apply to 16-byte packs; narrower packs are plain accesses.
+template <typename T, int VEC>
+struct alignas(VEC * sizeof(T)) Pack {
+  T v[VEC];
+};
+enum class Cache { kStream, kL2, kReadOnly };
+template <typename T, int VEC, Cache C>
+__device__ __forceinline__ Pack<T, VEC> ld_pack(const T* p) {
+  if constexpr (VEC * sizeof(T) == 16) {
+    const uint4* q = reinterpret_cast<const uint4*>(p);
+    uint4 r;
+    if constexpr (C == Cache::kStream) {
+      r = __ldcs(q);
+    } else if constexpr (C == Cache::kL2) {
+      r = __ldcg(q);
+    } else {
+      r = __ldg(q);
+    }
+    return *reinterpret_cast<Pack<T, VEC>*>(&r);
+  } else {
+    return *reinterpret_cast<const Pack<T, VEC>*>(p);
+  }
+}
+template <typename T, int VEC>
+__device__ __forceinline__ void st_pack_stream(T* p, const Pack<T, VEC>& v) {
+  if constexpr (VEC * sizeof(T) == 16) {
+    __stcs(reinterpret_cast<uint4*>(p), *reinterpret_cast<const uint4*>(&v));
+  } else {
+    *reinterpret_cast<Pack<T, VEC>*>(p) = v;
   }
 }
 
@@ -330,7 +385,8 @@ inline cudaError_t allow_max_smem(int device, Kernel kernel, size_t* max_bytes) 
   return cudaSuccess;
 }
 
-inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+inline bool aligned_to(const void* p, int bytes) { return (reinterpret_cast<uintptr_t>(p) % uintptr_t(bytes)) == 0; }
+inline bool aligned16(const void* p) { return aligned_to(p, 16); }
 
 }  // namespace cuda
 }  // namespace rlx

@@ -55,45 +55,6 @@ int64_t cumsum_scratch_size(int64_t o, int64_t l, int64_t i) {
   return c.n > 1 ? o * i * c.n : 1;
 }
 
-template <typename T> struct Acc { using type = float; };
-template <> struct Acc<double> { using type = double; };
-
-__device__ __forceinline__ double to_acc(double v) { return v; }
-__device__ __forceinline__ float to_acc(float v) { return v; }
-__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
-template <typename T, typename A> __device__ __forceinline__ T from_acc(A v);
-template <> __device__ __forceinline__ double from_acc<double, double>(double v) { return v; }
-template <> __device__ __forceinline__ float from_acc<float, float>(float v) { return v; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16, float>(float v) {
-  return __float2bfloat16_rn(v);
-}
-template <> __device__ __forceinline__ __half from_acc<__half, float>(float v) { return __float2half_rn(v); }
-
-template <typename T, int VEC>
-struct alignas(VEC * sizeof(T)) Pack {
-  T v[VEC];
-};
-// STREAM: the last read of x (evict first); otherwise default caching, so that the
-// rescan of pass 3 finds pass 1's data in L2 when it fits.
-template <typename T, int VEC, bool STREAM>
-__device__ __forceinline__ Pack<T, VEC> ld(const T* p) {
-  if constexpr (VEC * sizeof(T) == 16) {
-    uint4 r = STREAM ? __ldcs(reinterpret_cast<const uint4*>(p)) : __ldcg(reinterpret_cast<const uint4*>(p));
-    return *reinterpret_cast<Pack<T, VEC>*>(&r);
-  } else {
-    return *reinterpret_cast<const Pack<T, VEC>*>(p);
-  }
-}
-template <typename T, int VEC>
-__device__ __forceinline__ void st(T* p, const Pack<T, VEC>& v) {
-  if constexpr (VEC * sizeof(T) == 16) {
-    __stcs(reinterpret_cast<uint4*>(p), *reinterpret_cast<const uint4*>(&v));
-  } else {
-    *reinterpret_cast<Pack<T, VEC>*>(p) = v;
-  }
-}
-
 enum Mode { kFull = 0, kSums = 1, kCarry = 2 };
 
 // Inclusive and exclusive scan of v over aligned groups of tpr threads (a power of two,
@@ -136,10 +97,10 @@ __device__ __forceinline__ void group_scan(A v, int tpr, A* red, int parity, A* 
 // several groups a block, there is one chunk per row of length L).
 template <typename T, int VEC, int NV, int MODE>
 __global__ void __launch_bounds__(256) row_scan_k(const T* __restrict__ x, T* __restrict__ y,
-                                                  typename Acc<T>::type* __restrict__ scr, int64_t units,
+                                                  acc_t<T>* __restrict__ scr, int64_t units,
                                                   int64_t L, int64_t nchunk, int64_t chunk_len, int tpr,
                                                   bool exclusive, bool reverse) {
-  using A = typename Acc<T>::type;
+  using A = acc_t<T>;
   __shared__ A red[16];
   const int gpb = blockDim.x / tpr;
   const int g = threadIdx.x / tpr, t = threadIdx.x - g * tpr;
@@ -165,7 +126,9 @@ __global__ void __launch_bounds__(256) row_scan_k(const T* __restrict__ x, T* __
       const int64_t ks = k0 + (tr * NV + j) * sub + int64_t(t) * VEC;  // first scan position
       if (ks + VEC <= k1) {
         const int64_t p = reverse ? L - ks - VEC : ks;
-        const Pack<T, VEC> e = ld<T, VEC, MODE != kSums>(xr + p);
+        // the last read of x streams (evict first); kSums reads with L2 caching, so that the
+        // rescan of pass 3 finds pass 1's data in L2 when it fits
+        const Pack<T, VEC> e = ld_pack<T, VEC, (MODE != kSums) ? Cache::kStream : Cache::kL2>(xr + p);
 #pragma unroll
         for (int q = 0; q < VEC; ++q) v[j][q] = to_acc(reverse ? e.v[VEC - 1 - q] : e.v[q]);  // both indices static
       } else {
@@ -191,11 +154,11 @@ __global__ void __launch_bounds__(256) row_scan_k(const T* __restrict__ x, T* __
 #pragma unroll
         for (int q = 0; q < VEC; ++q) {
           if (exclusive) {
-            o.v[q] = from_acc<T, A>(run);
+            o.v[q] = from_acc<T>(run);
             run += v[j][q];
           } else {
             run += v[j][q];
-            o.v[q] = from_acc<T, A>(run);
+            o.v[q] = from_acc<T>(run);
           }
         }
         if (ks + VEC <= k1) {
@@ -203,7 +166,7 @@ __global__ void __launch_bounds__(256) row_scan_k(const T* __restrict__ x, T* __
           Pack<T, VEC> w;
 #pragma unroll
           for (int q = 0; q < VEC; ++q) w.v[q] = reverse ? o.v[VEC - 1 - q] : o.v[q];
-          st<T, VEC>(yr + p, w);
+          st_pack_stream<T, VEC>(yr + p, w);
         } else {
 #pragma unroll
           for (int q = 0; q < VEC; ++q) {
@@ -221,10 +184,10 @@ __global__ void __launch_bounds__(256) row_scan_k(const T* __restrict__ x, T* __
 // I > 1. One thread per (o, chunk, VEC columns).
 template <typename T, int VEC, int MODE>
 __global__ void __launch_bounds__(256) col_scan_k(const T* __restrict__ x, T* __restrict__ y,
-                                                  typename Acc<T>::type* __restrict__ scr, int64_t O, int64_t L,
+                                                  acc_t<T>* __restrict__ scr, int64_t O, int64_t L,
                                                   int64_t I, int64_t nchunk, int64_t chunk_len, bool exclusive,
                                                   bool reverse) {
-  using A = typename Acc<T>::type;
+  using A = acc_t<T>;
   constexpr int U = 4;
   const int64_t iv_n = I / VEC;
   const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -243,7 +206,7 @@ __global__ void __launch_bounds__(256) col_scan_k(const T* __restrict__ x, T* __
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int64_t kk = k + u;
-      if (kk < k1) e[u] = ld<T, VEC, MODE != kSums>(xb + (reverse ? L - 1 - kk : kk) * I);
+      if (kk < k1) e[u] = ld_pack<T, VEC, (MODE != kSums) ? Cache::kStream : Cache::kL2>(xb + (reverse ? L - 1 - kk : kk) * I);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -258,14 +221,14 @@ __global__ void __launch_bounds__(256) col_scan_k(const T* __restrict__ x, T* __
           for (int q = 0; q < VEC; ++q) {
             const A val = to_acc(e[u].v[q]);
             if (exclusive) {
-              w.v[q] = from_acc<T, A>(acc[q]);
+              w.v[q] = from_acc<T>(acc[q]);
               acc[q] += val;
             } else {
               acc[q] += val;
-              w.v[q] = from_acc<T, A>(acc[q]);
+              w.v[q] = from_acc<T>(acc[q]);
             }
           }
-          st<T, VEC>(yb + (reverse ? L - 1 - kk : kk) * I, w);
+          st_pack_stream<T, VEC>(yb + (reverse ? L - 1 - kk : kk) * I, w);
         }
       }
     }
@@ -302,10 +265,9 @@ __global__ void __launch_bounds__(256) chunk_prefix_k(A* __restrict__ scr, int64
   }
 }
 
-bool aligned_to(const void* p, int bytes) { return (reinterpret_cast<uintptr_t>(p) % uintptr_t(bytes)) == 0; }
 
 template <typename T, int VEC>
-ffi::Error launch_rows(cudaStream_t stream, const T* x, T* y, typename Acc<T>::type* scr, int64_t O, int64_t L,
+ffi::Error launch_rows(cudaStream_t stream, const T* x, T* y, acc_t<T>* scr, int64_t O, int64_t L,
                        Chunks ch, bool exclusive, bool reverse) {
   constexpr int NV = 2;
   const int64_t span = ch.n > 1 ? ch.len : L;
@@ -319,7 +281,7 @@ ffi::Error launch_rows(cudaStream_t stream, const T* x, T* y, typename Acc<T>::t
     row_scan_k<T, VEC, NV, kFull><<<unsigned(blocks), 256, 0, stream>>>(x, y, scr, units, L, 1, L, tpr, exclusive,
                                                                          reverse);
   } else {
-    using A = typename Acc<T>::type;
+    using A = acc_t<T>;
     row_scan_k<T, VEC, NV, kSums><<<unsigned(blocks), 256, 0, stream>>>(x, y, scr, units, L, ch.n, ch.len, tpr,
                                                                          exclusive, reverse);
     chunk_prefix_k<A><<<unsigned(ceil_div(O * 32, 256)), 256, 0, stream>>>(scr, O, ch.n, 1);
@@ -330,9 +292,9 @@ ffi::Error launch_rows(cudaStream_t stream, const T* x, T* y, typename Acc<T>::t
 }
 
 template <typename T, int VEC>
-ffi::Error launch_cols(cudaStream_t stream, const T* x, T* y, typename Acc<T>::type* scr, int64_t O, int64_t L,
+ffi::Error launch_cols(cudaStream_t stream, const T* x, T* y, acc_t<T>* scr, int64_t O, int64_t L,
                        int64_t I, Chunks ch, bool exclusive, bool reverse) {
-  using A = typename Acc<T>::type;
+  using A = acc_t<T>;
   const int64_t threads = O * ch.n * (I / VEC);
   const int64_t blocks = ceil_div(threads, 256);
   if (blocks > INT32_MAX) return invalid("cumsum (cuda): input too large");
@@ -351,7 +313,7 @@ ffi::Error launch_cols(cudaStream_t stream, const T* x, T* y, typename Acc<T>::t
 }
 
 template <typename T>
-ffi::Error launch(cudaStream_t stream, const T* x, T* y, typename Acc<T>::type* scr, int64_t O, int64_t L,
+ffi::Error launch(cudaStream_t stream, const T* x, T* y, acc_t<T>* scr, int64_t O, int64_t L,
                   int64_t I, bool exclusive, bool reverse) {
   const Chunks ch = cumsum_chunks(O, L, I);
   constexpr int kMax = 16 / int(sizeof(T));
@@ -389,7 +351,7 @@ ffi::Error CumsumImpl(cudaStream_t stream, const ffi::AnyBuffer& x, ffi::Result<
   ffi::Error result = ffi::Error::Success();
   bool ok = dispatch<true>(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
-    using A = typename Acc<T>::type;
+    using A = acc_t<T>;
     result = launch<T>(stream, static_cast<const T*>(x.untyped_data()), static_cast<T*>(y->untyped_data()),
                        static_cast<A*>(scratch->untyped_data()), d[0], d[1], d[2], exclusive, reverse);
   });

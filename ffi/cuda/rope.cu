@@ -22,62 +22,13 @@ namespace rlx {
 namespace cuda {
 namespace {
 
-template <typename T> struct Acc { using type = float; };
-template <> struct Acc<double> { using type = double; };
-
-__device__ __forceinline__ double to_acc(double v) { return v; }
-__device__ __forceinline__ float to_acc(float v) { return v; }
-__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
-template <typename T, typename A> __device__ __forceinline__ T from_acc(A v);
-template <> __device__ __forceinline__ double from_acc<double, double>(double v) { return v; }
-template <> __device__ __forceinline__ float from_acc<float, float>(float v) { return v; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16, float>(float v) {
-  return __float2bfloat16_rn(v);
-}
-template <> __device__ __forceinline__ __half from_acc<__half, float>(float v) { return __float2half_rn(v); }
-
-// VEC elements of T as one aligned access (VEC * sizeof(T) bytes: 2..16).
-template <typename T, int VEC>
-struct alignas(VEC * sizeof(T)) Pack {
-  T v[VEC];
-};
-
-template <typename T, int VEC>
-__device__ __forceinline__ Pack<T, VEC> ld_stream(const T* p) {
-  if constexpr (VEC * sizeof(T) == 16) {
-    uint4 r = __ldcs(reinterpret_cast<const uint4*>(p));
-    return *reinterpret_cast<Pack<T, VEC>*>(&r);
-  } else {
-    return *reinterpret_cast<const Pack<T, VEC>*>(p);
-  }
-}
-// Tables are re-read by every batch entry and head: default caching (read-only path).
-template <typename T, int VEC>
-__device__ __forceinline__ Pack<T, VEC> ld_cached(const T* p) {
-  if constexpr (VEC * sizeof(T) == 16) {
-    uint4 r = __ldg(reinterpret_cast<const uint4*>(p));
-    return *reinterpret_cast<Pack<T, VEC>*>(&r);
-  } else {
-    return *reinterpret_cast<const Pack<T, VEC>*>(p);
-  }
-}
-template <typename T, int VEC>
-__device__ __forceinline__ void st_stream(T* p, const Pack<T, VEC>& v) {
-  if constexpr (VEC * sizeof(T) == 16) {
-    __stcs(reinterpret_cast<uint4*>(p), *reinterpret_cast<const uint4*>(&v));
-  } else {
-    *reinterpret_cast<Pack<T, VEC>*>(p) = v;
-  }
-}
-
 template <typename T, int VEC>
 __global__ void __launch_bounds__(256) rope_k(const T* __restrict__ x, const T* __restrict__ cs,
                                               const T* __restrict__ sn, T* __restrict__ y, int64_t rows,
                                               int64_t seq, int64_t width, int64_t table_w, int head_dim,
                                               int half, int n_rot, int items_per_head, int items_per_row,
                                               bool backward) {
-  using A = typename Acc<T>::type;
+  using A = acc_t<T>;
   using P = Pack<T, VEC>;
   const int pair_items = half / VEC;
   const int64_t row_step = int64_t(gridDim.x) * blockDim.y;
@@ -93,32 +44,27 @@ __global__ void __launch_bounds__(256) rope_k(const T* __restrict__ x, const T* 
       const int64_t base = int64_t(h) * head_dim;
       if (k < pair_items) {
         const int i = k * VEC;
-        const P a = ld_stream<T, VEC>(xr + base + i);
-        const P b = ld_stream<T, VEC>(xr + base + half + i);
-        const P c = ld_cached<T, VEC>(cr + i);
-        const P t = ld_cached<T, VEC>(sr + i);
+        const P a = ld_pack<T, VEC, Cache::kStream>(xr + base + i);
+        const P b = ld_pack<T, VEC, Cache::kStream>(xr + base + half + i);
+        const P c = ld_pack<T, VEC, Cache::kReadOnly>(cr + i);
+        const P t = ld_pack<T, VEC, Cache::kReadOnly>(sr + i);
         P ya, yb;
 #pragma unroll
         for (int q = 0; q < VEC; ++q) {
           const A cq = to_acc(c.v[q]);
           const A tq = backward ? -to_acc(t.v[q]) : to_acc(t.v[q]);
           const A aq = to_acc(a.v[q]), bq = to_acc(b.v[q]);
-          ya.v[q] = from_acc<T, A>(aq * cq - bq * tq);
-          yb.v[q] = from_acc<T, A>(bq * cq + aq * tq);
+          ya.v[q] = from_acc<T>(aq * cq - bq * tq);
+          yb.v[q] = from_acc<T>(bq * cq + aq * tq);
         }
-        st_stream<T, VEC>(yr + base + i, ya);
-        st_stream<T, VEC>(yr + base + half + i, yb);
+        st_pack_stream<T, VEC>(yr + base + i, ya);
+        st_pack_stream<T, VEC>(yr + base + half + i, yb);
       } else {
         const int64_t j = base + n_rot + int64_t(k - pair_items) * VEC;
-        st_stream<T, VEC>(yr + j, ld_stream<T, VEC>(xr + j));
+        st_pack_stream<T, VEC>(yr + j, ld_pack<T, VEC, Cache::kStream>(xr + j));
       }
     }
   }
-}
-
-template <typename T>
-bool aligned_to(const void* p, int bytes) {
-  return (reinterpret_cast<uintptr_t>(p) % uintptr_t(bytes)) == 0;
 }
 
 template <typename T, int VEC>
@@ -153,8 +99,8 @@ ffi::Error launch(cudaStream_t stream, const T* x, const T* cs, const T* sn, T* 
   const int64_t half = n_rot / 2;
   auto fits = [&](int vec) {
     const int bytes = vec * int(sizeof(T));
-    return (half % vec == 0) && (head_dim % vec == 0) && (table_w % vec == 0) && aligned_to<T>(x, bytes) &&
-           aligned_to<T>(y, bytes) && aligned_to<T>(cs, bytes) && aligned_to<T>(sn, bytes);
+    return (half % vec == 0) && (head_dim % vec == 0) && (table_w % vec == 0) && aligned_to(x, bytes) &&
+           aligned_to(y, bytes) && aligned_to(cs, bytes) && aligned_to(sn, bytes);
   };
   constexpr int kMax = 16 / int(sizeof(T));
   if constexpr (kMax >= 8) {
