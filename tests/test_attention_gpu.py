@@ -312,17 +312,44 @@ def test_long_sequence(d):
     _check_case(1, 2048, 2048, 4, 2, d, jnp.bfloat16, kind="causal", softcap=20.0)
 
 
-# ---- forward pipelines and the key-mask template flag (ffi/cuda/attention.cu) ---------------
+# ---- kernel specialisations (ffi/cuda/attention.cu) ----------------------------------------
+# The tensor-core kernels are instantiated per head dim (64: fwd double buffered; 128: fwd
+# staggered), MASK (a key mask is given) and PLAIN (no softcap and no bias: the unmasked tiles
+# take a separate score loop). Each (D, MASK, PLAIN) kernel is hit here, with odd lengths
+# (partial query / key tiles), GQA, Sq != Sk, and each mask kind; softcap and bias each alone
+# reach the general (not PLAIN) kernels.
+
+SPEC_CASES = [
+    # d, key mask, variant, kind, dtype
+    (64, False, "plain", "none", jnp.bfloat16),
+    (64, False, "plain", "sliding", jnp.float16),
+    (64, False, "softcap", "causal", jnp.bfloat16),
+    (64, False, "bias", "none", jnp.bfloat16),
+    (64, True, "plain", "causal", jnp.bfloat16),
+    (64, True, "softcap", "none", jnp.float16),
+    (64, True, "bias", "sliding", jnp.bfloat16),
+    (128, False, "plain", "none", jnp.bfloat16),
+    (128, False, "plain", "causal", jnp.bfloat16),
+    (128, False, "softcap", "sliding", jnp.bfloat16),
+    (128, False, "bias", "causal", jnp.float16),
+    (128, True, "plain", "sliding", jnp.bfloat16),
+    (128, True, "plain", "none", jnp.float16),
+    (128, True, "softcap", "causal", jnp.bfloat16),
+    (128, True, "bias", "none", jnp.bfloat16),
+]
 
 
-@pytest.mark.parametrize("pipe", ["db", "st"])
-@pytest.mark.parametrize("d,kind", [(64, "none"), (64, "causal"), (128, "none"), (128, "sliding")])
-def test_fwd_pipeline_env(monkeypatch, pipe, d, kind):
-    """Both no-mask forward pipelines (RLX_ATTENTION_CUDA_FWD: db double buffered, st staggered
-    with launch bounds; the default is db at D 64 and st at D 128) against the reference, odd
-    lengths so partial query / key tiles are masked."""
-    monkeypatch.setenv("RLX_ATTENTION_CUDA_FWD", pipe)
-    _check_case(1, 141, 203, 4, 2, d, jnp.bfloat16, kind=kind, window=50, seed=5)
+@pytest.mark.parametrize("d,mask,variant,kind,dtype", SPEC_CASES,
+                         ids=lambda x: jnp.dtype(x).name if isinstance(x, type) else str(x))
+def test_kernel_specialisations(d, mask, variant, kind, dtype):
+    opts = dict(kind=kind, window=50, mask=mask, seed=5 + d)
+    if variant == "softcap":
+        opts["softcap"] = 7.0
+    if variant == "bias":
+        opts["bias"] = True
+    _check_case(1, 141, 203, 4, 2, d, dtype, **opts)
+    if variant == "plain" and kind == "none":  # and Sq > Sk (bottom-right alignment), negative scale
+        _check_case(2, 203, 141, 2, 1, d, dtype, kind=kind, mask=mask, scale=-0.1, seed=9)
 
 
 @pytest.mark.parametrize("dtype,d", [(jnp.bfloat16, 64), (jnp.float16, 128)])

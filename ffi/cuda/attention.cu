@@ -14,8 +14,8 @@
 // Path: bf16 / f16 with head dim 64 or 128 on sm_80+ run the mma.sync kernels; everything
 // else (f32, other head dims up to 256) runs the generic kernels. Both are deterministic.
 #include <cmath>
-#include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include "cuda/attention_mma.cuh"
 
@@ -136,25 +136,26 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
       // 128 rows per block, two m-tiles per warp, 64 keys per step at D 64 and 32 at D 128,
       // took 5.47 ms at D 64 and 5.44 ms at D 128, against 3.69 ms and 5.45 ms for this tiling
       // in a later run on another machine; the template keeps MT / NK as parameters.)
-      // Pipelines: db = K / V double buffered, no register cap (the previous kernel); st =
-      // staggered (one K and one V buffer) with __launch_bounds__ asking for 4 (D 64) / 3 (D 128)
-      // blocks per SM. Default per head dim, the faster one measured: without a key mask db at
-      // D 64 (3.13 vs 3.43 ms, bb975a1 vs e7bdacc A/B) and st at D 128 (4.77 vs 5.36 ms); with a
-      // key mask (template flag MASK: the unmasked kernels carry no mask bits) st at both.
-      // RLX_ATTENTION_CUDA_FWD=db / st picks the other no-mask pipeline for A/B timing on the
-      // device (st1, the uncapped staggered one, is no longer built: it never won).
-      const char* env = std::getenv("RLX_ATTENTION_CUDA_FWD");
-      const std::string var = env == nullptr ? std::string() : std::string(env);
+      // Pipeline per head dim, the faster one measured (runs 4 and 5 of
+      // benchmarks/results/attention_h200_2026-11-22.txt): without a key mask K / V double
+      // buffered, no register cap at D 64; staggered (one K and one V buffer) with
+      // __launch_bounds__ asking for 3 blocks per SM at D 128; with a key mask staggered at
+      // both (4 / 3 blocks). Template flags: MASK (a key mask is given: per-tile mask bits) and
+      // PLAIN (no softcap and no bias: an unmasked tile costs one fmul, one max and one ex2 per
+      // score, with no per-score index arithmetic, tanh or bias load).
+      const bool plain = a.softcap == 0.f && bias == nullptr;
       if (a.mask != nullptr) {
-        if (a.D == 64) return run(attn::mma_fwd_kernel<T, 64, 1, 64, true, 4, true>, 1, 64, 1);
-        return run(attn::mma_fwd_kernel<T, 128, 1, 64, true, 3, true>, 1, 64, 1);
+        if (a.D == 64)
+          return plain ? run(attn::mma_fwd_kernel<T, 64, 1, 64, true, 4, true, true>, 1, 64, 1)
+                       : run(attn::mma_fwd_kernel<T, 64, 1, 64, true, 4, true, false>, 1, 64, 1);
+        return plain ? run(attn::mma_fwd_kernel<T, 128, 1, 64, true, 3, true, true>, 1, 64, 1)
+                     : run(attn::mma_fwd_kernel<T, 128, 1, 64, true, 3, true, false>, 1, 64, 1);
       }
-      if (a.D == 64) {
-        if (var == "st") return run(attn::mma_fwd_kernel<T, 64, 1, 64, true, 4, false>, 1, 64, 1);
-        return run(attn::mma_fwd_kernel<T, 64, 1, 64, false, 1, false>, 1, 64, 2);
-      }
-      if (var == "db") return run(attn::mma_fwd_kernel<T, 128, 1, 64, false, 1, false>, 1, 64, 2);
-      return run(attn::mma_fwd_kernel<T, 128, 1, 64, true, 3, false>, 1, 64, 1);
+      if (a.D == 64)
+        return plain ? run(attn::mma_fwd_kernel<T, 64, 1, 64, false, 1, false, true>, 1, 64, 2)
+                     : run(attn::mma_fwd_kernel<T, 64, 1, 64, false, 1, false, false>, 1, 64, 2);
+      return plain ? run(attn::mma_fwd_kernel<T, 128, 1, 64, true, 3, false, true>, 1, 64, 1)
+                   : run(attn::mma_fwd_kernel<T, 128, 1, 64, true, 3, false, false>, 1, 64, 1);
     }
   }
   const int64_t blocks = (a.Sq + attn::kGenWarps - 1) / attn::kGenWarps * a.H * a.B;
@@ -199,21 +200,22 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
         }
         return ffi::Error::Success();
       };
-      // The key mask is a template flag: without one, the kernels carry no mask bits or flags
-      // (fewer live registers; the unmasked backward was slower with the runtime checks).
-      const bool km = a.mask != nullptr;
-      if (a.D == 64) {
-        if (km)
-          return run(attn::mma_dkdv_kernel<T, 64, true>, attn::mma_dkdv_smem<64>(), attn::mma_dq_kernel<T, 64, true>,
+      // Template flags: MASK (a key mask is given; without one the kernels carry no mask bits
+      // or flags: fewer live registers) and PLAIN (no softcap, no bias: unmasked tiles run one
+      // fma, one ex2 and the dS product per score).
+      const bool km = a.mask != nullptr, plain = a.softcap == 0.f && bias == nullptr;
+      auto pick = [&](auto mask_tag, auto plain_tag) -> ffi::Error {
+        constexpr bool M = decltype(mask_tag)::value, P = decltype(plain_tag)::value;
+        if (a.D == 64)
+          return run(attn::mma_dkdv_kernel<T, 64, M, P>, attn::mma_dkdv_smem<64>(), attn::mma_dq_kernel<T, 64, M, P>,
                      attn::mma_dq_smem<64>());
-        return run(attn::mma_dkdv_kernel<T, 64, false>, attn::mma_dkdv_smem<64>(), attn::mma_dq_kernel<T, 64, false>,
-                   attn::mma_dq_smem<64>());
-      }
-      if (km)
-        return run(attn::mma_dkdv_kernel<T, 128, true>, attn::mma_dkdv_smem<128>(),
-                   attn::mma_dq_kernel<T, 128, true>, attn::mma_dq_smem<128>());
-      return run(attn::mma_dkdv_kernel<T, 128, false>, attn::mma_dkdv_smem<128>(),
-                 attn::mma_dq_kernel<T, 128, false>, attn::mma_dq_smem<128>());
+        return run(attn::mma_dkdv_kernel<T, 128, M, P>, attn::mma_dkdv_smem<128>(),
+                   attn::mma_dq_kernel<T, 128, M, P>, attn::mma_dq_smem<128>());
+      };
+      using F = std::false_type;
+      using Tr = std::true_type;
+      if (km) return plain ? pick(Tr{}, Tr{}) : pick(Tr{}, F{});
+      return plain ? pick(F{}, Tr{}) : pick(F{}, F{});
     }
   }
   if (auto e = grid_check(std::max(q_blocks_g, k_blocks_g), "attention backward"); e.failure()) return e;

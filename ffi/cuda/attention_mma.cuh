@@ -282,7 +282,7 @@ __device__ __forceinline__ void key_range(const AttnArgs& a, int64_t q0, int64_t
 // Scores are carried in log2 units: m (row max) and the exponents are log2-scaled; lse is
 // converted back (ln) at the end.
 
-template <typename T, int D, int MT, int NK, bool STAGGER, int MINB, bool MASK>
+template <typename T, int D, int MT, int NK, bool STAGGER, int MINB, bool MASK, bool PLAIN>
 __global__ void __launch_bounds__(kMmaThreads, MINB)
     mma_fwd_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                    const T* __restrict__ bias, T* __restrict__ out, float* __restrict__ lse) {
@@ -361,6 +361,33 @@ __global__ void __launch_bounds__(kMmaThreads, MINB)
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         float mx[2] = {-INFINITY, -INFINITY};
+        if (PLAIN && !need) {  // warp-uniform: no masking in this tile, one fmul + max per score
+#pragma unroll
+          for (int nt = 0; nt < NK / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const float x = s[mt][nt][e] * c2;
+              s[mt][nt][e] = x;
+              mx[e >> 1] = fmaxf(mx[e >> 1], x);
+            }
+        } else if (PLAIN) {  // masked tile without softcap / bias
+#pragma unroll
+          for (int nt = 0; nt < NK / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int jl = nt * 8 + 2 * tq + (e & 1);
+              const int64_t i = wrow0 + mt * 16 + (e >> 1) * 8 + g, j = k0 + jl;
+              bool vis;
+              if constexpr (MASK)
+                vis = ((bits[nt >> 2] >> (jl & 31)) & 1u) &&
+                      (!kneed || (i < a.Sq && j < a.Sk && kind_visible(a, i, j)));
+              else
+                vis = i < a.Sq && j < a.Sk && kind_visible(a, i, j);
+              const float x = vis ? s[mt][nt][e] * c2 : -INFINITY;
+              s[mt][nt][e] = x;
+              mx[e >> 1] = fmaxf(mx[e >> 1], x);
+            }
+        } else {
 #pragma unroll
         for (int nt = 0; nt < NK / 8; ++nt)
 #pragma unroll
@@ -385,6 +412,7 @@ __global__ void __launch_bounds__(kMmaThreads, MINB)
             s[mt][nt][e] = x;
             mx[e >> 1] = fmaxf(mx[e >> 1], x);
           }
+        }
         float mu[2], alpha[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -450,7 +478,7 @@ __global__ void __launch_bounds__(kMmaThreads, MINB)
 
 // ---- backward: dk, dv (and dbias) ------------------------------------------------------------
 // MASK: a key mask is given (a.mask != nullptr); false compiles the key-mask logic out.
-template <typename T, int D, bool MASK>
+template <typename T, int D, bool MASK, bool PLAIN>
 __global__ void __launch_bounds__(kMmaThreads)
     mma_dkdv_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                     const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
@@ -473,6 +501,7 @@ __global__ void __launch_bounds__(kMmaThreads)
   const int64_t k0 = kt * kBK;
   const int64_t q_rs = a.H * D, kv_rs = a.Hkv * D;
   const int64_t j_row0 = k0 + warp * 16 + g;  // this thread's keys: j_row0, j_row0 + 8
+  const float c2 = a.scale * kLog2e;           // raw score -> log2 units (PLAIN)
   bool kok[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -550,6 +579,30 @@ __global__ void __launch_bounds__(kMmaThreads)
     mma_abt<T, D>(st, Ks + warp * 16 * LDS, Qb, lane);
     mma_abt<T, D>(dpt, Vs + warp * 16 * LDS, Gb, lane);
     const bool need = (MASK && !w_all) || tile_needs_mask(a, i0, k0);
+    if (PLAIN && !need) {  // warp-uniform: no masking, no softcap, no bias
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int ic = nt * 8 + 2 * tq + (e & 1);
+          const float p = ex2(fmaf(st[nt][e], c2, -Lb[ic]));
+          st[nt][e] = p;
+          dpt[nt][e] = p * (dpt[nt][e] - Db[ic]);
+        }
+    } else if (PLAIN) {
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e >> 1;
+          const int ic = nt * 8 + 2 * tq + (e & 1);
+          const int64_t i = i0 + ic, j = j_row0 + 8 * r;
+          const bool vis = kok[r] && i < a.Sq && kind_visible(a, i, j);
+          const float p = vis ? ex2(fmaf(st[nt][e], c2, -Lb[ic])) : 0.f;
+          st[nt][e] = p;
+          dpt[nt][e] = vis ? p * (dpt[nt][e] - Db[ic]) : 0.f;
+        }
+    } else {
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
@@ -571,6 +624,7 @@ __global__ void __launch_bounds__(kMmaThreads)
         st[nt][e] = p;
         dpt[nt][e] = a.softcap > 0.f ? ds * (1.f - th * th) : ds;
       }
+    }
     mma_pv<T, D>(dva, st, Gb, lane);
     mma_pv<T, D>(dka, dpt, Qb, lane);
   }
@@ -594,7 +648,7 @@ __global__ void __launch_bounds__(kMmaThreads)
 
 // ---- backward: dq ----------------------------------------------------------------------------
 // MASK: as mma_dkdv_kernel.
-template <typename T, int D, bool MASK>
+template <typename T, int D, bool MASK, bool PLAIN>
 __global__ void __launch_bounds__(kMmaThreads)
     mma_dq_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                   const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
@@ -631,6 +685,7 @@ __global__ void __launch_bounds__(kMmaThreads)
     if (kbeg < kend) mask_load(mv, mrow, kbeg, a.Sk, lane);
   }
   const int64_t row0 = q0 + warp * 16 + g;
+  const float c2 = a.scale * kLog2e;  // raw score -> log2 units (PLAIN)
   float L[2], dl[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -671,6 +726,32 @@ __global__ void __launch_bounds__(kMmaThreads)
     mma_abt<T, D>(dp, Gs + warp * 16 * LDS, Vb, lane);
     const bool kneed = tile_needs_mask(a, q0, k0);
     const bool need = kneed || !all_on;
+    if (PLAIN && !need) {  // block-uniform: no masking, no softcap, no bias
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e >> 1;
+          const float p = ex2(fmaf(s[nt][e], c2, -L[r]));
+          s[nt][e] = p * (dp[nt][e] - dl[r]);
+        }
+    } else if (PLAIN) {
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e >> 1;
+          const int jl = nt * 8 + 2 * tq + (e & 1);
+          const int64_t i = row0 + 8 * r, j = k0 + jl;
+          bool vis;
+          if constexpr (MASK)
+            vis = ((bits[nt >> 2] >> (jl & 31)) & 1u) && (!kneed || (i < a.Sq && j < a.Sk && kind_visible(a, i, j)));
+          else
+            vis = i < a.Sq && j < a.Sk && kind_visible(a, i, j);
+          const float p = vis ? ex2(fmaf(s[nt][e], c2, -L[r])) : 0.f;
+          s[nt][e] = vis ? p * (dp[nt][e] - dl[r]) : 0.f;
+        }
+    } else {
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
@@ -695,6 +776,7 @@ __global__ void __launch_bounds__(kMmaThreads)
         }
         s[nt][e] = a.softcap > 0.f ? ds * (1.f - th * th) : ds;
       }
+    }
     mma_pv<T, D>(dqa, s, Kb, lane);
   }
   cp_async_wait_all();
