@@ -11,19 +11,9 @@ from jax.test_util import check_grads
 
 import rlx_jax
 from rlx_jax.ops import cumsum, cumsum_backward
-from testutil import assert_close, hlo_text, platform
+from testutil import assert_close, hlo_text, numpy_cumsum as _oracle, platform
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
-
-
-def _oracle(x, axis, exclusive=False, reverse=False):
-    x = np.asarray(x, np.float64)
-    if reverse:
-        x = np.flip(x, axis)
-    y = np.cumsum(x, axis=axis)
-    if exclusive:
-        y = y - x
-    return np.flip(y, axis) if reverse else y
 
 
 def _x(shape, dtype=jnp.float32, seed=0):

@@ -18,6 +18,7 @@ import pytest
 
 import rlx_jax
 from gpu_testutil import assert_close, gpu, requires_gpu
+from testutil import numpy_cumsum as _oracle
 from rlx_jax.ops import cumsum, cumsum_backward
 from rlx_jax.vjp_rules.cumsum import cuda_chunks, cuda_scratch_size, cumsum_fwd, reference_cumsum
 
@@ -25,16 +26,6 @@ pytestmark = requires_gpu
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
-
-
-def _oracle(x, axis, exclusive=False, reverse=False):
-    x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
-    if reverse:
-        x = np.flip(x, axis)
-    y = np.cumsum(x, axis=axis)
-    if exclusive:
-        y = y - x
-    return np.flip(y, axis) if reverse else y
 
 
 def _x(shape, dtype=jnp.float32, seed=0):

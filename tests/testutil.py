@@ -33,3 +33,15 @@ def assert_close(got, want, dtype=None, scale_by_max=True):
 
 def hlo_text(fn, *args) -> str:
     return jax.jit(fn).lower(*args).as_text()
+
+
+def numpy_cumsum(x, axis, exclusive=False, reverse=False):
+    """f64 NumPy oracle of cumsum along `axis` (exclusive: the sum before each element;
+    reverse: scan from the end), for any float input (bf16 / f16 / f32 / f64)."""
+    x = np.asarray(x).astype(np.float64)
+    if reverse:
+        x = np.flip(x, axis)
+    y = np.cumsum(x, axis=axis)
+    if exclusive:
+        y = y - x
+    return np.flip(y, axis) if reverse else y

@@ -15,6 +15,7 @@
 
 #include "cpu/common.h"
 #include "cpu/norm_rows.h"
+#include "batch_norm_checks.h"
 
 namespace rlx {
 namespace {
@@ -93,35 +94,13 @@ void batch_norm_inference_bwd_typed(ffi::ThreadPool& pool, const T* x, const T* 
   });
 }
 
-ffi::Error check_channel(const ffi::AnyBuffer& x, const ffi::AnyBuffer& p, const char* what) {
-  auto d = p.dimensions();
-  const int64_t c = x.dimensions()[1];
-  if (d.size() != 1 || d[0] != c)
-    return invalid(std::string("batch_norm_inference backward: ") + what + " must have shape [" +
-                   std::to_string(c) + "] (the channel axis of x)");
-  if (p.element_type() != x.element_type())
-    return invalid(std::string("batch_norm_inference backward: ") + what + " dtype " +
-                   dtype_name(p.element_type()) + " differs from x dtype " +
-                   dtype_name(x.element_type()));
-  return ffi::Error::Success();
-}
-
 ffi::Error BatchNormInferenceBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
                                      ffi::AnyBuffer mean, ffi::AnyBuffer var, ffi::AnyBuffer dy,
                                      ffi::Result<ffi::AnyBuffer> dx,
                                      ffi::Result<ffi::AnyBuffer> dgamma,
                                      ffi::Result<ffi::AnyBuffer> dbeta, float eps) {
   auto d = x.dimensions();
-  if (d.size() < 2) return invalid("batch_norm_inference backward: x must have rank >= 2 ([N, C, ...])");
-  const ffi::AnyBuffer* params[] = {&gamma, &mean, &var, &*dgamma, &*dbeta};
-  const char* names[] = {"gamma", "mean", "var", "dgamma", "dbeta"};
-  for (int i = 0; i < 5; ++i)
-    if (auto e = check_channel(x, *params[i], names[i]); e.failure()) return e;
-  if (!same_dims(x, dy) || dy.element_type() != x.element_type())
-    return invalid("batch_norm_inference backward: dy must match x in shape and dtype");
-  if (!same_dims(x, *dx) || dx->element_type() != x.element_type())
-    return invalid("batch_norm_inference backward: dx must match x");
-  if (!(eps >= 0.0f)) return invalid("batch_norm_inference backward: eps must be >= 0");
+  if (auto e = bn::check_inference_bwd(x, gamma, mean, var, dy, *dx, *dgamma, *dbeta, eps); e.failure()) return e;
   const int64_t n = d[0], c = d[1];
   int64_t s = 1;
   for (size_t i = 2; i < d.size(); ++i) s *= d[i];

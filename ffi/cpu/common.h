@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "host_common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace rlx {
@@ -96,18 +97,6 @@ bool dispatch_float(ffi::DataType dtype, F&& fn) {
   }
 }
 
-inline std::string dtype_name(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::F32: return "f32";
-    case ffi::DataType::F64: return "f64";
-    case ffi::DataType::BF16: return "bf16";
-    case ffi::DataType::F16: return "f16";
-    case ffi::DataType::S32: return "i32";
-    case ffi::DataType::S64: return "i64";
-    default: return "dtype#" + std::to_string(static_cast<int>(t));
-  }
-}
-
 // ---- shapes -----------------------------------------------------------------
 // Rows x width view of a buffer: all leading axes are rows, the last is the width.
 struct RowsView { int64_t rows; int64_t width; };
@@ -117,13 +106,6 @@ inline RowsView rows_view(const ffi::AnyBuffer& b) {
   int64_t rows = 1;
   for (size_t i = 0; i + 1 < d.size(); ++i) rows *= d[i];
   return {rows, d.back()};
-}
-inline bool same_dims(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b) {
-  auto da = a.dimensions(), db = b.dimensions();
-  return da.size() == db.size() && std::equal(da.begin(), da.end(), db.begin());
-}
-inline ffi::Error invalid(const std::string& msg) {
-  return ffi::Error::InvalidArgument(msg);
 }
 
 // ---- parallel for -----------------------------------------------------------

@@ -11,6 +11,7 @@
 // channel_reduce.cuh's plan for the view [1, N, C, S]; rlx_jax/vjp_rules/batch_norm.py:
 // cuda_bwd_scratch_size), added per channel in a fixed order by a second kernel
 // (deterministic, no atomics). XLA allocates the scratch; nothing is allocated here.
+#include "batch_norm_checks.h"
 #include "cuda/channel_reduce.cuh"
 
 namespace rlx {
@@ -47,18 +48,6 @@ struct BnOp {
   }
 };
 
-ffi::Error check_channel(const ffi::AnyBuffer& x, const ffi::AnyBuffer& p, const char* what) {
-  auto d = p.dimensions();
-  const int64_t c = x.dimensions()[1];
-  if (d.size() != 1 || d[0] != c)
-    return invalid(std::string("batch_norm_inference backward: ") + what + " must have shape [" +
-                   std::to_string(c) + "] (the channel axis of x)");
-  if (p.element_type() != x.element_type())
-    return invalid(std::string("batch_norm_inference backward: ") + what + " dtype " +
-                   dtype_name(p.element_type()) + " differs from x dtype " + dtype_name(x.element_type()));
-  return ffi::Error::Success();
-}
-
 ffi::Error BatchNormInferenceBwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
                                      ffi::AnyBuffer mean, ffi::AnyBuffer var, ffi::AnyBuffer dy,
                                      ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dgamma,
@@ -66,23 +55,11 @@ ffi::Error BatchNormInferenceBwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi:
                                      float eps) {
   const char* who = "batch_norm_inference backward";
   auto d = x.dimensions();
-  if (d.size() < 2) return invalid("batch_norm_inference backward: x must have rank >= 2 ([N, C, ...])");
-  const ffi::AnyBuffer* params[] = {&gamma, &mean, &var, &*dgamma, &*dbeta};
-  const char* names[] = {"gamma", "mean", "var", "dgamma", "dbeta"};
-  for (int i = 0; i < 5; ++i)
-    if (auto e = check_channel(x, *params[i], names[i]); e.failure()) return e;
-  if (!same_dims(x, dy) || dy.element_type() != x.element_type())
-    return invalid("batch_norm_inference backward: dy must match x in shape and dtype");
-  if (!same_dims(x, *dx) || dx->element_type() != x.element_type())
-    return invalid("batch_norm_inference backward: dx must match x");
-  if (!(eps >= 0.0f)) return invalid("batch_norm_inference backward: eps must be >= 0");
+  if (auto e = bn::check_inference_bwd(x, gamma, mean, var, dy, *dx, *dgamma, *dbeta, eps); e.failure()) return e;
   int64_t s = 1;
   for (size_t i = 2; i < d.size(); ++i) s *= d[i];
   const chan::View v{1, d[0], d[1], s};
-  const int64_t need = std::max<int64_t>(1, 2 * chan::make_plan(v).per_sum);
-  if (scratch->element_type() != ffi::DataType::F32 || int64_t(scratch->element_count()) < need)
-    return invalid("batch_norm_inference backward (cuda): scratch must be f32 with at least " +
-                   std::to_string(need) + " elements, got " + std::to_string(scratch->element_count()));
+  if (auto e = chan::check_scratch(who, v, BnOp<float>::NS, *scratch); e.failure()) return e;
   ffi::Error result = ffi::Error::Success();
   bool ok = dispatch(x.element_type(), [&](auto tag) {
     using T = decltype(tag);

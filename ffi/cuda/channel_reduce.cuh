@@ -247,6 +247,16 @@ __global__ void __launch_bounds__(kThreads) channel_sum_kernel(Op op, View v, Pl
   }
 }
 
+// Checks the f32 scratch result of a pass that sums `ns` quantities per channel: at least
+// max(1, ns * per_sum) floats (the Python side sizes it with the same formula).
+inline ffi::Error check_scratch(const char* who, const View& v, int ns, const ffi::AnyBuffer& scratch) {
+  const int64_t need = std::max<int64_t>(1, ns * make_plan(v).per_sum);
+  if (scratch.element_type() != ffi::DataType::F32 || int64_t(scratch.element_count()) < need)
+    return invalid(std::string(who) + " (cuda): scratch must be f32 with at least " + std::to_string(need) +
+                   " elements, got " + std::to_string(scratch.element_count()));
+  return ffi::Error::Success();
+}
+
 // Launches the pass (and, for NS > 0, the channel sums) on `stream`. `partial` holds
 // at least NS * plan.per_sum floats (unused when NS == 0). With no elements the channel
 // sums are zero (op.finish still runs for every channel).

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "host_common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace rlx {
@@ -28,18 +29,6 @@ struct Registrar {
 };
 #define RLX_CUDA_REGISTER_HANDLER(target_name, symbol) \
   static ::rlx::cuda::Registrar rlx_cuda_registrar_##symbol(target_name, reinterpret_cast<void*>(symbol))
-
-inline std::string dtype_name(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::F32: return "f32";
-    case ffi::DataType::F64: return "f64";
-    case ffi::DataType::BF16: return "bf16";
-    case ffi::DataType::F16: return "f16";
-    case ffi::DataType::S32: return "i32";
-    case ffi::DataType::S64: return "i64";
-    default: return "dtype#" + std::to_string(static_cast<int>(t));
-  }
-}
 
 }  // namespace cuda
 }  // namespace rlx
@@ -59,13 +48,6 @@ namespace rlx {
 namespace cuda {
 
 // ---- handler helpers (host side) ---------------------------------------------------
-inline ffi::Error invalid(const std::string& msg) { return ffi::Error::InvalidArgument(msg); }
-
-inline bool same_dims(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b) {
-  auto da = a.dimensions(), db = b.dimensions();
-  return da.size() == db.size() && std::equal(da.begin(), da.end(), db.begin());
-}
-
 // Calls fn(T{}) with T the CUDA storage type of a floating dtype (f32, bf16, f16, and f64
 // when WITH_F64); false for any other dtype. Most families take no f64 on CUDA: their
 // Python side lowers the reference for it.

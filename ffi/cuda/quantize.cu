@@ -152,10 +152,7 @@ ffi::Error LsqBwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s, f
   if (!same_dims(s, *ds) || ds->element_type() != s.element_type())
     return invalid("fake_quantize_lsq backward: dscale must match scale");
   if (!(q_max >= 1.0f)) return invalid("fake_quantize_lsq backward: q_max must be >= 1");
-  const int64_t need = std::max<int64_t>(1, chan::make_plan(v).per_sum);
-  if (scratch->element_type() != ffi::DataType::F32 || int64_t(scratch->element_count()) < need)
-    return invalid("fake_quantize_lsq backward (cuda): scratch must be f32 with at least " + std::to_string(need) +
-                   " elements, got " + std::to_string(scratch->element_count()));
+  if (auto e = chan::check_scratch(who, v, LsqOp<float>::NS, *scratch); e.failure()) return e;
   ffi::Error result = ffi::Error::Success();
   bool ok = dispatch(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
