@@ -26,26 +26,33 @@ namespace {
 
 inline bool label_ok(int32_t label, int64_t classes) { return label >= 0 && label < classes; }
 
-// bf16 <-> f32 rows compiled with the row clones, so that they vectorise (the generic
-// load/store of common.h are compiled for the baseline ISA only); same values as
-// load<float> / store<bf16>. f16 rows use the generic scalar conversions.
-RLX_ROW_CLONES static void ce_bf16_to_f32(const bf16* src, float* dst, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) dst[j] = to_f32(src[j]);
+// f32 rows in place; bf16 rows through the 16-element conversions of rowwise.h
+// (vectorised, AVX-512 where the CPU has it), the max of the row computed while it is
+// converted; f16 rows through the generic scalar conversions. Same values as
+// load<float> / row_max / store<T>.
+template <typename T>
+float ce_row_in_max(const T* src, float* scratch, int64_t n, const float** row) {
+  *row = row_as_f32<T>(src, scratch, n);
+  return row_max(*row, n);
 }
-RLX_ROW_CLONES static void ce_f32_to_bf16(const float* src, bf16* dst, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) dst[j] = from_f32_bf16(src[j]);
+template <>
+float ce_row_in_max<bf16>(const bf16* src, float* scratch, int64_t n, const float** row) {
+  *row = scratch;
+  return bf16_to_f32_max(src, scratch, n);
 }
 template <typename T>
-const float* ce_row_in(const T* src, float* scratch, int64_t n) { return row_as_f32<T>(src, scratch, n); }
-template <>
-const float* ce_row_in<bf16>(const bf16* src, float* scratch, int64_t n) {
-  ce_bf16_to_f32(src, scratch, n);
-  return scratch;
+const float* ce_row_in(const T* src, float* scratch, int64_t n) {
+  if constexpr (std::is_same<T, bf16>::value) {
+    bf16_to_f32_max(src, scratch, n);  // (the max comes free with the conversion)
+    return scratch;
+  } else {
+    return row_as_f32<T>(src, scratch, n);
+  }
 }
 template <typename T>
 void ce_row_out(const float* src, T* dst, int64_t n) { store_row<T>(src, dst, n); }
 template <>
-void ce_row_out<bf16>(const float* src, bf16* dst, int64_t n) { ce_f32_to_bf16(src, dst, n); }
+void ce_row_out<bf16>(const float* src, bf16* dst, int64_t n) { store_bf16(src, dst, n); }
 
 // The row after row r (nullptr for the last row): prefetched during row r's exp pass.
 template <typename T>
@@ -71,8 +78,8 @@ void ce_fwd_typed(ffi::ThreadPool& pool, const T* logits, const int32_t* labels,
         for (int64_t j = 0; j < classes; ++j) s += std::exp(lr[j] - m);
         l = m + std::log(s);
       } else {
-        const float* xr = ce_row_in<T>(lr, buf.data(), classes);
-        const float m = row_max(xr, classes);
+        const float* xr;
+        const float m = ce_row_in_max<T>(lr, buf.data(), classes, &xr);
         l = m + std::log(exp_shift_sum16(xr, m, nullptr, classes, next_row(lr, r, rows, classes), sizeof(T)));
       }
       lse[r] = l;
@@ -115,14 +122,26 @@ void ce_bwd_typed(ffi::ThreadPool& pool, const T* logits, const int32_t* labels,
         }
         if (ok) dr[label] -= g;
       } else {
-        const float* xr = ce_row_in<T>(lr, in_buf.data(), classes);
         float* outr = out_row_f32<T>(dr, out_buf.data());
         if (recompute) {
-          const float m = row_max(xr, classes);
+          const float* xr;
+          const float m = ce_row_in_max<T>(lr, in_buf.data(), classes, &xr);
           // e_j into the output row, while the next logits row is prefetched into L2
           const float s = exp_shift_sum16(xr, m, outr, classes, next_row(lr, r, rows, classes), sizeof(T));
-          scale_row(outr, float(g) / s, classes);
+          const float scale = float(g) / s;
+          if constexpr (std::is_same<T, bf16>::value) {
+            // e_j * scale rounded straight into dlogits (one pass over the row, not
+            // two); the label's element again from e, minus dloss, as below.
+            scale_store_bf16(outr, scale, dr, classes);
+            if (ok) {
+              const float v = outr[label] * scale;  // this file is built without FMA
+              dr[label] = store<T>(v - float(g));
+            }
+            continue;
+          }
+          scale_row(outr, scale, classes);
         } else {
+          const float* xr = ce_row_in<T>(lr, in_buf.data(), classes);
           exp_shift_scale(xr, float(lse[r]), float(g), outr, classes);
         }
         if (ok) outr[label] -= float(g);

@@ -8,12 +8,154 @@
 //   dgamma_j = sum_rows dy_j * x_j * r        dbeta_j = sum_rows dy_j
 // dgamma and dbeta are reduced in two passes: each row chunk writes its own partial
 // sums, then the partials are added in chunk order (deterministic).
+//
+// f32 and bf16 rows run through the 16-element blocks of rowwise.h (load16 / store16:
+// bf16 <-> f32 by integer shifts, rounding to nearest even), in a body compiled for
+// x86-64-v4 (one zmm per block) where the CPU has AVX-512 and otherwise in the row
+// clones (x86-64-v3: two ymm halves; baseline: SSE2). Sums run on two 16-lane
+// accumulators (element j to accumulator (j / 16) mod 2, lane j mod 16, over the
+// 32-element blocks; a last 16-block to the first), then the accumulators are added,
+// the lanes in order 0..15 and the tail elements in order: a fixed order, so the AVX-512
+// and AVX2 bodies give the same bits. f16 and f64 rows use the generic scalar loops.
 #include <cmath>
+#include <type_traits>
 
 #include "cpu/common.h"
+#include "cpu/rowwise.h"
 
 namespace rlx {
 namespace {
+
+// ---- vectorised rows (T = float or bf16; gamma, beta as f32; V: see rowwise.h) -----
+// sum_j x_j * x_j
+template <typename V, typename T>
+RLX_ROW_INLINE float sum_sq_body(const T* x, int64_t n) {
+  V a0 = splat16<V>(0.0f), a1 = a0;
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    const V u = ld16<V>(x + j), w = ld16<V>(x + j + 16);
+    a0 += u * u;
+    a1 += w * w;
+  }
+  if (j + 16 <= n) {
+    const V u = ld16<V>(x + j);
+    a0 += u * u;
+    j += 16;
+  }
+  float s = hsum16(a0 + a1);
+  for (; j < n; ++j) {
+    const float v = load<float>(x[j]);
+    s += v * v;
+  }
+  return s;
+}
+
+// sum_j dy_j * g_j * x_j
+template <typename V, typename T>
+RLX_ROW_INLINE float dot3_body(const T* dy, const float* g, const T* x, int64_t n) {
+  V a0 = splat16<V>(0.0f), a1 = a0;
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    a0 += ld16<V>(dy + j) * ld16<V>(g + j) * ld16<V>(x + j);
+    a1 += ld16<V>(dy + j + 16) * ld16<V>(g + j + 16) * ld16<V>(x + j + 16);
+  }
+  if (j + 16 <= n) {
+    a0 += ld16<V>(dy + j) * ld16<V>(g + j) * ld16<V>(x + j);
+    j += 16;
+  }
+  float s = hsum16(a0 + a1);
+  for (; j < n; ++j) s += load<float>(dy[j]) * g[j] * load<float>(x[j]);
+  return s;
+}
+
+// Rows [r0, r1): rstd[r] = 1 / sqrt(mean_j x_j^2 + eps), y_j = x_j * rstd * g_j + b_j.
+template <typename V, typename T>
+RLX_ROW_INLINE void fwd_rows_body(const T* x, const float* g, const float* b, T* y, float* rstd,
+                              int64_t r0, int64_t r1, int64_t n, float eps) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* xr = x + r * n;
+    T* yr = y + r * n;
+    const float inv = 1.0f / std::sqrt(sum_sq_body<V>(xr, n) / float(n) + eps);
+    rstd[r] = inv;
+    const V vi = splat16<V>(inv);
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) st16(yr + j, ld16<V>(xr + j) * vi * ld16<V>(g + j) + ld16<V>(b + j));
+    for (; j < n; ++j) yr[j] = store<T>(load<float>(xr[j]) * inv * g[j] + b[j]);
+  }
+}
+
+// Rows [r0, r1): dx_j = rstd dy_j g_j - x_j rstd^3 (sum_i dy_i g_i x_i) / n,
+// pg_j += dy_j x_j rstd, pb_j += dy_j.
+template <typename V, typename T>
+RLX_ROW_INLINE void bwd_rows_body(const T* x, const float* g, const float* rstd, const T* dy, T* dx,
+                              float* pg, float* pb, int64_t r0, int64_t r1, int64_t n) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* xr = x + r * n;
+    const T* dyr = dy + r * n;
+    T* dxr = dx + r * n;
+    const float inv = rstd[r];
+    const float coef = inv * inv * inv * dot3_body<V>(dyr, g, xr, n) / float(n);
+    const V vi = splat16<V>(inv), vc = splat16<V>(coef);
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+      const V xv = ld16<V>(xr + j), dyv = ld16<V>(dyr + j);
+      // separate statements fix which product the compiler fuses into an FMA (the
+      // first), so that the v16f and P16 bodies round alike
+      const V u = vi * dyv * ld16<V>(g + j);
+      const V w = vc * xv;
+      st16(dxr + j, u - w);
+      st16(pg + j, ld16<V>(pg + j) + dyv * xv * vi);
+      st16(pb + j, ld16<V>(pb + j) + dyv);
+    }
+    for (; j < n; ++j) {
+      const float xv = load<float>(xr[j]), dyv = load<float>(dyr[j]);
+      const float u = inv * dyv * g[j];
+      const float w = coef * xv;
+      dxr[j] = store<T>(u - w);
+      pg[j] += dyv * xv * inv;
+      pb[j] += dyv;
+    }
+  }
+}
+
+#define RLX_RMS_ROWS(T)                                                                      \
+  RLX_ROW_V4 void fwd_rows_v16(const T* x, const float* g, const float* b, T* y, float* rstd,   \
+                           int64_t r0, int64_t r1, int64_t n, float eps) {                  \
+    fwd_rows_body<v16f>(x, g, b, y, rstd, r0, r1, n, eps);                                   \
+  }                                                                                          \
+  RLX_ROW_CLONES void fwd_rows_v8(const T* x, const float* g, const float* b, T* y,          \
+                                  float* rstd, int64_t r0, int64_t r1, int64_t n, float eps) { \
+    fwd_rows_body<P16>(x, g, b, y, rstd, r0, r1, n, eps);                                    \
+  }                                                                                          \
+  RLX_ROW_V4 void bwd_rows_v16(const T* x, const float* g, const float* rstd, const T* dy, T* dx, \
+                           float* pg, float* pb, int64_t r0, int64_t r1, int64_t n) {        \
+    bwd_rows_body<v16f>(x, g, rstd, dy, dx, pg, pb, r0, r1, n);                              \
+  }                                                                                          \
+  RLX_ROW_CLONES void bwd_rows_v8(const T* x, const float* g, const float* rstd, const T* dy, \
+                                  T* dx, float* pg, float* pb, int64_t r0, int64_t r1,       \
+                                  int64_t n) {                                               \
+    bwd_rows_body<P16>(x, g, rstd, dy, dx, pg, pb, r0, r1, n);                               \
+  }
+RLX_RMS_ROWS(float)
+RLX_RMS_ROWS(bf16)
+#undef RLX_RMS_ROWS
+
+template <typename T>
+void fwd_rows(const T* x, const float* g, const float* b, T* y, float* rstd, int64_t r0,
+              int64_t r1, int64_t n, float eps) {
+  if (cpu_has_x86_64_v4()) fwd_rows_v16(x, g, b, y, rstd, r0, r1, n, eps);
+  else fwd_rows_v8(x, g, b, y, rstd, r0, r1, n, eps);
+}
+template <typename T>
+void bwd_rows(const T* x, const float* g, const float* rstd, const T* dy, T* dx, float* pg,
+              float* pb, int64_t r0, int64_t r1, int64_t n) {
+  if (cpu_has_x86_64_v4()) bwd_rows_v16(x, g, rstd, dy, dx, pg, pb, r0, r1, n);
+  else bwd_rows_v8(x, g, rstd, dy, dx, pg, pb, r0, r1, n);
+}
+
+// Whether T's rows take the vectorised path above.
+template <typename T>
+constexpr bool kVecRows = std::is_same<T, bf16>::value || std::is_same<T, float>::value;
 
 template <typename T>
 void rms_norm_fwd_typed(ffi::ThreadPool& pool, const T* x, const T* gamma, const T* beta,
@@ -21,6 +163,18 @@ void rms_norm_fwd_typed(ffi::ThreadPool& pool, const T* x, const T* gamma, const
   using A = typename Accum<T>::type;
   A* rstd = static_cast<A*>(rstd_out);
   const int64_t chunks = row_chunks(rows, width);
+  if constexpr (kVecRows<T>) {
+    std::vector<float> gb(2 * width);
+    for (int64_t j = 0; j < width; ++j) {
+      gb[j] = load<float>(gamma[j]);
+      gb[width + j] = load<float>(beta[j]);
+    }
+    parallel_for(pool, chunks, [&](int64_t c) {
+      fwd_rows<T>(x, gb.data(), gb.data() + width, y, rstd, rows * c / chunks,
+                  rows * (c + 1) / chunks, width, eps);
+    });
+    return;
+  }
   parallel_for(pool, chunks, [&](int64_t c) {
     const int64_t r0 = rows * c / chunks, r1 = rows * (c + 1) / chunks;
     for (int64_t r = r0; r < r1; ++r) {
@@ -51,6 +205,10 @@ void rms_norm_bwd_typed(ffi::ThreadPool& pool, const T* x, const T* gamma, const
     A* pg = partial.data() + c * 2 * width;
     A* pb = pg + width;
     const int64_t r0 = rows * c / chunks, r1 = rows * (c + 1) / chunks;
+    if constexpr (kVecRows<T>) {
+      bwd_rows<T>(x, g.data(), rstd, dy, dx, pg, pb, r0, r1, width);
+      return;
+    }
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * width;
       const T* dyr = dy + r * width;
@@ -63,7 +221,9 @@ void rms_norm_bwd_typed(ffi::ThreadPool& pool, const T* x, const T* gamma, const
 #pragma omp simd
       for (int64_t j = 0; j < width; ++j) {
         const A xv = load<A>(xr[j]), dyv = load<A>(dyr[j]);
-        dxr[j] = store<T>(inv * dyv * g[j] - coef * xv);
+        const float u = inv * dyv * g[j];
+      const float w = coef * xv;
+      dxr[j] = store<T>(u - w);
         pg[j] += dyv * xv * inv;
         pb[j] += dyv;
       }

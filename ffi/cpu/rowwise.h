@@ -209,6 +209,176 @@ inline bool cpu_has_x86_64_v4() {
                              : exp_shift_sum16_v8(x, shift, out, n, nx, next_elem);
 }
 
+// ---- 16-element blocks of bf16 / f32 rows -----------------------------------------
+// A block of 16 f32 lanes is a V: v16f (one zmm) in the bodies compiled for x86-64-v4,
+// P16 (two v8f halves: two ymm in the x86-64-v3 clone, four xmm in the baseline clone)
+// in the row clones. (A v16f in an AVX2 function is split by the compiler through the
+// stack, 5x slower; P16 keeps the halves in registers.) ld16<V>(p): 16 consecutive
+// elements as f32 (bf16: the bits shifted up by 16, exact); st16(p, v): stored as the
+// row's type (bf16: round to nearest even, NaN stays a quiet NaN: the bits of
+// from_f32_bf16 in common.h). The conversions are integer shifts and masks, a few
+// instructions per 16 elements instead of a scalar conversion per element. Each row
+// function built on them has a _v16 body (x86-64-v4, V = v16f) and a _v8 body (the row
+// clones, V = P16) around one always-inlined template, and picks one by
+// cpu_has_x86_64_v4() (RLX_JAX_CPU_NO_AVX512=1 takes the clones). Lane k of a block
+// sees the same operations in both, and both contract a * b + c into one FMA, so the
+// AVX-512 and AVX2 bodies give the same bits; the baseline clone (no FMA) rounds
+// differently.
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+
+#define RLX_ROW_INLINE inline __attribute__((always_inline))
+#define RLX_ROW_V4 __attribute__((target("arch=x86-64-v4")))
+
+struct P16 { v8f lo, hi; };
+RLX_ROW_INLINE P16 operator+(const P16& a, const P16& b) { return {a.lo + b.lo, a.hi + b.hi}; }
+RLX_ROW_INLINE P16 operator-(const P16& a, const P16& b) { return {a.lo - b.lo, a.hi - b.hi}; }
+RLX_ROW_INLINE P16 operator*(const P16& a, const P16& b) { return {a.lo * b.lo, a.hi * b.hi}; }
+RLX_ROW_INLINE P16& operator+=(P16& a, const P16& b) { a = a + b; return a; }
+
+template <typename V> RLX_ROW_INLINE V splat16(float s);
+template <> RLX_ROW_INLINE v16f splat16<v16f>(float s) {  // (not v16f{} + s: 0 + -0 is +0)
+  return v16f{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s};
+}
+template <> RLX_ROW_INLINE P16 splat16<P16>(float s) { return {v8_splat(s), v8_splat(s)}; }
+
+template <typename V> RLX_ROW_INLINE V ld16(const float* p);
+template <> RLX_ROW_INLINE v16f ld16<v16f>(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+template <> RLX_ROW_INLINE P16 ld16<P16>(const float* p) { return {v8_load(p), v8_load(p + 8)}; }
+
+template <typename V> RLX_ROW_INLINE V ld16(const bf16* p);
+template <> RLX_ROW_INLINE v16f ld16<v16f>(const bf16* p) {
+  v16h h;
+  std::memcpy(&h, p, sizeof h);
+  const v16u u = __builtin_convertvector(h, v16u) << 16;
+  v16f v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}RLX_ROW_INLINE v8f bf16x8_to_f32(const bf16* p) {
+  v8h h;
+  std::memcpy(&h, p, sizeof h);
+  const v8u u = __builtin_convertvector(h, v8u) << 16;
+  v8f v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+template <> RLX_ROW_INLINE P16 ld16<P16>(const bf16* p) { return {bf16x8_to_f32(p), bf16x8_to_f32(p + 8)}; }
+
+RLX_ROW_INLINE void st16(float* p, const v16f& v) { std::memcpy(p, &v, sizeof v); }
+RLX_ROW_INLINE void st16(float* p, const P16& v) {
+  v8_store(p, v.lo);
+  v8_store(p + 8, v.hi);
+}
+// round to nearest even, NaN -> quiet NaN (from_f32_bf16), lane-wise on uint32 bits
+template <typename U>
+RLX_ROW_INLINE U bf16_round_bits(const U& u) {
+  const U rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const U quiet_nan = (u >> 16) | 0x40u;
+  return (u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded;
+}
+RLX_ROW_INLINE void st16(bf16* p, const v16f& v) {
+  v16u u;
+  std::memcpy(&u, &v, sizeof u);
+  const v16h h = __builtin_convertvector(bf16_round_bits(u), v16h);
+  std::memcpy(p, &h, sizeof h);
+}
+RLX_ROW_INLINE void f32x8_to_bf16(bf16* p, const v8f& v) {
+  v8u u;
+  std::memcpy(&u, &v, sizeof u);
+  const v8h h = __builtin_convertvector(bf16_round_bits(u), v8h);
+  std::memcpy(p, &h, sizeof h);
+}
+RLX_ROW_INLINE void st16(bf16* p, const P16& v) {
+  f32x8_to_bf16(p, v.lo);
+  f32x8_to_bf16(p + 8, v.hi);
+}
+
+RLX_ROW_INLINE v16f max16(const v16f& a, const v16f& b) { return b > a ? b : a; }
+RLX_ROW_INLINE P16 max16(const P16& a, const P16& b) {
+  return {b.lo > a.lo ? b.lo : a.lo, b.hi > a.hi ? b.hi : a.hi};
+}
+RLX_ROW_INLINE float lane16(const v16f& v, int k) { return v[k]; }
+RLX_ROW_INLINE float lane16(const P16& v, int k) { return k < 8 ? v.lo[k] : v.hi[k - 8]; }
+// Lanes 0..15 added in order.
+template <typename V>
+RLX_ROW_INLINE float hsum16(const V& v) {
+  float s = 0.0f;
+  for (int k = 0; k < 16; ++k) s += lane16(v, k);
+  return s;
+}
+
+// ---- bf16 rows of the cross-entropy kernels ---------------------------------------
+// dst[j] = f32(src[j]) for j < n; returns max_j src[j] (-inf for n == 0; NaN never wins
+// the comparison, as in row_max, so the value is row_max's).
+template <typename V, typename T>
+RLX_ROW_INLINE float to_f32_max_body(const T* src, float* dst, int64_t n) {
+  V a = splat16<V>(-INFINITY), b = a;
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    const V u = ld16<V>(src + j), w = ld16<V>(src + j + 16);
+    st16(dst + j, u);
+    st16(dst + j + 16, w);
+    a = max16(a, u);
+    b = max16(b, w);
+  }
+  a = max16(a, b);
+  float m = lane16(a, 0);
+  for (int k = 1; k < 16; ++k) m = lane16(a, k) > m ? lane16(a, k) : m;
+  for (; j < n; ++j) {
+    const float v = load<float>(src[j]);
+    dst[j] = v;
+    m = v > m ? v : m;
+  }
+  return m;
+}
+// dst[j] = store<T>(src[j] * scale): one multiply and one rounding, the values of
+// scale_row followed by store_row.
+template <typename V, typename T>
+RLX_ROW_INLINE void scale_store_body(const float* src, float scale, T* dst, int64_t n) {
+  const V sc = splat16<V>(scale);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) st16(dst + j, ld16<V>(src + j) * sc);
+  for (; j < n; ++j) {
+    const float v = src[j] * scale;
+    dst[j] = store<T>(v);
+  }
+}
+// dst[j] = store<T>(src[j])
+template <typename V, typename T>
+RLX_ROW_INLINE void store_row_body(const float* src, T* dst, int64_t n) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) st16(dst + j, ld16<V>(src + j));
+  for (; j < n; ++j) dst[j] = store<T>(src[j]);
+}
+
+RLX_ROW_V4 static float bf16_to_f32_max_v16(const bf16* s, float* d, int64_t n) { return to_f32_max_body<v16f>(s, d, n); }
+RLX_ROW_CLONES static float bf16_to_f32_max_v8(const bf16* s, float* d, int64_t n) { return to_f32_max_body<P16>(s, d, n); }
+RLX_ROW_V4 static void scale_store_bf16_v16(const float* s, float c, bf16* d, int64_t n) { scale_store_body<v16f>(s, c, d, n); }
+RLX_ROW_CLONES static void scale_store_bf16_v8(const float* s, float c, bf16* d, int64_t n) { scale_store_body<P16>(s, c, d, n); }
+RLX_ROW_V4 static void store_bf16_v16(const float* s, bf16* d, int64_t n) { store_row_body<v16f>(s, d, n); }
+RLX_ROW_CLONES static void store_bf16_v8(const float* s, bf16* d, int64_t n) { store_row_body<P16>(s, d, n); }
+
+// dst[j] = f32(src[j]); returns max_j src[j] (what row_max of dst gives).
+[[maybe_unused]] static float bf16_to_f32_max(const bf16* src, float* dst, int64_t n) {
+  return cpu_has_x86_64_v4() ? bf16_to_f32_max_v16(src, dst, n) : bf16_to_f32_max_v8(src, dst, n);
+}
+// dst[j] = bf16(src[j] * scale), round to nearest even.
+[[maybe_unused]] static void scale_store_bf16(const float* src, float scale, bf16* dst, int64_t n) {
+  if (cpu_has_x86_64_v4()) scale_store_bf16_v16(src, scale, dst, n);
+  else scale_store_bf16_v8(src, scale, dst, n);
+}
+// dst[j] = bf16(src[j]), round to nearest even.
+[[maybe_unused]] static void store_bf16(const float* src, bf16* dst, int64_t n) {
+  if (cpu_has_x86_64_v4()) store_bf16_v16(src, dst, n);
+  else store_bf16_v8(src, dst, n);
+}
+
 // out[j] = exp(x[j] - shift) * scale
 [[maybe_unused]] RLX_ROW_CLONES static void exp_shift_scale(const float* x, float shift, float scale, float* out,
                                            int64_t n) {
