@@ -2,7 +2,8 @@
 the record (its backward is XLA's own convolution in both columns).
 
 Floors (bytes each op must move):
-- max_pool2d fwd+bwd: x read, dy read, dx written (the argmax stays in cache-sized planes);
+- max_pool2d fwd+bwd: x read, dy read, dx written (y and the i32 argmax the forward saves
+  for the backward are written and read on top: the kernels move 2 x + 2 y + 2 argmax);
 - avg_pool2d bwd: dy read, dx written;
 - embedding bwd: dy [K, D] read, d_table [V, D] written (the indices are O(K));
 - fake-quantize bwd: x, dy read, dx written (LSQ: plus the O(C) dscale);
@@ -203,13 +204,16 @@ def _conv_case(n, c, hw, o, k, dtype) -> Case:
 
 
 def _pool_gather_gpu_cases() -> list[Case]:
-    """GPU sizes for the ops with CUDA kernels in ffi/cuda/pool.cu and gather.cu (average
-    pooling's backward has none on GPUs: XLA's code was faster)."""
+    """GPU sizes for the ops with CUDA kernels in ffi/cuda/pool.cu and gather.cu."""
     big = (128, 64, 112, 112)  # a ResNet stem's pooling input at batch 128
     return [
         _max_pool_case(big, 3, 2, 1, jnp.float32),
         _max_pool_case(big, 3, 2, 1, jnp.bfloat16),
         _max_pool_case(big, 2, 2, 0, jnp.float32),
+        _avg_pool_case(big, 3, 2, 1, jnp.float32),
+        _avg_pool_case(big, 3, 2, 1, jnp.bfloat16),
+        _avg_pool_case(big, 2, 2, 0, jnp.float32),
+        _avg_pool_case(big, 2, 2, 0, jnp.bfloat16),
         _embedding_case(32000, 4096, 16384, jnp.float32),
         _embedding_case(32000, 4096, 16384, jnp.bfloat16),
         _embedding_case(128256, 4096, 8192, jnp.bfloat16),

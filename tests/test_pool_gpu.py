@@ -1,10 +1,12 @@
-"""Max pooling on the GPU: the CUDA kernels rlx_max_pool2d_fwd and rlx_max_pool2d_bwd
-against the pure-JAX references (f32 on the GPU). Skipped where JAX sees no GPU. (Average
-pooling's backward has no CUDA kernel: XLA's code was faster, see ffi/cuda/pool.cu.)
+"""Pooling on the GPU: the CUDA kernels rlx_max_pool2d_fwd, rlx_max_pool2d_bwd and
+rlx_avg_pool2d_bwd against the pure-JAX references (f32 on the GPU), and the f32 average
+pooling gradient against the CPU kernel bit for bit (same order of additions). Skipped
+where JAX sees no GPU.
 
 Geometries: non-overlapping, overlapping, padded, non-square windows and strides,
 windows lying wholly in the padding (argmax -1, y = -inf), odd plane sizes, an empty
-spatial axis, zero planes; ties (integer-valued inputs) must pick the first maximum in
+spatial axis, zero planes, planes too large for one block's shared memory (bands of rows)
+and rows too wide for any (the untiled fallback kernels); ties (integer-valued inputs) must pick the first maximum in
 row-major window order as the CPU kernel does."""
 
 from __future__ import annotations
@@ -15,10 +17,14 @@ import numpy as np
 import pytest
 
 import rlx_jax
+import rlx_jax._kernels
 from gpu_testutil import as_f32, assert_close, gpu, requires_gpu
-from rlx_jax.ops import max_pool2d, max_pool2d_backward
+from rlx_jax.ops import avg_pool2d, avg_pool2d_backward, max_pool2d, max_pool2d_backward
 from rlx_jax.vjp_rules.pool import (
     max_pool2d_fwd,
+    out_size,
+    reference_avg_pool2d,
+    reference_avg_pool2d_bwd,
     reference_max_pool2d,
     reference_max_pool2d_bwd,
 )
@@ -28,6 +34,7 @@ pytestmark = requires_gpu
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 TOL = {jnp.float32: 2e-6, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
 TARGETS = ("rlx_max_pool2d_fwd", "rlx_max_pool2d_bwd")
+AVG_TARGET = "rlx_avg_pool2d_bwd"
 
 # (x shape, kernel, stride, padding)
 GEOMS = [
@@ -39,6 +46,9 @@ GEOMS = [
     ((2, 2, 5, 5), (5, 5), (1, 1), (0, 0)),  # one window = the whole plane
     ((2, 1, 3, 6, 7), (3, 2), (3, 1), (1, 1)),  # rank 5: three plane axes
     ((1, 1, 33, 65), (4, 4), (3, 5), (2, 1)),
+    ((1, 2, 200, 150), (3, 3), (2, 2), (1, 1)),  # planes over the shared-memory budget: bands
+    ((1, 1, 97, 301), (3, 2), (1, 2), (1, 0)),  # bands, odd rows and columns
+    ((1, 2, 3, 7001), (2, 2), (1, 1), (0, 0)),  # rows too wide for 48 KB: untiled kernels
 ]
 
 
@@ -81,6 +91,9 @@ def test_cuda_targets_registered_and_in_hlo():
     text = jax.jit(jax.grad(loss)).lower(x).as_text()
     for t in TARGETS:
         assert t in text, f"{t} not in the lowered HLO on GPU (silent fallback)"
+    assert AVG_TARGET in info["targets"]
+    text = jax.jit(jax.grad(lambda x: jnp.sum(avg_pool2d(x, **geom) ** 2))).lower(x).as_text()
+    assert AVG_TARGET in text, "rlx_avg_pool2d_bwd not in the lowered HLO on GPU (silent fallback)"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
@@ -193,3 +206,103 @@ def test_bad_operands_raise():
     with pytest.raises(Exception, match="stride"):
         jax.block_until_ready(jax.jit(lambda dy, am: jax.ffi.ffi_call("rlx_max_pool2d_bwd", bad_dx)(
             dy, am, **{**geom, "sh": np.int64(0)}))(dy, am))
+
+
+# ---- average pooling backward -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("g", GEOMS, ids=_gid)
+def test_avg_pool_gradient(g, dtype):
+    """dx through jax.vjp of avg_pool2d and through avg_pool2d_backward vs the f32
+    reference (XLA's transpose of the f32 average pool)."""
+    shape, k, s, p = g
+    geom = _geom(k, s, p)
+    x = _x(shape, dtype, seed=11 + k[0])
+    dy = _dy(reference_avg_pool2d(x, **geom)[0].shape, dtype, seed=5)
+    x, dy = _put(x, dy)
+    _, pull = jax.vjp(lambda x: avg_pool2d(x, **geom), x)
+    (dx,) = jax.jit(pull)(dy)
+    dx2 = jax.jit(lambda dy: avg_pool2d_backward(dy, x_shape=shape, **geom))(dy)
+    (want,) = reference_avg_pool2d_bwd(dy.astype(jnp.float32), in_hw=shape[-2:], **geom)
+    assert dx.dtype == dtype and dx.shape == x.shape
+    _close(dx, want, dtype, "dx (vjp)")
+    _close(dx2, want, dtype, "dx (avg_pool2d_backward)")
+
+
+@pytest.mark.parametrize("g", GEOMS, ids=_gid)
+def test_avg_pool_f32_same_bits_as_cpu_kernel(g):
+    """f32: the CUDA kernel adds in the CPU kernel's order (row sums over the covering
+    columns, then over the covering rows, times 1/(kh kw)), so dx is bitwise equal."""
+    shape, k, s, p = g
+    geom = _geom(k, s, p)
+    if not rlx_jax._kernels.has_kernel("cpu", AVG_TARGET):
+        pytest.skip("no CPU kernel compiled: nothing to compare bits with")
+    ho, wo = (out_size(n, kk, ss, pp) for n, kk, ss, pp in zip(shape[-2:], k, s, p))
+    dy = _dy(shape[:-2] + (ho, wo), jnp.float32, seed=17)
+    f = jax.jit(lambda dy: avg_pool2d_backward(dy, x_shape=shape, **geom))
+    got = np.asarray(f(*_put(dy)))
+    want = np.asarray(f(jax.device_put(dy, jax.devices("cpu")[0])))
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_avg_pool_sanitizer_small(dtype):
+    """Small overlapping, padded, odd-sized case (run under memcheck / racecheck)."""
+    geom = _geom((3, 2), (2, 1), (1, 1))
+    shape = (2, 3, 5, 7)
+    dy = _dy(reference_avg_pool2d(jnp.zeros(shape, jnp.float32), **geom)[0].shape, dtype, seed=4)
+    (dy,) = _put(dy)
+    dx = jax.jit(lambda dy: avg_pool2d_backward(dy, x_shape=shape, **geom))(dy)
+    (want,) = reference_avg_pool2d_bwd(dy.astype(jnp.float32), in_hw=shape[-2:], **geom)
+    _close(dx, want, dtype, "dx")
+
+
+def test_pool_band_sanitizer_small():
+    """Planes over the shared-memory budget (bands of rows, halo rows shared by two
+    bands): max forward and backward, average backward; small enough for memcheck and
+    racecheck."""
+    geom = _geom((3, 3), (2, 2), (1, 1))
+    shape = (1, 1, 130, 200)
+    x = _x(shape, jnp.float32, seed=6, ties=True)
+    y_ref, am_ref = reference_max_pool2d(x, **geom)
+    dy = _dy(y_ref.shape, jnp.float32, seed=6)
+    x, dy = _put(x, dy)
+    y, am = jax.jit(lambda x: max_pool2d_fwd(x, **geom))(x)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))
+    np.testing.assert_array_equal(np.asarray(am), np.asarray(am_ref))
+    dx = jax.jit(lambda x, dy: max_pool2d_backward(x, dy, **geom))(x, dy)
+    (want,) = reference_max_pool2d_bwd(dy, am_ref, in_hw=shape[-2:], **geom)
+    _close(dx, want, jnp.float32, "max dx")
+    dx = jax.jit(lambda dy: avg_pool2d_backward(dy, x_shape=shape, **geom))(dy)
+    (want,) = reference_avg_pool2d_bwd(dy, in_hw=shape[-2:], **geom)
+    _close(dx, want, jnp.float32, "avg dx")
+
+
+@pytest.mark.parametrize("shape", [(0, 3, 6, 6), (2, 3, 0, 5)], ids=["zero_planes", "zero_height"])
+def test_avg_zero_sized(shape):
+    geom = _geom((2, 2), (1, 1), (1, 1))
+    (x,) = _put(jnp.zeros(shape, jnp.float32))
+    y, pull = jax.vjp(lambda x: avg_pool2d(x, **geom), x)
+    (dx,) = jax.jit(pull)(jnp.ones(y.shape, jnp.float32))
+    assert dx.shape == shape
+
+
+def test_avg_vmap_keeps_kernel():
+    geom = _geom((3, 3), (2, 2), (1, 1))
+    x, dy = _put(_x((4, 2, 3, 9, 9), jnp.float32, seed=8), _dy((4, 2, 3, 5, 5), jnp.float32, seed=8))
+    f = jax.jit(jax.vmap(lambda x, dy: jax.vjp(lambda x: avg_pool2d(x, **geom), x)[1](dy)[0]))
+    assert AVG_TARGET in f.lower(x, dy).as_text()
+    wm = jax.vmap(lambda x, dy: jax.vjp(lambda x: reference_avg_pool2d(x, **geom)[0], x)[1](dy)[0])(x, dy)
+    _close(f(x, dy), wm, jnp.float32, "avg dx")
+
+
+def test_avg_bad_operands_raise():
+    geom = dict(kh=np.int64(2), kw=np.int64(2), sh=np.int64(2), sw=np.int64(2), ph=np.int64(0), pw=np.int64(0))
+    (dy,) = _put(jnp.ones((1, 2, 3, 3), jnp.float32))
+    bad_dx = (jax.ShapeDtypeStruct((1, 2, 9, 9), jnp.float32),)
+    with pytest.raises(Exception, match="pooled dims"):
+        jax.block_until_ready(jax.jit(lambda dy: jax.ffi.ffi_call("rlx_avg_pool2d_bwd", bad_dx)(dy, **geom))(dy))
+    with pytest.raises(Exception, match="dtype"):
+        jax.block_until_ready(jax.jit(lambda dy: jax.ffi.ffi_call(
+            "rlx_avg_pool2d_bwd", (jax.ShapeDtypeStruct((1, 2, 6, 6), jnp.bfloat16),))(dy, **geom))(dy))

@@ -15,50 +15,17 @@
 #include <limits>
 
 #include "cpu/common.h"
+#include "pool_geometry.h"
 
 namespace rlx {
 namespace {
 
-struct Geom {
-  int64_t kh, kw, sh, sw, ph, pw;
-};
-
-struct PlaneView {
-  int64_t planes, h, w;
-};
-
-PlaneView plane_view(const ffi::AnyBuffer& b) {
-  auto d = b.dimensions();
-  int64_t planes = 1;
-  for (size_t i = 0; i + 2 < d.size(); ++i) planes *= d[i];
-  return {planes, d[d.size() - 2], d[d.size() - 1]};
-}
-
-int64_t pooled(int64_t n, int64_t k, int64_t s, int64_t p) { return (n + 2 * p - k) / s + 1; }
-
-ffi::Error check_geom(const char* who, const Geom& g) {
-  if (g.kh < 1 || g.kw < 1 || g.sh < 1 || g.sw < 1 || g.ph < 0 || g.pw < 0)
-    return invalid(std::string(who) + ": kernel and stride must be >= 1, padding >= 0");
-  return ffi::Error::Success();
-}
-
-// Checks that `in` [P..., H, W] and `out` [P..., Ho, Wo] agree on the planes and that
-// (Ho, Wo) is the pooled size of (H, W).
-ffi::Error check_pair(const char* who, const ffi::AnyBuffer& in, const ffi::AnyBuffer& out,
-                      const Geom& g) {
-  auto di = in.dimensions(), dout = out.dimensions();
-  if (di.size() < 2 || dout.size() != di.size())
-    return invalid(std::string(who) + ": operands must have equal rank >= 2 ([..., H, W])");
-  for (size_t i = 0; i + 2 < di.size(); ++i)
-    if (di[i] != dout[i]) return invalid(std::string(who) + ": leading (plane) dims differ");
-  const int64_t h = di[di.size() - 2], w = di[di.size() - 1];
-  if (h + 2 * g.ph < g.kh || w + 2 * g.pw < g.kw)
-    return invalid(std::string(who) + ": kernel larger than the padded input");
-  if (dout[di.size() - 2] != pooled(h, g.kh, g.sh, g.ph) ||
-      dout[di.size() - 1] != pooled(w, g.kw, g.sw, g.pw))
-    return invalid(std::string(who) + ": pooled dims do not match the window geometry");
-  return ffi::Error::Success();
-}
+using pool::check_geom;
+using pool::check_pair;
+using pool::covering;
+using pool::Geom;
+using pool::plane_view;
+using pool::PlaneView;
 
 // Plane tasks: enough to spread over the pool, few enough to keep per-task work large.
 int64_t plane_tasks(int64_t planes, int64_t plane_size) {
@@ -118,19 +85,6 @@ void max_bwd_typed(ffi::ThreadPool& pool, const T* dy, const int32_t* am, T* dx,
       for (int64_t k = 0; k < hw; ++k) dxp[k] = store<T>(acc[k]);
     }
   });
-}
-
-// Outputs whose windows cover input coordinate `n` along one axis: [lo, hi) clipped to
-// [0, out). Window i covers i*s - p + [0, k): i*s <= n + p and i*s > n + p - k.
-inline void covering(int64_t n, int64_t k, int64_t s, int64_t p, int64_t out, int64_t* lo,
-                     int64_t* hi) {
-  const int64_t top = n + p;  // i*s <= top
-  const int64_t bottom = top - k + 1;  // i*s >= bottom
-  int64_t first = bottom <= 0 ? 0 : (bottom + s - 1) / s;
-  int64_t last = top < 0 ? -1 : top / s;
-  *lo = std::max<int64_t>(first, 0);
-  *hi = std::min<int64_t>(last + 1, out);
-  if (*hi < *lo) *hi = *lo;
 }
 
 template <typename T>

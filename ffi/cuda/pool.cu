@@ -1,75 +1,480 @@
-// XLA FFI handlers for 2-D max pooling on CUDA: targets rlx_max_pool2d_fwd and
-// rlx_max_pool2d_bwd (the CPU kernels in ffi/cpu/pool.cc define the maths; see
-// rlx_jax/vjp_rules/pool.py). Average pooling's backward has no CUDA kernel: a
-// one-column-per-thread kernel measured 0.35-0.85x XLA's code on an H200 (2026-11-22,
-// benchmarks/results/gather_pool_h200_2026-11-22.txt), so on GPUs it stays XLA's.
+// XLA FFI handlers for 2-D pooling on CUDA: targets rlx_max_pool2d_fwd,
+// rlx_max_pool2d_bwd and rlx_avg_pool2d_bwd (the CPU kernels in ffi/cpu/pool.cc define
+// the maths; see rlx_jax/vjp_rules/pool.py). Geometry checks: ffi/pool_geometry.h.
 //
 // x [P..., H, W] (every leading index is a plane), window (kh, kw), stride (sh, sw),
 // padding (ph, pw) on both sides; Ho = (H + 2 ph - kh) / sh + 1; window (i, j) covers
 // rows i*sh - ph + [0, kh) and columns j*sw - pw + [0, kw).
 //
-// rlx_max_pool2d_fwd: x -> y, argmax (i32), attrs kh kw sh sw ph pw (as on CPU). One
-//   thread per output: y = window max (padding -inf), argmax = flat in-plane index of
-//   the FIRST maximum in row-major window order (strictly greater than every earlier
-//   value, starting from -inf; NaN never wins), -1 when nothing exceeds -inf; y is then
-//   x[argmax] (or -inf). Same comparisons as the CPU kernel, so the same bits.
+// rlx_max_pool2d_fwd: x -> y, argmax (i32), attrs kh kw sh sw ph pw (as on CPU):
+//   y = window max (padding -inf), argmax = flat in-plane index of the FIRST maximum in
+//   row-major window order (strictly greater than every earlier value, starting from
+//   -inf; NaN never wins), -1 when nothing exceeds -inf; y is then x[argmax] (or -inf).
+//   Same comparisons as the CPU kernel, so the same bits.
 // rlx_max_pool2d_bwd (CUDA contract): dy, argmax -> dx, WITH the geometry attrs
 //   kh kw sh sw ph pw (the CPU handler takes none: the Python side passes them on CUDA
-//   only). No scatter: one thread per input element (h, w) loops over the outputs whose
-//   windows cover it, in increasing output order, and adds dy where argmax equals its
-//   flat index h*W + w (f32 accumulation, written once): deterministic, no atomics,
-//   the same sums in the same order as the CPU kernel's scatter for every argmax the
-//   forward produces (an argmax always lies in its own window; an index outside its
-//   window, which the forward never writes, passes no gradient here).
-// Every kernel gives each thread one column and a few consecutive rows of a plane (see
-// Launch below), runs on XLA's stream, allocates nothing, and returns at once on
+//   only). No scatter: each input element (h, w) walks the outputs whose windows cover
+//   it in increasing output order and adds dy where argmax equals its flat index
+//   h*W + w (f32 accumulation, written once): deterministic, no atomics, the same sums in
+//   the same order as the CPU kernel's scatter for every argmax the forward produces (an
+//   argmax always lies in its own window; an index outside its window, which the forward
+//   never writes, passes no gradient here).
+// rlx_avg_pool2d_bwd: dy -> dx, attrs as on CPU: dx[h, w] = (sum over the covering
+//   windows i of (sum over the covering windows j of dy[i, j])) * (1 / (kh kw)), the
+//   CPU kernel's order of additions (count_include_pad), so f32 gives the same bits.
+//
+// Tiled kernels (every geometry whose staged rows fit in shared memory). A block owns a
+// contiguous run of output rows (whole planes, or a band of rows of one plane); it first
+// copies the contiguous run of input rows those outputs read (dy, argmax or x) into
+// shared memory as f32 / i32, with 8- or 16-byte loads, four per thread in flight (the
+// bandwidth needs many loads in flight per SM), then computes every output of its run
+// from shared memory and writes them with 16-byte stores. The per-row and per-column
+// window ranges are computed once per block into shared memory, so the element loop
+// does one integer division per vector of outputs. HBM traffic: each input byte is read
+// once (plus the halo rows a band shares with its neighbour, from L2), each output
+// written once. Why the earlier column-per-thread kernels were slow: one element load per
+// thread in flight at a time (the loop over the covering windows had a run-time trip
+// count), ~4 KB of loads in flight per SM where ~30 KB are needed to cover HBM latency.
+// Untiled kernels (the fallback for planes whose rows do not fit in 48 KB of shared
+// memory): one thread per column walking 8 rows, reading through L1.
+//
+// Every kernel runs on XLA's stream, allocates nothing and returns at once on
 // zero-sized operands.
 #include <cmath>
+#include <cstdlib>
+#include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "cuda/common.cuh"
+#include "pool_geometry.h"
 
 namespace rlx {
 namespace cuda {
 namespace {
 
-struct Geom {
-  int64_t kh, kw, sh, sw, ph, pw;
+using pool::check_geom;
+using pool::check_pair;
+using pool::Geom;
+using pool::plane_view;
+using pool::PlaneView;
+
+constexpr int kThreads = 256;
+
+// ---- tiled kernels -----------------------------------------------------------------------
+
+// Input range read by output coordinate n along one axis, [lo, lo + cnt):
+// cover = true (backward): the windows covering input n, lo = ceil((n + p - k + 1) / s),
+//   hi = floor((n + p) / s) + 1, clipped to [0, lim);
+// cover = false (forward): the input window of output n, [n s - p, n s - p + k) clipped to
+//   [0, lim).
+// Both bounds only grow with n. lo may exceed lim when cnt == 0.
+struct AxisMap {
+  int k, s, p, lim;
+  bool cover;
 };
 
-struct PlaneView {
-  int64_t planes, h, w;
+struct Span {
+  int lo, hi;  // hi clipped to lim; empty when hi <= lo
 };
 
-PlaneView plane_view(const ffi::AnyBuffer& b) {
-  auto d = b.dimensions();
-  int64_t planes = 1;
-  for (size_t i = 0; i + 2 < d.size(); ++i) planes *= d[i];
-  return {planes, d[d.size() - 2], d[d.size() - 1]};
+__device__ __forceinline__ Span span_of(const AxisMap& m, int n) {
+  if (m.cover) {
+    const int top = n + m.p, bottom = top - m.k + 1;
+    const int lo = bottom <= 0 ? 0 : (bottom + m.s - 1) / m.s;
+    const int hi = top / m.s + 1;
+    return {lo, hi < m.lim ? hi : m.lim};
+  }
+  const int64_t st = int64_t(n) * m.s - m.p;
+  const int64_t lo = st > 0 ? st : 0, hi = st + m.k < m.lim ? st + m.k : m.lim;
+  return {int(lo), int(hi)};
 }
 
-int64_t pooled(int64_t n, int64_t k, int64_t s, int64_t p) { return (n + 2 * p - k) / s + 1; }
+struct TileArgs {
+  int64_t planes, units;
+  int in_h, in_w, out_h, out_w;  // per plane: what a block stages / what it writes
+  int pb;                        // > 0: pb whole planes per unit; 0: bands of rb rows
+  int rb, bands;
+  int rows_cap, stage_cap;       // shared memory capacities (rows, staged elements)
+  AxisMap rm, cm;
+};
 
-ffi::Error check_geom(const char* who, const Geom& g) {
-  if (g.kh < 1 || g.kw < 1 || g.sh < 1 || g.sw < 1 || g.ph < 0 || g.pw < 0)
-    return invalid(std::string(who) + ": kernel and stride must be >= 1, padding >= 0");
-  return ffi::Error::Success();
+// What one unit (a block's share) covers, and the shared-memory tables it fills:
+// rowinfo[R] = {stage offset of the first input row of output row R, input rows,
+//               first input row (in-plane), output row (in-plane)},
+// colinfo[c] = {first input column, input columns}.
+struct Unit {
+  int64_t in_base, out_base;  // flat element offsets of the staged input / written output
+  int n_in, n_out;
+  int shift;                  // in_base % 4: stage index of input element e is shift + e
+};
+
+__device__ __forceinline__ Unit unit_setup(const TileArgs& a, int64_t u, int4* rowinfo) {
+  Unit t;
+  const int64_t in_plane = int64_t(a.in_h) * a.in_w, out_plane = int64_t(a.out_h) * a.out_w;
+  int rows, base, r0;
+  int64_t p0;
+  if (a.pb > 0) {
+    p0 = u * a.pb;
+    const int np = int(a.planes - p0 < a.pb ? a.planes - p0 : a.pb);
+    rows = np * a.out_h;
+    base = 0;
+    r0 = 0;
+    t.in_base = p0 * in_plane;
+    t.n_in = int(np * in_plane);
+  } else {
+    p0 = u / a.bands;
+    const int b = int(u - p0 * a.bands);
+    r0 = b * a.rb;
+    const int r1 = r0 + a.rb < a.out_h ? r0 + a.rb : a.out_h;
+    rows = r1 - r0;
+    const Span first = span_of(a.rm, r0), last = span_of(a.rm, r1 - 1);
+    base = first.lo < a.rm.lim ? first.lo : a.rm.lim;
+    const int end = last.hi > base ? last.hi : base;
+    t.in_base = p0 * in_plane + int64_t(base) * a.in_w;
+    t.n_in = (end - base) * a.in_w;
+  }
+  t.out_base = p0 * out_plane + int64_t(r0) * a.out_w;
+  t.n_out = rows * a.out_w;
+  t.shift = int(t.in_base & 3);
+  for (int R = threadIdx.x; R < rows; R += blockDim.x) {
+    int pl = 0, r = r0 + R;
+    if (a.pb > 0) {
+      pl = R / a.out_h;
+      r = R - pl * a.out_h;
+    }
+    const Span sp = span_of(a.rm, r);
+    const int cnt = sp.hi > sp.lo ? sp.hi - sp.lo : 0;
+    const int off = cnt > 0 ? t.shift + (pl * a.in_h + sp.lo - base) * a.in_w : 0;
+    rowinfo[R] = make_int4(off, cnt, sp.lo, r);
+  }
+  return t;
 }
 
-// `in` [P..., H, W] and `out` [P..., Ho, Wo]: same planes, (Ho, Wo) the pooled size.
-ffi::Error check_pair(const char* who, const ffi::AnyBuffer& in, const ffi::AnyBuffer& out, const Geom& g) {
-  auto di = in.dimensions(), dout = out.dimensions();
-  if (di.size() < 2 || dout.size() != di.size())
-    return invalid(std::string(who) + ": operands must have equal rank >= 2 ([..., H, W])");
-  for (size_t i = 0; i + 2 < di.size(); ++i)
-    if (di[i] != dout[i]) return invalid(std::string(who) + ": leading (plane) dims differ");
-  const int64_t h = di[di.size() - 2], w = di[di.size() - 1];
-  if (h + 2 * g.ph < g.kh || w + 2 * g.pw < g.kw)
-    return invalid(std::string(who) + ": kernel larger than the padded input");
-  if (dout[di.size() - 2] != pooled(h, g.kh, g.sh, g.ph) || dout[di.size() - 1] != pooled(w, g.kw, g.sw, g.pw))
-    return invalid(std::string(who) + ": pooled dims do not match the window geometry");
-  return ffi::Error::Success();
+__device__ __forceinline__ void fill_colinfo(const TileArgs& a, int2* colinfo) {
+  for (int c = threadIdx.x; c < a.out_w; c += blockDim.x) {
+    const Span sp = span_of(a.cm, c);
+    colinfo[c] = make_int2(sp.lo, sp.hi > sp.lo ? sp.hi - sp.lo : 0);
+  }
 }
+
+// 4 elements of T: 16 bytes for f32 / i32, 8 for 16-bit types.
+template <typename T> struct Vec4Raw;
+template <> struct Vec4Raw<float> { using type = uint4; };
+template <> struct Vec4Raw<int32_t> { using type = uint4; };
+template <> struct Vec4Raw<__nv_bfloat16> { using type = uint2; };
+template <> struct Vec4Raw<__half> { using type = uint2; };
+
+__device__ __forceinline__ float stage_val(float v) { return v; }
+__device__ __forceinline__ float stage_val(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float stage_val(__half v) { return __half2float(v); }
+__device__ __forceinline__ int32_t stage_val(int32_t v) { return v; }
+
+__device__ __forceinline__ void store4(float* p, float a, float b, float c, float d) {
+  *reinterpret_cast<float4*>(p) = make_float4(a, b, c, d);
+}
+__device__ __forceinline__ void store4(int32_t* p, int32_t a, int32_t b, int32_t c, int32_t d) {
+  *reinterpret_cast<int4*>(p) = make_int4(a, b, c, d);
+}
+
+// Copies src[0, n) (src = base + in_base, base 16-byte aligned) into dst[shift + e]
+// (dst 16-byte aligned, shift = in_base % 4), as f32 (i32 stays i32): vectors of 4
+// elements at the aligned positions, four vectors per thread in flight, one 16-byte
+// shared store per vector (consecutive threads, consecutive addresses: no bank conflict);
+// the unaligned head and tail element by element.
+template <typename T, typename S>
+__device__ __forceinline__ void stage_copy(const T* __restrict__ src, int n, int shift, S* dst) {
+  using Raw = typename Vec4Raw<T>::type;
+  const int head = min((4 - shift) & 3, n);
+  const int nv = (n - head) >> 2;
+  const int tail0 = head + nv * 4;
+  const int nscalar = head + (n - tail0);
+  for (int t = threadIdx.x; t < nscalar; t += blockDim.x) {
+    const int e = t < head ? t : tail0 + (t - head);
+    dst[shift + e] = stage_val(src[e]);
+  }
+  const Raw* vsrc = reinterpret_cast<const Raw*>(src + head);
+  S* vdst = dst + shift + head;  // 16-byte aligned: shift + head is a multiple of 4
+  const int step = blockDim.x;
+  for (int v0 = threadIdx.x; v0 < nv; v0 += 4 * step) {
+    Raw raw[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+      if (v0 + q * step < nv) raw[q] = __ldcs(vsrc + v0 + q * step);
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+      if (v0 + q * step < nv) {
+        const T* e = reinterpret_cast<const T*>(&raw[q]);
+        store4(vdst + 4 * (v0 + q * step), stage_val(e[0]), stage_val(e[1]), stage_val(e[2]), stage_val(e[3]));
+      }
+  }
+}
+
+// VEC consecutive T (VEC * sizeof(T) in {4, 8, 16}, p aligned to it) from f32.
+template <typename T, int VEC>
+__device__ __forceinline__ void store_n(T* __restrict__ p, const float (&v)[VEC]) {
+  constexpr int B = VEC * int(sizeof(T));
+  static_assert(B == 4 || B == 8 || B == 16, "store_n: 4, 8 or 16 bytes");
+  using Raw = typename std::conditional<B == 16, uint4, typename std::conditional<B == 8, uint2, uint32_t>::type>::type;
+  Raw raw;
+  T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) e[i] = from_f32<T>(v[i]);
+  *reinterpret_cast<Raw*>(p) = raw;
+}
+
+// Walks the unit's outputs [0, n_out) (flat, local; global offset out_base): first the
+// unaligned head and tail one element each (elem(e, R, c)), then the VEC-aligned vectors
+// (vec(e, R, c) computes VEC consecutive elements starting at output row R, column c).
+template <int VEC, typename Elem, typename VecFn>
+__device__ __forceinline__ void for_outputs(int64_t out_base, int n_out, int out_w, Elem&& elem, VecFn&& vec) {
+  const int head = min(int((VEC - out_base % VEC) % VEC), n_out);
+  const int nv = (n_out - head) / VEC;
+  const int tail0 = head + nv * VEC;
+  const int nscalar = head + (n_out - tail0);
+  const unsigned uw = unsigned(out_w);
+  for (int t = threadIdx.x; t < nscalar; t += blockDim.x) {
+    const int e = t < head ? t : tail0 + (t - head);
+    const int R = int(unsigned(e) / uw);
+    elem(e, R, e - R * out_w);
+  }
+  for (int v = threadIdx.x; v < nv; v += blockDim.x) {
+    const int e = head + v * VEC;
+    const int R = int(unsigned(e) / uw);
+    vec(e, R, e - R * out_w);
+  }
+}
+
+// Steps (R, c) to the next output element of a row-major run.
+__device__ __forceinline__ void next_rc(int& R, int& c, int out_w) {
+  if (++c == out_w) {
+    c = 0;
+    ++R;
+  }
+}
+
+struct SmemLayout {
+  int4* rowinfo;
+  int2* colinfo;
+  float* stage;
+  int32_t* stage2;
+};
+
+__device__ __forceinline__ SmemLayout smem_layout(const TileArgs& a, unsigned char* smem) {
+  SmemLayout l;
+  l.rowinfo = reinterpret_cast<int4*>(smem);
+  size_t off = size_t(a.rows_cap) * 16;
+  l.colinfo = reinterpret_cast<int2*>(smem + off);
+  off += (size_t(a.out_w) * 8 + 15) / 16 * 16;
+  l.stage = reinterpret_cast<float*>(smem + off);
+  off += size_t(a.stage_cap) * 4;
+  l.stage2 = reinterpret_cast<int32_t*>(smem + off);
+  return l;
+}
+
+// avg pool backward: stage dy rows, write dx (VEC = 16 bytes of T).
+template <typename T>
+__global__ void __launch_bounds__(kThreads) avg_bwd_tiled(const T* __restrict__ dy, T* __restrict__ dx, TileArgs a,
+                                                          float inv) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const SmemLayout sm = smem_layout(a, smem);
+  constexpr int VEC = 16 / int(sizeof(T));
+  fill_colinfo(a, sm.colinfo);
+  for (int64_t u = blockIdx.x; u < a.units; u += gridDim.x) {
+    __syncthreads();  // the previous unit's readers are done with the tables and stage
+    const Unit t = unit_setup(a, u, sm.rowinfo);
+    stage_copy(dy + t.in_base, t.n_in, t.shift, sm.stage);
+    __syncthreads();
+    const float* st = sm.stage;
+    const int in_w = a.in_w;
+    auto value = [&](int R, int c) {
+      const int4 ri = sm.rowinfo[R];
+      const int2 ci = sm.colinfo[c];
+      const float* q = st + ri.x + ci.x;
+      float s = 0.f;
+      for (int i = 0; i < ri.y; ++i, q += in_w) {
+        float rs = 0.f;
+        for (int j = 0; j < ci.y; ++j) rs += q[j];
+        s += rs;
+      }
+      return s * inv;
+    };
+    T* out = dx + t.out_base;
+    for_outputs<VEC>(
+        t.out_base, t.n_out, a.out_w, [&](int e, int R, int c) { out[e] = from_f32<T>(value(R, c)); },
+        [&](int e, int R, int c) {
+          float v[VEC];
+#pragma unroll
+          for (int q = 0; q < VEC; ++q) {
+            v[q] = value(R, c);
+            next_rc(R, c, a.out_w);
+          }
+          store_n<T, VEC>(out + e, v);
+        });
+  }
+}
+
+// max pool backward: stage dy (f32) and argmax (i32) rows, write dx.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) max_bwd_tiled(const T* __restrict__ dy, const int32_t* __restrict__ am,
+                                                          T* __restrict__ dx, TileArgs a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const SmemLayout sm = smem_layout(a, smem);
+  constexpr int VEC = 16 / int(sizeof(T));
+  fill_colinfo(a, sm.colinfo);
+  for (int64_t u = blockIdx.x; u < a.units; u += gridDim.x) {
+    __syncthreads();
+    const Unit t = unit_setup(a, u, sm.rowinfo);
+    stage_copy(dy + t.in_base, t.n_in, t.shift, sm.stage);
+    stage_copy(am + t.in_base, t.n_in, t.shift, sm.stage2);
+    __syncthreads();
+    const int in_w = a.in_w, out_w = a.out_w;
+    auto value = [&](int R, int c) {
+      const int4 ri = sm.rowinfo[R];
+      const int2 ci = sm.colinfo[c];
+      const int32_t me = ri.w * out_w + c;
+      const float* q = sm.stage + ri.x + ci.x;
+      const int32_t* qa = sm.stage2 + ri.x + ci.x;
+      float acc = 0.f;
+      for (int i = 0; i < ri.y; ++i, q += in_w, qa += in_w)
+        for (int j = 0; j < ci.y; ++j)
+          if (qa[j] == me) acc += q[j];
+      return acc;
+    };
+    T* out = dx + t.out_base;
+    for_outputs<VEC>(
+        t.out_base, t.n_out, out_w, [&](int e, int R, int c) { out[e] = from_f32<T>(value(R, c)); },
+        [&](int e, int R, int c) {
+          float v[VEC];
+#pragma unroll
+          for (int q = 0; q < VEC; ++q) {
+            v[q] = value(R, c);
+            next_rc(R, c, out_w);
+          }
+          store_n<T, VEC>(out + e, v);
+        });
+  }
+}
+
+// max pool forward: stage x rows (f32: exact for every T), write y and argmax (4 at a time).
+template <typename T>
+__global__ void __launch_bounds__(kThreads) max_fwd_tiled(const T* __restrict__ x, T* __restrict__ y,
+                                                          int32_t* __restrict__ am, TileArgs a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const SmemLayout sm = smem_layout(a, smem);
+  fill_colinfo(a, sm.colinfo);
+  for (int64_t u = blockIdx.x; u < a.units; u += gridDim.x) {
+    __syncthreads();
+    const Unit t = unit_setup(a, u, sm.rowinfo);
+    stage_copy(x + t.in_base, t.n_in, t.shift, sm.stage);
+    __syncthreads();
+    const int in_w = a.in_w, out_w = a.out_w;
+    auto value = [&](int R, int c, float* best_out) {
+      const int4 ri = sm.rowinfo[R];
+      const int2 ci = sm.colinfo[c];
+      const float* q = sm.stage + ri.x + ci.x;
+      float best = -INFINITY;
+      int32_t arg = -1;
+      for (int i = 0; i < ri.y; ++i, q += in_w)
+        for (int j = 0; j < ci.y; ++j) {
+          const float v = q[j];
+          if (v > best) {
+            best = v;
+            arg = (ri.z + i) * in_w + ci.x + j;
+          }
+        }
+      *best_out = best;
+      return arg;
+    };
+    T* yo = y + t.out_base;
+    int32_t* ao = am + t.out_base;
+    for_outputs<4>(
+        t.out_base, t.n_out, out_w,
+        [&](int e, int R, int c) {
+          float b;
+          ao[e] = value(R, c, &b);
+          yo[e] = from_f32<T>(b);
+        },
+        [&](int e, int R, int c) {
+          float v[4];
+          int32_t g[4];
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            g[q] = value(R, c, &v[q]);
+            next_rc(R, c, out_w);
+          }
+          store_n<T, 4>(yo + e, v);
+          *reinterpret_cast<int4*>(ao + e) = make_int4(g[0], g[1], g[2], g[3]);
+        });
+  }
+}
+
+// Host plan of a tiled launch: whole planes per block where a plane's staged input fits
+// the soft shared-memory budget (aiming at ~8K outputs per block), else bands of rows of
+// one plane; `ok` false when one output row's input rows exceed 48 KB (untiled fallback).
+struct TilePlan {
+  TileArgs args;
+  size_t smem;
+  unsigned grid;
+  bool ok;
+};
+
+constexpr size_t kSoftSmem = 26 * 1024;  // 8 blocks of 256 threads per SM (228 KB)
+constexpr size_t kHardSmem = 48 * 1024 - 64;  // below the 48 KB allowed without the opt-in attribute
+constexpr int64_t kTargetOut = 8192;     // outputs per block
+
+// bytes of shared memory for `rows` output rows staging `stage` input elements of
+// `per` bytes each (one or two stages).
+size_t smem_bytes(int64_t rows, int64_t stage, int out_w, int per) {
+  return size_t(rows) * 16 + (size_t(out_w) * 8 + 15) / 16 * 16 + size_t(stage + 4) * per;
+}
+
+// in_rows(rb): the most input rows a band of rb consecutive output rows reads.
+template <typename RowsFn>
+TilePlan plan_tiles(int64_t planes, int in_h, int in_w, int out_h, int out_w, int per, AxisMap rm, AxisMap cm,
+                    RowsFn in_rows) {
+  TilePlan p{};
+  TileArgs& a = p.args;
+  a.planes = planes;
+  a.in_h = in_h;
+  a.in_w = in_w;
+  a.out_h = out_h;
+  a.out_w = out_w;
+  a.rm = rm;
+  a.cm = cm;
+  const int64_t in_plane = int64_t(in_h) * in_w, out_plane = int64_t(out_h) * out_w;
+  if (smem_bytes(out_h, in_plane, out_w, per) <= kSoftSmem) {
+    const size_t fixed = smem_bytes(0, 0, out_w, per);
+    int64_t pb = std::max<int64_t>(1, kTargetOut / std::max<int64_t>(out_plane, 1));
+    const int64_t fit = int64_t((kSoftSmem - fixed) / (size_t(out_h) * 16 + size_t(in_plane) * per));
+    pb = std::min({pb, std::max<int64_t>(fit, 1), planes, int64_t(1) << 20});
+    a.pb = int(pb);
+    a.units = (planes + pb - 1) / pb;
+    a.rows_cap = int(pb * out_h);
+    a.stage_cap = int(pb * in_plane + 4);
+  } else {
+    int64_t rb = std::min<int64_t>(std::max<int64_t>(1, kTargetOut / out_w), out_h);
+    while (rb > 1 && smem_bytes(rb, in_rows(rb) * in_w, out_w, per) > kSoftSmem) rb = rb * 7 / 8;
+    if (smem_bytes(rb, in_rows(rb) * in_w, out_w, per) > kHardSmem) return p;  // ok = false
+    const int64_t bands = (out_h + rb - 1) / rb;
+    rb = (out_h + bands - 1) / bands;  // balanced bands (no larger than before)
+    a.pb = 0;
+    a.rb = int(rb);
+    a.bands = int(bands);
+    a.units = planes * bands;
+    a.rows_cap = int(rb);
+    a.stage_cap = int(in_rows(rb) * in_w + 4);
+  }
+  a.stage_cap = (a.stage_cap + 3) / 4 * 4;
+  p.smem = smem_bytes(a.rows_cap, a.stage_cap - 4, out_w, per);
+  p.grid = unsigned(std::min<int64_t>(a.units, int64_t(1) << 30));
+  p.ok = true;
+  return p;
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+// ---- untiled fallback kernels ------------------------------------------------------------
 
 // Outputs whose windows cover input coordinate n along one axis: [lo, hi) within
 // [0, out), as the CPU kernel's covering(). Window i covers i*s - p + [0, k):
@@ -96,12 +501,11 @@ struct Cover {
   }
 };
 
-// Work layout of every kernel here: blockDim (TX, TY) with TX * TY = 256 threads;
+// Work layout of the untiled kernels: blockDim (TX, TY) with TX * TY = 256 threads;
 // thread x walks one column of one plane (grid.x tiles the columns), thread y takes
 // kRows consecutive rows (grid.y tiles the rows), grid.z the planes (both y and z
 // loop when the grid limit is reached). A warp covers 32 consecutive columns of one
 // row: coalesced loads and stores. No per-element integer division.
-constexpr int kThreads = 256;
 constexpr int kRows = 8;
 
 struct Launch {
@@ -126,7 +530,7 @@ struct Geom32 {
 };
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads) max_fwd_kernel(const T* __restrict__ x, T* __restrict__ y,
+__global__ void __launch_bounds__(kThreads) max_fwd_untiled(const T* __restrict__ x, T* __restrict__ y,
                                                            int32_t* __restrict__ am, int64_t planes, int h, int w,
                                                            int ho, int wo, Geom32 g, int row_tiles) {
   const int j = blockIdx.x * blockDim.x + threadIdx.x;
@@ -164,7 +568,7 @@ __global__ void __launch_bounds__(kThreads) max_fwd_kernel(const T* __restrict__
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads) max_bwd_kernel(const T* __restrict__ dy, const int32_t* __restrict__ am,
+__global__ void __launch_bounds__(kThreads) max_bwd_untiled(const T* __restrict__ dy, const int32_t* __restrict__ am,
                                                            T* __restrict__ dx, int64_t planes, int h, int w, int ho,
                                                            int wo, Geom32 g, int row_tiles) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
@@ -197,6 +601,38 @@ __global__ void __launch_bounds__(kThreads) max_bwd_kernel(const T* __restrict__
   }
 }
 
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) avg_bwd_untiled(const T* __restrict__ dy, T* __restrict__ dx,
+                                                            int64_t planes, int h, int w, int ho, int wo, Geom32 g,
+                                                            int row_tiles, float inv) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= w) return;
+  Cover cc{g.kw, g.sw, g.pw, wo};
+  cc.init(c);
+  const int j0 = cc.lo(), j1 = cc.hi();
+  for (int64_t p = blockIdx.z; p < planes; p += gridDim.z) {
+    const T* dyp = dy + p * int64_t(ho) * wo;
+    T* dxp = dx + p * int64_t(h) * w;
+    for (int rt = blockIdx.y; rt < row_tiles; rt += gridDim.y) {
+      const int r_begin = (rt * int(blockDim.y) + int(threadIdx.y)) * kRows;
+      const int r_end = r_begin + kRows < h ? r_begin + kRows : h;
+      Cover rc{g.kh, g.sh, g.ph, ho};
+      rc.init(r_begin);
+      for (int r = r_begin; r < r_end; ++r) {
+        if (r > r_begin) rc.advance(r);
+        float s = 0.f;
+        for (int i = rc.lo(); i < rc.hi(); ++i) {
+          float rs = 0.f;
+          for (int j = j0; j < j1; ++j) rs += to_f32(dyp[int64_t(i) * wo + j]);
+          s += rs;
+        }
+        dxp[int64_t(r) * w + c] = from_f32<T>(s * inv);
+      }
+    }
+  }
+}
+
 // The kernels index within a plane with 32-bit coordinates: every extent, padded
 // extent, window and stride must stay below 2^30 (sums of two stay below 2^31).
 ffi::Error check_extents(const char* who, const PlaneView& v, int64_t ho, int64_t wo, const Geom& g) {
@@ -209,6 +645,21 @@ ffi::Error check_extents(const char* who, const PlaneView& v, int64_t ho, int64_
 
 Geom32 geom32(const Geom& g) {
   return {int(g.kh), int(g.kw), int(g.sh), int(g.sw), int(g.ph), int(g.pw)};
+}
+
+// RLX_POOL_CUDA_UNTILED=1 forces the untiled kernels (for A/B timing and profiling).
+bool force_untiled() {
+  const char* e = std::getenv("RLX_POOL_CUDA_UNTILED");
+  return e != nullptr && e[0] == '1';
+}
+
+// Backward plans: output dx rows (in_h = ho dy rows staged), cover maps.
+TilePlan plan_backward(const PlaneView& v, int64_t ho, int64_t wo, const Geom& g, int per) {
+  const AxisMap rm{int(g.kh), int(g.sh), int(g.ph), int(ho), true};
+  const AxisMap cm{int(g.kw), int(g.sw), int(g.pw), int(wo), true};
+  return plan_tiles(v.planes, int(ho), int(wo), int(v.h), int(v.w), per, rm, cm, [&](int64_t rb) {
+    return std::min<int64_t>(ho, (rb + g.kh - 2) / g.sh + 1);
+  });
 }
 
 ffi::Error MaxPoolFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
@@ -227,13 +678,25 @@ ffi::Error MaxPoolFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi
   const int64_t ho = dd[dd.size() - 2], wo = dd[dd.size() - 1];
   if (v.planes == 0 || ho == 0 || wo == 0) return ffi::Error::Success();
   if (auto e = check_extents("max_pool2d", v, ho, wo, g); e.failure()) return e;
-  const Launch l = launch_for(v.planes, ho, wo);
+  const AxisMap rm{int(kh), int(sh), int(ph), int(v.h), false};
+  const AxisMap cm{int(kw), int(sw), int(pw), int(v.w), false};
+  const TilePlan plan = plan_tiles(v.planes, int(v.h), int(v.w), int(ho), int(wo), 4, rm, cm, [&](int64_t rb) {
+    return std::min<int64_t>(v.h, (rb - 1) * sh + kh);
+  });
+  const bool tiled = plan.ok && !force_untiled() && aligned16(x.untyped_data()) &&
+                     aligned16(y->untyped_data()) && aligned16(argmax->untyped_data());
   bool ok = dispatch(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
-    max_fwd_kernel<T><<<l.grid, l.block, 0, stream>>>(
-        static_cast<const T*>(x.untyped_data()), static_cast<T*>(y->untyped_data()),
-        static_cast<int32_t*>(argmax->untyped_data()), v.planes, int(v.h), int(v.w), int(ho), int(wo), geom32(g),
-        l.row_tiles);
+    const T* xp = static_cast<const T*>(x.untyped_data());
+    T* yp = static_cast<T*>(y->untyped_data());
+    int32_t* ap = static_cast<int32_t*>(argmax->untyped_data());
+    if (tiled) {
+      max_fwd_tiled<T><<<plan.grid, kThreads, plan.smem, stream>>>(xp, yp, ap, plan.args);
+    } else {
+      const Launch l = launch_for(v.planes, ho, wo);
+      max_fwd_untiled<T><<<l.grid, l.block, 0, stream>>>(xp, yp, ap, v.planes, int(v.h), int(v.w), int(ho), int(wo),
+                                                          geom32(g), l.row_tiles);
+    }
   });
   if (!ok) return invalid("max_pool2d (cuda): unsupported dtype " + dtype_name(x.element_type()));
   return check_launch("max_pool2d (cuda) forward launch");
@@ -255,21 +718,60 @@ ffi::Error MaxPoolBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer
   const int64_t ho = dd[dd.size() - 2], wo = dd[dd.size() - 1];
   if (v.planes == 0 || v.h == 0 || v.w == 0) return ffi::Error::Success();
   if (auto e = check_extents("max_pool2d backward", v, ho, wo, g); e.failure()) return e;
-  const Launch l = launch_for(v.planes, v.h, v.w);
+  const TilePlan plan = plan_backward(v, ho, wo, g, 8);
+  const bool tiled = plan.ok && !force_untiled() && aligned16(dy.untyped_data()) &&
+                     aligned16(argmax.untyped_data()) && aligned16(dx->untyped_data());
   bool ok = dispatch(dy.element_type(), [&](auto tag) {
     using T = decltype(tag);
-    max_bwd_kernel<T><<<l.grid, l.block, 0, stream>>>(
-        static_cast<const T*>(dy.untyped_data()), static_cast<const int32_t*>(argmax.untyped_data()),
-        static_cast<T*>(dx->untyped_data()), v.planes, int(v.h), int(v.w), int(ho), int(wo), geom32(g), l.row_tiles);
+    const T* dyp = static_cast<const T*>(dy.untyped_data());
+    const int32_t* ap = static_cast<const int32_t*>(argmax.untyped_data());
+    T* dxp = static_cast<T*>(dx->untyped_data());
+    if (tiled) {
+      max_bwd_tiled<T><<<plan.grid, kThreads, plan.smem, stream>>>(dyp, ap, dxp, plan.args);
+    } else {
+      const Launch l = launch_for(v.planes, v.h, v.w);
+      max_bwd_untiled<T><<<l.grid, l.block, 0, stream>>>(dyp, ap, dxp, v.planes, int(v.h), int(v.w), int(ho),
+                                                          int(wo), geom32(g), l.row_tiles);
+    }
   });
   if (!ok) return invalid("max_pool2d backward (cuda): unsupported dtype " + dtype_name(dy.element_type()));
   return check_launch("max_pool2d (cuda) backward launch");
 }
 
+ffi::Error AvgPoolBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dx, int64_t kh,
+                          int64_t kw, int64_t sh, int64_t sw, int64_t ph, int64_t pw) {
+  const Geom g{kh, kw, sh, sw, ph, pw};
+  if (auto e = check_geom("avg_pool2d backward", g); e.failure()) return e;
+  if (auto e = check_pair("avg_pool2d backward", *dx, dy, g); e.failure()) return e;
+  if (dx->element_type() != dy.element_type()) return invalid("avg_pool2d backward: dx dtype must match dy");
+  const PlaneView v = plane_view(*dx);
+  auto dd = dy.dimensions();
+  const int64_t ho = dd[dd.size() - 2], wo = dd[dd.size() - 1];
+  if (v.planes == 0 || v.h == 0 || v.w == 0) return ffi::Error::Success();
+  if (auto e = check_extents("avg_pool2d backward", v, ho, wo, g); e.failure()) return e;
+  const float inv = 1.0f / float(kh * kw);  // as the CPU kernel: A(1) / A(kh * kw)
+  const TilePlan plan = plan_backward(v, ho, wo, g, 4);
+  const bool tiled = plan.ok && !force_untiled() && aligned16(dy.untyped_data()) && aligned16(dx->untyped_data());
+  bool ok = dispatch(dy.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const T* dyp = static_cast<const T*>(dy.untyped_data());
+    T* dxp = static_cast<T*>(dx->untyped_data());
+    if (tiled) {
+      avg_bwd_tiled<T><<<plan.grid, kThreads, plan.smem, stream>>>(dyp, dxp, plan.args, inv);
+    } else {
+      const Launch l = launch_for(v.planes, v.h, v.w);
+      avg_bwd_untiled<T><<<l.grid, l.block, 0, stream>>>(dyp, dxp, v.planes, int(v.h), int(v.w), int(ho), int(wo),
+                                                          geom32(g), l.row_tiles, inv);
+    }
+  });
+  if (!ok) return invalid("avg_pool2d backward (cuda): unsupported dtype " + dtype_name(dy.element_type()));
+  return check_launch("avg_pool2d (cuda) backward launch");
+}
+
 }  // namespace
 
 // Command-buffer compatible: kernel launches on XLA's stream only, launch shapes from the
-// buffer shapes and the device.
+// buffer shapes and the geometry attributes.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxMaxPool2dFwdCuda, MaxPoolFwdImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -298,8 +800,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxMaxPool2dBwdCuda, MaxPoolBwdImpl,
                                   .Attr<int64_t>("pw"),
                               {ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAvgPool2dBwdCuda, AvgPoolBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // dy
+                                  .Ret<ffi::AnyBuffer>()  // dx
+                                  .Attr<int64_t>("kh")
+                                  .Attr<int64_t>("kw")
+                                  .Attr<int64_t>("sh")
+                                  .Attr<int64_t>("sw")
+                                  .Attr<int64_t>("ph")
+                                  .Attr<int64_t>("pw"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
 RLX_CUDA_REGISTER_HANDLER("rlx_max_pool2d_fwd", RlxMaxPool2dFwdCuda);
 RLX_CUDA_REGISTER_HANDLER("rlx_max_pool2d_bwd", RlxMaxPool2dBwdCuda);
+RLX_CUDA_REGISTER_HANDLER("rlx_avg_pool2d_bwd", RlxAvgPool2dBwdCuda);
 
 }  // namespace cuda
 }  // namespace rlx

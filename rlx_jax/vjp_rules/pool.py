@@ -184,11 +184,10 @@ max_pool2d_bwd = FusedPrimitive(
     kernel={"cpu": _kernel_max_bwd, "cuda": _kernel_max_bwd_cuda}, platforms=("cpu", "cuda"), partition=_PARTITION,
 )
 avg_pool2d_fwd = FusedPrimitive("rlx_avg_pool2d_fwd", reference_avg_pool2d)
-# avg pool backward: CPU kernel only; on GPUs XLA's code of the reference is faster than the
-# CUDA kernel we measured (ffi/cuda/pool.cu says why there is none).
+# avg pool backward: the same call (dy and the geometry attributes) on CPU and CUDA.
 avg_pool2d_bwd = FusedPrimitive(
     "rlx_avg_pool2d_bwd", reference_avg_pool2d_bwd, target="rlx_avg_pool2d_bwd", kernel=_kernel_avg_bwd,
-    platforms=("cpu",), partition=_PARTITION,
+    platforms=("cpu", "cuda"), partition=_PARTITION,
 )
 
 

@@ -1,0 +1,72 @@
+// 2-D pooling geometry shared by the CPU (ffi/cpu/pool.cc) and CUDA (ffi/cuda/pool.cu)
+// handlers: host-side shape checks and the covering-window range. Plain C++ (no CUDA, no
+// x86 intrinsics), so both builds include it (-I ffi).
+//
+// x [P..., H, W] (every leading index is a plane), window (kh, kw), stride (sh, sw),
+// padding (ph, pw) on both sides: Ho = (H + 2 ph - kh) / sh + 1 (Wo likewise); window
+// (i, j) covers rows i*sh - ph + [0, kh) and columns j*sw - pw + [0, kw).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace rlx {
+namespace pool {
+namespace ffi = xla::ffi;
+
+struct Geom {
+  int64_t kh, kw, sh, sw, ph, pw;
+};
+
+// The buffer seen as `planes` planes of h x w (the last two axes).
+struct PlaneView {
+  int64_t planes, h, w;
+};
+
+inline PlaneView plane_view(const ffi::AnyBuffer& b) {
+  auto d = b.dimensions();
+  int64_t planes = 1;
+  for (size_t i = 0; i + 2 < d.size(); ++i) planes *= d[i];
+  return {planes, d[d.size() - 2], d[d.size() - 1]};
+}
+
+// Pooled length of one axis.
+inline int64_t pooled(int64_t n, int64_t k, int64_t s, int64_t p) { return (n + 2 * p - k) / s + 1; }
+
+inline ffi::Error check_geom(const char* who, const Geom& g) {
+  if (g.kh < 1 || g.kw < 1 || g.sh < 1 || g.sw < 1 || g.ph < 0 || g.pw < 0)
+    return ffi::Error::InvalidArgument(std::string(who) + ": kernel and stride must be >= 1, padding >= 0");
+  return ffi::Error::Success();
+}
+
+// `in` [P..., H, W] and `out` [P..., Ho, Wo]: same planes, (Ho, Wo) the pooled size of (H, W).
+inline ffi::Error check_pair(const char* who, const ffi::AnyBuffer& in, const ffi::AnyBuffer& out, const Geom& g) {
+  auto di = in.dimensions(), dout = out.dimensions();
+  if (di.size() < 2 || dout.size() != di.size())
+    return ffi::Error::InvalidArgument(std::string(who) + ": operands must have equal rank >= 2 ([..., H, W])");
+  for (size_t i = 0; i + 2 < di.size(); ++i)
+    if (di[i] != dout[i]) return ffi::Error::InvalidArgument(std::string(who) + ": leading (plane) dims differ");
+  const int64_t h = di[di.size() - 2], w = di[di.size() - 1];
+  if (h + 2 * g.ph < g.kh || w + 2 * g.pw < g.kw)
+    return ffi::Error::InvalidArgument(std::string(who) + ": kernel larger than the padded input");
+  if (dout[di.size() - 2] != pooled(h, g.kh, g.sh, g.ph) || dout[di.size() - 1] != pooled(w, g.kw, g.sw, g.pw))
+    return ffi::Error::InvalidArgument(std::string(who) + ": pooled dims do not match the window geometry");
+  return ffi::Error::Success();
+}
+
+// Outputs whose windows cover input coordinate n along one axis: [lo, hi) within [0, out)
+// (hi == lo when none). Window i covers i*s - p + [0, k): i*s <= n + p and
+// i*s >= n + p - k + 1.
+inline void covering(int64_t n, int64_t k, int64_t s, int64_t p, int64_t out, int64_t* lo, int64_t* hi) {
+  const int64_t top = n + p, bottom = top - k + 1;
+  const int64_t first = bottom <= 0 ? 0 : (bottom + s - 1) / s;
+  const int64_t last = top < 0 ? -1 : top / s;
+  *lo = first;
+  *hi = last + 1 < out ? last + 1 : out;
+  if (*hi < *lo) *hi = *lo;
+}
+
+}  // namespace pool
+}  // namespace rlx
