@@ -3,9 +3,22 @@ platform CUDA) against the f32 reference on random data. Skipped where JAX sees 
 
 Shapes cover the vector path (spatial size a multiple of 16 bytes), the scalar path
 (odd spatial sizes), one channel per group and one group, no spatial axes, a large
-image, and zero-sized batches / spatial axes."""
+image, and zero-sized batches / spatial axes.
+
+The single-pass cluster path (group_norm.cu: one thread-block cluster per (n, g) block,
+the block kept in shared memory) takes every case whose spatial size is a multiple of 16
+bytes and whose block fits 16 CTAs' budget (32 KB each by default); CLUSTER_CASES sit
+around its limits (clusters of 1..16 CTAs, channels split into segments across CTAs,
+a block just over the limit: two-pass). test_both_paths reruns the f32 cases with the
+path off (RLX_GROUP_NORM_CUDA_CTA_KB=0: two-pass everywhere) and with an 8 KB budget
+(larger clusters, more split channels) in a subprocess (the budget is read once per
+process)."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +30,7 @@ from gpu_testutil import as_f32, assert_close, gpu, requires_gpu
 from rlx_jax.ops import group_norm
 from rlx_jax.vjp_rules.group_norm import (
     cuda_bwd_scratch_size,
+    group_norm_backward,
     group_norm_bwd,
     group_norm_fwd,
     reference_group_norm,
@@ -72,9 +86,21 @@ CASES = [
     ((2, 8, 0, 4), 2),  # zero spatial size
 ]
 
+# Around the cluster path's limits at the default 32 KB per CTA (f32 backward: 8 bytes a
+# value, so M <= 4 Ki values is one CTA, 64 Ki values a cluster of 16 CTAs).
+CLUSTER_CASES = [
+    ((2, 6, 41, 100), 2),  # K = 3, S = 4100: f32 bwd 4 CTAs, channels split across them, short last segments
+    ((1, 6, 64, 96), 2),  # K = 3, S = 6144: f32 fwd 4 CTAs, bwd 8 CTAs (P = 8 segments a channel)
+    ((2, 4, 128, 128), 4),  # one channel a group, S = 16384: each channel split in 4 (f32 bwd)
+    ((1, 4, 128, 128), 1),  # M = 65536: f32 bwd exactly 16 CTAs of 32 KB (the limit)
+    ((1, 4, 256, 128), 1),  # M = 131072: f32 bwd over the limit (two-pass), f32 fwd and bf16 bwd at it
+    ((1, 2, 256, 512), 1),  # M = 262144: over every limit but the 16-bit forward's
+    ((3, 10, 8, 8), 5),  # K = 2, S = 64: one CTA a block
+]
+
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("shape,groups", CASES, ids=lambda c: "x".join(map(str, c)) if isinstance(c, tuple) else f"G{c}")
+@pytest.mark.parametrize("shape,groups", CASES + CLUSTER_CASES, ids=lambda c: "x".join(map(str, c)) if isinstance(c, tuple) else f"G{c}")
 def test_forward_and_backward_match_f32_reference(shape, groups, dtype):
     x, g, b, dy = _inputs(shape, dtype, seed=sum(shape) % 1000)
     y, mean, rstd = jax.jit(lambda *a: group_norm_fwd(*a, num_groups=groups, eps=EPS))(x, g, b)
@@ -118,3 +144,53 @@ def test_bad_scratch_is_an_error_not_a_crash():
     call = jax.ffi.ffi_call("rlx_group_norm_bwd", out)
     with pytest.raises(Exception, match="scratch"):
         jax.block_until_ready(jax.jit(lambda *a: call(*a, num_groups=np.int64(4)))(x, g, mean, rstd, dy))
+
+
+def _grads_vs_reference(shape, groups, dtype, seed):
+    """jax.vjp through the public op and through group_norm_backward vs the f32 reference."""
+    x, g, b, dy = _inputs(shape, dtype, seed)
+    ours = jax.jit(lambda x, g, b, dy: jax.vjp(lambda *a: group_norm(*a, num_groups=groups, eps=EPS), x, g, b)[1](dy))
+    want = jax.jit(lambda x, g, b, dy: jax.vjp(
+        lambda *a: reference_group_norm(*a, num_groups=groups, eps=EPS)[0], x, g, b)[1](dy))(*_f32(x, g, b, dy))
+    for a, w, what in zip(ours(x, g, b, dy), want, ("dx", "dgamma", "dbeta")):
+        _close(a, w, dtype, what)
+    wrap = jax.jit(lambda x, g, b, dy: group_norm_backward(x, g, b, dy, num_groups=groups, eps=EPS))(x, g, b, dy)
+    for a, w, what in zip(wrap, want, ("dx", "dgamma", "dbeta")):
+        _close(a, w, dtype, "group_norm_backward " + what)
+    text = jax.jit(lambda x, g, b, dy: group_norm_backward(x, g, b, dy, num_groups=groups, eps=EPS)).lower(
+        x, g, b, dy).as_text()
+    assert "rlx_group_norm_bwd" in text
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape,groups", [((1, 6, 64, 96), 2), ((2, 8, 4, 4), 4)],
+                         ids=lambda c: "x".join(map(str, c)) if isinstance(c, tuple) else f"G{c}")
+def test_cluster_sanitizer_small(shape, groups, dtype):
+    """Small cluster-path cases (multi-CTA clusters with split channels, and one-CTA
+    blocks), fwd and both gradient routes: the cases compute-sanitizer runs."""
+    _grads_vs_reference(shape, groups, dtype, seed=11)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_vmap_over_a_batch_of_images(dtype):
+    x, g, b, dy = _inputs((6, 6, 32, 32), dtype, seed=3)
+    x5, dy5 = x.reshape(3, 2, 6, 32, 32), dy.reshape(3, 2, 6, 32, 32)
+
+    def f(op):
+        return jax.jit(lambda x, g, b, dy: jax.vjp(jax.vmap(lambda xi: op(xi, g, b)), x)[1](dy)[0])
+
+    got = f(lambda xi, g, b: group_norm(xi, g, b, num_groups=3, eps=EPS))(x5, g, b, dy5)
+    want = f(lambda xi, g, b: reference_group_norm(xi, g, b, num_groups=3, eps=EPS)[0])(*_f32(x5, g, b, dy5))
+    _close(got, want, dtype, "vmap dx")
+
+
+@pytest.mark.parametrize("budget_kb", ["0", "8"])
+def test_both_paths(budget_kb):
+    """The f32 reference cases with the single-pass path off (two-pass everywhere) and with
+    an 8 KB budget per CTA (clusters of up to 16 CTAs, channels split across them)."""
+    env = dict(os.environ, RLX_GROUP_NORM_CUDA_CTA_KB=budget_kb)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=importlib", __file__,
+           "-k", "match_f32_reference and float32"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and "failed" not in r.stdout, r.stdout[-2000:]

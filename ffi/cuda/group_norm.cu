@@ -20,10 +20,39 @@
 //             sum_n rstd[n,g] B[n,c], dbeta_c = sum_n A[n,c] (n in order); gn_dx,
 //             elementwise -> dx.
 //   scratch [S] f32, S >= 2 N C + 2 N G (sized by rlx_jax/vjp_rules/group_norm.py).
-// Bytes: the forward reads x twice and writes y (1.5x the one-pass minimum); the
+// Single-pass path (sm_90, the default where it applies): one thread-block CLUSTER of cs
+// CTAs per block (n, g). The block's M values are cut into K * P segments (P segments per
+// channel, each a contiguous run of one channel, so its gamma / beta are one value) and CTA
+// `rank` of the cluster owns spc = K P / cs consecutive segments. It copies its segments of
+// x (and dy) into shared memory ONCE (cp.async.bulk on one mbarrier), reduces them, and the
+// CTAs exchange their partial sums through distributed shared memory (cluster.map_shared_rank:
+// lane q of warp 0 reads CTA q's sums, a fixed xor-shuffle tree adds them, so every CTA gets
+// the same bits; no atomics); then each CTA
+// writes its y / dx slice from shared memory. Bytes: x read once, y written (forward: the
+// centred variance is a second pass over shared memory, not over HBM); x, dy read once, dx
+// written (backward). Backward per-channel sums A, B: the CTA holding a channel's first
+// segment adds the channel's segment sums in segment order (remote reads) and writes A[n,c],
+// B[n,c] to the scratch; gn_param_grads then reduces over n as in the two-pass path.
+// Size limit: a CTA's slice (spc segments of x, and of dy in the backward) must fit the
+// per-CTA shared-memory budget (RLX_GROUP_NORM_CUDA_CTA_KB, default 32 KB: measured on an
+// H200 faster than 64 KB for bf16 and level for f32) with cs <= 16 CTAs per cluster, i.e.
+// M * sizeof(T) * (1 forward, 2 backward) <= 16 * budget (512 KiB at the default: f32 groups
+// up to 64 Ki values in the backward, 128 Ki in the forward); the spatial size S must be a
+// multiple of 16 bytes (bulk copies), at most 16 segments per CTA, and the device must be
+// able to schedule the cluster (cudaOccupancyMaxActiveClusters > 0). Anything else takes
+// the two-pass path below. RLX_GROUP_NORM_CUDA_CTA_KB=0 turns the single-pass path off.
+// Two-pass path: the forward reads x twice and writes y (1.5x the one-pass minimum); the
 // backward reads x and dy twice and writes dx (5/3x): the block statistics are needed
-// before any element of the block can be written, and a block (K * S values) is in
-// general too large to keep on chip. That is the documented cost of this family.
+// before any element of the block can be written, and such a block is too large to keep on
+// chip.
+#include <cooperative_groups.h>
+
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "cuda/rms_norm_kernels.cuh"
 #include "cuda/rowwise_common.cuh"
 
 namespace rlx {
@@ -206,9 +235,387 @@ void with_vec(bool vector_ok, F&& f) {
   else f(std::integral_constant<int, 1>{});
 }
 
+
+// ---- single-pass path: one cluster per block (n, g) ------------------------------------------
+constexpr int kClThreads = 256;
+constexpr int kClMaxSegs = 16;      // segments per CTA at most
+constexpr int kClHeader = 1024;     // bytes before the data: mbarrier, sums, reduction slots
+constexpr int kClMaxCluster = 16;   // non-portable above 8
+
+struct ClPlan {
+  int64_t S, K, M, G;
+  int64_t seg;  // elements per segment (a multiple of the 16-byte vector); a channel's last may be shorter
+  int cs;       // CTAs per cluster
+  int P;        // segments per channel
+  int spc;      // segments per CTA
+};
+
+// Shared memory header of a cluster CTA (fits kClHeader).
+struct ClHeader {
+  uint64_t bar;
+  float part[kClMaxSegs][2];  // backward: per-segment sum dy, sum dy * (x - mean)
+  float loc[2];               // this CTA's contribution to the block sums (read by the others)
+  float coef[2];              // the block's coefficients, for every thread of the CTA
+  float gm[kClMaxSegs];       // gamma (and beta) of each segment's channel, loaded early
+  float bt[kClMaxSegs];
+  float red[128];             // group_sum2 slots
+};
+static_assert(sizeof(ClHeader) <= kClHeader, "cluster header too large");
+
+// Segment s (local) of CTA `rank`: offset in the block, length, channel index k in the group.
+struct Seg {
+  int64_t off, len;
+  int64_t k;
+};
+__device__ __forceinline__ Seg cl_seg(const ClPlan& p, int rank, int s) {
+  const int64_t j = int64_t(rank) * p.spc + s;
+  const int64_t k = j / p.P, q = j - k * p.P;
+  const int64_t st = q * p.seg;
+  const int64_t len = st < p.S ? (p.S - st < p.seg ? p.S - st : p.seg) : 0;
+  return {k * p.S + st, len, k};
+}
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void cluster_arrive_release() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait_acquire() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+#endif
+
+// One CTA of the cluster of block blk = blockIdx.x / cs. Forward (!BWD): mean = sum x / M,
+// then var = sum (x - mean)^2 / M (both from shared memory; two cluster exchanges), y from
+// shared memory; rank 0 stores mean, rstd. Backward: see the header.
+template <typename T, bool BWD>
+__global__ void __launch_bounds__(kClThreads)
+gn_cluster(const T* __restrict__ x, const T* __restrict__ dy, const T* __restrict__ gamma,
+           const T* __restrict__ beta, const float* __restrict__ mean_in, const float* __restrict__ rstd_in,
+           T* __restrict__ out, float* __restrict__ mean_out, float* __restrict__ rstd_out, float* __restrict__ A,
+           float* __restrict__ B, float eps, ClPlan p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();
+#else
+  namespace cg = cooperative_groups;
+  constexpr int VEC = kVec16<T>;
+  cg::cluster_group cluster = cg::this_cluster();
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  ClHeader* h = reinterpret_cast<ClHeader*>(smem_raw);
+  T* xs = reinterpret_cast<T*>(smem_raw + kClHeader);
+  T* ds = xs + int64_t(p.spc) * p.seg;
+  const int rank = int(cluster.block_rank());
+  const int64_t blk = blockIdx.x / p.cs;  // n * G + g
+  const int64_t base = blk * p.M;         // x[n, g K:(g+1) K, ...] is contiguous
+  const int64_t c0 = (blk % p.G) * p.K;   // the group's first channel
+  const int tid = threadIdx.x;
+
+  if (tid == 0) {
+    mbar_init(&h->bar, 1);
+    mbar_init_fence();
+  }
+  __syncthreads();
+  if (tid == 0) {
+    uint32_t bytes = 0;
+    for (int s = 0; s < p.spc; ++s) bytes += uint32_t(cl_seg(p, rank, s).len * int64_t(sizeof(T))) * (BWD ? 2u : 1u);
+    mbar_arrive_expect_tx(&h->bar, bytes);
+    for (int s = 0; s < p.spc; ++s) {
+      const Seg sg = cl_seg(p, rank, s);
+      if (sg.len == 0) continue;
+      const uint32_t nb = uint32_t(sg.len * int64_t(sizeof(T)));
+      bulk_load(xs + int64_t(s) * p.seg, x + base + sg.off, nb, &h->bar);
+      if constexpr (BWD) bulk_load(ds + int64_t(s) * p.seg, dy + base + sg.off, nb, &h->bar);
+    }
+  }
+  // gamma (beta) of the segments' channels into shared memory while the copies run (read
+  // after at least one block barrier below)
+  if (tid >= 32 && tid < 32 + p.spc) {
+    const int s = tid - 32;
+    const int64_t c = c0 + cl_seg(p, rank, s).k;
+    h->gm[s] = to_f32(gamma[c]);
+    if constexpr (!BWD) h->bt[s] = to_f32(beta[c]);
+  }
+  float mu = 0.f, rs = 0.f;
+  if constexpr (BWD) {
+    mu = mean_in[blk];
+    rs = rstd_in[blk];
+  }
+  mbar_wait(&h->bar, 0);
+
+  if constexpr (BWD) {
+    // per-segment sums, then this CTA's gamma-weighted share of the block sums
+    for (int s = 0; s < p.spc; ++s) {
+      const Seg sg = cl_seg(p, rank, s);
+      const T* xv = xs + int64_t(s) * p.seg;
+      const T* dv = ds + int64_t(s) * p.seg;
+      float a = 0.f, b = 0.f;
+      for (int64_t v = int64_t(tid) * VEC; v < sg.len; v += int64_t(kClThreads) * VEC) {
+        float xe[VEC], de[VEC];
+        rms::load_vec_smem<T, VEC>(xv + v, xe);
+        rms::load_vec_smem<T, VEC>(dv + v, de);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          a += de[i];
+          b += de[i] * (xe[i] - mu);
+        }
+      }
+      const float2 r = group_sum2(a, b, kClThreads, h->red, s & 1);
+      if (tid == 0) {
+        h->part[s][0] = r.x;
+        h->part[s][1] = r.y;
+      }
+    }
+    if (tid == 0) {
+      float lu = 0.f, lb = 0.f;
+      for (int s = 0; s < p.spc; ++s) {
+        lu += h->gm[s] * h->part[s][0];
+        lb += h->gm[s] * h->part[s][1];
+      }
+      h->loc[0] = lu;
+      h->loc[1] = lb;
+    }
+    cluster.sync();
+    if (tid < 32) {  // lane q reads CTA q's sums; a fixed xor tree: the same bits in every CTA
+      float su = 0.f, sb = 0.f;
+      if (tid < p.cs) {
+        const float* l = cluster.map_shared_rank(h->loc, tid);
+        su = l[0];
+        sb = l[1];
+      }
+      const float2 v = group_sum2(su, sb, 32, nullptr, 0);
+      if (tid == 0) {
+        h->coef[0] = v.x / float(p.M);
+        h->coef[1] = rs * v.y / float(p.M);
+      }
+    }
+    // channels whose first segment is here: A, B from the channel's segments in order
+    if (tid < p.spc) {
+      const int64_t j = int64_t(rank) * p.spc + tid;
+      if (j % p.P == 0) {
+        float sa = 0.f, sbb = 0.f;
+        for (int64_t q = j; q < j + p.P; ++q) {
+          const int owner = int(q / p.spc);
+          const float* pp = cluster.map_shared_rank(&h->part[0][0], owner) + 2 * (q - int64_t(owner) * p.spc);
+          sa += pp[0];
+          sbb += pp[1];
+        }
+        const int64_t row = blk * p.K + j / p.P;  // n * C + c
+        A[row] = sa;
+        B[row] = sbb;
+      }
+    }
+    __syncthreads();
+    cluster_arrive_release();  // remote reads done: the others may exit once all arrive
+    const float ca = h->coef[0], cb = h->coef[1];
+    for (int s = 0; s < p.spc; ++s) {
+      const Seg sg = cl_seg(p, rank, s);
+      const float gm = h->gm[s];
+      const T* xv = xs + int64_t(s) * p.seg;
+      const T* dv = ds + int64_t(s) * p.seg;
+      T* o = out + base + sg.off;
+      for (int64_t v = int64_t(tid) * VEC; v < sg.len; v += int64_t(kClThreads) * VEC) {
+        float xe[VEC], de[VEC], r[VEC];
+        rms::load_vec_smem<T, VEC>(xv + v, xe);
+        rms::load_vec_smem<T, VEC>(dv + v, de);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) r[i] = rs * (de[i] * gm - ca - (xe[i] - mu) * rs * cb);
+        store_vec<T, VEC>(o + v, r);
+      }
+    }
+    cluster_wait_acquire();
+  } else {
+    // mean
+    float a = 0.f;
+    for (int s = 0; s < p.spc; ++s) {
+      const Seg sg = cl_seg(p, rank, s);
+      const T* xv = xs + int64_t(s) * p.seg;
+      for (int64_t v = int64_t(tid) * VEC; v < sg.len; v += int64_t(kClThreads) * VEC) {
+        float xe[VEC];
+        rms::load_vec_smem<T, VEC>(xv + v, xe);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) a += xe[i];
+      }
+    }
+    a = group_sum(a, kClThreads, h->red, 0);
+    if (tid == 0) h->loc[0] = a;
+    cluster.sync();
+    if (tid < 32) {  // lane q reads CTA q's sum; fixed xor tree
+      const float t = group_sum(tid < p.cs ? cluster.map_shared_rank(h->loc, tid)[0] : 0.f, 32, nullptr, 0);
+      if (tid == 0) h->coef[0] = t / float(p.M);
+    }
+    __syncthreads();
+    mu = h->coef[0];
+    // centred variance from shared memory
+    float b = 0.f;
+    for (int s = 0; s < p.spc; ++s) {
+      const Seg sg = cl_seg(p, rank, s);
+      const T* xv = xs + int64_t(s) * p.seg;
+      for (int64_t v = int64_t(tid) * VEC; v < sg.len; v += int64_t(kClThreads) * VEC) {
+        float xe[VEC];
+        rms::load_vec_smem<T, VEC>(xv + v, xe);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const float d = xe[i] - mu;
+          b += d * d;
+        }
+      }
+    }
+    b = group_sum(b, kClThreads, h->red, 1);
+    if (tid == 0) h->loc[1] = b;
+    cluster.sync();
+    if (tid < 32) {
+      const float t = group_sum(tid < p.cs ? cluster.map_shared_rank(h->loc, tid)[1] : 0.f, 32, nullptr, 0);
+      const float r = rsqrtf(t / float(p.M) + eps);
+      if (tid == 0) h->coef[1] = r;
+      if (tid == 0 && rank == 0) {
+        mean_out[blk] = mu;
+        rstd_out[blk] = r;
+      }
+    }
+    __syncthreads();
+    cluster_arrive_release();
+    rs = h->coef[1];
+    for (int s = 0; s < p.spc; ++s) {
+      const Seg sg = cl_seg(p, rank, s);
+      const float ga = h->gm[s] * rs, be = h->bt[s];
+      const T* xv = xs + int64_t(s) * p.seg;
+      T* o = out + base + sg.off;
+      for (int64_t v = int64_t(tid) * VEC; v < sg.len; v += int64_t(kClThreads) * VEC) {
+        float xe[VEC], r[VEC];
+        rms::load_vec_smem<T, VEC>(xv + v, xe);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) r[i] = (xe[i] - mu) * ga + be;
+        store_vec<T, VEC>(o + v, r);
+      }
+    }
+    cluster_wait_acquire();
+  }
+#endif
+}
+
+// Per-CTA shared-memory budget of the single-pass path in bytes (0: path off), read once.
+inline int64_t cluster_budget() {
+  static const int64_t kb = [] {
+    const char* v = std::getenv("RLX_GROUP_NORM_CUDA_CTA_KB");
+    return v != nullptr ? int64_t(std::atoll(v)) : int64_t(32);
+  }();
+  return kb * 1024;
+}
+
+inline int64_t gcd64(int64_t a, int64_t b) {
+  while (b != 0) {
+    const int64_t t = a % b;
+    a = b;
+    b = t;
+  }
+  return a;
+}
+
+// The smallest cluster (1, 2, 4, 8, 16 CTAs) whose per-CTA slice fits the budget.
+inline bool cluster_plan(const Layout& L, int64_t esz, int tensors, ClPlan& p) {
+  const int64_t budget = cluster_budget();
+  const int64_t vec = 16 / esz;
+  if (budget <= 0 || L.s % vec != 0 || L.m == 0) return false;
+  for (int cs = 1; cs <= kClMaxCluster; cs *= 2) {
+    const int64_t P = cs / gcd64(L.k, cs);
+    const int64_t spc = L.k * P / cs;
+    if (spc > kClMaxSegs) continue;
+    const int64_t seg = rw::ceil_div(rw::ceil_div(L.s, P), vec) * vec;
+    const int64_t bytes = int64_t(tensors) * spc * seg * esz;
+    if (bytes > budget || bytes + kClHeader > (int64_t(227) << 10)) continue;
+    if (L.n * L.groups * cs >= (int64_t(1) << 31)) return false;
+    p = ClPlan{L.s, L.k, L.m, L.groups, seg, cs, int(P), int(spc)};
+    return true;
+  }
+  return false;
+}
+
+inline size_t cluster_smem(const ClPlan& p, int64_t esz, int tensors) {
+  return size_t(kClHeader) + size_t(tensors) * size_t(p.spc) * size_t(p.seg) * size_t(esz);
+}
+
+// Launch configuration of a cluster kernel; `ok` false when the device cannot run it
+// (pre-sm_90, or no cluster of this size and shared memory can be scheduled), cached per
+// (device, kernel, cluster size, shared memory).
+template <typename Kernel>
+cudaError_t cluster_config(Kernel kernel, int cs, size_t smem, unsigned grid, cudaStream_t stream,
+                           cudaLaunchConfig_t& cfg, cudaLaunchAttribute& attr, bool& ok) {
+  DeviceInfo dev;
+  cudaError_t e = device_info(&dev);
+  if (e != cudaSuccess) return e;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = unsigned(cs);
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg = cudaLaunchConfig_t{};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(kClThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  using Key = std::tuple<int, const void*, int, size_t>;
+  static std::mutex mu;
+  static std::map<Key, bool> cache;
+  const Key key{dev.device, reinterpret_cast<const void*>(kernel), cs, smem};
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it != cache.end()) {
+    ok = it->second;
+    return cudaSuccess;
+  }
+  ok = false;
+  int major = 0;
+  if ((e = device_cc_major(dev.device, &major)) != cudaSuccess) return e;
+  if (major >= 9) {
+    size_t max_smem = 0;
+    if ((e = allow_max_smem(dev.device, kernel, &max_smem)) != cudaSuccess) return e;
+    if (smem <= max_smem) {
+      if (cs > 8 && (e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1)) !=
+                        cudaSuccess)
+        return e;
+      int clusters = 0;
+      if ((e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg)) != cudaSuccess) return e;
+      ok = clusters > 0;
+    }
+  }
+  cache[key] = ok;
+  return cudaSuccess;
+}
+
+// Runs the single-pass kernel when the layout allows (ran = true), else leaves ran false.
+template <typename T, bool BWD>
+ffi::Error try_cluster(cudaStream_t stream, const Layout& L, bool aligned, const T* x, const T* dy, const T* gamma,
+                       const T* beta, const float* mean_in, const float* rstd_in, T* out, float* mean_out,
+                       float* rstd_out, float* A, float* B, float eps, bool& ran) {
+  ran = false;
+  constexpr int tensors = BWD ? 2 : 1;
+  ClPlan p;
+  if (!aligned || !cluster_plan(L, int64_t(sizeof(T)), tensors, p)) return ffi::Error::Success();
+  auto kernel = gn_cluster<T, BWD>;
+  const size_t smem = cluster_smem(p, int64_t(sizeof(T)), tensors);
+  const unsigned grid = unsigned(L.n * L.groups * p.cs);
+  cudaLaunchConfig_t cfg;
+  cudaLaunchAttribute attr;
+  bool ok = false;
+  if (cudaError_t e = cluster_config(kernel, p.cs, smem, grid, stream, cfg, attr, ok); e != cudaSuccess)
+    return cuda_error("group_norm (cuda) cluster setup", e);
+  if (!ok) return ffi::Error::Success();
+  if (cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, x, dy, gamma, beta, mean_in, rstd_in, out, mean_out, rstd_out,
+                                         A, B, eps, p);
+      e != cudaSuccess)
+    return cuda_error("group_norm (cuda) cluster launch", e);
+  ran = true;
+  return ffi::Error::Success();
+}
+
 template <typename T>
 ffi::Error launch_fwd(cudaStream_t stream, const Layout& L, const T* x, const T* gamma, const T* beta, T* y,
                       float* mean, float* rstd, float eps) {
+  bool ran = false;
+  if (auto e = try_cluster<T, false>(stream, L, aligned16(x) && aligned16(y), x, nullptr, gamma, beta, nullptr, nullptr,
+                                     y, mean, rstd, nullptr, nullptr, eps, ran);
+      e.failure() || ran)
+    return e.failure() ? e : check_launch("group_norm forward (cuda) launch");
   const int sms = num_sms();
   const int64_t blocks = L.n * L.groups;
   // a large tensor is re-read by gn_apply from memory anyway: stream it; a small one
@@ -237,6 +644,16 @@ ffi::Error launch_bwd(cudaStream_t stream, const Layout& L, const T* x, const T*
   float* B = A + rows;
   float* ca = B + rows;
   float* cb = ca + blocks;
+  bool ran = false;
+  if (auto e = try_cluster<T, true>(stream, L, aligned16(x) && aligned16(dy) && aligned16(dx), x, dy, gamma, nullptr,
+                                    mean, rstd, dx, nullptr, nullptr, A, B, 0.f, ran);
+      e.failure())
+    return e;
+  if (ran) {
+    gn_param_grads<T><<<unsigned(ceil_div(L.c, 256)), 256, 0, stream>>>(A, B, rstd, dgamma, dbeta, L.n, L.c,
+                                                                        L.groups, L.k);
+    return check_launch("group_norm backward (cuda) launch");
+  }
   const bool stream_x = 2 * rows * L.s * int64_t(sizeof(T)) > (int64_t(32) << 20);
   with_vec<T>(aligned16(x) && aligned16(dy) && L.s % kVec16<T> == 0, [&](auto vec) {
     constexpr int VEC = decltype(vec)::value;
