@@ -3,7 +3,11 @@ platform CUDA) against the f32 reference on random data. Skipped where JAX sees 
 
 Widths cover the 16-byte vector path, the scalar path (odd widths; 16-bit rows that are
 not a multiple of 16 bytes), narrow rows (several rows per warp), the one-pass limit
-(8192) and the slabbed wide-row path (> 8192 columns, up to 65536)."""
+(8192) and the slabbed wide-row path (> 8192 columns, up to 65536).
+
+Rows of at least 2 KB take the sm_90 staged backward (bulk copies into shared memory,
+several rows per block): test_staged_rows_sanitizer_small gives every row its own mean,
+so a statistic taken from the wrong row fails."""
 
 from __future__ import annotations
 
@@ -165,3 +169,18 @@ def test_bad_scratch_is_an_error_not_a_crash():
     call = jax.ffi.ffi_call("rlx_layer_norm_bwd", out)
     with pytest.raises(Exception, match="scratch"):
         jax.block_until_ready(jax.jit(call)(x, g, mean, rstd, dy))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", [(1031, 2048), (45, 4096)], ids=lambda s: "x".join(map(str, s)))
+def test_staged_rows_sanitizer_small(shape, dtype):
+    """Staged backward over several rows per block (1031 rows: uneven rows per block), each
+    row with its own mean, through the public op's vjp and the saved statistics."""
+    x, g, b, dy = _inputs(shape, dtype, seed=21)
+    offset = jnp.linspace(-40.0, 40.0, shape[0], dtype=jnp.float32)[:, None]
+    x = jax.device_put((x.astype(jnp.float32) + offset).astype(dtype), _gpu())
+    got = jax.jit(lambda x, g, b, dy: jax.vjp(lambda *a: layer_norm(*a, eps=EPS), x, g, b)[1](dy))(x, g, b, dy)
+    want = jax.vjp(lambda *a: reference_layer_norm(*a, eps=EPS)[0], *_f32(x, g, b))[1](dy.astype(jnp.float32))
+    for a, w, what in zip(got, want, ("dx", "dgamma", "dbeta")):
+        _close(a, w, dtype, what)
+

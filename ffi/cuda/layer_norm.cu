@@ -25,6 +25,15 @@
 // added by reduce_partials in a fixed order (no atomics: deterministic). Wider rows are
 // split into column slabs and take their row statistics from ln_row_stats (LnStats on
 // rms::row_stats_body), which reads the row once more (the documented slower path).
+// Why bf16 rows were slower than RMSNorm's on the same machinery (H200, ncu, 32768x4096 bf16,
+// staged kernel, 512 threads a row, 64 registers: 2 blocks = 50% occupancy for both):
+// LayerNorm 240.6 us at 68.9% of DRAM bandwidth, SM throughput 71.7%, one instruction per
+// 9.9 warp cycles (~3 of 4 issue slots busy); RMSNorm 210.5 us at 78.7%. Issue-bound, not
+// memory-bound: 8 bf16 values a thread a row, and LayerNorm's two-value row reduction had
+// every thread read and add all 2 x 16 warp sums (64 instructions a thread a row, as many
+// as the row's arithmetic). The staged kernel now adds them lane-parallel
+// (rw::group_sum2_tree): bf16 bwd through JAX 0.498 -> 0.430 ms in one run
+// (benchmarks/results/norms_h200_2026-11-22.txt).
 #include <cstdlib>
 
 #include "cuda/rms_norm_kernels.cuh"
@@ -86,8 +95,11 @@ struct LnFwd {
   }
 };
 
-// sums: the slabbed path's per-row sum(u) [R] then sum(u * xhat) [R].
-struct LnBwd {
+// sums: the slabbed path's per-row sum(u) [R] then sum(u * xhat) [R]. TREE: the row's two
+// sums by rw::group_sum2_tree (lane-parallel add of the warp sums; see rowwise_common.cuh),
+// else by group_sum2 (every thread adds every warp's sums).
+template <bool TREE>
+struct LnBwdT {
   const float* __restrict__ mean;
   const float* __restrict__ rstd;
   const float* __restrict__ sums;
@@ -108,7 +120,7 @@ struct LnBwd {
     a.pux += u * (x - st.mu);
   }
   __device__ __forceinline__ void reduce(const Acc& a, Stat& st, int64_t, int tpr, float* red, int parity) const {
-    const float2 v = group_sum2(a.pu, a.pux, tpr, red, parity);
+    const float2 v = TREE ? rw::group_sum2_tree(a.pu, a.pux, tpr, red, parity) : group_sum2(a.pu, a.pux, tpr, red, parity);
     st.su = v.x;
     st.sux = v.y * st.rs;
   }
@@ -130,6 +142,10 @@ ln_fwd_rows(const T* __restrict__ x, const T* __restrict__ gamma, const T* __res
   rms::fwd_rows_body<T, VEC, NV, PF>(x, gamma, beta, y, pl, LnFwd{mean, rstd, eps});
 }
 
+// The register kernel keeps group_sum2: its one-row-per-block cases (16-bit rows under 2 KB,
+// the wide-row slabs) were not measured with the tree.
+using LnBwd = LnBwdT<false>;
+
 template <typename T, int VEC, int NV, bool PF>
 __global__ void __launch_bounds__(max_threads_for(NV * VEC, PF))
 ln_bwd_rows(const T* __restrict__ x, const T* __restrict__ gamma, const float* __restrict__ mean,
@@ -140,13 +156,24 @@ ln_bwd_rows(const T* __restrict__ x, const T* __restrict__ gamma, const float* _
 
 // sm_90 staged backward (rms::bwd_rows_tma_body): thread 0 keeps pl.stages rows of x and dy
 // in flight by cp.async.bulk; bytes in flight then no longer depend on registers (what
-// the 16-bit register path lacks).
-template <typename T, int NV>
+// the 16-bit register path lacks). TREE: see LnBwdT (the default; the other variant is kept
+// for A/B timing, RLX_LAYER_NORM_CUDA_TREE=0).
+template <typename T, int NV, bool TREE>
 __global__ void __launch_bounds__(max_threads_for(NV * kVec16<T>, false))
 ln_bwd_rows_tma(const T* __restrict__ x, const T* __restrict__ gamma, const float* __restrict__ mean,
                 const float* __restrict__ rstd, const T* __restrict__ dy, T* __restrict__ dx,
                 float* __restrict__ partial, RowPlan pl) {
-  rms::bwd_rows_tma_body<T, NV>(x, gamma, dy, dx, partial, pl, LnBwd{mean, rstd, nullptr, pl.rows});
+  rms::bwd_rows_tma_body<T, NV>(x, gamma, dy, dx, partial, pl, LnBwdT<TREE>{mean, rstd, nullptr, pl.rows});
+}
+
+// Whether the staged backward reduces with group_sum2_tree (default) or group_sum2
+// (RLX_LAYER_NORM_CUDA_TREE=0), read once per process.
+inline bool tree_reduce() {
+  static const bool on = [] {
+    const char* v = std::getenv("RLX_LAYER_NORM_CUDA_TREE");
+    return !(v != nullptr && v[0] == '0');
+  }();
+  return on;
 }
 
 // Row statistics of the slabbed (wide-row) path (rms::row_stats_body: one block per row,
@@ -261,7 +288,7 @@ ffi::Error launch_bwd(cudaStream_t stream, const T* x, const T* gamma, const flo
       constexpr bool PF = decltype(pf)::value;
       if constexpr (VEC != 1) {
         // sm_90, one pass, rows of at least 2 KB (RMSNorm's measured threshold): staged
-        auto staged = ln_bwd_rows_tma<T, NV>;
+        auto staged = tree_reduce() ? ln_bwd_rows_tma<T, NV, true> : ln_bwd_rows_tma<T, NV, false>;
         if (rms::plan_staged(pl, staged, W * int64_t(sizeof(T)), 2 * W * int64_t(sizeof(T)), 2, tu)) {
           err = rms::set_parts(pl, staged, max_parts);
           if (err != cudaSuccess) return;

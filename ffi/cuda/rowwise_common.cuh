@@ -79,6 +79,38 @@ __device__ __forceinline__ float group_max(float v, int tpr, float* red, int par
   return s;
 }
 
+// Two sums over a group of tpr threads, as common.cuh's group_sum2 (same red layout and
+// parity contract; every thread gets the same bits), but for tpr > 32 the warp sums are
+// added by a lane-parallel xor tree (lane w takes warp w's sums: 2 shared loads and 5
+// shuffle levels) instead of every thread reading and adding all 2 * tpr / 32 sums in
+// turn (32 shared loads and adds a thread at 16 warps). Rows of a few vectors a thread
+// (LayerNorm's staged backward: 8 bf16 values a thread) pay that per row. The sums'
+// bits differ from group_sum2's (another order), and are fixed for a given tpr.
+__device__ __forceinline__ float2 group_sum2_tree(float a, float b, int tpr, float* red, int parity) {
+  if (tpr <= 32) return group_sum2(a, b, tpr, red, parity);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    a += __shfl_xor_sync(0xffffffffu, a, o);
+    b += __shfl_xor_sync(0xffffffffu, b, o);
+  }
+  float* slot = red + parity * 64;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) {
+    slot[warp] = a;
+    slot[32 + warp] = b;
+  }
+  __syncthreads();
+  const bool in = lane < (tpr >> 5);
+  a = in ? slot[lane] : 0.f;
+  b = in ? slot[32 + lane] : 0.f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    a += __shfl_xor_sync(0xffffffffu, a, o);
+    b += __shfl_xor_sync(0xffffffffu, b, o);
+  }
+  return make_float2(a, b);
+}
+
 // VEC elements at p as f32: one 16-byte load when VEC * sizeof(T) == 16. `stream`
 // selects the evict-first load (data read once) over the default caching one (data
 // read again soon, from L2).
