@@ -26,17 +26,20 @@
 // Tiled kernels (every geometry whose staged rows fit in shared memory). A block owns a
 // contiguous run of output rows (whole planes, or a band of rows of one plane); it first
 // copies the contiguous run of input rows those outputs read (dy, argmax or x) into
-// shared memory as f32 / i32, with 8- or 16-byte loads, four per thread in flight (the
-// bandwidth needs many loads in flight per SM), then computes every output of its run
-// from shared memory and writes them with 16-byte stores. The per-row and per-column
-// window ranges are computed once per block into shared memory, so the element loop
-// does one integer division per vector of outputs. HBM traffic: each input byte is read
-// once (plus the halo rows a band shares with its neighbour, from L2), each output
-// written once. Why the earlier column-per-thread kernels were slow: one element load per
-// thread in flight at a time (the loop over the covering windows had a run-time trip
-// count), ~4 KB of loads in flight per SM where ~30 KB are needed to cover HBM latency.
-// Untiled kernels (the fallback for planes whose rows do not fit in 48 KB of shared
-// memory): one thread per column walking 8 rows, reading through L1.
+// shared memory as f32 / i32 (8- or 16-byte loads, four per thread in flight), then:
+// - avg backward and max forward are separable: a first pass reduces every staged row
+//   over each output column's window columns (sum; first maximum with its column) into
+//   shared memory, a second reduces those over each output row's window rows, reading
+//   16-byte vectors of them where the output width is a multiple of 4;
+// - max backward: a vector of outputs in one row walks the union of its columns' covering
+//   windows once and tests each output's index against the staged argmax.
+// Outputs are written with 16-byte stores (y and argmax 4 at a time). The per-row and
+// per-column window ranges are computed once per block into shared tables. HBM traffic:
+// each input byte read once (plus the halo rows a band shares with its neighbour, from
+// L2), each output written once. The untiled v2 kernels (one thread per column walking
+// 8 rows) were instruction-issue bound (ncu on the H200: 92% SM issue, 18% DRAM
+// throughput for avg backward): loops with run-time trip counts per element; they remain
+// the fallback for planes whose rows do not fit in 48 KB of shared memory.
 //
 // Every kernel runs on XLA's stream, allocates nothing and returns at once on
 // zero-sized operands.
@@ -95,17 +98,17 @@ struct TileArgs {
   int in_h, in_w, out_h, out_w;  // per plane: what a block stages / what it writes
   int pb;                        // > 0: pb whole planes per unit; 0: bands of rb rows
   int rb, bands;
-  int rows_cap, stage_cap;       // shared memory capacities (rows, staged elements)
+  int rows_cap, stage_cap, in_rows_cap;  // shared memory capacities
   AxisMap rm, cm;
 };
 
-// What one unit (a block's share) covers, and the shared-memory tables it fills:
-// rowinfo[R] = {stage offset of the first input row of output row R, input rows,
-//               first input row (in-plane), output row (in-plane)},
-// colinfo[c] = {first input column, input columns}.
+// What one unit (a block's share) covers, and the row table it fills:
+// rowinfo[R] = {staged row of the first input row of output row R, input rows,
+//               first input row (in-plane), output row (in-plane)}.
+// colinfo[c] = {first input column, one past the last (clipped; empty when <= first)}.
 struct Unit {
   int64_t in_base, out_base;  // flat element offsets of the staged input / written output
-  int n_in, n_out;
+  int n_in, n_out, n_rows;    // staged elements, written elements, staged input rows
   int shift;                  // in_base % 4: stage index of input element e is shift + e
 };
 
@@ -121,7 +124,7 @@ __device__ __forceinline__ Unit unit_setup(const TileArgs& a, int64_t u, int4* r
     base = 0;
     r0 = 0;
     t.in_base = p0 * in_plane;
-    t.n_in = int(np * in_plane);
+    t.n_rows = np * a.in_h;
   } else {
     p0 = u / a.bands;
     const int b = int(u - p0 * a.bands);
@@ -132,8 +135,9 @@ __device__ __forceinline__ Unit unit_setup(const TileArgs& a, int64_t u, int4* r
     base = first.lo < a.rm.lim ? first.lo : a.rm.lim;
     const int end = last.hi > base ? last.hi : base;
     t.in_base = p0 * in_plane + int64_t(base) * a.in_w;
-    t.n_in = (end - base) * a.in_w;
+    t.n_rows = end - base;
   }
+  t.n_in = t.n_rows * a.in_w;
   t.out_base = p0 * out_plane + int64_t(r0) * a.out_w;
   t.n_out = rows * a.out_w;
   t.shift = int(t.in_base & 3);
@@ -145,8 +149,7 @@ __device__ __forceinline__ Unit unit_setup(const TileArgs& a, int64_t u, int4* r
     }
     const Span sp = span_of(a.rm, r);
     const int cnt = sp.hi > sp.lo ? sp.hi - sp.lo : 0;
-    const int off = cnt > 0 ? t.shift + (pl * a.in_h + sp.lo - base) * a.in_w : 0;
-    rowinfo[R] = make_int4(off, cnt, sp.lo, r);
+    rowinfo[R] = make_int4(cnt > 0 ? pl * a.in_h + sp.lo - base : 0, cnt, sp.lo, r);
   }
   return t;
 }
@@ -154,7 +157,7 @@ __device__ __forceinline__ Unit unit_setup(const TileArgs& a, int64_t u, int4* r
 __device__ __forceinline__ void fill_colinfo(const TileArgs& a, int2* colinfo) {
   for (int c = threadIdx.x; c < a.out_w; c += blockDim.x) {
     const Span sp = span_of(a.cm, c);
-    colinfo[c] = make_int2(sp.lo, sp.hi > sp.lo ? sp.hi - sp.lo : 0);
+    colinfo[c] = make_int2(sp.lo, sp.hi);
   }
 }
 
@@ -225,7 +228,8 @@ __device__ __forceinline__ void store_n(T* __restrict__ p, const float (&v)[VEC]
 
 // Walks the unit's outputs [0, n_out) (flat, local; global offset out_base): first the
 // unaligned head and tail one element each (elem(e, R, c)), then the VEC-aligned vectors
-// (vec(e, R, c) computes VEC consecutive elements starting at output row R, column c).
+// (vec(e, R, c) computes VEC consecutive elements starting at output row R, column c;
+// they lie in one row when c + VEC <= out_w).
 template <int VEC, typename Elem, typename VecFn>
 __device__ __forceinline__ void for_outputs(int64_t out_base, int n_out, int out_w, Elem&& elem, VecFn&& vec) {
   const int head = min(int((VEC - out_base % VEC) % VEC), n_out);
@@ -245,11 +249,20 @@ __device__ __forceinline__ void for_outputs(int64_t out_base, int n_out, int out
   }
 }
 
-// Steps (R, c) to the next output element of a row-major run.
-__device__ __forceinline__ void next_rc(int& R, int& c, int out_w) {
-  if (++c == out_w) {
-    c = 0;
-    ++R;
+// Calls f(i, c) for every (staged row i < rows, output column c < out_w), threads along c.
+template <typename F>
+__device__ __forceinline__ void for_rows_cols(int rows, int out_w, F&& f) {
+  const int step = blockDim.x;
+  const int di = step / out_w, dc = step - di * out_w;
+  int i = threadIdx.x / out_w, c = threadIdx.x - (threadIdx.x / out_w) * out_w;
+  for (; i < rows;) {
+    f(i, c);
+    i += di;
+    c += dc;
+    if (c >= out_w) {
+      c -= out_w;
+      ++i;
+    }
   }
 }
 
@@ -257,10 +270,12 @@ struct SmemLayout {
   int4* rowinfo;
   int2* colinfo;
   float* stage;
-  int32_t* stage2;
+  int32_t* stage2;  // max backward: argmax rows
+  float* aux;       // avg backward: row sums [in_rows_cap][out_w]; max forward: row maxima
+  int32_t* aux2;    // max forward: their columns
 };
 
-__device__ __forceinline__ SmemLayout smem_layout(const TileArgs& a, unsigned char* smem) {
+__device__ __forceinline__ SmemLayout smem_layout(const TileArgs& a, unsigned char* smem, int stages, int auxes) {
   SmemLayout l;
   l.rowinfo = reinterpret_cast<int4*>(smem);
   size_t off = size_t(a.rows_cap) * 16;
@@ -269,120 +284,202 @@ __device__ __forceinline__ SmemLayout smem_layout(const TileArgs& a, unsigned ch
   l.stage = reinterpret_cast<float*>(smem + off);
   off += size_t(a.stage_cap) * 4;
   l.stage2 = reinterpret_cast<int32_t*>(smem + off);
+  if (stages > 1) off += size_t(a.stage_cap) * 4;
+  const size_t aux = (size_t(a.in_rows_cap) * a.out_w * 4 + 15) / 16 * 16;
+  l.aux = reinterpret_cast<float*>(smem + off);
+  if (auxes > 0) off += aux;
+  l.aux2 = reinterpret_cast<int32_t*>(smem + off);
   return l;
 }
 
-// avg pool backward: stage dy rows, write dx (VEC = 16 bytes of T).
+// avg pool backward, separable: stage dy rows; rs[i][c] = sum of dy[i, j] over the windows
+// j covering column c (every staged row i); dx[r, c] = (sum of rs[i][c] over the windows i
+// covering row r) * inv: the CPU kernel's order of additions. The second pass reads rs with
+// 16-byte shared loads where a vector of outputs lies in one row at a multiple of 4.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) avg_bwd_tiled(const T* __restrict__ dy, T* __restrict__ dx, TileArgs a,
                                                           float inv) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const SmemLayout sm = smem_layout(a, smem);
+  const SmemLayout sm = smem_layout(a, smem, 1, 1);
   constexpr int VEC = 16 / int(sizeof(T));
   fill_colinfo(a, sm.colinfo);
+  const int in_w = a.in_w, out_w = a.out_w;
+  const bool w4 = (out_w & 3) == 0;
   for (int64_t u = blockIdx.x; u < a.units; u += gridDim.x) {
     __syncthreads();  // the previous unit's readers are done with the tables and stage
     const Unit t = unit_setup(a, u, sm.rowinfo);
     stage_copy(dy + t.in_base, t.n_in, t.shift, sm.stage);
     __syncthreads();
-    const float* st = sm.stage;
-    const int in_w = a.in_w;
-    auto value = [&](int R, int c) {
-      const int4 ri = sm.rowinfo[R];
+    for_rows_cols(t.n_rows, out_w, [&](int i, int c) {
       const int2 ci = sm.colinfo[c];
-      const float* q = st + ri.x + ci.x;
+      const float* q = sm.stage + t.shift + i * in_w;
       float s = 0.f;
-      for (int i = 0; i < ri.y; ++i, q += in_w) {
-        float rs = 0.f;
-        for (int j = 0; j < ci.y; ++j) rs += q[j];
-        s += rs;
-      }
+      for (int j = ci.x; j < ci.y; ++j) s += q[j];
+      sm.aux[i * out_w + c] = s;
+    });
+    __syncthreads();
+    const float* rs = sm.aux;
+    T* out = dx + t.out_base;
+    auto one = [&](int R, int c) {
+      const int4 ri = sm.rowinfo[R];
+      const float* q = rs + ri.x * out_w + c;
+      float s = 0.f;
+      for (int i = 0; i < ri.y; ++i, q += out_w) s += *q;
       return s * inv;
     };
-    T* out = dx + t.out_base;
     for_outputs<VEC>(
-        t.out_base, t.n_out, a.out_w, [&](int e, int R, int c) { out[e] = from_f32<T>(value(R, c)); },
+        t.out_base, t.n_out, out_w, [&](int e, int R, int c) { out[e] = from_f32<T>(one(R, c)); },
         [&](int e, int R, int c) {
           float v[VEC];
+          if (w4 && c + VEC <= out_w && (c & 3) == 0) {
+            const int4 ri = sm.rowinfo[R];
 #pragma unroll
-          for (int q = 0; q < VEC; ++q) {
-            v[q] = value(R, c);
-            next_rc(R, c, a.out_w);
+            for (int k = 0; k < VEC; ++k) v[k] = 0.f;
+            const float* q = rs + ri.x * out_w + c;
+            for (int i = 0; i < ri.y; ++i, q += out_w) {
+#pragma unroll
+              for (int k = 0; k < VEC; k += 4) {
+                const float4 x4 = *reinterpret_cast<const float4*>(q + k);
+                v[k] += x4.x;
+                v[k + 1] += x4.y;
+                v[k + 2] += x4.z;
+                v[k + 3] += x4.w;
+              }
+            }
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) v[k] *= inv;
+          } else {
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) {
+              v[k] = one(R, c);
+              if (++c == out_w) {
+                c = 0;
+                ++R;
+              }
+            }
           }
           store_n<T, VEC>(out + e, v);
         });
   }
 }
 
-// max pool backward: stage dy (f32) and argmax (i32) rows, write dx.
+// max pool backward: stage dy (f32) and argmax (i32) rows; each dx element (r, c) walks
+// the covering outputs (i, j) in increasing order and adds dy where argmax == r*W + c. A
+// vector of outputs in one row walks the union of its columns' covering ranges once and
+// tests each output's index against the argmax (an argmax lies in its own window, so a
+// match is always a covering output).
 template <typename T>
 __global__ void __launch_bounds__(kThreads) max_bwd_tiled(const T* __restrict__ dy, const int32_t* __restrict__ am,
                                                           T* __restrict__ dx, TileArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const SmemLayout sm = smem_layout(a, smem);
+  const SmemLayout sm = smem_layout(a, smem, 2, 0);
   constexpr int VEC = 16 / int(sizeof(T));
   fill_colinfo(a, sm.colinfo);
+  const int in_w = a.in_w, out_w = a.out_w;
   for (int64_t u = blockIdx.x; u < a.units; u += gridDim.x) {
     __syncthreads();
     const Unit t = unit_setup(a, u, sm.rowinfo);
     stage_copy(dy + t.in_base, t.n_in, t.shift, sm.stage);
     stage_copy(am + t.in_base, t.n_in, t.shift, sm.stage2);
     __syncthreads();
-    const int in_w = a.in_w, out_w = a.out_w;
-    auto value = [&](int R, int c) {
+    auto one = [&](int R, int c) {
       const int4 ri = sm.rowinfo[R];
       const int2 ci = sm.colinfo[c];
       const int32_t me = ri.w * out_w + c;
-      const float* q = sm.stage + ri.x + ci.x;
-      const int32_t* qa = sm.stage2 + ri.x + ci.x;
+      const int off = t.shift + ri.x * in_w;
+      const float* q = sm.stage + off;
+      const int32_t* qa = sm.stage2 + off;
       float acc = 0.f;
       for (int i = 0; i < ri.y; ++i, q += in_w, qa += in_w)
-        for (int j = 0; j < ci.y; ++j)
+        for (int j = ci.x; j < ci.y; ++j)
           if (qa[j] == me) acc += q[j];
       return acc;
     };
     T* out = dx + t.out_base;
     for_outputs<VEC>(
-        t.out_base, t.n_out, out_w, [&](int e, int R, int c) { out[e] = from_f32<T>(value(R, c)); },
+        t.out_base, t.n_out, out_w, [&](int e, int R, int c) { out[e] = from_f32<T>(one(R, c)); },
         [&](int e, int R, int c) {
           float v[VEC];
+          if (c + VEC <= out_w) {
+            const int4 ri = sm.rowinfo[R];
+            const int j0 = sm.colinfo[c].x, j1 = sm.colinfo[c + VEC - 1].y;
+            const int32_t me = ri.w * out_w + c;
+            const int off = t.shift + ri.x * in_w;
+            const float* q = sm.stage + off;
+            const int32_t* qa = sm.stage2 + off;
 #pragma unroll
-          for (int q = 0; q < VEC; ++q) {
-            v[q] = value(R, c);
-            next_rc(R, c, out_w);
+            for (int k = 0; k < VEC; ++k) v[k] = 0.f;
+            for (int i = 0; i < ri.y; ++i, q += in_w, qa += in_w)
+              for (int j = j0; j < j1; ++j) {
+                const unsigned d = unsigned(qa[j] - me);
+                if (d < unsigned(VEC)) {
+                  const float x = q[j];
+#pragma unroll
+                  for (int k = 0; k < VEC; ++k)
+                    if (d == unsigned(k)) v[k] += x;
+                }
+              }
+          } else {
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) {
+              v[k] = one(R, c);
+              if (++c == out_w) {
+                c = 0;
+                ++R;
+              }
+            }
           }
           store_n<T, VEC>(out + e, v);
         });
   }
 }
 
-// max pool forward: stage x rows (f32: exact for every T), write y and argmax (4 at a time).
+// max pool forward, separable: stage x rows (f32: exact for every T); per staged row i and
+// output column j, the first maximum over the window's columns (value, column); then per
+// output the first of those maxima over the window's rows, top to bottom, strictly
+// greater replacing: the row-major first maximum of the window (NaN never wins; -1 when
+// nothing exceeds -inf). y and argmax are written 4 at a time.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) max_fwd_tiled(const T* __restrict__ x, T* __restrict__ y,
                                                           int32_t* __restrict__ am, TileArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const SmemLayout sm = smem_layout(a, smem);
+  const SmemLayout sm = smem_layout(a, smem, 1, 2);
   fill_colinfo(a, sm.colinfo);
+  const int in_w = a.in_w, out_w = a.out_w;
+  const bool w4 = (out_w & 3) == 0;
   for (int64_t u = blockIdx.x; u < a.units; u += gridDim.x) {
     __syncthreads();
     const Unit t = unit_setup(a, u, sm.rowinfo);
     stage_copy(x + t.in_base, t.n_in, t.shift, sm.stage);
     __syncthreads();
-    const int in_w = a.in_w, out_w = a.out_w;
-    auto value = [&](int R, int c, float* best_out) {
-      const int4 ri = sm.rowinfo[R];
+    for_rows_cols(t.n_rows, out_w, [&](int i, int c) {
       const int2 ci = sm.colinfo[c];
-      const float* q = sm.stage + ri.x + ci.x;
+      const float* q = sm.stage + t.shift + i * in_w;
+      float best = -INFINITY;
+      int32_t col = -1;
+      for (int j = ci.x; j < ci.y; ++j) {
+        const float v = q[j];
+        if (v > best) {
+          best = v;
+          col = j;
+        }
+      }
+      sm.aux[i * out_w + c] = best;
+      sm.aux2[i * out_w + c] = col;
+    });
+    __syncthreads();
+    auto one = [&](int R, int c, float* best_out) {
+      const int4 ri = sm.rowinfo[R];
       float best = -INFINITY;
       int32_t arg = -1;
-      for (int i = 0; i < ri.y; ++i, q += in_w)
-        for (int j = 0; j < ci.y; ++j) {
-          const float v = q[j];
-          if (v > best) {
-            best = v;
-            arg = (ri.z + i) * in_w + ci.x + j;
-          }
+      for (int i = 0; i < ri.y; ++i) {
+        const int o = (ri.x + i) * out_w + c;
+        const float v = sm.aux[o];
+        if (v > best) {
+          best = v;
+          arg = (ri.z + i) * in_w + sm.aux2[o];
         }
+      }
       *best_out = best;
       return arg;
     };
@@ -392,16 +489,42 @@ __global__ void __launch_bounds__(kThreads) max_fwd_tiled(const T* __restrict__ 
         t.out_base, t.n_out, out_w,
         [&](int e, int R, int c) {
           float b;
-          ao[e] = value(R, c, &b);
+          ao[e] = one(R, c, &b);
           yo[e] = from_f32<T>(b);
         },
         [&](int e, int R, int c) {
           float v[4];
           int32_t g[4];
+          if (w4 && (c & 3) == 0) {  // then c + 4 <= out_w: one row
+            const int4 ri = sm.rowinfo[R];
 #pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            g[q] = value(R, c, &v[q]);
-            next_rc(R, c, out_w);
+            for (int k = 0; k < 4; ++k) {
+              v[k] = -INFINITY;
+              g[k] = -1;
+            }
+            for (int i = 0; i < ri.y; ++i) {
+              const int o = (ri.x + i) * out_w + c;
+              const float4 b4 = *reinterpret_cast<const float4*>(sm.aux + o);
+              const int4 c4 = *reinterpret_cast<const int4*>(sm.aux2 + o);
+              const int rowoff = (ri.z + i) * in_w;
+              const float bv[4] = {b4.x, b4.y, b4.z, b4.w};
+              const int32_t cv[4] = {c4.x, c4.y, c4.z, c4.w};
+#pragma unroll
+              for (int k = 0; k < 4; ++k)
+                if (bv[k] > v[k]) {
+                  v[k] = bv[k];
+                  g[k] = rowoff + cv[k];
+                }
+            }
+          } else {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+              g[k] = one(R, c, &v[k]);
+              if (++c == out_w) {
+                c = 0;
+                ++R;
+              }
+            }
           }
           store_n<T, 4>(yo + e, v);
           *reinterpret_cast<int4*>(ao + e) = make_int4(g[0], g[1], g[2], g[3]);
@@ -419,20 +542,22 @@ struct TilePlan {
   bool ok;
 };
 
-constexpr size_t kSoftSmem = 26 * 1024;  // 8 blocks of 256 threads per SM (228 KB)
-constexpr size_t kHardSmem = 48 * 1024 - 64;  // below the 48 KB allowed without the opt-in attribute
-constexpr int64_t kTargetOut = 8192;     // outputs per block
+constexpr size_t kSoftSmem = 28 * 1024;        // 8 blocks per SM (228 KB) where registers allow
+constexpr size_t kHardSmem = 48 * 1024 - 64;   // below the 48 KB allowed without the opt-in attribute
+constexpr int64_t kTargetOut = 8192;           // outputs per block
 
-// bytes of shared memory for `rows` output rows staging `stage` input elements of
-// `per` bytes each (one or two stages).
-size_t smem_bytes(int64_t rows, int64_t stage, int out_w, int per) {
-  return size_t(rows) * 16 + (size_t(out_w) * 8 + 15) / 16 * 16 + size_t(stage + 4) * per;
+// Bytes of shared memory: `rows` output rows, `stage` staged input elements of `per` bytes
+// (one or two staged arrays), `in_rows` staged rows times out_w of `aux` bytes (the
+// separable passes' per-row results).
+size_t smem_bytes(int64_t rows, int64_t stage, int64_t in_rows, int out_w, int per, int aux) {
+  return size_t(rows) * 16 + (size_t(out_w) * 8 + 15) / 16 * 16 + size_t(stage + 4) * per +
+         (aux > 0 ? (size_t(in_rows) * out_w * 4 + 15) / 16 * 16 * (aux / 4) : 0);
 }
 
 // in_rows(rb): the most input rows a band of rb consecutive output rows reads.
 template <typename RowsFn>
-TilePlan plan_tiles(int64_t planes, int in_h, int in_w, int out_h, int out_w, int per, AxisMap rm, AxisMap cm,
-                    RowsFn in_rows) {
+TilePlan plan_tiles(int64_t planes, int in_h, int in_w, int out_h, int out_w, int per, int aux, AxisMap rm,
+                    AxisMap cm, RowsFn in_rows) {
   TilePlan p{};
   TileArgs& a = p.args;
   a.planes = planes;
@@ -443,19 +568,19 @@ TilePlan plan_tiles(int64_t planes, int in_h, int in_w, int out_h, int out_w, in
   a.rm = rm;
   a.cm = cm;
   const int64_t in_plane = int64_t(in_h) * in_w, out_plane = int64_t(out_h) * out_w;
-  if (smem_bytes(out_h, in_plane, out_w, per) <= kSoftSmem) {
-    const size_t fixed = smem_bytes(0, 0, out_w, per);
-    int64_t pb = std::max<int64_t>(1, kTargetOut / std::max<int64_t>(out_plane, 1));
-    const int64_t fit = int64_t((kSoftSmem - fixed) / (size_t(out_h) * 16 + size_t(in_plane) * per));
-    pb = std::min({pb, std::max<int64_t>(fit, 1), planes, int64_t(1) << 20});
+  if (smem_bytes(out_h, in_plane, in_h, out_w, per, aux) <= kSoftSmem) {
+    int64_t pb = std::min<int64_t>(std::max<int64_t>(1, kTargetOut / std::max<int64_t>(out_plane, 1)), planes);
+    while (pb > 1 && smem_bytes(pb * out_h, pb * in_plane, pb * in_h, out_w, per, aux) > kSoftSmem) pb = pb * 7 / 8;
     a.pb = int(pb);
     a.units = (planes + pb - 1) / pb;
     a.rows_cap = int(pb * out_h);
+    a.in_rows_cap = int(pb * in_h);
     a.stage_cap = int(pb * in_plane + 4);
   } else {
     int64_t rb = std::min<int64_t>(std::max<int64_t>(1, kTargetOut / out_w), out_h);
-    while (rb > 1 && smem_bytes(rb, in_rows(rb) * in_w, out_w, per) > kSoftSmem) rb = rb * 7 / 8;
-    if (smem_bytes(rb, in_rows(rb) * in_w, out_w, per) > kHardSmem) return p;  // ok = false
+    auto cost = [&](int64_t r) { return smem_bytes(r, in_rows(r) * in_w, in_rows(r), out_w, per, aux); };
+    while (rb > 1 && cost(rb) > kSoftSmem) rb = rb * 7 / 8;
+    if (cost(rb) > kHardSmem) return p;  // ok = false
     const int64_t bands = (out_h + rb - 1) / rb;
     rb = (out_h + bands - 1) / bands;  // balanced bands (no larger than before)
     a.pb = 0;
@@ -463,10 +588,11 @@ TilePlan plan_tiles(int64_t planes, int in_h, int in_w, int out_h, int out_w, in
     a.bands = int(bands);
     a.units = planes * bands;
     a.rows_cap = int(rb);
+    a.in_rows_cap = int(in_rows(rb));
     a.stage_cap = int(in_rows(rb) * in_w + 4);
   }
   a.stage_cap = (a.stage_cap + 3) / 4 * 4;
-  p.smem = smem_bytes(a.rows_cap, a.stage_cap - 4, out_w, per);
+  p.smem = smem_bytes(a.rows_cap, a.stage_cap - 4, a.in_rows_cap, out_w, per, aux);
   p.grid = unsigned(std::min<int64_t>(a.units, int64_t(1) << 30));
   p.ok = true;
   return p;
@@ -654,10 +780,10 @@ bool force_untiled() {
 }
 
 // Backward plans: output dx rows (in_h = ho dy rows staged), cover maps.
-TilePlan plan_backward(const PlaneView& v, int64_t ho, int64_t wo, const Geom& g, int per) {
+TilePlan plan_backward(const PlaneView& v, int64_t ho, int64_t wo, const Geom& g, int per, int aux) {
   const AxisMap rm{int(g.kh), int(g.sh), int(g.ph), int(ho), true};
   const AxisMap cm{int(g.kw), int(g.sw), int(g.pw), int(wo), true};
-  return plan_tiles(v.planes, int(ho), int(wo), int(v.h), int(v.w), per, rm, cm, [&](int64_t rb) {
+  return plan_tiles(v.planes, int(ho), int(wo), int(v.h), int(v.w), per, aux, rm, cm, [&](int64_t rb) {
     return std::min<int64_t>(ho, (rb + g.kh - 2) / g.sh + 1);
   });
 }
@@ -680,7 +806,7 @@ ffi::Error MaxPoolFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi
   if (auto e = check_extents("max_pool2d", v, ho, wo, g); e.failure()) return e;
   const AxisMap rm{int(kh), int(sh), int(ph), int(v.h), false};
   const AxisMap cm{int(kw), int(sw), int(pw), int(v.w), false};
-  const TilePlan plan = plan_tiles(v.planes, int(v.h), int(v.w), int(ho), int(wo), 4, rm, cm, [&](int64_t rb) {
+  const TilePlan plan = plan_tiles(v.planes, int(v.h), int(v.w), int(ho), int(wo), 4, 8, rm, cm, [&](int64_t rb) {
     return std::min<int64_t>(v.h, (rb - 1) * sh + kh);
   });
   const bool tiled = plan.ok && !force_untiled() && aligned16(x.untyped_data()) &&
@@ -718,7 +844,7 @@ ffi::Error MaxPoolBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer
   const int64_t ho = dd[dd.size() - 2], wo = dd[dd.size() - 1];
   if (v.planes == 0 || v.h == 0 || v.w == 0) return ffi::Error::Success();
   if (auto e = check_extents("max_pool2d backward", v, ho, wo, g); e.failure()) return e;
-  const TilePlan plan = plan_backward(v, ho, wo, g, 8);
+  const TilePlan plan = plan_backward(v, ho, wo, g, 8, 0);
   const bool tiled = plan.ok && !force_untiled() && aligned16(dy.untyped_data()) &&
                      aligned16(argmax.untyped_data()) && aligned16(dx->untyped_data());
   bool ok = dispatch(dy.element_type(), [&](auto tag) {
@@ -750,7 +876,7 @@ ffi::Error AvgPoolBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::Result<ff
   if (v.planes == 0 || v.h == 0 || v.w == 0) return ffi::Error::Success();
   if (auto e = check_extents("avg_pool2d backward", v, ho, wo, g); e.failure()) return e;
   const float inv = 1.0f / float(kh * kw);  // as the CPU kernel: A(1) / A(kh * kw)
-  const TilePlan plan = plan_backward(v, ho, wo, g, 4);
+  const TilePlan plan = plan_backward(v, ho, wo, g, 4, 4);
   const bool tiled = plan.ok && !force_untiled() && aligned16(dy.untyped_data()) && aligned16(dx->untyped_data());
   bool ok = dispatch(dy.element_type(), [&](auto tag) {
     using T = decltype(tag);

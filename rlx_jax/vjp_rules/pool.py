@@ -26,6 +26,7 @@ Primitives (each lowers to its FFI kernel where registered, else to its referenc
   also carries the window geometry; an argmax always lies in its own window)
 - ``avg_pool2d_fwd``: x -> y (linear; XLA's reduce_window; transpose: the backward)
 - ``avg_pool2d_bwd``: dy -> dx (linear; transpose: the forward)    [rlx_avg_pool2d_bwd]
+  (on CUDA where windows overlap; non-overlapping windows lower XLA's code, faster there)
 """
 
 from __future__ import annotations
@@ -160,6 +161,17 @@ def _kernel_avg_bwd(dy, *, kernel_size, stride, padding, in_hw):
     return jax.ffi.ffi_call("rlx_avg_pool2d_bwd", out)(dy, **_geom(kernel_size, stride, padding))
 
 
+def _kernel_avg_bwd_cuda(dy, *, kernel_size, stride, padding, in_hw):
+    """CUDA: the kernel where windows overlap. Where they do not (kh <= sh and kw <= sw,
+    e.g. k2s2: every dx element is one dy / (kh kw), an upsampling) XLA's fusion of the
+    reference is already near the copy floor and beat the kernel on an H200 (ours 0.71x /
+    0.76x of XLA's speed at 128x64x112x112 k2s2 f32 / bf16), so that geometry lowers the
+    reference (benchmarks/results/gather_pool_h200_2026-11-22.txt)."""
+    if all(k <= s for k, s in zip(kernel_size, stride)):
+        return reference_avg_pool2d_bwd(dy, kernel_size=kernel_size, stride=stride, padding=padding, in_hw=in_hw)
+    return _kernel_avg_bwd(dy, kernel_size=kernel_size, stride=stride, padding=padding, in_hw=in_hw)
+
+
 def _partition_factors(avals_in, avals_out, **params):
     """SPMD axes: every operand and result is (planes..., height, width); the planes
     (batch, channels) may split across devices, each plane's window stays whole."""
@@ -184,10 +196,11 @@ max_pool2d_bwd = FusedPrimitive(
     kernel={"cpu": _kernel_max_bwd, "cuda": _kernel_max_bwd_cuda}, platforms=("cpu", "cuda"), partition=_PARTITION,
 )
 avg_pool2d_fwd = FusedPrimitive("rlx_avg_pool2d_fwd", reference_avg_pool2d)
-# avg pool backward: the same call (dy and the geometry attributes) on CPU and CUDA.
+# avg pool backward: the same call (dy and the geometry attributes) on CPU and CUDA; on CUDA
+# only where windows overlap (_kernel_avg_bwd_cuda).
 avg_pool2d_bwd = FusedPrimitive(
-    "rlx_avg_pool2d_bwd", reference_avg_pool2d_bwd, target="rlx_avg_pool2d_bwd", kernel=_kernel_avg_bwd,
-    platforms=("cpu", "cuda"), partition=_PARTITION,
+    "rlx_avg_pool2d_bwd", reference_avg_pool2d_bwd, target="rlx_avg_pool2d_bwd",
+    kernel={"cpu": _kernel_avg_bwd, "cuda": _kernel_avg_bwd_cuda}, platforms=("cpu", "cuda"), partition=_PARTITION,
 )
 
 
