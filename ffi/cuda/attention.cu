@@ -138,12 +138,13 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
       // in a later run on another machine; the template keeps MT / NK as parameters.)
       // Pipeline per head dim, the faster one measured (runs 4 and 5 of
       // benchmarks/results/attention_h200_2026-11-22.txt): without a key mask K / V double
-      // buffered, no register cap at D 64; staggered (one K and one V buffer) with
+      // buffered at D 64 (__launch_bounds__ for 3 blocks per SM: 168 registers; the unrolled
+      // tile loads took 179 without, i.e. 2 blocks); staggered (one K and one V buffer) with
       // __launch_bounds__ asking for 3 blocks per SM at D 128; with a key mask staggered at
       // both (4 / 3 blocks). Template flags: MASK (a key mask is given: per-tile mask bits) and
-      // PLAIN (no softcap and no bias: an unmasked tile costs one fmul, one max and one ex2 per
-      // score, with no per-score index arithmetic, tanh or bias load).
-      const bool plain = a.softcap == 0.f && bias == nullptr;
+      // PLAIN (no softcap, no bias, scale > 0: an unmasked tile costs one max, one fma and one
+      // ex2 per score, with no per-score index arithmetic, tanh or bias load).
+      const bool plain = a.softcap == 0.f && bias == nullptr && a.scale > 0.f;
       if (a.mask != nullptr) {
         if (a.D == 64)
           return plain ? run(attn::mma_fwd_kernel<T, 64, 1, 64, true, 4, true, true>, 1, 64, 1)
@@ -152,8 +153,8 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
                      : run(attn::mma_fwd_kernel<T, 128, 1, 64, true, 3, true, false>, 1, 64, 1);
       }
       if (a.D == 64)
-        return plain ? run(attn::mma_fwd_kernel<T, 64, 1, 64, false, 1, false, true>, 1, 64, 2)
-                     : run(attn::mma_fwd_kernel<T, 64, 1, 64, false, 1, false, false>, 1, 64, 2);
+        return plain ? run(attn::mma_fwd_kernel<T, 64, 1, 64, false, 3, false, true>, 1, 64, 2)
+                     : run(attn::mma_fwd_kernel<T, 64, 1, 64, false, 3, false, false>, 1, 64, 2);
       return plain ? run(attn::mma_fwd_kernel<T, 128, 1, 64, true, 3, false, true>, 1, 64, 1)
                    : run(attn::mma_fwd_kernel<T, 128, 1, 64, true, 3, false, false>, 1, 64, 1);
     }

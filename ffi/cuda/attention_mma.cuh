@@ -166,16 +166,25 @@ __device__ __forceinline__ void mask_bits(uint32_t (&bits)[W], const float (&mv)
   *none = !any;
 }
 
-// rows [r0, r0 + ROWS) of x (row r at x + r * rs, D elements) -> dst[64][LDS]; rows >= n zero.
+// rows [r0, r0 + ROWS) of x (row r at x + r * rs, D elements) -> dst[ROWS][LDS]; rows >= n zero.
+// Thread t copies the 16-byte chunk t % (D / 8) of rows t / (D / 8) + it * (128 / (D / 8)): a
+// fixed trip count, unrolled, with one base address per thread (no per-chunk division or 64-bit
+// index arithmetic).
 template <typename T, int D, int ROWS = 64>
 __device__ __forceinline__ void load_tile(T* dst, const T* __restrict__ x, int64_t rs, int64_t r0, int64_t n) {
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
   constexpr int LDS = mma_lds<D>();
-  for (int c = threadIdx.x; c < ROWS * kChunks; c += kMmaThreads) {
-    const int r = c / kChunks, col = (c % kChunks) * 8;
-    const bool ok = r0 + r < n;
-    const T* src = ok ? x + (r0 + r) * rs + col : x;
-    cp_async16(dst + r * LDS + col, src, ok);
+  static_assert(kMmaThreads % kChunks == 0 && (ROWS * kChunks) % kMmaThreads == 0, "load_tile: whole passes");
+  constexpr int kStep = kMmaThreads / kChunks;  // rows per pass
+  constexpr int kPasses = ROWS / kStep;
+  const int r = threadIdx.x / kChunks, col = (threadIdx.x % kChunks) * 8;
+  const int64_t left = n - r0 - r;  // this thread's rows it * kStep < left exist
+  const T* src = x + (r0 + r) * rs + col;
+  T* d = dst + r * LDS + col;
+#pragma unroll
+  for (int it = 0; it < kPasses; ++it) {
+    const bool ok = it * kStep < left;
+    cp_async16(d + it * kStep * LDS, ok ? src + it * kStep * rs : x, ok);
   }
 }
 
@@ -325,6 +334,7 @@ __global__ void __launch_bounds__(kMmaThreads, MINB)
   const float c2 = a.scale * kLog2e;          // raw score -> log2 units (no softcap)
   const float cap2 = a.softcap * kLog2e;
   const float inv_cap = a.softcap > 0.f ? 1.f / a.softcap : 0.f;
+  const float sc_cap = a.scale * inv_cap;  // raw score -> tanh argument
   float m[MT][2], l[MT][2];
   float o[MT][D / 8][4];
 #pragma unroll
@@ -361,15 +371,13 @@ __global__ void __launch_bounds__(kMmaThreads, MINB)
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         float mx[2] = {-INFINITY, -INFINITY};
-        if (PLAIN && !need) {  // warp-uniform: no masking in this tile, one fmul + max per score
+        // PLAIN (launched only for scale > 0): scores stay raw, the max is taken raw and scaled
+        // once (c2 > 0 keeps the order), p = ex2(fma(s, c2, -mu)): max + fma + ex2 per score.
+        if (PLAIN && !need) {  // warp-uniform: no masking in this tile
 #pragma unroll
           for (int nt = 0; nt < NK / 8; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const float x = s[mt][nt][e] * c2;
-              s[mt][nt][e] = x;
-              mx[e >> 1] = fmaxf(mx[e >> 1], x);
-            }
+            for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[mt][nt][e]);
         } else if (PLAIN) {  // masked tile without softcap / bias
 #pragma unroll
           for (int nt = 0; nt < NK / 8; ++nt)
@@ -383,7 +391,16 @@ __global__ void __launch_bounds__(kMmaThreads, MINB)
                       (!kneed || (i < a.Sq && j < a.Sk && kind_visible(a, i, j)));
               else
                 vis = i < a.Sq && j < a.Sk && kind_visible(a, i, j);
-              const float x = vis ? s[mt][nt][e] * c2 : -INFINITY;
+              const float x = vis ? s[mt][nt][e] : -INFINITY;
+              s[mt][nt][e] = x;
+              mx[e >> 1] = fmaxf(mx[e >> 1], x);
+            }
+        } else if (!need && bias == nullptr && a.softcap > 0.f) {  // unmasked tile, softcap only
+#pragma unroll
+          for (int nt = 0; nt < NK / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const float x = cap2 * tanhf(s[mt][nt][e] * sc_cap);
               s[mt][nt][e] = x;
               mx[e >> 1] = fmaxf(mx[e >> 1], x);
             }
@@ -416,6 +433,7 @@ __global__ void __launch_bounds__(kMmaThreads, MINB)
         float mu[2], alpha[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
+          if constexpr (PLAIN) mx[r] *= c2;  // raw max -> log2 units
           // fmaxf drops NaN scores from the max, but such a score still gives p = ex2(NaN) =
           // NaN below, so l, the output row and lse come out NaN (the CPU kernel's result).
           mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
@@ -430,7 +448,7 @@ __global__ void __launch_bounds__(kMmaThreads, MINB)
         for (int nt = 0; nt < NK / 8; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const float p = ex2(s[mt][nt][e] - mu[e >> 1]);
+            const float p = PLAIN ? ex2(fmaf(s[mt][nt][e], c2, -mu[e >> 1])) : ex2(s[mt][nt][e] - mu[e >> 1]);
             s[mt][nt][e] = p;
             ls[e >> 1] += p;
           }
@@ -502,6 +520,7 @@ __global__ void __launch_bounds__(kMmaThreads)
   const int64_t q_rs = a.H * D, kv_rs = a.Hkv * D;
   const int64_t j_row0 = k0 + warp * 16 + g;  // this thread's keys: j_row0, j_row0 + 8
   const float c2 = a.scale * kLog2e;           // raw score -> log2 units (PLAIN)
+  const float cap2 = a.softcap * kLog2e, sc_cap = a.softcap > 0.f ? a.scale / a.softcap : 0.f;
   bool kok[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -578,7 +597,8 @@ __global__ void __launch_bounds__(kMmaThreads)
     zero(dpt);
     mma_abt<T, D>(st, Ks + warp * 16 * LDS, Qb, lane);
     mma_abt<T, D>(dpt, Vs + warp * 16 * LDS, Gb, lane);
-    const bool need = (MASK && !w_all) || tile_needs_mask(a, i0, k0);
+    const bool tneed = tile_needs_mask(a, i0, k0);
+    const bool need = (MASK && !w_all) || tneed;
     if (PLAIN && !need) {  // warp-uniform: no masking, no softcap, no bias
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
@@ -597,10 +617,22 @@ __global__ void __launch_bounds__(kMmaThreads)
           const int r = e >> 1;
           const int ic = nt * 8 + 2 * tq + (e & 1);
           const int64_t i = i0 + ic, j = j_row0 + 8 * r;
-          const bool vis = kok[r] && i < a.Sq && kind_visible(a, i, j);
+          // tile inside the sequences and the mask kind: only the key mask (kok) hides scores
+          const bool vis = kok[r] && (!tneed || (i < a.Sq && kind_visible(a, i, j)));
           const float p = vis ? ex2(fmaf(st[nt][e], c2, -Lb[ic])) : 0.f;
           st[nt][e] = p;
           dpt[nt][e] = vis ? p * (dpt[nt][e] - Db[ic]) : 0.f;
+        }
+    } else if (!need && bias == nullptr && a.softcap > 0.f) {  // unmasked tile, softcap only
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int ic = nt * 8 + 2 * tq + (e & 1);
+          const float th = tanhf(st[nt][e] * sc_cap);
+          const float p = ex2(fmaf(th, cap2, -Lb[ic]));
+          st[nt][e] = p;
+          dpt[nt][e] = p * (dpt[nt][e] - Db[ic]) * (1.f - th * th);
         }
     } else {
 #pragma unroll
@@ -686,6 +718,7 @@ __global__ void __launch_bounds__(kMmaThreads)
   }
   const int64_t row0 = q0 + warp * 16 + g;
   const float c2 = a.scale * kLog2e;  // raw score -> log2 units (PLAIN)
+  const float cap2 = a.softcap * kLog2e, sc_cap = a.softcap > 0.f ? a.scale / a.softcap : 0.f;
   float L[2], dl[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -750,6 +783,16 @@ __global__ void __launch_bounds__(kMmaThreads)
             vis = i < a.Sq && j < a.Sk && kind_visible(a, i, j);
           const float p = vis ? ex2(fmaf(s[nt][e], c2, -L[r])) : 0.f;
           s[nt][e] = vis ? p * (dp[nt][e] - dl[r]) : 0.f;
+        }
+    } else if (!need && bias == nullptr && a.softcap > 0.f) {  // unmasked tile, softcap only
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e >> 1;
+          const float th = tanhf(s[nt][e] * sc_cap);
+          const float p = ex2(fmaf(th, cap2, -L[r]));
+          s[nt][e] = p * (dp[nt][e] - dl[r]) * (1.f - th * th);
         }
     } else {
 #pragma unroll
