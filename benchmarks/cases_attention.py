@@ -192,52 +192,6 @@ def gpu_table(reps: int = 10, shapes=((4, 4096, 16, 128), (4, 4096, 16, 64)), qu
     return rows
 
 
-FWD_VARIANTS = ("db", "st1", "st")  # RLX_ATTENTION_CUDA_FWD values (ffi/cuda/attention.cu)
-
-
-def fwd_ab(reps: int = 10, shapes=((4, 4096, 16, 128), (4, 4096, 16, 64))) -> None:
-    """A/B of the CUDA forward pipelines on the tensor-core path (bf16): db = K / V double
-    buffered (the earlier kernel), st1 = one K and one V buffer, loads staggered against the two
-    GEMMs, no register cap, st = st1 with __launch_bounds__ asking for 4 (D 64) / 3 (D 128)
-    blocks per SM (the default). Each variant is a fresh jit with the variable set, interleaved
-    per case; ``max|diff|`` is the largest difference of a variant's output from db's."""
-    import os
-
-    import numpy as np
-
-    from benchmarks.harness import time_fn
-
-    dev = next(d for d in jax.devices() if d.platform == "gpu")
-    print(f"# forward A/B, device: {dev.device_kind}; bf16; median of {reps} reps, 3 warmup")
-    head = f"{'case':36s} " + " ".join(f"{v + ' ms':>9s}" for v in FWD_VARIANTS) + f" {'db/st':>6s} {'max|diff|':>9s}"
-    print(head)
-    print("-" * len(head))
-    old = os.environ.get("RLX_ATTENTION_CUDA_FWD")
-    try:
-        for b, s, h, d in shapes:
-            ks = jax.random.split(jax.random.PRNGKey(0), 5)
-            q, k, v = (jax.device_put(jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(jnp.bfloat16), dev)
-                       for kk in ks[:3])
-            key_mask = jax.device_put((jax.random.uniform(ks[4], (b, s)) > 0.2).astype(jnp.float32), dev)
-            for tag, kind_, extra in (("none", "none", {}), ("causal", "causal", {}),
-                                      ("none+keymask", "none", dict(mask=key_mask))):
-                times, outs = [], []
-                for var in FWD_VARIANTS:
-                    os.environ["RLX_ATTENTION_CUDA_FWD"] = var
-                    fn = jax.jit(lambda q, k, v, kind_=kind_, extra=extra: attention(q, k, v, mask_kind=kind_, **extra))
-                    outs.append(np.asarray(fn(q, k, v).astype(jnp.float32)))
-                    times.append(time_fn(fn, (q, k, v), reps))
-                diff = max(float(np.max(np.abs(o - outs[0]))) for o in outs)
-                name = f"fwd {tag} B{b} S{s} H{h} D{d}"
-                print(f"{name:36s} " + " ".join(f"{t:9.3f}" for t in times) + f" {times[0] / times[-1]:6.2f} {diff:9.2e}",
-                      flush=True)
-    finally:
-        if old is None:
-            os.environ.pop("RLX_ATTENTION_CUDA_FWD", None)
-        else:
-            os.environ["RLX_ATTENTION_CUDA_FWD"] = old
-
-
 def main() -> None:
     """The runner's timing plus GFLOP/s and compiled scratch memory per case; on a GPU,
     the ours / cuDNN / XLA TFLOP/s table (``gpu_table``) instead."""
@@ -248,13 +202,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="GPU: only plain and causal cases")
-    parser.add_argument("--fwd-ab", action="store_true", help="GPU: A/B of the forward pipelines only")
     args = parser.parse_args()
     device = jax.devices()[0]
     kind = "gpu" if device.platform in ("gpu", "cuda") else "cpu"
-    if kind == "gpu" and args.fwd_ab:
-        fwd_ab(args.reps)
-        return
     if kind == "gpu":
         gpu_table(args.reps, quick=args.quick)
         return

@@ -1,9 +1,11 @@
 """One attention call on the GPU, small enough for compute-sanitizer:
 
-    compute-sanitizer --tool memcheck python3 tools/attention_sanitize.py D DTYPE KIND PHASE [MASK]
+    compute-sanitizer --tool memcheck python3 tools/attention_sanitize.py D DTYPE KIND PHASE [MASK [EXTRA]]
 
 D: head dim; DTYPE: bfloat16 | float16 | float32; KIND: none | causal | sliding;
-PHASE: fwd (forward only) | bwd (forward and the fused backward); MASK: 1 adds a key mask.
+PHASE: fwd (forward only) | bwd (forward and the fused backward); MASK: 1 adds a key mask;
+EXTRA: softcap | bias (the general score path of the tensor-core kernels; without either they
+run their PLAIN specialisation).
 Prints a checksum so runs can be compared; the correctness checks live in the GPU tests.
 """
 
@@ -16,12 +18,18 @@ import numpy as np
 from rlx_jax.ops import attention
 
 
-def main(d: int, dtype: str, kind: str, phase: str, mask: bool) -> None:
+def main(d: int, dtype: str, kind: str, phase: str, mask: bool, extra: str = "") -> None:
     b, s, h = 1, 96, 2
-    keys = jax.random.split(jax.random.PRNGKey(0), 4)
-    q, k, v, dy = (jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(dtype) for kk in keys)
+    keys = jax.random.split(jax.random.PRNGKey(0), 5)
+    q, k, v, dy = (jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(dtype) for kk in keys[:4])
     m = (jnp.arange(s)[None, :] % 7 != 3).astype(jnp.float32) if mask else None
     opts = dict(mask_kind=kind, window=17 if kind == "sliding" else None, mask=m)
+    if extra == "softcap":
+        opts["softcap"] = 5.0
+    elif extra == "bias":
+        opts["bias"] = (0.5 * jax.random.normal(keys[4], (b, h, s, s), jnp.float32)).astype(dtype)
+    elif extra:
+        raise SystemExit(f"EXTRA must be softcap or bias, got {extra!r}")
     if phase == "fwd":
         out = jax.jit(lambda q, k, v: attention(q, k, v, **opts))(q, k, v)
         print("fwd checksum", float(jnp.sum(out.astype(jnp.float32))))
@@ -32,4 +40,5 @@ def main(d: int, dtype: str, kind: str, phase: str, mask: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], len(sys.argv) > 5 and sys.argv[5] == "1")
+    main(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], len(sys.argv) > 5 and sys.argv[5] == "1",
+         sys.argv[6] if len(sys.argv) > 6 else "")
