@@ -1,8 +1,13 @@
 // Attention on tensor cores (sm_80+, mma.sync m16n8k16, bf16 / f16 in, f32 accumulation),
 // FlashAttention-2 style, for head dims 64 and 128. Mask kind, scale, softcap and bias are
-// runtime parameters (AttnArgs, attention_generic.cuh); whether a key mask is given is a
-// template flag (MASK), so the unmasked kernels carry no mask bits or flags. Each kernel is
-// instantiated per (dtype, head dim, MASK) (the forward also per pipeline, see attention.cu).
+// runtime parameters (AttnArgs, attention_generic.cuh); two template flags pick the score code:
+// MASK (a key mask is given; without one the kernels carry no mask bits or flags) and PLAIN (no
+// softcap and no bias; the forward also needs scale > 0). Each kernel is instantiated per
+// (dtype, head dim, MASK, PLAIN); the forward's pipeline is fixed per head dim and MASK
+// (attention.cu). In every kernel a tile that needs no per-element masking (warp- or
+// block-uniform test) runs a score loop of its own: PLAIN fwd max + fma + ex2 per score, PLAIN
+// bwd fma + ex2 + the dS product, softcap-only (general kernels, no bias) tanh + fma + ex2; the
+// index tests (mask kind, sequence ends) run only on the tiles that need them.
 //
 // Tiles: 64 query rows x 64 keys per step, 4 warps of 16 rows each (128 threads). Tiles go
 // global -> shared with cp.async (16-byte, zero-filled past the sequence end), double
@@ -288,6 +293,8 @@ __device__ __forceinline__ void key_range(const AttnArgs& a, int64_t q0, int64_t
 // MINB: minimum blocks per SM for __launch_bounds__ (caps the registers; 1: no cap).
 // MASK: a key mask is given (a.mask != nullptr): per key tile, mask bits and a skip of tiles
 // with no kept key; false compiles all of that out.
+// PLAIN: no softcap, no bias and scale > 0 (the launcher's test): scores stay raw until the row
+// max, which is scaled once (c2 > 0 keeps the order); p = ex2(fma(s, c2, -mu)).
 // Scores are carried in log2 units: m (row max) and the exponents are log2-scaled; lse is
 // converted back (ln) at the end.
 
