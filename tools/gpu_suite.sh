@@ -62,20 +62,18 @@ if has sanitize; then
       echo "rc=$?" >>"$OUT/memcheck_$n.txt" ) &
     pids+=($!)
   done
-  # attention: each forward pipeline and the backward, with and without a key mask, under
-  # memcheck and racecheck (the shared-memory K / V buffers are where a race would be)
+  # attention: the forward and the backward of both head dims, with and without a key mask, the
+  # PLAIN score loops and the general ones (softcap, bias), under memcheck and racecheck (the shared-memory K / V buffers are where a race would be)
   [ "${RLX_SANITIZE_ATTENTION:-1}" = 1 ] && ( i=0
     for tool in memcheck racecheck; do
       for cfg in "64 bfloat16 causal fwd" "64 bfloat16 none fwd 1" "128 bfloat16 none fwd" "128 float16 causal bwd" \
-                 "64 bfloat16 sliding bwd 1" "64 float32 causal bwd"; do
+                 "64 bfloat16 sliding bwd 1" "64 float32 causal bwd" "128 bfloat16 none bwd 0 softcap" \
+                 "64 float16 causal bwd 1 bias"; do
         i=$((i + 1))
         timeout 120 compute-sanitizer --tool $tool python3 tools/attention_sanitize.py $cfg >"$OUT/attn_$tool$i.txt" 2>&1
         echo "attention $tool [$cfg] rc=$? $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' "$OUT/attn_$tool$i.txt" | tail -1)"
       done
     done
-    RLX_ATTENTION_CUDA_FWD=st timeout 120 compute-sanitizer --tool racecheck python3 tools/attention_sanitize.py 64 bfloat16 none fwd \
-      >"$OUT/attn_racecheck_st.txt" 2>&1
-    echo "attention racecheck [64 st fwd] rc=$? $(grep -h 'RACECHECK SUMMARY' "$OUT/attn_racecheck_st.txt" | tail -1)"
   ) >"$OUT/attention_sanitize.txt" 2>&1 &
   [ "${RLX_SANITIZE_ATTENTION:-1}" = 1 ] && pids+=($!)
   wait "${pids[@]}"
