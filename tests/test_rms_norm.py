@@ -3,15 +3,21 @@ errors, determinism. Runs on the default backend (CPU here, GPU on a GPU machine
 
 from __future__ import annotations
 
+import hashlib
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from jax.test_util import check_grads
 
 import rlx_jax
 from rlx_jax.ops import rms_norm
-from rlx_jax.vjp_rules.rms_norm import reference_rms_norm, rms_norm_backward
+from rlx_jax.vjp_rules.rms_norm import reference_rms_norm, reference_rms_norm_bwd, rms_norm_backward
 
 from testutil import assert_close, hlo_text, platform
 
@@ -194,3 +200,77 @@ def test_bad_axis_and_eps():
         rms_norm(jnp.ones((3, 4)), jnp.ones(4), axis=2)
     with pytest.raises(ValueError, match="eps"):
         rms_norm(jnp.ones((3, 4)), jnp.ones(4), eps=-1.0)
+
+
+# ---- the CPU row bodies (16-element blocks, AVX-512 / AVX2 / baseline) ----------------
+cpu_only = pytest.mark.skipif(platform() != "cpu", reason="the CPU kernels' row bodies")
+
+
+@cpu_only
+@pytest.mark.parametrize("width", [40, 1050])
+def test_cpu_bf16_rounds_to_nearest_even(width):
+    """y = x * rstd * gamma + beta rounded once to bf16, ties to even, in the 16-element
+    blocks and in the row tail: with eps = 0, x = +-2 (rstd = 0.5 exactly) and gamma = 1
+    the f32 value x / 2 + beta is exact, so the only rounding is the store."""
+    r = np.random.default_rng(3)
+    x = np.where(np.arange(width) % 3 == 0, -2.0, 2.0).astype(np.float32)[None].repeat(3, 0)
+    # beta: exact ties (1 + 2^-8, 1 + 3 * 2^-8 after adding 1), values just off ties, random
+    special = np.array([2.0**-8, 3 * 2.0**-8, 2.0**-8 + 2.0**-15, -(2.0**-9), 5 * 2.0**-9], np.float32)
+    beta = r.normal(size=width).astype(np.float32)
+    beta[: special.size] = special
+    beta[-special.size:] = special
+    beta = beta.astype(ml_dtypes.bfloat16).astype(np.float32)  # beta itself is bf16
+    want = (x * np.float32(0.5) + beta).astype(ml_dtypes.bfloat16)
+    got = jax.jit(lambda x, g, b: rms_norm(x, g, b, eps=0.0))(
+        jnp.asarray(x, jnp.bfloat16), jnp.ones(width, jnp.bfloat16), jnp.asarray(beta, jnp.bfloat16))
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), want.view(np.uint16))
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_cpu_nan_and_inf_rows(dtype):
+    """NaN / inf in a row (inside a 16-block and in the tail) give the reference's NaN
+    pattern; the other rows stay finite and close."""
+    x, g, b, dy = _inputs((5, 45), dtype, seed=4)
+    x = x.at[1, 20].set(jnp.nan).at[2, 3].set(jnp.inf).at[3, 44].set(-jnp.inf)
+    y, vjp = jax.vjp(lambda x: rms_norm(x, g, b), x)
+    dx = vjp(dy)[0]
+    f32 = lambda a: a.astype(jnp.float32)
+    want_y, rstd = reference_rms_norm(f32(x), f32(g), f32(b), eps=EPS)
+    want_dx = reference_rms_norm_bwd(f32(x), f32(g), rstd, f32(dy), eps=EPS)[0]
+    for got, want in ((y, want_y), (dx, want_dx)):
+        got, want = np.asarray(f32(got)), np.asarray(want)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        assert np.isfinite(got[[0, 4]]).all()
+        assert_close(jnp.asarray(got[[0, 4]]), jnp.asarray(want[[0, 4]]), dtype)
+
+
+def _rms_digest() -> str:
+    """sha256 of the CPU kernels' y, dx, dgamma, dbeta for f32 and bf16 rows of widths
+    that use 32-element blocks, a last 16-element block and a tail."""
+    h = hashlib.sha256()
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for shape in ((37, 1000), (9, 1050), (4, 7)):
+            x, g, b, dy = _inputs(shape, dtype, seed=shape[1])
+            y, vjp = jax.vjp(jax.jit(rms_norm), x, g, b)
+            for leaf in (y, *vjp(dy)):
+                h.update(np.asarray(leaf).tobytes())
+    return h.hexdigest()
+
+
+@cpu_only
+def test_cpu_same_bits_with_the_avx2_body_and_one_thread():
+    """A fresh process pinned to one core and forced onto the AVX2 / baseline row clones
+    (RLX_JAX_CPU_NO_AVX512) gives the same bits as this one (several threads; the
+    AVX-512 body where the CPU has it)."""
+    here = _rms_digest()
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, RLX_JAX_CPU_NO_AVX512="1", JAX_PLATFORMS="cpu")
+    one_core = {min(os.sched_getaffinity(0))}
+    code = (f"import os, sys; os.sched_setaffinity(0, {one_core!r}); sys.path.insert(0, {tests_dir!r}); "
+            "import test_rms_norm as t; print('DIGEST' + t._rms_digest())")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
+                          cwd=tests_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    there = [l for l in proc.stdout.splitlines() if l.startswith("DIGEST")][-1][len("DIGEST"):]
+    assert there == here

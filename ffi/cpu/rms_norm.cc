@@ -14,10 +14,12 @@
 // x86-64-v4 (one zmm per block) where the CPU has AVX-512 and otherwise in the row
 // clones (x86-64-v3: two ymm halves; baseline: SSE2). Sums run on two 16-lane
 // accumulators (element j to accumulator (j / 16) mod 2, lane j mod 16, over the
-// 32-element blocks; a last 16-block to the first), then the accumulators are added,
-// the lanes in order 0..15 and the tail elements in order: a fixed order, so the AVX-512
-// and AVX2 bodies give the same bits. f16 and f64 rows use the generic scalar loops.
+// 32-element blocks; a last full 16-block to the first, the zero-padded tail block to
+// the second), then the accumulators are added and the lanes in order 0..15: a fixed
+// order, and every element goes through the same vector operations, so the AVX-512 and
+// AVX2 bodies give the same bits. f16 and f64 rows use the generic scalar loops.
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 
 #include "cpu/common.h"
@@ -27,6 +29,15 @@ namespace rlx {
 namespace {
 
 // ---- vectorised rows (T = float or bf16; gamma, beta as f32; V: see rowwise.h) -----
+// The last n mod 16 elements of a row run as one more block, zero-padded through a
+// 16-element local copy, so that every element sees the same vector operations in
+// both bodies (a scalar tail may be contracted into FMAs differently by the two ISAs).
+template <typename T>
+RLX_ROW_INLINE void copy_padded(T* dst16, const T* src, int64_t m) {
+  std::memset(dst16, 0, 16 * sizeof(T));
+  std::memcpy(dst16, src, static_cast<size_t>(m) * sizeof(T));
+}
+
 // sum_j x_j * x_j
 template <typename V, typename T>
 RLX_ROW_INLINE float sum_sq_body(const T* x, int64_t n) {
@@ -42,12 +53,13 @@ RLX_ROW_INLINE float sum_sq_body(const T* x, int64_t n) {
     a0 += u * u;
     j += 16;
   }
-  float s = hsum16(a0 + a1);
-  for (; j < n; ++j) {
-    const float v = load<float>(x[j]);
-    s += v * v;
+  if (j < n) {
+    T t[16];
+    copy_padded(t, x + j, n - j);
+    const V u = ld16<V>(t);
+    a1 += u * u;
   }
-  return s;
+  return hsum16(a0 + a1);
 }
 
 // sum_j dy_j * g_j * x_j
@@ -63,15 +75,27 @@ RLX_ROW_INLINE float dot3_body(const T* dy, const float* g, const T* x, int64_t 
     a0 += ld16<V>(dy + j) * ld16<V>(g + j) * ld16<V>(x + j);
     j += 16;
   }
-  float s = hsum16(a0 + a1);
-  for (; j < n; ++j) s += load<float>(dy[j]) * g[j] * load<float>(x[j]);
-  return s;
+  if (j < n) {
+    T td[16], tx[16];
+    float tg[16];
+    copy_padded(td, dy + j, n - j);
+    copy_padded(tg, g + j, n - j);
+    copy_padded(tx, x + j, n - j);
+    a1 += ld16<V>(td) * ld16<V>(tg) * ld16<V>(tx);
+  }
+  return hsum16(a0 + a1);
+}
+
+// y_j = x_j * inv * g_j + b_j for the 16 elements at x, g, b
+template <typename V, typename T>
+RLX_ROW_INLINE void fwd_block(const T* x, const float* g, const float* b, T* y, const V& vi) {
+  st16(y, ld16<V>(x) * vi * ld16<V>(g) + ld16<V>(b));
 }
 
 // Rows [r0, r1): rstd[r] = 1 / sqrt(mean_j x_j^2 + eps), y_j = x_j * rstd * g_j + b_j.
 template <typename V, typename T>
 RLX_ROW_INLINE void fwd_rows_body(const T* x, const float* g, const float* b, T* y, float* rstd,
-                              int64_t r0, int64_t r1, int64_t n, float eps) {
+                                  int64_t r0, int64_t r1, int64_t n, float eps) {
   for (int64_t r = r0; r < r1; ++r) {
     const T* xr = x + r * n;
     T* yr = y + r * n;
@@ -79,16 +103,39 @@ RLX_ROW_INLINE void fwd_rows_body(const T* x, const float* g, const float* b, T*
     rstd[r] = inv;
     const V vi = splat16<V>(inv);
     int64_t j = 0;
-    for (; j + 16 <= n; j += 16) st16(yr + j, ld16<V>(xr + j) * vi * ld16<V>(g + j) + ld16<V>(b + j));
-    for (; j < n; ++j) yr[j] = store<T>(load<float>(xr[j]) * inv * g[j] + b[j]);
+    for (; j + 16 <= n; j += 16) fwd_block(xr + j, g + j, b + j, yr + j, vi);
+    if (j < n) {
+      const int64_t m = n - j;
+      T tx[16], ty[16];
+      float tg[16], tb[16];
+      copy_padded(tx, xr + j, m);
+      copy_padded(tg, g + j, m);
+      copy_padded(tb, b + j, m);
+      fwd_block(tx, tg, tb, ty, vi);
+      std::memcpy(yr + j, ty, static_cast<size_t>(m) * sizeof(T));
+    }
   }
+}
+
+// dx = inv dy g - coef x, pg += dy x inv, pb += dy for the 16 elements at the pointers
+template <typename V, typename T>
+RLX_ROW_INLINE void bwd_block(const T* x, const T* dy, const float* g, T* dx, float* pg, float* pb,
+                              const V& vi, const V& vc) {
+  const V xv = ld16<V>(x), dyv = ld16<V>(dy);
+  // separate statements fix which product the compiler fuses into an FMA (the first),
+  // so that the v16f and P16 bodies round alike
+  const V u = vi * dyv * ld16<V>(g);
+  const V w = vc * xv;
+  st16(dx, u - w);
+  st16(pg, ld16<V>(pg) + dyv * xv * vi);
+  st16(pb, ld16<V>(pb) + dyv);
 }
 
 // Rows [r0, r1): dx_j = rstd dy_j g_j - x_j rstd^3 (sum_i dy_i g_i x_i) / n,
 // pg_j += dy_j x_j rstd, pb_j += dy_j.
 template <typename V, typename T>
 RLX_ROW_INLINE void bwd_rows_body(const T* x, const float* g, const float* rstd, const T* dy, T* dx,
-                              float* pg, float* pb, int64_t r0, int64_t r1, int64_t n) {
+                                  float* pg, float* pb, int64_t r0, int64_t r1, int64_t n) {
   for (int64_t r = r0; r < r1; ++r) {
     const T* xr = x + r * n;
     const T* dyr = dy + r * n;
@@ -97,23 +144,20 @@ RLX_ROW_INLINE void bwd_rows_body(const T* x, const float* g, const float* rstd,
     const float coef = inv * inv * inv * dot3_body<V>(dyr, g, xr, n) / float(n);
     const V vi = splat16<V>(inv), vc = splat16<V>(coef);
     int64_t j = 0;
-    for (; j + 16 <= n; j += 16) {
-      const V xv = ld16<V>(xr + j), dyv = ld16<V>(dyr + j);
-      // separate statements fix which product the compiler fuses into an FMA (the
-      // first), so that the v16f and P16 bodies round alike
-      const V u = vi * dyv * ld16<V>(g + j);
-      const V w = vc * xv;
-      st16(dxr + j, u - w);
-      st16(pg + j, ld16<V>(pg + j) + dyv * xv * vi);
-      st16(pb + j, ld16<V>(pb + j) + dyv);
-    }
-    for (; j < n; ++j) {
-      const float xv = load<float>(xr[j]), dyv = load<float>(dyr[j]);
-      const float u = inv * dyv * g[j];
-      const float w = coef * xv;
-      dxr[j] = store<T>(u - w);
-      pg[j] += dyv * xv * inv;
-      pb[j] += dyv;
+    for (; j + 16 <= n; j += 16) bwd_block(xr + j, dyr + j, g + j, dxr + j, pg + j, pb + j, vi, vc);
+    if (j < n) {
+      const int64_t m = n - j;
+      T tx[16], tdy[16], tdx[16];
+      float tg[16], tpg[16], tpb[16];
+      copy_padded(tx, xr + j, m);
+      copy_padded(tdy, dyr + j, m);
+      copy_padded(tg, g + j, m);
+      copy_padded(tpg, pg + j, m);
+      copy_padded(tpb, pb + j, m);
+      bwd_block(tx, tdy, tg, tdx, tpg, tpb, vi, vc);
+      std::memcpy(dxr + j, tdx, static_cast<size_t>(m) * sizeof(T));
+      std::memcpy(pg + j, tpg, static_cast<size_t>(m) * sizeof(float));
+      std::memcpy(pb + j, tpb, static_cast<size_t>(m) * sizeof(float));
     }
   }
 }
@@ -221,9 +265,7 @@ void rms_norm_bwd_typed(ffi::ThreadPool& pool, const T* x, const T* gamma, const
 #pragma omp simd
       for (int64_t j = 0; j < width; ++j) {
         const A xv = load<A>(xr[j]), dyv = load<A>(dyr[j]);
-        const float u = inv * dyv * g[j];
-      const float w = coef * xv;
-      dxr[j] = store<T>(u - w);
+        dxr[j] = store<T>(inv * dyv * g[j] - coef * xv);
         pg[j] += dyv * xv * inv;
         pb[j] += dyv;
       }
