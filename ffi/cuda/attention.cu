@@ -14,6 +14,7 @@
 // Path: bf16 / f16 with head dim 64 or 128 on sm_80+ run the mma.sync kernels; everything
 // else (f32, other head dims up to 256) runs the generic kernels. Both are deterministic.
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -95,6 +96,16 @@ bool use_mma(const AttnArgs& a, int device) {
     if (device_cc_major(device, &major) != cudaSuccess) return false;
     return major >= 8;
   }
+}
+
+// Backward kernels with loop-invariant A operands in registers (AR > 0, see launch_bwd), unless
+// RLX_ATTENTION_CUDA_AREG=0 (the AR = 0 kernels, kept for A/B); read once per process.
+bool attn_areg() {
+  static const bool on = [] {
+    const char* v = std::getenv("RLX_ATTENTION_CUDA_AREG");
+    return !(v != nullptr && v[0] == '0');
+  }();
+  return on;
 }
 
 constexpr int64_t kMaxGrid = 2147483647;
@@ -203,15 +214,29 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
       };
       // Template flags: MASK (a key mask is given; without one the kernels carry no mask bits
       // or flags: fewer live registers) and PLAIN (no softcap, no bias: unmasked tiles run one
-      // fma, one ex2 and the dS product per score).
+      // fma, one ex2 and the dS product per score); AR: the warp's loop-invariant A operands
+      // held in registers (dkdv: K, V; dq: Q, dO), one ldmatrix less per k-chunk of S / dP,
+      // where ptxas (sm_90) finds the registers without losing blocks per SM or spilling:
+      // dkdv D 64 both (2 blocks as before; D 128 has no registers left), dq D 64 Q (and dO with a
+      // key mask, PLAIN), capped at 168 registers for 3 blocks (the mask + general kernel
+      // spilled: none), dq D 128 Q (255 registers, 2 blocks as before: shared memory limits).
+      // RLX_ATTENTION_CUDA_AREG=0 runs every kernel with AR = 0 (the kernels before, for A/B).
       const bool km = a.mask != nullptr, plain = a.softcap == 0.f && bias == nullptr;
       auto pick = [&](auto mask_tag, auto plain_tag) -> ffi::Error {
         constexpr bool M = decltype(mask_tag)::value, P = decltype(plain_tag)::value;
-        if (a.D == 64)
-          return run(attn::mma_dkdv_kernel<T, 64, M, P>, attn::mma_dkdv_smem<64>(), attn::mma_dq_kernel<T, 64, M, P>,
-                     attn::mma_dq_smem<64>());
+        constexpr int kDq64 = M ? (P ? 2 : 0) : 1;
+        if (a.D == 64) {
+          if (!attn_areg())
+            return run(attn::mma_dkdv_kernel<T, 64, M, P>, attn::mma_dkdv_smem<64>(),
+                       attn::mma_dq_kernel<T, 64, M, P>, attn::mma_dq_smem<64>());
+          return run(attn::mma_dkdv_kernel<T, 64, M, P, 2>, attn::mma_dkdv_smem<64>(),
+                     attn::mma_dq_kernel<T, 64, M, P, kDq64>, attn::mma_dq_smem<64>());
+        }
+        if (!attn_areg())
+          return run(attn::mma_dkdv_kernel<T, 128, M, P>, attn::mma_dkdv_smem<128>(),
+                     attn::mma_dq_kernel<T, 128, M, P>, attn::mma_dq_smem<128>());
         return run(attn::mma_dkdv_kernel<T, 128, M, P>, attn::mma_dkdv_smem<128>(),
-                   attn::mma_dq_kernel<T, 128, M, P>, attn::mma_dq_smem<128>());
+                   attn::mma_dq_kernel<T, 128, M, P, 1>, attn::mma_dq_smem<128>());
       };
       using F = std::false_type;
       using Tr = std::true_type;

@@ -256,6 +256,37 @@ __device__ __forceinline__ void mma_pv(float (&o)[D / 8][4], const float (&p)[8]
                     vm, lane);
 }
 
+// The A fragments of S = A B^T for the warp's 16 rows at `a` (all D / 16 k-chunks), to hold in
+// registers across a loop whose A operand does not change (dkdv: K, V; dq: Q, dO).
+template <typename T, int D>
+__device__ __forceinline__ void load_afrag(uint32_t (&af)[D / 16][4], const T* a, int lane) {
+  constexpr int LDS = mma_lds<D>();
+#pragma unroll
+  for (int kc = 0; kc < D / 16; ++kc) ldsm_x4(af[kc], a + (lane & 15) * LDS + kc * 16 + (lane >> 4) * 8);
+}
+// mma_abt (C[16 x 64] (+)= A B^T) with the A fragments from registers when REG (af as
+// load_afrag left them; `a` unused), else from shared memory at `a` (af unused): REG saves one
+// of the five ldmatrix of each k-chunk.
+template <bool REG, typename T, int D>
+__device__ __forceinline__ void mma_abt_x(float (&c)[8][4], const uint32_t (&af)[REG ? D / 16 : 1][4], const T* a,
+                                          const T* bm, int lane) {
+  if constexpr (REG) {
+    constexpr int LDS = mma_lds<D>();
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) {
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        uint32_t bf[4];
+        ldsm_x4(bf, bm + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * LDS + kc * 16 + ((lane >> 3) & 1) * 8);
+        mma16816<T>(c[2 * np], af[kc], bf[0], bf[1]);
+        mma16816<T>(c[2 * np + 1], af[kc], bf[2], bf[3]);
+      }
+    }
+  } else {
+    mma_abt<T, D>(c, a, bm, lane);
+  }
+}
+
 template <int N>
 __device__ __forceinline__ void zero(float (&c)[N][4]) {
 #pragma unroll
@@ -503,7 +534,9 @@ __global__ void __launch_bounds__(kMmaThreads, MINB)
 
 // ---- backward: dk, dv (and dbias) ------------------------------------------------------------
 // MASK: a key mask is given (a.mask != nullptr); false compiles the key-mask logic out.
-template <typename T, int D, bool MASK, bool PLAIN>
+// AR: how many of the warp's loop-invariant A operands stay in registers (0: none, K and V
+// read from shared memory in every step; 1: K; 2: K and V), loaded once before the loop.
+template <typename T, int D, bool MASK, bool PLAIN, int AR = 0>
 __global__ void __launch_bounds__(kMmaThreads)
     mma_dkdv_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                     const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
@@ -582,6 +615,13 @@ __global__ void __launch_bounds__(kMmaThreads)
   };
   if (iters > 0) stage(0, 0);
   cp_async_commit();
+  uint32_t kf[AR >= 1 ? D / 16 : 1][4], vf[AR >= 2 ? D / 16 : 1][4];
+  if constexpr (AR >= 1) {
+    cp_async_wait_all();
+    __syncthreads();
+    load_afrag<T, D>(kf, Ks + warp * 16 * LDS, lane);
+    if constexpr (AR >= 2) load_afrag<T, D>(vf, Vs + warp * 16 * LDS, lane);
+  }
   float dka[D / 8][4], dva[D / 8][4];
   zero(dka);
   zero(dva);
@@ -602,8 +642,8 @@ __global__ void __launch_bounds__(kMmaThreads)
     float st[8][4], dpt[8][4];
     zero(st);
     zero(dpt);
-    mma_abt<T, D>(st, Ks + warp * 16 * LDS, Qb, lane);
-    mma_abt<T, D>(dpt, Vs + warp * 16 * LDS, Gb, lane);
+    mma_abt_x<(AR >= 1), T, D>(st, kf, Ks + warp * 16 * LDS, Qb, lane);
+    mma_abt_x<(AR >= 2), T, D>(dpt, vf, Vs + warp * 16 * LDS, Gb, lane);
     const bool tneed = tile_needs_mask(a, i0, k0);
     const bool need = (MASK && !w_all) || tneed;
     if (PLAIN && !need) {  // warp-uniform: no masking, no softcap, no bias
@@ -686,9 +726,12 @@ __global__ void __launch_bounds__(kMmaThreads)
 }
 
 // ---- backward: dq ----------------------------------------------------------------------------
-// MASK: as mma_dkdv_kernel.
-template <typename T, int D, bool MASK, bool PLAIN>
-__global__ void __launch_bounds__(kMmaThreads)
+// MASK: as mma_dkdv_kernel. AR: as mma_dkdv_kernel, for Q (1) and Q and dO (2). D 64 with AR > 0
+// asks for 3 blocks per SM (168 registers, as the AR = 0 kernels reach without a cap); AR = 0
+// keeps minBlocks 0 (no .minnctapersm): with minBlocks 1 ptxas (nvcc 13, sm_90) gave the D 64
+// AR = 0 kernels 212 / 234 registers instead of 168, i.e. 2 blocks per SM.
+template <typename T, int D, bool MASK, bool PLAIN, int AR = 0>
+__global__ void __launch_bounds__(kMmaThreads, (D == 64 && AR > 0) ? 3 : 0)
     mma_dq_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                   const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
                   const T* __restrict__ bias, T* __restrict__ dq) {
@@ -722,6 +765,13 @@ __global__ void __launch_bounds__(kMmaThreads)
   float mv[MASK ? kBK / 32 : 1];
   if constexpr (MASK) {
     if (kbeg < kend) mask_load(mv, mrow, kbeg, a.Sk, lane);
+  }
+  uint32_t qf[AR >= 1 ? D / 16 : 1][4], gf[AR >= 2 ? D / 16 : 1][4];
+  if constexpr (AR >= 1) {
+    cp_async_wait_all();
+    __syncthreads();
+    load_afrag<T, D>(qf, Qs + warp * 16 * LDS, lane);
+    if constexpr (AR >= 2) load_afrag<T, D>(gf, Gs + warp * 16 * LDS, lane);
   }
   const int64_t row0 = q0 + warp * 16 + g;
   const float c2 = a.scale * kLog2e;  // raw score -> log2 units (PLAIN)
@@ -762,8 +812,8 @@ __global__ void __launch_bounds__(kMmaThreads)
     float s[8][4], dp[8][4];
     zero(s);
     zero(dp);
-    mma_abt<T, D>(s, Qs + warp * 16 * LDS, Kb, lane);
-    mma_abt<T, D>(dp, Gs + warp * 16 * LDS, Vb, lane);
+    mma_abt_x<(AR >= 1), T, D>(s, qf, Qs + warp * 16 * LDS, Kb, lane);
+    mma_abt_x<(AR >= 2), T, D>(dp, gf, Gs + warp * 16 * LDS, Vb, lane);
     const bool kneed = tile_needs_mask(a, q0, k0);
     const bool need = kneed || !all_on;
     if (PLAIN && !need) {  // block-uniform: no masking, no softcap, no bias
