@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from jax.test_util import check_grads
@@ -198,3 +203,83 @@ def test_backward_from_x_rejects_mismatched_operands():
     bad = jax.ffi.ffi_call("rlx_softmax_bwd_x", (jax.ShapeDtypeStruct((8, 4), jnp.float32),))
     with pytest.raises(Exception, match="dx must match"):
         jax.block_until_ready(jax.jit(bad)(x, x))
+
+
+# ---- f32 / bf16 rows in 16-element blocks (CPU) -----------------------------------------
+
+cpu_only = pytest.mark.skipif(platform() != "cpu", reason="the CPU kernels' row bodies")
+
+BLOCK_WIDTHS = (7, 16, 45, 1000, 1050)  # tail only, one block, blocks + tail, 32-blocks + tail
+
+
+def _three_kernels(x, dy):
+    """y = softmax(x), the backward from y (rlx_softmax_bwd) and from x (rlx_softmax_bwd_x)."""
+    y = jax.jit(softmax)(x)
+    return y, jax.jit(softmax_backward)(y, dy), jax.jit(lambda x, d: softmax_bwd_x(x, d)[0])(x, dy)
+
+
+@cpu_only
+@pytest.mark.parametrize("width", BLOCK_WIDTHS)
+def test_cpu_bf16_rows_are_the_f32_rows_rounded(width):
+    """A bf16 row runs the f32 row's operations on the widened values and rounds each result
+    once (to nearest even): its bits are the f32 kernel's on the same values, rounded."""
+    x = _x((5, width), jnp.bfloat16, seed=width)
+    dy = _x((5, width), jnp.bfloat16, seed=width + 1, scale=1.0)
+    y16 = softmax(x)
+    got = _three_kernels(x, dy)[::2] + (jax.jit(softmax_backward)(y16, dy),)
+    f32 = lambda a: a.astype(jnp.float32)
+    want = (jax.jit(softmax)(f32(x)), jax.jit(lambda x, d: softmax_bwd_x(x, d)[0])(f32(x), f32(dy)),
+            jax.jit(softmax_backward)(f32(y16), f32(dy)))
+    for g, w in zip(got, want):
+        assert g.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint16),
+                                      np.asarray(w).astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_cpu_inf_and_nan_in_blocks_and_tail(dtype):
+    """-inf entries (in a 16-block and in the tail) get exactly 0 in y and dx; a NaN makes
+    its row NaN, as in the reference; the other rows stay finite and close."""
+    x = _x((4, 45), dtype, seed=13)
+    x = x.at[0, 5].set(-jnp.inf).at[0, 40].set(-jnp.inf).at[1, 20].set(jnp.nan).at[2, 44].set(jnp.nan)
+    dy = _x((4, 45), dtype, seed=14, scale=1.0)
+    y, dx_y, dx_x = (np.asarray(a.astype(jnp.float32)) for a in _three_kernels(x, dy))
+    assert y[0, 5] == 0 and y[0, 40] == 0 and dx_x[0, 5] == 0 and dx_x[0, 40] == 0 and dx_y[0, 40] == 0
+    want_y = np.asarray(jax.nn.softmax(x.astype(jnp.float32), axis=-1))
+    want_dx = _bwd_x_oracle(x.astype(jnp.float32), dy.astype(jnp.float32))
+    for got, want in ((y, want_y), (dx_x, want_dx)):
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        assert np.isnan(got[[1, 2]]).all() and np.isfinite(got[[0, 3]]).all()
+        assert_close(jnp.asarray(got[[0, 3]]), jnp.asarray(want[[0, 3]]), dtype)
+
+
+def _softmax_digest() -> str:
+    """sha256 of the CPU kernels' y, dx (from y) and dx (from x) for f32 and bf16 rows of
+    widths that use 32-element blocks, a last 16-element block and a tail."""
+    h = hashlib.sha256()
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for width in BLOCK_WIDTHS:
+            x = _x((9, width), dtype, seed=width)
+            dy = _x((9, width), dtype, seed=width + 1, scale=1.0)
+            for leaf in _three_kernels(x, dy):
+                h.update(np.asarray(leaf).tobytes())
+    return h.hexdigest()
+
+
+@cpu_only
+def test_cpu_same_bits_with_the_avx2_body_and_one_thread():
+    """A fresh process pinned to one core and forced onto the AVX2 / baseline row clones
+    (RLX_JAX_CPU_NO_AVX512) gives the same bits as this one (several threads; the
+    AVX-512 body where the CPU has it)."""
+    here = _softmax_digest()
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, RLX_JAX_CPU_NO_AVX512="1", JAX_PLATFORMS="cpu")
+    one_core = {min(os.sched_getaffinity(0))}
+    code = (f"import os, sys; os.sched_setaffinity(0, {one_core!r}); sys.path.insert(0, {tests_dir!r}); "
+            "import test_softmax as t; print('DIGEST' + t._softmax_digest())")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
+                          cwd=tests_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    there = [l for l in proc.stdout.splitlines() if l.startswith("DIGEST")][-1][len("DIGEST"):]
+    assert there == here
