@@ -191,3 +191,21 @@ def test_backward_wrapper_without_gamma_gives_parameter_gradients():
     want = jax.vjp(_ref, x, g, b, m, v)[1](dy)
     assert_close(dg, want[1])
     assert_close(db, want[2])
+
+
+@pytest.mark.skipif(platform() != "cpu", reason="the CPU kernels' row conversions")
+@pytest.mark.parametrize("shape", [(3, 5, 7, 9), (2, 4, 16), (6, 45), (4, 1050)])
+def test_cpu_bf16_rows_are_the_f32_rows_rounded(shape):
+    """bf16 planes / rows are widened exactly, run the f32 arithmetic and are rounded once
+    (to nearest even): y, dx, dgamma, dbeta equal the f32 kernel's results on the widened
+    inputs, rounded, bit for bit (both layouts: spatial planes and [N, C] rows)."""
+    def outs(x, g, b, m, v, dy):
+        y, vjp = jax.vjp(jax.jit(lambda x, g, b: batch_norm_inference(x, g, b, m, v)), x, g, b)
+        return (y, *vjp(dy))
+    (x, g, b, m, v), dy = _inputs(shape, jnp.bfloat16, seed=3)
+    got = outs(x, g, b, m, v, dy)
+    want = outs(*(a.astype(jnp.float32) for a in (x, g, b, m, v, dy)))
+    for gv, wv in zip(got, want):
+        assert gv.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(gv).view(np.uint16),
+                                      np.asarray(wv.astype(jnp.bfloat16)).view(np.uint16))

@@ -206,3 +206,21 @@ def test_backward_wrapper_without_gamma_gives_parameter_gradients():
     _, want_g, want_b = jax.vjp(_ref(2), x, g, b)[1](dy)
     assert_close(dg, want_g)
     assert_close(db, want_b)
+
+
+@pytest.mark.skipif(platform() != "cpu", reason="the CPU kernels' row conversions")
+@pytest.mark.parametrize("shape,groups", [((2, 6, 5, 7), 3), ((2, 4, 33), 2), ((1, 8, 4, 4), 4)])
+def test_cpu_bf16_blocks_are_the_f32_blocks_rounded(shape, groups):
+    """bf16 (n, g) blocks are widened exactly, run the f32 arithmetic and are rounded once
+    (to nearest even): y, dx, dgamma, dbeta equal the f32 kernel's results on the widened
+    inputs, rounded, bit for bit (block sizes 70, 66 and 32: tails and whole blocks)."""
+    def outs(x, g, b, dy):
+        y, vjp = jax.vjp(jax.jit(lambda x, g, b: group_norm(x, g, b, num_groups=groups, eps=EPS)), x, g, b)
+        return (y, *vjp(dy))
+    x, g, b, dy = _inputs(shape, jnp.bfloat16, seed=7)
+    got = outs(x, g, b, dy)
+    want = outs(*(a.astype(jnp.float32) for a in (x, g, b, dy)))
+    for gv, wv in zip(got, want):
+        assert gv.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(gv).view(np.uint16),
+                                      np.asarray(wv.astype(jnp.bfloat16)).view(np.uint16))

@@ -279,3 +279,60 @@ def test_backward_wrapper_without_gamma_gives_parameter_gradients():
     _, want_g, want_b = jax.vjp(_ref, x, g, b)[1](dy)
     assert_close(dg, want_g)
     assert_close(db, want_b)
+
+
+# ---- bf16 rows through the 16-element conversion blocks of rowwise.h (CPU) -------------
+
+cpu_only = pytest.mark.skipif(platform() != "cpu", reason="the CPU kernels' row conversions")
+
+
+def _bits(a):
+    return np.asarray(a).view(np.uint16)
+
+
+def _ln_outputs(x, g, b, dy):
+    y, vjp = jax.vjp(jax.jit(lambda x, g, b: layer_norm(x, g, b, eps=EPS)), x, g, b)
+    return (y, *vjp(dy))
+
+
+@cpu_only
+@pytest.mark.parametrize("shape", [(3, 7), (4, 16), (5, 45), (3, 1050)])
+def test_cpu_bf16_rows_are_the_f32_rows_rounded(shape):
+    """bf16 rows are widened exactly, run the f32 rows' arithmetic and are rounded once (to
+    nearest even, blocks and tail): y, dx, dgamma, dbeta are the f32 kernel's results on
+    the widened inputs, rounded, bit for bit."""
+    x, g, b, dy = _inputs(shape, jnp.bfloat16, seed=shape[-1])
+    got = _ln_outputs(x, g, b, dy)
+    want = _ln_outputs(*_f32(x, g, b, dy))
+    for gv, wv in zip(got, want):
+        assert gv.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(_bits(gv), _bits(wv.astype(jnp.bfloat16)))
+
+
+def _ln_digest() -> str:
+    import hashlib
+    h = hashlib.sha256()
+    for shape in ((9, 1050), (4, 45), (3, 7)):
+        for leaf in _ln_outputs(*_inputs(shape, jnp.bfloat16, seed=shape[-1])):
+            h.update(np.asarray(leaf).tobytes())
+    return h.hexdigest()
+
+
+@cpu_only
+def test_cpu_same_bits_with_the_avx2_conversions_and_one_thread():
+    """A fresh process pinned to one core and forced onto the AVX2 / baseline row clones
+    (RLX_JAX_CPU_NO_AVX512) gives the same bf16 bits as this one."""
+    import os
+    import subprocess
+    import sys
+    here = _ln_digest()
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, RLX_JAX_CPU_NO_AVX512="1", JAX_PLATFORMS="cpu")
+    one_core = {min(os.sched_getaffinity(0))}
+    code = (f"import os, sys; os.sched_setaffinity(0, {one_core!r}); sys.path.insert(0, {tests_dir!r}); "
+            "import test_layer_norm as t; print('DIGEST' + t._ln_digest())")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
+                          cwd=tests_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    there = [l for l in proc.stdout.splitlines() if l.startswith("DIGEST")][-1][len("DIGEST"):]
+    assert there == here

@@ -1,6 +1,8 @@
 // Row primitives of the normalisation kernels (layer_norm.cc, group_norm.cc,
 // batch_norm.cc): lane-parallel sums written with GCC/Clang vector extensions, and
-// f32 views of bf16/f16 rows.
+// f32 views of bf16/f16 rows. bf16 rows are widened and rounded back in 16-element
+// blocks (bf16_to_f32 / store_bf16 of rowwise.h: integer shift in, round to nearest
+// even out, AVX-512 or AVX2 picked at run time), the same values as load / store.
 //
 // Sums run on two vector accumulators (8 f32 lanes, or 4 f64 lanes), element j going
 // to lane j mod lanes, the tail to lanes 0, 1, ... in order, and the lanes are then
@@ -16,6 +18,7 @@
 #include <vector>
 
 #include "cpu/common.h"
+#include "cpu/rowwise.h"
 
 namespace rlx {
 namespace norm {
@@ -122,6 +125,10 @@ class Rows {
       return row;
     } else {
       A* dst = buf_.data() + slot * width_;
+      if constexpr (std::is_same<T, bf16>::value && std::is_same<A, float>::value) {
+        bf16_to_f32(row, dst, width_);
+        return dst;
+      }
       A* __restrict d = dst;
 #pragma omp simd
       for (int64_t j = 0; j < width_; ++j) d[j] = load<A>(row[j]);
@@ -139,6 +146,10 @@ class Rows {
   void commit(T* row, int slot) {
     if constexpr (!std::is_same<T, A>::value) {
       const A* src = buf_.data() + slot * width_;
+      if constexpr (std::is_same<T, bf16>::value && std::is_same<A, float>::value) {
+        store_bf16(src, row, width_);
+        return;
+      }
 #pragma omp simd
       for (int64_t j = 0; j < width_; ++j) row[j] = store<T>(src[j]);
     }

@@ -364,6 +364,21 @@ RLX_ROW_CLONES static void scale_store_bf16_v8(const float* s, float c, bf16* d,
 RLX_ROW_V4 static void store_bf16_v16(const float* s, bf16* d, int64_t n) { store_row_body<v16f>(s, d, n); }
 RLX_ROW_CLONES static void store_bf16_v8(const float* s, bf16* d, int64_t n) { store_row_body<P16>(s, d, n); }
 
+// dst[j] = f32(src[j]) (exact): the blocks' integer shift, the tail one at a time.
+template <typename V, typename T>
+RLX_ROW_INLINE void to_f32_body(const T* src, float* dst, int64_t n) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) st16(dst + j, ld16<V>(src + j));
+  for (; j < n; ++j) dst[j] = load<float>(src[j]);
+}
+RLX_ROW_V4 static void bf16_to_f32_v16(const bf16* s, float* d, int64_t n) { to_f32_body<v16f>(s, d, n); }
+RLX_ROW_CLONES static void bf16_to_f32_v8(const bf16* s, float* d, int64_t n) { to_f32_body<P16>(s, d, n); }
+
+// dst[j] = f32(src[j]) (exact; the values of load<float>).
+[[maybe_unused]] static void bf16_to_f32(const bf16* src, float* dst, int64_t n) {
+  if (cpu_has_x86_64_v4()) bf16_to_f32_v16(src, dst, n);
+  else bf16_to_f32_v8(src, dst, n);
+}
 // dst[j] = f32(src[j]); returns max_j src[j] (what row_max of dst gives).
 [[maybe_unused]] static float bf16_to_f32_max(const bf16* src, float* dst, int64_t n) {
   return cpu_has_x86_64_v4() ? bf16_to_f32_max_v16(src, dst, n) : bf16_to_f32_max_v8(src, dst, n);
