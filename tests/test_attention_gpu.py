@@ -395,3 +395,34 @@ def test_nan_row_with_key_mask(dtype, d):
         for name, g, w in (("dk", dk, want[2][1]), ("dv", dv, want[2][2])):
             _close(g[:, :, 1], np.asarray(w)[:, :, 1], dtype, name + " (kv head 1)")
             assert not g[0, 64:128, 1].any(), f"{name}: hidden keys get 0"
+
+
+# The PLAIN D 64 forward without a key mask runs two m-tiles per warp (128-row blocks) by default,
+# which the tests above check; RLX_ATTENTION_CUDA_FWD_MT=1 (read once per process, so in a child
+# process here) selects the one-m-tile kernel before (kept for A/B). The child runs PLAIN cases
+# (causal, none with Sq > Sk, sliding) and two general ones (softcap; negative scale).
+_FWD_MT_CHILD = """
+import sys
+sys.path.insert(0, "tests")
+import jax.numpy as jnp
+import test_attention_gpu as t
+t._check_case(1, 141, 203, 4, 2, 64, jnp.bfloat16, kind="causal", seed=11)
+t._check_case(2, 203, 141, 2, 1, 64, jnp.bfloat16, kind="none", seed=12)
+t._check_case(1, 150, 150, 2, 1, 64, jnp.float16, kind="sliding", window=40, seed=13)
+t._check_case(1, 130, 140, 2, 2, 64, jnp.bfloat16, kind="none", softcap=5.0, seed=14)
+t._check_case(2, 203, 141, 2, 1, 64, jnp.bfloat16, kind="none", scale=-0.1, seed=15)
+print("child ok")
+"""
+
+
+@pytest.mark.parametrize("variant", ["1"])
+def test_forward_d64_m_tiles_switch(variant):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, RLX_ATTENTION_CUDA_FWD_MT=variant)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", _FWD_MT_CHILD], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "child ok" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]

@@ -108,6 +108,16 @@ bool attn_areg() {
   return on;
 }
 
+// PLAIN forward at D 64 without a key mask: two 16-row m-tiles per warp (128-row blocks), unless
+// RLX_ATTENTION_CUDA_FWD_MT=1 (the one-m-tile kernel before, kept for A/B); read once per process.
+bool attn_fwd_mt2() {
+  static const bool on = [] {
+    const char* v = std::getenv("RLX_ATTENTION_CUDA_FWD_MT");
+    return !(v != nullptr && v[0] == '1');
+  }();
+  return on;
+}
+
 constexpr int64_t kMaxGrid = 2147483647;
 
 ffi::Error grid_check(int64_t blocks, const char* who) {
@@ -146,7 +156,8 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
       // 64 query rows x 64 keys per step. (Tried on the H200, bf16 B4 S4096 H16 non-causal:
       // 128 rows per block, two m-tiles per warp, 64 keys per step at D 64 and 32 at D 128,
       // took 5.47 ms at D 64 and 5.44 ms at D 128, against 3.69 ms and 5.45 ms for this tiling
-      // in a later run on another machine; the template keeps MT / NK as parameters.)
+      // in a later run on another machine; the template keeps MT / NK as parameters. Run 8
+      // re-measured MT 2 on today's kernels: taken for the PLAIN D 64 kernel without a key mask.)
       // Pipeline per head dim, the faster one measured (runs 4 and 5 of
       // benchmarks/results/attention_h200_2026-11-22.txt): without a key mask K / V double
       // buffered at D 64 (__launch_bounds__ for 3 blocks per SM: 168 registers; the unrolled
@@ -163,9 +174,19 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
         return plain ? run(attn::mma_fwd_kernel<T, 128, 1, 64, true, 3, true, true>, 1, 64, 1)
                      : run(attn::mma_fwd_kernel<T, 128, 1, 64, true, 3, true, false>, 1, 64, 1);
       }
-      if (a.D == 64)
+      if (a.D == 64) {
+        // PLAIN: two m-tiles per warp (MT 2, attn_fwd_mt2): 128 rows per block, each K / V
+        // fragment read from shared memory feeds two mma; K / V double buffered (55 KB of shared
+        // memory), no register cap: ptxas sm_90 250 registers, no spill, 2 blocks per SM (8 warps,
+        // 256 rows) against 3 blocks of 64 rows (161 registers) for MT 1. Measured on the H200
+        // (run 8 of benchmarks/results/attention_h200_2026-11-22.txt): shared wavefronts per
+        // forward -46 %, ncu kernel time -10 % (B1 S4096 H16), B4 fwd 1-2 % faster by the median
+        // of 10 alternating rounds. Not taken: MT 2 for the general kernel (softcap 3 % slower:
+        // 254 registers) and MT 2 capped at 168 registers for 3 blocks (128 B of spills; slower).
+        if (plain && attn_fwd_mt2()) return run(attn::mma_fwd_kernel<T, 64, 2, 64, false, 2, false, true>, 2, 64, 2);
         return plain ? run(attn::mma_fwd_kernel<T, 64, 1, 64, false, 3, false, true>, 1, 64, 2)
                      : run(attn::mma_fwd_kernel<T, 64, 1, 64, false, 3, false, false>, 1, 64, 2);
+      }
       return plain ? run(attn::mma_fwd_kernel<T, 128, 1, 64, true, 3, false, true>, 1, 64, 1)
                    : run(attn::mma_fwd_kernel<T, 128, 1, 64, true, 3, false, false>, 1, 64, 1);
     }

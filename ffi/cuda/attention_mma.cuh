@@ -316,8 +316,8 @@ __device__ __forceinline__ void key_range(const AttnArgs& a, int64_t q0, int64_t
 
 // ---- forward ---------------------------------------------------------------------------------
 // Template: MT m-tiles of 16 rows per warp (block rows 16 MT * 4; warp w owns rows
-// [16 MT w, 16 MT (w + 1))), NK keys per step. The launcher uses MT = 1, NK = 64 (faster at D 64
-// and as fast at D 128 as the variant tried; see attention.cu).
+// [16 MT w, 16 MT (w + 1))), NK keys per step. The launcher uses NK = 64 and MT = 1, except for
+// the PLAIN D 64 kernel without a key mask: MT = 2 (run 8 of the H200 results; see attention.cu).
 // STAGGER false: K and V double buffered (both tiles of step t + 1 load during step t).
 // STAGGER true: one K and one V buffer (less shared memory: more blocks per SM); V of step t
 // loads while S = Q K^T and the softmax run, K of step t + 1 while O += P V runs.
