@@ -312,16 +312,18 @@ def test_cpu_bf16_rows_are_the_f32_rows_rounded(shape):
 def _ln_digest() -> str:
     import hashlib
     h = hashlib.sha256()
-    for shape in ((9, 1050), (4, 45), (3, 7)):
-        for leaf in _ln_outputs(*_inputs(shape, jnp.bfloat16, seed=shape[-1])):
-            h.update(np.asarray(leaf).tobytes())
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for shape in ((9, 1050), (4, 45), (3, 7), (2, 16)):
+            for leaf in _ln_outputs(*_inputs(shape, dtype, seed=shape[-1])):
+                h.update(np.asarray(leaf).tobytes())
     return h.hexdigest()
 
 
 @cpu_only
 def test_cpu_same_bits_with_the_avx2_conversions_and_one_thread():
     """A fresh process pinned to one core and forced onto the AVX2 / baseline row clones
-    (RLX_JAX_CPU_NO_AVX512) gives the same bf16 bits as this one."""
+    (RLX_JAX_CPU_NO_AVX512) gives the same f32 and bf16 bits (y, dx, dgamma, dbeta) as this
+    one (several threads; the AVX-512 body where the CPU has it)."""
     import os
     import subprocess
     import sys

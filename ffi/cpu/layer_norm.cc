@@ -12,13 +12,21 @@
 // each row chunk writes its own partial sums, then the partials are added in chunk
 // order, so the result does not depend on the thread count (deterministic).
 //
-// Row sums are the lane-parallel ones of norm_rows.h (vectorised, fixed order); bf16
-// and f16 rows are converted to f32 in per-task scratch first.
+// f32 and bf16 rows run as 16-element blocks (ld16 / st16 of rowwise.h: bf16 widened by
+// an integer shift, rounded to nearest even on the store), in an x86-64-v4 body (one
+// zmm per block) or the row clones (two 8-lane halves), picked at run time. Row sums
+// have 16 lanes, added in lane order; the last n mod 16 elements run as one more block
+// padded with neutral values (x: the row mean, dy: 0), so the AVX-512 and AVX2 bodies
+// give the same bits. f16 and f64 rows use the lane-parallel sums of norm_rows.h
+// (f16 converted to f32 in per-task scratch first).
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "cpu/common.h"
 #include "cpu/norm_rows.h"
+#include "cpu/rowwise.h"
 
 namespace rlx {
 namespace {
@@ -29,6 +37,166 @@ std::vector<A> to_accum(const T* p, int64_t n) {
   for (int64_t j = 0; j < n; ++j) out[j] = load<A>(p[j]);
   return out;
 }
+
+// ---- f32 / bf16 rows in 16-element blocks (V = v16f or P16, see rowwise.h) -------------
+// 16 elements at p (m <= 16 of them real) as f32 lanes, lanes m..15 set to `pad`.
+template <typename V, typename T>
+RLX_ROW_INLINE V ld16_pad(const T* p, int64_t m, float pad) {
+  float t[16];
+  for (int64_t k = 0; k < 16; ++k) t[k] = k < m ? load<float>(p[k]) : pad;
+  return ld16<V>(t);
+}
+template <typename V, typename T>
+RLX_ROW_INLINE void st16_part(T* p, const V& v, int64_t m) {
+  T t[16];
+  st16(t, v);
+  std::memcpy(p, t, static_cast<size_t>(m) * sizeof(T));
+}
+
+template <typename T>
+RLX_ROW_INLINE void copy_padded(T* dst16, const T* src, int64_t m) {
+  std::memset(dst16, 0, 16 * sizeof(T));
+  std::memcpy(dst16, src, static_cast<size_t>(m) * sizeof(T));
+}
+
+// y = ((x - mean) rstd) g + b for the 16 elements at x, g, b (the tail block runs it on
+// padded copies: ld16_pad's lane-wise construction let the compilers fuse that block's
+// FMA differently for v16f and P16, 1 ulp in y)
+template <typename V, typename T>
+RLX_ROW_INLINE void fwd_block(const T* x, const float* g, const float* b, T* y, const V& vm, const V& vi) {
+  const V t = (ld16<V>(x) - vm) * vi;
+  st16(y, t * ld16<V>(g) + ld16<V>(b));
+}
+
+// Rows [r0, r1): mean, rstd and y_j = ((x_j - mean) rstd) g_j + b_j.
+template <typename V, typename T>
+RLX_ROW_INLINE void fwd_rows_body(const T* x, const float* g, const float* b, T* y, float* mean,
+                                  float* rstd, int64_t r0, int64_t r1, int64_t n, float eps) {
+  const float inv_w = 1.0f / float(n);
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* xr = x + r * n;
+    T* yr = y + r * n;
+    V a = splat16<V>(0.0f);
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) a += ld16<V>(xr + j);
+    if (j < n) a += ld16_pad<V>(xr + j, n - j, 0.0f);
+    const float mu = hsum16(a) * inv_w;
+    const V vm = splat16<V>(mu);
+    V q = splat16<V>(0.0f);
+    for (j = 0; j + 16 <= n; j += 16) {
+      const V d = ld16<V>(xr + j) - vm;
+      q += d * d;
+    }
+    if (j < n) {
+      const V d = ld16_pad<V>(xr + j, n - j, mu) - vm;
+      q += d * d;
+    }
+    const float inv = 1.0f / std::sqrt(hsum16(q) * inv_w + eps);
+    mean[r] = mu;
+    rstd[r] = inv;
+    const V vi = splat16<V>(inv);
+    for (j = 0; j + 16 <= n; j += 16) fwd_block(xr + j, g + j, b + j, yr + j, vm, vi);
+    if (j < n) {  // the same block function on zero-padded local copies
+      const int64_t m = n - j;
+      T tx[16], ty[16];
+      float tg[16], tb[16];
+      copy_padded(tx, xr + j, m);
+      copy_padded(tg, g + j, m);
+      copy_padded(tb, b + j, m);
+      fwd_block(tx, tg, tb, ty, vm, vi);
+      std::memcpy(yr + j, ty, static_cast<size_t>(m) * sizeof(T));
+    }
+  }
+}
+
+// dx = rstd (dy g - c1 - xh c2), pg += dy xh, pb += dy with xh = (x - mean) rstd, for the 16
+// lanes given (one statement per rounding, so that both bodies fuse the same products)
+template <typename V>
+RLX_ROW_INLINE V bwd_lanes(const V& xv, const V& dyv, const V& gv, V& pg, V& pb, const V& vm,
+                           const V& vi, const V& c1, const V& c2) {
+  const V xh = (xv - vm) * vi;
+  const V u = dyv * gv;
+  const V w = xh * c2;
+  const V t = u - c1;
+  pg = pg + dyv * xh;
+  pb = pb + dyv;
+  return vi * (t - w);
+}
+
+// Rows [r0, r1) of the backward; pg, pb: this chunk's dgamma / dbeta partials (f32, n).
+template <typename V, typename T>
+RLX_ROW_INLINE void bwd_rows_body(const T* x, const float* g, const float* mean, const float* rstd,
+                                  const T* dy, T* dx, float* pg, float* pb, int64_t r0, int64_t r1,
+                                  int64_t n) {
+  const float inv_w = 1.0f / float(n);
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* xr = x + r * n;
+    const T* dyr = dy + r * n;
+    T* dxr = dx + r * n;
+    const float mu = mean[r], inv = rstd[r];
+    const V vm = splat16<V>(mu);
+    V su = splat16<V>(0.0f), sux = su;
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+      const V u = ld16<V>(dyr + j) * ld16<V>(g + j);
+      const V d = ld16<V>(xr + j) - vm;
+      su += u;
+      sux += u * d;
+    }
+    if (j < n) {
+      const int64_t m = n - j;
+      const V u = ld16_pad<V>(dyr + j, m, 0.0f) * ld16_pad<V>(g + j, m, 0.0f);
+      const V d = ld16_pad<V>(xr + j, m, mu) - vm;
+      su += u;
+      sux += u * d;
+    }
+    const V c1 = splat16<V>(hsum16(su) * inv_w);          // mean(u)
+    const V c2 = splat16<V>(hsum16(sux) * inv * inv_w);   // mean(u * xhat)
+    const V vi = splat16<V>(inv);
+    for (j = 0; j + 16 <= n; j += 16) {
+      V vg = ld16<V>(pg + j), vb = ld16<V>(pb + j);
+      st16(dxr + j, bwd_lanes(ld16<V>(xr + j), ld16<V>(dyr + j), ld16<V>(g + j), vg, vb, vm, vi, c1, c2));
+      st16(pg + j, vg);
+      st16(pb + j, vb);
+    }
+    if (j < n) {
+      const int64_t m = n - j;
+      V vg = ld16_pad<V>(pg + j, m, 0.0f), vb = ld16_pad<V>(pb + j, m, 0.0f);
+      const V d = bwd_lanes(ld16_pad<V>(xr + j, m, mu), ld16_pad<V>(dyr + j, m, 0.0f),
+                            ld16_pad<V>(g + j, m, 0.0f), vg, vb, vm, vi, c1, c2);
+      st16_part(dxr + j, d, m);
+      st16_part(pg + j, vg, m);
+      st16_part(pb + j, vb, m);
+    }
+  }
+}
+
+#define RLX_LN_ROWS(T)                                                                             \
+  RLX_ROW_V4 void fwd_rows_v16(const T* x, const float* g, const float* b, T* y, float* mean,     \
+                               float* rstd, int64_t r0, int64_t r1, int64_t n, float eps) {       \
+    fwd_rows_body<v16f>(x, g, b, y, mean, rstd, r0, r1, n, eps);                                  \
+  }                                                                                                \
+  RLX_ROW_CLONES void fwd_rows_v8(const T* x, const float* g, const float* b, T* y, float* mean,  \
+                                  float* rstd, int64_t r0, int64_t r1, int64_t n, float eps) {    \
+    fwd_rows_body<P16>(x, g, b, y, mean, rstd, r0, r1, n, eps);                                   \
+  }                                                                                                \
+  RLX_ROW_V4 void bwd_rows_v16(const T* x, const float* g, const float* mean, const float* rstd,  \
+                               const T* dy, T* dx, float* pg, float* pb, int64_t r0, int64_t r1, \
+                               int64_t n) {                                                       \
+    bwd_rows_body<v16f>(x, g, mean, rstd, dy, dx, pg, pb, r0, r1, n);                             \
+  }                                                                                                \
+  RLX_ROW_CLONES void bwd_rows_v8(const T* x, const float* g, const float* mean,                  \
+                                  const float* rstd, const T* dy, T* dx, float* pg, float* pb,    \
+                                  int64_t r0, int64_t r1, int64_t n) {                            \
+    bwd_rows_body<P16>(x, g, mean, rstd, dy, dx, pg, pb, r0, r1, n);                              \
+  }
+RLX_LN_ROWS(float)
+RLX_LN_ROWS(bf16)
+#undef RLX_LN_ROWS
+
+// Whether T's rows take the 16-element blocks above (f32, bf16).
+template <typename T>
+constexpr bool kBlockRows = std::is_same<T, float>::value || std::is_same<T, bf16>::value;
 
 template <typename T>
 void layer_norm_fwd_typed(ffi::ThreadPool& pool, const T* x, const T* gamma_in, const T* beta_in,
@@ -43,8 +211,13 @@ void layer_norm_fwd_typed(ffi::ThreadPool& pool, const T* x, const T* gamma_in, 
   const A inv_w = A(1) / A(width);
   const int64_t chunks = row_chunks(rows, width);
   parallel_for(pool, chunks, [&](int64_t c) {
-    norm::Rows<T, A> buf(width, 2);
     const int64_t r0 = rows * c / chunks, r1 = rows * (c + 1) / chunks;
+    if constexpr (kBlockRows<T>) {
+      if (cpu_has_x86_64_v4()) fwd_rows_v16(x, g, b, y, mean, rstd, r0, r1, width, eps);
+      else fwd_rows_v8(x, g, b, y, mean, rstd, r0, r1, width, eps);
+      return;
+    }
+    norm::Rows<T, A> buf(width, 2);
     for (int64_t r = r0; r < r1; ++r) {
       const A* __restrict xr = buf.in(x + r * width, 0);
       A* __restrict yr = buf.out(y + r * width, 1);
@@ -75,8 +248,13 @@ void layer_norm_bwd_typed(ffi::ThreadPool& pool, const T* x, const T* gamma_in,
   parallel_for(pool, chunks, [&](int64_t c) {
     A* __restrict pg = partial.data() + c * 2 * width;
     A* __restrict pb = pg + width;
-    norm::Rows<T, A> buf(width, 3);
     const int64_t r0 = rows * c / chunks, r1 = rows * (c + 1) / chunks;
+    if constexpr (kBlockRows<T>) {
+      if (cpu_has_x86_64_v4()) bwd_rows_v16(x, g, mean, rstd, dy, dx, pg, pb, r0, r1, width);
+      else bwd_rows_v8(x, g, mean, rstd, dy, dx, pg, pb, r0, r1, width);
+      return;
+    }
+    norm::Rows<T, A> buf(width, 3);
     for (int64_t r = r0; r < r1; ++r) {
       const A* __restrict xr = buf.in(x + r * width, 0);
       const A* __restrict dyr = buf.in(dy + r * width, 1);
