@@ -262,15 +262,10 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
 }
 #endif
 
-// Two sums at once, as group_sum (red then holds [2 parities][2 values][32 warps]).
-__device__ __forceinline__ float2 group_sum2(float a, float b, int tpr, float* red, int parity) {
-  if (tpr <= 32) {
-    for (int o = tpr >> 1; o > 0; o >>= 1) {
-      a += __shfl_xor_sync(0xffffffffu, a, o);
-      b += __shfl_xor_sync(0xffffffffu, b, o);
-    }
-    return make_float2(a, b);
-  }
+// Warp sums of a and b (xor shuffles over the whole warp), which lane 0 writes to
+// slot[warp] and slot[32 + warp]; then a block barrier. The first half of the block-wide
+// two-value sums (group_sum2, rw::group_sum2_tree).
+__device__ __forceinline__ float* warp_sums2_to_slots(float a, float b, float* red, int parity) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     a += __shfl_xor_sync(0xffffffffu, a, o);
@@ -283,6 +278,19 @@ __device__ __forceinline__ float2 group_sum2(float a, float b, int tpr, float* r
     slot[32 + warp] = b;
   }
   __syncthreads();
+  return slot;
+}
+
+// Two sums at once, as group_sum (red then holds [2 parities][2 values][32 warps]).
+__device__ __forceinline__ float2 group_sum2(float a, float b, int tpr, float* red, int parity) {
+  if (tpr <= 32) {
+    for (int o = tpr >> 1; o > 0; o >>= 1) {
+      a += __shfl_xor_sync(0xffffffffu, a, o);
+      b += __shfl_xor_sync(0xffffffffu, b, o);
+    }
+    return make_float2(a, b);
+  }
+  const float* slot = warp_sums2_to_slots(a, b, red, parity);
   const int nw = tpr >> 5;
   float sa = 0.f, sb = 0.f;
   for (int w = 0; w < nw; ++w) {

@@ -88,18 +88,8 @@ __device__ __forceinline__ float group_max(float v, int tpr, float* red, int par
 // bits differ from group_sum2's (another order), and are fixed for a given tpr.
 __device__ __forceinline__ float2 group_sum2_tree(float a, float b, int tpr, float* red, int parity) {
   if (tpr <= 32) return group_sum2(a, b, tpr, red, parity);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    a += __shfl_xor_sync(0xffffffffu, a, o);
-    b += __shfl_xor_sync(0xffffffffu, b, o);
-  }
-  float* slot = red + parity * 64;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (lane == 0) {
-    slot[warp] = a;
-    slot[32 + warp] = b;
-  }
-  __syncthreads();
+  const float* slot = warp_sums2_to_slots(a, b, red, parity);
+  const int lane = threadIdx.x & 31;
   const bool in = lane < (tpr >> 5);
   a = in ? slot[lane] : 0.f;
   b = in ? slot[32 + lane] : 0.f;
