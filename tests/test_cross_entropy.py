@@ -6,10 +6,7 @@ same bits from the AVX2 and AVX-512 row bodies and from one or several threads."
 from __future__ import annotations
 
 import hashlib
-import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +17,7 @@ from jax.test_util import check_grads
 import rlx_jax
 from rlx_jax.ops import fused_linear_cross_entropy, softmax_cross_entropy, softmax_cross_entropy_backward
 from rlx_jax.vjp_rules import cross_entropy as ce_rules
-from testutil import assert_close, hlo_text, platform
+from testutil import assert_close, hlo_text, platform, assert_same_bits_on_one_core_without_avx512
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 # widths around the kernels' 16-element blocks: tail only, one whole block, blocks + tail
@@ -193,18 +190,7 @@ def test_cpu_same_bits_with_the_avx2_body_and_one_thread():
     """A fresh process pinned to one core (XLA's pool then has one thread) and forced
     onto the 8-lane row body (RLX_JAX_CPU_NO_AVX512) gives the same bits as this one
     (several threads; the 16-lane body where the CPU has AVX-512)."""
-    here = _ce_digest()
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, RLX_JAX_CPU_NO_AVX512="1", JAX_PLATFORMS="cpu")
-    one_core = {min(os.sched_getaffinity(0))}
-    # pinned before jax starts, so XLA sizes its intra-op pool to one thread
-    code = (f"import os, sys; os.sched_setaffinity(0, {one_core!r}); sys.path.insert(0, {tests_dir!r}); "
-            "import test_cross_entropy as t; print('DIGEST' + t._ce_digest())")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
-                          cwd=tests_dir)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    there = [l for l in proc.stdout.splitlines() if l.startswith("DIGEST")][-1][len("DIGEST"):]
-    assert there == here
+    assert_same_bits_on_one_core_without_avx512(_ce_digest)
 
 
 # ---- fused linear + cross-entropy --------------------------------------------------------

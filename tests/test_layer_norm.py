@@ -13,7 +13,7 @@ import rlx_jax
 from rlx_jax.ops import layer_norm, layer_norm_backward
 from rlx_jax.vjp_rules.layer_norm import reference_layer_norm
 
-from testutil import assert_close, hlo_text, platform
+from testutil import assert_close, hlo_text, platform, assert_same_bits_on_one_core_without_avx512
 
 EPS = 1e-5
 SHAPES = [(4, 7), (3, 5, 33), (1, 1), (2, 1025), (5, 0, 8), (3, 0)]
@@ -324,17 +324,4 @@ def test_cpu_same_bits_with_the_avx2_conversions_and_one_thread():
     """A fresh process pinned to one core and forced onto the AVX2 / baseline row clones
     (RLX_JAX_CPU_NO_AVX512) gives the same f32 and bf16 bits (y, dx, dgamma, dbeta) as this
     one (several threads; the AVX-512 body where the CPU has it)."""
-    import os
-    import subprocess
-    import sys
-    here = _ln_digest()
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, RLX_JAX_CPU_NO_AVX512="1", JAX_PLATFORMS="cpu")
-    one_core = {min(os.sched_getaffinity(0))}
-    code = (f"import os, sys; os.sched_setaffinity(0, {one_core!r}); sys.path.insert(0, {tests_dir!r}); "
-            "import test_layer_norm as t; print('DIGEST' + t._ln_digest())")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
-                          cwd=tests_dir)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    there = [l for l in proc.stdout.splitlines() if l.startswith("DIGEST")][-1][len("DIGEST"):]
-    assert there == here
+    assert_same_bits_on_one_core_without_avx512(_ln_digest)

@@ -4,9 +4,6 @@ errors, determinism. Runs on the default backend (CPU here, GPU on a GPU machine
 from __future__ import annotations
 
 import hashlib
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +16,7 @@ import rlx_jax
 from rlx_jax.ops import rms_norm
 from rlx_jax.vjp_rules.rms_norm import reference_rms_norm, reference_rms_norm_bwd, rms_norm_backward
 
-from testutil import assert_close, hlo_text, platform
+from testutil import assert_close, hlo_text, platform, assert_same_bits_on_one_core_without_avx512
 
 EPS = 1e-6
 SHAPES = [(4, 7), (3, 5, 33), (1, 1), (2, 3, 1025), (0, 16), (5, 0, 8)]
@@ -263,14 +260,4 @@ def test_cpu_same_bits_with_the_avx2_body_and_one_thread():
     """A fresh process pinned to one core and forced onto the AVX2 / baseline row clones
     (RLX_JAX_CPU_NO_AVX512) gives the same bits as this one (several threads; the
     AVX-512 body where the CPU has it)."""
-    here = _rms_digest()
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, RLX_JAX_CPU_NO_AVX512="1", JAX_PLATFORMS="cpu")
-    one_core = {min(os.sched_getaffinity(0))}
-    code = (f"import os, sys; os.sched_setaffinity(0, {one_core!r}); sys.path.insert(0, {tests_dir!r}); "
-            "import test_rms_norm as t; print('DIGEST' + t._rms_digest())")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
-                          cwd=tests_dir)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    there = [l for l in proc.stdout.splitlines() if l.startswith("DIGEST")][-1][len("DIGEST"):]
-    assert there == here
+    assert_same_bits_on_one_core_without_avx512(_rms_digest)

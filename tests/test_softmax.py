@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +15,7 @@ from jax.test_util import check_grads
 import rlx_jax
 from rlx_jax.ops import softmax, softmax_backward
 from rlx_jax.vjp_rules.softmax import reference_softmax_bwd_x, softmax_bwd_x
-from testutil import assert_close, hlo_text, platform
+from testutil import assert_close, hlo_text, platform, assert_same_bits_on_one_core_without_avx512
 
 SHAPES = [(3, 5, 33), (1, 1), (2, 1025), (0, 16), (3, 0)]
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -272,14 +269,4 @@ def test_cpu_same_bits_with_the_avx2_body_and_one_thread():
     """A fresh process pinned to one core and forced onto the AVX2 / baseline row clones
     (RLX_JAX_CPU_NO_AVX512) gives the same bits as this one (several threads; the
     AVX-512 body where the CPU has it)."""
-    here = _softmax_digest()
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, RLX_JAX_CPU_NO_AVX512="1", JAX_PLATFORMS="cpu")
-    one_core = {min(os.sched_getaffinity(0))}
-    code = (f"import os, sys; os.sched_setaffinity(0, {one_core!r}); sys.path.insert(0, {tests_dir!r}); "
-            "import test_softmax as t; print('DIGEST' + t._softmax_digest())")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
-                          cwd=tests_dir)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    there = [l for l in proc.stdout.splitlines() if l.startswith("DIGEST")][-1][len("DIGEST"):]
-    assert there == here
+    assert_same_bits_on_one_core_without_avx512(_softmax_digest)

@@ -45,3 +45,27 @@ def numpy_cumsum(x, axis, exclusive=False, reverse=False):
     if exclusive:
         y = y - x
     return np.flip(y, axis) if reverse else y
+
+
+def assert_same_bits_on_one_core_without_avx512(digest_fn):
+    """digest_fn (a module-level function of a test module returning a digest string of
+    kernel outputs) gives the same digest in a fresh process pinned to one core (XLA's
+    intra-op pool then has one thread) and forced onto the AVX2 / baseline row clones
+    (RLX_JAX_CPU_NO_AVX512=1) as in this process (several threads; the AVX-512 body where
+    the CPU has it)."""
+    import os
+    import subprocess
+    import sys
+
+    here = digest_fn()
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, RLX_JAX_CPU_NO_AVX512="1", JAX_PLATFORMS="cpu")
+    one_core = {min(os.sched_getaffinity(0))}
+    # pinned before jax starts, so XLA sizes its intra-op pool to one thread
+    code = (f"import os, sys; os.sched_setaffinity(0, {one_core!r}); sys.path.insert(0, {tests_dir!r}); "
+            f"import {digest_fn.__module__} as t; print('DIGEST' + t.{digest_fn.__name__}())")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
+                          cwd=tests_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    there = [line for line in proc.stdout.splitlines() if line.startswith("DIGEST")][-1][len("DIGEST"):]
+    assert there == here
