@@ -39,19 +39,7 @@ std::vector<A> to_accum(const T* p, int64_t n) {
 }
 
 // ---- f32 / bf16 rows in 16-element blocks (V = v16f or P16, see rowwise.h) -------------
-// 16 elements at p (m <= 16 of them real) as f32 lanes, lanes m..15 set to `pad`.
-template <typename V, typename T>
-RLX_ROW_INLINE V ld16_pad(const T* p, int64_t m, float pad) {
-  float t[16];
-  for (int64_t k = 0; k < 16; ++k) t[k] = k < m ? load<float>(p[k]) : pad;
-  return ld16<V>(t);
-}
-template <typename V, typename T>
-RLX_ROW_INLINE void st16_part(T* p, const V& v, int64_t m) {
-  T t[16];
-  st16(t, v);
-  std::memcpy(p, t, static_cast<size_t>(m) * sizeof(T));
-}
+// (tails: ld16_pad / st16_part of rowwise.h)
 
 template <typename T>
 RLX_ROW_INLINE void copy_padded(T* dst16, const T* src, int64_t m) {

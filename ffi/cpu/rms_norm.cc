@@ -315,7 +315,7 @@ ffi::Error RmsNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
     return invalid("rms_norm: rstd must be f32 (f64 for f64 inputs)");
   if (!(eps >= 0.0f)) return invalid("rms_norm: eps must be >= 0");
   auto [rows, width] = rows_view(x);
-  if (rstd->element_count() != rows) return invalid("rms_norm: rstd must have one value per row");
+  if (int64_t(rstd->element_count()) != rows) return invalid("rms_norm: rstd must have one value per row");
   if (rows == 0 || width == 0) return ffi::Error::Success();
   bool ok = dispatch_float(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
@@ -340,7 +340,7 @@ ffi::Error RmsNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
   if (auto e = check_params(x, *dgamma, "dgamma"); e.failure()) return e;
   if (auto e = check_params(x, *dbeta, "dbeta"); e.failure()) return e;
   auto [rows, width] = rows_view(x);
-  if (rstd.element_type() != stat_type(x.element_type()) || rstd.element_count() != rows)
+  if (rstd.element_type() != stat_type(x.element_type()) || int64_t(rstd.element_count()) != rows)
     return invalid("rms_norm backward: rstd must be f32 (f64 for f64 x) with one value per row");
   if (width == 0) return ffi::Error::Success();
   bool ok = dispatch_float(x.element_type(), [&](auto tag) {

@@ -260,7 +260,8 @@ template <> RLX_ROW_INLINE v16f ld16<v16f>(const bf16* p) {
   v16f v;
   std::memcpy(&v, &u, sizeof v);
   return v;
-}RLX_ROW_INLINE v8f bf16x8_to_f32(const bf16* p) {
+}
+RLX_ROW_INLINE v8f bf16x8_to_f32(const bf16* p) {
   v8h h;
   std::memcpy(&h, p, sizeof h);
   const v8u u = __builtin_convertvector(h, v8u) << 16;
@@ -302,6 +303,20 @@ RLX_ROW_INLINE void st16(bf16* p, const P16& v) {
 RLX_ROW_INLINE v16f max16(const v16f& a, const v16f& b) { return b > a ? b : a; }
 RLX_ROW_INLINE P16 max16(const P16& a, const P16& b) {
   return {b.lo > a.lo ? b.lo : a.lo, b.hi > a.hi ? b.hi : a.hi};
+}
+// Row tails: 16 elements at p (m <= 16 of them real) as f32 lanes, lanes m..15 set to
+// `pad`; the first m lanes of v stored at p as T.
+template <typename V, typename T>
+RLX_ROW_INLINE V ld16_pad(const T* p, int64_t m, float pad) {
+  float t[16];
+  for (int64_t k = 0; k < 16; ++k) t[k] = k < m ? load<float>(p[k]) : pad;
+  return ld16<V>(t);
+}
+template <typename V, typename T>
+RLX_ROW_INLINE void st16_part(T* p, const V& v, int64_t m) {
+  T t[16];
+  st16(t, v);
+  std::memcpy(p, t, static_cast<size_t>(m) * sizeof(T));
 }
 RLX_ROW_INLINE float lane16(const v16f& v, int k) { return v[k]; }
 RLX_ROW_INLINE float lane16(const P16& v, int k) { return k < 8 ? v.lo[k] : v.hi[k - 8]; }

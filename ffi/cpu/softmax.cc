@@ -33,20 +33,7 @@ namespace rlx {
 namespace {
 
 // ---- f32 / bf16 rows in 16-element blocks (V = v16f or P16, see rowwise.h) -------------
-// 16 elements at p (m < 16 of them real) as f32 lanes, lanes m..15 set to `pad`.
-template <typename V, typename T>
-RLX_ROW_INLINE V ld16_pad(const T* p, int64_t m, float pad) {
-  float t[16];
-  for (int64_t k = 0; k < 16; ++k) t[k] = k < m ? load<float>(p[k]) : pad;
-  return ld16<V>(t);
-}
-// the first m lanes of v stored at p as T
-template <typename V, typename T>
-RLX_ROW_INLINE void st16_part(T* p, const V& v, int64_t m) {
-  T t[16];
-  st16(t, v);
-  std::memcpy(p, t, static_cast<size_t>(m) * sizeof(T));
-}
+// (tails: ld16_pad / st16_part of rowwise.h)
 RLX_ROW_INLINE v16f vexp16(const v16f& x) { return vexp_lanes<v16f, v16i>(x); }
 RLX_ROW_INLINE P16 vexp16(const P16& x) { return {vexp8(x.lo), vexp8(x.hi)}; }
 
