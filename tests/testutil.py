@@ -58,12 +58,14 @@ def assert_same_bits_on_one_core_without_avx512(digest_fn):
     import sys
 
     here = digest_fn()
+    # the test module by its file name: pytest's importlib mode may name it "tests.test_x"
+    module = digest_fn.__module__.rsplit(".", 1)[-1]
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, RLX_JAX_CPU_NO_AVX512="1", JAX_PLATFORMS="cpu")
     one_core = {min(os.sched_getaffinity(0))}
     # pinned before jax starts, so XLA sizes its intra-op pool to one thread
     code = (f"import os, sys; os.sched_setaffinity(0, {one_core!r}); sys.path.insert(0, {tests_dir!r}); "
-            f"import {digest_fn.__module__} as t; print('DIGEST' + t.{digest_fn.__name__}())")
+            f"import {module} as t; print('DIGEST' + t.{digest_fn.__name__}())")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
                           cwd=tests_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
