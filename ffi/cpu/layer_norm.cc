@@ -39,13 +39,7 @@ std::vector<A> to_accum(const T* p, int64_t n) {
 }
 
 // ---- f32 / bf16 rows in 16-element blocks (V = v16f or P16, see rowwise.h) -------------
-// (tails: ld16_pad / st16_part of rowwise.h)
-
-template <typename T>
-RLX_ROW_INLINE void copy_padded(T* dst16, const T* src, int64_t m) {
-  std::memset(dst16, 0, 16 * sizeof(T));
-  std::memcpy(dst16, src, static_cast<size_t>(m) * sizeof(T));
-}
+// (tails: ld16_pad / st16_part / copy_padded of rowwise.h)
 
 // y = ((x - mean) rstd) g + b for the 16 elements at x, g, b (the tail block runs it on
 // padded copies: ld16_pad's lane-wise construction let the compilers fuse that block's

@@ -31,12 +31,8 @@ namespace {
 // ---- vectorised rows (T = float or bf16; gamma, beta as f32; V: see rowwise.h) -----
 // The last n mod 16 elements of a row run as one more block, zero-padded through a
 // 16-element local copy, so that every element sees the same vector operations in
-// both bodies (a scalar tail may be contracted into FMAs differently by the two ISAs).
-template <typename T>
-RLX_ROW_INLINE void copy_padded(T* dst16, const T* src, int64_t m) {
-  std::memset(dst16, 0, 16 * sizeof(T));
-  std::memcpy(dst16, src, static_cast<size_t>(m) * sizeof(T));
-}
+// both bodies (a scalar tail may be contracted into FMAs differently by the two ISAs):
+// copy_padded of rowwise.h.
 
 // sum_j x_j * x_j
 template <typename V, typename T>

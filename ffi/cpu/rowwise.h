@@ -318,6 +318,13 @@ RLX_ROW_INLINE void st16_part(T* p, const V& v, int64_t m) {
   st16(t, v);
   std::memcpy(p, t, static_cast<size_t>(m) * sizeof(T));
 }
+// The m < 16 elements at src copied into a 16-element block, zero-padded (row tails
+// run as one more block on such copies: the same vector operations in every ISA body).
+template <typename T>
+RLX_ROW_INLINE void copy_padded(T* dst16, const T* src, int64_t m) {
+  std::memset(dst16, 0, 16 * sizeof(T));
+  std::memcpy(dst16, src, static_cast<size_t>(m) * sizeof(T));
+}
 RLX_ROW_INLINE float lane16(const v16f& v, int k) { return v[k]; }
 RLX_ROW_INLINE float lane16(const P16& v, int k) { return k < 8 ? v.lo[k] : v.hi[k - 8]; }
 // Lanes 0..15 added in order.
