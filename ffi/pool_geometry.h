@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 
+#include "host_common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace rlx {
@@ -53,6 +54,44 @@ inline ffi::Error check_pair(const char* who, const ffi::AnyBuffer& in, const ff
     return ffi::Error::InvalidArgument(std::string(who) + ": kernel larger than the padded input");
   if (dout[di.size() - 2] != pooled(h, g.kh, g.sh, g.ph) || dout[di.size() - 1] != pooled(w, g.kw, g.sw, g.pw))
     return ffi::Error::InvalidArgument(std::string(who) + ": pooled dims do not match the window geometry");
+  return ffi::Error::Success();
+}
+
+// A pooled operand pair as the handlers use it: the input-side buffer seen as planes of
+// h x w, and the pooled extents (Ho, Wo).
+struct PoolShape {
+  PlaneView v;
+  int64_t ho, wo;
+};
+
+inline PoolShape pool_shape(const ffi::AnyBuffer& in, const ffi::AnyBuffer& out) {
+  auto d = out.dimensions();
+  return {plane_view(in), d[d.size() - 2], d[d.size() - 1]};
+}
+
+// rlx_max_pool2d_fwd's operands (CPU and CUDA): x [P..., H, W] -> y [P..., Ho, Wo] of x's
+// dtype and the i32 argmax shaped like y, whose flat in-plane indices must fit an i32.
+inline ffi::Error check_max_fwd(const ffi::AnyBuffer& x, const ffi::AnyBuffer& y, const ffi::AnyBuffer& argmax,
+                                const Geom& g, PoolShape* s) {
+  if (auto e = check_geom("max_pool2d", g); e.failure()) return e;
+  if (auto e = check_pair("max_pool2d", x, y, g); e.failure()) return e;
+  if (y.element_type() != x.element_type()) return ffi::Error::InvalidArgument("max_pool2d: y dtype must match x");
+  if (argmax.element_type() != ffi::DataType::S32 || !same_dims(y, argmax))
+    return ffi::Error::InvalidArgument("max_pool2d: argmax must be i32 shaped like y");
+  *s = pool_shape(x, y);
+  if (s->v.h * s->v.w > int64_t(INT32_MAX))
+    return ffi::Error::InvalidArgument("max_pool2d: a plane of more than 2^31 - 1 elements does not fit an i32 argmax");
+  return ffi::Error::Success();
+}
+
+// rlx_avg_pool2d_bwd's operands (CPU and CUDA): dy [P..., Ho, Wo] -> dx [P..., H, W] of dy's
+// dtype, (Ho, Wo) the pooled size of (H, W).
+inline ffi::Error check_avg_bwd(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& dx, const Geom& g, PoolShape* s) {
+  if (auto e = check_geom("avg_pool2d backward", g); e.failure()) return e;
+  if (auto e = check_pair("avg_pool2d backward", dx, dy, g); e.failure()) return e;
+  if (dx.element_type() != dy.element_type())
+    return ffi::Error::InvalidArgument("avg_pool2d backward: dx dtype must match dy");
+  *s = pool_shape(dx, dy);
   return ffi::Error::Success();
 }
 

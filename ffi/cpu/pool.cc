@@ -20,12 +20,11 @@
 namespace rlx {
 namespace {
 
-using pool::check_geom;
-using pool::check_pair;
 using pool::covering;
 using pool::Geom;
 using pool::plane_view;
 using pool::PlaneView;
+using pool::PoolShape;
 
 // Plane tasks: enough to spread over the pool, few enough to keep per-task work large.
 int64_t plane_tasks(int64_t planes, int64_t plane_size) {
@@ -136,15 +135,11 @@ void avg_bwd_typed(ffi::ThreadPool& pool, const T* dy, T* dx, PlaneView v, const
 ffi::Error MaxPoolFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                           ffi::Result<ffi::AnyBuffer> argmax, int64_t kh, int64_t kw, int64_t sh,
                           int64_t sw, int64_t ph, int64_t pw) {
+  PoolShape s;
   const Geom g{kh, kw, sh, sw, ph, pw};
-  if (auto e = check_geom("max_pool2d", g); e.failure()) return e;
-  if (auto e = check_pair("max_pool2d", x, *y, g); e.failure()) return e;
-  if (y->element_type() != x.element_type()) return invalid("max_pool2d: y dtype must match x");
-  if (argmax->element_type() != ffi::DataType::S32 || !same_dims(*y, *argmax))
-    return invalid("max_pool2d: argmax must be i32 shaped like y");
-  const PlaneView v = plane_view(x);
-  auto dy = y->dimensions();
-  const int64_t ho = dy[dy.size() - 2], wo = dy[dy.size() - 1];
+  if (auto e = pool::check_max_fwd(x, *y, *argmax, g, &s); e.failure()) return e;
+  const PlaneView v = s.v;
+  const int64_t ho = s.ho, wo = s.wo;
   if (v.planes == 0 || ho == 0 || wo == 0) return ffi::Error::Success();
   bool ok = dispatch_float(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
@@ -180,13 +175,11 @@ ffi::Error MaxPoolBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffe
 
 ffi::Error AvgPoolBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dx,
                           int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t ph, int64_t pw) {
+  PoolShape s;
   const Geom g{kh, kw, sh, sw, ph, pw};
-  if (auto e = check_geom("avg_pool2d backward", g); e.failure()) return e;
-  if (auto e = check_pair("avg_pool2d backward", *dx, dy, g); e.failure()) return e;
-  if (dx->element_type() != dy.element_type()) return invalid("avg_pool2d backward: dx dtype must match dy");
-  const PlaneView v = plane_view(*dx);
-  auto dd = dy.dimensions();
-  const int64_t ho = dd[dd.size() - 2], wo = dd[dd.size() - 1];
+  if (auto e = pool::check_avg_bwd(dy, *dx, g, &s); e.failure()) return e;
+  const PlaneView v = s.v;
+  const int64_t ho = s.ho, wo = s.wo;
   if (v.planes == 0 || v.h * v.w == 0) return ffi::Error::Success();
   bool ok = dispatch_float(dy.element_type(), [&](auto tag) {
     using T = decltype(tag);
