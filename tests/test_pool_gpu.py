@@ -6,7 +6,8 @@ where JAX sees no GPU.
 Geometries: non-overlapping, overlapping, padded, non-square windows and strides,
 windows lying wholly in the padding (argmax -1, y = -inf), odd plane sizes, an empty
 spatial axis, zero planes, planes too large for one block's shared memory (bands of rows)
-and rows too wide for any (the untiled fallback kernels); ties (integer-valued inputs) must pick the first maximum in
+rows too wide for any (the untiled fallback kernels), and the direct kernels' geometries
+(k3s2p1 and k2s2p0 on rows of whole 16-byte vectors, aligned and unaligned output rows); ties (integer-valued inputs) must pick the first maximum in
 row-major window order as the CPU kernel does."""
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ GEOMS = [
     ((1, 2, 200, 150), (3, 3), (2, 2), (1, 1)),  # planes over the shared-memory budget: bands
     ((1, 1, 97, 301), (3, 2), (1, 2), (1, 0)),  # bands, odd rows and columns
     ((1, 2, 3, 7001), (2, 2), (1, 1), (0, 0)),  # rows too wide for 48 KB: untiled kernels
+    # the direct kernels (k3s2p1 / k2s2p0, width a multiple of a 16-byte vector; else tiled):
+    ((2, 3, 9, 16), (3, 3), (2, 2), (1, 1)),  # odd height; f32 and 16-bit: direct
+    ((1, 2, 13, 20), (3, 3), (2, 2), (1, 1)),  # f32 direct with Wo = 10 (unaligned output rows); 16-bit tiled
+    ((3, 2, 10, 24), (2, 2), (2, 2), (0, 0)),
+    ((1, 1, 7, 12), (2, 2), (2, 2), (0, 0)),  # f32 direct, Wo = 6, the last input row in no window
 ]
 
 
@@ -290,6 +296,37 @@ def test_pool_band_sanitizer_small():
     dx = jax.jit(lambda dy: avg_pool2d_backward(dy, x_shape=shape, **geom))(dy)
     (want,) = reference_avg_pool2d_bwd(dy, in_hw=shape[-2:], **geom)
     _close(dx, want, jnp.float32, "avg dx")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_pool_direct_sanitizer_small(dtype):
+    """The direct kernels (ffi/cuda/pool.cu, k3s2p1 and k2s2p0 on rows of whole 16-byte
+    vectors): max forward (ties, a -inf plane) and backward, average backward (direct in
+    bf16 / f16, the tiled kernel in f32); the average k2s2p0 kernel through its FFI target (avg_pool2d lowers XLA's code for non-overlapping
+    windows), against the references and, in f32, the CPU kernel's bits. Small enough for
+    memcheck and racecheck."""
+    shape = (2, 2, 11, 16)
+    for k, s, p in (((3, 3), (2, 2), (1, 1)), ((2, 2), (2, 2), (0, 0))):
+        geom = _geom(k, s, p)
+        x = _x(shape, dtype, seed=21, ties=True).at[1, 0].set(-jnp.inf)
+        y_ref, am_ref = reference_max_pool2d(x, **geom)
+        dy = _dy(y_ref.shape, dtype, seed=21)
+        x, dy = _put(x, dy)
+        y, am = jax.jit(lambda x: max_pool2d_fwd(x, **geom))(x)
+        np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)), np.asarray(y_ref.astype(jnp.float32)))
+        np.testing.assert_array_equal(np.asarray(am), np.asarray(am_ref))
+        dx = jax.jit(lambda x, dy: max_pool2d_backward(x, dy, **geom))(x, dy)
+        (want,) = reference_max_pool2d_bwd(dy.astype(jnp.float32), am_ref, in_hw=shape[-2:], **geom)
+        _close(dx, want, dtype, "max dx")
+        attrs = {n: np.int64(v) for n, v in zip(("kh", "kw", "sh", "sw", "ph", "pw"), k + s + p)}
+        call = jax.jit(lambda dy: jax.ffi.ffi_call(AVG_TARGET, jax.ShapeDtypeStruct(shape, dtype))(dy, **attrs))
+        assert AVG_TARGET in call.lower(dy).as_text()
+        dxa = call(dy)
+        (want,) = reference_avg_pool2d_bwd(dy.astype(jnp.float32), in_hw=shape[-2:], **geom)
+        _close(dxa, want, dtype, "avg dx")
+        if dtype == jnp.float32 and rlx_jax._kernels.has_kernel("cpu", AVG_TARGET):
+            cpu = jax.devices("cpu")[0]
+            np.testing.assert_array_equal(np.asarray(dxa), np.asarray(call(jax.device_put(dy, cpu))))
 
 
 @pytest.mark.parametrize("shape", [(0, 3, 6, 6), (2, 3, 0, 5)], ids=["zero_planes", "zero_height"])

@@ -23,7 +23,13 @@
 //   windows i of (sum over the covering windows j of dy[i, j])) * (1 / (kh kw)), the
 //   CPU kernel's order of additions (count_include_pad), so f32 gives the same bits.
 //
-// Tiled kernels (every geometry whose staged rows fit in shared memory). A block owns a
+// Direct kernels (k3s2p1 and k2s2p0 windows on rows of whole 16-byte vectors, aligned
+// buffers): max forward and backward in every dtype, average backward in bf16 / f16; no
+// shared memory, a thread walks 4 outputs (or the 8 input columns under them) down 4
+// output rows of a plane, window loops unrolled at compile time (see "direct kernels"
+// below). RLX_POOL_CUDA_DIRECT=0 turns them off (A/B timing).
+//
+// Tiled kernels (every other geometry whose staged rows fit in shared memory). A block owns a
 // contiguous run of output rows (whole planes, or a band of rows of one plane); it first
 // copies the contiguous run of input rows those outputs read (dy, argmax or x) into
 // shared memory as f32 / i32 (8- or 16-byte loads, four per thread in flight), then:
@@ -61,6 +67,7 @@ using pool::check_pair;
 using pool::Geom;
 using pool::plane_view;
 using pool::PlaneView;
+using pool::PoolShape;
 
 constexpr int kThreads = 256;
 
@@ -600,6 +607,347 @@ TilePlan plan_tiles(int64_t planes, int in_h, int in_w, int out_h, int out_w, in
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
+// ---- direct kernels (no shared memory) for the common CNN windows -----------------------
+//
+// K x K windows with stride 2 and padding P, (K, P) = (3, 1) (a ResNet stem's max pool) or
+// (2, 0), on rows whose width is a multiple of a 16-byte vector. ncu of the tiled kernels on
+// the H200 (128x64x112x112, k3s2p1): issue-bound, 77-85 % of issue slots busy, ALU the
+// busiest pipe, DRAM 16-37 % of peak, 47-59 % occupancy (64 / 48 registers), 2-3-way shared
+// bank conflicts; 60-280 instructions per element went to staging, index tables, run-time
+// window loops and barriers. Here a thread owns V = 4 consecutive outputs of a row (forward)
+// or the CW = 8 input columns under them (backwards) and walks RB output rows of one plane,
+// reading its operands straight from global memory in 16-byte vectors (a neighbour's halo
+// column from L1), every window loop unrolled at compile time: no shared memory, no
+// barriers, no per-element index arithmetic. Same comparisons and the same order of
+// additions as the tiled kernels (and the CPU kernels), so the same bits.
+// RLX_POOL_CUDA_DIRECT=0 (read once per process) keeps the tiled kernels, for A/B timing.
+
+constexpr int floordiv_c(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+constexpr int ceildiv_c(int a, int b) { return -floordiv_c(-a, b); }
+
+constexpr int kDirectRows = 4;  // output rows per thread (RB)
+
+template <typename T, int K, int S, int P>
+struct Direct {
+  static constexpr int V = 4;                               // outputs per thread along a row
+  static constexpr int CW = V * S;                          // the input columns under them
+  static constexpr int LV = 16 / int(sizeof(T));            // elements per 16-byte vector
+  static constexpr int LE = P;                              // forward: left halo columns
+  static constexpr int RE = K - S - P > 0 ? K - S - P : 0;  // forward: right halo columns
+  static constexpr int NL = LE + CW + RE;
+  // backward: the output columns covering the CW input columns, [JL, JH] relative to V*cv;
+  // the output rows covering RB*S input rows, [IL, IH] relative to RB*rb
+  static constexpr int JL = ceildiv_c(P - K + 1, S), JH = floordiv_c(CW - 1 + P, S), NJ = JH - JL + 1;
+  static constexpr int IL = JL, IH = floordiv_c(kDirectRows * S - 1 + P, S), NI = IH - IL + 1;
+  static_assert(CW % LV == 0, "direct pool kernels: a thread's columns are whole 16-byte vectors");
+  static_assert(P < K && JL <= 0 && JH >= V - 1, "direct pool kernels: window geometry");
+};
+
+// LV consecutive T from a 16-byte aligned address, as f32.
+template <typename T, int LV>
+__device__ __forceinline__ void load_vec(const T* __restrict__ p, float* out) {
+  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+  const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < LV; ++i) out[i] = to_f32(e[i]);
+}
+
+// Thread t -> (plane, row block, column vector); cv fastest, so a warp reads consecutive
+// 16-byte vectors of a row.
+struct DirectIdx {
+  unsigned cv, rb, p;
+};
+__device__ __forceinline__ bool direct_idx(unsigned ncv, unsigned nrb, unsigned total, DirectIdx* d) {
+  const unsigned t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= total) return false;
+  const unsigned rest = t / ncv;
+  d->cv = t - rest * ncv;
+  d->p = rest / nrb;
+  d->rb = rest - d->p * nrb;
+  return true;
+}
+
+// Max forward: per input row the first maximum over each output's window columns (value,
+// column), then per output the first of those over the window rows, top to bottom; the
+// K - S rows two consecutive outputs share are reduced once.
+template <typename T, int K, int S, int P>
+__global__ void __launch_bounds__(kThreads) max_fwd_direct(const T* __restrict__ x, T* __restrict__ y,
+                                                           int32_t* __restrict__ am, int h, int w, int ho, int wo,
+                                                           unsigned ncv, unsigned nrb, unsigned total) {
+  using D = Direct<T, K, S, P>;
+  constexpr int V = D::V, CW = D::CW, LV = D::LV, LE = D::LE, RE = D::RE, NL = D::NL, RB = kDirectRows;
+  constexpr int KEEP = K > S ? K - S : 0;  // window rows shared with the previous output row
+  DirectIdx d;
+  if (!direct_idx(ncv, nrb, total, &d)) return;
+  const T* xp = x + int64_t(d.p) * h * w;
+  const int c0 = int(d.cv) * CW, j0 = int(d.cv) * V;
+  float rv[K][V];
+  int rc[K][V];
+  auto reduce_row = [&](int r, float (&bv)[V], int (&bc)[V]) {
+    float vals[NL];
+    const bool rok = r >= 0 && r < h;
+    const T* row = xp + int64_t(rok ? r : 0) * w;
+#pragma unroll
+    for (int q = 0; q < CW / LV; ++q) {
+      if (rok && c0 + q * LV < w) {
+        load_vec<T, LV>(row + c0 + q * LV, vals + LE + q * LV);
+      } else {
+#pragma unroll
+        for (int e = 0; e < LV; ++e) vals[LE + q * LV + e] = -INFINITY;
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < LE; ++e) {
+      const int c = c0 - LE + e;
+      vals[e] = rok && c >= 0 && c < w ? to_f32(row[c]) : -INFINITY;
+    }
+#pragma unroll
+    for (int e = 0; e < RE; ++e) {
+      const int c = c0 + CW + e;
+      vals[LE + CW + e] = rok && c < w ? to_f32(row[c]) : -INFINITY;
+    }
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      float best = -INFINITY;
+      int col = -1;
+#pragma unroll
+      for (int b = 0; b < K; ++b) {
+        const int lc = k * S - P + b;
+        const float v = vals[LE + lc];
+        if (v > best) {
+          best = v;
+          col = c0 + lc;
+        }
+      }
+      bv[k] = best;
+      bc[k] = col;
+    }
+  };
+#pragma unroll
+  for (int ii = 0; ii < RB; ++ii) {
+    const int i = int(d.rb) * RB + ii;
+    if (i >= ho) break;
+    const int top = i * S - P;
+    if (ii > 0) {
+#pragma unroll
+      for (int a = 0; a < KEEP; ++a)
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          rv[a][k] = rv[a + S][k];
+          rc[a][k] = rc[a + S][k];
+        }
+    }
+#pragma unroll
+    for (int a = 0; a < K; ++a)
+      if (ii == 0 || a >= KEEP) reduce_row(top + a, rv[a], rc[a]);
+    float yv[V];
+    int32_t ag[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      float best = -INFINITY;
+      int32_t arg = -1;
+#pragma unroll
+      for (int a = 0; a < K; ++a)
+        if (rv[a][k] > best) {
+          best = rv[a][k];
+          arg = (top + a) * w + rc[a][k];
+        }
+      yv[k] = best;
+      ag[k] = arg;
+    }
+    const int64_t o = (int64_t(d.p) * ho + i) * wo + j0;
+    if ((wo & 3) == 0 && j0 + V <= wo) {
+      store_n<T, V>(y + o, yv);
+      *reinterpret_cast<int4*>(am + o) = make_int4(ag[0], ag[1], ag[2], ag[3]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < V; ++k)
+        if (j0 + k < wo) {
+          y[o + k] = from_f32<T>(yv[k]);
+          am[o + k] = ag[k];
+        }
+    }
+  }
+}
+
+// The outputs covering a backward thread's block of input: rows RB*rb + IL + [0, NI),
+// columns V*cv + JL + [0, NJ); dy as f32 (0 outside the pooled plane) and, for max, the
+// argmax (-1 outside). The thread's own V columns come as one vector where the pooled
+// width is a multiple of 4 (aligned) and they lie inside it.
+template <typename T, int K, int S, int P, bool ARG>
+__device__ __forceinline__ void load_cover(const T* __restrict__ dyp, const int32_t* __restrict__ ap, int ho,
+                                           int wo, const DirectIdx& d,
+                                           float (&g)[Direct<T, K, S, P>::NI][Direct<T, K, S, P>::NJ],
+                                           int32_t (&m)[Direct<T, K, S, P>::NI][Direct<T, K, S, P>::NJ]) {
+  using D = Direct<T, K, S, P>;
+  constexpr int V = D::V, NI = D::NI, NJ = D::NJ, JL = D::JL, IL = D::IL;
+  const int jv = int(d.cv) * V;
+  const bool vec = (wo & 3) == 0 && jv + V <= wo;
+#pragma unroll
+  for (int ii = 0; ii < NI; ++ii) {
+    const int i = int(d.rb) * kDirectRows + IL + ii;
+    const bool iok = i >= 0 && i < ho;
+    const int64_t rowo = int64_t(iok ? i : 0) * wo;
+    if (iok && vec) {
+      using Raw = typename Vec4Raw<T>::type;
+      const Raw raw = __ldg(reinterpret_cast<const Raw*>(dyp + rowo + jv));
+      const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int k = 0; k < V; ++k) g[ii][k - JL] = to_f32(e[k]);
+      if (ARG) {
+        const int4 a4 = __ldg(reinterpret_cast<const int4*>(ap + rowo + jv));
+        m[ii][-JL] = a4.x;
+        m[ii][1 - JL] = a4.y;
+        m[ii][2 - JL] = a4.z;
+        m[ii][3 - JL] = a4.w;
+      }
+    }
+#pragma unroll
+    for (int jj = 0; jj < NJ; ++jj) {
+      const int jr = JL + jj;
+      if (iok && vec && jr >= 0 && jr < V) continue;
+      const int j = jv + jr;
+      const bool ok = iok && j >= 0 && j < wo;
+      g[ii][jj] = ok ? to_f32(dyp[rowo + j]) : 0.f;
+      if (ARG) m[ii][jj] = ok ? __ldg(ap + rowo + j) : -1;
+    }
+  }
+}
+
+// Stores one input row's CW values (the vectors inside the row).
+template <typename T, int CW, int LV>
+__device__ __forceinline__ void store_row(T* __restrict__ p, int c0, int w, const float (&v)[CW]) {
+#pragma unroll
+  for (int q = 0; q < CW / LV; ++q)
+    if (c0 + q * LV < w) {
+      float part[LV];
+#pragma unroll
+      for (int e = 0; e < LV; ++e) part[e] = v[q * LV + e];
+      store_n<T, LV>(p + c0 + q * LV, part);
+    }
+}
+
+// Max backward: dx[r, c] = sum of dy over the covering outputs, in increasing output order,
+// whose argmax is r*W + c (the tiled kernel's and the CPU scatter's sums).
+template <typename T, int K, int S, int P>
+__global__ void __launch_bounds__(kThreads) max_bwd_direct(const T* __restrict__ dy, const int32_t* __restrict__ am,
+                                                           T* __restrict__ dx, int h, int w, int ho, int wo,
+                                                           unsigned ncv, unsigned nrb, unsigned total) {
+  using D = Direct<T, K, S, P>;
+  constexpr int CW = D::CW, LV = D::LV, NI = D::NI, NJ = D::NJ, JL = D::JL, IL = D::IL, RB = kDirectRows;
+  DirectIdx d;
+  if (!direct_idx(ncv, nrb, total, &d)) return;
+  const int64_t po = int64_t(d.p) * ho * wo;
+  float g[NI][NJ];
+  int32_t m[NI][NJ];
+  load_cover<T, K, S, P, true>(dy + po, am + po, ho, wo, d, g, m);
+  T* dxp = dx + int64_t(d.p) * h * w;
+  const int c0 = int(d.cv) * CW, r0 = int(d.rb) * RB * S;
+#pragma unroll
+  for (int rr = 0; rr < RB * S; ++rr) {
+    const int r = r0 + rr;
+    if (r >= h) break;
+    float acc[CW];
+#pragma unroll
+    for (int k = 0; k < CW; ++k) acc[k] = 0.f;
+    const int base = r * w + c0;
+#pragma unroll
+    for (int ii = 0; ii < NI; ++ii) {
+      const int a = rr - (IL + ii) * S + P;  // the window row of output row ii that is r
+      if (a < 0 || a >= K) continue;
+#pragma unroll
+      for (int jj = 0; jj < NJ; ++jj) {
+        const int dd = m[ii][jj] - base;
+#pragma unroll
+        for (int b = 0; b < K; ++b) {
+          const int lc = (JL + jj) * S - P + b;
+          if (lc < 0 || lc >= CW) continue;
+          if (dd == lc) acc[lc] += g[ii][jj];
+        }
+      }
+    }
+    store_row<T, CW, LV>(dxp + int64_t(r) * w, c0, w, acc);
+  }
+}
+
+// Average backward (launched for 16-bit types): dx[r, c] = (sum over the covering output
+// rows of (sum over the covering output columns of dy)) * inv: the CPU kernel's order of
+// additions (outputs outside the pooled plane add +0, which changes no sum).
+template <typename T, int K, int S, int P>
+__global__ void __launch_bounds__(kThreads) avg_bwd_direct(const T* __restrict__ dy, T* __restrict__ dx, int h,
+                                                           int w, int ho, int wo, unsigned ncv, unsigned nrb,
+                                                           unsigned total, float inv) {
+  using D = Direct<T, K, S, P>;
+  constexpr int CW = D::CW, LV = D::LV, NI = D::NI, NJ = D::NJ, JL = D::JL, IL = D::IL, RB = kDirectRows;
+  DirectIdx d;
+  if (!direct_idx(ncv, nrb, total, &d)) return;
+  float g[NI][NJ];
+  int32_t unused[NI][NJ];
+  load_cover<T, K, S, P, false>(dy + int64_t(d.p) * ho * wo, nullptr, ho, wo, d, g, unused);
+  T* dxp = dx + int64_t(d.p) * h * w;
+  const int c0 = int(d.cv) * CW, r0 = int(d.rb) * RB * S;
+#pragma unroll
+  for (int rr = 0; rr < RB * S; ++rr) {
+    const int r = r0 + rr;
+    if (r >= h) break;
+    float out[CW];
+#pragma unroll
+    for (int lc = 0; lc < CW; ++lc) {
+      float s = 0.f;
+#pragma unroll
+      for (int ii = 0; ii < NI; ++ii) {
+        const int a = rr - (IL + ii) * S + P;
+        if (a < 0 || a >= K) continue;
+        float rs = 0.f;
+#pragma unroll
+        for (int jj = 0; jj < NJ; ++jj) {
+          const int b = lc - (JL + jj) * S + P;  // the window column of output column jj that is lc
+          if (b >= 0 && b < K) rs += g[ii][jj];
+        }
+        s += rs;
+      }
+      out[lc] = s * inv;
+    }
+    store_row<T, CW, LV>(dxp + int64_t(r) * w, c0, w, out);
+  }
+}
+
+// Host side of the direct kernels.
+bool direct_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("RLX_POOL_CUDA_DIRECT");
+    return !(e != nullptr && e[0] == '0');
+  }();
+  return on;
+}
+
+// 1: k3s2p1, 2: k2s2p0 (square windows and strides), else 0.
+int direct_kind(const Geom& g) {
+  if (!direct_enabled() || g.kh != g.kw || g.sh != 2 || g.sw != 2 || g.ph != g.pw) return 0;
+  if (g.kh == 3 && g.ph == 1) return 1;
+  if (g.kh == 2 && g.ph == 0) return 2;
+  return 0;
+}
+
+struct DirectGrid {
+  unsigned ncv, nrb, total, blocks;
+  bool ok;
+};
+
+// planes x ceil(rows / rows_per) x ceil(cols / cols_per) threads, in 32-bit indices.
+DirectGrid direct_grid(int64_t planes, int64_t rows, int64_t rows_per, int64_t cols, int64_t cols_per) {
+  DirectGrid g{};
+  const int64_t ncv = (cols + cols_per - 1) / cols_per, nrb = (rows + rows_per - 1) / rows_per;
+  const int64_t total = planes * ncv * nrb;
+  if (total <= 0 || total > (int64_t(1) << 31) - kThreads) return g;
+  g.ncv = unsigned(ncv);
+  g.nrb = unsigned(nrb);
+  g.total = unsigned(total);
+  g.blocks = unsigned((total + kThreads - 1) / kThreads);
+  g.ok = true;
+  return g;
+}
+
 // ---- untiled fallback kernels ------------------------------------------------------------
 
 // Outputs whose windows cover input coordinate n along one axis: [lo, hi) within
@@ -791,17 +1139,11 @@ TilePlan plan_backward(const PlaneView& v, int64_t ho, int64_t wo, const Geom& g
 ffi::Error MaxPoolFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                           ffi::Result<ffi::AnyBuffer> argmax, int64_t kh, int64_t kw, int64_t sh, int64_t sw,
                           int64_t ph, int64_t pw) {
+  PoolShape s;
   const Geom g{kh, kw, sh, sw, ph, pw};
-  if (auto e = check_geom("max_pool2d", g); e.failure()) return e;
-  if (auto e = check_pair("max_pool2d", x, *y, g); e.failure()) return e;
-  if (y->element_type() != x.element_type()) return invalid("max_pool2d: y dtype must match x");
-  if (argmax->element_type() != ffi::DataType::S32 || !same_dims(*y, *argmax))
-    return invalid("max_pool2d: argmax must be i32 shaped like y");
-  const PlaneView v = plane_view(x);
-  if (v.h * v.w > int64_t(std::numeric_limits<int32_t>::max()))
-    return invalid("max_pool2d: a plane of more than 2^31 - 1 elements does not fit an i32 argmax");
-  auto dd = y->dimensions();
-  const int64_t ho = dd[dd.size() - 2], wo = dd[dd.size() - 1];
+  if (auto e = pool::check_max_fwd(x, *y, *argmax, g, &s); e.failure()) return e;
+  const PlaneView v = s.v;
+  const int64_t ho = s.ho, wo = s.wo;
   if (v.planes == 0 || ho == 0 || wo == 0) return ffi::Error::Success();
   if (auto e = check_extents("max_pool2d", v, ho, wo, g); e.failure()) return e;
   const AxisMap rm{int(kh), int(sh), int(ph), int(v.h), false};
@@ -809,14 +1151,26 @@ ffi::Error MaxPoolFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi
   const TilePlan plan = plan_tiles(v.planes, int(v.h), int(v.w), int(ho), int(wo), 4, 8, rm, cm, [&](int64_t rb) {
     return std::min<int64_t>(v.h, (rb - 1) * sh + kh);
   });
-  const bool tiled = plan.ok && !force_untiled() && aligned16(x.untyped_data()) &&
-                     aligned16(y->untyped_data()) && aligned16(argmax->untyped_data());
+  const bool aligned = aligned16(x.untyped_data()) && aligned16(y->untyped_data()) &&
+                       aligned16(argmax->untyped_data());
+  const bool tiled = plan.ok && !force_untiled() && aligned;
+  const int dk = force_untiled() ? 0 : direct_kind(g);
   bool ok = dispatch(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
     const T* xp = static_cast<const T*>(x.untyped_data());
     T* yp = static_cast<T*>(y->untyped_data());
     int32_t* ap = static_cast<int32_t*>(argmax->untyped_data());
-    if (tiled) {
+    const DirectGrid dg = direct_grid(v.planes, ho, kDirectRows, wo, Direct<T, 3, 2, 1>::V);
+    if (dk != 0 && dg.ok && v.w % Direct<T, 3, 2, 1>::LV == 0 && aligned) {
+      auto launch = [&](auto kernel) {
+        kernel<<<dg.blocks, kThreads, 0, stream>>>(xp, yp, ap, int(v.h), int(v.w), int(ho), int(wo), dg.ncv, dg.nrb,
+                                                  dg.total);
+      };
+      if (dk == 1)
+        launch(max_fwd_direct<T, 3, 2, 1>);
+      else
+        launch(max_fwd_direct<T, 2, 2, 0>);
+    } else if (tiled) {
       max_fwd_tiled<T><<<plan.grid, kThreads, plan.smem, stream>>>(xp, yp, ap, plan.args);
     } else {
       const Launch l = launch_for(v.planes, ho, wo);
@@ -845,14 +1199,26 @@ ffi::Error MaxPoolBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer
   if (v.planes == 0 || v.h == 0 || v.w == 0) return ffi::Error::Success();
   if (auto e = check_extents("max_pool2d backward", v, ho, wo, g); e.failure()) return e;
   const TilePlan plan = plan_backward(v, ho, wo, g, 8, 0);
-  const bool tiled = plan.ok && !force_untiled() && aligned16(dy.untyped_data()) &&
-                     aligned16(argmax.untyped_data()) && aligned16(dx->untyped_data());
+  const bool aligned = aligned16(dy.untyped_data()) && aligned16(argmax.untyped_data()) &&
+                       aligned16(dx->untyped_data());
+  const bool tiled = plan.ok && !force_untiled() && aligned;
+  const int dk = force_untiled() ? 0 : direct_kind(g);
   bool ok = dispatch(dy.element_type(), [&](auto tag) {
     using T = decltype(tag);
     const T* dyp = static_cast<const T*>(dy.untyped_data());
     const int32_t* ap = static_cast<const int32_t*>(argmax.untyped_data());
     T* dxp = static_cast<T*>(dx->untyped_data());
-    if (tiled) {
+    const DirectGrid dg = direct_grid(v.planes, v.h, kDirectRows * 2, v.w, Direct<T, 3, 2, 1>::CW);
+    if (dk != 0 && dg.ok && v.w % Direct<T, 3, 2, 1>::LV == 0 && aligned) {
+      auto launch = [&](auto kernel) {
+        kernel<<<dg.blocks, kThreads, 0, stream>>>(dyp, ap, dxp, int(v.h), int(v.w), int(ho), int(wo), dg.ncv, dg.nrb,
+                                                  dg.total);
+      };
+      if (dk == 1)
+        launch(max_bwd_direct<T, 3, 2, 1>);
+      else
+        launch(max_bwd_direct<T, 2, 2, 0>);
+    } else if (tiled) {
       max_bwd_tiled<T><<<plan.grid, kThreads, plan.smem, stream>>>(dyp, ap, dxp, plan.args);
     } else {
       const Launch l = launch_for(v.planes, v.h, v.w);
@@ -866,22 +1232,38 @@ ffi::Error MaxPoolBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer
 
 ffi::Error AvgPoolBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dx, int64_t kh,
                           int64_t kw, int64_t sh, int64_t sw, int64_t ph, int64_t pw) {
+  PoolShape s;
   const Geom g{kh, kw, sh, sw, ph, pw};
-  if (auto e = check_geom("avg_pool2d backward", g); e.failure()) return e;
-  if (auto e = check_pair("avg_pool2d backward", *dx, dy, g); e.failure()) return e;
-  if (dx->element_type() != dy.element_type()) return invalid("avg_pool2d backward: dx dtype must match dy");
-  const PlaneView v = plane_view(*dx);
-  auto dd = dy.dimensions();
-  const int64_t ho = dd[dd.size() - 2], wo = dd[dd.size() - 1];
+  if (auto e = pool::check_avg_bwd(dy, *dx, g, &s); e.failure()) return e;
+  const PlaneView v = s.v;
+  const int64_t ho = s.ho, wo = s.wo;
   if (v.planes == 0 || v.h == 0 || v.w == 0) return ffi::Error::Success();
   if (auto e = check_extents("avg_pool2d backward", v, ho, wo, g); e.failure()) return e;
   const float inv = 1.0f / float(kh * kw);  // as the CPU kernel: A(1) / A(kh * kw)
   const TilePlan plan = plan_backward(v, ho, wo, g, 4, 4);
-  const bool tiled = plan.ok && !force_untiled() && aligned16(dy.untyped_data()) && aligned16(dx->untyped_data());
+  const bool aligned = aligned16(dy.untyped_data()) && aligned16(dx->untyped_data());
+  const bool tiled = plan.ok && !force_untiled() && aligned;
+  const int dk = force_untiled() ? 0 : direct_kind(g);
   bool ok = dispatch(dy.element_type(), [&](auto tag) {
     using T = decltype(tag);
     const T* dyp = static_cast<const T*>(dy.untyped_data());
     T* dxp = static_cast<T*>(dx->untyped_data());
+    // the direct average backward for 16-bit types only: in f32 it did not beat the tiled
+    // kernel in the H200 A/B (benchmarks/results/gather_pool_h200_2026-11-22.txt)
+    if constexpr (sizeof(T) == 2) {
+      const DirectGrid dg = direct_grid(v.planes, v.h, kDirectRows * 2, v.w, Direct<T, 3, 2, 1>::CW);
+      if (dk != 0 && dg.ok && v.w % Direct<T, 3, 2, 1>::LV == 0 && aligned) {
+        auto launch = [&](auto kernel) {
+          kernel<<<dg.blocks, kThreads, 0, stream>>>(dyp, dxp, int(v.h), int(v.w), int(ho), int(wo), dg.ncv, dg.nrb,
+                                                    dg.total, inv);
+        };
+        if (dk == 1)
+          launch(avg_bwd_direct<T, 3, 2, 1>);
+        else
+          launch(avg_bwd_direct<T, 2, 2, 0>);
+        return;
+      }
+    }
     if (tiled) {
       avg_bwd_tiled<T><<<plan.grid, kThreads, plan.smem, stream>>>(dyp, dxp, plan.args, inv);
     } else {
