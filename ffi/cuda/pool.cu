@@ -827,12 +827,15 @@ __device__ __forceinline__ void store_row(T* __restrict__ p, int c0, int w, cons
     }
 }
 
-// Max backward: dx[r, c] = sum of dy over the covering outputs, in increasing output order,
-// whose argmax is r*W + c (the tiled kernel's and the CPU scatter's sums).
-template <typename T, int K, int S, int P>
-__global__ void __launch_bounds__(kThreads) max_bwd_direct(const T* __restrict__ dy, const int32_t* __restrict__ am,
-                                                           T* __restrict__ dx, int h, int w, int ho, int wo,
-                                                           unsigned ncv, unsigned nrb, unsigned total) {
+// Backward, MAX: dx[r, c] = sum of dy over the covering outputs, in increasing output
+// order, whose argmax is r*W + c (the tiled kernel's and the CPU scatter's sums).
+// Average (!MAX, launched for 16-bit types): dx[r, c] = (sum over the covering output rows
+// of (sum over the covering output columns of dy)) * inv: the CPU kernel's order of
+// additions (outputs outside the pooled plane add +0, which changes no sum).
+template <typename T, int K, int S, int P, bool MAX>
+__global__ void __launch_bounds__(kThreads) bwd_direct(const T* __restrict__ dy, const int32_t* __restrict__ am,
+                                                       T* __restrict__ dx, int h, int w, int ho, int wo,
+                                                       unsigned ncv, unsigned nrb, unsigned total, float inv) {
   using D = Direct<T, K, S, P>;
   constexpr int CW = D::CW, LV = D::LV, NI = D::NI, NJ = D::NJ, JL = D::JL, IL = D::IL, RB = kDirectRows;
   DirectIdx d;
@@ -840,50 +843,7 @@ __global__ void __launch_bounds__(kThreads) max_bwd_direct(const T* __restrict__
   const int64_t po = int64_t(d.p) * ho * wo;
   float g[NI][NJ];
   int32_t m[NI][NJ];
-  load_cover<T, K, S, P, true>(dy + po, am + po, ho, wo, d, g, m);
-  T* dxp = dx + int64_t(d.p) * h * w;
-  const int c0 = int(d.cv) * CW, r0 = int(d.rb) * RB * S;
-#pragma unroll
-  for (int rr = 0; rr < RB * S; ++rr) {
-    const int r = r0 + rr;
-    if (r >= h) break;
-    float acc[CW];
-#pragma unroll
-    for (int k = 0; k < CW; ++k) acc[k] = 0.f;
-    const int base = r * w + c0;
-#pragma unroll
-    for (int ii = 0; ii < NI; ++ii) {
-      const int a = rr - (IL + ii) * S + P;  // the window row of output row ii that is r
-      if (a < 0 || a >= K) continue;
-#pragma unroll
-      for (int jj = 0; jj < NJ; ++jj) {
-        const int dd = m[ii][jj] - base;
-#pragma unroll
-        for (int b = 0; b < K; ++b) {
-          const int lc = (JL + jj) * S - P + b;
-          if (lc < 0 || lc >= CW) continue;
-          if (dd == lc) acc[lc] += g[ii][jj];
-        }
-      }
-    }
-    store_row<T, CW, LV>(dxp + int64_t(r) * w, c0, w, acc);
-  }
-}
-
-// Average backward (launched for 16-bit types): dx[r, c] = (sum over the covering output
-// rows of (sum over the covering output columns of dy)) * inv: the CPU kernel's order of
-// additions (outputs outside the pooled plane add +0, which changes no sum).
-template <typename T, int K, int S, int P>
-__global__ void __launch_bounds__(kThreads) avg_bwd_direct(const T* __restrict__ dy, T* __restrict__ dx, int h,
-                                                           int w, int ho, int wo, unsigned ncv, unsigned nrb,
-                                                           unsigned total, float inv) {
-  using D = Direct<T, K, S, P>;
-  constexpr int CW = D::CW, LV = D::LV, NI = D::NI, NJ = D::NJ, JL = D::JL, IL = D::IL, RB = kDirectRows;
-  DirectIdx d;
-  if (!direct_idx(ncv, nrb, total, &d)) return;
-  float g[NI][NJ];
-  int32_t unused[NI][NJ];
-  load_cover<T, K, S, P, false>(dy + int64_t(d.p) * ho * wo, nullptr, ho, wo, d, g, unused);
+  load_cover<T, K, S, P, MAX>(dy + po, MAX ? am + po : nullptr, ho, wo, d, g, m);
   T* dxp = dx + int64_t(d.p) * h * w;
   const int c0 = int(d.cv) * CW, r0 = int(d.rb) * RB * S;
 #pragma unroll
@@ -891,22 +851,43 @@ __global__ void __launch_bounds__(kThreads) avg_bwd_direct(const T* __restrict__
     const int r = r0 + rr;
     if (r >= h) break;
     float out[CW];
+    if constexpr (MAX) {
 #pragma unroll
-    for (int lc = 0; lc < CW; ++lc) {
-      float s = 0.f;
+      for (int k = 0; k < CW; ++k) out[k] = 0.f;
+      const int base = r * w + c0;
 #pragma unroll
       for (int ii = 0; ii < NI; ++ii) {
-        const int a = rr - (IL + ii) * S + P;
+        const int a = rr - (IL + ii) * S + P;  // the window row of output row ii that is r
         if (a < 0 || a >= K) continue;
-        float rs = 0.f;
 #pragma unroll
         for (int jj = 0; jj < NJ; ++jj) {
-          const int b = lc - (JL + jj) * S + P;  // the window column of output column jj that is lc
-          if (b >= 0 && b < K) rs += g[ii][jj];
+          const int dd = m[ii][jj] - base;
+#pragma unroll
+          for (int b = 0; b < K; ++b) {
+            const int lc = (JL + jj) * S - P + b;
+            if (lc < 0 || lc >= CW) continue;
+            if (dd == lc) out[lc] += g[ii][jj];
+          }
         }
-        s += rs;
       }
-      out[lc] = s * inv;
+    } else {
+#pragma unroll
+      for (int lc = 0; lc < CW; ++lc) {
+        float s = 0.f;
+#pragma unroll
+        for (int ii = 0; ii < NI; ++ii) {
+          const int a = rr - (IL + ii) * S + P;
+          if (a < 0 || a >= K) continue;
+          float rs = 0.f;
+#pragma unroll
+          for (int jj = 0; jj < NJ; ++jj) {
+            const int b = lc - (JL + jj) * S + P;  // the window column of output column jj that is lc
+            if (b >= 0 && b < K) rs += g[ii][jj];
+          }
+          s += rs;
+        }
+        out[lc] = s * inv;
+      }
     }
     store_row<T, CW, LV>(dxp + int64_t(r) * w, c0, w, out);
   }
@@ -946,6 +927,24 @@ DirectGrid direct_grid(int64_t planes, int64_t rows, int64_t rows_per, int64_t c
   g.blocks = unsigned((total + kThreads - 1) / kThreads);
   g.ok = true;
   return g;
+}
+
+// The grid of a direct launch; ok only where the direct kernels apply: a direct geometry
+// (dk != 0), aligned buffers, input rows of whole 16-byte vectors of T (w elements).
+template <typename T>
+DirectGrid direct_plan(int dk, bool aligned, int64_t w, int64_t planes, int64_t rows, int64_t rows_per, int64_t cols,
+                       int64_t cols_per) {
+  if (dk == 0 || !aligned || w % (16 / int64_t(sizeof(T))) != 0) return DirectGrid{};
+  return direct_grid(planes, rows, rows_per, cols, cols_per);
+}
+
+// f(K, P) with the window and padding of direct kind dk as std::integral_constant.
+template <typename F>
+void with_direct_geom(int dk, F&& f) {
+  if (dk == 1)
+    f(std::integral_constant<int, 3>{}, std::integral_constant<int, 1>{});
+  else
+    f(std::integral_constant<int, 2>{}, std::integral_constant<int, 0>{});
 }
 
 // ---- untiled fallback kernels ------------------------------------------------------------
@@ -1160,16 +1159,12 @@ ffi::Error MaxPoolFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi
     const T* xp = static_cast<const T*>(x.untyped_data());
     T* yp = static_cast<T*>(y->untyped_data());
     int32_t* ap = static_cast<int32_t*>(argmax->untyped_data());
-    const DirectGrid dg = direct_grid(v.planes, ho, kDirectRows, wo, Direct<T, 3, 2, 1>::V);
-    if (dk != 0 && dg.ok && v.w % Direct<T, 3, 2, 1>::LV == 0 && aligned) {
-      auto launch = [&](auto kernel) {
-        kernel<<<dg.blocks, kThreads, 0, stream>>>(xp, yp, ap, int(v.h), int(v.w), int(ho), int(wo), dg.ncv, dg.nrb,
-                                                  dg.total);
-      };
-      if (dk == 1)
-        launch(max_fwd_direct<T, 3, 2, 1>);
-      else
-        launch(max_fwd_direct<T, 2, 2, 0>);
+    const DirectGrid dg = direct_plan<T>(dk, aligned, v.w, v.planes, ho, kDirectRows, wo, Direct<T, 3, 2, 1>::V);
+    if (dg.ok) {
+      with_direct_geom(dk, [&](auto K, auto P) {
+        max_fwd_direct<T, decltype(K)::value, 2, decltype(P)::value><<<dg.blocks, kThreads, 0, stream>>>(
+            xp, yp, ap, int(v.h), int(v.w), int(ho), int(wo), dg.ncv, dg.nrb, dg.total);
+      });
     } else if (tiled) {
       max_fwd_tiled<T><<<plan.grid, kThreads, plan.smem, stream>>>(xp, yp, ap, plan.args);
     } else {
@@ -1208,16 +1203,13 @@ ffi::Error MaxPoolBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer
     const T* dyp = static_cast<const T*>(dy.untyped_data());
     const int32_t* ap = static_cast<const int32_t*>(argmax.untyped_data());
     T* dxp = static_cast<T*>(dx->untyped_data());
-    const DirectGrid dg = direct_grid(v.planes, v.h, kDirectRows * 2, v.w, Direct<T, 3, 2, 1>::CW);
-    if (dk != 0 && dg.ok && v.w % Direct<T, 3, 2, 1>::LV == 0 && aligned) {
-      auto launch = [&](auto kernel) {
-        kernel<<<dg.blocks, kThreads, 0, stream>>>(dyp, ap, dxp, int(v.h), int(v.w), int(ho), int(wo), dg.ncv, dg.nrb,
-                                                  dg.total);
-      };
-      if (dk == 1)
-        launch(max_bwd_direct<T, 3, 2, 1>);
-      else
-        launch(max_bwd_direct<T, 2, 2, 0>);
+    const DirectGrid dg =
+        direct_plan<T>(dk, aligned, v.w, v.planes, v.h, kDirectRows * 2, v.w, Direct<T, 3, 2, 1>::CW);
+    if (dg.ok) {
+      with_direct_geom(dk, [&](auto K, auto P) {
+        bwd_direct<T, decltype(K)::value, 2, decltype(P)::value, true><<<dg.blocks, kThreads, 0, stream>>>(
+            dyp, ap, dxp, int(v.h), int(v.w), int(ho), int(wo), dg.ncv, dg.nrb, dg.total, 0.f);
+      });
     } else if (tiled) {
       max_bwd_tiled<T><<<plan.grid, kThreads, plan.smem, stream>>>(dyp, ap, dxp, plan.args);
     } else {
@@ -1251,16 +1243,13 @@ ffi::Error AvgPoolBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::Result<ff
     // the direct average backward for 16-bit types only: in f32 it did not beat the tiled
     // kernel in the H200 A/B (benchmarks/results/gather_pool_h200_2026-11-22.txt)
     if constexpr (sizeof(T) == 2) {
-      const DirectGrid dg = direct_grid(v.planes, v.h, kDirectRows * 2, v.w, Direct<T, 3, 2, 1>::CW);
-      if (dk != 0 && dg.ok && v.w % Direct<T, 3, 2, 1>::LV == 0 && aligned) {
-        auto launch = [&](auto kernel) {
-          kernel<<<dg.blocks, kThreads, 0, stream>>>(dyp, dxp, int(v.h), int(v.w), int(ho), int(wo), dg.ncv, dg.nrb,
-                                                    dg.total, inv);
-        };
-        if (dk == 1)
-          launch(avg_bwd_direct<T, 3, 2, 1>);
-        else
-          launch(avg_bwd_direct<T, 2, 2, 0>);
+      const DirectGrid dg =
+          direct_plan<T>(dk, aligned, v.w, v.planes, v.h, kDirectRows * 2, v.w, Direct<T, 3, 2, 1>::CW);
+      if (dg.ok) {
+        with_direct_geom(dk, [&](auto K, auto P) {
+          bwd_direct<T, decltype(K)::value, 2, decltype(P)::value, false><<<dg.blocks, kThreads, 0, stream>>>(
+              dyp, nullptr, dxp, int(v.h), int(v.w), int(ho), int(wo), dg.ncv, dg.nrb, dg.total, inv);
+        });
         return;
       }
     }
