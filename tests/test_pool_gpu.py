@@ -50,7 +50,8 @@ GEOMS = [
     ((1, 2, 200, 150), (3, 3), (2, 2), (1, 1)),  # planes over the shared-memory budget: bands
     ((1, 1, 97, 301), (3, 2), (1, 2), (1, 0)),  # bands, odd rows and columns
     ((1, 2, 3, 7001), (2, 2), (1, 1), (0, 0)),  # rows too wide for 48 KB: untiled kernels
-    # the direct kernels (k3s2p1 / k2s2p0, width a multiple of a 16-byte vector; else tiled):
+    # the direct kernels (k3s2p1 / k2s2p0, width a multiple of a 16-byte vector, else tiled;
+    # max pooling in every dtype, the average backward in bf16 / f16):
     ((2, 3, 9, 16), (3, 3), (2, 2), (1, 1)),  # odd height; f32 and 16-bit: direct
     ((1, 2, 13, 20), (3, 3), (2, 2), (1, 1)),  # f32 direct with Wo = 10 (unaligned output rows); 16-bit tiled
     ((3, 2, 10, 24), (2, 2), (2, 2), (0, 0)),
