@@ -5,11 +5,18 @@ Widths cover the 16-byte vector path, the scalar path (odd widths; 16-bit rows t
 not a multiple of 16 bytes), narrow rows (several rows per warp), the one-pass limit
 (8192) and the slabbed wide-row path (> 8192 columns, up to 65536).
 
-Rows of at least 2 KB take the sm_90 staged backward (bulk copies into shared memory,
-several rows per block): test_staged_rows_sanitizer_small gives every row its own mean,
-so a statistic taken from the wrong row fails."""
+Rows of at least 2 KB take the sm_90 staged backward and forward (bulk copies into shared
+memory, several rows per block): test_staged_rows_sanitizer_small and
+test_staged_forward_sanitizer_small give every row its own mean and scale, so a statistic
+taken from the wrong row (or a stage read before its copy landed) fails. The forward's
+variants (RLX_LAYER_NORM_CUDA_FWD_STAGED, read once per process) run in subprocesses
+(test_forward_variants)."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +82,7 @@ SHAPES = [
     (33, 999),  # odd width: scalar path
     (64, 1000),
     (257, 1024),
+    (65, 1032),  # staged forward, last thread group's second vector outside the row (16-bit: 96 threads)
     (130, 4096),
     (17, 8192),  # widest one-pass row
     (9, 12288),  # slabbed wide-row path
@@ -184,3 +192,36 @@ def test_staged_rows_sanitizer_small(shape, dtype):
     for a, w, what in zip(got, want, ("dx", "dgamma", "dbeta")):
         _close(a, w, dtype, what)
 
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", [(1031, 2048), (45, 4096), (65, 1032)], ids=lambda s: "x".join(map(str, s)))
+def test_staged_forward_sanitizer_small(shape, dtype):
+    """Staged forward over several rows per block (uneven rows per block; 1032: a partial
+    last vector group), each row with its own mean and scale: y, mean, rstd vs the f32
+    reference, and the custom VJP's gradients from the saved statistics."""
+    x, g, b, dy = _inputs(shape, dtype, seed=23)
+    rows = jnp.arange(shape[0], dtype=jnp.float32)[:, None]
+    x = jax.device_put((x.astype(jnp.float32) * (1.0 + rows % 5) + 30.0 * jnp.sin(rows)).astype(dtype), _gpu())
+    y, mean, rstd = jax.jit(lambda x, g, b: layer_norm_fwd(x, g, b, eps=EPS))(x, g, b)
+    y_ref, mean_ref, rstd_ref = jax.jit(lambda *a: reference_layer_norm(*a, eps=EPS))(*_f32(x, g, b))
+    _close(y, y_ref, dtype, "y")
+    _close(mean, mean_ref, jnp.float32, "mean")
+    _close(rstd / rstd_ref, jnp.ones_like(rstd_ref), jnp.float32, "rstd / rstd_ref")
+    got = jax.jit(lambda x, g, b, dy: jax.vjp(lambda *a: layer_norm(*a, eps=EPS), x, g, b)[1](dy))(x, g, b, dy)
+    want = jax.vjp(lambda *a: reference_layer_norm(*a, eps=EPS)[0], *_f32(x, g, b))[1](dy.astype(jnp.float32))
+    for a, w, what in zip(got, want, ("dx", "dgamma", "dbeta")):
+        _close(a, w, dtype, what)
+
+
+@pytest.mark.parametrize("mode", ["0", "1", "2"])
+def test_forward_variants(mode):
+    """The forward variants other than the default in a subprocess each: 0 the register
+    kernel everywhere, 1 staged with group_sum, 2 staged with the tree sums (1, 2: one vector
+    a thread, f32 rows staged too)."""
+    env = dict(os.environ, RLX_LAYER_NORM_CUDA_FWD_STAGED=mode)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=importlib", __file__,
+           "-k", "staged_forward or (match_f32_reference and (1024 or 1032 or 4096 or 8192))"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and "failed" not in r.stdout, r.stdout[-2000:]

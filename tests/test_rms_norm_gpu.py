@@ -150,3 +150,17 @@ def test_backward_recomputing_rstd(shape, dtype):
     _close(dx, dx_ref, dtype, "dx")
     _close(dg, dg_ref, dtype, "dgamma")
     _close(db, db_ref, dtype, "dbeta")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", [(1031, 2048), (65, 1032)], ids=lambda s: "x".join(map(str, s)))
+def test_staged_forward_sanitizer_small(shape, dtype):
+    """The sm_90 staged forward (rows of at least 2 KB, several rows per block, uneven rows
+    per block) with every row at its own scale: y and rstd vs the f32 reference."""
+    x, g, b, _ = _inputs(shape, dtype, seed=29)
+    rows = jnp.arange(shape[0], dtype=jnp.float32)[:, None]
+    x = jax.device_put((x.astype(jnp.float32) * (1.0 + rows % 7)).astype(dtype), gpu())
+    y, rstd = jax.jit(lambda x, g, b: rms_norm_fwd(x, g, b, eps=EPS))(x, g, b)
+    y_ref, rstd_ref = reference_rms_norm(*_f32(x, g, b), eps=EPS)
+    _close(y, y_ref, dtype, "y")
+    _close(rstd / rstd_ref, jnp.ones_like(rstd_ref), jnp.float32, "rstd / rstd_ref")

@@ -16,7 +16,8 @@
 //
 // The work layout and its code are RMSNorm's (rms_norm_kernels.cuh: RowPlan, column_plan,
 // the persistent grid, the one-pass kernel bodies fwd_rows_body / bwd_rows_body /
-// bwd_rows_tma_body, reduce_partials); this file holds LayerNorm's maths (LnFwd, LnBwd),
+// fwd_rows_tma_body / bwd_rows_tma_body, reduce_partials); this file holds LayerNorm's
+// maths (LnFwdT, LnBwdT),
 // its row statistics (LnStats) and its handlers. A row group holds a row in registers (16-byte
 // vector loads), so rows up to 8192 wide are one pass: the forward reads x once (mean,
 // then the centred variance from the registers: two fixed-order group reductions) and
@@ -25,6 +26,10 @@
 // added by reduce_partials in a fixed order (no atomics: deterministic). Wider rows are
 // split into column slabs and take their row statistics from ln_row_stats (LnStats on
 // rms::row_stats_body), which reads the row once more (the documented slower path).
+// On sm_90 16-bit rows of at least 2 KB take the staged forward (rows bulk-copied into shared
+// memory, 3 in flight a block, two 16-byte vectors a thread; see fwd_staged_mode): ncu, H200,
+// bf16 32768x4096: the register kernel 243.7 us at 43.9% of DRAM bandwidth (one vector a
+// thread in flight, two block reductions a row), staged one vector a thread 173.7 us at 61.5%.
 // Why bf16 rows were slower than RMSNorm's on the same machinery (H200, ncu, 32768x4096 bf16,
 // staged kernel, 512 threads a row, 64 registers: 2 blocks = 50% occupancy for both):
 // LayerNorm 240.6 us at 68.9% of DRAM bandwidth, SM throughput 71.7%, one instruction per
@@ -50,7 +55,28 @@ using rms::RowPlan;
 // ---- LayerNorm's maths over RMSNorm's row machinery (rms_norm_kernels.cuh: fwd_rows_body,
 // bwd_rows_body, bwd_rows_tma_body own the layout, the loads, the reductions' barriers and
 // the dgamma/dbeta partial rows) ------------------------------------------------------------
-struct LnFwd {
+// Sum of v over the block's one row group of tpr == blockDim.x > 32 threads (tpr <= 32: as
+// group_sum): warp sums to red[parity][warp] (one barrier), then lane w of every warp takes
+// warp w's sum and a 5-level xor tree adds them (2 instructions a level instead of one
+// shared load and add per warp in every thread). Every thread gets the same bits, fixed for
+// a given tpr (another order than group_sum's).
+__device__ __forceinline__ float group_sum_tree(float v, int tpr, float* red, int parity) {
+  if (tpr <= 32) return group_sum(v, tpr, red, parity);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  float* slot = red + parity * 32;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) slot[warp] = v;
+  __syncthreads();
+  v = lane < (tpr >> 5) ? slot[lane] : 0.f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// TREE: the row's two sums by group_sum_tree (the staged forward's default), else group_sum.
+template <bool TREE>
+struct LnFwdT {
   float* __restrict__ mean;
   float* __restrict__ rstd;
   float eps;
@@ -60,6 +86,9 @@ struct LnFwd {
     st.mu = (rv && !one_pass) ? mean[r] : 0.f;
     st.rs = (rv && !one_pass) ? rstd[r] : 0.f;
     return st;
+  }
+  __device__ __forceinline__ static float sum(float v, int tpr, float* red, int parity) {
+    return TREE ? group_sum_tree(v, tpr, red, parity) : group_sum(v, tpr, red, parity);
   }
   // mean, then the centred variance from the registers: two fixed-order group sums
   // (parity slots 0 and 1)
@@ -71,7 +100,7 @@ struct LnFwd {
     for (int k = 0; k < NV; ++k)
 #pragma unroll
       for (int i = 0; i < VEC; ++i) sx += x[k][i];
-    const float mu = group_sum(sx, tpr, red, 0) / float(W);
+    const float mu = sum(sx, tpr, red, 0) / float(W);
     float q = 0.f;
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
@@ -82,7 +111,7 @@ struct LnFwd {
         q += d * d;
       }
     }
-    q = group_sum(q, tpr, red, 1);
+    q = sum(q, tpr, red, 1);
     const float rs = rsqrtf(q / float(W) + eps);
     if (rv && t == 0) {
       mean[r] = mu;
@@ -94,6 +123,7 @@ struct LnFwd {
     return (x - st.mu) * st.rs * g + b;
   }
 };
+using LnFwd = LnFwdT<false>;
 
 // sums: the slabbed path's per-row sum(u) [R] then sum(u * xhat) [R]. TREE: the row's two
 // sums by rw::group_sum2_tree (lane-parallel add of the warp sums; see rowwise_common.cuh),
@@ -140,6 +170,49 @@ __global__ void __launch_bounds__(max_threads_for(NV * VEC, PF))
 ln_fwd_rows(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta, T* __restrict__ y,
             float* __restrict__ mean, float* __restrict__ rstd, float eps, RowPlan pl) {
   rms::fwd_rows_body<T, VEC, NV, PF>(x, gamma, beta, y, pl, LnFwd{mean, rstd, eps});
+}
+
+// sm_90 staged forward (rms::fwd_rows_tma_body): thread 0 keeps pl.stages rows of x in flight
+// by cp.async.bulk (the register kernel has one 16-byte vector a thread in flight for 16-bit
+// rows), the row's two sums by group_sum_tree (TREE) or group_sum.
+template <typename T, int NV, bool TREE>
+__global__ void __launch_bounds__(max_threads_for(NV * kVec16<T>, false), 1)
+ln_fwd_rows_tma(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta, T* __restrict__ y,
+                float* __restrict__ mean, float* __restrict__ rstd, float eps, RowPlan pl) {
+  rms::fwd_rows_tma_body<T, NV>(x, gamma, beta, y, pl, LnFwdT<TREE>{mean, rstd, eps});
+}
+
+// Forward variant, read once per process from RLX_LAYER_NORM_CUDA_FWD_STAGED (the others are
+// kept for A/B timing): 0 = the register kernel everywhere (the forward before the staged
+// one), 1 = staged with group_sum, 2 = staged with group_sum_tree (1 and 2: one 16-byte
+// vector a 16-bit thread, every dtype), anything else (default, 3) = 16-bit rows staged with
+// two 16-byte vectors a thread (half the threads a row, so half the reductions' and
+// barriers' instructions a row element) and group_sum_tree, f32 rows on the register kernel.
+// Rows the staged path does not take (under 2 KB, wider than one pass): the register kernel.
+// Measured on an H200 (benchmarks/results/norms_h200_2026-11-22.txt), bf16 32768x4096: 3
+// rounds of alternating processes each, staged two vectors 0.166 ms, staged one vector
+// (tree) 0.185, the same capped at 64 registers (4 blocks an SM, spills) 0.172, register
+// kernel 0.265; f32: staged (tree) and register kernel within 1% (one call each way), so
+// f32 keeps the register kernel.
+inline int fwd_staged_mode() {
+  static const int mode = [] {
+    const char* v = std::getenv("RLX_LAYER_NORM_CUDA_FWD_STAGED");
+    if (v != nullptr && v[0] >= '0' && v[0] <= '2' && v[1] == 0) return v[0] - '0';
+    return 3;
+  }();
+  return mode;
+}
+
+// The default's plan for 16-bit rows: two vectors a thread (NV 2) where that leaves more than one
+// warp a row; false (keep pl) otherwise.
+template <typename T>
+bool two_vectors_a_thread(RowPlan& pl) {
+  if (sizeof(T) != 2 || pl.vec != kVec16<T> || pl.slabs != 1 || pl.nv != 1) return false;
+  const int64_t tpr = rw::ceil_div(rw::ceil_div(pl.width / pl.vec, 2), 32) * 32;
+  if (tpr <= 32) return false;
+  pl.nv = 2;
+  pl.tpr = pl.threads = int(tpr);
+  return true;
 }
 
 // The register kernel keeps group_sum2: its one-row-per-block cases (16-bit rows under 2 KB,
@@ -252,9 +325,36 @@ ffi::Error launch_fwd(cudaStream_t stream, const T* x, const T* gamma, const T* 
   const bool aligned = aligned16(x) && aligned16(gamma) && aligned16(beta) && aligned16(y);
   RowPlan pl = rms::column_plan<T>(rows, W, aligned, {});
   cudaError_t err = cudaSuccess;
+  const int mode = fwd_staged_mode();
+  if constexpr (sizeof(T) == 2) {
+    RowPlan p2 = pl;
+    if (mode == 3 && two_vectors_a_thread<T>(p2)) {
+      auto staged = ln_fwd_rows_tma<T, 2, true>;
+      if (rms::plan_staged(p2, staged, W * int64_t(sizeof(T)), W * int64_t(sizeof(T)), 3, rms::Tuning{})) {
+        err = rms::set_parts(p2, staged, rows);
+        if (err != cudaSuccess) return cuda_error("layer_norm forward (cuda) setup", err);
+        staged<<<unsigned(p2.parts), p2.threads, rms::smem_bytes(p2), stream>>>(x, gamma, beta, y, mean, rstd, eps,
+                                                                               p2);
+        return check_launch("layer_norm forward (cuda) launch");
+      }
+    }
+  }
   const bool ok = rms::with_variant<T>(pl, [&](auto vec, auto nv, auto pf) {
     constexpr int VEC = decltype(vec)::value, NV = decltype(nv)::value;
     constexpr bool PF = decltype(pf)::value;
+    if constexpr (VEC != 1) {
+      // sm_90, one pass, rows of at least 2 KB (RMSNorm's threshold), 3 stages as RMSNorm's
+      auto staged = mode == 1 ? ln_fwd_rows_tma<T, NV, false> : ln_fwd_rows_tma<T, NV, true>;
+      rms::Tuning tu;
+      tu.tma = (mode == 0 || (mode == 3 && sizeof(T) == 4)) ? 0 : -1;
+      if (rms::plan_staged(pl, staged, W * int64_t(sizeof(T)), W * int64_t(sizeof(T)), 3, tu)) {
+        err = rms::set_parts(pl, staged, rows);
+        if (err != cudaSuccess) return;
+        staged<<<unsigned(pl.parts), pl.threads, rms::smem_bytes(pl), stream>>>(x, gamma, beta, y, mean, rstd, eps,
+                                                                               pl);
+        return;
+      }
+    }
     auto kernel = ln_fwd_rows<T, VEC, NV, PF>;
     err = rms::set_parts(pl, kernel, rows);
     if (err != cudaSuccess) return;

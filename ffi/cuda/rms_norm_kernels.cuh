@@ -637,10 +637,14 @@ bwd_rows_tma(const T* __restrict__ x, const T* __restrict__ gamma, const float* 
   bwd_rows_tma_body<T, NV>(x, gamma, dy, dx, partial, pl, RmsBwd<RC ? 1 : 0>{rstd, nullptr, pl.eps, RC});
 }
 
-template <typename T, int NV>
-__global__ void __launch_bounds__(max_threads_for(NV * kVec16<T>, false))
-fwd_rows_tma(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta,
-             T* __restrict__ y, float* __restrict__ rstd, float eps, RowPlan pl) {
+// Forward of the staged path, over a maths policy (see fwd_rows_body: op.row reduces the
+// row and stores its statistics, op.y gives an output element): thread 0 keeps pl.stages
+// rows of x in flight; a stage is refilled once the row's reductions (their barriers) are
+// past, i.e. every thread has its columns of the row in registers.
+template <typename T, int NV, typename Op>
+__device__ __forceinline__ void fwd_rows_tma_body(const T* __restrict__ x, const T* __restrict__ gamma,
+                                                  const T* __restrict__ beta, T* __restrict__ y, const RowPlan& pl,
+                                                  const Op& op) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();
 #else
@@ -667,7 +671,6 @@ fwd_rows_tma(const T* __restrict__ x, const T* __restrict__ gamma, const T* __re
     mbar_wait(&sb.bar[q], uint32_t((i / sb.S) & 1));
     const T* xs = reinterpret_cast<const T*>(sb.stages + size_t(q) * sb.row_bytes);
     float xa[NV][VEC];
-    float ss = 0.f;
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
       if (ok[k]) {
@@ -676,26 +679,29 @@ fwd_rows_tma(const T* __restrict__ x, const T* __restrict__ gamma, const T* __re
 #pragma unroll
         for (int e = 0; e < VEC; ++e) xa[k][e] = 0.f;
       }
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) ss += xa[k][e] * xa[k][e];
     }
-    ss = group_sum(ss, sb.tpr, sb.red, int(i & 1));  // barrier: stage q is read
+    const auto st = op.row(xa, ok, sb.W, sb.tpr, sb.red, i, true, sb.t, r);  // barrier: stage q is read
     if (sb.t == 0 && i + sb.S < sb.n) {
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       issue(i + sb.S);
     }
-    const float rs = rsqrtf(ss / float(sb.W) + eps);
-    if (sb.t == 0) rstd[r] = rs;
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
       if (!ok[k]) continue;
       float o[VEC];
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) o[e] = xa[k][e] * rs * gm[k][e] + bt[k][e];
+      for (int e = 0; e < VEC; ++e) o[e] = op.y(st, xa[k][e], gm[k][e], bt[k][e]);
       store_vec<T, VEC>(y + r * sb.W + col[k], o);
     }
   }
 #endif
+}
+
+template <typename T, int NV>
+__global__ void __launch_bounds__(max_threads_for(NV * kVec16<T>, false))
+fwd_rows_tma(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta,
+             T* __restrict__ y, float* __restrict__ rstd, float eps, RowPlan pl) {
+  fwd_rows_tma_body<T, NV>(x, gamma, beta, y, pl, RmsFwd{rstd, eps});
 }
 
 // ---- plans and launches --------------------------------------------------------------------
