@@ -163,12 +163,31 @@ def _grads_vs_reference(shape, groups, dtype, seed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("shape,groups", [((1, 6, 64, 96), 2), ((2, 8, 4, 4), 4)],
+@pytest.mark.parametrize("shape,groups", [((1, 6, 64, 96), 2), ((2, 8, 4, 4), 4), ((64, 64, 8, 8), 32)],
                          ids=lambda c: "x".join(map(str, c)) if isinstance(c, tuple) else f"G{c}")
 def test_cluster_sanitizer_small(shape, groups, dtype):
     """Small cluster-path cases (multi-CTA clusters with split channels, and one-CTA
-    blocks), fwd and both gradient routes: the cases compute-sanitizer runs."""
+    blocks), fwd and both gradient routes: the cases compute-sanitizer runs. 64x64x8x8 G32:
+    2048 one-CTA clusters, more than an H200 holds at once (later clusters start as earlier
+    ones leave)."""
     _grads_vs_reference(shape, groups, dtype, seed=11)
+
+
+def test_forward_blocks_have_their_own_statistics():
+    """Every (n, g) block with its own mean and scale (a statistic taken from another
+    block fails), 768 blocks; y, mean, rstd and the gradients vs the f32 reference."""
+    n, c, groups = 96, 32, 8
+    x, g, b, dy = _inputs((n, c, 16, 16), jnp.float32, seed=17)
+    blk = jnp.arange(n * groups, dtype=jnp.float32).reshape(n, groups)
+    shift = jnp.repeat(jnp.sin(blk) * 30.0, c // groups, axis=1)[:, :, None, None]
+    scale = jnp.repeat(1.0 + (blk % 7), c // groups, axis=1)[:, :, None, None]
+    x = jax.device_put(x * scale + shift, _gpu())
+    y, mean, rstd = jax.jit(lambda *a: group_norm_fwd(*a, num_groups=groups, eps=EPS))(x, g, b)
+    y_ref, mean_ref, rstd_ref = reference_group_norm(x, g, b, num_groups=groups, eps=EPS)
+    _close(y, y_ref, jnp.float32, "y")
+    _close(mean, mean_ref, jnp.float32, "mean")
+    _close(rstd / rstd_ref, jnp.ones_like(rstd_ref), jnp.float32, "rstd / rstd_ref")
+    _grads_vs_reference((n, c, 16, 16), groups, jnp.float32, seed=17)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
@@ -184,13 +203,17 @@ def test_vmap_over_a_batch_of_images(dtype):
     _close(got, want, dtype, "vmap dx")
 
 
+def _in_subprocess(env_vars, k):
+    env = dict(os.environ, **env_vars)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=importlib", __file__,
+           "-k", k]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and "failed" not in r.stdout, r.stdout[-2000:]
+
+
 @pytest.mark.parametrize("budget_kb", ["0", "8"])
 def test_both_paths(budget_kb):
     """The f32 reference cases with the single-pass path off (two-pass everywhere) and with
     an 8 KB budget per CTA (clusters of up to 16 CTAs, channels split across them)."""
-    env = dict(os.environ, RLX_GROUP_NORM_CUDA_CTA_KB=budget_kb)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=importlib", __file__,
-           "-k", "match_f32_reference and float32"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    assert " passed" in r.stdout and "failed" not in r.stdout, r.stdout[-2000:]
+    _in_subprocess({"RLX_GROUP_NORM_CUDA_CTA_KB": budget_kb}, "match_f32_reference and float32")

@@ -17,7 +17,7 @@
 //   backward: gn_row_sums over the N*C channel rows -> A[n,c] = sum_s dy,
 //             B[n,c] = sum_s dy * (x - mean[n,g]); gn_block_coefs -> per (n, g)
 //             mean(u) and mean(u * xhat) (from gamma, A, B); gn_param_grads -> dgamma_c =
-//             sum_n rstd[n,g] B[n,c], dbeta_c = sum_n A[n,c] (n in order); gn_dx,
+//             sum_n rstd[n,g] B[n,c], dbeta_c = sum_n A[n,c] (a fixed order over n); gn_dx,
 //             elementwise -> dx.
 //   scratch [S] f32, S >= 2 N C + 2 N G (sized by rlx_jax/vjp_rules/group_norm.py).
 // Single-pass path (sm_90, the default where it applies): one thread-block CLUSTER of cs
@@ -41,6 +41,12 @@
 // multiple of 16 bytes (bulk copies), at most 16 segments per CTA, and the device must be
 // able to schedule the cluster (cudaOccupancyMaxActiveClusters > 0). Anything else takes
 // the two-pass path below. RLX_GROUP_NORM_CUDA_CTA_KB=0 turns the single-pass path off.
+// Measured and not taken (H200, 2026-11-22, benchmarks/results/norms_h200_2026-11-22.txt):
+// a pipelined variant (persistent clusters looping over blocks, two shared-memory stages,
+// the next block's copies in flight during the exchange and writes; one exchange in the
+// forward) was 3-5% slower for f32/bf16 backward and f32 forward and 19% slower for the
+// bf16 forward: 3 CTAs an SM instead of 5-6, and the cluster barrier's release fence still
+// waits for the previous block's stores (membar stalls as before).
 // Two-pass path: the forward reads x twice and writes y (1.5x the one-pass minimum); the
 // backward reads x and dy twice and writes dx (5/3x): the block statistics are needed
 // before any element of the block can be written, and such a block is too large to keep on
@@ -176,20 +182,40 @@ gn_block_coefs(const T* __restrict__ gamma, const float* __restrict__ A, const f
   coef_b[b] = rstd[b] * sb / float(M);
 }
 
-// dgamma_c = sum_n rstd[n, c / K] * B[n, c], dbeta_c = sum_n A[n, c], n in order.
+// dgamma_c = sum_n rstd[n, c / K] * B[n, c], dbeta_c = sum_n A[n, c]. A block takes 32
+// channels (lane = channel: coalesced loads), warp w adds n = w, w + 8, ..., then the 8
+// warp sums are added in warp order (fixed order: deterministic). (One thread a channel
+// adding its N strided values in turn took 12 us at N 32, C 512 on an H200, latency-bound;
+// this takes 2.7 us, ncu.)
 template <typename T>
 __global__ void __launch_bounds__(256)
 gn_param_grads(const float* __restrict__ A, const float* __restrict__ B, const float* __restrict__ rstd,
                T* __restrict__ dgamma, T* __restrict__ dbeta, int64_t N, int64_t C, int64_t G, int64_t K) {
-  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= C) return;
+  __shared__ float buf[2][8][33];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t c = int64_t(blockIdx.x) * 32 + lane;
   float dg = 0.f, db = 0.f;
-  for (int64_t n = 0; n < N; ++n) {
-    dg += rstd[n * G + c / K] * B[n * C + c];
-    db += A[n * C + c];
+  if (c < C) {
+    const int64_t g = c / K;
+#pragma unroll 4
+    for (int64_t n = warp; n < N; n += 8) {
+      dg += rstd[n * G + g] * B[n * C + c];
+      db += A[n * C + c];
+    }
   }
-  dgamma[c] = from_f32<T>(dg);
-  dbeta[c] = from_f32<T>(db);
+  buf[0][warp][lane] = dg;
+  buf[1][warp][lane] = db;
+  __syncthreads();
+  if (warp == 0 && c < C) {
+    float sg = 0.f, sb = 0.f;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) {
+      sg += buf[0][w][lane];
+      sb += buf[1][w][lane];
+    }
+    dgamma[c] = from_f32<T>(sg);
+    dbeta[c] = from_f32<T>(sb);
+  }
 }
 
 // dx = rstd * (dy * gamma[c] - coef_a - xhat * coef_b) over N*C rows of S values.
@@ -273,6 +299,22 @@ __device__ __forceinline__ Seg cl_seg(const ClPlan& p, int rank, int s) {
   const int64_t st = q * p.seg;
   const int64_t len = st < p.S ? (p.S - st < p.seg ? p.S - st : p.seg) : 0;
   return {k * p.S + st, len, k};
+}
+
+// f(v) for each of this thread's 16-byte vectors v (as f32) of the CTA's segments of one
+// tensor's slice xs in shared memory (segment s at xs + s * seg).
+template <typename T, typename F>
+__device__ __forceinline__ void cta_vecs(const ClPlan& p, int rank, const T* xs, F&& f) {
+  constexpr int VEC = kVec16<T>;
+  for (int s = 0; s < p.spc; ++s) {
+    const Seg sg = cl_seg(p, rank, s);
+    const T* xv = xs + int64_t(s) * p.seg;
+    for (int64_t v = int64_t(threadIdx.x) * VEC; v < sg.len; v += int64_t(kClThreads) * VEC) {
+      float xe[VEC];
+      rms::load_vec_smem<T, VEC>(xv + v, xe);
+      f(xe);
+    }
+  }
 }
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
@@ -425,16 +467,10 @@ gn_cluster(const T* __restrict__ x, const T* __restrict__ dy, const T* __restric
   } else {
     // mean
     float a = 0.f;
-    for (int s = 0; s < p.spc; ++s) {
-      const Seg sg = cl_seg(p, rank, s);
-      const T* xv = xs + int64_t(s) * p.seg;
-      for (int64_t v = int64_t(tid) * VEC; v < sg.len; v += int64_t(kClThreads) * VEC) {
-        float xe[VEC];
-        rms::load_vec_smem<T, VEC>(xv + v, xe);
+    cta_vecs(p, rank, xs, [&](const float (&xe)[VEC]) {
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) a += xe[i];
-      }
-    }
+      for (int i = 0; i < VEC; ++i) a += xe[i];
+    });
     a = group_sum(a, kClThreads, h->red, 0);
     if (tid == 0) h->loc[0] = a;
     cluster.sync();
@@ -446,19 +482,13 @@ gn_cluster(const T* __restrict__ x, const T* __restrict__ dy, const T* __restric
     mu = h->coef[0];
     // centred variance from shared memory
     float b = 0.f;
-    for (int s = 0; s < p.spc; ++s) {
-      const Seg sg = cl_seg(p, rank, s);
-      const T* xv = xs + int64_t(s) * p.seg;
-      for (int64_t v = int64_t(tid) * VEC; v < sg.len; v += int64_t(kClThreads) * VEC) {
-        float xe[VEC];
-        rms::load_vec_smem<T, VEC>(xv + v, xe);
+    cta_vecs(p, rank, xs, [&](const float (&xe)[VEC]) {
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          const float d = xe[i] - mu;
-          b += d * d;
-        }
+      for (int i = 0; i < VEC; ++i) {
+        const float d = xe[i] - mu;
+        b += d * d;
       }
-    }
+    });
     b = group_sum(b, kClThreads, h->red, 1);
     if (tid == 0) h->loc[1] = b;
     cluster.sync();
@@ -650,8 +680,8 @@ ffi::Error launch_bwd(cudaStream_t stream, const Layout& L, const T* x, const T*
       e.failure())
     return e;
   if (ran) {
-    gn_param_grads<T><<<unsigned(ceil_div(L.c, 256)), 256, 0, stream>>>(A, B, rstd, dgamma, dbeta, L.n, L.c,
-                                                                        L.groups, L.k);
+    gn_param_grads<T><<<unsigned(ceil_div(L.c, 32)), 256, 0, stream>>>(A, B, rstd, dgamma, dbeta, L.n, L.c,
+                                                                       L.groups, L.k);
     return check_launch("group_norm backward (cuda) launch");
   }
   const bool stream_x = 2 * rows * L.s * int64_t(sizeof(T)) > (int64_t(32) << 20);
@@ -663,8 +693,8 @@ ffi::Error launch_bwd(cudaStream_t stream, const Layout& L, const T* x, const T*
   });
   gn_block_coefs<T><<<unsigned(ceil_div(blocks, 256)), 256, 0, stream>>>(gamma, A, B, rstd, ca, cb, blocks, L.groups,
                                                                          L.k, L.m);
-  gn_param_grads<T><<<unsigned(ceil_div(L.c, 256)), 256, 0, stream>>>(A, B, rstd, dgamma, dbeta, L.n, L.c, L.groups,
-                                                                      L.k);
+  gn_param_grads<T><<<unsigned(ceil_div(L.c, 32)), 256, 0, stream>>>(A, B, rstd, dgamma, dbeta, L.n, L.c, L.groups,
+                                                                     L.k);
   with_vec<T>(aligned16(x) && aligned16(dy) && aligned16(dx) && L.s % kVec16<T> == 0, [&](auto vec) {
     constexpr int VEC = decltype(vec)::value;
     const int64_t n_vec = rows * L.s / VEC;
