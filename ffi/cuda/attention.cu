@@ -143,12 +143,13 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
   if (cudaError_t e = device_info(&info); e != cudaSuccess) return cuda_error("attention", e);
   if (use_mma<T>(a, info.device)) {
     if constexpr (!std::is_same<T, float>::value) {
+      // shared tile layout of the kernel launched (attention_mma.cuh: fwd_swizzle)
+      const bool sw = attn::fwd_swizzle(int(a.D), a.mask != nullptr);
       auto run = [&](auto kernel, int mt, int nk, int nbuf) -> ffi::Error {
         const int64_t rows = 64 * mt;
         const int64_t blocks = (a.Sq + rows - 1) / rows * a.H * a.B;
         if (auto e = grid_check(blocks, "attention"); e.failure()) return e;
-        const size_t smem =
-            a.D == 64 ? attn::mma_fwd_smem<64>(mt, nk, nbuf) : attn::mma_fwd_smem<128>(mt, nk, nbuf);
+        const size_t smem = attn::mma_fwd_smem(int(a.D), sw, mt, nk, nbuf);
         if (auto e = prepare(info.device, kernel, smem, "attention"); e.failure()) return e;
         kernel<<<unsigned(blocks), attn::kMmaThreads, smem, stream>>>(a, q, k, v, bias, out, lse);
         return check_launch("attention forward (mma)");
@@ -176,9 +177,10 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
       }
       if (a.D == 64) {
         // PLAIN: two m-tiles per warp (MT 2, attn_fwd_mt2): 128 rows per block, each K / V
-        // fragment read from shared memory feeds two mma; K / V double buffered (55 KB of shared
-        // memory), no register cap: ptxas sm_90 250 registers, no spill, 2 blocks per SM (8 warps,
-        // 256 rows) against 3 blocks of 64 rows (161 registers) for MT 1. Measured on the H200
+        // fragment read from shared memory feeds two mma; K / V double buffered (48 KB of shared
+        // memory with the swizzled tiles, 55 KB padded), no register cap: ptxas sm_90 248
+        // registers (250 padded), no spill, 2 blocks per SM (8 warps, 256 rows) against 3 blocks
+        // of 64 rows (161 registers) for MT 1. Measured on the H200
         // (run 8 of benchmarks/results/attention_h200_2026-11-22.txt): shared wavefronts per
         // forward -46 %, ncu kernel time -10 % (B1 S4096 H16), B4 fwd 1-2 % faster by the median
         // of 10 alternating rounds. Not taken: MT 2 for the general kernel (softcap 3 % slower:

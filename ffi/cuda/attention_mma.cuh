@@ -12,8 +12,9 @@
 // Tiles: 64 query rows x 64 keys per step, 4 warps of 16 rows each (128 threads). Tiles go
 // global -> shared with cp.async (16-byte, zero-filled past the sequence end), double
 // buffered; operands go shared -> registers with ldmatrix (.trans for the operands that are
-// stored [k][n]). Shared rows are padded by 8 elements (16 bytes) so the 8 row addresses of
-// one ldmatrix phase fall in distinct bank groups.
+// stored [k][n]). Shared tiles are either XOR-swizzled unpadded rows or rows padded by 8
+// elements (16 bytes), per kernel (fwd_swizzle / bwd_swizzle below); in both the 8 row addresses
+// of one ldmatrix phase fall in distinct bank groups.
 //
 // Fragment layout of m16n8k16 (g = lane / 4, t = lane % 4): A regs (row g, cols 2t..2t+1),
 // (row g+8, cols 2t..), (row g, cols 2t+8..), (row g+8, cols 2t+8..); B regs (k 2t..2t+1,
@@ -50,21 +51,50 @@ namespace attn {
 
 constexpr int kBQ = 64, kBK = 64, kMmaThreads = 128;
 
-template <int D>
-constexpr int mma_lds() { return D + 8; }  // padded shared row (elements)
+// Shared tile layout (SW). true: unpadded rows of D elements, the 16-byte chunk c of row r stored
+// at chunk position (c & ~7) + ((c & 7) ^ (r & 7)) (XOR swizzle). false: rows padded to D + 8
+// elements, chunks in order. Both put the 8 row addresses of an ldmatrix phase in 8 distinct
+// 16-byte bank groups, but with the padded rows the 8 chunks that a quarter-warp stores with
+// cp.async straddle two 128-byte shared lines, and the copy then fetched 1.5x the ideal global
+// sectors and ran 1.6x (D 64) / 2.0x (D 128) slower in a copy-only microbenchmark (H200, run 9 of
+// benchmarks/results/attention_h200_2026-11-22.txt); swizzled rows are 128-byte aligned, so the
+// quarter-warp fills one aligned line. The layout is chosen per kernel by measurement (run 9):
+// swizzled for the forward and the D 128 backward; padded for the D 64 backward (swizzled, B4
+// fwd+bwd moved +0.6 / -1.2 % (none / causal) while the forward alone gained 6-10 %: the D 64
+// backward lost it) and for the D 128 forward with a key mask (swizzled: 1.2 % slower on the
+// general score path, 4 % on the PLAIN one; ptxas spills 40 / 8 B there at the 3-block register
+// cap, none padded). The padded kernels run the code they had before (the !SW branches).
+constexpr bool fwd_swizzle(int d, bool mask) { return !(d == 128 && mask); }
+constexpr bool bwd_swizzle(int d) { return d == 128; }
+
+template <int D, bool SW>
+constexpr int mma_lds() { return SW ? D : D + 8; }  // shared row stride (elements)
 
 // Shared memory bytes of each kernel (elements are 2 bytes).
 // nbuf: K / V buffers (2: double buffered; 1: the staggered pipeline of mma_fwd_kernel).
-template <int D>
-constexpr size_t mma_fwd_smem(int mt, int nk, int nbuf = 2) {
-  return size_t(2) * mma_lds<D>() * (64 * mt + 2 * nbuf * nk);
+constexpr size_t mma_fwd_smem(int d, bool sw, int mt, int nk, int nbuf) {
+  return size_t(2) * (sw ? d : d + 8) * (64 * mt + 2 * nbuf * nk);
 }
 template <int D>
 constexpr size_t mma_dkdv_smem() {
-  return size_t(2) * mma_lds<D>() * (2 * kBK + 4 * kBQ) + sizeof(float) * 4 * kBQ;
+  return size_t(2) * mma_lds<D, bwd_swizzle(D)>() * (2 * kBK + 4 * kBQ) + sizeof(float) * 4 * kBQ;
 }
 template <int D>
-constexpr size_t mma_dq_smem() { return size_t(2) * mma_lds<D>() * (2 * kBQ + 4 * kBK); }
+constexpr size_t mma_dq_smem() { return size_t(2) * mma_lds<D, bwd_swizzle(D)>() * (2 * kBQ + 4 * kBK); }
+
+// Swizzled ldmatrix addressing: a lane reads row r (r % 8 fixed by the lane, the tile offsets
+// being multiples of 8 rows) at the chunk c0 + b, with c0 even (a compile-time constant after
+// unrolling) and b (0 / 1) fixed by the lane. The lane's base address (lane_base: its row, and its
+// chunk position for c0 = 0) stays in one register; the chunk c0 adds the byte offset chunk_off
+// and XORs the address with chunk_x (bits 4-6 only: the 16-byte chunk inside the row's 128-byte
+// line, which is why the tiles are 128-byte aligned in shared memory). The padded layout keeps
+// the pointer arithmetic it had before (the !SW branches below).
+template <int D>
+__device__ __forceinline__ uint32_t lane_base(const void* tile, int row, int b) {
+  return smem_addr(tile) + uint32_t(row * D + (((row & 7) ^ b) << 3)) * 2u;
+}
+__device__ __forceinline__ uint32_t chunk_x(int c0) { return uint32_t(c0 & 7) << 4; }
+__device__ __forceinline__ uint32_t chunk_off(int c0) { return uint32_t(c0 & ~7) << 4; }
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 #define RLX_ATTN_MMA 1
@@ -102,6 +132,33 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr(p)));
+#endif
+}
+
+// ldmatrix (.trans if TRANS) at the shared address (base ^ x) + off (swizzled tiles). The XOR sits
+// inside the asm statement so that the compiler does not hoist one address per (operand, k-chunk)
+// out of the tile loop (registers: a first version with plain C++ XORs spilled 60 B in the PLAIN
+// D 128 forward and 80 B in dkdv D 128, against 20 and 8 B this way); x == 0 is base + offset.
+template <bool TRANS>
+__device__ __forceinline__ void ldsm_x4_x(uint32_t (&r)[4], uint32_t base, uint32_t x, uint32_t off) {
+#if RLX_ATTN_MMA
+  if (x == 0) {
+    if constexpr (TRANS)
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(base + off));
+    else
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(base + off));
+  } else {
+    if constexpr (TRANS)
+      asm volatile("{\n .reg .b32 t;\n xor.b32 t, %4, %5;\n add.u32 t, t, %6;\n"
+                   " ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [t];\n}"
+                   : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(base), "r"(x), "r"(off));
+    else
+      asm volatile("{\n .reg .b32 t;\n xor.b32 t, %4, %5;\n add.u32 t, t, %6;\n"
+                   " ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [t];\n}"
+                   : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(base), "r"(x), "r"(off));
+  }
 #endif
 }
 
@@ -171,21 +228,24 @@ __device__ __forceinline__ void mask_bits(uint32_t (&bits)[W], const float (&mv)
   *none = !any;
 }
 
-// rows [r0, r0 + ROWS) of x (row r at x + r * rs, D elements) -> dst[ROWS][LDS]; rows >= n zero.
-// Thread t copies the 16-byte chunk t % (D / 8) of rows t / (D / 8) + it * (128 / (D / 8)): a
-// fixed trip count, unrolled, with one base address per thread (no per-chunk division or 64-bit
-// index arithmetic).
-template <typename T, int D, int ROWS = 64>
+// rows [r0, r0 + ROWS) of x (row r at x + r * rs, D elements) -> dst[ROWS][LDS] in the layout SW;
+// rows >= n zero. Thread t copies the 16-byte chunk t % (D / 8) of rows t / (D / 8) + it * (128 /
+// (D / 8)): a fixed trip count, unrolled, with one base address per thread (no per-chunk division
+// or 64-bit index arithmetic); rows per pass are a multiple of 8, so the thread's swizzled chunk
+// position is the same in every pass.
+template <typename T, int D, bool SW, int ROWS = 64>
 __device__ __forceinline__ void load_tile(T* dst, const T* __restrict__ x, int64_t rs, int64_t r0, int64_t n) {
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
-  constexpr int LDS = mma_lds<D>();
+  constexpr int LDS = mma_lds<D, SW>();
   static_assert(kMmaThreads % kChunks == 0 && (ROWS * kChunks) % kMmaThreads == 0, "load_tile: whole passes");
   constexpr int kStep = kMmaThreads / kChunks;  // rows per pass
+  static_assert(kStep % 8 == 0, "load_tile: the swizzle repeats every 8 rows");
   constexpr int kPasses = ROWS / kStep;
-  const int r = threadIdx.x / kChunks, col = (threadIdx.x % kChunks) * 8;
+  const int r = threadIdx.x / kChunks, c = threadIdx.x % kChunks;
+  const int col = c * 8;
   const int64_t left = n - r0 - r;  // this thread's rows it * kStep < left exist
   const T* src = x + (r0 + r) * rs + col;
-  T* d = dst + r * LDS + col;
+  T* d = dst + r * LDS + (SW ? ((c & ~7) + ((c & 7) ^ (r & 7))) * 8 : col);
 #pragma unroll
   for (int it = 0; it < kPasses; ++it) {
     const bool ok = it * kStep < left;
@@ -196,22 +256,44 @@ __device__ __forceinline__ void load_tile(T* dst, const T* __restrict__ x, int64
 // C[16 MT x 64] (+)= A[16 MT x D] B^T, A rows at `a` (row stride LDS, the warp's 16 MT rows),
 // B rows (64 of them, [n][k] storage) at `bm`: the S = Q K^T shape. Each B fragment loaded
 // from shared memory feeds MT products.
-template <typename T, int D, int MT, int NK = kBK>
+template <typename T, int D, bool SW, int MT, int NK = kBK>
 __device__ __forceinline__ void mma_abt_m(float (&c)[MT][NK / 8][4], const T* a, const T* bm, int lane) {
-  constexpr int LDS = mma_lds<D>();
+  if constexpr (SW) {
+    constexpr uint32_t RB = 2 * D;  // row bytes
+    const uint32_t ab = lane_base<D>(a, lane & 15, lane >> 4);
+    const uint32_t bb = lane_base<D>(bm, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
 #pragma unroll
-  for (int kc = 0; kc < D / 16; ++kc) {
-    uint32_t af[MT][4];
+    for (int kc = 0; kc < D / 16; ++kc) {
+      uint32_t af[MT][4];
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) ldsm_x4(af[mt], a + (mt * 16 + (lane & 15)) * LDS + kc * 16 + (lane >> 4) * 8);
+      for (int mt = 0; mt < MT; ++mt) ldsm_x4_x<false>(af[mt], ab, chunk_x(2 * kc), mt * 16 * RB + chunk_off(2 * kc));
 #pragma unroll
-    for (int np = 0; np < NK / 16; ++np) {
-      uint32_t bf[4];
-      ldsm_x4(bf, bm + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * LDS + kc * 16 + ((lane >> 3) & 1) * 8);
+      for (int np = 0; np < NK / 16; ++np) {
+        uint32_t bf[4];
+        ldsm_x4_x<false>(bf, bb, chunk_x(2 * kc), np * 16 * RB + chunk_off(2 * kc));
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        mma16816<T>(c[mt][2 * np], af[mt], bf[0], bf[1]);
-        mma16816<T>(c[mt][2 * np + 1], af[mt], bf[2], bf[3]);
+        for (int mt = 0; mt < MT; ++mt) {
+          mma16816<T>(c[mt][2 * np], af[mt], bf[0], bf[1]);
+          mma16816<T>(c[mt][2 * np + 1], af[mt], bf[2], bf[3]);
+        }
+      }
+    }
+  } else {
+    constexpr int LDS = mma_lds<D, false>();
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) {
+      uint32_t af[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) ldsm_x4(af[mt], a + (mt * 16 + (lane & 15)) * LDS + kc * 16 + (lane >> 4) * 8);
+#pragma unroll
+      for (int np = 0; np < NK / 16; ++np) {
+        uint32_t bf[4];
+        ldsm_x4(bf, bm + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * LDS + kc * 16 + ((lane >> 3) & 1) * 8);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma16816<T>(c[mt][2 * np], af[mt], bf[0], bf[1]);
+          mma16816<T>(c[mt][2 * np + 1], af[mt], bf[2], bf[3]);
+        }
       }
     }
   }
@@ -219,10 +301,12 @@ __device__ __forceinline__ void mma_abt_m(float (&c)[MT][NK / 8][4], const T* a,
 
 // O[16 MT x D] += P[16 MT x 64] V, P given as C fragments (converted to A fragments here), V
 // rows (64 of them, [k][n] storage) at `vm`: the P V shape.
-template <typename T, int D, int MT, int NK = kBK>
+template <typename T, int D, bool SW, int MT, int NK = kBK>
 __device__ __forceinline__ void mma_pv_m(float (&o)[MT][D / 8][4], const float (&p)[MT][NK / 8][4], const T* vm,
                                          int lane) {
-  constexpr int LDS = mma_lds<D>();
+  constexpr int LDS = mma_lds<D, SW>();
+  constexpr uint32_t RB = 2 * LDS;  // row bytes
+  const uint32_t vb = SW ? lane_base<D>(vm, (lane & 7) + ((lane >> 3) & 1) * 8, lane >> 4) : 0u;
 #pragma unroll
   for (int kk = 0; kk < NK / 16; ++kk) {
     uint32_t pa[MT][4];
@@ -236,7 +320,10 @@ __device__ __forceinline__ void mma_pv_m(float (&o)[MT][D / 8][4], const float (
 #pragma unroll
     for (int dp = 0; dp < D / 16; ++dp) {
       uint32_t bf[4];
-      ldsm_x4_t(bf, vm + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + dp * 16 + (lane >> 4) * 8);
+      if constexpr (SW)
+        ldsm_x4_x<true>(bf, vb, chunk_x(2 * dp), kk * 16 * RB + chunk_off(2 * dp));
+      else
+        ldsm_x4_t(bf, vm + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + dp * 16 + (lane >> 4) * 8);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         mma16816<T>(o[mt][2 * dp], pa[mt], bf[0], bf[1]);
@@ -246,44 +333,55 @@ __device__ __forceinline__ void mma_pv_m(float (&o)[MT][D / 8][4], const float (
   }
 }
 
-template <typename T, int D>
+template <typename T, int D, bool SW>
 __device__ __forceinline__ void mma_abt(float (&c)[8][4], const T* a, const T* bm, int lane) {
-  mma_abt_m<T, D, 1>(*reinterpret_cast<float(*)[1][8][4]>(&c), a, bm, lane);
+  mma_abt_m<T, D, SW, 1>(*reinterpret_cast<float(*)[1][8][4]>(&c), a, bm, lane);
 }
-template <typename T, int D>
+template <typename T, int D, bool SW>
 __device__ __forceinline__ void mma_pv(float (&o)[D / 8][4], const float (&p)[8][4], const T* vm, int lane) {
-  mma_pv_m<T, D, 1>(*reinterpret_cast<float(*)[1][D / 8][4]>(&o), *reinterpret_cast<const float(*)[1][8][4]>(&p),
+  mma_pv_m<T, D, SW, 1>(*reinterpret_cast<float(*)[1][D / 8][4]>(&o), *reinterpret_cast<const float(*)[1][8][4]>(&p),
                     vm, lane);
 }
 
 // The A fragments of S = A B^T for the warp's 16 rows at `a` (all D / 16 k-chunks), to hold in
 // registers across a loop whose A operand does not change (dkdv: K, V; dq: Q, dO).
-template <typename T, int D>
+template <typename T, int D, bool SW>
 __device__ __forceinline__ void load_afrag(uint32_t (&af)[D / 16][4], const T* a, int lane) {
-  constexpr int LDS = mma_lds<D>();
+  if constexpr (SW) {
+    const uint32_t ab = lane_base<D>(a, lane & 15, lane >> 4);
 #pragma unroll
-  for (int kc = 0; kc < D / 16; ++kc) ldsm_x4(af[kc], a + (lane & 15) * LDS + kc * 16 + (lane >> 4) * 8);
+    for (int kc = 0; kc < D / 16; ++kc) ldsm_x4_x<false>(af[kc], ab, chunk_x(2 * kc), chunk_off(2 * kc));
+  } else {
+    constexpr int LDS = mma_lds<D, false>();
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) ldsm_x4(af[kc], a + (lane & 15) * LDS + kc * 16 + (lane >> 4) * 8);
+  }
 }
 // mma_abt (C[16 x 64] (+)= A B^T) with the A fragments from registers when REG (af as
 // load_afrag left them; `a` unused), else from shared memory at `a` (af unused): REG saves one
 // of the five ldmatrix of each k-chunk.
-template <bool REG, typename T, int D>
+template <bool REG, typename T, int D, bool SW>
 __device__ __forceinline__ void mma_abt_x(float (&c)[8][4], const uint32_t (&af)[REG ? D / 16 : 1][4], const T* a,
                                           const T* bm, int lane) {
   if constexpr (REG) {
-    constexpr int LDS = mma_lds<D>();
+    constexpr int LDS = mma_lds<D, SW>();
+    constexpr uint32_t RB = 2 * LDS;  // row bytes
+    const uint32_t bb = SW ? lane_base<D>(bm, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1) : 0u;
 #pragma unroll
     for (int kc = 0; kc < D / 16; ++kc) {
 #pragma unroll
       for (int np = 0; np < 4; ++np) {
         uint32_t bf[4];
-        ldsm_x4(bf, bm + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * LDS + kc * 16 + ((lane >> 3) & 1) * 8);
+        if constexpr (SW)
+          ldsm_x4_x<false>(bf, bb, chunk_x(2 * kc), np * 16 * RB + chunk_off(2 * kc));
+        else
+          ldsm_x4(bf, bm + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * LDS + kc * 16 + ((lane >> 3) & 1) * 8);
         mma16816<T>(c[2 * np], af[kc], bf[0], bf[1]);
         mma16816<T>(c[2 * np + 1], af[kc], bf[2], bf[3]);
       }
     }
   } else {
-    mma_abt<T, D>(c, a, bm, lane);
+    mma_abt<T, D, SW>(c, a, bm, lane);
   }
 }
 
@@ -335,11 +433,12 @@ __global__ void __launch_bounds__(kMmaThreads, MINB)
                    const T* __restrict__ bias, T* __restrict__ out, float* __restrict__ lse) {
 #if RLX_ATTN_MMA
   static_assert(NK % 32 == 0, "NK: whole mask words");
-  constexpr int LDS = mma_lds<D>();
+  constexpr bool SW = fwd_swizzle(D, MASK);
+  constexpr int LDS = mma_lds<D, SW>();
   constexpr int kFwdBQ = 16 * MT * (kMmaThreads / 32);
   constexpr int NBUF = STAGGER ? 1 : 2;
   constexpr int W = NK / 32;
-  extern __shared__ uint4 smem_u4[];
+  extern __shared__ __align__(128) uint4 smem_u4[];
   T* Qs = reinterpret_cast<T*>(smem_u4);
   T* Ks = Qs + kFwdBQ * LDS;  // [NBUF][NK * LDS]
   T* Vs = Ks + NBUF * NK * LDS;
@@ -358,10 +457,10 @@ __global__ void __launch_bounds__(kMmaThreads, MINB)
   int64_t kbeg, kend;
   key_range(a, q0, min(a.Sq - 1, q0 + kFwdBQ - 1), &kbeg, &kend, NK);
 #pragma unroll
-  for (int part = 0; part < MT; ++part) load_tile<T, D, 64>(Qs + part * 64 * LDS, qb, q_rs, q0 + part * 64, a.Sq);
+  for (int part = 0; part < MT; ++part) load_tile<T, D, SW, 64>(Qs + part * 64 * LDS, qb, q_rs, q0 + part * 64, a.Sq);
   if (kbeg < kend) {
-    load_tile<T, D, NK>(Ks, kb, kv_rs, kbeg, a.Sk);
-    if (!STAGGER) load_tile<T, D, NK>(Vs, vb, kv_rs, kbeg, a.Sk);
+    load_tile<T, D, SW, NK>(Ks, kb, kv_rs, kbeg, a.Sk);
+    if (!STAGGER) load_tile<T, D, SW, NK>(Vs, vb, kv_rs, kbeg, a.Sk);
   }
   cp_async_commit();
   float mv[MASK ? W : 1];
@@ -393,17 +492,17 @@ __global__ void __launch_bounds__(kMmaThreads, MINB)
       if (k0 + NK < kend) mask_load(mv, mrow, k0 + NK, a.Sk, lane);
     }
     if constexpr (STAGGER) {
-      if (!none) load_tile<T, D, NK>(Vs, vb, kv_rs, k0, a.Sk);
+      if (!none) load_tile<T, D, SW, NK>(Vs, vb, kv_rs, k0, a.Sk);
     } else if (k0 + NK < kend) {
-      load_tile<T, D, NK>(Ks + (buf ^ 1) * NK * LDS, kb, kv_rs, k0 + NK, a.Sk);
-      load_tile<T, D, NK>(Vs + (buf ^ 1) * NK * LDS, vb, kv_rs, k0 + NK, a.Sk);
+      load_tile<T, D, SW, NK>(Ks + (buf ^ 1) * NK * LDS, kb, kv_rs, k0 + NK, a.Sk);
+      load_tile<T, D, SW, NK>(Vs + (buf ^ 1) * NK * LDS, vb, kv_rs, k0 + NK, a.Sk);
     }
     cp_async_commit();
     float s[MT][NK / 8][4];
     if (!none) {  // block-uniform: no kept key in this tile, nothing to add
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) zero(s[mt]);
-      mma_abt_m<T, D, MT, NK>(s, Qs + warp * 16 * MT * LDS, Ks + buf * NK * LDS, lane);
+      mma_abt_m<T, D, SW, MT, NK>(s, Qs + warp * 16 * MT * LDS, Ks + buf * NK * LDS, lane);
       const bool kneed = tile_needs_mask(a, wrow0, k0, 16 * MT, NK);
       const bool need = kneed || !all_on;
 #pragma unroll
@@ -504,10 +603,10 @@ __global__ void __launch_bounds__(kMmaThreads, MINB)
     if constexpr (STAGGER) {
       cp_async_wait_all();  // V of this step
       __syncthreads();      // and every warp is done reading K
-      if (k0 + NK < kend) load_tile<T, D, NK>(Ks, kb, kv_rs, k0 + NK, a.Sk);
+      if (k0 + NK < kend) load_tile<T, D, SW, NK>(Ks, kb, kv_rs, k0 + NK, a.Sk);
       cp_async_commit();
     }
-    if (!none) mma_pv_m<T, D, MT, NK>(o, s, Vs + buf * NK * LDS, lane);
+    if (!none) mma_pv_m<T, D, SW, MT, NK>(o, s, Vs + buf * NK * LDS, lane);
     if constexpr (!STAGGER) buf ^= 1;
   }
   cp_async_wait_all();
@@ -542,8 +641,9 @@ __global__ void __launch_bounds__(kMmaThreads)
                     const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
                     const T* __restrict__ bias, T* __restrict__ dk, T* __restrict__ dv, T* __restrict__ dbias) {
 #if RLX_ATTN_MMA
-  constexpr int LDS = mma_lds<D>();
-  extern __shared__ uint4 smem_u4[];
+  constexpr bool SW = bwd_swizzle(D);
+  constexpr int LDS = mma_lds<D, SW>();
+  extern __shared__ __align__(128) uint4 smem_u4[];
   T* Ks = reinterpret_cast<T*>(smem_u4);
   T* Vs = Ks + kBK * LDS;
   T* Qs = Vs + kBK * LDS;   // [2][kBQ * LDS]
@@ -586,8 +686,8 @@ __global__ void __launch_bounds__(kMmaThreads)
     }
     return;
   }
-  load_tile<T, D>(Ks, k + (b * a.Sk * a.Hkv + hk) * D, kv_rs, k0, a.Sk);
-  load_tile<T, D>(Vs, v + (b * a.Sk * a.Hkv + hk) * D, kv_rs, k0, a.Sk);
+  load_tile<T, D, SW>(Ks, k + (b * a.Sk * a.Hkv + hk) * D, kv_rs, k0, a.Sk);
+  load_tile<T, D, SW>(Vs, v + (b * a.Sk * a.Hkv + hk) * D, kv_rs, k0, a.Sk);
   // query tiles that see these keys (all of them when dbias must be written everywhere)
   int64_t qbeg = 0, qend = a.Sq;
   if (dbias == nullptr) {
@@ -599,8 +699,8 @@ __global__ void __launch_bounds__(kMmaThreads)
   const int64_t iters = nq * a.group;
   auto stage = [&](int64_t it, int bf) {
     const int64_t h = hk * a.group + it / nq, i0 = qbeg + (it % nq) * kBQ;
-    load_tile<T, D>(Qs + bf * kBQ * LDS, q + (b * a.Sq * a.H + h) * D, q_rs, i0, a.Sq);
-    load_tile<T, D>(Gs + bf * kBQ * LDS, dout + (b * a.Sq * a.H + h) * D, q_rs, i0, a.Sq);
+    load_tile<T, D, SW>(Qs + bf * kBQ * LDS, q + (b * a.Sq * a.H + h) * D, q_rs, i0, a.Sq);
+    load_tile<T, D, SW>(Gs + bf * kBQ * LDS, dout + (b * a.Sq * a.H + h) * D, q_rs, i0, a.Sq);
     if (threadIdx.x < kBQ) {
       const int64_t i = i0 + threadIdx.x;
       float L = INFINITY, dl = 0.f;
@@ -619,8 +719,8 @@ __global__ void __launch_bounds__(kMmaThreads)
   if constexpr (AR >= 1) {
     cp_async_wait_all();
     __syncthreads();
-    load_afrag<T, D>(kf, Ks + warp * 16 * LDS, lane);
-    if constexpr (AR >= 2) load_afrag<T, D>(vf, Vs + warp * 16 * LDS, lane);
+    load_afrag<T, D, SW>(kf, Ks + warp * 16 * LDS, lane);
+    if constexpr (AR >= 2) load_afrag<T, D, SW>(vf, Vs + warp * 16 * LDS, lane);
   }
   float dka[D / 8][4], dva[D / 8][4];
   zero(dka);
@@ -642,8 +742,8 @@ __global__ void __launch_bounds__(kMmaThreads)
     float st[8][4], dpt[8][4];
     zero(st);
     zero(dpt);
-    mma_abt_x<(AR >= 1), T, D>(st, kf, Ks + warp * 16 * LDS, Qb, lane);
-    mma_abt_x<(AR >= 2), T, D>(dpt, vf, Vs + warp * 16 * LDS, Gb, lane);
+    mma_abt_x<(AR >= 1), T, D, SW>(st, kf, Ks + warp * 16 * LDS, Qb, lane);
+    mma_abt_x<(AR >= 2), T, D, SW>(dpt, vf, Vs + warp * 16 * LDS, Gb, lane);
     const bool tneed = tile_needs_mask(a, i0, k0);
     const bool need = (MASK && !w_all) || tneed;
     if (PLAIN && !need) {  // warp-uniform: no masking, no softcap, no bias
@@ -704,8 +804,8 @@ __global__ void __launch_bounds__(kMmaThreads)
         dpt[nt][e] = a.softcap > 0.f ? ds * (1.f - th * th) : ds;
       }
     }
-    mma_pv<T, D>(dva, st, Gb, lane);
-    mma_pv<T, D>(dka, dpt, Qb, lane);
+    mma_pv<T, D, SW>(dva, st, Gb, lane);
+    mma_pv<T, D, SW>(dka, dpt, Qb, lane);
   }
   cp_async_wait_all();
   const int64_t kv_b = (b * a.Sk) * a.Hkv + hk;
@@ -736,8 +836,9 @@ __global__ void __launch_bounds__(kMmaThreads, (D == 64 && AR > 0) ? 3 : 0)
                   const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
                   const T* __restrict__ bias, T* __restrict__ dq) {
 #if RLX_ATTN_MMA
-  constexpr int LDS = mma_lds<D>();
-  extern __shared__ uint4 smem_u4[];
+  constexpr bool SW = bwd_swizzle(D);
+  constexpr int LDS = mma_lds<D, SW>();
+  extern __shared__ __align__(128) uint4 smem_u4[];
   T* Qs = reinterpret_cast<T*>(smem_u4);
   T* Gs = Qs + kBQ * LDS;
   T* Ks = Gs + kBQ * LDS;  // [2][kBK * LDS]
@@ -754,11 +855,11 @@ __global__ void __launch_bounds__(kMmaThreads, (D == 64 && AR > 0) ? 3 : 0)
   const T* vb = v + (b * a.Sk * a.Hkv + hk) * D;
   int64_t kbeg, kend;
   key_range(a, q0, min(a.Sq - 1, q0 + kBQ - 1), &kbeg, &kend);
-  load_tile<T, D>(Qs, q + (b * a.Sq * a.H + h) * D, q_rs, q0, a.Sq);
-  load_tile<T, D>(Gs, dout + (b * a.Sq * a.H + h) * D, q_rs, q0, a.Sq);
+  load_tile<T, D, SW>(Qs, q + (b * a.Sq * a.H + h) * D, q_rs, q0, a.Sq);
+  load_tile<T, D, SW>(Gs, dout + (b * a.Sq * a.H + h) * D, q_rs, q0, a.Sq);
   if (kbeg < kend) {
-    load_tile<T, D>(Ks, kb, kv_rs, kbeg, a.Sk);
-    load_tile<T, D>(Vs, vb, kv_rs, kbeg, a.Sk);
+    load_tile<T, D, SW>(Ks, kb, kv_rs, kbeg, a.Sk);
+    load_tile<T, D, SW>(Vs, vb, kv_rs, kbeg, a.Sk);
   }
   cp_async_commit();
   const float* mrow = MASK ? a.mask + b * a.Sk : nullptr;
@@ -770,8 +871,8 @@ __global__ void __launch_bounds__(kMmaThreads, (D == 64 && AR > 0) ? 3 : 0)
   if constexpr (AR >= 1) {
     cp_async_wait_all();
     __syncthreads();
-    load_afrag<T, D>(qf, Qs + warp * 16 * LDS, lane);
-    if constexpr (AR >= 2) load_afrag<T, D>(gf, Gs + warp * 16 * LDS, lane);
+    load_afrag<T, D, SW>(qf, Qs + warp * 16 * LDS, lane);
+    if constexpr (AR >= 2) load_afrag<T, D, SW>(gf, Gs + warp * 16 * LDS, lane);
   }
   const int64_t row0 = q0 + warp * 16 + g;
   const float c2 = a.scale * kLog2e;  // raw score -> log2 units (PLAIN)
@@ -802,8 +903,8 @@ __global__ void __launch_bounds__(kMmaThreads, (D == 64 && AR > 0) ? 3 : 0)
       if (k0 + kBK < kend) mask_load(mv, mrow, k0 + kBK, a.Sk, lane);
     }
     if (k0 + kBK < kend) {
-      load_tile<T, D>(Ks + (buf ^ 1) * kBK * LDS, kb, kv_rs, k0 + kBK, a.Sk);
-      load_tile<T, D>(Vs + (buf ^ 1) * kBK * LDS, vb, kv_rs, k0 + kBK, a.Sk);
+      load_tile<T, D, SW>(Ks + (buf ^ 1) * kBK * LDS, kb, kv_rs, k0 + kBK, a.Sk);
+      load_tile<T, D, SW>(Vs + (buf ^ 1) * kBK * LDS, vb, kv_rs, k0 + kBK, a.Sk);
     }
     cp_async_commit();
     if (none) continue;  // block-uniform: no kept key in this tile
@@ -812,8 +913,8 @@ __global__ void __launch_bounds__(kMmaThreads, (D == 64 && AR > 0) ? 3 : 0)
     float s[8][4], dp[8][4];
     zero(s);
     zero(dp);
-    mma_abt_x<(AR >= 1), T, D>(s, qf, Qs + warp * 16 * LDS, Kb, lane);
-    mma_abt_x<(AR >= 2), T, D>(dp, gf, Gs + warp * 16 * LDS, Vb, lane);
+    mma_abt_x<(AR >= 1), T, D, SW>(s, qf, Qs + warp * 16 * LDS, Kb, lane);
+    mma_abt_x<(AR >= 2), T, D, SW>(dp, gf, Gs + warp * 16 * LDS, Vb, lane);
     const bool kneed = tile_needs_mask(a, q0, k0);
     const bool need = kneed || !all_on;
     if (PLAIN && !need) {  // block-uniform: no masking, no softcap, no bias
@@ -877,7 +978,7 @@ __global__ void __launch_bounds__(kMmaThreads, (D == 64 && AR > 0) ? 3 : 0)
         s[nt][e] = a.softcap > 0.f ? ds * (1.f - th * th) : ds;
       }
     }
-    mma_pv<T, D>(dqa, s, Kb, lane);
+    mma_pv<T, D, SW>(dqa, s, Kb, lane);
   }
   cp_async_wait_all();
 #pragma unroll
