@@ -11,8 +11,8 @@
 // chunks of tpr * NV vectors of 16 bytes that a thread keeps in registers. The forward
 // keeps a running (max, rescaled sum) per thread over the chunks, reduces them over the
 // group (max, then sum: fixed order), then writes the chunks in reverse order: the last
-// chunk is still in registers, so rows of one chunk (up to 8192 f32 / 8192 16-bit
-// elements per 512-thread block) are read once from memory; wider rows re-read the
+// chunk is still in registers, so rows of one chunk (up to 8192 f32 / 16384 16-bit
+// elements per 512-thread block in the forward, half that in the backwards) are read once from memory; wider rows re-read the
 // earlier chunks, which the first pass left in L2 (default-cached loads).
 // The backward does the same with the row dot product sum(dy * y).
 // The backward from x keeps, per thread, a running max m, s = sum exp(x - m) and
@@ -20,6 +20,8 @@
 // group, and writes dx = exp(x - M) / S * (dy - D / S) chunk by chunk in reverse order.
 // Rows of one chunk (a separate instantiation, picked by the launcher) take the group
 // max first instead, so each element is exponentiated once and kept in registers.
+#include <cstdlib>
+
 #include "cuda/rowwise_common.cuh"
 
 namespace rlx {
@@ -69,7 +71,9 @@ softmax_fwd_k(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int64_t 
   }
 }
 
-template <typename T, int VEC, int NV>
+// ONE (picked by the launcher, as for softmax_bwd_x_k): every row fits one chunk, so the
+// chunk loops have one trip and the loads stream (ld.global.cs) at compile time.
+template <typename T, int VEC, int NV, bool ONE = false>
 __global__ void __launch_bounds__(kMaxThreads, 2)
 softmax_bwd_k(const T* __restrict__ y, const T* __restrict__ dy, T* __restrict__ dx, int64_t rows, int64_t W,
               int tpr) {
@@ -77,8 +81,8 @@ softmax_bwd_k(const T* __restrict__ y, const T* __restrict__ dy, T* __restrict__
   const int gpb = blockDim.x / tpr;
   const int g = threadIdx.x / tpr, t = threadIdx.x - g * tpr;
   const int64_t chunk = int64_t(tpr) * NV * VEC;
-  const int64_t nch = (W + chunk - 1) / chunk;
-  const bool one = nch == 1;
+  const int64_t nch = ONE ? 1 : (W + chunk - 1) / chunk;
+  const bool one = ONE || nch == 1;
   int ph = 0;
   for (int64_t rb = blockIdx.x; rb * gpb < rows; rb += gridDim.x) {
     const int64_t r = rb * gpb + g;
@@ -217,7 +221,33 @@ softmax_bwd_x_k(const T* __restrict__ x, const T* __restrict__ dy, T* __restrict
 
 enum class Kind { kFwd, kBwd, kBwdX };
 
-// Elements per thread per chunk: 16 in the forward (one array), 8 in the backwards (two).
+// Bytes a thread holds per chunk, read once per process from RLX_SOFTMAX_CUDA_NARROW:
+// unset / not "1" = 64 bytes of each array in the forward and 32 bytes of each of the two
+// in the backwards, for every dtype (16-bit rows: 32 / 16 elements a thread); "1" = the
+// old element counts (16 / 8 elements a thread whatever the dtype, i.e. half the bytes in
+// flight for 16-bit rows), kept for A/B timing.
+inline bool narrow_16bit() {
+  static const bool narrow = [] {
+    const char* v = std::getenv("RLX_SOFTMAX_CUDA_NARROW");
+    return v != nullptr && v[0] == '1';
+  }();
+  return narrow;
+}
+
+// RLX_SOFTMAX_CUDA_ONE=0 (read once per process): the backward from y runs the general
+// chunk loop on rows of one chunk too (the old code path): an A/B switch.
+inline bool bwd_one_off() {
+  static const bool off = [] {
+    const char* v = std::getenv("RLX_SOFTMAX_CUDA_ONE");
+    return v != nullptr && v[0] == '0';
+  }();
+  return off;
+}
+
+// Elements per thread per chunk: 16 in the forward (one array), 8 in the backwards (two),
+// doubled for 16-bit types on the 16-byte vector path (same bytes in flight as f32:
+// 2-byte rows of 4096 then take 256 threads a row, each with two 16-byte vectors of y and
+// of dy, instead of 512 threads with one).
 template <typename T, Kind K>
 ffi::Error launch(cudaStream_t stream, const T* a, const T* b, T* out, int64_t rows, int64_t W) {
   constexpr bool BWD = K != Kind::kFwd;
@@ -225,24 +255,36 @@ ffi::Error launch(cudaStream_t stream, const T* a, const T* b, T* out, int64_t r
   constexpr int kElems = BWD ? 8 : 16;
   const bool aligned = aligned16(a) && aligned16(out) && (!BWD || aligned16(b));
   const int sms = num_sms();
-  auto go = [&](auto vec_c) {
+  auto go = [&](auto vec_c, auto elems_c) {
     constexpr int VEC = decltype(vec_c)::value;
-    constexpr int NV = kElems / VEC;
+    constexpr int NV = decltype(elems_c)::value / VEC;
     const Geom gm = row_geom(rows, ceil_div(W, VEC), NV, kMaxThreads, sms);
     if constexpr (K == Kind::kBwdX) {
       if (W <= int64_t(gm.tpr) * NV * VEC)
         softmax_bwd_x_k<T, VEC, NV, true><<<unsigned(gm.grid), gm.threads, 0, stream>>>(a, b, out, rows, W, gm.tpr);
       else
         softmax_bwd_x_k<T, VEC, NV, false><<<unsigned(gm.grid), gm.threads, 0, stream>>>(a, b, out, rows, W, gm.tpr);
-    } else if constexpr (K == Kind::kBwd)
-      softmax_bwd_k<T, VEC, NV><<<unsigned(gm.grid), gm.threads, 0, stream>>>(a, b, out, rows, W, gm.tpr);
+    } else if constexpr (K == Kind::kBwd) {
+      if (W <= int64_t(gm.tpr) * NV * VEC && !bwd_one_off())
+        softmax_bwd_k<T, VEC, NV, true><<<unsigned(gm.grid), gm.threads, 0, stream>>>(a, b, out, rows, W, gm.tpr);
+      else
+        softmax_bwd_k<T, VEC, NV><<<unsigned(gm.grid), gm.threads, 0, stream>>>(a, b, out, rows, W, gm.tpr);
+    }
     else
       softmax_fwd_k<T, VEC, NV><<<unsigned(gm.grid), gm.threads, 0, stream>>>(a, out, rows, W, gm.tpr);
   };
-  if (aligned && W % v16 == 0)
-    go(std::integral_constant<int, v16>{});
-  else
-    go(std::integral_constant<int, 1>{});
+  if (aligned && W % v16 == 0) {
+    bool done = false;
+    if constexpr (sizeof(T) == 2) {
+      if (!narrow_16bit()) {
+        go(std::integral_constant<int, v16>{}, std::integral_constant<int, kElems * 2>{});
+        done = true;
+      }
+    }
+    if (!done) go(std::integral_constant<int, v16>{}, std::integral_constant<int, kElems>{});
+  } else {
+    go(std::integral_constant<int, 1>{}, std::integral_constant<int, kElems>{});
+  }
   return check_launch(BWD ? "softmax backward (cuda) launch" : "softmax (cuda) launch");
 }
 
