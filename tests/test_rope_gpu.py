@@ -67,6 +67,8 @@ CASES = [
     ((4,), 3, 1, 8, 0, 1),  # n_rot = 0: a copy
     ((1,), 33, 7, 96, 64, 48),  # several row groups per block
     ((), 257, 16, 64, 64, 32),  # no batch axis; many rows
+    ((1,), 9, 4, 128, 64, 32),  # half rotary hd 128: 4 pair + 4 two-vector copy items a head
+    ((2,), 5, 3, 20, 16, 8),  # one pass-through vector a head: a copy item without its second vector
 ]
 
 
@@ -94,6 +96,22 @@ def test_pass_through_is_exact_and_rotation_inverts():
     # cos^2 + sin^2 = 1 up to rounding: the backward undoes the forward
     back = rope_backward(y, c, t, head_dim=16, n_rot=8)
     assert_close(back, x, 1e-5, "inverse")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_pass_through_copies_inf_and_nan_exactly(dtype):
+    """The pass-through part is stored as loaded (no arithmetic): inf and NaN stay, in the
+    forward and the backward, for an even and an odd number of pass-through vectors."""
+    for hd, n_rot in ((32, 16), (20, 16)):
+        x, c, t, _ = _inputs((2,), 4, 3, hd, 8, dtype, seed=7)
+        xh = np.array(x.astype(jnp.float32)).reshape(2, 4, 3, hd)
+        xh[0, 1, 2, n_rot:] = np.inf
+        xh[1, 3, 0, n_rot] = np.nan
+        xh[1, 0, 1, hd - 1] = -np.inf
+        x = jax.device_put(jnp.asarray(xh.reshape(2, 4, 3 * hd)).astype(dtype), gpu())
+        for y in (rope(x, c, t, head_dim=hd, n_rot=n_rot), rope_backward(x, c, t, head_dim=hd, n_rot=n_rot)):
+            got = np.asarray(y.astype(jnp.float32)).reshape(2, 4, 3, hd)[..., n_rot:]
+            np.testing.assert_array_equal(got, xh[..., n_rot:])
 
 
 def test_grads_in_tables_and_x():
@@ -161,7 +179,7 @@ def test_handler_rejects_bad_operands():
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_rope_sanitizer_small(dtype):
     """Small cases for compute-sanitizer (-k sanitizer): vector and scalar paths."""
-    for lead, s, heads, hd, n_rot, tw in (((2,), 3, 2, 16, 12, 8), ((1,), 3, 3, 10, 6, 3)):
+    for lead, s, heads, hd, n_rot, tw in (((2,), 3, 2, 16, 12, 8), ((1,), 3, 3, 10, 6, 3), ((1,), 2, 3, 20, 16, 8)):
         x, c, t, dy = _inputs(lead, s, heads, hd, tw, dtype, seed=3)
         y = rope(x, c, t, head_dim=hd, n_rot=n_rot)
         _close(y, _ref(x, c, t, hd, n_rot), dtype, "y")
