@@ -65,6 +65,8 @@ SHAPES = [
     ((37, 5), 0),  # columns, short axis: one pass
     ((300, 64), 0),  # columns chunked (5 chunks), vectors
     ((2, 1000, 3), 1),  # columns chunked, odd I: scalar
+    ((517, 4096), 0),  # f32: single-pass column strips (256 strips, a partial second tile)
+    ((3, 600, 1024), 1),  # f32: column strips of three outer slices
     ((3, 5, 7), 0),
     ((11, 3), 0),
     ((9,), 0),
@@ -171,6 +173,19 @@ def test_cumsum_sanitizer_small(dtype):
         for exclusive in (False, True):
             _close(cumsum(x, axis=axis, exclusive=exclusive), _oracle(x, axis, exclusive), dtype, "y")
             _close(cumsum_backward(x, axis=axis, exclusive=exclusive), _oracle(x, axis, exclusive, True), dtype, "dx")
+
+
+def test_cumsum_column_strips_sanitizer_small():
+    """The single-pass column strip kernel (f32, >= 132 strips of 16 columns, a long axis
+    that the chunked path would split) against the oracle and bitwise repeatable, small
+    enough for compute-sanitizer (-k sanitizer)."""
+    x = _x((200, 2112), jnp.float32, seed=17)
+    assert cuda_chunks(1, 200, 2112) > 1
+    for exclusive in (False, True):
+        a = np.asarray(cumsum_backward(x, axis=0, exclusive=exclusive))
+        _close(a, _oracle(x, 0, exclusive, True), jnp.float32, "dx")
+        assert a.tobytes() == np.asarray(cumsum_backward(x, axis=0, exclusive=exclusive)).tobytes()
+        _close(cumsum(x, axis=0, exclusive=exclusive), _oracle(x, 0, exclusive), jnp.float32, "y")
 
 
 @pytest.mark.slow

@@ -15,14 +15,20 @@
 //   loaded before they are scanned; a group scan (warp shuffles, then the group's warp
 //   totals in a fixed order) gives each thread its prefix; the running carry crosses
 //   sub-tiles.
+//   row_scan2_k (the default; row_scan_k is the old kernel) keeps the sub-tiles as packs
+//   of T and scans a trip's NV = 4 sub-tiles with one barrier.
 // - I > 1 (scan across rows of I contiguous values): one thread per (o, VEC columns),
-//   walking its positions sequentially with 4 loads in flight.
+//   walking its positions sequentially with 8 loads in flight (4 in the old kernel).
+//   f32 with at least one strip of 16 columns a multiprocessor, where the chunked passes
+//   below would run: one pass of col_strip_k instead (x read once).
 // A long scan axis with few rows / columns splits into C chunks (C from the shape
 // alone, cumsum_chunks): pass 1 writes each chunk's total to scratch, pass 2 turns the
 // totals of each (o, i) into exclusive prefixes (one warp per (o, i), fixed order),
 // pass 3 rescans each chunk from its prefix. Every sum is taken in an order fixed by
 // the shape: results are bitwise reproducible run to run (no atomics). Nothing is
 // allocated; all launches go to XLA's stream.
+#include <cstdlib>
+
 #include "cuda/common.cuh"
 
 namespace rlx {
@@ -90,6 +96,53 @@ __device__ __forceinline__ void group_scan(A v, int tpr, A* red, int parity, A* 
   *incl = v;
   *excl = ex;
   *total = tot;
+}
+
+// N scans at once, each as group_scan (the same shuffles and the same order of the warp
+// totals, so each scan's excl / total have group_scan's bits), with one barrier for all N
+// (tpr > 32): red holds [2 parities][N][8 warps].
+template <typename A, int N>
+__device__ __forceinline__ void group_scan_n(const A (&s)[N], int tpr, A* red, int parity, A (&excl)[N],
+                                             A (&total)[N]) {
+  const int lane = threadIdx.x & 31;
+  const int w = tpr < 32 ? tpr : 32;
+  const int sl = lane & (w - 1);
+  A v[N];
+#pragma unroll
+  for (int n = 0; n < N; ++n) v[n] = s[n];
+  for (int d = 1; d < w; d <<= 1) {
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      const A u = __shfl_up_sync(0xffffffffu, v[n], d, w);
+      if (sl >= d) v[n] += u;
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < N; ++n) {
+    A ex = __shfl_up_sync(0xffffffffu, v[n], 1, w);
+    if (sl == 0) ex = A(0);
+    excl[n] = ex;
+    total[n] = __shfl_sync(0xffffffffu, v[n], w - 1, w);
+  }
+  if (tpr > 32) {
+    const int warp = threadIdx.x >> 5, wpg = tpr >> 5, first = (warp / wpg) * wpg;
+    A* slot = red + parity * N * 8;
+    if (lane == 31) {
+#pragma unroll
+      for (int n = 0; n < N; ++n) slot[n * 8 + warp] = total[n];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      A pre = A(0), tot = A(0);
+      for (int k = first; k < first + wpg; ++k) {
+        if (k == warp) pre = tot;
+        tot += slot[n * 8 + k];
+      }
+      excl[n] += pre;
+      total[n] = tot;
+    }
+  }
 }
 
 // I == 1. One unit = (row, chunk); a group of tpr threads per unit, 256 / tpr groups a
@@ -181,14 +234,126 @@ __global__ void __launch_bounds__(256) row_scan_k(const T* __restrict__ x, T* __
   if (MODE == kSums && live && t == 0) scr[unit] = carry;
 }
 
+// I == 1, the default kernel (row_scan_k is the old one, kept for A/B timing): the same
+// units, sub-tiles and sums, with the trip's NV sub-tiles kept as packs of T (16-bit data
+// takes half the registers of f32 copies) and scanned by one group_scan_n (one barrier a
+// trip instead of one a sub-tile). Each sub-tile's (excl, total) and the carry's order of
+// additions are row_scan_k's: for the same NV and tpr the two give the same bits.
+// The scan direction is a template parameter (REV; the last argument is ignored). Capped at
+// 64 registers (4 blocks of 256 threads an SM); 16-bit types at 80 (3 blocks: at 64 the
+// 8-element bf16 packs spilled 96 bytes).
+template <typename T, int VEC, int NV, int MODE, bool REV>
+__global__ void __launch_bounds__(256, sizeof(T) == 2 ? 3 : 4) row_scan2_k(const T* __restrict__ x, T* __restrict__ y,
+                                                      acc_t<T>* __restrict__ scr, int64_t units, int64_t L,
+                                                      int64_t nchunk, int64_t chunk_len, int tpr, bool exclusive,
+                                                      bool) {
+  constexpr bool reverse = REV;
+  using A = acc_t<T>;
+  using P = Pack<T, VEC>;
+  __shared__ A red[16 * NV];
+  const int gpb = blockDim.x / tpr;
+  const int g = threadIdx.x / tpr, t = threadIdx.x - g * tpr;
+  const int64_t unit = int64_t(blockIdx.x) * gpb + g;
+  const bool live = unit < units;
+  // no 64-bit division where a row is one unit (a thread of a 4096-wide f32 row scans 16
+  // elements: three int64 divisions a thread made the kernel issue-bound); chunked rows
+  // have one group a block (the launcher's tpr is 256 then), so the block's trip count is
+  // its own unit's
+  int64_t row = 0, c = 0;
+  if (live) {
+    if (nchunk == 1) {
+      row = unit;
+    } else {
+      row = unit / nchunk;
+      c = unit - row * nchunk;
+    }
+  }
+  const int64_t k0 = c * chunk_len;
+  const int64_t k1 = live ? std::min(L, k0 + chunk_len) : k0;
+  const int64_t span = nchunk == 1 ? L : std::min(L, k0 + chunk_len) - k0;
+  const int64_t sub = int64_t(tpr) * VEC;
+  const int sh = __ffs(tpr * VEC * NV) - 1;  // tpr, VEC and NV are powers of two
+  const int64_t trips = (span + (int64_t(1) << sh) - 1) >> sh;
+  const T* xr = x + row * L;
+  T* yr = y + row * L;
+  A carry = (MODE == kCarry && live) ? scr[unit] : A(0);
+  int parity = 0;
+  for (int64_t tr = 0; tr < trips; ++tr) {
+    P e[NV];  // physical order; logical element q of sub-tile j is e[j].v[reverse ? VEC - 1 - q : q]
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int64_t ks = k0 + (tr * NV + j) * sub + int64_t(t) * VEC;
+      if (ks + VEC <= k1) {
+        const int64_t p = reverse ? L - ks - VEC : ks;
+        e[j] = ld_pack<T, VEC, (MODE != kSums) ? Cache::kStream : Cache::kL2>(xr + p);
+      } else {
+#pragma unroll
+        for (int q = 0; q < VEC; ++q) {
+          const int64_t k = ks + q;
+          const T z = from_acc<T>(A(0));
+          const T val = k < k1 ? xr[reverse ? L - 1 - k : k] : z;
+          if (reverse) {
+            e[j].v[VEC - 1 - q] = val;
+          } else {
+            e[j].v[q] = val;
+          }
+        }
+      }
+    }
+    A s_n[NV], ex_n[NV], tot_n[NV];
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      A s = A(0);
+#pragma unroll
+      for (int q = 0; q < VEC; ++q) s += to_acc(reverse ? e[j].v[VEC - 1 - q] : e[j].v[q]);
+      s_n[j] = s;
+    }
+    group_scan_n<A, NV>(s_n, tpr, red, parity, ex_n, tot_n);
+    parity ^= 1;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      if (MODE != kSums) {
+        const int64_t ks = k0 + (tr * NV + j) * sub + int64_t(t) * VEC;
+        A run = carry + ex_n[j];
+        P o;  // logical order
+#pragma unroll
+        for (int q = 0; q < VEC; ++q) {
+          const A val = to_acc(reverse ? e[j].v[VEC - 1 - q] : e[j].v[q]);
+          if (exclusive) {
+            o.v[q] = from_acc<T>(run);
+            run += val;
+          } else {
+            run += val;
+            o.v[q] = from_acc<T>(run);
+          }
+        }
+        if (ks + VEC <= k1) {
+          const int64_t p = reverse ? L - ks - VEC : ks;
+          P w;
+#pragma unroll
+          for (int q = 0; q < VEC; ++q) w.v[q] = reverse ? o.v[VEC - 1 - q] : o.v[q];
+          st_pack_stream<T, VEC>(yr + p, w);
+        } else {
+#pragma unroll
+          for (int q = 0; q < VEC; ++q) {
+            const int64_t k = ks + q;
+            if (k < k1) yr[reverse ? L - 1 - k : k] = o.v[q];
+          }
+        }
+      }
+      carry += tot_n[j];
+    }
+  }
+  if (MODE == kSums && live && t == 0) scr[unit] = carry;
+}
+
 // I > 1. One thread per (o, chunk, VEC columns).
-template <typename T, int VEC, int MODE>
+template <typename T, int VEC, int MODE, int U>
 __global__ void __launch_bounds__(256) col_scan_k(const T* __restrict__ x, T* __restrict__ y,
                                                   acc_t<T>* __restrict__ scr, int64_t O, int64_t L,
                                                   int64_t I, int64_t nchunk, int64_t chunk_len, bool exclusive,
                                                   bool reverse) {
   using A = acc_t<T>;
-  constexpr int U = 4;
   const int64_t iv_n = I / VEC;
   const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (tid >= O * nchunk * iv_n) return;
@@ -239,6 +404,117 @@ __global__ void __launch_bounds__(256) col_scan_k(const T* __restrict__ x, T* __
   }
 }
 
+// I > 1, single pass (the default where the chunked passes would run and there are enough
+// strips: see launch_cols). A block of 256 threads owns a strip of CV = 4 vectors (4 * VEC
+// columns, 64 bytes a row) of one o and walks the whole scan axis in tiles of 32 * J
+// positions... precisely: thread (rg = tid / CV, cg = tid % CV) holds the J consecutive
+// scan positions rg * J + j of a tile (TILE = 64 * J) for its vector of columns, as packs
+// of T; the next tile's packs are loaded before the current one is scanned (J * 16 bytes
+// a thread in flight all the time). Per tile: each thread sums its J values per column; an
+// exclusive scan of those sums over the 8 row groups of a warp (shuffles), the 8 warp
+// totals through shared memory (one barrier a tile, two parity slots); a thread's start
+// is carry + the earlier warps' totals (in warp order) + its exclusive sum, then it runs
+// through its J values and stores; the carry adds the tile's 8 warp totals in warp order.
+// Every sum has an order fixed by the shape: bitwise reproducible. Reads x once and writes
+// y once (the chunked path reads x twice: its first pass's totals, then the rescan).
+constexpr int kStripCV = 4;
+template <typename T, int VEC, int J, bool REV>
+__global__ void __launch_bounds__(256) col_strip_k(const T* __restrict__ x, T* __restrict__ y, int64_t L,
+                                                   int64_t I, int64_t strips_per_o, bool exclusive) {
+  using A = acc_t<T>;
+  using P = Pack<T, VEC>;
+  constexpr int CV = kStripCV, RGW = 32 / CV, WARPS = 8, TILE = (256 / CV) * J;
+  __shared__ A wsum[2][WARPS][CV][VEC];
+  const int cg = threadIdx.x % CV, rg = threadIdx.x / CV;
+  const int rgw = (threadIdx.x & 31) / CV, warp = threadIdx.x >> 5;
+  const int64_t o = blockIdx.x / strips_per_o, strip = blockIdx.x - o * strips_per_o;
+  const int64_t col = (strip * CV + cg) * VEC;
+  const T* xb = x + o * L * I + col;
+  T* yb = y + o * L * I + col;
+  const int64_t ntiles = (L + TILE - 1) / TILE;
+  auto load = [&](P (&e)[J], int64_t tile) {
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const int64_t k = tile * TILE + int64_t(rg) * J + j;
+      if (k < L) {
+        e[j] = ld_pack<T, VEC, Cache::kStream>(xb + (REV ? L - 1 - k : k) * I);
+      } else {
+#pragma unroll
+        for (int q = 0; q < VEC; ++q) e[j].v[q] = from_acc<T>(A(0));
+      }
+    }
+  };
+  A carry[VEC];
+#pragma unroll
+  for (int q = 0; q < VEC; ++q) carry[q] = A(0);
+  P cur[J], nxt[J];
+  load(cur, 0);
+  int parity = 0;
+  for (int64_t tl = 0; tl < ntiles; ++tl) {
+    if (tl + 1 < ntiles) load(nxt, tl + 1);
+    A v[VEC], tot[VEC];
+#pragma unroll
+    for (int q = 0; q < VEC; ++q) {
+      A s = A(0);
+#pragma unroll
+      for (int j = 0; j < J; ++j) s += to_acc(cur[j].v[q]);
+      tot[q] = s;
+      v[q] = s;
+    }
+#pragma unroll
+    for (int d = 1; d < RGW; d <<= 1) {
+#pragma unroll
+      for (int q = 0; q < VEC; ++q) {
+        const A u = __shfl_up_sync(0xffffffffu, v[q], d * CV);
+        if (rgw >= d) v[q] += u;
+      }
+    }
+    A start[VEC];
+#pragma unroll
+    for (int q = 0; q < VEC; ++q) {
+      A ex = __shfl_up_sync(0xffffffffu, v[q], CV);
+      start[q] = rgw == 0 ? A(0) : ex;
+    }
+    if (rgw == RGW - 1) {
+#pragma unroll
+      for (int q = 0; q < VEC; ++q) wsum[parity][warp][cg][q] = v[q];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int q = 0; q < VEC; ++q) {
+      A pre = carry[q], tt = A(0);
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) {
+        const A ws = wsum[parity][w][cg][q];
+        if (w < warp) pre += ws;
+        tt += ws;
+      }
+      start[q] = pre + start[q];
+      carry[q] += tt;
+    }
+    parity ^= 1;
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const int64_t k = tl * TILE + int64_t(rg) * J + j;
+      P w;
+#pragma unroll
+      for (int q = 0; q < VEC; ++q) {
+        const A val = to_acc(cur[j].v[q]);
+        if (exclusive) {
+          w.v[q] = from_acc<T>(start[q]);
+          start[q] += val;
+        } else {
+          start[q] += val;
+          w.v[q] = from_acc<T>(start[q]);
+        }
+      }
+      if (k < L) st_pack_stream<T, VEC>(yb + (REV ? L - 1 - k : k) * I, w);
+    }
+#pragma unroll
+    for (int j = 0; j < J; ++j) cur[j] = nxt[j];
+  }
+}
+
 // Pass 2: scr [O, nchunk, cols] chunk totals -> exclusive prefixes over the chunk axis,
 // one warp per (o, col), 32 chunks at a time in a fixed order.
 template <typename A>
@@ -266,50 +542,129 @@ __global__ void __launch_bounds__(256) chunk_prefix_k(A* __restrict__ scr, int64
 }
 
 
-template <typename T, int VEC>
-ffi::Error launch_rows(cudaStream_t stream, const T* x, T* y, acc_t<T>* scr, int64_t O, int64_t L,
-                       Chunks ch, bool exclusive, bool reverse) {
-  constexpr int NV = 2;
+// Variant, read once per process from RLX_CUMSUM_CUDA_V1: "1" = the old kernels (rows: 2
+// sub-tiles a trip, one barrier each; columns: 4 loads in flight a thread), kept for A/B
+// timing; anything else = rows with 4 sub-tiles a trip (64 bytes a thread in flight) and
+// one barrier a trip, columns with 8 loads in flight a thread.
+inline bool old_kernels() {
+  static const bool v1 = [] {
+    const char* v = std::getenv("RLX_CUMSUM_CUDA_V1");
+    return v != nullptr && v[0] == '1';
+  }();
+  return v1;
+}
+
+// RLX_CUMSUM_CUDA_STRIP=0 (read once per process) keeps the chunked column passes where the
+// single-pass strip kernel would run: an A/B switch.
+inline bool col_strip_off() {
+  static const bool off = [] {
+    const char* v = std::getenv("RLX_CUMSUM_CUDA_STRIP");
+    return v != nullptr && v[0] == '0';
+  }();
+  return off;
+}
+
+inline int rw_num_sms() {
+  static const int sms = [] {
+    DeviceInfo dev;
+    return device_info(&dev) == cudaSuccess ? dev.sms : 132;
+  }();
+  return sms;
+}
+
+// Sub-tiles a trip of row_scan2_k, read once per process from RLX_CUMSUM_CUDA_NV ("2" or,
+// by default, 4): an A/B switch.
+inline int rows_nv() {
+  static const int nv = [] {
+    const char* v = std::getenv("RLX_CUMSUM_CUDA_NV");
+    return (v != nullptr && v[0] == '2') ? 2 : 4;
+  }();
+  return nv;
+}
+
+template <typename T, int VEC, int NV, bool MULTI, int MODE>
+auto row_kernel(bool reverse) {
+  if constexpr (MULTI) {
+    return reverse ? row_scan2_k<T, VEC, NV, MODE, true> : row_scan2_k<T, VEC, NV, MODE, false>;
+  } else {
+    return row_scan_k<T, VEC, NV, MODE>;
+  }
+}
+
+template <typename T, int VEC, int NV, bool MULTI>
+ffi::Error launch_rows_nv(cudaStream_t stream, const T* x, T* y, acc_t<T>* scr, int64_t O, int64_t L,
+                          Chunks ch, bool exclusive, bool reverse) {
   const int64_t span = ch.n > 1 ? ch.len : L;
   int tpr = 4;
   while (tpr < 256 && int64_t(tpr) * VEC * NV < span) tpr *= 2;
+  if (ch.n > 1) tpr = 256;  // one unit a block (row_scan2_k relies on it; chunks are >= 8192 long anyway)
   const int gpb = 256 / tpr;
   const int64_t units = O * ch.n;
   const int64_t blocks = ceil_div(units, gpb);
   if (blocks > INT32_MAX) return invalid("cumsum (cuda): too many rows");
   if (ch.n == 1) {
-    row_scan_k<T, VEC, NV, kFull><<<unsigned(blocks), 256, 0, stream>>>(x, y, scr, units, L, 1, L, tpr, exclusive,
+    row_kernel<T, VEC, NV, MULTI, kFull>(reverse)<<<unsigned(blocks), 256, 0, stream>>>(x, y, scr, units, L, 1, L, tpr, exclusive,
                                                                          reverse);
   } else {
     using A = acc_t<T>;
-    row_scan_k<T, VEC, NV, kSums><<<unsigned(blocks), 256, 0, stream>>>(x, y, scr, units, L, ch.n, ch.len, tpr,
+    row_kernel<T, VEC, NV, MULTI, kSums>(reverse)<<<unsigned(blocks), 256, 0, stream>>>(x, y, scr, units, L, ch.n, ch.len, tpr,
                                                                          exclusive, reverse);
     chunk_prefix_k<A><<<unsigned(ceil_div(O * 32, 256)), 256, 0, stream>>>(scr, O, ch.n, 1);
-    row_scan_k<T, VEC, NV, kCarry><<<unsigned(blocks), 256, 0, stream>>>(x, y, scr, units, L, ch.n, ch.len, tpr,
+    row_kernel<T, VEC, NV, MULTI, kCarry>(reverse)<<<unsigned(blocks), 256, 0, stream>>>(x, y, scr, units, L, ch.n, ch.len, tpr,
                                                                           exclusive, reverse);
   }
   return check_launch("cumsum (cuda): row scan launch");
 }
 
 template <typename T, int VEC>
-ffi::Error launch_cols(cudaStream_t stream, const T* x, T* y, acc_t<T>* scr, int64_t O, int64_t L,
-                       int64_t I, Chunks ch, bool exclusive, bool reverse) {
+ffi::Error launch_rows(cudaStream_t stream, const T* x, T* y, acc_t<T>* scr, int64_t O, int64_t L,
+                       Chunks ch, bool exclusive, bool reverse) {
+  if (old_kernels()) return launch_rows_nv<T, VEC, 2, false>(stream, x, y, scr, O, L, ch, exclusive, reverse);
+  if (rows_nv() == 2) return launch_rows_nv<T, VEC, 2, true>(stream, x, y, scr, O, L, ch, exclusive, reverse);
+  return launch_rows_nv<T, VEC, 4, true>(stream, x, y, scr, O, L, ch, exclusive, reverse);
+}
+
+template <typename T, int VEC, int U>
+ffi::Error launch_cols_u(cudaStream_t stream, const T* x, T* y, acc_t<T>* scr, int64_t O, int64_t L,
+                         int64_t I, Chunks ch, bool exclusive, bool reverse) {
   using A = acc_t<T>;
   const int64_t threads = O * ch.n * (I / VEC);
   const int64_t blocks = ceil_div(threads, 256);
   if (blocks > INT32_MAX) return invalid("cumsum (cuda): input too large");
   if (ch.n == 1) {
-    col_scan_k<T, VEC, kFull><<<unsigned(blocks), 256, 0, stream>>>(x, y, scr, O, L, I, 1, L, exclusive, reverse);
+    col_scan_k<T, VEC, kFull, U><<<unsigned(blocks), 256, 0, stream>>>(x, y, scr, O, L, I, 1, L, exclusive, reverse);
   } else {
-    col_scan_k<T, VEC, kSums><<<unsigned(blocks), 256, 0, stream>>>(x, y, scr, O, L, I, ch.n, ch.len, exclusive,
+    col_scan_k<T, VEC, kSums, U><<<unsigned(blocks), 256, 0, stream>>>(x, y, scr, O, L, I, ch.n, ch.len, exclusive,
                                                                      reverse);
     const int64_t pblocks = ceil_div(O * I * 32, 256);
     if (pblocks > INT32_MAX) return invalid("cumsum (cuda): input too large");
     chunk_prefix_k<A><<<unsigned(pblocks), 256, 0, stream>>>(scr, O, ch.n, I);
-    col_scan_k<T, VEC, kCarry><<<unsigned(blocks), 256, 0, stream>>>(x, y, scr, O, L, I, ch.n, ch.len, exclusive,
+    col_scan_k<T, VEC, kCarry, U><<<unsigned(blocks), 256, 0, stream>>>(x, y, scr, O, L, I, ch.n, ch.len, exclusive,
                                                                       reverse);
   }
   return check_launch("cumsum (cuda): column scan launch");
+}
+
+template <typename T, int VEC>
+ffi::Error launch_cols(cudaStream_t stream, const T* x, T* y, acc_t<T>* scr, int64_t O, int64_t L,
+                       int64_t I, Chunks ch, bool exclusive, bool reverse) {
+  if (old_kernels()) return launch_cols_u<T, VEC, 4>(stream, x, y, scr, O, L, I, ch, exclusive, reverse);
+  // the single pass where the chunked passes would run (few columns for a long axis), with
+  // 16-byte vectors and at least one strip a multiprocessor
+  if constexpr (VEC * sizeof(T) == 16 && sizeof(T) == 4) {  // f32 (measured); 16-bit: 162 registers
+    const int64_t strip_cols = int64_t(kStripCV) * VEC;
+    if (ch.n > 1 && I % strip_cols == 0 && O * (I / strip_cols) >= rw_num_sms() && !col_strip_off()) {
+      const int64_t strips = I / strip_cols, blocks = O * strips;
+      if (blocks > INT32_MAX) return invalid("cumsum (cuda): input too large");
+      constexpr int J = 8;
+      if (reverse)
+        col_strip_k<T, VEC, J, true><<<unsigned(blocks), 256, 0, stream>>>(x, y, L, I, strips, exclusive);
+      else
+        col_strip_k<T, VEC, J, false><<<unsigned(blocks), 256, 0, stream>>>(x, y, L, I, strips, exclusive);
+      return check_launch("cumsum (cuda): column strip scan launch");
+    }
+  }
+  return launch_cols_u<T, VEC, 8>(stream, x, y, scr, O, L, I, ch, exclusive, reverse);
 }
 
 template <typename T>
