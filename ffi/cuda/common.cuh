@@ -197,6 +197,19 @@ __device__ __forceinline__ void store_f32(float* __restrict__ p, const float (&v
 }
 
 // ---- group reductions ---------------------------------------------------------------
+// Warp sum of v (xor shuffles over the whole warp), which lane 0 writes to slot[warp] of
+// red[parity]; then a block barrier. The first half of the block-wide sums (group_sum,
+// ln::group_sum_tree).
+__device__ __forceinline__ float* warp_sum_to_slot(float v, float* red, int parity) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  float* slot = red + parity * 32;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) slot[warp] = v;
+  __syncthreads();
+  return slot;
+}
+
 // Sum of v over a group of `tpr` threads. tpr <= 32: a power of two, groups are
 // aligned lane ranges of one warp, reduced with xor shuffles (every lane gets the
 // same bits: each level adds the same two values, a + b == b + a). tpr > 32: the
@@ -210,12 +223,7 @@ __device__ __forceinline__ float group_sum(float v, int tpr, float* red, int par
     for (int o = tpr >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  float* slot = red + parity * 32;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (lane == 0) slot[warp] = v;
-  __syncthreads();
+  const float* slot = warp_sum_to_slot(v, red, parity);
   const int nw = tpr >> 5;
   float s = 0.f;
   for (int w = 0; w < nw; ++w) s += slot[w];

@@ -62,12 +62,8 @@ using rms::RowPlan;
 // a given tpr (another order than group_sum's).
 __device__ __forceinline__ float group_sum_tree(float v, int tpr, float* red, int parity) {
   if (tpr <= 32) return group_sum(v, tpr, red, parity);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  float* slot = red + parity * 32;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (lane == 0) slot[warp] = v;
-  __syncthreads();
+  const float* slot = warp_sum_to_slot(v, red, parity);
+  const int lane = threadIdx.x & 31;
   v = lane < (tpr >> 5) ? slot[lane] : 0.f;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
