@@ -14,7 +14,6 @@
 // Path: bf16 / f16 with head dim 64 or 128 on sm_80+ run the mma.sync kernels; everything
 // else (f32, other head dims up to 256) runs the generic kernels. Both are deterministic.
 #include <cmath>
-#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -98,23 +97,10 @@ bool use_mma(const AttnArgs& a, int device) {
   }
 }
 
-// Backward kernels with loop-invariant A operands in registers (AR > 0, see launch_bwd), unless
-// RLX_ATTENTION_CUDA_AREG=0 (the AR = 0 kernels, kept for A/B); read once per process.
-bool attn_areg() {
-  static const bool on = [] {
-    const char* v = std::getenv("RLX_ATTENTION_CUDA_AREG");
-    return !(v != nullptr && v[0] == '0');
-  }();
-  return on;
-}
-
 // PLAIN forward at D 64 without a key mask: two 16-row m-tiles per warp (128-row blocks), unless
 // RLX_ATTENTION_CUDA_FWD_MT=1 (the one-m-tile kernel before, kept for A/B); read once per process.
 bool attn_fwd_mt2() {
-  static const bool on = [] {
-    const char* v = std::getenv("RLX_ATTENTION_CUDA_FWD_MT");
-    return !(v != nullptr && v[0] == '1');
-  }();
+  static const bool on = !env_starts_with("RLX_ATTENTION_CUDA_FWD_MT", '1');
   return on;
 }
 
@@ -243,21 +229,15 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
       // dkdv D 64 both (2 blocks as before; D 128 has no registers left), dq D 64 Q (and dO with a
       // key mask, PLAIN), capped at 168 registers for 3 blocks (the mask + general kernel
       // spilled: none), dq D 128 Q (255 registers, 2 blocks as before: shared memory limits).
-      // RLX_ATTENTION_CUDA_AREG=0 runs every kernel with AR = 0 (the kernels before, for A/B).
+      // (Run 7 of benchmarks/results/attention_h200_2026-11-22.txt: 1-4 % faster than AR = 0 in
+      // all 8 cases of its A/B.)
       const bool km = a.mask != nullptr, plain = a.softcap == 0.f && bias == nullptr;
       auto pick = [&](auto mask_tag, auto plain_tag) -> ffi::Error {
         constexpr bool M = decltype(mask_tag)::value, P = decltype(plain_tag)::value;
         constexpr int kDq64 = M ? (P ? 2 : 0) : 1;
-        if (a.D == 64) {
-          if (!attn_areg())
-            return run(attn::mma_dkdv_kernel<T, 64, M, P>, attn::mma_dkdv_smem<64>(),
-                       attn::mma_dq_kernel<T, 64, M, P>, attn::mma_dq_smem<64>());
+        if (a.D == 64)
           return run(attn::mma_dkdv_kernel<T, 64, M, P, 2>, attn::mma_dkdv_smem<64>(),
                      attn::mma_dq_kernel<T, 64, M, P, kDq64>, attn::mma_dq_smem<64>());
-        }
-        if (!attn_areg())
-          return run(attn::mma_dkdv_kernel<T, 128, M, P>, attn::mma_dkdv_smem<128>(),
-                     attn::mma_dq_kernel<T, 128, M, P>, attn::mma_dq_smem<128>());
         return run(attn::mma_dkdv_kernel<T, 128, M, P>, attn::mma_dkdv_smem<128>(),
                    attn::mma_dq_kernel<T, 128, M, P, 1>, attn::mma_dq_smem<128>());
       };

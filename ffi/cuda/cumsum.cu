@@ -15,10 +15,10 @@
 //   loaded before they are scanned; a group scan (warp shuffles, then the group's warp
 //   totals in a fixed order) gives each thread its prefix; the running carry crosses
 //   sub-tiles.
-//   row_scan2_k (the default; row_scan_k is the old kernel) keeps the sub-tiles as packs
-//   of T and scans a trip's NV = 4 sub-tiles with one barrier.
+//   row_scan_k keeps the sub-tiles as packs of T and scans a trip's NV = 4 sub-tiles with
+//   one barrier.
 // - I > 1 (scan across rows of I contiguous values): one thread per (o, VEC columns),
-//   walking its positions sequentially with 8 loads in flight (4 in the old kernel).
+//   walking its positions sequentially with 8 loads in flight.
 //   f32 with at least one strip of 16 columns a multiprocessor, where the chunked passes
 //   below would run: one pass of col_strip_k instead (x read once).
 // A long scan axis with few rows / columns splits into C chunks (C from the shape
@@ -27,7 +27,6 @@
 // pass 3 rescans each chunk from its prefix. Every sum is taken in an order fixed by
 // the shape: results are bitwise reproducible run to run (no atomics). Nothing is
 // allocated; all launches go to XLA's stream.
-#include <cstdlib>
 
 #include "cuda/common.cuh"
 
@@ -63,44 +62,12 @@ int64_t cumsum_scratch_size(int64_t o, int64_t l, int64_t i) {
 
 enum Mode { kFull = 0, kSums = 1, kCarry = 2 };
 
-// Inclusive and exclusive scan of v over aligned groups of tpr threads (a power of two,
-// 4..256); *total gets the group's sum (the same bits in every thread). With tpr > 32
-// the group's warps exchange totals through red[parity][8 warps]; alternating parity
-// between calls makes one barrier per call enough. Every thread of the block must call.
-template <typename A>
-__device__ __forceinline__ void group_scan(A v, int tpr, A* red, int parity, A* incl, A* excl, A* total) {
-  const int lane = threadIdx.x & 31;
-  const int w = tpr < 32 ? tpr : 32;
-  const int sl = lane & (w - 1);
-  for (int d = 1; d < w; d <<= 1) {
-    const A n = __shfl_up_sync(0xffffffffu, v, d, w);
-    if (sl >= d) v += n;
-  }
-  A ex = __shfl_up_sync(0xffffffffu, v, 1, w);
-  if (sl == 0) ex = A(0);
-  A tot = __shfl_sync(0xffffffffu, v, w - 1, w);
-  if (tpr > 32) {
-    const int warp = threadIdx.x >> 5, wpg = tpr >> 5, first = (warp / wpg) * wpg;
-    A* slot = red + parity * 8;
-    if (lane == 31) slot[warp] = tot;
-    __syncthreads();
-    A pre = A(0);
-    tot = A(0);
-    for (int k = first; k < first + wpg; ++k) {
-      if (k == warp) pre = tot;
-      tot += slot[k];
-    }
-    v += pre;
-    ex += pre;
-  }
-  *incl = v;
-  *excl = ex;
-  *total = tot;
-}
-
-// N scans at once, each as group_scan (the same shuffles and the same order of the warp
-// totals, so each scan's excl / total have group_scan's bits), with one barrier for all N
-// (tpr > 32): red holds [2 parities][N][8 warps].
+// N exclusive scans at once over aligned groups of tpr threads (a power of two, 4..256):
+// excl[n] gets the thread's exclusive prefix of s[n] in its group, total[n] the group's sum
+// (the same bits in every thread of the group). Warp shuffles, then, with tpr > 32, the
+// group's warp totals through red[parity][N][8 warps] added in warp order, with one barrier
+// for all N; alternating parity between calls makes one barrier per call enough. Every
+// thread of the block must call.
 template <typename A, int N>
 __device__ __forceinline__ void group_scan_n(const A (&s)[N], int tpr, A* red, int parity, A (&excl)[N],
                                              A (&total)[N]) {
@@ -147,103 +114,15 @@ __device__ __forceinline__ void group_scan_n(const A (&s)[N], int tpr, A* red, i
 
 // I == 1. One unit = (row, chunk); a group of tpr threads per unit, 256 / tpr groups a
 // block. trips: sub-tile groups per unit (the same for every group of a block: with
-// several groups a block, there is one chunk per row of length L).
-template <typename T, int VEC, int NV, int MODE>
-__global__ void __launch_bounds__(256) row_scan_k(const T* __restrict__ x, T* __restrict__ y,
-                                                  acc_t<T>* __restrict__ scr, int64_t units,
-                                                  int64_t L, int64_t nchunk, int64_t chunk_len, int tpr,
-                                                  bool exclusive, bool reverse) {
-  using A = acc_t<T>;
-  __shared__ A red[16];
-  const int gpb = blockDim.x / tpr;
-  const int g = threadIdx.x / tpr, t = threadIdx.x - g * tpr;
-  const int64_t unit = int64_t(blockIdx.x) * gpb + g;
-  const bool live = unit < units;
-  const int64_t row = live ? unit / nchunk : 0;
-  const int64_t c = live ? unit - row * nchunk : 0;
-  const int64_t k0 = c * chunk_len;
-  const int64_t k1 = live ? std::min(L, k0 + chunk_len) : k0;
-  // the trip count of the block's first unit (all units of a multi-group block have it)
-  const int64_t u0 = int64_t(blockIdx.x) * gpb, c0 = u0 % nchunk;
-  const int64_t span = std::min(L, c0 * chunk_len + chunk_len) - c0 * chunk_len;
-  const int64_t sub = int64_t(tpr) * VEC;
-  const int64_t trips = (span + sub * NV - 1) / (sub * NV);
-  const T* xr = x + row * L;
-  T* yr = y + row * L;
-  A carry = (MODE == kCarry && live) ? scr[unit] : A(0);
-  int parity = 0;
-  for (int64_t tr = 0; tr < trips; ++tr) {
-    A v[NV][VEC];
-#pragma unroll
-    for (int j = 0; j < NV; ++j) {
-      const int64_t ks = k0 + (tr * NV + j) * sub + int64_t(t) * VEC;  // first scan position
-      if (ks + VEC <= k1) {
-        const int64_t p = reverse ? L - ks - VEC : ks;
-        // the last read of x streams (evict first); kSums reads with L2 caching, so that the
-        // rescan of pass 3 finds pass 1's data in L2 when it fits
-        const Pack<T, VEC> e = ld_pack<T, VEC, (MODE != kSums) ? Cache::kStream : Cache::kL2>(xr + p);
-#pragma unroll
-        for (int q = 0; q < VEC; ++q) v[j][q] = to_acc(reverse ? e.v[VEC - 1 - q] : e.v[q]);  // both indices static
-      } else {
-#pragma unroll
-        for (int q = 0; q < VEC; ++q) {
-          const int64_t k = ks + q;
-          v[j][q] = k < k1 ? to_acc(xr[reverse ? L - 1 - k : k]) : A(0);
-        }
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < NV; ++j) {
-      A s = A(0);
-#pragma unroll
-      for (int q = 0; q < VEC; ++q) s += v[j][q];
-      A incl, excl, total;
-      group_scan<A>(s, tpr, red, parity, &incl, &excl, &total);
-      parity ^= 1;
-      if (MODE != kSums) {
-        const int64_t ks = k0 + (tr * NV + j) * sub + int64_t(t) * VEC;
-        A run = carry + excl;
-        Pack<T, VEC> o;
-#pragma unroll
-        for (int q = 0; q < VEC; ++q) {
-          if (exclusive) {
-            o.v[q] = from_acc<T>(run);
-            run += v[j][q];
-          } else {
-            run += v[j][q];
-            o.v[q] = from_acc<T>(run);
-          }
-        }
-        if (ks + VEC <= k1) {
-          const int64_t p = reverse ? L - ks - VEC : ks;
-          Pack<T, VEC> w;
-#pragma unroll
-          for (int q = 0; q < VEC; ++q) w.v[q] = reverse ? o.v[VEC - 1 - q] : o.v[q];
-          st_pack_stream<T, VEC>(yr + p, w);
-        } else {
-#pragma unroll
-          for (int q = 0; q < VEC; ++q) {
-            const int64_t k = ks + q;
-            if (k < k1) yr[reverse ? L - 1 - k : k] = o.v[q];
-          }
-        }
-      }
-      carry += total;
-    }
-  }
-  if (MODE == kSums && live && t == 0) scr[unit] = carry;
-}
-
-// I == 1, the default kernel (row_scan_k is the old one, kept for A/B timing): the same
-// units, sub-tiles and sums, with the trip's NV sub-tiles kept as packs of T (16-bit data
-// takes half the registers of f32 copies) and scanned by one group_scan_n (one barrier a
-// trip instead of one a sub-tile). Each sub-tile's (excl, total) and the carry's order of
-// additions are row_scan_k's: for the same NV and tpr the two give the same bits.
+// several groups a block, there is one chunk per row of length L). The trip's NV sub-tiles
+// are kept as packs of T (16-bit data takes half the registers of f32 copies) and scanned
+// by one group_scan_n (one barrier a trip; engineer I's A/B against a kernel with one
+// barrier a sub-tile and f32 copies, 2026-11-22: benchmarks/results/rope_cumsum_h200_2026-11-22.txt).
 // The scan direction is a template parameter (REV; the last argument is ignored). Capped at
 // 64 registers (4 blocks of 256 threads an SM); 16-bit types at 80 (3 blocks: at 64 the
 // 8-element bf16 packs spilled 96 bytes).
 template <typename T, int VEC, int NV, int MODE, bool REV>
-__global__ void __launch_bounds__(256, sizeof(T) == 2 ? 3 : 4) row_scan2_k(const T* __restrict__ x, T* __restrict__ y,
+__global__ void __launch_bounds__(256, sizeof(T) == 2 ? 3 : 4) row_scan_k(const T* __restrict__ x, T* __restrict__ y,
                                                       acc_t<T>* __restrict__ scr, int64_t units, int64_t L,
                                                       int64_t nchunk, int64_t chunk_len, int tpr, bool exclusive,
                                                       bool) {
@@ -542,25 +421,10 @@ __global__ void __launch_bounds__(256) chunk_prefix_k(A* __restrict__ scr, int64
 }
 
 
-// Variant, read once per process from RLX_CUMSUM_CUDA_V1: "1" = the old kernels (rows: 2
-// sub-tiles a trip, one barrier each; columns: 4 loads in flight a thread), kept for A/B
-// timing; anything else = rows with 4 sub-tiles a trip (64 bytes a thread in flight) and
-// one barrier a trip, columns with 8 loads in flight a thread.
-inline bool old_kernels() {
-  static const bool v1 = [] {
-    const char* v = std::getenv("RLX_CUMSUM_CUDA_V1");
-    return v != nullptr && v[0] == '1';
-  }();
-  return v1;
-}
-
 // RLX_CUMSUM_CUDA_STRIP=0 (read once per process) keeps the chunked column passes where the
 // single-pass strip kernel would run: an A/B switch.
 inline bool col_strip_off() {
-  static const bool off = [] {
-    const char* v = std::getenv("RLX_CUMSUM_CUDA_STRIP");
-    return v != nullptr && v[0] == '0';
-  }();
+  static const bool off = env_starts_with("RLX_CUMSUM_CUDA_STRIP", '0');
   return off;
 }
 
@@ -572,45 +436,38 @@ inline int rw_num_sms() {
   return sms;
 }
 
-// Sub-tiles a trip of row_scan2_k, read once per process from RLX_CUMSUM_CUDA_NV ("2" or,
+// Sub-tiles a trip of row_scan_k, read once per process from RLX_CUMSUM_CUDA_NV ("2" or,
 // by default, 4): an A/B switch.
 inline int rows_nv() {
-  static const int nv = [] {
-    const char* v = std::getenv("RLX_CUMSUM_CUDA_NV");
-    return (v != nullptr && v[0] == '2') ? 2 : 4;
-  }();
+  static const int nv = env_starts_with("RLX_CUMSUM_CUDA_NV", '2') ? 2 : 4;
   return nv;
 }
 
-template <typename T, int VEC, int NV, bool MULTI, int MODE>
+template <typename T, int VEC, int NV, int MODE>
 auto row_kernel(bool reverse) {
-  if constexpr (MULTI) {
-    return reverse ? row_scan2_k<T, VEC, NV, MODE, true> : row_scan2_k<T, VEC, NV, MODE, false>;
-  } else {
-    return row_scan_k<T, VEC, NV, MODE>;
-  }
+  return reverse ? row_scan_k<T, VEC, NV, MODE, true> : row_scan_k<T, VEC, NV, MODE, false>;
 }
 
-template <typename T, int VEC, int NV, bool MULTI>
+template <typename T, int VEC, int NV>
 ffi::Error launch_rows_nv(cudaStream_t stream, const T* x, T* y, acc_t<T>* scr, int64_t O, int64_t L,
                           Chunks ch, bool exclusive, bool reverse) {
   const int64_t span = ch.n > 1 ? ch.len : L;
   int tpr = 4;
   while (tpr < 256 && int64_t(tpr) * VEC * NV < span) tpr *= 2;
-  if (ch.n > 1) tpr = 256;  // one unit a block (row_scan2_k relies on it; chunks are >= 8192 long anyway)
+  if (ch.n > 1) tpr = 256;  // one unit a block (row_scan_k relies on it; chunks are >= 8192 long anyway)
   const int gpb = 256 / tpr;
   const int64_t units = O * ch.n;
   const int64_t blocks = ceil_div(units, gpb);
   if (blocks > INT32_MAX) return invalid("cumsum (cuda): too many rows");
   if (ch.n == 1) {
-    row_kernel<T, VEC, NV, MULTI, kFull>(reverse)<<<unsigned(blocks), 256, 0, stream>>>(x, y, scr, units, L, 1, L, tpr, exclusive,
+    row_kernel<T, VEC, NV, kFull>(reverse)<<<unsigned(blocks), 256, 0, stream>>>(x, y, scr, units, L, 1, L, tpr, exclusive,
                                                                          reverse);
   } else {
     using A = acc_t<T>;
-    row_kernel<T, VEC, NV, MULTI, kSums>(reverse)<<<unsigned(blocks), 256, 0, stream>>>(x, y, scr, units, L, ch.n, ch.len, tpr,
+    row_kernel<T, VEC, NV, kSums>(reverse)<<<unsigned(blocks), 256, 0, stream>>>(x, y, scr, units, L, ch.n, ch.len, tpr,
                                                                          exclusive, reverse);
     chunk_prefix_k<A><<<unsigned(ceil_div(O * 32, 256)), 256, 0, stream>>>(scr, O, ch.n, 1);
-    row_kernel<T, VEC, NV, MULTI, kCarry>(reverse)<<<unsigned(blocks), 256, 0, stream>>>(x, y, scr, units, L, ch.n, ch.len, tpr,
+    row_kernel<T, VEC, NV, kCarry>(reverse)<<<unsigned(blocks), 256, 0, stream>>>(x, y, scr, units, L, ch.n, ch.len, tpr,
                                                                           exclusive, reverse);
   }
   return check_launch("cumsum (cuda): row scan launch");
@@ -619,9 +476,8 @@ ffi::Error launch_rows_nv(cudaStream_t stream, const T* x, T* y, acc_t<T>* scr, 
 template <typename T, int VEC>
 ffi::Error launch_rows(cudaStream_t stream, const T* x, T* y, acc_t<T>* scr, int64_t O, int64_t L,
                        Chunks ch, bool exclusive, bool reverse) {
-  if (old_kernels()) return launch_rows_nv<T, VEC, 2, false>(stream, x, y, scr, O, L, ch, exclusive, reverse);
-  if (rows_nv() == 2) return launch_rows_nv<T, VEC, 2, true>(stream, x, y, scr, O, L, ch, exclusive, reverse);
-  return launch_rows_nv<T, VEC, 4, true>(stream, x, y, scr, O, L, ch, exclusive, reverse);
+  if (rows_nv() == 2) return launch_rows_nv<T, VEC, 2>(stream, x, y, scr, O, L, ch, exclusive, reverse);
+  return launch_rows_nv<T, VEC, 4>(stream, x, y, scr, O, L, ch, exclusive, reverse);
 }
 
 template <typename T, int VEC, int U>
@@ -648,7 +504,6 @@ ffi::Error launch_cols_u(cudaStream_t stream, const T* x, T* y, acc_t<T>* scr, i
 template <typename T, int VEC>
 ffi::Error launch_cols(cudaStream_t stream, const T* x, T* y, acc_t<T>* scr, int64_t O, int64_t L,
                        int64_t I, Chunks ch, bool exclusive, bool reverse) {
-  if (old_kernels()) return launch_cols_u<T, VEC, 4>(stream, x, y, scr, O, L, I, ch, exclusive, reverse);
   // the single pass where the chunked passes would run (few columns for a long axis), with
   // 16-byte vectors and at least one strip a multiprocessor
   if constexpr (VEC * sizeof(T) == 16 && sizeof(T) == 4) {  // f32 (measured); 16-bit: 162 registers

@@ -238,10 +238,7 @@ ln_bwd_rows_tma(const T* __restrict__ x, const T* __restrict__ gamma, const floa
 // Whether the staged backward reduces with group_sum2_tree (default) or group_sum2
 // (RLX_LAYER_NORM_CUDA_TREE=0), read once per process.
 inline bool tree_reduce() {
-  static const bool on = [] {
-    const char* v = std::getenv("RLX_LAYER_NORM_CUDA_TREE");
-    return !(v != nullptr && v[0] == '0');
-  }();
+  static const bool on = !env_starts_with("RLX_LAYER_NORM_CUDA_TREE", '0');
   return on;
 }
 
@@ -300,10 +297,7 @@ ln_row_stats(const T* __restrict__ x, const T* __restrict__ dy, const T* __restr
 // The staged backward is on by default where it applies; RLX_LAYER_NORM_CUDA_STAGED=0 turns
 // it off (the register path everywhere), read once per process.
 inline rms::Tuning staged_tuning() {
-  static const int tma = [] {
-    const char* v = std::getenv("RLX_LAYER_NORM_CUDA_STAGED");
-    return (v != nullptr && v[0] == '0') ? 0 : -1;
-  }();
+  static const int tma = env_starts_with("RLX_LAYER_NORM_CUDA_STAGED", '0') ? 0 : -1;
   rms::Tuning tu;
   tu.tma = tma;
   return tu;

@@ -50,7 +50,6 @@
 // Every kernel runs on XLA's stream, allocates nothing and returns at once on
 // zero-sized operands.
 #include <cmath>
-#include <cstdlib>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -895,10 +894,7 @@ __global__ void __launch_bounds__(kThreads) bwd_direct(const T* __restrict__ dy,
 
 // Host side of the direct kernels.
 bool direct_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("RLX_POOL_CUDA_DIRECT");
-    return !(e != nullptr && e[0] == '0');
-  }();
+  static const bool on = !env_starts_with("RLX_POOL_CUDA_DIRECT", '0');
   return on;
 }
 
@@ -1122,8 +1118,7 @@ Geom32 geom32(const Geom& g) {
 
 // RLX_POOL_CUDA_UNTILED=1 forces the untiled kernels (for A/B timing and profiling).
 bool force_untiled() {
-  const char* e = std::getenv("RLX_POOL_CUDA_UNTILED");
-  return e != nullptr && e[0] == '1';
+  return env_starts_with("RLX_POOL_CUDA_UNTILED", '1');
 }
 
 // Backward plans: output dx rows (in_h = ho dy rows staged), cover maps.

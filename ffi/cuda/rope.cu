@@ -7,17 +7,16 @@
 //     y[i] = x[i] c - x[half + i] t,  y[half + i] = x[half + i] c + x[i] t,
 //     y[j] = x[j] for n_rot <= j < head_dim;   sign = +1 forward, -1 backward.
 //
-// Work layout: a row (b, s) of W values splits into "items" of VEC consecutive
-// elements: per head, half / VEC pair items (item k reads x[kV..], x[half + kV..] and
-// writes both) followed by the copy items of the pass-through part: two vectors each in
-// rope2_k (the default), one each in rope_k (the old layout, RLX_ROPE_CUDA_V1=1). VEC is the widest power
-// of two (at most 16 bytes) dividing half, head_dim and the table width with all four
-// buffers 16-byte aligned; else narrower, down to scalars. A block is TX x TY threads:
-// threadIdx.y picks a row of the block's TY rows, threadIdx.x strides over the row's
-// items; blocks stride over row groups. Each output element is written by exactly one
-// thread with the same arithmetic every run (no reductions): deterministic. f32 math
-// for f32/bf16/f16, f64 for f64. Nothing is allocated; kernels run on XLA's stream.
-#include <cstdlib>
+// Work layout: a row (b, s) of W values splits into "items" of VEC consecutive elements: per head,
+// half / VEC pair items (item k reads x[kV..], x[half + kV..] and writes both) followed by the copy
+// items of the pass-through part, two vectors each (rope_k; engineer I's A/B against one vector per
+// copy item, 2026-11-22: benchmarks/results/rope_cumsum_h200_2026-11-22.txt). VEC is the widest
+// power of two (at most 16 bytes) dividing half, head_dim and the table width with all four buffers
+// 16-byte aligned; else narrower, down to scalars. A block is TX x TY threads: threadIdx.y picks a
+// row of the block's TY rows, threadIdx.x strides over the row's items; blocks stride over row
+// groups. Each output element is written by exactly one thread with the same arithmetic every run
+// (no reductions): deterministic. f32 math for f32/bf16/f16, f64 for f64. Nothing is allocated;
+// kernels run on XLA's stream.
 
 #include "cuda/common.cuh"
 
@@ -25,66 +24,21 @@ namespace rlx {
 namespace cuda {
 namespace {
 
+// Balanced layout: every item moves two vectors. Per head, half / VEC pair
+// items (as above) then ceil(Pv / 2) copy items, Pv = (head_dim - n_rot) / VEC: copy item
+// k copies vectors k and k + ceil(Pv / 2) of the pass-through part (the second only when
+// it exists). All lanes issue their two x loads from the same instructions (no branch
+// between the pair and the copy case around the loads: with one vector per copy item a
+// warp mixing both ran them one after the other), the pair lanes add the cos / sin loads, and the
+// copy lanes store the loaded packs unchanged (exact pass-through). With hd 128, rot 64,
+// bf16: 8 items a head, 256 a row, one per thread of a 256-thread block (one vector per
+// copy item made 12 items of unequal size: 384 a row, half the threads of a block doing two).
 template <typename T, int VEC>
 __global__ void __launch_bounds__(256) rope_k(const T* __restrict__ x, const T* __restrict__ cs,
                                               const T* __restrict__ sn, T* __restrict__ y, int64_t rows,
                                               int64_t seq, int64_t width, int64_t table_w, int head_dim,
                                               int half, int n_rot, int items_per_head, int items_per_row,
-                                              bool backward) {
-  using A = acc_t<T>;
-  using P = Pack<T, VEC>;
-  const int pair_items = half / VEC;
-  const int64_t row_step = int64_t(gridDim.x) * blockDim.y;
-  for (int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y; row < rows; row += row_step) {
-    const int64_t s = row % seq;
-    const T* xr = x + row * width;
-    T* yr = y + row * width;
-    const T* cr = cs + s * table_w;
-    const T* sr = sn + s * table_w;
-    for (int it = threadIdx.x; it < items_per_row; it += blockDim.x) {
-      const int h = it / items_per_head;
-      const int k = it - h * items_per_head;
-      const int64_t base = int64_t(h) * head_dim;
-      if (k < pair_items) {
-        const int i = k * VEC;
-        const P a = ld_pack<T, VEC, Cache::kStream>(xr + base + i);
-        const P b = ld_pack<T, VEC, Cache::kStream>(xr + base + half + i);
-        const P c = ld_pack<T, VEC, Cache::kReadOnly>(cr + i);
-        const P t = ld_pack<T, VEC, Cache::kReadOnly>(sr + i);
-        P ya, yb;
-#pragma unroll
-        for (int q = 0; q < VEC; ++q) {
-          const A cq = to_acc(c.v[q]);
-          const A tq = backward ? -to_acc(t.v[q]) : to_acc(t.v[q]);
-          const A aq = to_acc(a.v[q]), bq = to_acc(b.v[q]);
-          ya.v[q] = from_acc<T>(aq * cq - bq * tq);
-          yb.v[q] = from_acc<T>(bq * cq + aq * tq);
-        }
-        st_pack_stream<T, VEC>(yr + base + i, ya);
-        st_pack_stream<T, VEC>(yr + base + half + i, yb);
-      } else {
-        const int64_t j = base + n_rot + int64_t(k - pair_items) * VEC;
-        st_pack_stream<T, VEC>(yr + j, ld_pack<T, VEC, Cache::kStream>(xr + j));
-      }
-    }
-  }
-}
-
-// Balanced layout (the default): every item moves two vectors. Per head, half / VEC pair
-// items (as above) then ceil(Pv / 2) copy items, Pv = (head_dim - n_rot) / VEC: copy item
-// k copies vectors k and k + ceil(Pv / 2) of the pass-through part (the second only when
-// it exists). All lanes issue their two x loads from the same instructions (no branch
-// between the pair and the copy case around the loads: in the old layout a warp mixing
-// both ran them one after the other), the pair lanes add the cos / sin loads, and the
-// copy lanes store the loaded packs unchanged (exact pass-through). With hd 128, rot 64,
-// bf16: 8 items a head, 256 a row, one per thread of a 256-thread block (the old layout
-// had 12 items of unequal size: 384 a row, half the threads of a block doing two).
-template <typename T, int VEC>
-__global__ void __launch_bounds__(256) rope2_k(const T* __restrict__ x, const T* __restrict__ cs,
-                                               const T* __restrict__ sn, T* __restrict__ y, int64_t rows,
-                                               int64_t seq, int64_t width, int64_t table_w, int head_dim,
-                                               int half, int n_rot, int items_per_head, int items_per_row,
-                                               int copy_vecs, bool backward) {
+                                              int copy_vecs, bool backward) {
   using A = acc_t<T>;
   using P = Pack<T, VEC>;
   const int pair_items = half / VEC;
@@ -130,24 +84,13 @@ __global__ void __launch_bounds__(256) rope2_k(const T* __restrict__ x, const T*
   }
 }
 
-// Layout, read once per process from RLX_ROPE_CUDA_V1: "1" = the old items (rope_k: one
-// vector per copy item), kept for A/B timing; anything else = rope2_k.
-inline bool old_layout() {
-  static const bool v1 = [] {
-    const char* v = std::getenv("RLX_ROPE_CUDA_V1");
-    return v != nullptr && v[0] == '1';
-  }();
-  return v1;
-}
-
 template <typename T, int VEC>
 ffi::Error launch_vec(cudaStream_t stream, const T* x, const T* cs, const T* sn, T* y, int64_t rows,
                       int64_t seq, int64_t width, int64_t table_w, int64_t head_dim, int64_t n_rot,
                       bool backward) {
   const int half = int(n_rot / 2);
-  const bool v1 = old_layout();
   const int copy_vecs = int((head_dim - n_rot) / VEC);
-  const int items_per_head = int(half / VEC + (v1 ? copy_vecs : (copy_vecs + 1) / 2));
+  const int items_per_head = int(half / VEC + (copy_vecs + 1) / 2);
   const int64_t heads = width / head_dim;
   const int64_t items_per_row64 = heads * items_per_head;
   if (items_per_row64 > INT32_MAX) return invalid("rope (cuda): rows wider than 2^31 vectors are not supported");
@@ -162,14 +105,9 @@ ffi::Error launch_vec(cudaStream_t stream, const T* x, const T* cs, const T* sn,
   // enough resident blocks to fill the device (8 of 256 threads per SM), each looping
   // over row groups
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(groups, int64_t(info.sms) * 16));
-  if (v1)
-    rope_k<T, VEC><<<dim3(unsigned(blocks)), dim3(tx, ty), 0, stream>>>(
-        x, cs, sn, y, rows, seq, width, table_w, int(head_dim), half, int(n_rot), items_per_head, items_per_row,
-        backward);
-  else
-    rope2_k<T, VEC><<<dim3(unsigned(blocks)), dim3(tx, ty), 0, stream>>>(
-        x, cs, sn, y, rows, seq, width, table_w, int(head_dim), half, int(n_rot), items_per_head, items_per_row,
-        copy_vecs, backward);
+  rope_k<T, VEC><<<dim3(unsigned(blocks)), dim3(tx, ty), 0, stream>>>(
+      x, cs, sn, y, rows, seq, width, table_w, int(head_dim), half, int(n_rot), items_per_head, items_per_row,
+      copy_vecs, backward);
   return check_launch("rope (cuda): kernel launch");
 }
 

@@ -20,7 +20,6 @@
 // group, and writes dx = exp(x - M) / S * (dy - D / S) chunk by chunk in reverse order.
 // Rows of one chunk (a separate instantiation, picked by the launcher) take the group
 // max first instead, so each element is exponentiated once and kept in registers.
-#include <cstdlib>
 
 #include "cuda/rowwise_common.cuh"
 
@@ -221,33 +220,12 @@ softmax_bwd_x_k(const T* __restrict__ x, const T* __restrict__ dy, T* __restrict
 
 enum class Kind { kFwd, kBwd, kBwdX };
 
-// Bytes a thread holds per chunk, read once per process from RLX_SOFTMAX_CUDA_NARROW:
-// unset / not "1" = 64 bytes of each array in the forward and 32 bytes of each of the two
-// in the backwards, for every dtype (16-bit rows: 32 / 16 elements a thread); "1" = the
-// old element counts (16 / 8 elements a thread whatever the dtype, i.e. half the bytes in
-// flight for 16-bit rows), kept for A/B timing.
-inline bool narrow_16bit() {
-  static const bool narrow = [] {
-    const char* v = std::getenv("RLX_SOFTMAX_CUDA_NARROW");
-    return v != nullptr && v[0] == '1';
-  }();
-  return narrow;
-}
-
-// RLX_SOFTMAX_CUDA_ONE=0 (read once per process): the backward from y runs the general
-// chunk loop on rows of one chunk too (the old code path): an A/B switch.
-inline bool bwd_one_off() {
-  static const bool off = [] {
-    const char* v = std::getenv("RLX_SOFTMAX_CUDA_ONE");
-    return v != nullptr && v[0] == '0';
-  }();
-  return off;
-}
-
 // Elements per thread per chunk: 16 in the forward (one array), 8 in the backwards (two),
 // doubled for 16-bit types on the 16-byte vector path (same bytes in flight as f32:
 // 2-byte rows of 4096 then take 256 threads a row, each with two 16-byte vectors of y and
-// of dy, instead of 512 threads with one).
+// of dy, instead of 512 threads with one; engineer I's A/B against the same element counts
+// for every dtype, and against the general chunk loop for one-chunk rows of the backward
+// from y, 2026-11-22: benchmarks/results/rowwise_h200_2026-11-22.txt).
 template <typename T, Kind K>
 ffi::Error launch(cudaStream_t stream, const T* a, const T* b, T* out, int64_t rows, int64_t W) {
   constexpr bool BWD = K != Kind::kFwd;
@@ -265,7 +243,7 @@ ffi::Error launch(cudaStream_t stream, const T* a, const T* b, T* out, int64_t r
       else
         softmax_bwd_x_k<T, VEC, NV, false><<<unsigned(gm.grid), gm.threads, 0, stream>>>(a, b, out, rows, W, gm.tpr);
     } else if constexpr (K == Kind::kBwd) {
-      if (W <= int64_t(gm.tpr) * NV * VEC && !bwd_one_off())
+      if (W <= int64_t(gm.tpr) * NV * VEC)
         softmax_bwd_k<T, VEC, NV, true><<<unsigned(gm.grid), gm.threads, 0, stream>>>(a, b, out, rows, W, gm.tpr);
       else
         softmax_bwd_k<T, VEC, NV><<<unsigned(gm.grid), gm.threads, 0, stream>>>(a, b, out, rows, W, gm.tpr);
@@ -274,14 +252,7 @@ ffi::Error launch(cudaStream_t stream, const T* a, const T* b, T* out, int64_t r
       softmax_fwd_k<T, VEC, NV><<<unsigned(gm.grid), gm.threads, 0, stream>>>(a, out, rows, W, gm.tpr);
   };
   if (aligned && W % v16 == 0) {
-    bool done = false;
-    if constexpr (sizeof(T) == 2) {
-      if (!narrow_16bit()) {
-        go(std::integral_constant<int, v16>{}, std::integral_constant<int, kElems * 2>{});
-        done = true;
-      }
-    }
-    if (!done) go(std::integral_constant<int, v16>{}, std::integral_constant<int, kElems>{});
+    go(std::integral_constant<int, v16>{}, std::integral_constant<int, sizeof(T) == 2 ? kElems * 2 : kElems>{});
   } else {
     go(std::integral_constant<int, 1>{}, std::integral_constant<int, kElems>{});
   }
