@@ -1116,9 +1116,11 @@ Geom32 geom32(const Geom& g) {
   return {int(g.kh), int(g.kw), int(g.sh), int(g.sw), int(g.ph), int(g.pw)};
 }
 
-// RLX_POOL_CUDA_UNTILED=1 forces the untiled kernels (for A/B timing and profiling).
+// RLX_POOL_CUDA_UNTILED=1 forces the untiled kernels (for A/B timing and profiling); read
+// once per process like the other switches (it was read on every call).
 bool force_untiled() {
-  return env_starts_with("RLX_POOL_CUDA_UNTILED", '1');
+  static const bool on = env_starts_with("RLX_POOL_CUDA_UNTILED", '1');
+  return on;
 }
 
 // Backward plans: output dx rows (in_h = ho dy rows staged), cover maps.
