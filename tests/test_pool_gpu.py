@@ -244,7 +244,7 @@ def test_avg_pool_f32_same_bits_as_cpu_kernel(g):
     shape, k, s, p = g
     geom = _geom(k, s, p)
     if k[0] <= s[0] and k[1] <= s[1]:
-        pytest.skip("windows do not overlap: XLA's code runs on CUDA (test_avg_pool_no_overlap_lowers_xla)")
+        pytest.skip("windows do not overlap: f32 runs XLA's code on CUDA (test_avg_pool_no_overlap_routing)")
     if not rlx_jax._kernels.has_kernel("cpu", AVG_TARGET):
         pytest.skip("no CPU kernel compiled: nothing to compare bits with")
     ho, wo = (out_size(n, kk, ss, pp) for n, kk, ss, pp in zip(shape[-2:], k, s, p))
@@ -255,15 +255,18 @@ def test_avg_pool_f32_same_bits_as_cpu_kernel(g):
     np.testing.assert_array_equal(got, want)
 
 
-def test_avg_pool_no_overlap_lowers_xla():
-    """Non-overlapping windows (k <= s on both axes) lower XLA's code of the reference on
-    CUDA, not the kernel (XLA's upsampling fusion was faster there); values still match."""
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_avg_pool_no_overlap_routing(dtype):
+    """Non-overlapping windows (k <= s on both axes): f32 lowers XLA's code of the
+    reference on CUDA (XLA's upsampling fusion was faster there), 16-bit dtypes the kernel
+    (it beat XLA there); values match the reference either way."""
     geom = _geom((2, 2), (2, 2), (0, 0))
-    x, dy = _put(_x((2, 3, 8, 10), jnp.float32, seed=3), _dy((2, 3, 4, 5), jnp.float32, seed=3))
+    x, dy = _put(_x((2, 3, 8, 10), dtype, seed=3), _dy((2, 3, 4, 5), dtype, seed=3))
     f = jax.jit(lambda x, dy: jax.vjp(lambda x: avg_pool2d(x, **geom), x)[1](dy)[0])
-    assert AVG_TARGET not in f.lower(x, dy).as_text()
-    (want,) = reference_avg_pool2d_bwd(dy, in_hw=(8, 10), **geom)
-    _close(f(x, dy), want, jnp.float32, "dx")
+    lowered = AVG_TARGET in f.lower(x, dy).as_text()
+    assert lowered == (jnp.dtype(dtype).itemsize == 2)
+    (want,) = reference_avg_pool2d_bwd(dy.astype(jnp.float32), in_hw=(8, 10), **geom)
+    _close(f(x, dy), want, dtype, "dx")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
@@ -303,8 +306,8 @@ def test_pool_band_sanitizer_small():
 def test_pool_direct_sanitizer_small(dtype):
     """The direct kernels (ffi/cuda/pool.cu, k3s2p1 and k2s2p0 on rows of whole 16-byte
     vectors): max forward (ties, a -inf plane) and backward, average backward (direct in
-    bf16 / f16, the tiled kernel in f32); the average k2s2p0 kernel through its FFI target (avg_pool2d lowers XLA's code for non-overlapping
-    windows), against the references and, in f32, the CPU kernel's bits. Small enough for
+    bf16 / f16, the tiled kernel in f32); the average k2s2p0 kernel through its FFI target (in f32 avg_pool2d lowers XLA's code for
+    non-overlapping windows), against the references and, in f32, the CPU kernel's bits. Small enough for
     memcheck and racecheck."""
     shape = (2, 2, 11, 16)
     for k, s, p in (((3, 3), (2, 2), (1, 1)), ((2, 2), (2, 2), (0, 0))):

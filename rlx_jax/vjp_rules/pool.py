@@ -26,7 +26,7 @@ Primitives (each lowers to its FFI kernel where registered, else to its referenc
   also carries the window geometry; an argmax always lies in its own window)
 - ``avg_pool2d_fwd``: x -> y (linear; XLA's reduce_window; transpose: the backward)
 - ``avg_pool2d_bwd``: dy -> dx (linear; transpose: the forward)    [rlx_avg_pool2d_bwd]
-  (on CUDA where windows overlap; non-overlapping windows lower XLA's code, faster there)
+  (on CUDA the kernel, except f32 with non-overlapping windows: XLA's code, faster there)
 """
 
 from __future__ import annotations
@@ -162,12 +162,14 @@ def _kernel_avg_bwd(dy, *, kernel_size, stride, padding, in_hw):
 
 
 def _kernel_avg_bwd_cuda(dy, *, kernel_size, stride, padding, in_hw):
-    """CUDA: the kernel where windows overlap. Where they do not (kh <= sh and kw <= sw,
-    e.g. k2s2: every dx element is one dy / (kh kw), an upsampling) XLA's fusion of the
-    reference is already near the copy floor and beat the kernel on an H200 (ours 0.71x /
-    0.76x of XLA's speed at 128x64x112x112 k2s2 f32 / bf16), so that geometry lowers the
-    reference (benchmarks/results/gather_pool_h200_2026-11-22.txt)."""
-    if all(k <= s for k, s in zip(kernel_size, stride)):
+    """CUDA: the kernel, except for f32 (and f64) where windows do not overlap (kh <= sh and
+    kw <= sw, e.g. k2s2: every dx element is one dy / (kh kw), an upsampling). There XLA's
+    fusion of the reference is already near the copy floor and beat the kernel on an H200
+    (f32 k2s2 128x64x112x112: kernel 0.370 ms, XLA 0.252, copy 0.236), so that case lowers
+    the reference. For 16-bit dy the direct kernel won every A/B round at k2s2 (bf16: kernel
+    0.151 ms, XLA 0.209, copy 0.149; benchmarks/results/gather_pool_h200_2026-11-22.txt)."""
+    non_overlapping = all(k <= s for k, s in zip(kernel_size, stride))
+    if non_overlapping and jnp.dtype(dy.dtype).itemsize > 2:
         return reference_avg_pool2d_bwd(dy, kernel_size=kernel_size, stride=stride, padding=padding, in_hw=in_hw)
     return _kernel_avg_bwd(dy, kernel_size=kernel_size, stride=stride, padding=padding, in_hw=in_hw)
 
@@ -197,7 +199,7 @@ max_pool2d_bwd = FusedPrimitive(
 )
 avg_pool2d_fwd = FusedPrimitive("rlx_avg_pool2d_fwd", reference_avg_pool2d)
 # avg pool backward: the same call (dy and the geometry attributes) on CPU and CUDA; on CUDA
-# only where windows overlap (_kernel_avg_bwd_cuda).
+# except f32 with non-overlapping windows (_kernel_avg_bwd_cuda).
 avg_pool2d_bwd = FusedPrimitive(
     "rlx_avg_pool2d_bwd", reference_avg_pool2d_bwd, target="rlx_avg_pool2d_bwd",
     kernel={"cpu": _kernel_avg_bwd, "cuda": _kernel_avg_bwd_cuda}, platforms=("cpu", "cuda"), partition=_PARTITION,
