@@ -426,3 +426,92 @@ def test_forward_d64_m_tiles_switch(variant):
     r = subprocess.run([sys.executable, "-c", _FWD_MT_CHILD], cwd=root, env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0 and "child ok" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+# ---- the wgmma forward (sm_90a; ffi/cuda/attention_wgmma.cuh) ------------------------------
+# bf16 / f16, D 64 and 128, PLAIN (scale > 0, no softcap / bias / key mask), mask kind none or
+# causal: on a compute capability 9.0 device with the sm_90a image the forward runs the wgmma
+# kernel (RLX_ATTENTION_CUDA_WGMMA, read once per process: 0 = the mma.sync forward, 2 = the
+# alternative tiling). Each child process below runs every case with
+# RLX_ATTENTION_CUDA_WGMMA_REQUIRE=1, which makes a served case an error instead of a silent
+# mma.sync fallback when the wgmma code is not there; the "0" child runs the same cases on the
+# mma.sync forward, which the default no longer reaches for them. Odd lengths (partial query tiles
+# of 128 / 192 rows, partial key tiles of 64 / 128), GQA, Sq != Sk both ways (bottom-right causal),
+# several query tiles per head, dlse, an explicit scale, rows that see one key.
+WGMMA_CASES = [
+    # b, sq, sk, h, hkv, d, dtype, options
+    (2, 128, 128, 4, 4, 64, jnp.bfloat16, {}),
+    (1, 333, 250, 4, 2, 64, jnp.bfloat16, dict(kind="causal")),
+    (1, 200, 461, 4, 1, 64, jnp.float16, dict(kind="causal", dlse=True)),
+    (2, 97, 161, 4, 2, 64, jnp.float16, dict(kind="none", scale=0.3)),
+    (1, 1, 77, 2, 2, 64, jnp.bfloat16, dict(kind="causal")),
+    (2, 128, 128, 4, 4, 128, jnp.bfloat16, {}),
+    (1, 133, 77, 4, 1, 128, jnp.bfloat16, dict(kind="causal")),
+    (1, 77, 190, 2, 2, 128, jnp.float16, dict(kind="causal")),
+    (2, 300, 300, 2, 2, 128, jnp.bfloat16, dict(kind="none", dlse=True)),
+    (1, 401, 129, 4, 2, 128, jnp.float16, dict(kind="none", scale=0.05)),
+    (1, 520, 520, 2, 1, 128, jnp.bfloat16, dict(kind="causal", seed=3)),
+]
+
+_WGMMA_CHILD = """
+import sys
+sys.path.insert(0, "tests")
+import jax, jax.numpy as jnp, numpy as np
+import test_attention_gpu as t
+from rlx_jax.ops import attention
+for i, (*shape, dtype, opts) in enumerate(t.WGMMA_CASES):
+    t._check_case(*shape, dtype, **opts)
+    print("case", i, "ok", flush=True)
+# through the public op: values and gradients (the backward reads the forward's out / lse)
+for d, kind, dtype in ((64, "causal", jnp.bfloat16), (128, "none", jnp.float16)):
+    q, k, v, dy, _, _ = t._inputs(2, 150, 170, 4, 2, d, dtype, 21)
+    def loss(q, k, v):
+        return jnp.sum(attention(q, k, v, mask_kind=kind).astype(jnp.float32) * dy.astype(jnp.float32))
+    p = t._params(d, kind, None, None, None, None, None)
+    def loss_ref(q, k, v):
+        return jnp.sum(t.A.reference_attention(q, k, v, **p)[0] * t._f32(dy))
+    with jax.default_matmul_precision("highest"):
+        o = jax.jit(lambda q, k, v: attention(q, k, v, mask_kind=kind))(q, k, v)
+        t._close(o, t.A.reference_attention(t._f32(q), t._f32(k), t._f32(v), **p)[0], dtype, "out (ops)")
+        g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+        gr = jax.jit(jax.grad(loss_ref, argnums=(0, 1, 2)))(t._f32(q), t._f32(k), t._f32(v))
+        for n, a, b in zip(("dq", "dk", "dv"), g, gr):
+            t._close(a, b, dtype, n + " (ops)")
+# zero-sized: no key (rows 0, lse -inf), no query, no batch
+for d in (64, 128):
+    for b, sq, sk, h, hkv in ((2, 0, 16, 2, 2), (2, 16, 0, 2, 1), (0, 8, 8, 2, 2)):
+        q = jnp.ones((b, sq, h, d), jnp.bfloat16)
+        k = jnp.ones((b, sk, hkv, d), jnp.bfloat16)
+        out, lse = t.A.attention_fwd(q, k, k, **t._params(d, "causal", None, None, None, None, None))
+        assert out.shape == q.shape and not np.asarray(out.astype(jnp.float32)).any()
+        assert np.isneginf(np.asarray(lse)).all()
+# a case the wgmma forward does not serve still runs (softcap: mma.sync forward)
+t._check_case(1, 130, 140, 2, 2, 64, jnp.bfloat16, kind="causal", softcap=5.0, seed=4)
+print("child ok")
+"""
+
+
+@pytest.mark.parametrize("variant", ["1", "2", "3", "4", "0"])
+def test_wgmma_forward(variant):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, RLX_ATTENTION_CUDA_WGMMA=variant,
+               RLX_ATTENTION_CUDA_WGMMA_REQUIRE="1" if variant != "0" else "0")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", _WGMMA_CHILD], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=400)
+    assert r.returncode == 0 and "child ok" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+    # with the require flag the module names each wgmma kernel on its first launch (stderr): the
+    # path taken, not only the values, is checked; the "0" child must not reach it
+    tiles = {"1": ("D=64 BC=64 NWG=3\n", "D=128 BC=64 NWG=2\n"), "2": ("D=64 BC=128 NWG=2\n", "D=128 BC=128 NWG=2\n"),
+             "3": ("D=64 BC=64 NWG=3 pipelined", "D=128 BC=128 NWG=2 pipelined"),
+             "4": ("D=64 BC=128 NWG=2 pipelined", "D=128 BC=64 NWG=2 pipelined")}
+    launched = [ln + "\n" for ln in r.stderr.splitlines() if "attention forward: wgmma" in ln]
+    if variant == "0":
+        assert not launched, launched
+    else:
+        for t in tiles[variant]:
+            assert any(t in ln for ln in launched), (t, launched, r.stderr[-2000:])
+

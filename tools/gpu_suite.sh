@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call on the GPU machine (device tool), from the repository root:
 #   tools/gpu_suite.sh [stages...]     stages: build tests sanitize bench   (default: all)
-# Builds both kernel modules for sm_90 into build/gpu (kept between calls while the machine is warm), runs every tests/*_gpu.py file
+# Builds both kernel modules for sm_90a into build/gpu (kept between calls while the machine is warm), runs every tests/*_gpu.py file
 # (several pytest processes share the GPU; the tests do not time anything), a
 # compute-sanitizer memcheck pass over the small cases of each CUDA family (and memcheck +
 # racecheck of each attention pipeline through tools/attention_sanitize.py),
@@ -22,7 +22,7 @@ gpu_test_files() { for f in tests/test_*_gpu.py; do [[ "$(basename "$f")" =~ $EX
 if has build; then
   step build
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-  cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DRLX_JAX_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real \
+  cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DRLX_JAX_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a-real \
     -DPython_EXECUTABLE="$(command -v python3)" >"$OUT/build.log" 2>&1 &&
     cmake --build $B -j 16 >>"$OUT/build.log" 2>&1
   rc=$?

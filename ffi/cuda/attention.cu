@@ -11,13 +11,21 @@
 // Attrs: scale, softcap (f64; softcap 0 = off), mask_kind (0 none, 1 causal, 2 sliding),
 //   window, has_mask, has_bias (i64).
 //
-// Path: bf16 / f16 with head dim 64 or 128 on sm_80+ run the mma.sync kernels; everything
-// else (f32, other head dims up to 256) runs the generic kernels. Both are deterministic.
+// Path: bf16 / f16 with head dim 64 or 128 on sm_80+ run the mma.sync kernels, except the PLAIN
+// forward without a key mask (mask kind none or causal) where the module carries sm_90a code and
+// runs on a compute capability 9.0 device: the wgmma forward (attention_wgmma.cuh;
+// RLX_ATTENTION_CUDA_WGMMA below); everything else (f32, other head dims up to 256) runs the
+// generic kernels. All are deterministic.
 #include <cmath>
+#include <cstdio>
 #include <string>
 #include <type_traits>
 
+#include <map>
+#include <mutex>
+
 #include "cuda/attention_mma.cuh"
+#include "cuda/attention_wgmma.cuh"
 
 namespace rlx {
 namespace cuda {
@@ -104,6 +112,67 @@ bool attn_fwd_mt2() {
   return on;
 }
 
+// wgmma forward (attention_wgmma.cuh) for the PLAIN cases without a key mask, mask kind none or
+// causal. RLX_ATTENTION_CUDA_WGMMA (read once per process; the A/B and the tests set it):
+// 0 = the mma.sync forward; 1 = wgmma, tiling 1 (D 64: 3 warpgroups x 64 keys; D 128: 2 x 64);
+// 2 = wgmma, tiling 2 (2 warpgroups x 128 keys at both head dims); 3 = the software-pipelined
+// wgmma kernel (wgmma_fwd_pipe_kernel), D 64: 3 warpgroups x 64 keys, D 128: 2 x 128; 4 = the
+// pipelined kernel, D 64: 2 x 128, D 128: 2 x 64. Unset (or another value): the
+// default per head dim, by the A/B of run 10 (benchmarks/results/attention_h200_2026-11-22.txt):
+// D 128 tiling 2 (B4 S4096 forward 1.17-1.26x the mma.sync forward); D 64 the mma.sync forward
+// (both wgmma tilings 0.79-0.92x there).
+// RLX_ATTENTION_CUDA_WGMMA_REQUIRE=1 (tests): a case the wgmma forward serves is an error when
+// the loaded image has no wgmma code (instead of the mma.sync fallback).
+int attn_wgmma_mode(int64_t d) {
+  static const int env = env_starts_with("RLX_ATTENTION_CUDA_WGMMA", '0')   ? 0
+                         : env_starts_with("RLX_ATTENTION_CUDA_WGMMA", '1') ? 1
+                         : env_starts_with("RLX_ATTENTION_CUDA_WGMMA", '2') ? 2
+                         : env_starts_with("RLX_ATTENTION_CUDA_WGMMA", '3') ? 3
+                         : env_starts_with("RLX_ATTENTION_CUDA_WGMMA", '4') ? 4
+                                                                            : -1;
+  if (env >= 0) return env;
+  return d == 128 ? 2 : 0;
+}
+bool attn_wgmma_required() {
+  static const bool on = env_starts_with("RLX_ATTENTION_CUDA_WGMMA_REQUIRE", '1');
+  return on;
+}
+
+// Does the loaded image of this module carry the sm_90a (wgmma) code for `device`? The probe
+// kernel's static shared memory says which compilation pass the loaded image came from
+// (attention_wgmma.cuh); cudaFuncGetAttributes launches nothing (safe under stream capture).
+// Cached per device.
+bool wgmma_available(int device) {
+  static std::mutex mu;
+  static std::map<int, bool> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(device);
+  if (it != cache.end()) return it->second;
+  int major = 0, minor = 0;
+  bool ok = device_cc_major(device, &major) == cudaSuccess &&
+            cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
+            major == 9 && minor == 0;
+  if (ok) {
+    cudaFuncAttributes at{};
+    ok = cudaFuncGetAttributes(&at, attn::wgmma_probe_kernel) == cudaSuccess &&
+         at.sharedSizeBytes == size_t(attn::kWgmmaProbeSmem);
+    (void)cudaGetLastError();
+  }
+  cache[device] = ok;
+  return ok;
+}
+
+// With RLX_ATTENTION_CUDA_WGMMA_REQUIRE=1 (tests): one stderr line per wgmma kernel on its first
+// launch in the process, so that a test sees which forward ran.
+void log_wgmma_kernel(const void* kernel, int d, int bc, int nwg, bool pipelined) {
+  static std::mutex mu;
+  static std::map<const void*, bool> seen;
+  std::lock_guard<std::mutex> lock(mu);
+  if (seen.emplace(kernel, true).second)
+    std::fprintf(stderr, "rlx attention forward: wgmma kernel D=%d BC=%d NWG=%d%s\n", d, bc, nwg,
+                 pipelined ? " pipelined" : "");
+}
+
 constexpr int64_t kMaxGrid = 2147483647;
 
 ffi::Error grid_check(int64_t blocks, const char* who) {
@@ -129,6 +198,44 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
   if (cudaError_t e = device_info(&info); e != cudaSuccess) return cuda_error("attention", e);
   if (use_mma<T>(a, info.device)) {
     if constexpr (!std::is_same<T, float>::value) {
+      // wgmma forward: PLAIN, no key mask, mask kind none or causal (attention_wgmma.cuh)
+      if (a.mask == nullptr && bias == nullptr && a.softcap == 0.f && a.scale > 0.f && a.kind <= 1 &&
+          attn_wgmma_mode(a.D) != 0) {
+        if (wgmma_available(info.device)) {
+          auto run_wg = [&](auto kernel, int d, int bc, int nwg, size_t smem) -> ffi::Error {
+            const int rows = 64 * nwg;
+            const int64_t blocks = (a.Sq + rows - 1) / rows * a.H * a.B;
+            if (attn_wgmma_required())
+              log_wgmma_kernel(reinterpret_cast<const void*>(kernel), d, bc, nwg, attn_wgmma_mode(a.D) >= 3);
+            if (auto e = grid_check(blocks, "attention"); e.failure()) return e;
+            if (auto e = prepare(info.device, kernel, smem, "attention"); e.failure()) return e;
+            kernel<<<unsigned(blocks), unsigned(2 * rows), smem, stream>>>(a, q, k, v, out, lse);
+            return check_launch("attention forward (wgmma)");
+          };
+          // <T, D, BC (keys per tile), NWG (warpgroups of 64 rows)>; ptxas sm_90a (bf16):
+          // <64, 64, 3> 166 registers, <64, 128, 2> 221, <128, 64, 2> 204, no spills;
+          // <128, 128, 2> 255 with 32 B of spills (run 10 of the H200 results)
+          const int mode = attn_wgmma_mode(a.D);
+          if (mode == 3)
+            return a.D == 64 ? run_wg(attn::wgmma_fwd_pipe_kernel<T, 64, 64, 3>, 64, 64, 3, attn::wg_fwd_smem<64, 64, 3>())
+                             : run_wg(attn::wgmma_fwd_pipe_kernel<T, 128, 128, 2>, 128, 128, 2,
+                                      attn::wg_fwd_smem<128, 128, 2>());
+          if (mode == 4)
+            return a.D == 64 ? run_wg(attn::wgmma_fwd_pipe_kernel<T, 64, 128, 2>, 64, 128, 2,
+                                      attn::wg_fwd_smem<64, 128, 2>())
+                             : run_wg(attn::wgmma_fwd_pipe_kernel<T, 128, 64, 2>, 128, 64, 2,
+                                      attn::wg_fwd_smem<128, 64, 2>());
+          const bool alt = mode == 2;
+          if (a.D == 64)
+            return alt ? run_wg(attn::wgmma_fwd_kernel<T, 64, 128, 2>, 64, 128, 2, attn::wg_fwd_smem<64, 128, 2>())
+                       : run_wg(attn::wgmma_fwd_kernel<T, 64, 64, 3>, 64, 64, 3, attn::wg_fwd_smem<64, 64, 3>());
+          return alt ? run_wg(attn::wgmma_fwd_kernel<T, 128, 128, 2>, 128, 128, 2, attn::wg_fwd_smem<128, 128, 2>())
+                     : run_wg(attn::wgmma_fwd_kernel<T, 128, 64, 2>, 128, 64, 2, attn::wg_fwd_smem<128, 64, 2>());
+        }
+        if (attn_wgmma_required())
+          return invalid("attention (cuda): RLX_ATTENTION_CUDA_WGMMA_REQUIRE=1 but the loaded kernel image has no "
+                         "wgmma (sm_90a) code for this device");
+      }
       // shared tile layout of the kernel launched (attention_mma.cuh: fwd_swizzle)
       const bool sw = attn::fwd_swizzle(int(a.D), a.mask != nullptr);
       auto run = [&](auto kernel, int mt, int nk, int nbuf) -> ffi::Error {
