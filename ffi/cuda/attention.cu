@@ -12,10 +12,10 @@
 //   window, has_mask, has_bias (i64).
 //
 // Path: bf16 / f16 with head dim 64 or 128 on sm_80+ run the mma.sync kernels, except the PLAIN
-// forward without a key mask (mask kind none or causal) where the module carries sm_90a code and
-// runs on a compute capability 9.0 device: the wgmma forward (attention_wgmma.cuh;
-// RLX_ATTENTION_CUDA_WGMMA below); everything else (f32, other head dims up to 256) runs the
-// generic kernels. All are deterministic.
+// D 128 forward without a key mask (mask kind none or causal) where the module carries sm_90a code
+// and runs on a compute capability 9.0 device: the wgmma forward (attention_wgmma.cuh;
+// RLX_ATTENTION_CUDA_WGMMA below; D 64 too with =2); everything else (f32, other head dims up to
+// 256) runs the generic kernels. All are deterministic.
 #include <cmath>
 #include <cstdio>
 #include <string>
@@ -114,21 +114,16 @@ bool attn_fwd_mt2() {
 
 // wgmma forward (attention_wgmma.cuh) for the PLAIN cases without a key mask, mask kind none or
 // causal. RLX_ATTENTION_CUDA_WGMMA (read once per process; the A/B and the tests set it):
-// 0 = the mma.sync forward; 1 = wgmma, tiling 1 (D 64: 3 warpgroups x 64 keys; D 128: 2 x 64);
-// 2 = wgmma, tiling 2 (2 warpgroups x 128 keys at both head dims); 3 = the software-pipelined
-// wgmma kernel (wgmma_fwd_pipe_kernel), D 64: 3 warpgroups x 64 keys, D 128: 2 x 128; 4 = the
-// pipelined kernel, D 64: 2 x 128, D 128: 2 x 64. Unset (or another value): the
-// default per head dim, by the A/B of run 10 (benchmarks/results/attention_h200_2026-11-22.txt):
-// D 128 tiling 2 (B4 S4096 forward 1.17-1.26x the mma.sync forward); D 64 the mma.sync forward
-// (both wgmma tilings 0.79-0.92x there).
+// 0 = the mma.sync forward; 2 = the wgmma forward at both head dims (2 warpgroups x 128 keys).
+// Unset (or another value): the default per head dim, by the A/B of run 10
+// (benchmarks/results/attention_h200_2026-11-22.txt, 12 alternating rounds, B4 S4096 H16 bf16
+// forward): D 128 wgmma (1.34x / 1.28x the mma.sync forward, none / causal); D 64 mma.sync (the
+// wgmma kernel 0.99x / 0.99x there, within the noise; other tilings 0.80-0.94x).
 // RLX_ATTENTION_CUDA_WGMMA_REQUIRE=1 (tests): a case the wgmma forward serves is an error when
 // the loaded image has no wgmma code (instead of the mma.sync fallback).
 int attn_wgmma_mode(int64_t d) {
   static const int env = env_starts_with("RLX_ATTENTION_CUDA_WGMMA", '0')   ? 0
-                         : env_starts_with("RLX_ATTENTION_CUDA_WGMMA", '1') ? 1
                          : env_starts_with("RLX_ATTENTION_CUDA_WGMMA", '2') ? 2
-                         : env_starts_with("RLX_ATTENTION_CUDA_WGMMA", '3') ? 3
-                         : env_starts_with("RLX_ATTENTION_CUDA_WGMMA", '4') ? 4
                                                                             : -1;
   if (env >= 0) return env;
   return d == 128 ? 2 : 0;
@@ -164,13 +159,12 @@ bool wgmma_available(int device) {
 
 // With RLX_ATTENTION_CUDA_WGMMA_REQUIRE=1 (tests): one stderr line per wgmma kernel on its first
 // launch in the process, so that a test sees which forward ran.
-void log_wgmma_kernel(const void* kernel, int d, int bc, int nwg, bool pipelined) {
+void log_wgmma_kernel(const void* kernel, int d, int bc, int nwg) {
   static std::mutex mu;
   static std::map<const void*, bool> seen;
   std::lock_guard<std::mutex> lock(mu);
   if (seen.emplace(kernel, true).second)
-    std::fprintf(stderr, "rlx attention forward: wgmma kernel D=%d BC=%d NWG=%d%s\n", d, bc, nwg,
-                 pipelined ? " pipelined" : "");
+    std::fprintf(stderr, "rlx attention forward: wgmma kernel D=%d BC=%d NWG=%d\n", d, bc, nwg);
 }
 
 constexpr int64_t kMaxGrid = 2147483647;
@@ -205,32 +199,17 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
           auto run_wg = [&](auto kernel, int d, int bc, int nwg, size_t smem) -> ffi::Error {
             const int rows = 64 * nwg;
             const int64_t blocks = (a.Sq + rows - 1) / rows * a.H * a.B;
-            if (attn_wgmma_required())
-              log_wgmma_kernel(reinterpret_cast<const void*>(kernel), d, bc, nwg, attn_wgmma_mode(a.D) >= 3);
+            if (attn_wgmma_required()) log_wgmma_kernel(reinterpret_cast<const void*>(kernel), d, bc, nwg);
             if (auto e = grid_check(blocks, "attention"); e.failure()) return e;
             if (auto e = prepare(info.device, kernel, smem, "attention"); e.failure()) return e;
             kernel<<<unsigned(blocks), unsigned(2 * rows), smem, stream>>>(a, q, k, v, out, lse);
             return check_launch("attention forward (wgmma)");
           };
-          // <T, D, BC (keys per tile), NWG (warpgroups of 64 rows)>; ptxas sm_90a (bf16):
-          // <64, 64, 3> 166 registers, <64, 128, 2> 221, <128, 64, 2> 204, no spills;
-          // <128, 128, 2> 255 with 32 B of spills (run 10 of the H200 results)
-          const int mode = attn_wgmma_mode(a.D);
-          if (mode == 3)
-            return a.D == 64 ? run_wg(attn::wgmma_fwd_pipe_kernel<T, 64, 64, 3>, 64, 64, 3, attn::wg_fwd_smem<64, 64, 3>())
-                             : run_wg(attn::wgmma_fwd_pipe_kernel<T, 128, 128, 2>, 128, 128, 2,
-                                      attn::wg_fwd_smem<128, 128, 2>());
-          if (mode == 4)
-            return a.D == 64 ? run_wg(attn::wgmma_fwd_pipe_kernel<T, 64, 128, 2>, 64, 128, 2,
-                                      attn::wg_fwd_smem<64, 128, 2>())
-                             : run_wg(attn::wgmma_fwd_pipe_kernel<T, 128, 64, 2>, 128, 64, 2,
-                                      attn::wg_fwd_smem<128, 64, 2>());
-          const bool alt = mode == 2;
-          if (a.D == 64)
-            return alt ? run_wg(attn::wgmma_fwd_kernel<T, 64, 128, 2>, 64, 128, 2, attn::wg_fwd_smem<64, 128, 2>())
-                       : run_wg(attn::wgmma_fwd_kernel<T, 64, 64, 3>, 64, 64, 3, attn::wg_fwd_smem<64, 64, 3>());
-          return alt ? run_wg(attn::wgmma_fwd_kernel<T, 128, 128, 2>, 128, 128, 2, attn::wg_fwd_smem<128, 128, 2>())
-                     : run_wg(attn::wgmma_fwd_kernel<T, 128, 64, 2>, 128, 64, 2, attn::wg_fwd_smem<128, 64, 2>());
+          // <T, D, BC (keys per tile), NWG (warpgroups of 64 rows)>; ptxas sm_90a (bf16, f16):
+          // <64, 128, 2> 221 registers, no spill; <128, 128, 2> 255 registers, 40 B of spills
+          // (-lineinfo; run 10 of the H200 results). 1 block of 8 warps per SM (registers).
+          if (a.D == 64) return run_wg(attn::wgmma_fwd_kernel<T, 64, 128, 2>, 64, 128, 2, attn::wg_fwd_smem<64, 128, 2>());
+          return run_wg(attn::wgmma_fwd_kernel<T, 128, 128, 2>, 128, 128, 2, attn::wg_fwd_smem<128, 128, 2>());
         }
         if (attn_wgmma_required())
           return invalid("attention (cuda): RLX_ATTENTION_CUDA_WGMMA_REQUIRE=1 but the loaded kernel image has no "

@@ -22,7 +22,13 @@
 //       n8 blocks is the A fragment of one k16 step) and B = V tile, MN-major (transpose bit),
 //       BC / 16 k-steps of 16 keys (2048 bytes each); the D / 64 column halves are LBO apart.
 // Each wgmma batch is committed and waited (wait_group 0) before its accumulator is read: the
-// overlap of MMA and softmax comes from the other warpgroups of the block and SM.
+// overlap of MMA and softmax comes from the other warpgroups of the block and SM. The launcher
+// uses 2 warpgroups x 128 keys at both head dims (attention.cu). Measured and dropped (run 10 of
+// benchmarks/results/attention_h200_2026-11-22.txt; the code is in commit 2f89835): 3 warpgroups x
+// 64 keys (D 64) and 2 x 64 (D 128), and a software-pipelined kernel that issued S_j = Q K_j^T and
+// O += P_{j-1} V_{j-1} together and ran the softmax of S_j while the P V product ran (wait_group
+// 1), V one step behind K: slower than this kernel at D 128 (B4 S4096 forward 1.22 / 1.07x the
+// mma.sync forward against 1.34 / 1.28x, none / causal) and no faster than mma.sync at D 64.
 #pragma once
 
 #include <cstdint>
@@ -84,11 +90,6 @@ __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
 }
-__device__ __forceinline__ void wg_wait1() {
-#if RLX_ATTN_WGMMA
-  asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-#endif
-}
 // keeps the compiler from moving accumulator reads / writes across the asynchronous MMA
 template <int N>
 __device__ __forceinline__ void wg_fence_regs(float (&d)[N][4]) {
@@ -96,16 +97,6 @@ __device__ __forceinline__ void wg_fence_regs(float (&d)[N][4]) {
   for (int i = 0; i < N; ++i)
 #pragma unroll
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
-}
-
-// the same for a register A operand: keeps it live (its registers unused by other values) until
-// the wait that ends the MMA reading it
-template <int N>
-__device__ __forceinline__ void wg_fence_regs(uint32_t (&r)[N][4]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(r[i][e])::"memory");
 }
 
 // D[64 x N] (+)= A B: ss = A and B from shared memory (descriptors, K-major, no transpose);
@@ -380,180 +371,6 @@ __global__ void __launch_bounds__(NWG * 128, 1)
     buf ^= 1;
   }
   cp_async_wait_all();
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float lr = l[r];
-    lr += __shfl_xor_sync(0xffffffffu, lr, 1);
-    lr += __shfl_xor_sync(0xffffffffu, lr, 2);
-    const int64_t i = wrow0 + r * 8 + g;
-    if (i >= a.Sq) continue;
-    const bool live = !(lr <= 0.f);  // NaN rows are live: NaN out and lse, as the CPU kernel
-    const float inv = live ? 1.f / lr : 0.f;
-    T* orow = out + ((b * a.Sq + i) * a.H + h) * D;
-#pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt)
-      *reinterpret_cast<uint32_t*>(orow + nt * 8 + 2 * tq) = pack2<T>(o[nt][2 * r] * inv, o[nt][2 * r + 1] * inv);
-    if (tq == 0) lse[(b * a.H + h) * a.Sq + i] = live ? m[r] * kLn2 + logf(lr) : -INFINITY;
-  }
-#endif
-}
-
-// Software-pipelined variant (RLX_ATTENTION_CUDA_WGMMA=3): in step j the warpgroup issues
-// S_j = Q K_j^T and then O += P_{j-1} V_{j-1} (two commit groups), waits for the first only
-// (wait_group 1), runs the softmax of S_j while the P V product runs on the tensor cores, then
-// waits for it and rescales O by the new row max. K and V are double buffered with V one step
-// behind K: step j loads K_{j+1} and V_j (the buffers step j - 1 used are free after the barrier).
-// The last P V runs after the loop. Same arguments, grid and results as wgmma_fwd_kernel.
-template <typename T, int D, int BC, int NWG>
-__global__ void __launch_bounds__(NWG * 128, 1)
-    wgmma_fwd_pipe_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                          T* __restrict__ out, float* __restrict__ lse) {
-#if RLX_ATTN_WGMMA
-  static_assert(D % 64 == 0 && (BC == 64 || BC == 128), "wgmma_fwd_pipe_kernel: tile shapes");
-  constexpr int BM = 64 * NWG, NT = 128 * NWG;
-  extern __shared__ __align__(1024) uint8_t wg_smem[];
-  const uint32_t pad = (1024u - (smem_addr(wg_smem) & 1023u)) & 1023u;
-  T* Qs = reinterpret_cast<T*>(wg_smem + pad);  // [D / 64][BM][64]
-  T* Ks = Qs + BM * D;                            // [2][D / 64][BC][64]
-  T* Vs = Ks + 2 * BC * D;                        // [2][D / 64][BC][64]
-  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-  const int g = lane >> 2, tq = lane & 3;
-  const int64_t nqt = (a.Sq + BM - 1) / BM;
-  int64_t blk = blockIdx.x;
-  const int64_t qt = nqt - 1 - blk % nqt;  // heaviest (causal) tiles first
-  blk /= nqt;
-  const int64_t h = blk % a.H, b = blk / a.H, hk = h / a.group;
-  const int64_t q0 = qt * BM;
-  const int64_t q_rs = a.H * D, kv_rs = a.Hkv * D;
-  const T* qb = q + (b * a.Sq * a.H + h) * D;
-  const T* kb = k + (b * a.Sk * a.Hkv + hk) * D;
-  const T* vb = v + (b * a.Sk * a.Hkv + hk) * D;
-  int64_t kbeg, kend;
-  key_range(a, q0, min(a.Sq - 1, q0 + BM - 1), &kbeg, &kend, BC);
-  const int64_t ntiles = kbeg < kend ? (kend - kbeg + BC - 1) / BC : 0;
-  wg_load_tile<T, D, BM, NT>(Qs, qb, q_rs, q0, a.Sq);
-  if (ntiles > 0) wg_load_tile<T, D, BC, NT>(Ks, kb, kv_rs, kbeg, a.Sk);
-  cp_async_commit();
-  const int64_t r0 = q0 + 64 * wg;       // this warpgroup's rows [r0, r0 + 64)
-  const int64_t wrow0 = r0 + 16 * warp;  // this warp's; thread rows wrow0 + 8 r + g
-  int64_t wg_kend = kend;
-  if (a.kind != 0) wg_kend = min(a.Sk, min(a.Sq - 1, r0 + 63) + a.off + 1);
-  if (r0 >= a.Sq) wg_kend = kbeg;
-  const float c2 = a.scale * kLog2e;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  float o[D / 8][4];
-  zero(o);
-  uint32_t p[BC / 16][4];
-  const uint64_t qd = wg_desc(smem_addr(Qs) + uint32_t(wg * 64 * 128), 16, 1024);
-  bool has_p = false;  // P of the previous step waits for its P V product
-  for (int64_t j = 0; j < ntiles; ++j) {
-    const int64_t k0 = kbeg + j * BC;
-    cp_async_wait_all();
-    fence_proxy_async();
-    __syncthreads();  // K_j and V_{j-1} landed; every warpgroup done with step j - 1
-    if (j + 1 < ntiles) wg_load_tile<T, D, BC, NT>(Ks + ((j + 1) & 1) * BC * D, kb, kv_rs, k0 + BC, a.Sk);
-    wg_load_tile<T, D, BC, NT>(Vs + (j & 1) * BC * D, vb, kv_rs, k0, a.Sk);
-    cp_async_commit();
-    const bool cs = k0 < wg_kend;  // warpgroup-uniform
-    float s[BC / 8][4];
-    if (cs || has_p) wg_fence();
-    if (cs) {
-      const uint64_t kd = wg_desc(smem_addr(Ks + (j & 1) * BC * D), 16, 1024);
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk)
-        wgmma_ss<T, BC>(s, qd, kd, uint64_t(((kk >> 2) * BM * 128 + (kk & 3) * 32) >> 4),
-                        uint64_t(((kk >> 2) * BC * 128 + (kk & 3) * 32) >> 4), kk > 0);
-      wg_commit();
-    }
-    if (has_p) {
-      const uint64_t vd = wg_desc(smem_addr(Vs + ((j - 1) & 1) * BC * D), BC * 128, 1024);
-#pragma unroll
-      for (int kk = 0; kk < BC / 16; ++kk) wgmma_rs<T, D>(o, p[kk], vd, uint64_t(kk * 16 * 128 >> 4), 1);
-      wg_commit();
-    }
-    uint32_t pn[BC / 16][4];
-    float alpha[2] = {1.f, 1.f}, ls[2] = {0.f, 0.f};
-    if (cs) {
-      if (has_p)
-        wg_wait1();  // S_j done (committed first); P V may still run
-      else
-        wg_wait0();
-      wg_fence_regs(s);
-      const bool need = tile_needs_mask(a, wrow0, k0, 16, BC);  // warp-uniform
-      float mx[2] = {-INFINITY, -INFINITY};
-      if (!need) {
-#pragma unroll
-        for (int nt = 0; nt < BC / 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
-      } else {
-#pragma unroll
-        for (int nt = 0; nt < BC / 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int64_t i = wrow0 + (e >> 1) * 8 + g, jj = k0 + nt * 8 + 2 * tq + (e & 1);
-            const float x = i < a.Sq && jj < a.Sk && kind_visible(a, i, jj) ? s[nt][e] : -INFINITY;
-            s[nt][e] = x;
-            mx[e >> 1] = fmaxf(mx[e >> 1], x);
-          }
-      }
-      float mu[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        mx[r] *= c2;
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        const float mn = fmaxf(m[r], mx[r]);
-        mu[r] = mn == -INFINITY ? 0.f : mn;
-        alpha[r] = ex2(m[r] - mu[r]);
-        m[r] = mn;
-      }
-#pragma unroll
-      for (int nt = 0; nt < BC / 8; ++nt) {
-        float pe[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          pe[e] = ex2(fmaf(s[nt][e], c2, -mu[e >> 1]));
-          ls[e >> 1] += pe[e];
-        }
-        pn[nt >> 1][(nt & 1) * 2 + 0] = pack2<T>(pe[0], pe[1]);
-        pn[nt >> 1][(nt & 1) * 2 + 1] = pack2<T>(pe[2], pe[3]);
-      }
-    }
-    if (has_p) {
-      wg_wait0();
-      wg_fence_regs(o);
-      wg_fence_regs(p);
-    }
-    if (cs) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + ls[r];
-#pragma unroll
-      for (int nt = 0; nt < D / 8; ++nt) {
-        o[nt][0] *= alpha[0];
-        o[nt][1] *= alpha[0];
-        o[nt][2] *= alpha[1];
-        o[nt][3] *= alpha[1];
-      }
-#pragma unroll
-      for (int kk = 0; kk < BC / 16; ++kk)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) p[kk][e] = pn[kk][e];
-    }
-    has_p = cs;
-  }
-  cp_async_wait_all();
-  fence_proxy_async();
-  __syncthreads();  // the last V tile landed
-  if (has_p) {
-    const uint64_t vd = wg_desc(smem_addr(Vs + ((ntiles - 1) & 1) * BC * D), BC * 128, 1024);
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < BC / 16; ++kk) wgmma_rs<T, D>(o, p[kk], vd, uint64_t(kk * 16 * 128 >> 4), 1);
-    wg_commit();
-    wg_wait0();
-    wg_fence_regs(o);
-  }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float lr = l[r];
