@@ -217,8 +217,9 @@ def fused_linear_case(n: int, d: int, v: int, chunk: int, dtype) -> Case:
 def rope_cumsum_gpu_cases() -> list[Case]:
     """RoPE and cumsum backward at GPU sizes (the CUDA kernels of ffi/cuda/rope.cu and
     cumsum.cu): 32768 positions x 32 heads x 128 (full and half rotary), cumsum over
-    rows of 32768 x 4096 (one pass), down the 32768 axis (columns: chunked, three
-    passes) and along 64 rows of 2^20 (chunked rows)."""
+    rows of 32768 x 4096 (one pass), down the 32768 axis (columns: the chained column
+    scan, f32 and bf16) and along 64 rows of 2^20 (long rows: the chained row scan, f32
+    and bf16)."""
     return [
         rope_case(32768, 32, 128, 128, jnp.float32),
         rope_case(32768, 32, 128, 128, jnp.bfloat16),
@@ -226,7 +227,9 @@ def rope_cumsum_gpu_cases() -> list[Case]:
         cumsum_case(32768, 4096, 1, False, jnp.float32),
         cumsum_case(32768, 4096, 1, True, jnp.bfloat16),
         cumsum_case(32768, 4096, 0, False, jnp.float32),
+        cumsum_case(32768, 4096, 0, False, jnp.bfloat16),
         cumsum_case(64, 1 << 20, 1, False, jnp.float32),
+        cumsum_case(64, 1 << 20, 1, False, jnp.bfloat16),
     ]
 
 

@@ -20,7 +20,13 @@ import rlx_jax
 from gpu_testutil import assert_close, gpu, requires_gpu
 from testutil import numpy_cumsum as _oracle
 from rlx_jax.ops import cumsum, cumsum_backward
-from rlx_jax.vjp_rules.cumsum import cuda_chunks, cuda_scratch_size, cumsum_fwd, reference_cumsum
+from rlx_jax.vjp_rules.cumsum import (
+    cuda_chunks,
+    cuda_col_chain_fits,
+    cuda_scratch_size,
+    cumsum_fwd,
+    reference_cumsum,
+)
 
 pytestmark = requires_gpu
 
@@ -52,6 +58,12 @@ def test_cuda_kernels_loaded_and_in_hlo():
     # the CUDA call carries its scratch result (chunked: 3 rows x 5 chunks)
     assert cuda_chunks(3, 40000, 1) > 1
     assert f"tensor<{cuda_scratch_size(3, 40000, 1)}xf32>" in text
+    # 16-bit rows: the chained scan's slots are counted for 64 KB tiles of 2-byte elements
+    xb = _x((3, 70000), jnp.bfloat16)
+    text = jax.jit(lambda x: cumsum_backward(x, axis=1)).lower(xb).as_text()
+    assert "rlx_cumsum_bwd" in text
+    assert cuda_scratch_size(3, 70000, 1, 2) == max(3 * cuda_chunks(3, 70000, 1), 2 * 3 * 3 + 1)
+    assert f"tensor<{cuda_scratch_size(3, 70000, 1, 2)}xf32>" in text
 
 
 # (shape, axis): O, L, I = folded shape; comments say which path
@@ -70,6 +82,20 @@ SHAPES = [
     ((3, 5, 7), 0),
     ((11, 3), 0),
     ((9,), 0),
+    # the chained row scan (chunked rows with 16-byte vectors; 64 KB tiles: 16384 f32 /
+    # 32768 16-bit elements) and the shapes around its threshold (rows >= 16384 long, fewer
+    # than 256 of them)
+    ((3, 16383), 1),  # just below: one pass of row_scan_k (odd: scalar loads)
+    ((3, 16384), 1),  # at: chained, one tile (f32) / half a tile (16-bit) a row
+    ((2, 40008), 1),  # above: chained, 3 tiles a row (f32; 2 for 16-bit), a partial last tile
+    ((255, 16400), 1),  # chained, 255 rows x 2 tiles (f32): tickets c * O + row
+    ((256, 16384), 1),  # 256 rows: not chunked, one pass of row_scan_k
+    ((2, 16, 20000), 2),  # chained rows under two leading axes
+    # the chained column scan (chunked columns, strips of 256 bytes: 64 f32 / 128 16-bit
+    # columns, at least 32 strips; tiles of 256 scan positions)
+    ((700, 2048), 0),  # f32: 32 strips, chained (3 tiles, a partial last); 16-bit: 16 strips, not
+    ((700, 1984), 0),  # f32: 31 strips: column strips (col_strip_k); 16-bit: chunked passes
+    ((2, 700, 2048), 1),  # two outer slices: f32 64 strips, 16-bit 32: chained
 ]
 
 
@@ -95,7 +121,7 @@ def test_forward_and_backward_match_oracle(case, exclusive, dtype):
 
 def test_matches_jax_reference_f32():
     """Against the pure-JAX reference (XLA's cumsum in f32) on the GPU, both layouts."""
-    for shape, axis in (((7, 3000), 1), ((1, 50000), 1), ((500, 40), 0)):
+    for shape, axis in (((7, 3000), 1), ((1, 50000), 1), ((500, 40), 0), ((5, 70000), 1)):
         x = _x(shape, seed=5)
         o, l, i = _fold(shape, axis)
         want = reference_cumsum(x.reshape(o, l, i), exclusive=False)[0].reshape(shape)
@@ -116,6 +142,22 @@ def test_bitwise_deterministic_chunked():
         f = jax.jit(lambda x: cumsum_backward(x, axis=axis))
         a, b = np.asarray(f(x)), np.asarray(f(x))
         assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_chained_rows_bitwise_deterministic(dtype):
+    """The chained row scan: many tiles a row and more tiles than fit on the GPU at once
+    (blocks wait on their predecessors' carries in ticket order); values against the
+    oracle, and two runs give identical bits, forward and reverse, inclusive and exclusive."""
+    shape = (12, 1 << 19)  # f32: 32 tiles a row, 384 tiles; 16-bit: 16 a row
+    x = _x(shape, dtype, seed=19)
+    for exclusive in (False, True):
+        f = jax.jit(lambda x: cumsum_backward(x, axis=1, exclusive=exclusive))
+        g = jax.jit(lambda x: cumsum(x, axis=1, exclusive=exclusive))
+        for fn, rev in ((f, True), (g, False)):
+            a, b = np.asarray(fn(x)), np.asarray(fn(x))
+            assert a.tobytes() == b.tobytes(), (exclusive, rev)
+            _close(a, _oracle(x, 1, exclusive, rev), dtype, f"excl={exclusive} rev={rev}")
 
 
 def test_vmap_keeps_kernel():
@@ -139,7 +181,7 @@ def test_f64(x64):
         text = jax.jit(lambda x: cumsum(x, axis=axis)).lower(x).as_text()
         assert "rlx_cumsum_fwd" in text
         if cuda_chunks(o, l, i) > 1:
-            assert f"tensor<{cuda_scratch_size(o, l, i)}xf64>" in text
+            assert f"tensor<{cuda_scratch_size(o, l, i, 8)}xf64>" in text
         y = cumsum(x, axis=axis, exclusive=True)
         assert y.dtype == jnp.float64
         assert_close(y, _oracle(x, axis, True), 1e-12, "f64 y")
@@ -179,8 +221,8 @@ def test_cumsum_column_strips_sanitizer_small():
     """The single-pass column strip kernel (f32, >= 132 strips of 16 columns, a long axis
     that the chunked path would split) against the oracle and bitwise repeatable, small
     enough for compute-sanitizer (-k sanitizer)."""
-    x = _x((200, 2112), jnp.float32, seed=17)
-    assert cuda_chunks(1, 200, 2112) > 1
+    x = _x((200, 2128), jnp.float32, seed=17)  # 133 strips of 16 columns; not 64-column strips
+    assert cuda_chunks(1, 200, 2128) > 1 and not cuda_col_chain_fits(1, 2128, 4)
     for exclusive in (False, True):
         a = np.asarray(cumsum_backward(x, axis=0, exclusive=exclusive))
         _close(a, _oracle(x, 0, exclusive, True), jnp.float32, "dx")
@@ -188,8 +230,52 @@ def test_cumsum_column_strips_sanitizer_small():
         _close(cumsum(x, axis=0, exclusive=exclusive), _oracle(x, 0, exclusive), jnp.float32, "y")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_cumsum_chained_rows_sanitizer_small(dtype):
+    """The chained row scan on a few tiles (a partial last one), small enough for
+    compute-sanitizer (-k sanitizer): forward / reverse, inclusive / exclusive, bitwise
+    repeatable."""
+    x = _x((3, 2 * 16384 + 24), dtype, seed=23)
+    assert cuda_chunks(3, x.shape[1], 1) > 1
+    for exclusive in (False, True):
+        a = np.asarray(cumsum_backward(x, axis=1, exclusive=exclusive))
+        _close(a, _oracle(x, 1, exclusive, True), dtype, "dx")
+        assert a.tobytes() == np.asarray(cumsum_backward(x, axis=1, exclusive=exclusive)).tobytes()
+        _close(cumsum(x, axis=1, exclusive=exclusive), _oracle(x, 1, exclusive), dtype, "y")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_chained_columns_bitwise_deterministic(dtype):
+    """The chained column scan: 32 / 64 strips x 12 tiles (f32: more tiles than fit on the
+    GPU at once), values against the oracle and identical bits in two runs, both directions."""
+    shape = (3000, 8192)
+    assert cuda_col_chain_fits(1, 8192, jnp.dtype(dtype).itemsize) and cuda_chunks(1, 3000, 8192) > 1
+    x = _x(shape, dtype, seed=29)
+    for exclusive in (False, True):
+        f = jax.jit(lambda x: cumsum_backward(x, axis=0, exclusive=exclusive))
+        g = jax.jit(lambda x: cumsum(x, axis=0, exclusive=exclusive))
+        for fn, rev in ((f, True), (g, False)):
+            a, b = np.asarray(fn(x)), np.asarray(fn(x))
+            assert a.tobytes() == b.tobytes(), (exclusive, rev)
+            _close(a, _oracle(x, 0, exclusive, rev), dtype, f"excl={exclusive} rev={rev}")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_cumsum_chained_columns_sanitizer_small(dtype):
+    """The chained column scan on 32 strips x 2 tiles (a partial last one), small enough
+    for compute-sanitizer (-k sanitizer), both directions, bitwise repeatable."""
+    w = 32 * 256 // jnp.dtype(dtype).itemsize
+    x = _x((300, w), dtype, seed=31)
+    assert cuda_col_chain_fits(1, w, jnp.dtype(dtype).itemsize) and cuda_chunks(1, 300, w) > 1
+    for exclusive in (False, True):
+        a = np.asarray(cumsum_backward(x, axis=0, exclusive=exclusive))
+        _close(a, _oracle(x, 0, exclusive, True), dtype, "dx")
+        assert a.tobytes() == np.asarray(cumsum_backward(x, axis=0, exclusive=exclusive)).tobytes()
+        _close(cumsum(x, axis=0, exclusive=exclusive), _oracle(x, 0, exclusive), dtype, "y")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("shape,axis", [((1, 1 << 22), 1), ((1 << 16, 64), 0), ((8, 1 << 20), 1), ((64, 4096, 16), 1)])
+@pytest.mark.parametrize("shape,axis", [((64, 1 << 20), 1), ((1, 1 << 22), 1), ((1 << 16, 64), 0), ((8, 1 << 20), 1), ((64, 4096, 16), 1)])
 def test_large_slow(shape, axis):
     x = _x(shape, jnp.bfloat16, seed=13)
     _close(cumsum(x, axis=axis), _oracle(x, axis), jnp.bfloat16, "y")

@@ -6,7 +6,9 @@
 //   forward  (rlx_cumsum_fwd): y[o, l, i] = sum_{k <= l} x[o, k, i]  (k < l if exclusive)
 //   backward (rlx_cumsum_bwd): y[o, l, i] = sum_{k >= l} x[o, k, i]  (k > l if exclusive)
 // S >= cumsum_scratch_size(O, L, I) below; rlx_jax/vjp_rules/cumsum.py sizes it with the
-// same formula (cuda_scratch_size). Sums run in f32 (f64 for f64).
+// same formula (cuda_scratch_size). Sums run in f32 (f64 for f64). The scratch holds the
+// chunk totals of the chunked passes, or the chained scans' 64-bit carry slots and ticket
+// counter (zeroed on XLA's stream before each chained launch).
 //
 // Work layout. Scan positions k run in scan order (k = l forward, k = L - 1 - l reverse).
 // - I == 1 (scan along contiguous rows): a group of tpr threads (4..256, a power of two)
@@ -17,16 +19,25 @@
 //   sub-tiles.
 //   row_scan_k keeps the sub-tiles as packs of T and scans a trip's NV = 4 sub-tiles with
 //   one barrier.
+//   Long rows with few of them (where the chunked passes below would run), 16-byte vectors,
+//   f32 / bf16 / f16: one pass of chain_scan_k instead (64 KB tiles in ticket order, each
+//   waiting for its predecessor's inclusive prefix: a strict chain, x read once).
 // - I > 1 (scan across rows of I contiguous values): one thread per (o, VEC columns),
 //   walking its positions sequentially with 8 loads in flight.
-//   f32 with at least one strip of 16 columns a multiprocessor, where the chunked passes
-//   below would run: one pass of col_strip_k instead (x read once).
+//   Where the chunked passes below would run: with 16-byte vectors, f32 / bf16 / f16 and
+//   at least 32 strips of 256 bytes, one pass of col_chain_k (tiles of 256 scan positions x
+//   one strip, chained like chain_scan_k); else f32 with at least one strip of 16 columns a
+//   multiprocessor: one pass of col_strip_k (x read once).
 // A long scan axis with few rows / columns splits into C chunks (C from the shape
 // alone, cumsum_chunks): pass 1 writes each chunk's total to scratch, pass 2 turns the
 // totals of each (o, i) into exclusive prefixes (one warp per (o, i), fixed order),
 // pass 3 rescans each chunk from its prefix. Every sum is taken in an order fixed by
-// the shape: results are bitwise reproducible run to run (no atomics). Nothing is
+// the shape: results are bitwise reproducible run to run (no float atomics; the chained
+// scans' one integer atomic hands out tickets, which decide no sum's order). Nothing is
 // allocated; all launches go to XLA's stream.
+
+#include <set>
+#include <utility>
 
 #include "cuda/common.cuh"
 
@@ -54,13 +65,42 @@ Chunks cumsum_chunks(int64_t o, int64_t l, int64_t i) {
   if (i == 1) len = ceil_div(len, kRowChunkAlign) * kRowChunkAlign;
   return {ceil_div(l, len), len};
 }
-// The formula of the Python side: O * I * C where C > 1, else 1.
-int64_t cumsum_scratch_size(int64_t o, int64_t l, int64_t i) {
+// Columns (I > 1) take the chained column scan (col_chain_k) where strips of 256 bytes fit
+// and there are at least kColChainMinStrips of them (with fewer, its chains are too few and
+// too long); they need 16-byte aligned buffers too, which only the handler knows.
+constexpr int64_t kColChainRowsH = 256, kColChainMinStripsH = 32;
+bool col_chain_fits(int64_t o, int64_t i, int64_t elem_bytes) {
+  const int64_t cw = 256 / elem_bytes;
+  return elem_bytes <= 4 && i % cw == 0 && o * (i / cw) >= kColChainMinStripsH;
+}
+// Tiles of a row in the chained scan (chain_scan_k: kChainTileBytes / elem_bytes elements).
+constexpr int64_t kChainTile = 65536;
+int64_t chain_tiles(int64_t l, int64_t elem_bytes) { return ceil_div(l, kChainTile / elem_bytes); }
+// The formula of the Python side: O * I * C where C > 1, else 1; rows (I == 1) of f32 /
+// bf16 / f16 that are chunked also hold the chained scan's slots and counter
+// (2 * O * tiles + 1 four-byte words), whichever is more.
+int64_t cumsum_scratch_size(int64_t o, int64_t l, int64_t i, int64_t elem_bytes) {
   const Chunks c = cumsum_chunks(o, l, i);
-  return c.n > 1 ? o * i * c.n : 1;
+  if (c.n <= 1) return 1;
+  if (i == 1 && elem_bytes <= 4) return std::max(o * c.n, 2 * o * chain_tiles(l, elem_bytes) + 1);
+  if (col_chain_fits(o, i, elem_bytes)) return std::max(o * i * c.n, 2 * o * i * ceil_div(l, kColChainRowsH) + 1);
+  return o * i * c.n;
 }
 
 enum Mode { kFull = 0, kSums = 1, kCarry = 2 };
+
+// One step of a running scan: the value stored at this position (the running sum before
+// val when exclusive, after it when inclusive) in T, with run advanced by val.
+template <typename T, typename A>
+__device__ __forceinline__ T scan_step(A& run, A val, bool exclusive) {
+  if (exclusive) {
+    const T out = from_acc<T>(run);
+    run += val;
+    return out;
+  }
+  run += val;
+  return from_acc<T>(run);
+}
 
 // N exclusive scans at once over aligned groups of tpr threads (a power of two, 4..256):
 // excl[n] gets the thread's exclusive prefix of s[n] in its group, total[n] the group's sum
@@ -121,8 +161,8 @@ __device__ __forceinline__ void group_scan_n(const A (&s)[N], int tpr, A* red, i
 // The scan direction is a template parameter (REV; the last argument is ignored). Capped at
 // 64 registers (4 blocks of 256 threads an SM); 16-bit types at 80 (3 blocks: at 64 the
 // 8-element bf16 packs spilled 96 bytes).
-template <typename T, int VEC, int NV, int MODE, bool REV>
-__global__ void __launch_bounds__(256, sizeof(T) == 2 ? 3 : 4) row_scan_k(const T* __restrict__ x, T* __restrict__ y,
+template <typename T, int VEC, int NV, int MODE, bool REV, bool LEAN>
+__global__ void __launch_bounds__(256, sizeof(T) == 2 && !LEAN ? 3 : 4) row_scan_k(const T* __restrict__ x, T* __restrict__ y,
                                                       acc_t<T>* __restrict__ scr, int64_t units, int64_t L,
                                                       int64_t nchunk, int64_t chunk_len, int tpr, bool exclusive,
                                                       bool) {
@@ -189,6 +229,17 @@ __global__ void __launch_bounds__(256, sizeof(T) == 2 ? 3 : 4) row_scan_k(const 
     }
     group_scan_n<A, NV>(s_n, tpr, red, parity, ex_n, tot_n);
     parity ^= 1;
+    if constexpr (LEAN && sizeof(T) == 2) {
+      // the packed words pass through an empty asm: the f32 values taken for the sums are
+      // dead here, and the output step converts again from the packs (the compiler kept
+      // 8 * NV f32 copies live across the scan: 80 registers, 3 blocks an SM)
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        uint32_t* wd = reinterpret_cast<uint32_t*>(&e[j]);
+#pragma unroll
+        for (int h = 0; h < VEC / 2; ++h) asm volatile("" : "+r"(wd[h]));
+      }
+    }
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
       if (MODE != kSums) {
@@ -198,13 +249,7 @@ __global__ void __launch_bounds__(256, sizeof(T) == 2 ? 3 : 4) row_scan_k(const 
 #pragma unroll
         for (int q = 0; q < VEC; ++q) {
           const A val = to_acc(reverse ? e[j].v[VEC - 1 - q] : e[j].v[q]);
-          if (exclusive) {
-            o.v[q] = from_acc<T>(run);
-            run += val;
-          } else {
-            run += val;
-            o.v[q] = from_acc<T>(run);
-          }
+          o.v[q] = scan_step<T>(run, val, exclusive);
         }
         if (ks + VEC <= k1) {
           const int64_t p = reverse ? L - ks - VEC : ks;
@@ -264,13 +309,7 @@ __global__ void __launch_bounds__(256) col_scan_k(const T* __restrict__ x, T* __
 #pragma unroll
           for (int q = 0; q < VEC; ++q) {
             const A val = to_acc(e[u].v[q]);
-            if (exclusive) {
-              w.v[q] = from_acc<T>(acc[q]);
-              acc[q] += val;
-            } else {
-              acc[q] += val;
-              w.v[q] = from_acc<T>(acc[q]);
-            }
+            w.v[q] = scan_step<T>(acc[q], val, exclusive);
           }
           st_pack_stream<T, VEC>(yb + (reverse ? L - 1 - kk : kk) * I, w);
         }
@@ -379,19 +418,251 @@ __global__ void __launch_bounds__(256) col_strip_k(const T* __restrict__ x, T* _
 #pragma unroll
       for (int q = 0; q < VEC; ++q) {
         const A val = to_acc(cur[j].v[q]);
-        if (exclusive) {
-          w.v[q] = from_acc<T>(start[q]);
-          start[q] += val;
-        } else {
-          start[q] += val;
-          w.v[q] = from_acc<T>(start[q]);
-        }
+        w.v[q] = scan_step<T>(start[q], val, exclusive);
       }
       if (k < L) st_pack_stream<T, VEC>(yb + (REV ? L - 1 - k : k) * I, w);
     }
 #pragma unroll
     for (int j = 0; j < J; ++j) cur[j] = nxt[j];
   }
+}
+
+// I == 1, long rows with few of them (where the chunked passes would run), 16-byte vectors,
+// f32 / bf16 / f16: one pass of a chained scan. A block takes a ticket from a counter
+// (atomicAdd; tickets in order chunk-major: ticket = c * O + row), so the block holding tile
+// (row, c - 1) took an earlier ticket and is running: it cannot wait on a block that never
+// starts. It copies its tile of kChainTileBytes (the row's logical elements [c * TL,
+// (c + 1) * TL), contiguous in memory forwards or backwards) into shared memory with one
+// bulk copy, takes its sums (thread t, sub-tile j: logical vector j * 256 + t) and scans
+// them with group_scan_n, then thread 0 waits for tile c - 1's published inclusive prefix
+// (a 64-bit slot: flag in the high word, the f32 bits in the low word, one relaxed 64-bit
+// access at gpu scope: nothing else is ordered by it), publishes carry + its tile total at once, and the block writes its outputs
+// from shared memory. A strict chain: every carry is exactly its predecessor's inclusive
+// prefix, each sum in an order fixed by the shape (no look-back over partial aggregates):
+// bitwise reproducible. Reads x once, writes y once. The slots and the counter live in
+// the scratch result and are zeroed on XLA's stream before each launch.
+constexpr int kChainTileBytes = 65536;
+template <typename T, bool REV>
+__global__ void __launch_bounds__(256, 3) chain_scan_k(const T* __restrict__ x, T* __restrict__ y,
+                                                       unsigned long long* __restrict__ slots,
+                                                       unsigned int* __restrict__ counter, int64_t O, int64_t L,
+                                                       bool exclusive) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using A = float;
+  constexpr int VEC = 16 / int(sizeof(T));
+  constexpr int S = kChainTileBytes / (256 * 16);  // sub-tiles a thread
+  constexpr int64_t TL = kChainTileBytes / int(sizeof(T));
+  using P = Pack<T, VEC>;
+  extern __shared__ __align__(128) unsigned char chain_smem[];
+  const P* tile = reinterpret_cast<const P*>(chain_smem);
+  __shared__ uint64_t bar;
+  __shared__ A red[2 * S * 8];
+  __shared__ unsigned int s_ticket;
+  __shared__ A s_carry;
+  const int t = threadIdx.x;
+  if (t == 0) {
+    s_ticket = atomicAdd(counter, 1u);
+    mbar_init(&bar, 1);
+    mbar_init_fence();
+  }
+  __syncthreads();
+  const int64_t ticket = s_ticket;
+  const int64_t c = ticket / O, row = ticket - c * O;
+  const int64_t k0 = c * TL;
+  const int64_t len = L - k0 < TL ? L - k0 : TL;
+  const int64_t p0 = REV ? L - k0 - len : k0;  // physical start of the tile
+  const int nvl = int(len / VEC);              // vectors in the tile (L % VEC == 0)
+  if (t == 0) {
+    mbar_arrive_expect_tx(&bar, uint32_t(len * int64_t(sizeof(T))));
+    bulk_load(chain_smem, x + row * L + p0, uint32_t(len * int64_t(sizeof(T))), &bar);
+  }
+  mbar_wait(&bar, 0);
+  A s_n[S], ex_n[S], tot_n[S];
+#pragma unroll
+  for (int j = 0; j < S; ++j) {
+    const int v = j * 256 + t;
+    A s = A(0);
+    if (v < nvl) {
+      const P e = tile[REV ? nvl - 1 - v : v];
+#pragma unroll
+      for (int q = 0; q < VEC; ++q) s += to_acc(e.v[REV ? VEC - 1 - q : q]);
+    }
+    s_n[j] = s;
+  }
+  group_scan_n<A, S>(s_n, 256, red, 0, ex_n, tot_n);
+  if (t == 0) {
+    A total = A(0);
+#pragma unroll
+    for (int j = 0; j < S; ++j) total += tot_n[j];
+    A carry = A(0);
+    if (c > 0) {
+      const unsigned long long* prev = slots + (c - 1) * O + row;
+      unsigned long long w = 0;
+      do {
+        asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(w) : "l"(prev) : "memory");
+      } while ((w >> 32) == 0);
+      carry = __uint_as_float(uint32_t(w));
+    }
+    const unsigned long long mine = (1ull << 32) | __float_as_uint(carry + total);
+    asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(slots + c * O + row), "l"(mine) : "memory");
+    s_carry = carry;
+  }
+  __syncthreads();
+  A base = s_carry;
+  T* yr = y + row * L + p0;
+#pragma unroll
+  for (int j = 0; j < S; ++j) {
+    const int v = j * 256 + t;
+    if (v < nvl) {
+      const int pv = REV ? nvl - 1 - v : v;
+      const P e = tile[pv];
+      A run = base + ex_n[j];
+      P w;  // physical order
+#pragma unroll
+      for (int q = 0; q < VEC; ++q) {
+        const int pq = REV ? VEC - 1 - q : q;
+        const A val = to_acc(e.v[pq]);
+        w.v[pq] = scan_step<T>(run, val, exclusive);
+      }
+      st_pack_stream<T, VEC>(yr + int64_t(pv) * VEC, w);
+    }
+    base += tot_n[j];
+  }
+#endif
+}
+
+// I > 1, long scan axis with few columns (where the chunked passes would run), 16-byte
+// vectors, f32 / bf16 / f16, at least kColChainMinStrips strips: one pass of a chained scan
+// over tiles of kColChainRows scan positions x one strip of 256 bytes (CW = 256 / sizeof(T)
+// columns) of one o. Tickets as in chain_scan_k (ticket = c * (O * strips) + strip, strips
+// counted over all o), so tile (strip, c - 1) is running when tile (strip, c) waits for it.
+// Each thread copies one row of the tile (256 bytes) into shared memory with a bulk copy;
+// thread (rg, cv) (16 row groups of 16 rows, 16 vectors of VEC columns) sums its 16 rows
+// per column; the 16 row groups' sums meet in shared memory and every thread adds the
+// earlier groups' sums (its start) and all 16 (the tile total) in group order; the threads of
+// row group 0 wait for the predecessor's per-column inclusive prefixes (a 64-bit slot per
+// column: flag in the high word, f32 bits in the low word), publish carry + tile total,
+// and every thread writes its 16 outputs per column. Every sum in an order fixed by the
+// shape: bitwise reproducible. x read once, y written once; warp accesses are 2 rows x 256
+// contiguous bytes.
+constexpr int kColChainRows = 256;
+constexpr int kColChainMinStrips = 32;
+template <typename T, bool REV>
+__global__ void __launch_bounds__(256, 3) col_chain_k(const T* __restrict__ x, T* __restrict__ y,
+                                                      unsigned long long* __restrict__ slots,
+                                                      unsigned int* __restrict__ counter, int64_t L, int64_t I,
+                                                      int64_t strips_per_o, int64_t nstrips, bool exclusive) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using A = float;
+  constexpr int VEC = 16 / int(sizeof(T));
+  constexpr int CW = 256 / int(sizeof(T));  // columns a strip
+  constexpr int R = kColChainRows, RG = 16, RPG = R / RG;
+  using P = Pack<T, VEC>;
+  extern __shared__ __align__(128) unsigned char chain_smem[];
+  const P* tile = reinterpret_cast<const P*>(chain_smem);  // [R][16] packs
+  __shared__ uint64_t bar;
+  __shared__ A part[RG][16][VEC];
+  __shared__ A s_carry[16][VEC];
+  __shared__ unsigned int s_ticket;
+  const int t = threadIdx.x;
+  const int cv = t & 15, rg = t >> 4;
+  if (t == 0) {
+    const unsigned int ticket = atomicAdd(counter, 1u);
+    s_ticket = ticket;
+    const int64_t c = int64_t(ticket) / nstrips;
+    const int64_t nr = L - c * R < R ? L - c * R : R;
+    mbar_init(&bar, 1);
+    mbar_init_fence();
+    mbar_arrive_expect_tx(&bar, uint32_t(nr * 256));
+  }
+  __syncthreads();
+  const int64_t ticket = s_ticket;
+  const int64_t c = ticket / nstrips, sg = ticket - c * nstrips;
+  const int64_t o = sg / strips_per_o, strip = sg - o * strips_per_o;
+  const int64_t k0 = c * R;
+  const int nr = int(L - k0 < R ? L - k0 : R);
+  const T* xb = x + o * L * I + strip * CW;
+  T* yb = y + o * L * I + strip * CW;
+  if (t < nr) {
+    const int64_t k = k0 + t;
+    bulk_load(chain_smem + t * 256, xb + (REV ? L - 1 - k : k) * I, 256u, &bar);
+  }
+  mbar_wait(&bar, 0);
+  A s[VEC];
+#pragma unroll
+  for (int q = 0; q < VEC; ++q) s[q] = A(0);
+#pragma unroll 4
+  for (int i = 0; i < RPG; ++i) {
+    const int r = rg * RPG + i;
+    if (r < nr) {
+      const P e = tile[r * 16 + cv];
+#pragma unroll
+      for (int q = 0; q < VEC; ++q) s[q] += to_acc(e.v[q]);
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < VEC; ++q) part[rg][cv][q] = s[q];
+  __syncthreads();
+  A start[VEC], total[VEC];
+#pragma unroll
+  for (int q = 0; q < VEC; ++q) {
+    A pre = A(0), tot = A(0);
+#pragma unroll
+    for (int g = 0; g < RG; ++g) {
+      if (g == rg) pre = tot;
+      tot += part[g][cv][q];
+    }
+    start[q] = pre;
+    total[q] = tot;
+  }
+  if (rg == 0) {
+    // the predecessor's inclusive prefixes of this thread's VEC columns, then ours
+    unsigned long long* mine = slots + (c * nstrips + sg) * CW + cv * VEC;
+    A carry[VEC];
+    if (c > 0) {
+      const unsigned long long* prev = mine - nstrips * CW;
+      unsigned long long w[VEC];
+      bool ready;
+      do {
+        ready = true;
+#pragma unroll
+        for (int q = 0; q < VEC; ++q) {
+          asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(w[q]) : "l"(prev + q) : "memory");
+          ready = ready && (w[q] >> 32) != 0;
+        }
+      } while (!ready);
+#pragma unroll
+      for (int q = 0; q < VEC; ++q) carry[q] = __uint_as_float(uint32_t(w[q]));
+    } else {
+#pragma unroll
+      for (int q = 0; q < VEC; ++q) carry[q] = A(0);
+    }
+#pragma unroll
+    for (int q = 0; q < VEC; ++q) {
+      const unsigned long long v = (1ull << 32) | __float_as_uint(carry[q] + total[q]);
+      asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(mine + q), "l"(v) : "memory");
+      s_carry[cv][q] = carry[q];
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int q = 0; q < VEC; ++q) start[q] = s_carry[cv][q] + start[q];
+#pragma unroll 4
+  for (int i = 0; i < RPG; ++i) {
+    const int r = rg * RPG + i;
+    if (r < nr) {
+      const P e = tile[r * 16 + cv];
+      P w;
+#pragma unroll
+      for (int q = 0; q < VEC; ++q) {
+        const A val = to_acc(e.v[q]);
+        w.v[q] = scan_step<T>(start[q], val, exclusive);
+      }
+      const int64_t k = k0 + r;
+      st_pack_stream<T, VEC>(yb + (REV ? L - 1 - k : k) * I + cv * VEC, w);
+    }
+  }
+#endif
 }
 
 // Pass 2: scr [O, nchunk, cols] chunk totals -> exclusive prefixes over the chunk axis,
@@ -443,9 +714,20 @@ inline int rows_nv() {
   return nv;
 }
 
+// RLX_CUMSUM_CUDA_LEAN16=0 (read once per process) keeps the 16-bit row scan at 3 blocks an
+// SM with the f32 copies held across the scan: an A/B switch.
+inline bool rows_lean16() {
+  static const bool lean = !env_starts_with("RLX_CUMSUM_CUDA_LEAN16", '0');
+  return lean;
+}
+
 template <typename T, int VEC, int NV, int MODE>
 auto row_kernel(bool reverse) {
-  return reverse ? row_scan_k<T, VEC, NV, MODE, true> : row_scan_k<T, VEC, NV, MODE, false>;
+  if constexpr (sizeof(T) == 2 && VEC >= 2) {
+    if (rows_lean16())
+      return reverse ? row_scan_k<T, VEC, NV, MODE, true, true> : row_scan_k<T, VEC, NV, MODE, false, true>;
+  }
+  return reverse ? row_scan_k<T, VEC, NV, MODE, true, false> : row_scan_k<T, VEC, NV, MODE, false, false>;
 }
 
 template <typename T, int VEC, int NV>
@@ -478,6 +760,82 @@ ffi::Error launch_rows(cudaStream_t stream, const T* x, T* y, acc_t<T>* scr, int
                        Chunks ch, bool exclusive, bool reverse) {
   if (rows_nv() == 2) return launch_rows_nv<T, VEC, 2>(stream, x, y, scr, O, L, ch, exclusive, reverse);
   return launch_rows_nv<T, VEC, 4>(stream, x, y, scr, O, L, ch, exclusive, reverse);
+}
+
+// Raises `kernel`'s dynamic shared-memory limit to `bytes`, once per (device, kernel).
+// (common.cuh's allow_max_smem asks for the device's whole opt-in maximum, which the
+// driver refuses for a kernel with static shared memory of its own, as the chained scans
+// have.) A refusal is cleared from the runtime's last error, so that later launch checks
+// on this thread do not report it again.
+template <typename Kernel>
+cudaError_t allow_dyn_smem(Kernel kernel, int bytes) {
+  static std::mutex mu;
+  static std::set<std::pair<int, const void*>> done;
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  const std::pair<int, const void*> key{dev, reinterpret_cast<const void*>(kernel)};
+  std::lock_guard<std::mutex> lock(mu);
+  if (done.count(key)) return cudaSuccess;
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return e;
+  }
+  done.insert(key);
+  return cudaSuccess;
+}
+
+// RLX_CUMSUM_CUDA_CHAIN=0 (read once per process) keeps the chunked two-pass row scan where
+// the chained scan would run: an A/B switch.
+inline bool chain_off() {
+  static const bool off = env_starts_with("RLX_CUMSUM_CUDA_CHAIN", '0');
+  return off;
+}
+
+template <typename T>
+ffi::Error launch_chain(cudaStream_t stream, const T* x, T* y, void* scr, int64_t O, int64_t L, bool exclusive,
+                        bool reverse) {
+  static_assert(kChainTile == kChainTileBytes, "one tile size");
+  const int64_t tiles = O * chain_tiles(L, sizeof(T));
+  if (tiles > INT32_MAX || tiles >= (int64_t(1) << 32)) return invalid("cumsum (cuda): too many tiles");
+  unsigned long long* slots = static_cast<unsigned long long*>(scr);
+  unsigned int* counter = reinterpret_cast<unsigned int*>(static_cast<float*>(scr) + 2 * tiles);
+  if (cudaError_t e = cudaMemsetAsync(scr, 0, size_t(2 * tiles + 1) * 4, stream); e != cudaSuccess)
+    return cuda_error("cumsum (cuda): zeroing the chain slots", e);
+  auto kernel = reverse ? chain_scan_k<T, true> : chain_scan_k<T, false>;
+  if (cudaError_t e = allow_dyn_smem(kernel, kChainTileBytes); e != cudaSuccess)
+    return cuda_error("cumsum (cuda): shared memory limit of the chained row scan", e);
+  kernel<<<unsigned(tiles), 256, kChainTileBytes, stream>>>(x, y, slots, counter, O, L, exclusive);
+  return check_launch("cumsum (cuda): chained row scan launch");
+}
+
+// RLX_CUMSUM_CUDA_COLCHAIN=0 (read once per process) keeps the column strips / chunked
+// passes where the chained column scan would run: an A/B switch.
+inline bool col_chain_off() {
+  static const bool off = env_starts_with("RLX_CUMSUM_CUDA_COLCHAIN", '0');
+  return off;
+}
+
+template <typename T>
+ffi::Error launch_col_chain(cudaStream_t stream, const T* x, T* y, void* scr, int64_t O, int64_t L, int64_t I,
+                            bool exclusive, bool reverse) {
+  static_assert(kColChainRowsH == kColChainRows && kColChainMinStripsH == kColChainMinStrips, "one geometry");
+  constexpr int64_t cw = 256 / int64_t(sizeof(T));
+  const int64_t strips_per_o = I / cw, nstrips = O * strips_per_o;
+  const int64_t tiles = nstrips * ceil_div(L, kColChainRows);
+  if (tiles > INT32_MAX) return invalid("cumsum (cuda): too many tiles");
+  const int64_t words = 2 * O * I * ceil_div(L, kColChainRows);
+  unsigned long long* slots = static_cast<unsigned long long*>(scr);
+  unsigned int* counter = reinterpret_cast<unsigned int*>(static_cast<float*>(scr) + words);
+  if (cudaError_t e = cudaMemsetAsync(scr, 0, size_t(words + 1) * 4, stream); e != cudaSuccess)
+    return cuda_error("cumsum (cuda): zeroing the chain slots", e);
+  auto kernel = reverse ? col_chain_k<T, true> : col_chain_k<T, false>;
+  if (cudaError_t e = allow_dyn_smem(kernel, kColChainRows * 256); e != cudaSuccess)
+    return cuda_error("cumsum (cuda): shared memory limit of the chained column scan", e);
+  kernel<<<unsigned(tiles), 256, kColChainRows * 256, stream>>>(x, y, slots, counter, L, I, strips_per_o, nstrips,
+                                                                 exclusive);
+  return check_launch("cumsum (cuda): chained column scan launch");
 }
 
 template <typename T, int VEC, int U>
@@ -534,10 +892,17 @@ ffi::Error launch(cudaStream_t stream, const T* x, T* y, acc_t<T>* scr, int64_t 
     return run % vec == 0 && aligned_to(x, vec * int(sizeof(T))) && aligned_to(y, vec * int(sizeof(T)));
   };
   if (I == 1) {
+    if constexpr (sizeof(T) <= 4) {
+      if (ch.n > 1 && fits(kMax) && !chain_off()) return launch_chain<T>(stream, x, y, scr, O, L, exclusive, reverse);
+    }
     if constexpr (kMax >= 8) if (fits(8)) return launch_rows<T, 8>(stream, x, y, scr, O, L, ch, exclusive, reverse);
     if constexpr (kMax >= 4) if (fits(4)) return launch_rows<T, 4>(stream, x, y, scr, O, L, ch, exclusive, reverse);
     if (fits(2)) return launch_rows<T, 2>(stream, x, y, scr, O, L, ch, exclusive, reverse);
     return launch_rows<T, 1>(stream, x, y, scr, O, L, ch, exclusive, reverse);
+  }
+  if constexpr (sizeof(T) <= 4) {
+    if (ch.n > 1 && fits(kMax) && col_chain_fits(O, I, sizeof(T)) && !col_chain_off())
+      return launch_col_chain<T>(stream, x, y, scr, O, L, I, exclusive, reverse);
   }
   if constexpr (kMax >= 8) if (fits(8)) return launch_cols<T, 8>(stream, x, y, scr, O, L, I, ch, exclusive, reverse);
   if constexpr (kMax >= 4) if (fits(4)) return launch_cols<T, 4>(stream, x, y, scr, O, L, I, ch, exclusive, reverse);
@@ -552,7 +917,7 @@ ffi::Error CumsumImpl(cudaStream_t stream, const ffi::AnyBuffer& x, ffi::Result<
   if (!same_dims(x, *y) || y->element_type() != x.element_type())
     return invalid("cumsum: output must match x in shape and dtype");
   const ffi::DataType acc = x.element_type() == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
-  const int64_t need = cumsum_scratch_size(d[0], d[1], d[2]);
+  const int64_t need = cumsum_scratch_size(d[0], d[1], d[2], ffi::ByteWidth(x.element_type()));
   if (scratch->element_type() != acc || int64_t(scratch->element_count()) < need)
     return invalid("cumsum (cuda): scratch must be " + dtype_name(acc) + " with at least " + std::to_string(need) +
                    " elements, got " + dtype_name(scratch->element_type()) + "[" +

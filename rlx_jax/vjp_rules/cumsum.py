@@ -67,8 +67,9 @@ def _kernel(target):
     return call
 
 
-# CUDA: the same call plus a scratch result (the per-chunk totals of a long scan axis,
-# ffi/cuda/cumsum.cu); its size follows from the shape by the formula the kernel checks.
+# CUDA: the same call plus a scratch result (the per-chunk totals of a long scan axis, or
+# the chained row scan's carry slots and ticket counter, ffi/cuda/cumsum.cu); its size
+# follows from the shape and dtype by the formula the kernel checks.
 _CUDA_ROW_CHUNK_ALIGN = 4096
 _CUDA_COL_TARGET = 1 << 18
 
@@ -92,17 +93,51 @@ def cuda_chunks(o: int, l: int, i: int) -> int:
     return -(-l // length)
 
 
-def cuda_scratch_size(o: int, l: int, i: int) -> int:
-    """Elements of the CUDA kernels' scratch result for x [o, l, i]."""
+# The chained row scan (chain_scan_k): tiles of 64 KB; its scratch holds a 64-bit slot
+# per tile and a 32-bit ticket counter, counted here in 4-byte words.
+_CUDA_CHAIN_TILE_BYTES = 1 << 16
+
+
+def cuda_chain_tiles(l: int, itemsize: int) -> int:
+    """Tiles of one row in the CUDA chained row scan (mirrors chain_tiles in cumsum.cu)."""
+    return -(-l // (_CUDA_CHAIN_TILE_BYTES // itemsize))
+
+
+# The chained column scan (col_chain_k): tiles of 256 scan positions x 256-byte strips,
+# taken where there are at least 32 strips; a 64-bit slot per (tile, column).
+_CUDA_COL_CHAIN_ROWS = 256
+_CUDA_COL_CHAIN_MIN_STRIPS = 32
+
+
+def cuda_col_chain_fits(o: int, i: int, itemsize: int) -> bool:
+    """Whether chunked columns [o, ., i] may take the chained column scan (mirrors
+    col_chain_fits in cumsum.cu; the kernel also needs 16-byte aligned buffers)."""
+    cw = 256 // itemsize
+    return itemsize <= 4 and i % cw == 0 and o * (i // cw) >= _CUDA_COL_CHAIN_MIN_STRIPS
+
+
+def cuda_scratch_size(o: int, l: int, i: int, itemsize: int = 4) -> int:
+    """Elements of the CUDA kernels' scratch result for x [o, l, i] of ``itemsize``-byte
+    elements (mirrors cumsum_scratch_size in ffi/cuda/cumsum.cu): the chunk totals of the
+    chunked passes, O * I * C; where a chained scan may run instead (either path may: the
+    A/B switches, alignment), at least its carry slots and ticket counter in 4-byte words:
+    rows 2 * O * tiles + 1, columns 2 * O * I * ceil(L / 256) + 1."""
     n = cuda_chunks(o, l, i)
-    return o * i * n if n > 1 else 1
+    if n <= 1:
+        return 1
+    if i == 1 and itemsize <= 4:
+        return max(o * n, 2 * o * cuda_chain_tiles(l, itemsize) + 1)
+    if cuda_col_chain_fits(o, i, itemsize):
+        return max(o * i * n, 2 * o * i * (-(-l // _CUDA_COL_CHAIN_ROWS)) + 1)
+    return o * i * n
 
 
 def _kernel_cuda(target):
     def call(x, *, exclusive):
         o, l, i = x.shape
         acc = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
-        out = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((cuda_scratch_size(o, l, i),), acc))
+        scratch = cuda_scratch_size(o, l, i, jnp.dtype(x.dtype).itemsize)
+        out = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((scratch,), acc))
         y, _ = jax.ffi.ffi_call(target, out)(x, exclusive=np.bool_(exclusive))
         return (y,)
 
