@@ -159,10 +159,14 @@ __device__ __forceinline__ void group_scan_n(const A (&s)[N], int tpr, A* red, i
 // by one group_scan_n (one barrier a trip; engineer I's A/B against a kernel with one
 // barrier a sub-tile and f32 copies, 2026-11-22: benchmarks/results/rope_cumsum_h200_2026-11-22.txt).
 // The scan direction is a template parameter (REV; the last argument is ignored). Capped at
-// 64 registers (4 blocks of 256 threads an SM); 16-bit types at 80 (3 blocks: at 64 the
-// 8-element bf16 packs spilled 96 bytes).
-template <typename T, int VEC, int NV, int MODE, bool REV, bool LEAN>
-__global__ void __launch_bounds__(256, sizeof(T) == 2 && !LEAN ? 3 : 4) row_scan_k(const T* __restrict__ x, T* __restrict__ y,
+// 64 registers (4 blocks of 256 threads an SM). 16-bit packs (VEC >= 2) pass through an empty
+// asm after the group scan, so that the f32 values taken for the sums die there and the
+// output step converts again from the packs: without it the compiler kept the 8 * NV f32
+// copies live across the scan and needed 80 registers (3 blocks an SM; engineer B's A/B,
+// 2026-11-22 evening: bf16 exclusive rows 1.84x -> 1.16x the copy floor). 16-bit scalar
+// rows (VEC 1) keep the bound of 3 blocks they were tested with (at most 63 registers).
+template <typename T, int VEC, int NV, int MODE, bool REV>
+__global__ void __launch_bounds__(256, sizeof(T) == 2 && VEC == 1 ? 3 : 4) row_scan_k(const T* __restrict__ x, T* __restrict__ y,
                                                       acc_t<T>* __restrict__ scr, int64_t units, int64_t L,
                                                       int64_t nchunk, int64_t chunk_len, int tpr, bool exclusive,
                                                       bool) {
@@ -229,10 +233,9 @@ __global__ void __launch_bounds__(256, sizeof(T) == 2 && !LEAN ? 3 : 4) row_scan
     }
     group_scan_n<A, NV>(s_n, tpr, red, parity, ex_n, tot_n);
     parity ^= 1;
-    if constexpr (LEAN && sizeof(T) == 2) {
+    if constexpr (sizeof(T) == 2 && VEC >= 2) {
       // the packed words pass through an empty asm: the f32 values taken for the sums are
-      // dead here, and the output step converts again from the packs (the compiler kept
-      // 8 * NV f32 copies live across the scan: 80 registers, 3 blocks an SM)
+      // dead here, and the output step converts again from the packs
 #pragma unroll
       for (int j = 0; j < NV; ++j) {
         uint32_t* wd = reinterpret_cast<uint32_t*>(&e[j]);
@@ -707,27 +710,9 @@ inline int rw_num_sms() {
   return sms;
 }
 
-// Sub-tiles a trip of row_scan_k, read once per process from RLX_CUMSUM_CUDA_NV ("2" or,
-// by default, 4): an A/B switch.
-inline int rows_nv() {
-  static const int nv = env_starts_with("RLX_CUMSUM_CUDA_NV", '2') ? 2 : 4;
-  return nv;
-}
-
-// RLX_CUMSUM_CUDA_LEAN16=0 (read once per process) keeps the 16-bit row scan at 3 blocks an
-// SM with the f32 copies held across the scan: an A/B switch.
-inline bool rows_lean16() {
-  static const bool lean = !env_starts_with("RLX_CUMSUM_CUDA_LEAN16", '0');
-  return lean;
-}
-
 template <typename T, int VEC, int NV, int MODE>
 auto row_kernel(bool reverse) {
-  if constexpr (sizeof(T) == 2 && VEC >= 2) {
-    if (rows_lean16())
-      return reverse ? row_scan_k<T, VEC, NV, MODE, true, true> : row_scan_k<T, VEC, NV, MODE, false, true>;
-  }
-  return reverse ? row_scan_k<T, VEC, NV, MODE, true, false> : row_scan_k<T, VEC, NV, MODE, false, false>;
+  return reverse ? row_scan_k<T, VEC, NV, MODE, true> : row_scan_k<T, VEC, NV, MODE, false>;
 }
 
 template <typename T, int VEC, int NV>
@@ -758,7 +743,8 @@ ffi::Error launch_rows_nv(cudaStream_t stream, const T* x, T* y, acc_t<T>* scr, 
 template <typename T, int VEC>
 ffi::Error launch_rows(cudaStream_t stream, const T* x, T* y, acc_t<T>* scr, int64_t O, int64_t L,
                        Chunks ch, bool exclusive, bool reverse) {
-  if (rows_nv() == 2) return launch_rows_nv<T, VEC, 2>(stream, x, y, scr, O, L, ch, exclusive, reverse);
+  // 4 sub-tiles a trip (2 lost the A/B for bf16 exclusive rows, 2026-11-22 evening: 1.57x vs
+  // 1.16x the copy floor)
   return launch_rows_nv<T, VEC, 4>(stream, x, y, scr, O, L, ch, exclusive, reverse);
 }
 
