@@ -362,24 +362,55 @@ inline cudaError_t device_cc_major(int device, int* major) {
   return cudaDeviceGetAttribute(major, cudaDevAttrComputeCapabilityMajor, device);
 }
 
-// Raises a kernel's dynamic shared-memory limit to the device's opt-in maximum, once
-// per (device, kernel); returns that maximum in *max_bytes.
+// Raises `kernel`'s dynamic shared-memory limit to `bytes`, once per (device, kernel). A
+// refusal is cleared from the runtime's last error, so that later launch checks on this
+// thread do not report it again.
+template <typename Kernel>
+inline cudaError_t allow_dyn_smem(Kernel kernel, size_t bytes) {
+  using Key = std::pair<int, const void*>;
+  static std::mutex mu;
+  static std::map<Key, size_t> done;
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return e;
+  const Key key{device, reinterpret_cast<const void*>(kernel)};
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = done.find(key);
+  if (it != done.end() && it->second >= bytes) return cudaSuccess;
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return e;
+  }
+  done[key] = bytes;
+  return cudaSuccess;
+}
+
+// Raises a kernel's dynamic shared-memory limit to the most the device allows it, once per
+// (device, kernel): the opt-in maximum per block less the kernel's own static shared memory
+// (the driver refuses a dynamic limit that leaves no room for it). Returns that limit in
+// *max_bytes.
 template <typename Kernel>
 inline cudaError_t allow_max_smem(int device, Kernel kernel, size_t* max_bytes) {
   using Key = std::pair<int, const void*>;
   static std::mutex mu;
-  static std::map<Key, size_t> done;
-  Key key{device, reinterpret_cast<const void*>(kernel)};
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = done.find(key);
-  if (it != done.end()) { *max_bytes = it->second; return cudaSuccess; }
+  static std::map<Key, size_t> limits;
+  const Key key{device, reinterpret_cast<const void*>(kernel)};
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = limits.find(key);
+    if (it != limits.end()) { *max_bytes = it->second; return cudaSuccess; }
+  }
   int optin = 0;
   cudaError_t e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (e != cudaSuccess) return e;
-  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin);
-  if (e != cudaSuccess) return e;
-  done[key] = size_t(optin);
-  *max_bytes = size_t(optin);
+  cudaFuncAttributes attr{};
+  if ((e = cudaFuncGetAttributes(&attr, kernel)) != cudaSuccess) return e;
+  const size_t limit = size_t(optin) > attr.sharedSizeBytes ? size_t(optin) - attr.sharedSizeBytes : 0;
+  if ((e = allow_dyn_smem(kernel, limit)) != cudaSuccess) return e;
+  std::lock_guard<std::mutex> lock(mu);
+  limits[key] = limit;
+  *max_bytes = limit;
   return cudaSuccess;
 }
 

@@ -36,7 +36,6 @@
 // scans' one integer atomic hands out tickets, which decide no sum's order). Nothing is
 // allocated; all launches go to XLA's stream.
 
-#include <set>
 #include <utility>
 
 #include "cuda/common.cuh"
@@ -746,30 +745,6 @@ ffi::Error launch_rows(cudaStream_t stream, const T* x, T* y, acc_t<T>* scr, int
   // 4 sub-tiles a trip (2 lost the A/B for bf16 exclusive rows, 2026-11-22 evening: 1.57x vs
   // 1.16x the copy floor)
   return launch_rows_nv<T, VEC, 4>(stream, x, y, scr, O, L, ch, exclusive, reverse);
-}
-
-// Raises `kernel`'s dynamic shared-memory limit to `bytes`, once per (device, kernel).
-// (common.cuh's allow_max_smem asks for the device's whole opt-in maximum, which the
-// driver refuses for a kernel with static shared memory of its own, as the chained scans
-// have.) A refusal is cleared from the runtime's last error, so that later launch checks
-// on this thread do not report it again.
-template <typename Kernel>
-cudaError_t allow_dyn_smem(Kernel kernel, int bytes) {
-  static std::mutex mu;
-  static std::set<std::pair<int, const void*>> done;
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return e;
-  const std::pair<int, const void*> key{dev, reinterpret_cast<const void*>(kernel)};
-  std::lock_guard<std::mutex> lock(mu);
-  if (done.count(key)) return cudaSuccess;
-  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (e != cudaSuccess) {
-    (void)cudaGetLastError();
-    return e;
-  }
-  done.insert(key);
-  return cudaSuccess;
 }
 
 // RLX_CUMSUM_CUDA_CHAIN=0 (read once per process) keeps the chunked two-pass row scan where
