@@ -2,8 +2,10 @@
 the record (its backward is XLA's own convolution in both columns).
 
 Floors (bytes each op must move):
-- max_pool2d fwd+bwd: x read, dy read, dx written (y and the i32 argmax the forward saves
-  for the backward are written and read on top: the kernels move 2 x + 2 y + 2 argmax);
+- max_pool2d fwd+bwd: x read, dy read, dx written (y and the argmax the forward saves for
+  the backward are written and read on top: the kernels move 2 x + 2 y + 2 argmax; the
+  argmax is one int8 per output for these windows, its place in its window, since
+  2026-11-22 evening, four bytes before);
 - avg_pool2d bwd: dy read, dx written;
 - embedding bwd: dy [K, D] read, d_table [V, D] written (the indices are O(K));
 - fake-quantize bwd: x, dy read, dx written (LSQ: plus the O(C) dscale);

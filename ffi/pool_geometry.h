@@ -69,18 +69,52 @@ inline PoolShape pool_shape(const ffi::AnyBuffer& in, const ffi::AnyBuffer& out)
   return {plane_view(in), d[d.size() - 2], d[d.size() - 1]};
 }
 
+// The saved argmax's encoding: window-local int8 a = (h - i*sh + ph) * kw + (w - j*sw + pw)
+// (padding positions counted) where the window has at most 127 positions, else the i32 flat
+// in-plane index h * W + w; -1 for a window with no element above -inf either way. The
+// Python side (argmax_dtype in rlx_jax/vjp_rules/pool.py) makes the same choice.
+inline bool local_argmax(const Geom& g) { return g.kh <= 127 && g.kw <= 127 && g.kh * g.kw <= 127; }
+
+inline ffi::DataType argmax_type(const Geom& g) { return local_argmax(g) ? ffi::DataType::S8 : ffi::DataType::S32; }
+
+inline ffi::Error check_argmax(const char* who, const ffi::AnyBuffer& argmax, const ffi::AnyBuffer& pooled,
+                               const Geom& g) {
+  if (argmax.element_type() != argmax_type(g) || !same_dims(pooled, argmax))
+    return ffi::Error::InvalidArgument(std::string(who) + (local_argmax(g) ? ": argmax must be i8 (kh * kw <= 127)"
+                                                                           : ": argmax must be i32 (kh * kw > 127)") +
+                                       " shaped like the pooled output");
+  return ffi::Error::Success();
+}
+
 // rlx_max_pool2d_fwd's operands (CPU and CUDA): x [P..., H, W] -> y [P..., Ho, Wo] of x's
-// dtype and the i32 argmax shaped like y, whose flat in-plane indices must fit an i32.
+// dtype and the argmax shaped like y (i8 or i32 by the geometry, see local_argmax); flat
+// in-plane indices must fit an i32.
 inline ffi::Error check_max_fwd(const ffi::AnyBuffer& x, const ffi::AnyBuffer& y, const ffi::AnyBuffer& argmax,
                                 const Geom& g, PoolShape* s) {
   if (auto e = check_geom("max_pool2d", g); e.failure()) return e;
   if (auto e = check_pair("max_pool2d", x, y, g); e.failure()) return e;
   if (y.element_type() != x.element_type()) return ffi::Error::InvalidArgument("max_pool2d: y dtype must match x");
-  if (argmax.element_type() != ffi::DataType::S32 || !same_dims(y, argmax))
-    return ffi::Error::InvalidArgument("max_pool2d: argmax must be i32 shaped like y");
+  if (auto e = check_argmax("max_pool2d", argmax, y, g); e.failure()) return e;
   *s = pool_shape(x, y);
   if (s->v.h * s->v.w > int64_t(INT32_MAX))
     return ffi::Error::InvalidArgument("max_pool2d: a plane of more than 2^31 - 1 elements does not fit an i32 argmax");
+  return ffi::Error::Success();
+}
+
+// rlx_max_pool2d_bwd's operands (CPU and CUDA): dy [P..., Ho, Wo], argmax shaped like dy
+// (i8 or i32 by the geometry) -> dx [P..., H, W] of dy's dtype, (Ho, Wo) the pooled size
+// of (H, W).
+inline ffi::Error check_max_bwd(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& argmax, const ffi::AnyBuffer& dx,
+                                const Geom& g, PoolShape* s) {
+  if (auto e = check_geom("max_pool2d backward", g); e.failure()) return e;
+  if (auto e = check_pair("max_pool2d backward", dx, dy, g); e.failure()) return e;
+  if (auto e = check_argmax("max_pool2d backward", argmax, dy, g); e.failure()) return e;
+  if (dx.element_type() != dy.element_type())
+    return ffi::Error::InvalidArgument("max_pool2d backward: dx dtype must match dy");
+  *s = pool_shape(dx, dy);
+  if (s->v.h * s->v.w > int64_t(INT32_MAX))
+    return ffi::Error::InvalidArgument(
+        "max_pool2d backward: a plane of more than 2^31 - 1 elements does not fit an i32 argmax");
   return ffi::Error::Success();
 }
 

@@ -1,6 +1,7 @@
 """max_pool2d / avg_pool2d: kernels vs XLA's reduce_window and its autodiff, RLX's
 first-maximum tie-break, count_include_pad, gradients in every mode, vmap, zero-sized
-inputs, errors."""
+inputs, errors; the saved argmax (window-local int8 where kh * kw <= 127, else the flat
+int32 index) against a NumPy oracle, its dtype at the 127 / 128 boundary and its decoding."""
 
 from __future__ import annotations
 
@@ -13,6 +14,14 @@ from jax.test_util import check_grads
 
 import rlx_jax
 from rlx_jax.ops import avg_pool2d, avg_pool2d_backward, max_pool2d, max_pool2d_backward
+from rlx_jax.vjp_rules.pool import (
+    argmax_dtype,
+    flat_argmax,
+    max_pool2d_bwd,
+    max_pool2d_fwd,
+    reference_max_pool2d,
+    reference_max_pool2d_bwd,
+)
 
 from testutil import assert_close, hlo_text
 
@@ -228,3 +237,195 @@ def test_kernel_rejects_inconsistent_buffers():
     geom = {k: np.int64(v) for k, v in dict(kh=2, kw=2, sh=2, sw=2, ph=0, pw=0).items()}
     with pytest.raises(Exception, match="pooled dims"):
         jax.block_until_ready(jax.jit(lambda d: call(d, **geom))(jnp.ones((1, 1, 3, 3))))
+
+
+# ---- the saved argmax: encoding, dtype, decoding -----------------------------------------
+
+
+def numpy_max_pool(x, k, s, p):
+    """NumPy oracle: (y, flat argmax, window-local argmax) by explicit loops over every
+    window, the first value strictly greater than the running maximum (from -inf; NaN
+    never wins), -1 where nothing exceeds -inf."""
+    x = np.asarray(x, np.float64)
+    (kh, kw), (sh, sw), (ph, pw) = k, s, p
+    h, w = x.shape[-2:]
+    ho, wo = (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
+    planes = x.reshape(-1, h, w)
+    y = np.full((planes.shape[0], ho, wo), -np.inf)
+    flat = np.full(y.shape, -1, np.int64)
+    local = np.full(y.shape, -1, np.int64)
+    for q in range(planes.shape[0]):
+        for i in range(ho):
+            for j in range(wo):
+                for a in range(kh):
+                    for b in range(kw):
+                        r, c = i * sh - ph + a, j * sw - pw + b
+                        if 0 <= r < h and 0 <= c < w and planes[q, r, c] > y[q, i, j]:
+                            y[q, i, j] = planes[q, r, c]
+                            flat[q, i, j], local[q, i, j] = r * w + c, a * kw + b
+    lead = x.shape[:-2]
+    return y.reshape(lead + (ho, wo)), flat.reshape(lead + (ho, wo)), local.reshape(lead + (ho, wo))
+
+
+def _geom_kw(k, s, p):
+    return dict(kernel_size=k, stride=s, padding=p)
+
+
+def _tied(shape, seed, neg_inf_plane=True):
+    """Few distinct values (many tied maxima per window), one plane of -inf, one -inf row."""
+    x = jnp.round(2 * jax.random.normal(jax.random.PRNGKey(seed), shape))
+    flat = x.reshape((-1,) + shape[-2:])
+    if neg_inf_plane and flat.shape[0] > 1:
+        flat = flat.at[0].set(-jnp.inf)
+    flat = flat.at[-1, 0].set(-jnp.inf)
+    return flat.reshape(shape)
+
+
+# (x shape, kernel, stride, padding): int8 windows of GEOMS plus the 127 / 128 boundary
+# (1x127 int8; 1x128 and 8x16 int32) and windows wholly in the padding
+ARGMAX_GEOMS = GEOMS + [
+    ((2, 2, 3, 140), (1, 127), (1, 3), (0, 1)),
+    ((2, 2, 3, 140), (1, 128), (2, 3), (1, 2)),
+    ((1, 3, 11, 21), (8, 16), (3, 2), (2, 3)),
+    ((1, 2, 13, 13), (11, 11), (2, 1), (1, 0)),  # 121 positions: int8 up to index 120
+    ((1, 1, 4, 5), (2, 2), (1, 1), (2, 2)),  # windows wholly in the padding
+]
+
+
+@pytest.mark.parametrize("k,want", [((1, 127), jnp.int8), ((127, 1), jnp.int8), ((11, 11), jnp.int8),
+                                    ((1, 128), jnp.int32), ((8, 16), jnp.int32), ((12, 11), jnp.int32),
+                                    ((3, 3), jnp.int8), ((1, 1), jnp.int8)])
+def test_argmax_dtype_from_the_window(k, want):
+    assert argmax_dtype(k) == want
+    x = jax.ShapeDtypeStruct((1, 2, 130, 130), jnp.float32)
+    _, am = jax.eval_shape(lambda x: max_pool2d_fwd(x, **_geom_kw(k, (1, 1), (0, 0))), x)
+    assert am.dtype == want
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+@pytest.mark.parametrize("geom", ARGMAX_GEOMS, ids=lambda g: f"{g[0]}-k{g[1]}s{g[2]}p{g[3]}")
+def test_argmax_matches_numpy_oracle(geom, ties):
+    """The kernel's argmax equals the reference's bit for bit, its dtype follows the
+    window, and both decode to the NumPy oracle's flat first-maximum index (the int8 one
+    is also the oracle's window position)."""
+    shape, k, s, p = geom
+    x = _tied(shape, seed=5) if ties else _x(shape)
+    kw = _geom_kw(k, s, p)
+    y, am = jax.jit(lambda x: max_pool2d_fwd(x, **kw))(x)
+    y_ref, am_ref = reference_max_pool2d(x, **kw)
+    y_np, flat_np, local_np = numpy_max_pool(x, k, s, p)
+    assert am.dtype == am_ref.dtype == argmax_dtype(k)
+    np.testing.assert_array_equal(np.asarray(am), np.asarray(am_ref))
+    np.testing.assert_array_equal(np.asarray(y), y_np.astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(flat_argmax(am, in_hw=shape[-2:], **kw)), flat_np)
+    if am.dtype == jnp.int8:
+        np.testing.assert_array_equal(np.asarray(am), local_np)
+    else:
+        np.testing.assert_array_equal(np.asarray(am), flat_np)
+
+
+@pytest.mark.parametrize("geom", ARGMAX_GEOMS[-5:], ids=lambda g: f"k{g[1]}s{g[2]}p{g[3]}")
+def test_argmax_backward_and_gradients_at_the_boundary(geom):
+    """dx of the kernel (through jax.vjp and max_pool2d_backward) vs the NumPy oracle's
+    scatter at its flat index, for int8 and int32 windows; ties and -inf windows."""
+    shape, k, s, p = geom
+    kw = _geom_kw(k, s, p)
+    x = _tied(shape, seed=9)
+    y, vjp = jax.vjp(jax.jit(lambda x: max_pool2d(x, **kw)), x)
+    dy = jax.random.normal(jax.random.PRNGKey(3), y.shape)
+    (dx,) = vjp(dy)
+    _, flat_np, _ = numpy_max_pool(x, k, s, p)
+    want = np.zeros((int(np.prod(shape[:-2])), shape[-2] * shape[-1]))
+    for q, (f, d) in enumerate(zip(flat_np.reshape(want.shape[0], -1), np.asarray(dy, np.float64).reshape(want.shape[0], -1))):
+        for fo, do in zip(f, d):
+            if fo >= 0:
+                want[q, fo] += do
+    assert_close(dx, want.reshape(shape))
+    assert_close(max_pool2d_backward(x, dy, **kw), want.reshape(shape))
+    t = jax.random.normal(jax.random.PRNGKey(4), shape)
+    _, ty = jax.jvp(lambda x: max_pool2d(x, **kw), (x,), (t,))
+    t_np = np.asarray(t).reshape(want.shape[0], -1)
+    f = flat_np.reshape(want.shape[0], -1)
+    ty_want = np.where(f >= 0, np.take_along_axis(t_np, np.maximum(f, 0), 1), 0.0).reshape(y.shape)
+    assert_close(ty, ty_want)
+
+
+def test_backward_kernel_matches_reference_scatter_bitwise_and_drops_bad_indices():
+    """f32: the kernel's dx equals the reference's scatter at the decoded index; indices
+    outside their window (which the forward never writes) pass no gradient in both."""
+    shape, k, s, p = (2, 3, 9, 8), (3, 3), (2, 2), (1, 1)
+    kw = _geom_kw(k, s, p)
+    x = _tied(shape, seed=2)
+    _, am = max_pool2d_fwd(x, **kw)
+    dy = jax.random.normal(jax.random.PRNGKey(6), am.shape)
+    bwd = jax.jit(lambda dy, am: max_pool2d_bwd(dy, am, in_hw=shape[-2:], **kw)[0])
+    assert "rlx_max_pool2d_bwd" in bwd.lower(dy, am).as_text()
+    (want,) = reference_max_pool2d_bwd(dy, am, in_hw=shape[-2:], **kw)
+    np.testing.assert_array_equal(np.asarray(bwd(dy, am)), np.asarray(want))
+    # 9, -128, 127: outside a 3x3 window's positions 0..8
+    bad = am.at[0, 0, 0, :].set(jnp.int8(9)).at[0, 1, 1, 1].set(jnp.int8(-128)).at[1, 2, 2, 2].set(jnp.int8(127))
+    (want_bad,) = reference_max_pool2d_bwd(dy, bad, in_hw=shape[-2:], **kw)
+    got_bad = np.asarray(bwd(dy, bad))
+    np.testing.assert_array_equal(got_bad, np.asarray(want_bad))
+    # window (0, 0) covers rows/cols -1..1: local index 0 is in the padding, so nothing
+    bad0 = am.at[0, 0, 0, 0].set(jnp.int8(0))
+    (want0,) = reference_max_pool2d_bwd(dy, bad0, in_hw=shape[-2:], **kw)
+    np.testing.assert_array_equal(np.asarray(bwd(dy, bad0)), np.asarray(want0))
+
+
+def test_flat_argmax_round_trip():
+    """Decoding every window position of every output gives the element it names."""
+    k, s, p, hw = (3, 4), (2, 3), (1, 2), (7, 10)
+    ho, wo = (hw[0] + 2 * p[0] - k[0]) // s[0] + 1, (hw[1] + 2 * p[1] - k[1]) // s[1] + 1
+    for a in range(-1, k[0] * k[1] + 1):
+        am = jnp.full((1, ho, wo), a, jnp.int8)
+        got = np.asarray(flat_argmax(am, kernel_size=k, stride=s, padding=p, in_hw=hw))[0]
+        for i in range(ho):
+            for j in range(wo):
+                r, c = i * s[0] - p[0] + a // k[1], j * s[1] - p[1] + a % k[1]
+                inside = 0 <= a < k[0] * k[1] and 0 <= r < hw[0] and 0 <= c < hw[1]
+                assert got[i, j] == (r * hw[1] + c if inside else -1), (a, i, j)
+    flat = jnp.arange(-1, 11, dtype=jnp.int32).reshape(1, 3, 4)
+    np.testing.assert_array_equal(flat_argmax(flat, kernel_size=(8, 16), stride=s, padding=p, in_hw=hw), flat)
+
+
+@pytest.mark.parametrize("k", [(3, 3), (8, 16)], ids=["int8", "int32"])
+def test_argmax_vmap_and_zero_sized(k):
+    kw = _geom_kw(k, (2, 2), (1, 1))
+    xs = _tied((3, 2, 2, 10, 18), seed=4)
+    y, am = jax.vmap(lambda x: max_pool2d_fwd(x, **kw), in_axes=2, out_axes=2)(xs)
+    for i in range(xs.shape[2]):
+        y_i, am_i = max_pool2d_fwd(xs[:, :, i], **kw)
+        np.testing.assert_array_equal(np.asarray(am[:, :, i]), np.asarray(am_i))
+        np.testing.assert_array_equal(np.asarray(y[:, :, i]), np.asarray(y_i))
+    assert am.dtype == argmax_dtype(k)
+    for shape in ((0, 3, 10, 18), (2, 0, 10, 18)):
+        y, am = jax.jit(lambda x: max_pool2d_fwd(x, **kw))(jnp.zeros(shape))
+        assert am.dtype == argmax_dtype(k) and am.size == 0
+        g = jax.grad(lambda x: jnp.sum(max_pool2d(x, **kw)))(jnp.zeros(shape))
+        assert g.shape == shape
+
+
+def test_check_grads_f64_int32_window(x64):
+    shape, k, s, p = (1, 2, 10, 18), (8, 16), (2, 1), (1, 0)
+    assert argmax_dtype(k) == jnp.int32
+    x = _x(shape, jnp.float64, seed=8)
+    check_grads(lambda x: max_pool2d(x, kernel_size=k, stride=s, padding=p), (x,), order=2,
+                modes=("fwd", "rev"), eps=1e-6)
+    dy = jax.random.normal(jax.random.PRNGKey(2), max_pool2d(x, kernel_size=k, stride=s, padding=p).shape,
+                           jnp.float64)
+    check_grads(lambda dy: max_pool2d_backward(x, dy, kernel_size=k, stride=s, padding=p), (dy,),
+                order=2, modes=("fwd", "rev"))
+
+
+def test_argmax_operand_dtype_is_checked():
+    """The backward kernel refuses an argmax whose dtype does not match the window."""
+    geom = {n: np.int64(v) for n, v in dict(kh=2, kw=2, sh=2, sw=2, ph=0, pw=0).items()}
+    call = jax.ffi.ffi_call("rlx_max_pool2d_bwd", jax.ShapeDtypeStruct((1, 1, 4, 4), jnp.float32))
+    with pytest.raises(Exception, match="argmax must be i8"):
+        jax.block_until_ready(jax.jit(lambda d, a: call(d, a, **geom))(jnp.ones((1, 1, 2, 2)),
+                                                                        jnp.zeros((1, 1, 2, 2), jnp.int32)))
+    call = jax.ffi.ffi_call("rlx_max_pool2d_fwd", (jax.ShapeDtypeStruct((1, 1, 2, 2), jnp.float32),
+                                                  jax.ShapeDtypeStruct((1, 1, 2, 2), jnp.int32)))
+    with pytest.raises(Exception, match="argmax must be i8"):
+        jax.block_until_ready(jax.jit(lambda x: call(x, **geom))(jnp.ones((1, 1, 4, 4))))

@@ -8,7 +8,9 @@ windows lying wholly in the padding (argmax -1, y = -inf), odd plane sizes, an e
 spatial axis, zero planes, planes too large for one block's shared memory (bands of rows)
 rows too wide for any (the untiled fallback kernels), and the direct kernels' geometries
 (k3s2p1 and k2s2p0 on rows of whole 16-byte vectors, aligned and unaligned output rows); ties (integer-valued inputs) must pick the first maximum in
-row-major window order as the CPU kernel does."""
+row-major window order as the CPU kernel does. The saved argmax is window-local int8 where
+kh * kw <= 127, else the flat int32 index: windows of 127 (1x127) and 128 (8x16, 2x64)
+positions on the tiled and untiled kernels check both encodings."""
 
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ import rlx_jax._kernels
 from gpu_testutil import as_f32, assert_close, gpu, requires_gpu
 from rlx_jax.ops import avg_pool2d, avg_pool2d_backward, max_pool2d, max_pool2d_backward
 from rlx_jax.vjp_rules.pool import (
+    argmax_dtype,
+    flat_argmax,
     max_pool2d_fwd,
     out_size,
     reference_avg_pool2d,
@@ -57,11 +61,25 @@ GEOMS = [
     ((3, 2, 10, 24), (2, 2), (2, 2), (0, 0)),
     ((1, 1, 7, 12), (2, 2), (2, 2), (0, 0)),  # f32 direct, Wo = 6, the last input row in no window
 ]
+# the argmax encodings' boundary: 127 window positions (int8, indices up to 126) and 128
+# (int32 flat index). Their pure-JAX references take 127-128 strided views, slow to compile
+# for every dtype: in the default set they run in f32 against the CPU kernels
+# (test_max_pool_f32_same_bits_as_cpu_kernel) and in the boundary sanitizer test; the
+# dtype x ties matrices take them under -m slow.
+BOUNDARY_GEOMS = [
+    ((2, 2, 3, 140), (1, 127), (1, 3), (0, 1)),  # int8, tiled
+    ((1, 2, 20, 40), (8, 16), (3, 5), (2, 3)),  # int32, tiled
+    ((1, 1, 3, 7001), (2, 64), (1, 1), (0, 0)),  # int32, rows too wide for 48 KB: untiled
+]
 
 
 def _gid(g):
     shape, k, s, p = g
     return f"{'x'.join(map(str, shape))}-k{k[0]}{k[1]}s{s[0]}{s[1]}p{p[0]}{p[1]}"
+
+
+BASE_GEOMS = list(GEOMS)
+GEOMS = BASE_GEOMS + [pytest.param(g, marks=pytest.mark.slow, id=_gid(g)) for g in BOUNDARY_GEOMS]
 
 
 def _geom(k, s, p):
@@ -112,7 +130,7 @@ def test_max_pool_forward_exact(g, ties, dtype):
     (x,) = _put(_x(shape, dtype, seed=len(shape) + k[0], ties=ties))
     y, am = jax.jit(lambda x: max_pool2d_fwd(x, **_geom(k, s, p)))(x)
     y_ref, am_ref = reference_max_pool2d(x, **_geom(k, s, p))
-    assert y.dtype == dtype and am.dtype == jnp.int32
+    assert y.dtype == dtype and am.dtype == am_ref.dtype == argmax_dtype(k)
     np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)), np.asarray(y_ref.astype(jnp.float32)))
     np.testing.assert_array_equal(np.asarray(am), np.asarray(am_ref))
 
@@ -206,13 +224,64 @@ def test_second_order_through_kernels():
 def test_bad_operands_raise():
     """The CUDA handlers refuse inconsistent calls with an error, not a crash."""
     geom = dict(kh=np.int64(2), kw=np.int64(2), sh=np.int64(2), sw=np.int64(2), ph=np.int64(0), pw=np.int64(0))
-    dy, am = _put(jnp.ones((1, 2, 3, 3), jnp.float32), jnp.zeros((1, 2, 3, 3), jnp.int32))
+    dy, am = _put(jnp.ones((1, 2, 3, 3), jnp.float32), jnp.zeros((1, 2, 3, 3), jnp.int8))
     bad_dx = (jax.ShapeDtypeStruct((1, 2, 9, 9), jnp.float32),)  # 9x9 pools to 4x4, not 3x3
     with pytest.raises(Exception, match="pooled dims"):
         jax.block_until_ready(jax.jit(lambda dy, am: jax.ffi.ffi_call("rlx_max_pool2d_bwd", bad_dx)(dy, am, **geom))(dy, am))
     with pytest.raises(Exception, match="stride"):
         jax.block_until_ready(jax.jit(lambda dy, am: jax.ffi.ffi_call("rlx_max_pool2d_bwd", bad_dx)(
             dy, am, **{**geom, "sh": np.int64(0)}))(dy, am))
+    # a 2x2 window saves an int8 window-local argmax: an int32 one is refused
+    (am32,) = _put(jnp.zeros((1, 2, 3, 3), jnp.int32))
+    good_dx = (jax.ShapeDtypeStruct((1, 2, 6, 6), jnp.float32),)
+    with pytest.raises(Exception, match="argmax must be i8"):
+        jax.block_until_ready(jax.jit(lambda dy, am: jax.ffi.ffi_call("rlx_max_pool2d_bwd", good_dx)(dy, am, **geom))(dy, am32))
+
+
+@pytest.mark.parametrize("g", BASE_GEOMS + BOUNDARY_GEOMS, ids=_gid)
+def test_max_pool_f32_same_bits_as_cpu_kernel(g):
+    """f32: y, argmax (its dtype by the window) and dx (max_pool2d_backward: forward +
+    backward kernels) equal the CPU kernels' bit for bit (same first maximum, same sums in
+    the same order), with ties."""
+    shape, k, s, p = g
+    geom = _geom(k, s, p)
+    if not rlx_jax._kernels.has_kernel("cpu", "rlx_max_pool2d_bwd"):
+        pytest.skip("no CPU kernel compiled: nothing to compare bits with")
+    x = _x(shape, jnp.float32, seed=31, ties=True)
+    ho, wo = (out_size(n, kk, ss, pp) for n, kk, ss, pp in zip(shape[-2:], k, s, p))
+    dy = _dy(shape[:-2] + (ho, wo), jnp.float32, seed=31)
+    fwd = jax.jit(lambda x: max_pool2d_fwd(x, **geom))
+    bwd = jax.jit(lambda x, dy: max_pool2d_backward(x, dy, **geom))
+    cpu = jax.devices("cpu")[0]
+    xc, dyc = jax.device_put(x, cpu), jax.device_put(dy, cpu)
+    (y, am), (yc, amc) = fwd(*_put(x)), fwd(xc)
+    assert am.dtype == amc.dtype == argmax_dtype(k)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(yc))
+    np.testing.assert_array_equal(np.asarray(am), np.asarray(amc))
+    np.testing.assert_array_equal(np.asarray(bwd(*_put(x, dy))), np.asarray(bwd(xc, dyc)))
+
+
+def test_max_pool_argmax_boundary_sanitizer_small():
+    """Windows of 127 positions (int8 argmax up to 126) and 128 (int32 flat argmax), tiled
+    kernels, ties, a -inf plane and windows reaching into the padding: argmax equal to the
+    reference, decoded to the same flat index, dx equal to the reference scatter (run
+    under memcheck / racecheck)."""
+    for shape, k, s, p in (((2, 2, 3, 133), (1, 127), (1, 2), (0, 1)), ((1, 2, 12, 20), (8, 16), (2, 3), (1, 2))):
+        geom = _geom(k, s, p)
+        x = _x(shape, jnp.float32, seed=41, ties=True).at[0, 0].set(-jnp.inf)
+        y_ref, am_ref = reference_max_pool2d(x, **geom)
+        dy = _dy(y_ref.shape, jnp.float32, seed=41)
+        x, dy = _put(x, dy)
+        y, am = jax.jit(lambda x: max_pool2d_fwd(x, **geom))(x)
+        assert am.dtype == argmax_dtype(k) == (jnp.int8 if k[0] * k[1] <= 127 else jnp.int32)
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))
+        np.testing.assert_array_equal(np.asarray(am), np.asarray(am_ref))
+        np.testing.assert_array_equal(np.asarray(flat_argmax(am, in_hw=shape[-2:], **geom)),
+                                      np.asarray(flat_argmax(am_ref, in_hw=shape[-2:], **geom)))
+        assert (np.asarray(am)[0, 0] == -1).all()
+        dx = jax.jit(lambda x, dy: max_pool2d_backward(x, dy, **geom))(x, dy)
+        (want,) = reference_max_pool2d_bwd(dy, am_ref, in_hw=shape[-2:], **geom)
+        _close(dx, want, jnp.float32, "dx")
 
 
 # ---- average pooling backward -------------------------------------------------------------

@@ -6,25 +6,26 @@
 // padding (ph, pw) on both sides; Ho = (H + 2 ph - kh) / sh + 1; window (i, j) covers
 // rows i*sh - ph + [0, kh) and columns j*sw - pw + [0, kw).
 //
-// rlx_max_pool2d_fwd: x -> y, argmax (i32), attrs kh kw sh sw ph pw (as on CPU):
-//   y = window max (padding -inf), argmax = flat in-plane index of the FIRST maximum in
-//   row-major window order (strictly greater than every earlier value, starting from
-//   -inf; NaN never wins), -1 when nothing exceeds -inf; y is then x[argmax] (or -inf).
+// rlx_max_pool2d_fwd: x -> y, argmax, attrs kh kw sh sw ph pw (as on CPU):
+//   y = window max (padding -inf), argmax = the FIRST maximum in row-major window order
+//   (strictly greater than every earlier value, starting from -inf; NaN never wins), -1
+//   when nothing exceeds -inf; y is then x[argmax] (or -inf). The argmax is window-local
+//   int8 (r - i*sh + ph) * kw + (c - j*sw + pw) where kh * kw <= 127 (one byte per output
+//   instead of four), else the i32 flat in-plane index r*W + c (pool::local_argmax).
 //   Same comparisons as the CPU kernel, so the same bits.
-// rlx_max_pool2d_bwd (CUDA contract): dy, argmax -> dx, WITH the geometry attrs
-//   kh kw sh sw ph pw (the CPU handler takes none: the Python side passes them on CUDA
-//   only). No scatter: each input element (h, w) walks the outputs whose windows cover
-//   it in increasing output order and adds dy where argmax equals its flat index
-//   h*W + w (f32 accumulation, written once): deterministic, no atomics, the same sums in
-//   the same order as the CPU kernel's scatter for every argmax the forward produces (an
-//   argmax always lies in its own window; an index outside its window, which the forward
-//   never writes, passes no gradient here).
+// rlx_max_pool2d_bwd: dy, argmax -> dx, with the geometry attrs kh kw sh sw ph pw (as on
+//   CPU). No scatter: each input element (h, w) walks the outputs whose windows cover
+//   it in increasing output order and adds dy where the argmax points at it (local: equals
+//   its place in that window; flat: equals h*W + w) (f32 accumulation, written once):
+//   deterministic, no atomics, the same sums in the same order as the CPU kernel's scatter
+//   for every argmax the forward produces (an argmax always lies in its own window; an
+//   index outside its window, which the forward never writes, passes no gradient here).
 // rlx_avg_pool2d_bwd: dy -> dx, attrs as on CPU: dx[h, w] = (sum over the covering
 //   windows i of (sum over the covering windows j of dy[i, j])) * (1 / (kh kw)), the
 //   CPU kernel's order of additions (count_include_pad), so f32 gives the same bits.
 //
 // Direct kernels (k3s2p1 and k2s2p0 windows on rows of whole 16-byte vectors, aligned
-// buffers): max forward and backward in every dtype, average backward in bf16 / f16; no
+// buffers; int8 argmax): max forward and backward in every dtype, average backward in bf16 / f16; no
 // shared memory, a thread walks 4 outputs (or the 8 input columns under them) down 4
 // output rows of a plane, window loops unrolled at compile time (see "direct kernels"
 // below). RLX_POOL_CUDA_DIRECT=0 turns them off (A/B timing).
@@ -32,7 +33,7 @@
 // Tiled kernels (every other geometry whose staged rows fit in shared memory). A block owns a
 // contiguous run of output rows (whole planes, or a band of rows of one plane); it first
 // copies the contiguous run of input rows those outputs read (dy, argmax or x) into
-// shared memory as f32 / i32 (8- or 16-byte loads, four per thread in flight), then:
+// shared memory as f32 / i32 (4-, 8- or 16-byte loads, four per thread in flight), then:
 // - avg backward and max forward are separable: a first pass reduces every staged row
 //   over each output column's window columns (sum; first maximum with its column) into
 //   shared memory, a second reduces those over each output row's window rows, reading
@@ -171,6 +172,7 @@ __device__ __forceinline__ void fill_colinfo(const TileArgs& a, int2* colinfo) {
 template <typename T> struct Vec4Raw;
 template <> struct Vec4Raw<float> { using type = uint4; };
 template <> struct Vec4Raw<int32_t> { using type = uint4; };
+template <> struct Vec4Raw<int8_t> { using type = uint32_t; };
 template <> struct Vec4Raw<__nv_bfloat16> { using type = uint2; };
 template <> struct Vec4Raw<__half> { using type = uint2; };
 
@@ -178,6 +180,16 @@ __device__ __forceinline__ float stage_val(float v) { return v; }
 __device__ __forceinline__ float stage_val(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float stage_val(__half v) { return __half2float(v); }
 __device__ __forceinline__ int32_t stage_val(int32_t v) { return v; }
+__device__ __forceinline__ int32_t stage_val(int8_t v) { return v; }
+
+// Four argmax indices stored at once (p aligned to 4 of them): 16 bytes of i32 or 4 of i8.
+__device__ __forceinline__ void store_arg4(int32_t* p, int32_t a, int32_t b, int32_t c, int32_t d) {
+  *reinterpret_cast<int4*>(p) = make_int4(a, b, c, d);
+}
+__device__ __forceinline__ void store_arg4(int8_t* p, int32_t a, int32_t b, int32_t c, int32_t d) {
+  *reinterpret_cast<uint32_t*>(p) =
+      (uint32_t(a) & 0xffu) | (uint32_t(b) & 0xffu) << 8 | (uint32_t(c) & 0xffu) << 16 | (uint32_t(d) & 0xffu) << 24;
+}
 
 __device__ __forceinline__ void store4(float* p, float a, float b, float c, float d) {
   *reinterpret_cast<float4*>(p) = make_float4(a, b, c, d);
@@ -369,19 +381,24 @@ __global__ void __launch_bounds__(kThreads) avg_bwd_tiled(const T* __restrict__ 
   }
 }
 
-// max pool backward: stage dy (f32) and argmax (i32) rows; each dx element (r, c) walks
-// the covering outputs (i, j) in increasing order and adds dy where argmax == r*W + c. A
-// vector of outputs in one row walks the union of its columns' covering ranges once and
-// tests each output's index against the argmax (an argmax lies in its own window, so a
-// match is always a covering output).
-template <typename T>
-__global__ void __launch_bounds__(kThreads) max_bwd_tiled(const T* __restrict__ dy, const int32_t* __restrict__ am,
+// max pool backward: stage dy (f32) and argmax (as i32) rows; each dx element (r, c) walks
+// the covering outputs (i, j) in increasing order and adds dy where the argmax is (r, c):
+// I = int32_t: argmax == r*W + c; I = int8_t (window-local): argmax == wr * kw + wc with
+// wr = r - i*sh + ph, wc = c - j*sw + pw (the element's place in window (i, j)). A vector
+// of outputs in one row walks the union of its columns' covering ranges once and tests
+// each output's index against the argmax (an argmax lies in its own window, so a match is
+// always a covering output; a local index matches column c + d only where c + d lies in
+// the window, so a value pointing at another row of the window never matches).
+template <typename T, typename I>
+__global__ void __launch_bounds__(kThreads) max_bwd_tiled(const T* __restrict__ dy, const I* __restrict__ am,
                                                           T* __restrict__ dx, TileArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   const SmemLayout sm = smem_layout(a, smem, 2, 0);
   constexpr int VEC = 16 / int(sizeof(T));
+  constexpr bool kLocal = sizeof(I) == 1;
   fill_colinfo(a, sm.colinfo);
   const int in_w = a.in_w, out_w = a.out_w;
+  const int kw = a.cm.k, sw = a.cm.s, pw = a.cm.p, sh = a.rm.s, ph = a.rm.p;
   for (int64_t u = blockIdx.x; u < a.units; u += gridDim.x) {
     __syncthreads();
     const Unit t = unit_setup(a, u, sm.rowinfo);
@@ -391,14 +408,21 @@ __global__ void __launch_bounds__(kThreads) max_bwd_tiled(const T* __restrict__ 
     auto one = [&](int R, int c) {
       const int4 ri = sm.rowinfo[R];
       const int2 ci = sm.colinfo[c];
-      const int32_t me = ri.w * out_w + c;
       const int off = t.shift + ri.x * in_w;
       const float* q = sm.stage + off;
       const int32_t* qa = sm.stage2 + off;
       float acc = 0.f;
-      for (int i = 0; i < ri.y; ++i, q += in_w, qa += in_w)
-        for (int j = ci.x; j < ci.y; ++j)
-          if (qa[j] == me) acc += q[j];
+      if constexpr (kLocal) {
+        int wr = ri.w + ph - ri.z * sh;  // window row of dx row r in output row ri.z + i
+        for (int i = 0; i < ri.y; ++i, q += in_w, qa += in_w, wr -= sh)
+          for (int j = ci.x; j < ci.y; ++j)
+            if (qa[j] == wr * kw + c + pw - j * sw) acc += q[j];
+      } else {
+        const int32_t me = ri.w * out_w + c;
+        for (int i = 0; i < ri.y; ++i, q += in_w, qa += in_w)
+          for (int j = ci.x; j < ci.y; ++j)
+            if (qa[j] == me) acc += q[j];
+      }
       return acc;
     };
     T* out = dx + t.out_base;
@@ -409,22 +433,37 @@ __global__ void __launch_bounds__(kThreads) max_bwd_tiled(const T* __restrict__ 
           if (c + VEC <= out_w) {
             const int4 ri = sm.rowinfo[R];
             const int j0 = sm.colinfo[c].x, j1 = sm.colinfo[c + VEC - 1].y;
-            const int32_t me = ri.w * out_w + c;
             const int off = t.shift + ri.x * in_w;
             const float* q = sm.stage + off;
             const int32_t* qa = sm.stage2 + off;
 #pragma unroll
             for (int k = 0; k < VEC; ++k) v[k] = 0.f;
-            for (int i = 0; i < ri.y; ++i, q += in_w, qa += in_w)
-              for (int j = j0; j < j1; ++j) {
-                const unsigned d = unsigned(qa[j] - me);
-                if (d < unsigned(VEC)) {
-                  const float x = q[j];
+            if constexpr (kLocal) {
+              int wr = ri.w + ph - ri.z * sh;
+              for (int i = 0; i < ri.y; ++i, q += in_w, qa += in_w, wr -= sh)
+                for (int j = j0; j < j1; ++j) {
+                  const int wc = c + pw - j * sw;  // window column of dx column c (may be outside)
+                  const int d = qa[j] - (wr * kw + wc);
+                  if (unsigned(d) < unsigned(VEC) && unsigned(wc + d) < unsigned(kw)) {
+                    const float x = q[j];
 #pragma unroll
-                  for (int k = 0; k < VEC; ++k)
-                    if (d == unsigned(k)) v[k] += x;
+                    for (int k = 0; k < VEC; ++k)
+                      if (d == k) v[k] += x;
+                  }
                 }
-              }
+            } else {
+              const int32_t me = ri.w * out_w + c;
+              for (int i = 0; i < ri.y; ++i, q += in_w, qa += in_w)
+                for (int j = j0; j < j1; ++j) {
+                  const unsigned d = unsigned(qa[j] - me);
+                  if (d < unsigned(VEC)) {
+                    const float x = q[j];
+#pragma unroll
+                    for (int k = 0; k < VEC; ++k)
+                      if (d == unsigned(k)) v[k] += x;
+                  }
+                }
+            }
           } else {
 #pragma unroll
             for (int k = 0; k < VEC; ++k) {
@@ -444,15 +483,20 @@ __global__ void __launch_bounds__(kThreads) max_bwd_tiled(const T* __restrict__ 
 // output column j, the first maximum over the window's columns (value, column); then per
 // output the first of those maxima over the window's rows, top to bottom, strictly
 // greater replacing: the row-major first maximum of the window (NaN never wins; -1 when
-// nothing exceeds -inf). y and argmax are written 4 at a time.
-template <typename T>
+// nothing exceeds -inf). y and argmax are written 4 at a time. I = int32_t: the flat
+// in-plane index; I = int8_t: the window-local one (the row pass keeps the column inside
+// the window, the column pass adds the window row times kw).
+template <typename T, typename I>
 __global__ void __launch_bounds__(kThreads) max_fwd_tiled(const T* __restrict__ x, T* __restrict__ y,
-                                                          int32_t* __restrict__ am, TileArgs a) {
+                                                          I* __restrict__ am, TileArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   const SmemLayout sm = smem_layout(a, smem, 1, 2);
+  constexpr bool kLocal = sizeof(I) == 1;
   fill_colinfo(a, sm.colinfo);
   const int in_w = a.in_w, out_w = a.out_w;
   const bool w4 = (out_w & 3) == 0;
+  // argmax of staged row (in-plane input row) rr for output row ro: rowbase(rr, ro) + column
+  auto rowbase = [&](int rr, int ro) { return kLocal ? (rr - ro * a.rm.s + a.rm.p) * a.cm.k : rr * in_w; };
   for (int64_t u = blockIdx.x; u < a.units; u += gridDim.x) {
     __syncthreads();
     const Unit t = unit_setup(a, u, sm.rowinfo);
@@ -471,7 +515,7 @@ __global__ void __launch_bounds__(kThreads) max_fwd_tiled(const T* __restrict__ 
         }
       }
       sm.aux[i * out_w + c] = best;
-      sm.aux2[i * out_w + c] = col;
+      sm.aux2[i * out_w + c] = kLocal && col >= 0 ? col - (c * a.cm.s - a.cm.p) : col;
     });
     __syncthreads();
     auto one = [&](int R, int c, float* best_out) {
@@ -483,19 +527,19 @@ __global__ void __launch_bounds__(kThreads) max_fwd_tiled(const T* __restrict__ 
         const float v = sm.aux[o];
         if (v > best) {
           best = v;
-          arg = (ri.z + i) * in_w + sm.aux2[o];
+          arg = rowbase(ri.z + i, ri.w) + sm.aux2[o];
         }
       }
       *best_out = best;
       return arg;
     };
     T* yo = y + t.out_base;
-    int32_t* ao = am + t.out_base;
+    I* ao = am + t.out_base;
     for_outputs<4>(
         t.out_base, t.n_out, out_w,
         [&](int e, int R, int c) {
           float b;
-          ao[e] = one(R, c, &b);
+          ao[e] = I(one(R, c, &b));
           yo[e] = from_f32<T>(b);
         },
         [&](int e, int R, int c) {
@@ -512,7 +556,7 @@ __global__ void __launch_bounds__(kThreads) max_fwd_tiled(const T* __restrict__ 
               const int o = (ri.x + i) * out_w + c;
               const float4 b4 = *reinterpret_cast<const float4*>(sm.aux + o);
               const int4 c4 = *reinterpret_cast<const int4*>(sm.aux2 + o);
-              const int rowoff = (ri.z + i) * in_w;
+              const int rowoff = rowbase(ri.z + i, ri.w);
               const float bv[4] = {b4.x, b4.y, b4.z, b4.w};
               const int32_t cv[4] = {c4.x, c4.y, c4.z, c4.w};
 #pragma unroll
@@ -533,7 +577,7 @@ __global__ void __launch_bounds__(kThreads) max_fwd_tiled(const T* __restrict__ 
             }
           }
           store_n<T, 4>(yo + e, v);
-          *reinterpret_cast<int4*>(ao + e) = make_int4(g[0], g[1], g[2], g[3]);
+          store_arg4(ao + e, g[0], g[1], g[2], g[3]);
         });
   }
 }
@@ -668,10 +712,11 @@ __device__ __forceinline__ bool direct_idx(unsigned ncv, unsigned nrb, unsigned 
 
 // Max forward: per input row the first maximum over each output's window columns (value,
 // column), then per output the first of those over the window rows, top to bottom; the
-// K - S rows two consecutive outputs share are reduced once.
+// K - S rows two consecutive outputs share are reduced once. The argmax is window-local
+// (int8: K * K <= 9): window row * K + window column.
 template <typename T, int K, int S, int P>
 __global__ void __launch_bounds__(kThreads) max_fwd_direct(const T* __restrict__ x, T* __restrict__ y,
-                                                           int32_t* __restrict__ am, int h, int w, int ho, int wo,
+                                                           int8_t* __restrict__ am, int h, int w, int ho, int wo,
                                                            unsigned ncv, unsigned nrb, unsigned total) {
   using D = Direct<T, K, S, P>;
   constexpr int V = D::V, CW = D::CW, LV = D::LV, LE = D::LE, RE = D::RE, NL = D::NL, RB = kDirectRows;
@@ -715,7 +760,7 @@ __global__ void __launch_bounds__(kThreads) max_fwd_direct(const T* __restrict__
         const float v = vals[LE + lc];
         if (v > best) {
           best = v;
-          col = c0 + lc;
+          col = b;  // the window column
         }
       }
       bv[k] = best;
@@ -749,7 +794,7 @@ __global__ void __launch_bounds__(kThreads) max_fwd_direct(const T* __restrict__
       for (int a = 0; a < K; ++a)
         if (rv[a][k] > best) {
           best = rv[a][k];
-          arg = (top + a) * w + rc[a][k];
+          arg = a * K + rc[a][k];
         }
       yv[k] = best;
       ag[k] = arg;
@@ -757,13 +802,13 @@ __global__ void __launch_bounds__(kThreads) max_fwd_direct(const T* __restrict__
     const int64_t o = (int64_t(d.p) * ho + i) * wo + j0;
     if ((wo & 3) == 0 && j0 + V <= wo) {
       store_n<T, V>(y + o, yv);
-      *reinterpret_cast<int4*>(am + o) = make_int4(ag[0], ag[1], ag[2], ag[3]);
+      store_arg4(am + o, ag[0], ag[1], ag[2], ag[3]);
     } else {
 #pragma unroll
       for (int k = 0; k < V; ++k)
         if (j0 + k < wo) {
           y[o + k] = from_f32<T>(yv[k]);
-          am[o + k] = ag[k];
+          am[o + k] = int8_t(ag[k]);
         }
     }
   }
@@ -771,10 +816,10 @@ __global__ void __launch_bounds__(kThreads) max_fwd_direct(const T* __restrict__
 
 // The outputs covering a backward thread's block of input: rows RB*rb + IL + [0, NI),
 // columns V*cv + JL + [0, NJ); dy as f32 (0 outside the pooled plane) and, for max, the
-// argmax (-1 outside). The thread's own V columns come as one vector where the pooled
+// window-local int8 argmax as i32 (-1 outside). The thread's own V columns come as one vector where the pooled
 // width is a multiple of 4 (aligned) and they lie inside it.
 template <typename T, int K, int S, int P, bool ARG>
-__device__ __forceinline__ void load_cover(const T* __restrict__ dyp, const int32_t* __restrict__ ap, int ho,
+__device__ __forceinline__ void load_cover(const T* __restrict__ dyp, const int8_t* __restrict__ ap, int ho,
                                            int wo, const DirectIdx& d,
                                            float (&g)[Direct<T, K, S, P>::NI][Direct<T, K, S, P>::NJ],
                                            int32_t (&m)[Direct<T, K, S, P>::NI][Direct<T, K, S, P>::NJ]) {
@@ -794,11 +839,9 @@ __device__ __forceinline__ void load_cover(const T* __restrict__ dyp, const int3
 #pragma unroll
       for (int k = 0; k < V; ++k) g[ii][k - JL] = to_f32(e[k]);
       if (ARG) {
-        const int4 a4 = __ldg(reinterpret_cast<const int4*>(ap + rowo + jv));
-        m[ii][-JL] = a4.x;
-        m[ii][1 - JL] = a4.y;
-        m[ii][2 - JL] = a4.z;
-        m[ii][3 - JL] = a4.w;
+        const uint32_t a4 = __ldg(reinterpret_cast<const unsigned int*>(ap + rowo + jv));
+#pragma unroll
+        for (int k = 0; k < V; ++k) m[ii][k - JL] = int32_t(int8_t(uint8_t(a4 >> (8 * k))));
       }
     }
 #pragma unroll
@@ -808,7 +851,7 @@ __device__ __forceinline__ void load_cover(const T* __restrict__ dyp, const int3
       const int j = jv + jr;
       const bool ok = iok && j >= 0 && j < wo;
       g[ii][jj] = ok ? to_f32(dyp[rowo + j]) : 0.f;
-      if (ARG) m[ii][jj] = ok ? __ldg(ap + rowo + j) : -1;
+      if (ARG) m[ii][jj] = ok ? int32_t(__ldg(reinterpret_cast<const signed char*>(ap) + rowo + j)) : -1;
     }
   }
 }
@@ -827,12 +870,14 @@ __device__ __forceinline__ void store_row(T* __restrict__ p, int c0, int w, cons
 }
 
 // Backward, MAX: dx[r, c] = sum of dy over the covering outputs, in increasing output
-// order, whose argmax is r*W + c (the tiled kernel's and the CPU scatter's sums).
+// order, whose argmax is (r, c) (the tiled kernel's and the CPU scatter's sums): the
+// window-local argmax of output (ii, jj) equals a * K + b, a and b the window row and
+// column that are (r, c), all compile-time constants here.
 // Average (!MAX, launched for 16-bit types): dx[r, c] = (sum over the covering output rows
 // of (sum over the covering output columns of dy)) * inv: the CPU kernel's order of
 // additions (outputs outside the pooled plane add +0, which changes no sum).
 template <typename T, int K, int S, int P, bool MAX>
-__global__ void __launch_bounds__(kThreads) bwd_direct(const T* __restrict__ dy, const int32_t* __restrict__ am,
+__global__ void __launch_bounds__(kThreads) bwd_direct(const T* __restrict__ dy, const int8_t* __restrict__ am,
                                                        T* __restrict__ dx, int h, int w, int ho, int wo,
                                                        unsigned ncv, unsigned nrb, unsigned total, float inv) {
   using D = Direct<T, K, S, P>;
@@ -853,19 +898,18 @@ __global__ void __launch_bounds__(kThreads) bwd_direct(const T* __restrict__ dy,
     if constexpr (MAX) {
 #pragma unroll
       for (int k = 0; k < CW; ++k) out[k] = 0.f;
-      const int base = r * w + c0;
 #pragma unroll
       for (int ii = 0; ii < NI; ++ii) {
         const int a = rr - (IL + ii) * S + P;  // the window row of output row ii that is r
         if (a < 0 || a >= K) continue;
 #pragma unroll
         for (int jj = 0; jj < NJ; ++jj) {
-          const int dd = m[ii][jj] - base;
+          const int32_t mm = m[ii][jj];
 #pragma unroll
           for (int b = 0; b < K; ++b) {
             const int lc = (JL + jj) * S - P + b;
             if (lc < 0 || lc >= CW) continue;
-            if (dd == lc) out[lc] += g[ii][jj];
+            if (mm == a * K + b) out[lc] += g[ii][jj];
           }
         }
       }
@@ -998,9 +1042,10 @@ struct Geom32 {
   int kh, kw, sh, sw, ph, pw;
 };
 
-template <typename T>
+// I = int32_t: flat in-plane argmax; I = int8_t: window-local.
+template <typename T, typename I>
 __global__ void __launch_bounds__(kThreads) max_fwd_untiled(const T* __restrict__ x, T* __restrict__ y,
-                                                           int32_t* __restrict__ am, int64_t planes, int h, int w,
+                                                           I* __restrict__ am, int64_t planes, int h, int w,
                                                            int ho, int wo, Geom32 g, int row_tiles) {
   const int j = blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= wo) return;  // no barriers below
@@ -1009,7 +1054,7 @@ __global__ void __launch_bounds__(kThreads) max_fwd_untiled(const T* __restrict_
   for (int64_t p = blockIdx.z; p < planes; p += gridDim.z) {
     const T* xp = x + p * int64_t(h) * w;
     T* yp = y + p * int64_t(ho) * wo;
-    int32_t* ap = am + p * int64_t(ho) * wo;
+    I* ap = am + p * int64_t(ho) * wo;
     for (int rt = blockIdx.y; rt < row_tiles; rt += gridDim.y) {
       const int i_begin = (rt * int(blockDim.y) + int(threadIdx.y)) * kRows;
       const int i_end = i_begin + kRows < ho ? i_begin + kRows : ho;
@@ -1018,6 +1063,7 @@ __global__ void __launch_bounds__(kThreads) max_fwd_untiled(const T* __restrict_
         const int r0 = rs > 0 ? rs : 0, r1 = rs + g.kh < h ? rs + g.kh : h;
         float best = -INFINITY;
         int64_t arg = -1;
+        int loc = -1;
         for (int r = r0; r < r1; ++r) {
           const T* row = xp + int64_t(r) * w;
           for (int c = c0; c < c1; ++c) {
@@ -1025,19 +1071,20 @@ __global__ void __launch_bounds__(kThreads) max_fwd_untiled(const T* __restrict_
             if (v > best) {
               best = v;
               arg = int64_t(r) * w + c;
+              loc = (r - rs) * g.kw + (c - cs);
             }
           }
         }
         const int64_t o = int64_t(i) * wo + j;
         yp[o] = arg >= 0 ? xp[arg] : from_f32<T>(best);
-        ap[o] = int32_t(arg);
+        ap[o] = sizeof(I) == 1 ? I(loc) : I(arg);
       }
     }
   }
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads) max_bwd_untiled(const T* __restrict__ dy, const int32_t* __restrict__ am,
+template <typename T, typename I>
+__global__ void __launch_bounds__(kThreads) max_bwd_untiled(const T* __restrict__ dy, const I* __restrict__ am,
                                                            T* __restrict__ dx, int64_t planes, int h, int w, int ho,
                                                            int wo, Geom32 g, int row_tiles) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
@@ -1047,7 +1094,7 @@ __global__ void __launch_bounds__(kThreads) max_bwd_untiled(const T* __restrict_
   const int j0 = cc.lo(), j1 = cc.hi();
   for (int64_t p = blockIdx.z; p < planes; p += gridDim.z) {
     const T* dyp = dy + p * int64_t(ho) * wo;
-    const int32_t* ap = am + p * int64_t(ho) * wo;
+    const I* ap = am + p * int64_t(ho) * wo;
     T* dxp = dx + p * int64_t(h) * w;
     for (int rt = blockIdx.y; rt < row_tiles; rt += gridDim.y) {
       const int r_begin = (rt * int(blockDim.y) + int(threadIdx.y)) * kRows;
@@ -1057,13 +1104,23 @@ __global__ void __launch_bounds__(kThreads) max_bwd_untiled(const T* __restrict_
       for (int r = r_begin; r < r_end; ++r) {
         if (r > r_begin) rc.advance(r);
         const int i0 = rc.lo(), i1 = rc.hi();
-        const int32_t me = int32_t(int64_t(r) * w + c);
         float acc = 0.f;
-        for (int i = i0; i < i1; ++i)
-          for (int j = j0; j < j1; ++j) {
-            const int64_t o = int64_t(i) * wo + j;
-            if (__ldg(ap + o) == me) acc += to_f32(dyp[o]);
+        if constexpr (sizeof(I) == 1) {  // window-local: (r - i*sh + ph) * kw + (c - j*sw + pw)
+          for (int i = i0; i < i1; ++i) {
+            const int base = (r - i * g.sh + g.ph) * g.kw + c + g.pw;
+            for (int j = j0; j < j1; ++j) {
+              const int64_t o = int64_t(i) * wo + j;
+              if (int(__ldg(ap + o)) == base - j * g.sw) acc += to_f32(dyp[o]);
+            }
           }
+        } else {
+          const int32_t me = int32_t(int64_t(r) * w + c);
+          for (int i = i0; i < i1; ++i)
+            for (int j = j0; j < j1; ++j) {
+              const int64_t o = int64_t(i) * wo + j;
+              if (__ldg(ap + o) == me) acc += to_f32(dyp[o]);
+            }
+        }
         dxp[int64_t(r) * w + c] = from_f32<T>(acc);
       }
     }
@@ -1135,7 +1192,7 @@ TilePlan plan_backward(const PlaneView& v, int64_t ho, int64_t wo, const Geom& g
 ffi::Error MaxPoolFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                           ffi::Result<ffi::AnyBuffer> argmax, int64_t kh, int64_t kw, int64_t sh, int64_t sw,
                           int64_t ph, int64_t pw) {
-  PoolShape s;
+  PoolShape s{};
   const Geom g{kh, kw, sh, sw, ph, pw};
   if (auto e = pool::check_max_fwd(x, *y, *argmax, g, &s); e.failure()) return e;
   const PlaneView v = s.v;
@@ -1151,24 +1208,36 @@ ffi::Error MaxPoolFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi
                        aligned16(argmax->untyped_data());
   const bool tiled = plan.ok && !force_untiled() && aligned;
   const int dk = force_untiled() ? 0 : direct_kind(g);
+  const bool local = pool::local_argmax(g);  // the direct geometries (k <= 3) are always local
   bool ok = dispatch(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
     const T* xp = static_cast<const T*>(x.untyped_data());
     T* yp = static_cast<T*>(y->untyped_data());
-    int32_t* ap = static_cast<int32_t*>(argmax->untyped_data());
-    const DirectGrid dg = direct_plan<T>(dk, aligned, v.w, v.planes, ho, kDirectRows, wo, Direct<T, 3, 2, 1>::V);
-    if (dg.ok) {
-      with_direct_geom(dk, [&](auto K, auto P) {
-        max_fwd_direct<T, decltype(K)::value, 2, decltype(P)::value><<<dg.blocks, kThreads, 0, stream>>>(
-            xp, yp, ap, int(v.h), int(v.w), int(ho), int(wo), dg.ncv, dg.nrb, dg.total);
-      });
-    } else if (tiled) {
-      max_fwd_tiled<T><<<plan.grid, kThreads, plan.smem, stream>>>(xp, yp, ap, plan.args);
-    } else {
-      const Launch l = launch_for(v.planes, ho, wo);
-      max_fwd_untiled<T><<<l.grid, l.block, 0, stream>>>(xp, yp, ap, v.planes, int(v.h), int(v.w), int(ho), int(wo),
-                                                          geom32(g), l.row_tiles);
-    }
+    auto run = [&](auto* ap) {
+      using I = std::remove_pointer_t<decltype(ap)>;
+      const DirectGrid dg = direct_plan<T>(std::is_same_v<I, int8_t> ? dk : 0, aligned, v.w, v.planes, ho,
+                                           kDirectRows, wo, Direct<T, 3, 2, 1>::V);
+      if constexpr (std::is_same_v<I, int8_t>) {
+        if (dg.ok) {
+          with_direct_geom(dk, [&](auto K, auto P) {
+            max_fwd_direct<T, decltype(K)::value, 2, decltype(P)::value><<<dg.blocks, kThreads, 0, stream>>>(
+                xp, yp, ap, int(v.h), int(v.w), int(ho), int(wo), dg.ncv, dg.nrb, dg.total);
+          });
+          return;
+        }
+      }
+      if (tiled) {
+        max_fwd_tiled<T, I><<<plan.grid, kThreads, plan.smem, stream>>>(xp, yp, ap, plan.args);
+      } else {
+        const Launch l = launch_for(v.planes, ho, wo);
+        max_fwd_untiled<T, I><<<l.grid, l.block, 0, stream>>>(xp, yp, ap, v.planes, int(v.h), int(v.w), int(ho),
+                                                               int(wo), geom32(g), l.row_tiles);
+      }
+    };
+    if (local)
+      run(static_cast<int8_t*>(argmax->untyped_data()));
+    else
+      run(static_cast<int32_t*>(argmax->untyped_data()));
   });
   if (!ok) return invalid("max_pool2d (cuda): unsupported dtype " + dtype_name(x.element_type()));
   return check_launch("max_pool2d (cuda) forward launch");
@@ -1177,17 +1246,11 @@ ffi::Error MaxPoolFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi
 ffi::Error MaxPoolBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer argmax,
                           ffi::Result<ffi::AnyBuffer> dx, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t ph,
                           int64_t pw) {
+  PoolShape s{};
   const Geom g{kh, kw, sh, sw, ph, pw};
-  if (argmax.element_type() != ffi::DataType::S32 || !same_dims(dy, argmax))
-    return invalid("max_pool2d backward: argmax must be i32 shaped like dy");
-  if (dx->element_type() != dy.element_type()) return invalid("max_pool2d backward: dx dtype must match dy");
-  if (auto e = check_geom("max_pool2d backward", g); e.failure()) return e;
-  if (auto e = check_pair("max_pool2d backward", *dx, dy, g); e.failure()) return e;
-  const PlaneView v = plane_view(*dx);
-  if (v.h * v.w > int64_t(std::numeric_limits<int32_t>::max()))
-    return invalid("max_pool2d backward: a plane of more than 2^31 - 1 elements does not fit an i32 argmax");
-  auto dd = dy.dimensions();
-  const int64_t ho = dd[dd.size() - 2], wo = dd[dd.size() - 1];
+  if (auto e = pool::check_max_bwd(dy, argmax, *dx, g, &s); e.failure()) return e;
+  const PlaneView v = s.v;
+  const int64_t ho = s.ho, wo = s.wo;
   if (v.planes == 0 || v.h == 0 || v.w == 0) return ffi::Error::Success();
   if (auto e = check_extents("max_pool2d backward", v, ho, wo, g); e.failure()) return e;
   const TilePlan plan = plan_backward(v, ho, wo, g, 8, 0);
@@ -1195,25 +1258,36 @@ ffi::Error MaxPoolBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer
                        aligned16(dx->untyped_data());
   const bool tiled = plan.ok && !force_untiled() && aligned;
   const int dk = force_untiled() ? 0 : direct_kind(g);
+  const bool local = pool::local_argmax(g);
   bool ok = dispatch(dy.element_type(), [&](auto tag) {
     using T = decltype(tag);
     const T* dyp = static_cast<const T*>(dy.untyped_data());
-    const int32_t* ap = static_cast<const int32_t*>(argmax.untyped_data());
     T* dxp = static_cast<T*>(dx->untyped_data());
-    const DirectGrid dg =
-        direct_plan<T>(dk, aligned, v.w, v.planes, v.h, kDirectRows * 2, v.w, Direct<T, 3, 2, 1>::CW);
-    if (dg.ok) {
-      with_direct_geom(dk, [&](auto K, auto P) {
-        bwd_direct<T, decltype(K)::value, 2, decltype(P)::value, true><<<dg.blocks, kThreads, 0, stream>>>(
-            dyp, ap, dxp, int(v.h), int(v.w), int(ho), int(wo), dg.ncv, dg.nrb, dg.total, 0.f);
-      });
-    } else if (tiled) {
-      max_bwd_tiled<T><<<plan.grid, kThreads, plan.smem, stream>>>(dyp, ap, dxp, plan.args);
-    } else {
-      const Launch l = launch_for(v.planes, v.h, v.w);
-      max_bwd_untiled<T><<<l.grid, l.block, 0, stream>>>(dyp, ap, dxp, v.planes, int(v.h), int(v.w), int(ho),
-                                                          int(wo), geom32(g), l.row_tiles);
-    }
+    auto run = [&](const auto* ap) {
+      using I = std::remove_cv_t<std::remove_pointer_t<decltype(ap)>>;
+      const DirectGrid dg = direct_plan<T>(std::is_same_v<I, int8_t> ? dk : 0, aligned, v.w, v.planes, v.h,
+                                           kDirectRows * 2, v.w, Direct<T, 3, 2, 1>::CW);
+      if constexpr (std::is_same_v<I, int8_t>) {
+        if (dg.ok) {
+          with_direct_geom(dk, [&](auto K, auto P) {
+            bwd_direct<T, decltype(K)::value, 2, decltype(P)::value, true><<<dg.blocks, kThreads, 0, stream>>>(
+                dyp, ap, dxp, int(v.h), int(v.w), int(ho), int(wo), dg.ncv, dg.nrb, dg.total, 0.f);
+          });
+          return;
+        }
+      }
+      if (tiled) {
+        max_bwd_tiled<T, I><<<plan.grid, kThreads, plan.smem, stream>>>(dyp, ap, dxp, plan.args);
+      } else {
+        const Launch l = launch_for(v.planes, v.h, v.w);
+        max_bwd_untiled<T, I><<<l.grid, l.block, 0, stream>>>(dyp, ap, dxp, v.planes, int(v.h), int(v.w), int(ho),
+                                                               int(wo), geom32(g), l.row_tiles);
+      }
+    };
+    if (local)
+      run(static_cast<const int8_t*>(argmax.untyped_data()));
+    else
+      run(static_cast<const int32_t*>(argmax.untyped_data()));
   });
   if (!ok) return invalid("max_pool2d backward (cuda): unsupported dtype " + dtype_name(dy.element_type()));
   return check_launch("max_pool2d (cuda) backward launch");
@@ -1221,7 +1295,7 @@ ffi::Error MaxPoolBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer
 
 ffi::Error AvgPoolBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dx, int64_t kh,
                           int64_t kw, int64_t sh, int64_t sw, int64_t ph, int64_t pw) {
-  PoolShape s;
+  PoolShape s{};
   const Geom g{kh, kw, sh, sw, ph, pw};
   if (auto e = pool::check_avg_bwd(dy, *dx, g, &s); e.failure()) return e;
   const PlaneView v = s.v;

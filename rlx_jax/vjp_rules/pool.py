@@ -5,25 +5,32 @@ kernel (kh, kw), stride (sh, sw), padding (ph, pw) on both sides;
 y [..., Ho, Wo] with Ho = (H + 2 ph - kh) // sh + 1 (Wo likewise). Window (i, j) covers
 input rows i*sh - ph ... i*sh - ph + kh - 1 (and the same for columns).
 
-Max: padding is -inf. The forward saves, per output, the flat index (h * W + w) in its
-plane of the window's FIRST maximum in row-major window order (a later equal value does
-not replace it: RLX's tie-break), or -1 when no element of the window exceeds -inf (a
-window entirely in the padding, or all -inf). The backward scatters each dy to its
-saved index (windows with index -1 pass no gradient):
-    dx[p, a] = sum over outputs o of plane p with argmax[p, o] = a of dy[p, o].
+Max: padding is -inf. The forward saves, per output, the position of the window's FIRST
+maximum in row-major window order (a later equal value does not replace it: RLX's
+tie-break), or -1 when no element of the window exceeds -inf (a window entirely in the
+padding, or all -inf). The saved index (``argmax``) is
+- window-local int8 where kh * kw <= 127: a = (h - i*sh + ph) * kw + (w - j*sw + pw), the
+  maximum's place inside its own window (padding positions counted), so the index costs
+  one byte per output instead of four;
+- else the int32 flat in-plane index h * W + w.
+``argmax_dtype(kernel_size)`` says which; ``flat_argmax`` decodes either to the flat index
+(-1 kept). The backward scatters each dy to its decoded index (windows with index -1 pass
+no gradient):
+    dx[p, a] = sum over outputs o of plane p with flat(argmax[p, o]) = a of dy[p, o].
 
 Mean: RLX's Pool{Mean} divides every window by kh * kw, padded cells included
 (``count_include_pad=True``; padding is zero). It is linear:
     y[i, j] = sum_{window} x / (kh kw),   dx[h, w] = sum_{windows containing (h, w)} dy / (kh kw).
 
 Primitives (each lowers to its FFI kernel where registered, else to its reference):
-- ``max_pool2d_fwd``: x -> (y, argmax int32)                      [rlx_max_pool2d_fwd]
-- ``max_pool2d_tangent``: (tx, argmax) -> ty = tx gathered at argmax (linear in tx;
-  its transpose is the backward)
+- ``max_pool2d_fwd``: x -> (y, argmax int8 | int32)               [rlx_max_pool2d_fwd]
+- ``max_pool2d_tangent``: (tx, argmax) -> ty = tx gathered at the decoded argmax (linear
+  in tx; its transpose is the backward)
 - ``max_pool2d_bwd``: (dy, argmax) -> dx (linear in dy; transpose: the tangent)
                                                                    [rlx_max_pool2d_bwd]
-  (the CUDA kernel gathers per input element over the windows covering it, so its call
-  also carries the window geometry; an argmax always lies in its own window)
+  (its call carries the window geometry on both platforms: the kernels decode the
+  window-local index with it; the CUDA kernel gathers per input element over the windows
+  covering it, an argmax always lying in its own window)
 - ``avg_pool2d_fwd``: x -> y (linear; XLA's reduce_window; transpose: the backward)
 - ``avg_pool2d_bwd``: dy -> dx (linear; transpose: the forward)    [rlx_avg_pool2d_bwd]
   (on CUDA the kernel, except f32 with non-overlapping windows: XLA's code, faster there)
@@ -66,19 +73,47 @@ def _windows(x, kernel_size, stride, padding, fill):
     cols = np.arange(wo) * sw - pw
     for a in range(kh):
         for b in range(kw):
-            views.append(xp[..., a : a + (ho - 1) * sh + 1 : sh, b : b + (wo - 1) * sw + 1 : sw])
+            views.append(xp[..., a::sh, b::sw][..., :ho, :wo])  # ho or wo may be 0
             r, c = rows[:, None] + a, cols[None, :] + b
             inside = (r >= 0) & (r < h) & (c >= 0) & (c < w)
             index.append(np.where(inside, r * w + c, -1))
     return jnp.stack(views), np.stack(index).astype(np.int32)
 
 
+def argmax_dtype(kernel_size):
+    """The saved argmax's dtype: int8 (window-local index) where the window has at most
+    127 positions, else int32 (flat in-plane index)."""
+    kh, kw = kernel_size
+    return jnp.int8 if kh * kw <= 127 else jnp.int32
+
+
+def flat_argmax(argmax, *, kernel_size, stride, padding, in_hw):
+    """The flat in-plane index h * W + w (int32; -1 kept) of a saved argmax [..., Ho, Wo].
+    int32 argmax is flat already; an int8 window-local a of output (i, j) is
+    h = i*sh - ph + a // kw, w = j*sw - pw + a % kw. An index outside its window or its
+    plane (which the forward never writes) decodes to -1 (no gradient), as in the kernels."""
+    if argmax.dtype != jnp.int8:
+        return argmax.astype(jnp.int32)
+    (kh, kw), (sh, sw), (ph, pw) = kernel_size, stride, padding
+    h, w = in_hw
+    ho, wo = argmax.shape[-2:]
+    a = argmax.astype(jnp.int32)
+    r = (np.arange(ho, dtype=np.int32) * sh - ph)[:, None] + a // kw
+    c = (np.arange(wo, dtype=np.int32) * sw - pw)[None, :] + a % kw
+    ok = (a >= 0) & (a < kh * kw) & (r >= 0) & (r < h) & (c >= 0) & (c < w)
+    return jnp.where(ok, r * w + c, -1).astype(jnp.int32)
+
+
 def reference_max_pool2d(x, *, kernel_size, stride, padding):
-    """(y, argmax): y = window max (-inf padding), argmax = flat in-plane index of the
-    first maximum (strictly greater than -inf), else -1."""
+    """(y, argmax): y = window max (-inf padding); argmax = the first maximum (strictly
+    greater than -inf) as its window-local position (int8, kh * kw <= 127) or its flat
+    in-plane index (int32), else -1."""
     views, index = _windows(x, kernel_size, stride, padding, -jnp.inf)
     y = jnp.max(views, axis=0)
-    first = jnp.argmax(views, axis=0)  # first occurrence of the maximum
+    first = jnp.argmax(views, axis=0)  # first occurrence of the maximum: its window position
+    dtype = argmax_dtype(kernel_size)
+    if dtype == jnp.int8:
+        return y, jnp.where(y > -jnp.inf, first, -1).astype(jnp.int8)
     index = index.reshape((index.shape[0],) + (1,) * (y.ndim - 2) + index.shape[1:])
     idx = jnp.take_along_axis(jnp.broadcast_to(index, (index.shape[0],) + y.shape), first[None], 0)[0]
     argmax = jnp.where(y > -jnp.inf, idx, -1).astype(jnp.int32)
@@ -86,23 +121,26 @@ def reference_max_pool2d(x, *, kernel_size, stride, padding):
 
 
 def reference_max_pool2d_tangent(tx, argmax, *, kernel_size, stride, padding):
-    """ty[p, o] = tx[p, argmax[p, o]] (0 where argmax is -1)."""
+    """ty[p, o] = tx[p, flat(argmax[p, o])] (0 where argmax is -1)."""
     h, w = tx.shape[-2:]
+    am = flat_argmax(argmax, kernel_size=kernel_size, stride=stride, padding=padding, in_hw=(h, w))
     flat = tx.reshape(tx.shape[:-2] + (h * w,))
-    am = argmax.reshape(argmax.shape[:-2] + (argmax.shape[-2] * argmax.shape[-1],))
+    am = am.reshape(am.shape[:-2] + (am.shape[-2] * am.shape[-1],))
     picked = jnp.take_along_axis(flat, jnp.clip(am, 0, max(h * w - 1, 0)), axis=-1, mode="clip")
     ty = jnp.where(am >= 0, picked, jnp.zeros((), tx.dtype))
     return (ty.reshape(argmax.shape),)
 
 
 def reference_max_pool2d_bwd(dy, argmax, *, kernel_size, stride, padding, in_hw):
-    """dx[p, a] = sum of dy[p, o] over outputs o with argmax[p, o] = a (f32 accumulation)."""
+    """dx[p, a] = sum of dy[p, o] over outputs o with flat(argmax[p, o]) = a (f32
+    accumulation)."""
     h, w = in_hw
     lead = dy.shape[:-2]
     planes = int(np.prod(lead, dtype=np.int64))
     n_out = dy.shape[-2] * dy.shape[-1]
     d = dy.reshape((planes, n_out)).astype(_acc(dy.dtype))
-    am = argmax.reshape((planes, n_out))
+    am = flat_argmax(argmax, kernel_size=kernel_size, stride=stride, padding=padding, in_hw=in_hw)
+    am = am.reshape((planes, n_out))
     am = jnp.where(am >= 0, am, h * w)  # -1 -> out of range, dropped
     rows = jnp.broadcast_to(jnp.arange(planes)[:, None], am.shape)
     dx = jnp.zeros((planes, h * w), d.dtype).at[rows, am].add(d, mode="drop")
@@ -140,18 +178,14 @@ def _kernel_max_fwd(x, *, kernel_size, stride, padding):
     h, w = x.shape[-2:]
     ho, wo = (out_size(n, k, s, p) for n, k, s, p in zip((h, w), kernel_size, stride, padding))
     shape = x.shape[:-2] + (ho, wo)
-    out = (jax.ShapeDtypeStruct(shape, x.dtype), jax.ShapeDtypeStruct(shape, jnp.int32))
+    out = (jax.ShapeDtypeStruct(shape, x.dtype), jax.ShapeDtypeStruct(shape, argmax_dtype(kernel_size)))
     return jax.ffi.ffi_call("rlx_max_pool2d_fwd", out)(x, **_geom(kernel_size, stride, padding))
 
 
 def _kernel_max_bwd(dy, argmax, *, kernel_size, stride, padding, in_hw):
-    out = (jax.ShapeDtypeStruct(dy.shape[:-2] + tuple(in_hw), dy.dtype),)
-    return jax.ffi.ffi_call("rlx_max_pool2d_bwd", out)(dy, argmax)
-
-
-def _kernel_max_bwd_cuda(dy, argmax, *, kernel_size, stride, padding, in_hw):
-    """The CUDA backward gathers per input element over the windows covering it (no
-    scatter, no atomics), so it takes the window geometry too (see ffi/cuda/pool.cu)."""
+    """dy, argmax and the window geometry on both platforms (the kernels decode the
+    window-local index with it; the CUDA one also gathers per input element over the
+    windows covering it: no scatter, no atomics; see ffi/cuda/pool.cu)."""
     out = (jax.ShapeDtypeStruct(dy.shape[:-2] + tuple(in_hw), dy.dtype),)
     return jax.ffi.ffi_call("rlx_max_pool2d_bwd", out)(dy, argmax, **_geom(kernel_size, stride, padding))
 
@@ -195,7 +229,7 @@ max_pool2d_fwd = FusedPrimitive(
 max_pool2d_tangent = FusedPrimitive("rlx_max_pool2d_tangent", reference_max_pool2d_tangent)
 max_pool2d_bwd = FusedPrimitive(
     "rlx_max_pool2d_bwd", reference_max_pool2d_bwd, target="rlx_max_pool2d_bwd",
-    kernel={"cpu": _kernel_max_bwd, "cuda": _kernel_max_bwd_cuda}, platforms=("cpu", "cuda"), partition=_PARTITION,
+    kernel=_kernel_max_bwd, platforms=("cpu", "cuda"), partition=_PARTITION,
 )
 avg_pool2d_fwd = FusedPrimitive("rlx_avg_pool2d_fwd", reference_avg_pool2d)
 # avg pool backward: the same call (dy and the geometry attributes) on CPU and CUDA; on CUDA
