@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "host_common.h"
 #include "xla/ffi/api/ffi.h"
@@ -20,6 +21,19 @@ namespace ffi = xla::ffi;
 struct Geom {
   int64_t kh, kw, sh, sw, ph, pw;
 };
+
+// Adds the six window-geometry attributes every pooling handler takes to an FFI binding, in
+// the order of the handlers' parameters: kh, kw, sh, sw, ph, pw.
+template <typename Binding>
+auto bind_geometry(Binding&& b) {
+  return std::forward<Binding>(b)
+      .template Attr<int64_t>("kh")
+      .template Attr<int64_t>("kw")
+      .template Attr<int64_t>("sh")
+      .template Attr<int64_t>("sw")
+      .template Attr<int64_t>("ph")
+      .template Attr<int64_t>("pw");
+}
 
 // The buffer seen as `planes` planes of h x w (the last two axes).
 struct PlaneView {

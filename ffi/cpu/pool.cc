@@ -241,42 +241,27 @@ ffi::Error AvgPoolBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::Result<f
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxMaxPool2dFwd, MaxPoolFwdImpl,
-                              ffi::Ffi::Bind()
+                              pool::bind_geometry(ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // x
                                   .Ret<ffi::AnyBuffer>()  // y
                                   .Ret<ffi::AnyBuffer>()  // argmax
-                                  .Attr<int64_t>("kh")
-                                  .Attr<int64_t>("kw")
-                                  .Attr<int64_t>("sh")
-                                  .Attr<int64_t>("sw")
-                                  .Attr<int64_t>("ph")
-                                  .Attr<int64_t>("pw"));
+                              ));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxMaxPool2dBwd, MaxPoolBwdImpl,
-                              ffi::Ffi::Bind()
+                              pool::bind_geometry(ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // dy
                                   .Arg<ffi::AnyBuffer>()  // argmax
                                   .Ret<ffi::AnyBuffer>()  // dx
-                                  .Attr<int64_t>("kh")
-                                  .Attr<int64_t>("kw")
-                                  .Attr<int64_t>("sh")
-                                  .Attr<int64_t>("sw")
-                                  .Attr<int64_t>("ph")
-                                  .Attr<int64_t>("pw"));
+                              ));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAvgPool2dBwd, AvgPoolBwdImpl,
-                              ffi::Ffi::Bind()
+                              pool::bind_geometry(ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // dy
                                   .Ret<ffi::AnyBuffer>()  // dx
-                                  .Attr<int64_t>("kh")
-                                  .Attr<int64_t>("kw")
-                                  .Attr<int64_t>("sh")
-                                  .Attr<int64_t>("sw")
-                                  .Attr<int64_t>("ph")
-                                  .Attr<int64_t>("pw"));
+                              ));
 
 RLX_REGISTER_HANDLER("rlx_max_pool2d_fwd", RlxMaxPool2dFwd);
 RLX_REGISTER_HANDLER("rlx_max_pool2d_bwd", RlxMaxPool2dBwd);

@@ -1341,44 +1341,29 @@ ffi::Error AvgPoolBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::Result<ff
 // Command-buffer compatible: kernel launches on XLA's stream only, launch shapes from the
 // buffer shapes and the geometry attributes.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxMaxPool2dFwdCuda, MaxPoolFwdImpl,
-                              ffi::Ffi::Bind()
+                              pool::bind_geometry(ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()  // x
                                   .Ret<ffi::AnyBuffer>()  // y
                                   .Ret<ffi::AnyBuffer>()  // argmax
-                                  .Attr<int64_t>("kh")
-                                  .Attr<int64_t>("kw")
-                                  .Attr<int64_t>("sh")
-                                  .Attr<int64_t>("sw")
-                                  .Attr<int64_t>("ph")
-                                  .Attr<int64_t>("pw"),
+                              ),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxMaxPool2dBwdCuda, MaxPoolBwdImpl,
-                              ffi::Ffi::Bind()
+                              pool::bind_geometry(ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()  // dy
                                   .Arg<ffi::AnyBuffer>()  // argmax
                                   .Ret<ffi::AnyBuffer>()  // dx
-                                  .Attr<int64_t>("kh")
-                                  .Attr<int64_t>("kw")
-                                  .Attr<int64_t>("sh")
-                                  .Attr<int64_t>("sw")
-                                  .Attr<int64_t>("ph")
-                                  .Attr<int64_t>("pw"),
+                              ),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAvgPool2dBwdCuda, AvgPoolBwdImpl,
-                              ffi::Ffi::Bind()
+                              pool::bind_geometry(ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()  // dy
                                   .Ret<ffi::AnyBuffer>()  // dx
-                                  .Attr<int64_t>("kh")
-                                  .Attr<int64_t>("kw")
-                                  .Attr<int64_t>("sh")
-                                  .Attr<int64_t>("sw")
-                                  .Attr<int64_t>("ph")
-                                  .Attr<int64_t>("pw"),
+                              ),
                               {ffi::Traits::kCmdBufferCompatible});
 
 RLX_CUDA_REGISTER_HANDLER("rlx_max_pool2d_fwd", RlxMaxPool2dFwdCuda);
