@@ -498,8 +498,9 @@ def test_wgmma_forward(variant):
     import subprocess
     import sys
 
-    env = dict(os.environ, RLX_ATTENTION_CUDA_WGMMA=variant,
-               RLX_ATTENTION_CUDA_WGMMA_REQUIRE="1" if variant != "0" else "0")
+    # the require flag in both children: it also turns on the launch log, so the "0" child's
+    # check that no wgmma kernel launched can fail (with mode 0 the wgmma branch is never entered)
+    env = dict(os.environ, RLX_ATTENTION_CUDA_WGMMA=variant, RLX_ATTENTION_CUDA_WGMMA_REQUIRE="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "-c", _WGMMA_CHILD], cwd=root, env=env, capture_output=True, text=True,
                        timeout=400)
