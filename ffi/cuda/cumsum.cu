@@ -67,14 +67,17 @@ Chunks cumsum_chunks(int64_t o, int64_t l, int64_t i) {
 // Columns (I > 1) take the chained column scan (col_chain_k) where strips of 256 bytes fit
 // and there are at least kColChainMinStrips of them (with fewer, its chains are too few and
 // too long); they need 16-byte aligned buffers too, which only the handler knows.
-constexpr int64_t kColChainRowsH = 256, kColChainMinStripsH = 32;
+// (one definition for the host checks and the kernel: col_chain_k's tiles are kColChainRows
+// scan positions tall)
+constexpr int kColChainRows = 256;
+constexpr int kColChainMinStrips = 32;
 bool col_chain_fits(int64_t o, int64_t i, int64_t elem_bytes) {
   const int64_t cw = 256 / elem_bytes;
-  return elem_bytes <= 4 && i % cw == 0 && o * (i / cw) >= kColChainMinStripsH;
+  return elem_bytes <= 4 && i % cw == 0 && o * (i / cw) >= kColChainMinStrips;
 }
 // Tiles of a row in the chained scan (chain_scan_k: kChainTileBytes / elem_bytes elements).
-constexpr int64_t kChainTile = 65536;
-int64_t chain_tiles(int64_t l, int64_t elem_bytes) { return ceil_div(l, kChainTile / elem_bytes); }
+constexpr int kChainTileBytes = 65536;
+int64_t chain_tiles(int64_t l, int64_t elem_bytes) { return ceil_div(l, kChainTileBytes / elem_bytes); }
 // The formula of the Python side: O * I * C where C > 1, else 1; rows (I == 1) of f32 /
 // bf16 / f16 that are chunked also hold the chained scan's slots and counter
 // (2 * O * tiles + 1 four-byte words), whichever is more.
@@ -82,7 +85,7 @@ int64_t cumsum_scratch_size(int64_t o, int64_t l, int64_t i, int64_t elem_bytes)
   const Chunks c = cumsum_chunks(o, l, i);
   if (c.n <= 1) return 1;
   if (i == 1 && elem_bytes <= 4) return std::max(o * c.n, 2 * o * chain_tiles(l, elem_bytes) + 1);
-  if (col_chain_fits(o, i, elem_bytes)) return std::max(o * i * c.n, 2 * o * i * ceil_div(l, kColChainRowsH) + 1);
+  if (col_chain_fits(o, i, elem_bytes)) return std::max(o * i * c.n, 2 * o * i * ceil_div(l, kColChainRows) + 1);
   return o * i * c.n;
 }
 
@@ -443,7 +446,6 @@ __global__ void __launch_bounds__(256) col_strip_k(const T* __restrict__ x, T* _
 // prefix, each sum in an order fixed by the shape (no look-back over partial aggregates):
 // bitwise reproducible. Reads x once, writes y once. The slots and the counter live in
 // the scratch result and are zeroed on XLA's stream before each launch.
-constexpr int kChainTileBytes = 65536;
 template <typename T, bool REV>
 __global__ void __launch_bounds__(256, 3) chain_scan_k(const T* __restrict__ x, T* __restrict__ y,
                                                        unsigned long long* __restrict__ slots,
@@ -547,8 +549,6 @@ __global__ void __launch_bounds__(256, 3) chain_scan_k(const T* __restrict__ x, 
 // and every thread writes its 16 outputs per column. Every sum in an order fixed by the
 // shape: bitwise reproducible. x read once, y written once; warp accesses are 2 rows x 256
 // contiguous bytes.
-constexpr int kColChainRows = 256;
-constexpr int kColChainMinStrips = 32;
 template <typename T, bool REV>
 __global__ void __launch_bounds__(256, 3) col_chain_k(const T* __restrict__ x, T* __restrict__ y,
                                                       unsigned long long* __restrict__ slots,
@@ -757,7 +757,6 @@ inline bool chain_off() {
 template <typename T>
 ffi::Error launch_chain(cudaStream_t stream, const T* x, T* y, void* scr, int64_t O, int64_t L, bool exclusive,
                         bool reverse) {
-  static_assert(kChainTile == kChainTileBytes, "one tile size");
   const int64_t tiles = O * chain_tiles(L, sizeof(T));
   if (tiles > INT32_MAX || tiles >= (int64_t(1) << 32)) return invalid("cumsum (cuda): too many tiles");
   unsigned long long* slots = static_cast<unsigned long long*>(scr);
@@ -781,7 +780,6 @@ inline bool col_chain_off() {
 template <typename T>
 ffi::Error launch_col_chain(cudaStream_t stream, const T* x, T* y, void* scr, int64_t O, int64_t L, int64_t I,
                             bool exclusive, bool reverse) {
-  static_assert(kColChainRowsH == kColChainRows && kColChainMinStripsH == kColChainMinStrips, "one geometry");
   constexpr int64_t cw = 256 / int64_t(sizeof(T));
   const int64_t strips_per_o = I / cw, nstrips = O * strips_per_o;
   const int64_t tiles = nstrips * ceil_div(L, kColChainRows);
