@@ -452,6 +452,9 @@ WGMMA_CASES = [
     (2, 300, 300, 2, 2, 128, jnp.bfloat16, dict(kind="none", dlse=True)),
     (1, 401, 129, 4, 2, 128, jnp.float16, dict(kind="none", scale=0.05)),
     (1, 520, 520, 2, 1, 128, jnp.bfloat16, dict(kind="causal", seed=3)),
+    # for the wgmma dk / dv (128-key blocks of 2 x 64): Sq >> Sk and Sk >> Sq causal
+    (1, 700, 64, 2, 1, 128, jnp.bfloat16, dict(kind="causal", seed=5)),
+    (1, 64, 700, 2, 2, 128, jnp.float16, dict(kind="causal", dlse=True, seed=6)),
 ]
 
 _WGMMA_CHILD = """
@@ -492,26 +495,36 @@ print("child ok")
 """
 
 
-@pytest.mark.parametrize("variant", ["2", "0"])
+# The same child runs the wgmma dk / dv backward (attention_wgmma_bwd.cuh; RLX_ATTENTION_CUDA_WGMMA_BWD,
+# read once per process: 0 = the mma.sync dkdv, 2 = wgmma at both head dims (3: its variant without
+# the MMA / softmax overlap, A/B only); unset: wgmma at D 128)
+# for the same cases: "fwd-bwd" = the two switches; "0-2" checks the wgmma dk / dv against the
+# mma.sync forward's out / lse. The backward's launch log ("attention backward: wgmma dkdv") is
+# checked like the forward's.
+@pytest.mark.parametrize("variant", ["2-2", "0-0", "0-2"])
 def test_wgmma_forward(variant):
     import os
     import subprocess
     import sys
 
-    # the require flag in both children: it also turns on the launch log, so the "0" child's
+    fwd, bwd = variant.split("-")
+    # the require flag in every child: it also turns on the launch log, so the "0" children's
     # check that no wgmma kernel launched can fail (with mode 0 the wgmma branch is never entered)
-    env = dict(os.environ, RLX_ATTENTION_CUDA_WGMMA=variant, RLX_ATTENTION_CUDA_WGMMA_REQUIRE="1")
+    env = dict(os.environ, RLX_ATTENTION_CUDA_WGMMA=fwd, RLX_ATTENTION_CUDA_WGMMA_BWD=bwd,
+               RLX_ATTENTION_CUDA_WGMMA_REQUIRE="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "-c", _WGMMA_CHILD], cwd=root, env=env, capture_output=True, text=True,
                        timeout=400)
     assert r.returncode == 0 and "child ok" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
     # with the require flag the module names each wgmma kernel on its first launch (stderr): the
-    # path taken, not only the values, is checked; the "0" child must not reach it
-    tiles = {"2": ("D=64 BC=128 NWG=2\n", "D=128 BC=128 NWG=2\n")}
-    launched = [ln + "\n" for ln in r.stderr.splitlines() if "attention forward: wgmma" in ln]
-    if variant == "0":
-        assert not launched, launched
-    else:
-        for t in tiles[variant]:
-            assert any(t in ln for ln in launched), (t, launched, r.stderr[-2000:])
+    # path taken, not only the values, is checked; the "0" children must not reach it
+    tiles = {"fwd": ("D=64 BC=128 NWG=2\n", "D=128 BC=128 NWG=2\n"),
+             "bwd": ("D=64 BK=128 NWG=2 OVL=1\n", "D=128 BK=128 NWG=2 OVL=1\n")}
+    for which, mode, tag in (("fwd", fwd, "attention forward: wgmma"), ("bwd", bwd, "attention backward: wgmma dkdv")):
+        launched = [ln + "\n" for ln in r.stderr.splitlines() if tag in ln]
+        if mode == "0":
+            assert not launched, (which, launched)
+        else:
+            for t in tiles[which]:
+                assert any(t in ln for ln in launched), (which, t, launched, r.stderr[-2000:])
 

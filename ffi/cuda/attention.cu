@@ -26,6 +26,7 @@
 
 #include "cuda/attention_mma.cuh"
 #include "cuda/attention_wgmma.cuh"
+#include "cuda/attention_wgmma_bwd.cuh"
 
 namespace rlx {
 namespace cuda {
@@ -128,6 +129,20 @@ int attn_wgmma_mode(int64_t d) {
   if (env >= 0) return env;
   return d == 128 ? 2 : 0;
 }
+// wgmma dk / dv backward kernel (attention_wgmma_bwd.cuh) for the same PLAIN cases (scale > 0, no
+// softcap, bias or key mask, mask kind none or causal; dq stays on its mma.sync kernel).
+// RLX_ATTENTION_CUDA_WGMMA_BWD (read once per process; the A/B and the tests set it): 0 = the
+// mma.sync dkdv; 2 = the wgmma dkdv at both head dims; 3 = its variant without the overlap (OVL
+// false: one wait for S^T and dP^T, one for dV and dK), both head dims; unset (or another value):
+// wgmma at D 128, mma.sync at D 64.
+int attn_wgmma_bwd_mode(int64_t d) {
+  static const int env = env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '0')   ? 0
+                         : env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '2') ? 2
+                         : env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '3') ? 3
+                                                                                : -1;
+  if (env >= 0) return env;
+  return d == 128 ? 2 : 0;
+}
 bool attn_wgmma_required() {
   static const bool on = env_starts_with("RLX_ATTENTION_CUDA_WGMMA_REQUIRE", '1');
   return on;
@@ -158,13 +173,20 @@ bool wgmma_available(int device) {
 }
 
 // With RLX_ATTENTION_CUDA_WGMMA_REQUIRE=1 (tests): one stderr line per wgmma kernel on its first
-// launch in the process, so that a test sees which forward ran.
-void log_wgmma_kernel(const void* kernel, int d, int bc, int nwg) {
+// launch in the process, so that a test sees which forward / backward ran: "rlx attention forward:
+// wgmma kernel D=.. BC=.. NWG=.." or "rlx attention backward: wgmma dkdv kernel D=.. BK=.. NWG=.. OVL=.."
+// (bwd_ovl >= 0: the backward kernel with its OVL flag).
+void log_wgmma_kernel(const void* kernel, int d, int bc, int nwg, int bwd_ovl = -1) {
   static std::mutex mu;
   static std::map<const void*, bool> seen;
   std::lock_guard<std::mutex> lock(mu);
-  if (seen.emplace(kernel, true).second)
-    std::fprintf(stderr, "rlx attention forward: wgmma kernel D=%d BC=%d NWG=%d\n", d, bc, nwg);
+  if (seen.emplace(kernel, true).second) {
+    if (bwd_ovl >= 0)
+      std::fprintf(stderr, "rlx attention backward: wgmma dkdv kernel D=%d BK=%d NWG=%d OVL=%d\n", d, bc, nwg,
+                   bwd_ovl);
+    else
+      std::fprintf(stderr, "rlx attention forward: wgmma kernel D=%d BC=%d NWG=%d\n", d, bc, nwg);
+  }
 }
 
 constexpr int64_t kMaxGrid = 2147483647;
@@ -318,6 +340,43 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
       // (Run 7 of benchmarks/results/attention_h200_2026-11-22.txt: 1-4 % faster than AR = 0 in
       // all 8 cases of its A/B.)
       const bool km = a.mask != nullptr, plain = a.softcap == 0.f && bias == nullptr;
+      // wgmma dk / dv (attention_wgmma_bwd.cuh) for the PLAIN cases without a key mask, mask kind
+      // none or causal; dq on the PLAIN mma.sync kernel (MASK false, the AR of pick below)
+      const int wg_bwd = attn_wgmma_bwd_mode(a.D);
+      if (!km && plain && a.scale > 0.f && a.kind <= 1 && wg_bwd != 0 && a.Sq < (int64_t(1) << 30) &&
+          a.Sk < (int64_t(1) << 30)) {
+        if (wgmma_available(info.device)) {
+          auto run_wg = [&](auto dkdv, size_t smem_kv, auto dqk, size_t smem_q) -> ffi::Error {
+            const int64_t kbw = (a.Sk + attn::kWgBwdKeys - 1) / attn::kWgBwdKeys * a.Hkv * a.B;
+            if (attn_wgmma_required())
+              log_wgmma_kernel(reinterpret_cast<const void*>(dkdv), int(a.D), attn::kWgBwdKeys, 2, wg_bwd == 3 ? 0 : 1);
+            if (auto e = prepare(info.device, dkdv, smem_kv, "attention backward"); e.failure()) return e;
+            if (auto e = prepare(info.device, dqk, smem_q, "attention backward"); e.failure()) return e;
+            if (kbw > 0) {
+              dkdv<<<unsigned(kbw), attn::kWgBwdThreads, smem_kv, stream>>>(a, q, k, v, dout, lse, delta, dk, dv);
+              if (auto e = check_launch("attention backward (wgmma dk dv)"); e.failure()) return e;
+            }
+            if (qb > 0) {
+              dqk<<<unsigned(qb), attn::kMmaThreads, smem_q, stream>>>(a, q, k, v, dout, lse, delta, bias, dq);
+              if (auto e = check_launch("attention backward (mma dq)"); e.failure()) return e;
+            }
+            return ffi::Error::Success();
+          };
+          // ptxas sm_90a: see attention_wgmma_bwd.cuh and the results file (run 11)
+          if (a.D == 64)
+            return wg_bwd == 3 ? run_wg(attn::wgmma_dkdv_kernel<T, 64, false>, attn::wg_dkdv_smem<64>(),
+                                        attn::mma_dq_kernel<T, 64, false, true, 1>, attn::mma_dq_smem<64>())
+                               : run_wg(attn::wgmma_dkdv_kernel<T, 64, true>, attn::wg_dkdv_smem<64>(),
+                                        attn::mma_dq_kernel<T, 64, false, true, 1>, attn::mma_dq_smem<64>());
+          return wg_bwd == 3 ? run_wg(attn::wgmma_dkdv_kernel<T, 128, false>, attn::wg_dkdv_smem<128>(),
+                                      attn::mma_dq_kernel<T, 128, false, true, 1>, attn::mma_dq_smem<128>())
+                             : run_wg(attn::wgmma_dkdv_kernel<T, 128, true>, attn::wg_dkdv_smem<128>(),
+                                      attn::mma_dq_kernel<T, 128, false, true, 1>, attn::mma_dq_smem<128>());
+        }
+        if (attn_wgmma_required())
+          return invalid("attention backward (cuda): RLX_ATTENTION_CUDA_WGMMA_REQUIRE=1 but the loaded kernel image "
+                         "has no wgmma (sm_90a) code for this device");
+      }
       auto pick = [&](auto mask_tag, auto plain_tag) -> ffi::Error {
         constexpr bool M = decltype(mask_tag)::value, P = decltype(plain_tag)::value;
         constexpr int kDq64 = M ? (P ? 2 : 0) : 1;

@@ -84,6 +84,13 @@ __device__ __forceinline__ void wg_wait0() {
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #endif
 }
+// waits until at most N committed wgmma groups of this warpgroup are pending
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+#if RLX_ATTN_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+#endif
+}
 // shared memory written through the generic proxy (cp.async, st.shared) -> visible to wgmma
 __device__ __forceinline__ void fence_proxy_async() {
 #if RLX_ATTN_WGMMA
@@ -97,6 +104,16 @@ __device__ __forceinline__ void wg_fence_regs(float (&d)[N][4]) {
   for (int i = 0; i < N; ++i)
 #pragma unroll
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
+}
+
+// keeps register A fragments live and unmoved until this point (after the wait that completes the
+// wgmma reading them: the compiler does not know the MMA reads them asynchronously)
+template <int N>
+__device__ __forceinline__ void wg_fence_afrag(uint32_t (&r)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(r[i][e])::"memory");
 }
 
 // D[64 x N] (+)= A B: ss = A and B from shared memory (descriptors, K-major, no transpose);

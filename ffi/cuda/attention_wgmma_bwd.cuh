@@ -1,0 +1,234 @@
+// Attention backward dk / dv on Hopper warpgroup MMA (wgmma, sm_90a only), bf16 / f16, head dims
+// 64 and 128, the PLAIN cases (scale > 0, no softcap, bias or key mask), mask kind none or causal.
+// dq keeps its mma.sync kernel (attention_mma.cuh), and every other case keeps mma_dkdv_kernel,
+// which is also the fallback when the loaded image has no sm_90a code (wgmma_available,
+// attention.cu) or RLX_ATTENTION_CUDA_WGMMA_BWD=0.
+//
+// Block = 2 warpgroups (256 threads) over 128 keys of one kv head; warpgroup w owns keys
+// [64 w, 64 w + 64) of the block, warp i of it 16 keys (the accumulator rows). K and V of the
+// block are loaded once; the block loops over the query heads of its GQA group and the query tiles
+// of 64 rows that see its keys (causal: from the tile of the block's first key on, bottom-right
+// aligned as everywhere), Q and dO tiles double buffered by cp.async, lse (log2 units) and delta =
+// rowsum(dO * O) - dlse of the tile's queries staged in shared memory. All tiles are in the
+// 128-byte-swizzle K-major layout of attention_wgmma.cuh ([D / 64][rows][64], chunk c of row r at
+// c ^ (r & 7)). Per warpgroup and query tile (the maths of mma_dkdv_kernel's PLAIN path):
+//   S^T  = K_w Q^T    wgmma m64n64k16, A = K rows of the warpgroup (smem), B = Q (smem, K-major)
+//   dP^T = V_w dO^T   wgmma m64n64k16, A = V rows, B = dO
+//   P^T  = ex2(S^T * scale * log2 e - lse_q log2 e); dS^T = P^T (dP^T - delta_q) (causal: zero
+//          where key > query + off, only in the warps the diagonal crosses)
+//   dV  += P^T dO     wgmma m64n<D>k16, A = P^T from registers (the C fragment of two adjacent n8
+//                     blocks is the A fragment of one k16 step, as P in the forward), B = dO
+//                     MN-major (transpose bit: queries are the K dimension), 4 k-steps
+//   dK  += dS^T Q     the same with dS^T and Q; dk = scale * dK at the end.
+// Query rows past Sq load as zeros with lse = +inf (P = 0); keys past Sk only feed accumulator rows
+// that are never written, so neither needs masking. No atomics: each block writes its own dk / dv
+// rows once. Each wgmma batch is committed and waited (wait_group 0) before its registers are
+// touched; the other warpgroup of the block gives the overlap.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/attention_wgmma.cuh"
+
+namespace rlx {
+namespace cuda {
+namespace attn {
+
+constexpr int kWgBwdKeys = 128, kWgBwdRows = 64, kWgBwdThreads = 256;
+
+// Shared memory of wgmma_dkdv_kernel: K and V [128 x D], Q and dO double buffered [2][64 x D],
+// lse and delta [2][64] f32 each, plus 1024 bytes to align the swizzle atoms.
+template <int D>
+constexpr size_t wg_dkdv_smem() {
+  return size_t(2) * D * (2 * kWgBwdKeys + 4 * kWgBwdRows) + sizeof(float) * 4 * kWgBwdRows + 1024;
+}
+
+// Grid: one block per (128-key tile, kv head, batch), key tiles in increasing order (causal: the
+// heaviest first).
+template <typename T, int D, bool OVL>
+__global__ void __launch_bounds__(kWgBwdThreads, 1)
+    wgmma_dkdv_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                      const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                      T* __restrict__ dk, T* __restrict__ dv) {
+#if RLX_ATTN_WGMMA
+  static_assert(D % 64 == 0, "wgmma_dkdv_kernel: head dim");
+  constexpr int BK = kWgBwdKeys, BQ = kWgBwdRows, NT = kWgBwdThreads;
+  extern __shared__ __align__(1024) uint8_t wg_smem[];
+  const uint32_t pad = (1024u - (smem_addr(wg_smem) & 1023u)) & 1023u;
+  T* Ks = reinterpret_cast<T*>(wg_smem + pad);  // [D / 64][BK][64]
+  T* Vs = Ks + BK * D;                            // [D / 64][BK][64]
+  T* Qs = Vs + BK * D;                            // [2][D / 64][BQ][64]
+  T* Gs = Qs + 2 * BQ * D;                        // dO, [2][D / 64][BQ][64]
+  float* Ls = reinterpret_cast<float*>(Gs + 2 * BQ * D);  // [2][BQ], log2 units
+  float* Dl = Ls + 2 * BQ;                                 // [2][BQ]
+  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int g = lane >> 2, tq = lane & 3;
+  const int64_t nkt = (a.Sk + BK - 1) / BK;
+  int64_t blk = blockIdx.x;
+  const int64_t kt = blk % nkt;
+  blk /= nkt;
+  const int64_t hk = blk % a.Hkv, b = blk / a.Hkv;
+  const int64_t k0 = kt * BK;
+  // 32-bit positions inside the sequences (the launcher serves Sq, Sk < 2^30 only)
+  const int kw0 = int(k0) + 64 * wg;  // this warpgroup's keys [kw0, kw0 + 64)
+  const int jw = kw0 + 16 * warp;     // this warp's; thread keys jw + g, jw + g + 8
+  const int off = int(a.off), sq = int(a.Sq);
+  const int64_t q_rs = a.H * D, kv_rs = a.Hkv * D;
+  wg_load_tile<T, D, BK, NT>(Ks, k + (b * a.Sk * a.Hkv + hk) * D, kv_rs, k0, a.Sk);
+  wg_load_tile<T, D, BK, NT>(Vs, v + (b * a.Sk * a.Hkv + hk) * D, kv_rs, k0, a.Sk);
+  // query tiles that see these keys: causal, query i sees key j iff j <= i + off
+  int qbeg = 0;
+  if (a.kind != 0) qbeg = max(0, int(k0) - off);
+  qbeg = qbeg / BQ * BQ;
+  const int nq = sq > qbeg ? (sq - qbeg + BQ - 1) / BQ : 0;
+  const int iters = nq * int(a.group);
+  auto stage = [&](int it, int bf) {
+    const int64_t h = hk * a.group + it / nq, i0 = qbeg + (it % nq) * BQ;
+    wg_load_tile<T, D, BQ, NT>(Qs + bf * BQ * D, q + (b * a.Sq * a.H + h) * D, q_rs, i0, a.Sq);
+    wg_load_tile<T, D, BQ, NT>(Gs + bf * BQ * D, dout + (b * a.Sq * a.H + h) * D, q_rs, i0, a.Sq);
+    if (threadIdx.x < BQ) {
+      const int64_t i = i0 + threadIdx.x;
+      float L = INFINITY, dl = 0.f;
+      if (i < a.Sq) {
+        L = lse[(b * a.H + h) * a.Sq + i];
+        if (L == -INFINITY) L = INFINITY;  // dead row: P = 0
+        dl = delta[(b * a.H + h) * a.Sq + i];
+      }
+      Ls[bf * BQ + threadIdx.x] = L * kLog2e;
+      Dl[bf * BQ + threadIdx.x] = dl;
+    }
+  };
+  if (iters > 0) stage(0, 0);
+  cp_async_commit();
+  const float c2 = a.scale * kLog2e;  // raw score -> log2 units
+  float dka[D / 8][4], dva[D / 8][4];
+  zero(dka);
+  zero(dva);
+  // A operands: this warpgroup's 64 rows of K / V (the column halves BK * 128 bytes apart)
+  const uint64_t kdsc = wg_desc(smem_addr(Ks) + uint32_t(wg * 64 * 128), 16, 1024);
+  const uint64_t vdsc = wg_desc(smem_addr(Vs) + uint32_t(wg * 64 * 128), 16, 1024);
+  const bool wg_live = kw0 < a.Sk;  // warpgroup-uniform
+  int buf = 0;
+  for (int it = 0, i0 = qbeg; it < iters; ++it, buf ^= 1, i0 = i0 + BQ < sq ? i0 + BQ : qbeg) {
+    cp_async_wait_all();
+    fence_proxy_async();  // this thread's cp.async data -> the async proxy (wgmma)
+    __syncthreads();      // every thread's tiles landed; both warpgroups done with buf ^ 1
+    if (it + 1 < iters) stage(it + 1, buf ^ 1);
+    cp_async_commit();
+    // warpgroup-uniform: no key of the warpgroup, or no query of the tile sees one (causal)
+    if (!wg_live || (a.kind != 0 && kw0 > i0 + BQ - 1 + off)) continue;
+    const uint32_t qaddr = smem_addr(Qs + buf * BQ * D), gaddr = smem_addr(Gs + buf * BQ * D);
+    float st[8][4], dpt[8][4];
+    const uint64_t qd = wg_desc(qaddr, 16, 1024), gd = wg_desc(gaddr, 16, 1024);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)  // k-step kk: column half kk / 4, 16 columns = 32 bytes in
+      wgmma_ss<T, 64>(st, kdsc, qd, uint64_t(((kk >> 2) * BK * 128 + (kk & 3) * 32) >> 4),
+                      uint64_t(((kk >> 2) * BQ * 128 + (kk & 3) * 32) >> 4), kk > 0);
+    if constexpr (OVL) wg_commit();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma_ss<T, 64>(dpt, vdsc, gd, uint64_t(((kk >> 2) * BK * 128 + (kk & 3) * 32) >> 4),
+                      uint64_t(((kk >> 2) * BQ * 128 + (kk & 3) * 32) >> 4), kk > 0);
+    wg_commit();
+    const float* Lb = Ls + buf * BQ;
+    const float* Db = Dl + buf * BQ;
+    // warp-uniform: the causal diagonal crosses this warp's 16 keys x the tile's 64 queries
+    const bool need = a.kind != 0 && jw + 15 > i0 + off;
+    // dO / Q as MN-major B: 8-query groups 1024 bytes apart (SBO), the D / 64 column halves
+    // BQ * 128 bytes apart (LBO); k-step kk = queries [16 kk, 16 kk + 16)
+    const uint64_t gdt = wg_desc(gaddr, BQ * 128, 1024), qdt = wg_desc(qaddr, BQ * 128, 1024);
+    uint32_t pa[4][4], da[4][4];
+    if constexpr (OVL) {
+      // S^T done (dP^T may still run): P^T, then dV += P^T dO issued while dS^T is computed
+      wg_wait<1>();
+      wg_fence_regs(st);
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int ic = nt * 8 + 2 * tq + (e & 1);
+          const float p = ex2(fmaf(st[nt][e], c2, -Lb[ic]));
+          const bool vis = !need || jw + g + 8 * (e >> 1) <= i0 + ic + off;
+          st[nt][e] = vis ? p : 0.f;
+        }
+        // n8 block nt is half of the A fragment of k-step nt / 2 (queries 16 (nt / 2) ..)
+        pa[nt >> 1][(nt & 1) * 2 + 0] = pack2<T>(st[nt][0], st[nt][1]);
+        pa[nt >> 1][(nt & 1) * 2 + 1] = pack2<T>(st[nt][2], st[nt][3]);
+      }
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < BQ / 16; ++kk) wgmma_rs<T, D>(dva, pa[kk], gdt, uint64_t(kk * 16 * 128 >> 4), 1);
+      wg_commit();
+      wg_wait<1>();  // dP^T done (dV may still run)
+      wg_fence_regs(dpt);
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        float de[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int ic = nt * 8 + 2 * tq + (e & 1);
+          const bool vis = !need || jw + g + 8 * (e >> 1) <= i0 + ic + off;
+          de[e] = vis ? st[nt][e] * (dpt[nt][e] - Db[ic]) : 0.f;
+        }
+        da[nt >> 1][(nt & 1) * 2 + 0] = pack2<T>(de[0], de[1]);
+        da[nt >> 1][(nt & 1) * 2 + 1] = pack2<T>(de[2], de[3]);
+      }
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < BQ / 16; ++kk) wgmma_rs<T, D>(dka, da[kk], qdt, uint64_t(kk * 16 * 128 >> 4), 1);
+    } else {
+      wg_wait0();
+      wg_fence_regs(st);
+      wg_fence_regs(dpt);
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        float pe[4], de[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int ic = nt * 8 + 2 * tq + (e & 1);
+          const float p = ex2(fmaf(st[nt][e], c2, -Lb[ic]));
+          const float ds = p * (dpt[nt][e] - Db[ic]);
+          const bool vis = !need || jw + g + 8 * (e >> 1) <= i0 + ic + off;
+          pe[e] = vis ? p : 0.f;
+          de[e] = vis ? ds : 0.f;
+        }
+        pa[nt >> 1][(nt & 1) * 2 + 0] = pack2<T>(pe[0], pe[1]);
+        pa[nt >> 1][(nt & 1) * 2 + 1] = pack2<T>(pe[2], pe[3]);
+        da[nt >> 1][(nt & 1) * 2 + 0] = pack2<T>(de[0], de[1]);
+        da[nt >> 1][(nt & 1) * 2 + 1] = pack2<T>(de[2], de[3]);
+      }
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < BQ / 16; ++kk) wgmma_rs<T, D>(dva, pa[kk], gdt, uint64_t(kk * 16 * 128 >> 4), 1);
+#pragma unroll
+      for (int kk = 0; kk < BQ / 16; ++kk) wgmma_rs<T, D>(dka, da[kk], qdt, uint64_t(kk * 16 * 128 >> 4), 1);
+    }
+    wg_commit();
+    wg_wait0();
+    wg_fence_regs(dva);
+    wg_fence_regs(dka);
+    wg_fence_afrag(pa);  // dV (OVL: in flight until the wait above) read pa; dK da
+    wg_fence_afrag(da);
+  }
+  cp_async_wait_all();
+  const int64_t kv_b = (b * a.Sk) * a.Hkv + hk;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t j = jw + g + 8 * r;
+    if (j >= a.Sk) continue;
+    T* dkr = dk + (kv_b + j * a.Hkv) * D;
+    T* dvr = dv + (kv_b + j * a.Hkv) * D;
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+      *reinterpret_cast<uint32_t*>(dkr + nt * 8 + 2 * tq) =
+          pack2<T>(dka[nt][2 * r] * a.scale, dka[nt][2 * r + 1] * a.scale);
+      *reinterpret_cast<uint32_t*>(dvr + nt * 8 + 2 * tq) = pack2<T>(dva[nt][2 * r], dva[nt][2 * r + 1]);
+    }
+  }
+#endif
+}
+
+}  // namespace attn
+}  // namespace cuda
+}  // namespace rlx
