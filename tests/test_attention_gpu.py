@@ -496,12 +496,15 @@ print("child ok")
 
 
 # The same child runs the wgmma dk / dv backward (attention_wgmma_bwd.cuh; RLX_ATTENTION_CUDA_WGMMA_BWD,
-# read once per process: 0 = the mma.sync dkdv, 2 = wgmma at both head dims (3: its variant without
-# the MMA / softmax overlap, A/B only); unset: wgmma at D 128)
-# for the same cases: "fwd-bwd" = the two switches; "0-2" checks the wgmma dk / dv against the
-# mma.sync forward's out / lse. The backward's launch log ("attention backward: wgmma dkdv") is
-# checked like the forward's.
-@pytest.mark.parametrize("variant", ["2-2", "0-0", "0-2"])
+# read once per process: 0 = the mma.sync dkdv, 2 = wgmma (OVL) at both head dims, 3 = the variant
+# without the MMA / softmax overlap, 4 = that and the wgmma dq; unset: see attention.cu)
+# for the same cases: "fwd-bwd" = the two switches ("2": the OVL wgmma dk / dv, "3": the plain one,
+# both with the mma.sync dq; "4": the plain dk / dv and the wgmma dq; "5" (= the default): the OVL
+# dk / dv and the wgmma dq at D 128, the plain dk / dv and the mma.sync dq at D 64);
+# "0-2" / "0-3" check the wgmma dk / dv against the mma.sync forward's out / lse. The backward's
+# launch log ("attention backward: wgmma dkdv ... OVL=.." / "wgmma dq") is checked like the
+# forward's.
+@pytest.mark.parametrize("variant", ["2-2", "0-0", "0-2", "0-3", "2-4", "2-5"])
 def test_wgmma_forward(variant):
     import os
     import subprocess
@@ -518,13 +521,17 @@ def test_wgmma_forward(variant):
     assert r.returncode == 0 and "child ok" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
     # with the require flag the module names each wgmma kernel on its first launch (stderr): the
     # path taken, not only the values, is checked; the "0" children must not reach it
-    tiles = {"fwd": ("D=64 BC=128 NWG=2\n", "D=128 BC=128 NWG=2\n"),
-             "bwd": ("D=64 BK=128 NWG=2 OVL=1\n", "D=128 BK=128 NWG=2 OVL=1\n")}
-    for which, mode, tag in (("fwd", fwd, "attention forward: wgmma"), ("bwd", bwd, "attention backward: wgmma dkdv")):
-        launched = [ln + "\n" for ln in r.stderr.splitlines() if tag in ln]
-        if mode == "0":
-            assert not launched, (which, launched)
-        else:
-            for t in tiles[which]:
-                assert any(t in ln for ln in launched), (which, t, launched, r.stderr[-2000:])
+    fwd_lines = {"0": set(), "2": {"D=64 BC=128 NWG=2", "D=128 BC=128 NWG=2"}}[fwd]
+    kv = lambda d, ovl: f"D={d} BK=128 NWG=2 OVL={ovl}"
+    dq = lambda d: f"D={d} BM=128 BC=64"
+    dkdv_lines, dq_lines = {"0": (set(), set()),
+                            "2": ({kv(64, 1), kv(128, 1)}, set()),
+                            "3": ({kv(64, 0), kv(128, 0)}, set()),
+                            "4": ({kv(64, 0), kv(128, 0)}, {dq(64), dq(128)}),
+                            "5": ({kv(64, 0), kv(128, 1)}, {dq(128)})}[bwd]
+    for which, want, tag in (("fwd", fwd_lines, "rlx attention forward: wgmma kernel "),
+                             ("dkdv", dkdv_lines, "rlx attention backward: wgmma dkdv kernel "),
+                             ("dq", dq_lines, "rlx attention backward: wgmma dq kernel ")):
+        launched = {ln.split(tag, 1)[1].strip() for ln in r.stderr.splitlines() if tag in ln}
+        assert launched == want, (which, launched, want, r.stderr[-2000:])
 

@@ -12,10 +12,11 @@
 //   window, has_mask, has_bias (i64).
 //
 // Path: bf16 / f16 with head dim 64 or 128 on sm_80+ run the mma.sync kernels, except the PLAIN
-// D 128 forward without a key mask (mask kind none or causal) where the module carries sm_90a code
-// and runs on a compute capability 9.0 device: the wgmma forward (attention_wgmma.cuh;
-// RLX_ATTENTION_CUDA_WGMMA below; D 64 too with =2); everything else (f32, other head dims up to
-// 256) runs the generic kernels. All are deterministic.
+// cases without a key mask (mask kind none or causal) where the module carries sm_90a code and runs
+// on a compute capability 9.0 device: the wgmma forward at D 128 (attention_wgmma.cuh;
+// RLX_ATTENTION_CUDA_WGMMA below; D 64 too with =2) and the wgmma backward (attention_wgmma_bwd.cuh:
+// dk / dv at both head dims, dq at D 128; RLX_ATTENTION_CUDA_WGMMA_BWD below); everything else
+// (f32, other head dims up to 256) runs the generic kernels. All are deterministic.
 #include <cmath>
 #include <cstdio>
 #include <string>
@@ -129,19 +130,23 @@ int attn_wgmma_mode(int64_t d) {
   if (env >= 0) return env;
   return d == 128 ? 2 : 0;
 }
-// wgmma dk / dv backward kernel (attention_wgmma_bwd.cuh) for the same PLAIN cases (scale > 0, no
-// softcap, bias or key mask, mask kind none or causal; dq stays on its mma.sync kernel).
+// wgmma backward kernels (attention_wgmma_bwd.cuh: dk / dv, and dq) for the same PLAIN cases (scale
+// > 0, no softcap, bias or key mask, mask kind none or causal).
 // RLX_ATTENTION_CUDA_WGMMA_BWD (read once per process; the A/B and the tests set it): 0 = the
 // mma.sync dkdv; 2 = the wgmma dkdv at both head dims; 3 = its variant without the overlap (OVL
-// false: one wait for S^T and dP^T, one for dV and dK), both head dims; unset (or another value):
-// wgmma at D 128, mma.sync at D 64.
-int attn_wgmma_bwd_mode(int64_t d) {
+// false: one wait for S^T and dP^T, one for dV and dK), both head dims; 4 = that dkdv and the wgmma
+// dq (wgmma_dq_kernel) instead of mma.sync's, both head dims; 5 or unset (or another value): per
+// head dim the fastest of device call 2's A/B (run 11 of benchmarks/results/attention_h200_2026-11-22.txt):
+// D 128 the OVL dkdv and the wgmma dq, D 64 the plain dkdv and the mma.sync dq.
+int attn_wgmma_bwd_mode() {
   static const int env = env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '0')   ? 0
                          : env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '2') ? 2
                          : env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '3') ? 3
+                         : env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '4') ? 4
+                         : env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '5') ? 5
                                                                                 : -1;
   if (env >= 0) return env;
-  return d == 128 ? 2 : 0;
+  return 5;
 }
 bool attn_wgmma_required() {
   static const bool on = env_starts_with("RLX_ATTENTION_CUDA_WGMMA_REQUIRE", '1');
@@ -173,20 +178,15 @@ bool wgmma_available(int device) {
 }
 
 // With RLX_ATTENTION_CUDA_WGMMA_REQUIRE=1 (tests): one stderr line per wgmma kernel on its first
-// launch in the process, so that a test sees which forward / backward ran: "rlx attention forward:
-// wgmma kernel D=.. BC=.. NWG=.." or "rlx attention backward: wgmma dkdv kernel D=.. BK=.. NWG=.. OVL=.."
-// (bwd_ovl >= 0: the backward kernel with its OVL flag).
-void log_wgmma_kernel(const void* kernel, int d, int bc, int nwg, int bwd_ovl = -1) {
+// launch in the process, so that a test sees which kernels ran: "rlx attention forward: wgmma kernel
+// D=.. BC=.. NWG=..", "rlx attention backward: wgmma dkdv kernel D=.. BK=.. NWG=.. OVL=..",
+// "rlx attention backward: wgmma dq kernel D=.. BM=.. BC=..".
+void log_wgmma_kernel(const void* kernel, bool backward, const char* what) {
   static std::mutex mu;
   static std::map<const void*, bool> seen;
   std::lock_guard<std::mutex> lock(mu);
-  if (seen.emplace(kernel, true).second) {
-    if (bwd_ovl >= 0)
-      std::fprintf(stderr, "rlx attention backward: wgmma dkdv kernel D=%d BK=%d NWG=%d OVL=%d\n", d, bc, nwg,
-                   bwd_ovl);
-    else
-      std::fprintf(stderr, "rlx attention forward: wgmma kernel D=%d BC=%d NWG=%d\n", d, bc, nwg);
-  }
+  if (seen.emplace(kernel, true).second)
+    std::fprintf(stderr, "rlx attention %s: wgmma %s\n", backward ? "backward" : "forward", what);
 }
 
 constexpr int64_t kMaxGrid = 2147483647;
@@ -221,7 +221,11 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
           auto run_wg = [&](auto kernel, int d, int bc, int nwg, size_t smem) -> ffi::Error {
             const int rows = 64 * nwg;
             const int64_t blocks = (a.Sq + rows - 1) / rows * a.H * a.B;
-            if (attn_wgmma_required()) log_wgmma_kernel(reinterpret_cast<const void*>(kernel), d, bc, nwg);
+            if (attn_wgmma_required()) {
+              char line[64];
+              std::snprintf(line, sizeof line, "kernel D=%d BC=%d NWG=%d", d, bc, nwg);
+              log_wgmma_kernel(reinterpret_cast<const void*>(kernel), false, line);
+            }
             if (auto e = grid_check(blocks, "attention"); e.failure()) return e;
             if (auto e = prepare(info.device, kernel, smem, "attention"); e.failure()) return e;
             kernel<<<unsigned(blocks), unsigned(2 * rows), smem, stream>>>(a, q, k, v, out, lse);
@@ -341,37 +345,66 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
       // all 8 cases of its A/B.)
       const bool km = a.mask != nullptr, plain = a.softcap == 0.f && bias == nullptr;
       // wgmma dk / dv (attention_wgmma_bwd.cuh) for the PLAIN cases without a key mask, mask kind
-      // none or causal; dq on the PLAIN mma.sync kernel (MASK false, the AR of pick below)
-      const int wg_bwd = attn_wgmma_bwd_mode(a.D);
+      // none or causal; dq on the wgmma kernel or on the PLAIN mma.sync one (MASK false, the AR of
+      // pick below), per RLX_ATTENTION_CUDA_WGMMA_BWD
+      const int wg_bwd = attn_wgmma_bwd_mode();
       if (!km && plain && a.scale > 0.f && a.kind <= 1 && wg_bwd != 0 && a.Sq < (int64_t(1) << 30) &&
           a.Sk < (int64_t(1) << 30)) {
         if (wgmma_available(info.device)) {
-          auto run_wg = [&](auto dkdv, size_t smem_kv, auto dqk, size_t smem_q) -> ffi::Error {
+          // dk / dv kernel (its OVL flag for the log), then dq: the wgmma kernel (wg_dq) or mma.sync
+          auto run_wg = [&](auto dkdv, int ovl, size_t smem_kv, auto dqk, bool wg_dq, size_t smem_q) -> ffi::Error {
             const int64_t kbw = (a.Sk + attn::kWgBwdKeys - 1) / attn::kWgBwdKeys * a.Hkv * a.B;
-            if (attn_wgmma_required())
-              log_wgmma_kernel(reinterpret_cast<const void*>(dkdv), int(a.D), attn::kWgBwdKeys, 2, wg_bwd == 3 ? 0 : 1);
+            const int64_t qbw = wg_dq ? (a.Sq + attn::kWgDqRows - 1) / attn::kWgDqRows * a.H * a.B : qb;
+            if (attn_wgmma_required()) {
+              char line[96];
+              std::snprintf(line, sizeof line, "dkdv kernel D=%d BK=%d NWG=2 OVL=%d", int(a.D), attn::kWgBwdKeys, ovl);
+              log_wgmma_kernel(reinterpret_cast<const void*>(dkdv), true, line);
+              if (wg_dq) {
+                std::snprintf(line, sizeof line, "dq kernel D=%d BM=%d BC=%d", int(a.D), attn::kWgDqRows,
+                              attn::kWgDqKeys);
+                log_wgmma_kernel(reinterpret_cast<const void*>(dqk), true, line);
+              }
+            }
             if (auto e = prepare(info.device, dkdv, smem_kv, "attention backward"); e.failure()) return e;
             if (auto e = prepare(info.device, dqk, smem_q, "attention backward"); e.failure()) return e;
             if (kbw > 0) {
               dkdv<<<unsigned(kbw), attn::kWgBwdThreads, smem_kv, stream>>>(a, q, k, v, dout, lse, delta, dk, dv);
               if (auto e = check_launch("attention backward (wgmma dk dv)"); e.failure()) return e;
             }
-            if (qb > 0) {
-              dqk<<<unsigned(qb), attn::kMmaThreads, smem_q, stream>>>(a, q, k, v, dout, lse, delta, bias, dq);
-              if (auto e = check_launch("attention backward (mma dq)"); e.failure()) return e;
+            if (qbw > 0) {
+              if constexpr (std::is_invocable_v<decltype(dqk), AttnArgs, const T*, const T*, const T*, const T*,
+                                                const float*, const float*, T*>) {
+                dqk<<<unsigned(qbw), attn::kWgBwdThreads, smem_q, stream>>>(a, q, k, v, dout, lse, delta, dq);
+              } else {
+                dqk<<<unsigned(qbw), attn::kMmaThreads, smem_q, stream>>>(a, q, k, v, dout, lse, delta, bias, dq);
+              }
+              if (auto e = check_launch("attention backward (dq after wgmma dk dv)"); e.failure()) return e;
             }
             return ffi::Error::Success();
           };
-          // ptxas sm_90a: see attention_wgmma_bwd.cuh and the results file (run 11)
-          if (a.D == 64)
-            return wg_bwd == 3 ? run_wg(attn::wgmma_dkdv_kernel<T, 64, false>, attn::wg_dkdv_smem<64>(),
-                                        attn::mma_dq_kernel<T, 64, false, true, 1>, attn::mma_dq_smem<64>())
-                               : run_wg(attn::wgmma_dkdv_kernel<T, 64, true>, attn::wg_dkdv_smem<64>(),
-                                        attn::mma_dq_kernel<T, 64, false, true, 1>, attn::mma_dq_smem<64>());
-          return wg_bwd == 3 ? run_wg(attn::wgmma_dkdv_kernel<T, 128, false>, attn::wg_dkdv_smem<128>(),
-                                      attn::mma_dq_kernel<T, 128, false, true, 1>, attn::mma_dq_smem<128>())
-                             : run_wg(attn::wgmma_dkdv_kernel<T, 128, true>, attn::wg_dkdv_smem<128>(),
-                                      attn::mma_dq_kernel<T, 128, false, true, 1>, attn::mma_dq_smem<128>());
+          // ptxas sm_90a: see the results file (run 11). Modes: 2 OVL dkdv + mma.sync dq; 3 plain
+          // dkdv + mma.sync dq; 4 plain dkdv + wgmma dq; 5 (default) D 128 OVL dkdv + wgmma dq, D 64
+          // plain dkdv + mma.sync dq.
+          if (a.D == 64) {
+            if (wg_bwd == 4)
+              return run_wg(attn::wgmma_dkdv_kernel<T, 64, false>, 0, attn::wg_dkdv_smem<64>(),
+                            attn::wgmma_dq_kernel<T, 64>, true, attn::wg_dq_smem<64>());
+            return wg_bwd == 3 || wg_bwd == 5
+                       ? run_wg(attn::wgmma_dkdv_kernel<T, 64, false>, 0, attn::wg_dkdv_smem<64>(),
+                                attn::mma_dq_kernel<T, 64, false, true, 1>, false, attn::mma_dq_smem<64>())
+                       : run_wg(attn::wgmma_dkdv_kernel<T, 64, true>, 1, attn::wg_dkdv_smem<64>(),
+                                attn::mma_dq_kernel<T, 64, false, true, 1>, false, attn::mma_dq_smem<64>());
+          }
+          if (wg_bwd == 4)
+            return run_wg(attn::wgmma_dkdv_kernel<T, 128, false>, 0, attn::wg_dkdv_smem<128>(),
+                          attn::wgmma_dq_kernel<T, 128>, true, attn::wg_dq_smem<128>());
+          if (wg_bwd == 5)
+            return run_wg(attn::wgmma_dkdv_kernel<T, 128, true>, 1, attn::wg_dkdv_smem<128>(),
+                          attn::wgmma_dq_kernel<T, 128>, true, attn::wg_dq_smem<128>());
+          return wg_bwd == 3 ? run_wg(attn::wgmma_dkdv_kernel<T, 128, false>, 0, attn::wg_dkdv_smem<128>(),
+                                      attn::mma_dq_kernel<T, 128, false, true, 1>, false, attn::mma_dq_smem<128>())
+                             : run_wg(attn::wgmma_dkdv_kernel<T, 128, true>, 1, attn::wg_dkdv_smem<128>(),
+                                      attn::mma_dq_kernel<T, 128, false, true, 1>, false, attn::mma_dq_smem<128>());
         }
         if (attn_wgmma_required())
           return invalid("attention backward (cuda): RLX_ATTENTION_CUDA_WGMMA_REQUIRE=1 but the loaded kernel image "
