@@ -217,3 +217,38 @@ def test_both_paths(budget_kb):
     """The f32 reference cases with the single-pass path off (two-pass everywhere) and with
     an 8 KB budget per CTA (clusters of up to 16 CTAs, channels split across them)."""
     _in_subprocess({"RLX_GROUP_NORM_CUDA_CTA_KB": budget_kb}, "match_f32_reference and float32")
+
+
+@pytest.mark.parametrize("env", [{"RLX_GROUP_NORM_CUDA_XCHG": "0"},
+                                 {"RLX_GROUP_NORM_CUDA_XCHG": "0", "RLX_GROUP_NORM_CUDA_CTA_KB": "8"},
+                                 {"RLX_GROUP_NORM_CUDA_OCC6": "1"}],
+                         ids=["barrier_exchange", "barrier_exchange_8kb", "occ6"])
+def test_cluster_variants(env):
+    """The cluster kernels' other variants (group_norm.cu), read once per process: the
+    barrier-exchange kernels (RLX_GROUP_NORM_CUDA_XCHG=0, the default before the pushes; at
+    the default and an 8 KB budget) and the f32 backward compiled for 6 CTAs an SM
+    (RLX_GROUP_NORM_CUDA_OCC6=1), on the f32 and bf16 reference cases, the per-block
+    statistics and the determinism test."""
+    _in_subprocess(env, "(match_f32_reference and (float32 or bfloat16)) or own_statistics or cluster_determinism")
+
+
+@pytest.mark.parametrize("shape,groups", [((2, 4, 128, 128), 1), ((2, 6, 41, 100), 2), ((3, 64, 32, 32), 4)],
+                         ids=lambda c: "x".join(map(str, c)) if isinstance(c, tuple) else f"G{c}")
+def test_cluster_determinism(shape, groups):
+    """Multi-CTA clusters (16 CTAs with each channel split in 4; 4 CTAs with channels split
+    unevenly; 8 CTAs of two channels each): the exchanged sums are added in a fixed order, so
+    two runs give the same bits (forward and backward, f32 and bf16)."""
+    for dtype in (jnp.float32, jnp.bfloat16):
+        x, g, b, dy = _inputs(shape, dtype, seed=23)
+
+        def step(x, g, b, dy):
+            y, vjp = jax.vjp(lambda *a: group_norm(*a, num_groups=groups, eps=EPS), x, g, b)
+            return (y, *vjp(dy))
+
+        f = jax.jit(step)
+
+        def run():
+            return [np.asarray(a.astype(jnp.float32)) for a in f(x, g, b, dy)]
+        first, second = run(), run()
+        for a, c in zip(first, second):
+            np.testing.assert_array_equal(a, c)

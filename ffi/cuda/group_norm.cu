@@ -25,13 +25,19 @@
 // channel, each a contiguous run of one channel, so its gamma / beta are one value) and CTA
 // `rank` of the cluster owns spc = K P / cs consecutive segments. It copies its segments of
 // x (and dy) into shared memory ONCE (cp.async.bulk on one mbarrier), reduces them, and the
-// CTAs exchange their partial sums through distributed shared memory (cluster.map_shared_rank:
-// lane q of warp 0 reads CTA q's sums, a fixed xor-shuffle tree adds them, so every CTA gets
-// the same bits; no atomics); then each CTA
-// writes its y / dx slice from shared memory. Bytes: x read once, y written (forward: the
+// CTAs exchange their partial sums through distributed shared memory; then each CTA writes its
+// y / dx slice from shared memory. The exchange (default, gn_cluster_x): every CTA pushes its
+// sums into every CTA's shared memory (st.async completing on the receiver's mbarrier) and each
+// CTA adds the cs slots in rank order (the same bits everywhere; no atomics), with no cluster
+// barrier or release fence on the way; the forward exchanges once (sum, M2 about the CTA's own
+// mean, count: Chan's merge). RLX_GROUP_NORM_CUDA_XCHG=0 keeps the earlier kernel (gn_cluster:
+// cluster.sync, lane q of warp 0 reads CTA q's sums, a fixed xor tree; two exchanges in the
+// forward), measured 1.05-1.31x slower on an H200 at 32x512x64x64 G32
+// (benchmarks/results/norms_h200_2026-11-22.txt). Bytes: x read once, y written (forward: the
 // centred variance is a second pass over shared memory, not over HBM); x, dy read once, dx
 // written (backward). Backward per-channel sums A, B: the CTA holding a channel's first
-// segment adds the channel's segment sums in segment order (remote reads) and writes A[n,c],
+// segment adds the channel's segment sums in segment order (pushed to it, or read remotely by
+// gn_cluster) and writes A[n,c],
 // B[n,c] to the scratch; gn_param_grads then reduces over n as in the two-pass path.
 // Size limit: a CTA's slice (spc segments of x, and of dy in the backward) must fit the
 // per-CTA shared-memory budget (RLX_GROUP_NORM_CUDA_CTA_KB, default 32 KB: measured on an
@@ -522,6 +528,297 @@ gn_cluster(const T* __restrict__ x, const T* __restrict__ dy, const T* __restric
 #endif
 }
 
+// ---- single-pass path, exchange by pushes (the default; RLX_GROUP_NORM_CUDA_XCHG=0: gn_cluster) ----
+// Same plan, slices and bytes as gn_cluster, but no cluster barrier on the critical path and
+// no release fence: each CTA PUSHES its partial sums into every CTA's shared memory with
+// st.async, which completes transaction bytes on the receiver's exchange mbarrier; every
+// thread waits on its own CTA's mbarrier (acquire, cluster scope) and adds the cs slots in
+// rank order (the same bits in every CTA: deterministic). Nobody reads another CTA's shared
+// memory, so no CTA waits for the others before it exits; a CTA leaves only after every push
+// addressed to it has landed (its mbarrier counts them). The one cluster barrier makes the
+// exchange mbarriers' initialisation visible before any push: arrive.relaxed right after the
+// initialisation (fence.mbarrier_init), wait just before the first push, i.e. after the bulk
+// copies, by when every CTA of the cluster has long arrived.
+// Backward: the per-segment sums (a, b) go through one warp-sum slot per (segment, warp) and
+// one block barrier (gn_cluster: one barrier per segment); warp 0 then forms the CTA's
+// gamma-weighted share (a fixed xor tree over the segments) and pushes it. Channels split
+// over CTAs (P > 1): the segment sums go to the CTA holding the channel's first segment,
+// which adds them in segment order and writes A, B (P == 1: written at once).
+// Forward: ONE exchange (gn_cluster: two): a CTA pushes its sum, centred M2 about its own
+// mean and count; M2 = sum_q M2_q + n_q (mean_q - mean)^2 (Chan et al.), q in rank order.
+constexpr int kXHeader = 2048;
+
+struct XHeader {
+  uint64_t bar;                 // bulk copies
+  uint64_t xbar;                // exchange: the pushes addressed to this CTA
+  float4 slot[kClMaxCluster];   // from CTA q (bwd: gamma-weighted sums; fwd: sum, M2, count)
+  float2 seg[2 * kClMaxSegs];   // bwd, P > 1: segment sums of the channels starting here
+  float gm[kClMaxSegs];         // gamma (and beta) of each segment's channel
+  float bt[kClMaxSegs];
+  float cnt;                    // fwd: this CTA's element count
+  union {
+    float2 wred[kClMaxSegs][kClThreads / 32];  // bwd: warp sums per segment
+    float red[128];                            // fwd: group_sum slots
+  };
+};
+static_assert(sizeof(XHeader) <= kXHeader, "exchange header too large");
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+// Shared::cluster address of `p` (this CTA's shared memory) in CTA `rank`.
+__device__ __forceinline__ uint32_t mapa_rank(const void* p, int rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(smem_addr(p)), "r"(rank));
+  return r;
+}
+// 8 / 16 bytes into another CTA's shared memory, completing as transactions on its mbarrier.
+__device__ __forceinline__ void st_async2(uint32_t dst, float a, float b, uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];" ::"r"(dst),
+               "r"(__float_as_uint(a)), "r"(__float_as_uint(b)), "r"(bar)
+               : "memory");
+}
+__device__ __forceinline__ void st_async4(uint32_t dst, float a, float b, float c, float d, uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(
+                   dst),
+               "r"(__float_as_uint(a)), "r"(__float_as_uint(b)), "r"(__float_as_uint(c)), "r"(__float_as_uint(d)),
+               "r"(bar)
+               : "memory");
+}
+// mbar_wait with acquire at cluster scope (the data came from other CTAs' st.async).
+__device__ __forceinline__ void mbar_wait_cluster(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+#endif
+
+// CTAs an SM the registers allow (ptxas: 48 registers for the f32 backward, 39-40 for the others, as
+// without the bound; shared memory allows 6 of 34 KB at the default budget).
+template <typename T, bool BWD>
+constexpr int kXMinBlocks = BWD && std::is_same_v<T, float> ? 5 : 6;
+
+template <typename T, bool BWD, int MINB = kXMinBlocks<T, BWD>>
+__global__ void __launch_bounds__(kClThreads, MINB)
+gn_cluster_x(const T* __restrict__ x, const T* __restrict__ dy, const T* __restrict__ gamma,
+             const T* __restrict__ beta, const float* __restrict__ mean_in, const float* __restrict__ rstd_in,
+             T* __restrict__ out, float* __restrict__ mean_out, float* __restrict__ rstd_out, float* __restrict__ A,
+             float* __restrict__ B, float eps, ClPlan p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();
+#else
+  namespace cg = cooperative_groups;
+  constexpr int VEC = kVec16<T>;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  XHeader* h = reinterpret_cast<XHeader*>(smem_raw);
+  T* xs = reinterpret_cast<T*>(smem_raw + kXHeader);
+  T* ds = xs + int64_t(p.spc) * p.seg;
+  const int rank = int(cg::this_cluster().block_rank());
+  const int64_t blk = blockIdx.x / p.cs;  // n * G + g
+  const int64_t base = blk * p.M;
+  const int64_t c0 = (blk % p.G) * p.K;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+  if (tid == 0) {
+    mbar_init(&h->bar, 1);
+    mbar_init(&h->xbar, 1);
+    mbar_init_fence();
+  }
+  __syncthreads();
+  cluster_arrive_relaxed();  // this CTA's xbar is initialised (waited for before the first push)
+  if (tid == 0) {
+    uint32_t bytes = 0;
+    for (int s = 0; s < p.spc; ++s) bytes += uint32_t(cl_seg(p, rank, s).len * int64_t(sizeof(T)));
+    h->cnt = float(bytes / uint32_t(sizeof(T)));
+    mbar_arrive_expect_tx(&h->bar, bytes * (BWD ? 2u : 1u));
+    for (int s = 0; s < p.spc; ++s) {
+      const Seg sg = cl_seg(p, rank, s);
+      if (sg.len == 0) continue;
+      const uint32_t nb = uint32_t(sg.len * int64_t(sizeof(T)));
+      bulk_load(xs + int64_t(s) * p.seg, x + base + sg.off, nb, &h->bar);
+      if constexpr (BWD) bulk_load(ds + int64_t(s) * p.seg, dy + base + sg.off, nb, &h->bar);
+    }
+  }
+  if (tid >= 32 && tid < 32 + p.spc) {  // read after the block barrier below
+    const int s = tid - 32;
+    const int64_t c = c0 + cl_seg(p, rank, s).k;
+    h->gm[s] = to_f32(gamma[c]);
+    if constexpr (!BWD) h->bt[s] = to_f32(beta[c]);
+  }
+  float mu = 0.f, rs = 0.f;
+  if constexpr (BWD) {
+    mu = mean_in[blk];
+    rs = rstd_in[blk];
+  }
+  mbar_wait(&h->bar, 0);
+
+  if constexpr (BWD) {
+    for (int s = 0; s < p.spc; ++s) {
+      const Seg sg = cl_seg(p, rank, s);
+      const T* xv = xs + int64_t(s) * p.seg;
+      const T* dv = ds + int64_t(s) * p.seg;
+      float a = 0.f, b = 0.f;
+      for (int64_t v = int64_t(tid) * VEC; v < sg.len; v += int64_t(kClThreads) * VEC) {
+        float xe[VEC], de[VEC];
+        rms::load_vec_smem<T, VEC>(xv + v, xe);
+        rms::load_vec_smem<T, VEC>(dv + v, de);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          a += de[i];
+          b += de[i] * (xe[i] - mu);
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        a += __shfl_xor_sync(0xffffffffu, a, o);
+        b += __shfl_xor_sync(0xffffffffu, b, o);
+      }
+      if (lane == 0) h->wred[s][warp] = make_float2(a, b);
+    }
+    __syncthreads();
+    cluster_wait_acquire();  // every CTA's xbar initialised (all arrived at the start)
+    if (warp == 0) {
+      float pa = 0.f, pb = 0.f;  // segment `lane`'s sums, warps in order
+      if (lane < p.spc) {
+#pragma unroll
+        for (int w = 0; w < kClThreads / 32; ++w) {
+          const float2 v = h->wred[lane][w];
+          pa += v.x;
+          pb += v.y;
+        }
+      }
+      float lu = lane < p.spc ? h->gm[lane] * pa : 0.f, lb = lane < p.spc ? h->gm[lane] * pb : 0.f;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {  // fixed xor tree: the same bits in every lane
+        lu += __shfl_xor_sync(0xffffffffu, lu, o);
+        lb += __shfl_xor_sync(0xffffffffu, lb, o);
+      }
+      // lane 0, which arrives on xbar below, writes this CTA's own slot (every lane has the sums)
+      if (lane == 0) h->slot[rank] = make_float4(lu, lb, 0.f, 0.f);
+      if (lane < p.cs && lane != rank) st_async2(mapa_rank(&h->slot[rank], lane), lu, lb, mapa_rank(&h->xbar, lane));
+      uint32_t extra = 0;  // bytes of segment sums pushed to this CTA by later CTAs
+      if (lane < p.spc) {
+        const int j = rank * p.spc + lane;
+        if (p.P == 1) {
+          const int64_t row = blk * p.K + j;  // n * C + c
+          A[row] = pa;
+          B[row] = pb;
+        } else {
+          const int first = j - j % p.P, owner = first / p.spc, idx = j - owner * p.spc;
+          if (owner == rank) h->seg[idx] = make_float2(pa, pb);
+          else st_async2(mapa_rank(&h->seg[idx], owner), pa, pb, mapa_rank(&h->xbar, owner));
+          if (j == first) {  // this channel's segments held by later CTAs push to here
+            const int rem = first + p.P - (rank + 1) * p.spc;
+            if (rem > 0) extra = uint32_t(rem) * 8u;
+          }
+        }
+      }
+      const uint32_t expect = uint32_t(p.cs - 1) * 8u + __reduce_add_sync(0xffffffffu, extra);
+      __syncwarp();
+      if (lane == 0) mbar_arrive_expect_tx(&h->xbar, expect);
+    }
+    mbar_wait_cluster(&h->xbar, 0);
+    float su = 0.f, sb = 0.f;
+    for (int q = 0; q < p.cs; ++q) {  // rank order: the same bits in every CTA
+      const float2 v = *reinterpret_cast<const float2*>(&h->slot[q]);
+      su += v.x;
+      sb += v.y;
+    }
+    const float ca = su / float(p.M), cb = rs * sb / float(p.M);
+    if (p.P > 1 && warp == 0 && lane < p.spc) {
+      const int j = rank * p.spc + lane;
+      if (j % p.P == 0) {
+        float sa = 0.f, sbb = 0.f;
+        for (int i = 0; i < p.P; ++i) {
+          const float2 v = h->seg[lane + i];
+          sa += v.x;
+          sbb += v.y;
+        }
+        const int64_t row = blk * p.K + j / p.P;
+        A[row] = sa;
+        B[row] = sbb;
+      }
+    }
+    for (int s = 0; s < p.spc; ++s) {
+      const Seg sg = cl_seg(p, rank, s);
+      const float gm = h->gm[s];
+      const T* xv = xs + int64_t(s) * p.seg;
+      const T* dv = ds + int64_t(s) * p.seg;
+      T* o = out + base + sg.off;
+      for (int64_t v = int64_t(tid) * VEC; v < sg.len; v += int64_t(kClThreads) * VEC) {
+        float xe[VEC], de[VEC], r[VEC];
+        rms::load_vec_smem<T, VEC>(xv + v, xe);
+        rms::load_vec_smem<T, VEC>(dv + v, de);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) r[i] = rs * (de[i] * gm - ca - (xe[i] - mu) * rs * cb);
+        store_vec<T, VEC>(o + v, r);
+      }
+    }
+  } else {
+    float a = 0.f;
+    cta_vecs(p, rank, xs, [&](const float (&xe)[VEC]) {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) a += xe[i];
+    });
+    a = group_sum(a, kClThreads, h->red, 0);
+    const float nq = h->cnt;  // written before the barrier in group_sum
+    const float mq = nq > 0.f ? a / nq : 0.f;
+    float b = 0.f;
+    cta_vecs(p, rank, xs, [&](const float (&xe)[VEC]) {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        const float d = xe[i] - mq;
+        b += d * d;
+      }
+    });
+    b = group_sum(b, kClThreads, h->red, 1);
+    cluster_wait_acquire();
+    if (warp == 0) {
+      if (lane == 0) h->slot[rank] = make_float4(a, b, nq, 0.f);  // own slot: lane 0 arrives below
+      if (lane < p.cs && lane != rank)
+        st_async4(mapa_rank(&h->slot[rank], lane), a, b, nq, 0.f, mapa_rank(&h->xbar, lane));
+      __syncwarp();
+      if (lane == 0) mbar_arrive_expect_tx(&h->xbar, uint32_t(p.cs - 1) * 16u);
+    }
+    mbar_wait_cluster(&h->xbar, 0);
+    float tot = 0.f;
+    for (int q = 0; q < p.cs; ++q) tot += h->slot[q].x;
+    mu = tot / float(p.M);
+    float m2 = 0.f;
+    for (int q = 0; q < p.cs; ++q) {
+      const float4 v = h->slot[q];
+      const float d = v.z > 0.f ? v.x / v.z - mu : 0.f;
+      m2 += v.y + v.z * d * d;
+    }
+    rs = rsqrtf(m2 / float(p.M) + eps);
+    if (tid == 0 && rank == 0) {
+      mean_out[blk] = mu;
+      rstd_out[blk] = rs;
+    }
+    for (int s = 0; s < p.spc; ++s) {
+      const Seg sg = cl_seg(p, rank, s);
+      const float ga = h->gm[s] * rs, be = h->bt[s];
+      const T* xv = xs + int64_t(s) * p.seg;
+      T* o = out + base + sg.off;
+      for (int64_t v = int64_t(tid) * VEC; v < sg.len; v += int64_t(kClThreads) * VEC) {
+        float xe[VEC], r[VEC];
+        rms::load_vec_smem<T, VEC>(xv + v, xe);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) r[i] = (xe[i] - mu) * ga + be;
+        store_vec<T, VEC>(o + v, r);
+      }
+    }
+  }
+#endif
+}
+
 // Per-CTA shared-memory budget of the single-pass path in bytes (0: path off), read once.
 inline int64_t cluster_budget() {
   static const int64_t kb = [] {
@@ -530,6 +827,29 @@ inline int64_t cluster_budget() {
   }();
   return kb * 1024;
 }
+
+// The cluster kernels' exchange: pushes (gn_cluster_x, default) or, with
+// RLX_GROUP_NORM_CUDA_XCHG=0, cluster barriers and remote reads (gn_cluster); read once.
+inline bool push_exchange() {
+  static const bool on = !env_starts_with("RLX_GROUP_NORM_CUDA_XCHG", '0');
+  return on;
+}
+// RLX_GROUP_NORM_CUDA_OCC6=1: the f32 backward's push kernel compiled for 6 CTAs an SM (at
+// most 40 registers) instead of 5 (48); read once.
+inline bool occ6() {
+  static const bool on = env_starts_with("RLX_GROUP_NORM_CUDA_OCC6", '1');
+  return on;
+}
+template <typename T, bool BWD>
+auto cluster_kernel() {
+  using Kernel = decltype(&gn_cluster<T, BWD>);
+  if (!push_exchange()) return Kernel(gn_cluster<T, BWD>);
+  if constexpr (BWD && std::is_same_v<T, float>) {
+    if (occ6()) return Kernel(gn_cluster_x<T, BWD, 6>);
+  }
+  return Kernel(gn_cluster_x<T, BWD>);
+}
+inline int64_t cluster_header() { return push_exchange() ? kXHeader : kClHeader; }
 
 inline int64_t gcd64(int64_t a, int64_t b) {
   while (b != 0) {
@@ -551,7 +871,7 @@ inline bool cluster_plan(const Layout& L, int64_t esz, int tensors, ClPlan& p) {
     if (spc > kClMaxSegs) continue;
     const int64_t seg = rw::ceil_div(rw::ceil_div(L.s, P), vec) * vec;
     const int64_t bytes = int64_t(tensors) * spc * seg * esz;
-    if (bytes > budget || bytes + kClHeader > (int64_t(227) << 10)) continue;
+    if (bytes > budget || bytes + cluster_header() > (int64_t(227) << 10)) continue;
     if (L.n * L.groups * cs >= (int64_t(1) << 31)) return false;
     p = ClPlan{L.s, L.k, L.m, L.groups, seg, cs, int(P), int(spc)};
     return true;
@@ -560,7 +880,7 @@ inline bool cluster_plan(const Layout& L, int64_t esz, int tensors, ClPlan& p) {
 }
 
 inline size_t cluster_smem(const ClPlan& p, int64_t esz, int tensors) {
-  return size_t(kClHeader) + size_t(tensors) * size_t(p.spc) * size_t(p.seg) * size_t(esz);
+  return size_t(cluster_header()) + size_t(tensors) * size_t(p.spc) * size_t(p.seg) * size_t(esz);
 }
 
 // Launch configuration of a cluster kernel; `ok` false when the device cannot run it
@@ -621,7 +941,7 @@ ffi::Error try_cluster(cudaStream_t stream, const Layout& L, bool aligned, const
   constexpr int tensors = BWD ? 2 : 1;
   ClPlan p;
   if (!aligned || !cluster_plan(L, int64_t(sizeof(T)), tensors, p)) return ffi::Error::Success();
-  auto kernel = gn_cluster<T, BWD>;
+  auto kernel = cluster_kernel<T, BWD>();
   const size_t smem = cluster_smem(p, int64_t(sizeof(T)), tensors);
   const unsigned grid = unsigned(L.n * L.groups * p.cs);
   cudaLaunchConfig_t cfg;
