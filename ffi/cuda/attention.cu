@@ -133,15 +133,15 @@ int attn_wgmma_mode(int64_t d) {
 // wgmma backward kernels (attention_wgmma_bwd.cuh: dk / dv, and dq) for the same PLAIN cases (scale
 // > 0, no softcap, bias or key mask, mask kind none or causal).
 // RLX_ATTENTION_CUDA_WGMMA_BWD (read once per process; the A/B and the tests set it): 0 = the
-// mma.sync dkdv; 2 = the wgmma dkdv at both head dims; 3 = its variant without the overlap (OVL
-// false: one wait for S^T and dP^T, one for dV and dK), both head dims; 4 = that dkdv and the wgmma
-// dq (wgmma_dq_kernel) instead of mma.sync's, both head dims; 5 or unset (or another value): per
-// head dim the fastest of device call 2's A/B (run 11 of benchmarks/results/attention_h200_2026-11-22.txt):
-// D 128 the OVL dkdv and the wgmma dq, D 64 the plain dkdv and the mma.sync dq.
+// mma.sync dkdv + dq; 4 = at D 128 the wgmma dkdv without the overlap (OVL false: one wait for S^T
+// and dP^T, one for dV and dK) + the wgmma dq (wgmma_dq_kernel), at D 64 the default; 5 or unset (or
+// another value): per head dim the fastest of run 11's A/B (benchmarks/results/attention_h200_2026-11-22.txt):
+// D 128 the OVL dkdv and the wgmma dq, D 64 the plain dkdv and the mma.sync dq. (Run 11's values 2
+// = OVL dkdv + mma.sync dq and 3 = plain dkdv + mma.sync dq at both head dims, and 4's D 64 wgmma dq,
+// lost to the default in every call of run 11 and were removed with the D 64 OVL dkdv and D 64 wgmma
+// dq instantiations (run 12); OVL vs plain at D 128 is undecided, so 4 stays as the alternative.)
 int attn_wgmma_bwd_mode() {
   static const int env = env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '0')   ? 0
-                         : env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '2') ? 2
-                         : env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '3') ? 3
                          : env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '4') ? 4
                          : env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '5') ? 5
                                                                                 : -1;
@@ -382,29 +382,16 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
             }
             return ffi::Error::Success();
           };
-          // ptxas sm_90a: see the results file (run 11). Modes: 2 OVL dkdv + mma.sync dq; 3 plain
-          // dkdv + mma.sync dq; 4 plain dkdv + wgmma dq; 5 (default) D 128 OVL dkdv + wgmma dq, D 64
-          // plain dkdv + mma.sync dq.
-          if (a.D == 64) {
-            if (wg_bwd == 4)
-              return run_wg(attn::wgmma_dkdv_kernel<T, 64, false>, 0, attn::wg_dkdv_smem<64>(),
-                            attn::wgmma_dq_kernel<T, 64>, true, attn::wg_dq_smem<64>());
-            return wg_bwd == 3 || wg_bwd == 5
-                       ? run_wg(attn::wgmma_dkdv_kernel<T, 64, false>, 0, attn::wg_dkdv_smem<64>(),
-                                attn::mma_dq_kernel<T, 64, false, true, 1>, false, attn::mma_dq_smem<64>())
-                       : run_wg(attn::wgmma_dkdv_kernel<T, 64, true>, 1, attn::wg_dkdv_smem<64>(),
-                                attn::mma_dq_kernel<T, 64, false, true, 1>, false, attn::mma_dq_smem<64>());
-          }
+          // ptxas sm_90a: see the results file (run 11). Modes: 4 plain dkdv + wgmma dq at D 128;
+          // 5 (default) D 128 OVL dkdv + wgmma dq; D 64 (every mode but 0) plain dkdv + mma.sync dq.
+          if (a.D == 64)
+            return run_wg(attn::wgmma_dkdv_kernel<T, 64, false>, 0, attn::wg_dkdv_smem<64>(),
+                          attn::mma_dq_kernel<T, 64, false, true, 1>, false, attn::mma_dq_smem<64>());
           if (wg_bwd == 4)
             return run_wg(attn::wgmma_dkdv_kernel<T, 128, false>, 0, attn::wg_dkdv_smem<128>(),
                           attn::wgmma_dq_kernel<T, 128>, true, attn::wg_dq_smem<128>());
-          if (wg_bwd == 5)
-            return run_wg(attn::wgmma_dkdv_kernel<T, 128, true>, 1, attn::wg_dkdv_smem<128>(),
-                          attn::wgmma_dq_kernel<T, 128>, true, attn::wg_dq_smem<128>());
-          return wg_bwd == 3 ? run_wg(attn::wgmma_dkdv_kernel<T, 128, false>, 0, attn::wg_dkdv_smem<128>(),
-                                      attn::mma_dq_kernel<T, 128, false, true, 1>, false, attn::mma_dq_smem<128>())
-                             : run_wg(attn::wgmma_dkdv_kernel<T, 128, true>, 1, attn::wg_dkdv_smem<128>(),
-                                      attn::mma_dq_kernel<T, 128, false, true, 1>, false, attn::mma_dq_smem<128>());
+          return run_wg(attn::wgmma_dkdv_kernel<T, 128, true>, 1, attn::wg_dkdv_smem<128>(),
+                        attn::wgmma_dq_kernel<T, 128>, true, attn::wg_dq_smem<128>());
         }
         if (attn_wgmma_required())
           return invalid("attention backward (cuda): RLX_ATTENTION_CUDA_WGMMA_REQUIRE=1 but the loaded kernel image "
