@@ -600,12 +600,13 @@ __device__ __forceinline__ void mbar_wait_cluster(uint64_t* bar, uint32_t parity
 }
 #endif
 
-// CTAs an SM the registers allow (ptxas: 48 registers for the f32 backward, 39-40 for the others, as
-// without the bound; shared memory allows 6 of 34 KB at the default budget).
-template <typename T, bool BWD>
-constexpr int kXMinBlocks = BWD && std::is_same_v<T, float> ? 5 : 6;
+// CTAs an SM: 6 (shared memory allows 6 of 34 KB at the default budget). The f32 backward needs
+// 48 registers on its own (5 CTAs an SM); held to 40 for 6 it was 1-4 % faster in all 5 rounds of
+// engineer G's A/B (ncu 189 vs 198 us, 86 % DRAM; norms_h200 results, night), so 6 is the
+// default and RLX_GROUP_NORM_CUDA_OCC6=0 keeps the 5-CTA build. The others take 39-40 registers.
+constexpr int kXMinBlocks = 6;
 
-template <typename T, bool BWD, int MINB = kXMinBlocks<T, BWD>>
+template <typename T, bool BWD, int MINB = kXMinBlocks>
 __global__ void __launch_bounds__(kClThreads, MINB)
 gn_cluster_x(const T* __restrict__ x, const T* __restrict__ dy, const T* __restrict__ gamma,
              const T* __restrict__ beta, const float* __restrict__ mean_in, const float* __restrict__ rstd_in,
@@ -834,10 +835,10 @@ inline bool push_exchange() {
   static const bool on = !env_starts_with("RLX_GROUP_NORM_CUDA_XCHG", '0');
   return on;
 }
-// RLX_GROUP_NORM_CUDA_OCC6=1: the f32 backward's push kernel compiled for 6 CTAs an SM (at
-// most 40 registers) instead of 5 (48); read once.
-inline bool occ6() {
-  static const bool on = env_starts_with("RLX_GROUP_NORM_CUDA_OCC6", '1');
+// RLX_GROUP_NORM_CUDA_OCC6=0: the f32 backward's push kernel compiled for 5 CTAs an SM (48
+// registers) instead of 6 (at most 40); read once.
+inline bool occ5() {
+  static const bool on = env_starts_with("RLX_GROUP_NORM_CUDA_OCC6", '0');
   return on;
 }
 template <typename T, bool BWD>
@@ -845,7 +846,7 @@ auto cluster_kernel() {
   using Kernel = decltype(&gn_cluster<T, BWD>);
   if (!push_exchange()) return Kernel(gn_cluster<T, BWD>);
   if constexpr (BWD && std::is_same_v<T, float>) {
-    if (occ6()) return Kernel(gn_cluster_x<T, BWD, 6>);
+    if (occ5()) return Kernel(gn_cluster_x<T, BWD, 5>);
   }
   return Kernel(gn_cluster_x<T, BWD>);
 }
