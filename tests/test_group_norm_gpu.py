@@ -219,16 +219,11 @@ def test_both_paths(budget_kb):
     _in_subprocess({"RLX_GROUP_NORM_CUDA_CTA_KB": budget_kb}, "match_f32_reference and float32")
 
 
-@pytest.mark.parametrize("env", [{"RLX_GROUP_NORM_CUDA_XCHG": "0"},
-                                 {"RLX_GROUP_NORM_CUDA_XCHG": "0", "RLX_GROUP_NORM_CUDA_CTA_KB": "8"},
-                                 {"RLX_GROUP_NORM_CUDA_OCC6": "0"}],
-                         ids=["barrier_exchange", "barrier_exchange_8kb", "occ5"])
+@pytest.mark.parametrize("env", [{"RLX_GROUP_NORM_CUDA_OCC6": "0"}], ids=["occ5"])
 def test_cluster_variants(env):
-    """The cluster kernels' other variants (group_norm.cu), read once per process: the
-    barrier-exchange kernels (RLX_GROUP_NORM_CUDA_XCHG=0, the default before the pushes; at
-    the default and an 8 KB budget) and the f32 backward compiled for 5 CTAs an SM
-    (RLX_GROUP_NORM_CUDA_OCC6=0; the default is 6), on the f32 and bf16 reference cases, the per-block
-    statistics and the determinism test."""
+    """The cluster kernel's other build (group_norm.cu), read once per process: the f32
+    backward compiled for 5 CTAs an SM (RLX_GROUP_NORM_CUDA_OCC6=0; the default is 6), on the
+    f32 and bf16 reference cases, the per-block statistics and the determinism test."""
     _in_subprocess(env, "(match_f32_reference and (float32 or bfloat16)) or own_statistics or cluster_determinism")
 
 

@@ -26,19 +26,18 @@
 // `rank` of the cluster owns spc = K P / cs consecutive segments. It copies its segments of
 // x (and dy) into shared memory ONCE (cp.async.bulk on one mbarrier), reduces them, and the
 // CTAs exchange their partial sums through distributed shared memory; then each CTA writes its
-// y / dx slice from shared memory. The exchange (default, gn_cluster_x): every CTA pushes its
-// sums into every CTA's shared memory (st.async completing on the receiver's mbarrier) and each
-// CTA adds the cs slots in rank order (the same bits everywhere; no atomics), with no cluster
-// barrier or release fence on the way; the forward exchanges once (sum, M2 about the CTA's own
-// mean, count: Chan's merge). RLX_GROUP_NORM_CUDA_XCHG=0 keeps the earlier kernel (gn_cluster:
-// cluster.sync, lane q of warp 0 reads CTA q's sums, a fixed xor tree; two exchanges in the
-// forward), measured 1.05-1.31x slower on an H200 at 32x512x64x64 G32
-// (benchmarks/results/norms_h200_2026-11-22.txt). Bytes: x read once, y written (forward: the
-// centred variance is a second pass over shared memory, not over HBM); x, dy read once, dx
-// written (backward). Backward per-channel sums A, B: the CTA holding a channel's first
-// segment adds the channel's segment sums in segment order (pushed to it, or read remotely by
-// gn_cluster) and writes A[n,c],
-// B[n,c] to the scratch; gn_param_grads then reduces over n as in the two-pass path.
+// y / dx slice from shared memory. The exchange (gn_cluster_x): every CTA pushes its sums into
+// every CTA's shared memory (st.async completing on the receiver's mbarrier) and each CTA adds
+// the cs slots in rank order (the same bits everywhere; no atomics), with no cluster barrier or
+// release fence on the way; the forward exchanges once (sum, M2 about the CTA's own mean,
+// count: Chan's merge). It replaced (2026-11-22 night) a kernel that exchanged through
+// cluster.sync and remote reads (two exchanges in the forward), measured 1.05-1.31x slower on
+// an H200 at 32x512x64x64 G32 (benchmarks/results/norms_h200_2026-11-22.txt; that kernel is
+// gn_cluster in commit 4b0c255). Bytes: x read once, y written (forward: the centred variance
+// is a second pass over shared memory, not over HBM); x, dy read once, dx written (backward).
+// Backward per-channel sums A, B: the CTA holding a channel's first segment adds the
+// channel's segment sums in segment order (pushed to it) and writes A[n,c], B[n,c] to the
+// scratch; gn_param_grads then reduces over n as in the two-pass path.
 // Size limit: a CTA's slice (spc segments of x, and of dy in the backward) must fit the
 // per-CTA shared-memory budget (RLX_GROUP_NORM_CUDA_CTA_KB, default 32 KB: measured on an
 // H200 faster than 64 KB for bf16 and level for f32) with cs <= 16 CTAs per cluster, i.e.
@@ -268,10 +267,9 @@ void with_vec(bool vector_ok, F&& f) {
 }
 
 
-// ---- single-pass path: one cluster per block (n, g) ------------------------------------------
+// ---- single-pass path: plan and segments -------------------------------------------------------
 constexpr int kClThreads = 256;
 constexpr int kClMaxSegs = 16;      // segments per CTA at most
-constexpr int kClHeader = 1024;     // bytes before the data: mbarrier, sums, reduction slots
 constexpr int kClMaxCluster = 16;   // non-portable above 8
 
 struct ClPlan {
@@ -281,18 +279,6 @@ struct ClPlan {
   int P;        // segments per channel
   int spc;      // segments per CTA
 };
-
-// Shared memory header of a cluster CTA (fits kClHeader).
-struct ClHeader {
-  uint64_t bar;
-  float part[kClMaxSegs][2];  // backward: per-segment sum dy, sum dy * (x - mean)
-  float loc[2];               // this CTA's contribution to the block sums (read by the others)
-  float coef[2];              // the block's coefficients, for every thread of the CTA
-  float gm[kClMaxSegs];       // gamma (and beta) of each segment's channel, loaded early
-  float bt[kClMaxSegs];
-  float red[128];             // group_sum2 slots
-};
-static_assert(sizeof(ClHeader) <= kClHeader, "cluster header too large");
 
 // Segment s (local) of CTA `rank`: offset in the block, length, channel index k in the group.
 struct Seg {
@@ -324,213 +310,13 @@ __device__ __forceinline__ void cta_vecs(const ClPlan& p, int rank, const T* xs,
 }
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void cluster_arrive_release() {
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-}
 __device__ __forceinline__ void cluster_wait_acquire() {
   asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 #endif
 
-// One CTA of the cluster of block blk = blockIdx.x / cs. Forward (!BWD): mean = sum x / M,
-// then var = sum (x - mean)^2 / M (both from shared memory; two cluster exchanges), y from
-// shared memory; rank 0 stores mean, rstd. Backward: see the header.
-template <typename T, bool BWD>
-__global__ void __launch_bounds__(kClThreads)
-gn_cluster(const T* __restrict__ x, const T* __restrict__ dy, const T* __restrict__ gamma,
-           const T* __restrict__ beta, const float* __restrict__ mean_in, const float* __restrict__ rstd_in,
-           T* __restrict__ out, float* __restrict__ mean_out, float* __restrict__ rstd_out, float* __restrict__ A,
-           float* __restrict__ B, float eps, ClPlan p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-  __trap();
-#else
-  namespace cg = cooperative_groups;
-  constexpr int VEC = kVec16<T>;
-  cg::cluster_group cluster = cg::this_cluster();
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  ClHeader* h = reinterpret_cast<ClHeader*>(smem_raw);
-  T* xs = reinterpret_cast<T*>(smem_raw + kClHeader);
-  T* ds = xs + int64_t(p.spc) * p.seg;
-  const int rank = int(cluster.block_rank());
-  const int64_t blk = blockIdx.x / p.cs;  // n * G + g
-  const int64_t base = blk * p.M;         // x[n, g K:(g+1) K, ...] is contiguous
-  const int64_t c0 = (blk % p.G) * p.K;   // the group's first channel
-  const int tid = threadIdx.x;
-
-  if (tid == 0) {
-    mbar_init(&h->bar, 1);
-    mbar_init_fence();
-  }
-  __syncthreads();
-  if (tid == 0) {
-    uint32_t bytes = 0;
-    for (int s = 0; s < p.spc; ++s) bytes += uint32_t(cl_seg(p, rank, s).len * int64_t(sizeof(T))) * (BWD ? 2u : 1u);
-    mbar_arrive_expect_tx(&h->bar, bytes);
-    for (int s = 0; s < p.spc; ++s) {
-      const Seg sg = cl_seg(p, rank, s);
-      if (sg.len == 0) continue;
-      const uint32_t nb = uint32_t(sg.len * int64_t(sizeof(T)));
-      bulk_load(xs + int64_t(s) * p.seg, x + base + sg.off, nb, &h->bar);
-      if constexpr (BWD) bulk_load(ds + int64_t(s) * p.seg, dy + base + sg.off, nb, &h->bar);
-    }
-  }
-  // gamma (beta) of the segments' channels into shared memory while the copies run (read
-  // after at least one block barrier below)
-  if (tid >= 32 && tid < 32 + p.spc) {
-    const int s = tid - 32;
-    const int64_t c = c0 + cl_seg(p, rank, s).k;
-    h->gm[s] = to_f32(gamma[c]);
-    if constexpr (!BWD) h->bt[s] = to_f32(beta[c]);
-  }
-  float mu = 0.f, rs = 0.f;
-  if constexpr (BWD) {
-    mu = mean_in[blk];
-    rs = rstd_in[blk];
-  }
-  mbar_wait(&h->bar, 0);
-
-  if constexpr (BWD) {
-    // per-segment sums, then this CTA's gamma-weighted share of the block sums
-    for (int s = 0; s < p.spc; ++s) {
-      const Seg sg = cl_seg(p, rank, s);
-      const T* xv = xs + int64_t(s) * p.seg;
-      const T* dv = ds + int64_t(s) * p.seg;
-      float a = 0.f, b = 0.f;
-      for (int64_t v = int64_t(tid) * VEC; v < sg.len; v += int64_t(kClThreads) * VEC) {
-        float xe[VEC], de[VEC];
-        rms::load_vec_smem<T, VEC>(xv + v, xe);
-        rms::load_vec_smem<T, VEC>(dv + v, de);
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          a += de[i];
-          b += de[i] * (xe[i] - mu);
-        }
-      }
-      const float2 r = group_sum2(a, b, kClThreads, h->red, s & 1);
-      if (tid == 0) {
-        h->part[s][0] = r.x;
-        h->part[s][1] = r.y;
-      }
-    }
-    if (tid == 0) {
-      float lu = 0.f, lb = 0.f;
-      for (int s = 0; s < p.spc; ++s) {
-        lu += h->gm[s] * h->part[s][0];
-        lb += h->gm[s] * h->part[s][1];
-      }
-      h->loc[0] = lu;
-      h->loc[1] = lb;
-    }
-    cluster.sync();
-    if (tid < 32) {  // lane q reads CTA q's sums; a fixed xor tree: the same bits in every CTA
-      float su = 0.f, sb = 0.f;
-      if (tid < p.cs) {
-        const float* l = cluster.map_shared_rank(h->loc, tid);
-        su = l[0];
-        sb = l[1];
-      }
-      const float2 v = group_sum2(su, sb, 32, nullptr, 0);
-      if (tid == 0) {
-        h->coef[0] = v.x / float(p.M);
-        h->coef[1] = rs * v.y / float(p.M);
-      }
-    }
-    // channels whose first segment is here: A, B from the channel's segments in order
-    if (tid < p.spc) {
-      const int64_t j = int64_t(rank) * p.spc + tid;
-      if (j % p.P == 0) {
-        float sa = 0.f, sbb = 0.f;
-        for (int64_t q = j; q < j + p.P; ++q) {
-          const int owner = int(q / p.spc);
-          const float* pp = cluster.map_shared_rank(&h->part[0][0], owner) + 2 * (q - int64_t(owner) * p.spc);
-          sa += pp[0];
-          sbb += pp[1];
-        }
-        const int64_t row = blk * p.K + j / p.P;  // n * C + c
-        A[row] = sa;
-        B[row] = sbb;
-      }
-    }
-    __syncthreads();
-    cluster_arrive_release();  // remote reads done: the others may exit once all arrive
-    const float ca = h->coef[0], cb = h->coef[1];
-    for (int s = 0; s < p.spc; ++s) {
-      const Seg sg = cl_seg(p, rank, s);
-      const float gm = h->gm[s];
-      const T* xv = xs + int64_t(s) * p.seg;
-      const T* dv = ds + int64_t(s) * p.seg;
-      T* o = out + base + sg.off;
-      for (int64_t v = int64_t(tid) * VEC; v < sg.len; v += int64_t(kClThreads) * VEC) {
-        float xe[VEC], de[VEC], r[VEC];
-        rms::load_vec_smem<T, VEC>(xv + v, xe);
-        rms::load_vec_smem<T, VEC>(dv + v, de);
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) r[i] = rs * (de[i] * gm - ca - (xe[i] - mu) * rs * cb);
-        store_vec<T, VEC>(o + v, r);
-      }
-    }
-    cluster_wait_acquire();
-  } else {
-    // mean
-    float a = 0.f;
-    cta_vecs(p, rank, xs, [&](const float (&xe)[VEC]) {
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) a += xe[i];
-    });
-    a = group_sum(a, kClThreads, h->red, 0);
-    if (tid == 0) h->loc[0] = a;
-    cluster.sync();
-    if (tid < 32) {  // lane q reads CTA q's sum; fixed xor tree
-      const float t = group_sum(tid < p.cs ? cluster.map_shared_rank(h->loc, tid)[0] : 0.f, 32, nullptr, 0);
-      if (tid == 0) h->coef[0] = t / float(p.M);
-    }
-    __syncthreads();
-    mu = h->coef[0];
-    // centred variance from shared memory
-    float b = 0.f;
-    cta_vecs(p, rank, xs, [&](const float (&xe)[VEC]) {
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        const float d = xe[i] - mu;
-        b += d * d;
-      }
-    });
-    b = group_sum(b, kClThreads, h->red, 1);
-    if (tid == 0) h->loc[1] = b;
-    cluster.sync();
-    if (tid < 32) {
-      const float t = group_sum(tid < p.cs ? cluster.map_shared_rank(h->loc, tid)[1] : 0.f, 32, nullptr, 0);
-      const float r = rsqrtf(t / float(p.M) + eps);
-      if (tid == 0) h->coef[1] = r;
-      if (tid == 0 && rank == 0) {
-        mean_out[blk] = mu;
-        rstd_out[blk] = r;
-      }
-    }
-    __syncthreads();
-    cluster_arrive_release();
-    rs = h->coef[1];
-    for (int s = 0; s < p.spc; ++s) {
-      const Seg sg = cl_seg(p, rank, s);
-      const float ga = h->gm[s] * rs, be = h->bt[s];
-      const T* xv = xs + int64_t(s) * p.seg;
-      T* o = out + base + sg.off;
-      for (int64_t v = int64_t(tid) * VEC; v < sg.len; v += int64_t(kClThreads) * VEC) {
-        float xe[VEC], r[VEC];
-        rms::load_vec_smem<T, VEC>(xv + v, xe);
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) r[i] = (xe[i] - mu) * ga + be;
-        store_vec<T, VEC>(o + v, r);
-      }
-    }
-    cluster_wait_acquire();
-  }
-#endif
-}
-
-// ---- single-pass path, exchange by pushes (the default; RLX_GROUP_NORM_CUDA_XCHG=0: gn_cluster) ----
-// Same plan, slices and bytes as gn_cluster, but no cluster barrier on the critical path and
-// no release fence: each CTA PUSHES its partial sums into every CTA's shared memory with
+// ---- single-pass path: one cluster per block (n, g), exchange by pushes ------------------------
+// No cluster barrier on the critical path and no release fence: each CTA PUSHES its partial sums into every CTA's shared memory with
 // st.async, which completes transaction bytes on the receiver's exchange mbarrier; every
 // thread waits on its own CTA's mbarrier (acquire, cluster scope) and adds the cs slots in
 // rank order (the same bits in every CTA: deterministic). Nobody reads another CTA's shared
@@ -540,11 +326,11 @@ gn_cluster(const T* __restrict__ x, const T* __restrict__ dy, const T* __restric
 // initialisation (fence.mbarrier_init), wait just before the first push, i.e. after the bulk
 // copies, by when every CTA of the cluster has long arrived.
 // Backward: the per-segment sums (a, b) go through one warp-sum slot per (segment, warp) and
-// one block barrier (gn_cluster: one barrier per segment); warp 0 then forms the CTA's
+// one block barrier (not one per segment); warp 0 then forms the CTA's
 // gamma-weighted share (a fixed xor tree over the segments) and pushes it. Channels split
 // over CTAs (P > 1): the segment sums go to the CTA holding the channel's first segment,
 // which adds them in segment order and writes A, B (P == 1: written at once).
-// Forward: ONE exchange (gn_cluster: two): a CTA pushes its sum, centred M2 about its own
+// Forward: ONE exchange: a CTA pushes its sum, centred M2 about its own
 // mean and count; M2 = sum_q M2_q + n_q (mean_q - mean)^2 (Chan et al.), q in rank order.
 constexpr int kXHeader = 2048;
 
@@ -829,12 +615,6 @@ inline int64_t cluster_budget() {
   return kb * 1024;
 }
 
-// The cluster kernels' exchange: pushes (gn_cluster_x, default) or, with
-// RLX_GROUP_NORM_CUDA_XCHG=0, cluster barriers and remote reads (gn_cluster); read once.
-inline bool push_exchange() {
-  static const bool on = !env_starts_with("RLX_GROUP_NORM_CUDA_XCHG", '0');
-  return on;
-}
 // RLX_GROUP_NORM_CUDA_OCC6=0: the f32 backward's push kernel compiled for 5 CTAs an SM (48
 // registers) instead of 6 (at most 40); read once.
 inline bool occ5() {
@@ -843,14 +623,12 @@ inline bool occ5() {
 }
 template <typename T, bool BWD>
 auto cluster_kernel() {
-  using Kernel = decltype(&gn_cluster<T, BWD>);
-  if (!push_exchange()) return Kernel(gn_cluster<T, BWD>);
+  using Kernel = decltype(&gn_cluster_x<T, BWD>);
   if constexpr (BWD && std::is_same_v<T, float>) {
     if (occ5()) return Kernel(gn_cluster_x<T, BWD, 5>);
   }
   return Kernel(gn_cluster_x<T, BWD>);
 }
-inline int64_t cluster_header() { return push_exchange() ? kXHeader : kClHeader; }
 
 inline int64_t gcd64(int64_t a, int64_t b) {
   while (b != 0) {
@@ -872,7 +650,7 @@ inline bool cluster_plan(const Layout& L, int64_t esz, int tensors, ClPlan& p) {
     if (spc > kClMaxSegs) continue;
     const int64_t seg = rw::ceil_div(rw::ceil_div(L.s, P), vec) * vec;
     const int64_t bytes = int64_t(tensors) * spc * seg * esz;
-    if (bytes > budget || bytes + cluster_header() > (int64_t(227) << 10)) continue;
+    if (bytes > budget || bytes + kXHeader > (int64_t(227) << 10)) continue;
     if (L.n * L.groups * cs >= (int64_t(1) << 31)) return false;
     p = ClPlan{L.s, L.k, L.m, L.groups, seg, cs, int(P), int(spc)};
     return true;
@@ -881,7 +659,7 @@ inline bool cluster_plan(const Layout& L, int64_t esz, int tensors, ClPlan& p) {
 }
 
 inline size_t cluster_smem(const ClPlan& p, int64_t esz, int tensors) {
-  return size_t(cluster_header()) + size_t(tensors) * size_t(p.spc) * size_t(p.seg) * size_t(esz);
+  return size_t(kXHeader) + size_t(tensors) * size_t(p.spc) * size_t(p.seg) * size_t(esz);
 }
 
 // Launch configuration of a cluster kernel; `ok` false when the device cannot run it
