@@ -34,8 +34,21 @@ python3 -c 'import jax, rlx_jax; i = rlx_jax.kernel_info(); print("jax", jax.__v
 if has tests; then
   step tests
   pids=()
+  # one pytest process per file; the attention file (over 420 s in one process beside the
+  # others, 2026-11-22) runs as 4 processes split by -k, one log each ($n.partK.txt)
+  att_parts=("tensor_core_path" "kernel_specialisations" "wgmma"
+             "not tensor_core_path and not kernel_specialisations and not wgmma")
   for f in $(gpu_test_files); do
     n=$(basename "$f" .py)
+    if [ "$n" = test_attention_gpu ]; then
+      for i in "${!att_parts[@]}"; do
+        ( XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 420 python3 -m pytest -q -p no:cacheprovider \
+            --import-mode=importlib -m "not slow" "$f" -k "${att_parts[$i]}" >"$OUT/$n.part$i.txt" 2>&1
+          echo "rc=$?" >>"$OUT/$n.part$i.txt" ) &
+        pids+=($!)
+      done
+      continue
+    fi
     ( timeout 420 python3 -m pytest -q -p no:cacheprovider --import-mode=importlib -m "not slow" "$f" \
         >"$OUT/$n.txt" 2>&1; echo "rc=$?" >>"$OUT/$n.txt" ) &
     pids+=($!)
@@ -43,9 +56,12 @@ if has tests; then
   wait "${pids[@]}"
   for f in $(gpu_test_files); do
     n=$(basename "$f" .py)
-    printf "%-32s %s | %s\n" "$n" "$(grep -E '^[0-9]+ (passed|failed)|passed|failed' "$OUT/$n.txt" | tail -1)" "$(tail -1 "$OUT/$n.txt")"
+    for log in "$OUT/$n.txt" "$OUT/$n".part*.txt; do
+      [ -f "$log" ] || continue
+      printf "%-38s %s | %s\n" "$(basename "$log" .txt)" "$(grep -E '^[0-9]+ (passed|failed)|passed|failed' "$log" | tail -1)" "$(tail -1 "$log")"
+    done
   done
-  grep -h "^FAILED\|^ERROR" "$OUT"/test_*_gpu.txt | head -30
+  grep -h "^FAILED\|^ERROR" "$OUT"/test_*_gpu*.txt | head -30
 fi
 if has sanitize; then
   step sanitize
