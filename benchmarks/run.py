@@ -19,7 +19,7 @@ import sys
 
 import jax
 
-from benchmarks.harness import run_case
+from benchmarks.harness import default_batch, run_case
 
 HERE = pathlib.Path(__file__).parent
 
@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default="all", help="comma-separated case modules (default: all): " + ", ".join(available_case_modules()))
     parser.add_argument("--device", choices=["cpu", "gpu"], default=None, help="default: the default JAX backend")
     parser.add_argument("--reps", type=int, default=20, help="timed repetitions per round (median taken)")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="calls dispatched back to back per timing sample (default: 10 on a GPU, 1 on the CPU)")
     parser.add_argument("--json", type=pathlib.Path, default=None, help="also write the rows as JSON here")
     parser.add_argument("--filter", default=None, metavar="REGEX",
                         help="run only the cases whose name matches REGEX (re.search)")
@@ -58,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     device = jax.devices(args.device)[0] if args.device else jax.devices()[0]
     kind = "gpu" if device.platform in ("gpu", "cuda", "rocm") else "cpu"
     print(f"# device: {device.device_kind} ({device.platform}); jax {jax.__version__}; "
-          f"kernels: {({p: i['loaded'] for p, i in rlx_jax.kernel_info().items()})}", flush=True)
+          f"kernels: {({p: i['loaded'] for p, i in rlx_jax.kernel_info().items()})}; "
+          f"calls per timing sample: {args.batch or default_batch(device)}", flush=True)
     pattern = re.compile(args.filter) if args.filter else None
     rows = []
     for name in names:
@@ -66,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         for case in module.cases(kind):
             if pattern is not None and not pattern.search(case.name):
                 continue
-            row = run_case(case, device, args.reps)
+            row = run_case(case, device, args.reps, args.batch)
             rows.append(row)
             print(format_table([row]).splitlines()[-1], flush=True)
     print()
