@@ -32,12 +32,15 @@ class Case:
     extra: dict = dataclasses.field(default_factory=dict)
 
 
-def time_fn(fn: Callable, args: tuple, reps: int, warmup: int = 3, batch: int = 1) -> float:
+def time_fn(fn: Callable, args: tuple, reps: int, warmup: int = 3, batch: int = 1,
+            host_ms: list | None = None) -> float:
     """Median time in ms of one ``fn(*args)``: ``reps`` samples after ``warmup``; each
     sample dispatches ``batch`` calls back to back, waits for the last (one device stream:
     the last done means all done) and divides by ``batch``. ``batch > 1`` measures the
     throughput a training loop sees, without the host's wait-and-relaunch gap between
-    calls (on a GPU about 0.1-0.2 ms a call, the size of a 0.8 GB kernel)."""
+    calls (on a GPU about 0.1-0.2 ms a call, the size of a 0.8 GB kernel). ``host_ms``,
+    if given, receives each sample's time per call spent dispatching (before the wait):
+    when it is close to the result, the host, not the device, set the pace."""
     if batch < 1:
         raise ValueError(f"time_fn: batch must be >= 1, got {batch}")
     for _ in range(warmup):
@@ -48,8 +51,11 @@ def time_fn(fn: Callable, args: tuple, reps: int, warmup: int = 3, batch: int = 
         out = None
         for _ in range(batch):
             out = fn(*args)  # earlier results are released as soon as they are replaced
+        t1 = time.perf_counter()
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t0) * 1e3 / batch)
+        if host_ms is not None:
+            host_ms.append((t1 - t0) * 1e3 / batch)
     return statistics.median(times)
 
 
@@ -85,10 +91,10 @@ def run_case(case: Case, device, reps: int, batch: int | None = None) -> dict:
                 raise AssertionError(f"{case.name}: ours and XLA differ (max rel err {err:.3g})")
         floor_fn, floor_args = copy_floor_fn(case.floor_bytes, device)
         # interleave the three so drift on a shared machine hits all of them alike
-        t_ours, t_xla, t_floor = [], [], []
+        t_ours, t_xla, t_floor, host_ours = [], [], [], []
         rounds = 3
         for _ in range(rounds):
-            t_ours.append(time_fn(ours, args, reps, batch=batch))
+            t_ours.append(time_fn(ours, args, reps, batch=batch, host_ms=host_ours))
             t_xla.append(time_fn(xla, args, reps, batch=batch))
             t_floor.append(time_fn(floor_fn, floor_args, reps, batch=batch))
     ours_ms, xla_ms, floor_ms = (statistics.median(t) for t in (t_ours, t_xla, t_floor))
@@ -103,5 +109,6 @@ def run_case(case: Case, device, reps: int, batch: int | None = None) -> dict:
         "ours_GBps": case.floor_bytes / ours_ms / 1e6,
         "floor_GBps": case.floor_bytes / floor_ms / 1e6,
         "batch": batch,
+        "ours_host_ms": statistics.median(host_ours),  # dispatch time a call (see time_fn)
         **case.extra,
     }

@@ -24,8 +24,10 @@ def test_time_fn_dispatches_batch_calls_per_sample():
         calls.append(1)
         return x + 1
 
-    t = time_fn(fn, (jnp.ones(4),), reps=3, warmup=2, batch=5)
+    host = []
+    t = time_fn(fn, (jnp.ones(4),), reps=3, warmup=2, batch=5, host_ms=host)
     assert len(calls) == 2 + 3 * 5
+    assert len(host) == 3 and all(0.0 <= h for h in host)
     assert t >= 0.0
 
 
@@ -54,6 +56,7 @@ def test_run_case_reports_ratios_and_batch():
 
     row = run_case(_case(lambda x: x + x), jax.devices("cpu")[0], reps=2, batch=3)
     assert row["batch"] == 3 and row["case"] == "double"
+    assert 0.0 <= row["ours_host_ms"]
     assert row["xla_over_ours"] == pytest.approx(row["xla_ms"] / row["ours_ms"])
     assert row["ours_over_floor"] == pytest.approx(row["ours_ms"] / row["floor_ms"])
 
