@@ -495,6 +495,21 @@ print("child ok")
 """
 
 
+# Forward "3" (RLX_ATTENTION_CUDA_WGMMA=3): at D 128 the warp-specialised kernel
+# (attention_wgmma_ws.cuh: producer warpgroup, mbarrier ring, persistent grid), at D 64 the default
+# (mma.sync). Its grid (RLX_ATTENTION_CUDA_WS_GRID): "3" the default persistent grid (min(tiles, SMs):
+# one tile per block in these small cases), "3s" 7 blocks (every block serves several tiles, so the
+# ring's phases and the Q buffer carry across tiles; with the causal tile order in chunks of 3 heads,
+# RLX_ATTENTION_CUDA_FWD_HC=3, the last chunk partial), "3t" one block per tile. The "2-4" child runs
+# the causal tile order in chunks of 9 heads (RLX_ATTENTION_CUDA_FWD_HC=9, the mma.sync D 64 and
+# wgmma D 128 forwards; more than the heads of these cases: one chunk), the others the default (1).
+_FWD_ENV = {"0": {}, "2": {}, "3": {"RLX_ATTENTION_CUDA_WGMMA": "3"},
+            "3s": {"RLX_ATTENTION_CUDA_WGMMA": "3", "RLX_ATTENTION_CUDA_WS_GRID": "2",
+                   "RLX_ATTENTION_CUDA_FWD_HC": "3"},
+            "3t": {"RLX_ATTENTION_CUDA_WGMMA": "3", "RLX_ATTENTION_CUDA_WS_GRID": "1"}}
+_WS_LINE = "D=128 BC=128 NWG=3 WS NST=2 "
+
+
 # The same child runs the wgmma dk / dv backward (attention_wgmma_bwd.cuh; RLX_ATTENTION_CUDA_WGMMA_BWD,
 # read once per process; see attention.cu) for the same cases: "fwd-bwd" = the two switches ("0": the
 # mma.sync dk / dv and dq; "4": at D 128 the plain wgmma dk / dv (no MMA / softmax overlap) and the
@@ -502,7 +517,7 @@ print("child ok")
 # the plain wgmma dk / dv and the mma.sync dq at D 64); "0-5" checks the wgmma backward against the
 # mma.sync forward's out / lse. The backward's launch log ("attention backward: wgmma dkdv ... OVL=.."
 # / "wgmma dq") is checked like the forward's.
-@pytest.mark.parametrize("variant", ["2-5", "0-0", "0-5", "2-4"])
+@pytest.mark.parametrize("variant", ["2-5", "0-0", "0-5", "2-4", "3-5", "3s-5", "3t-0"])
 def test_wgmma_forward(variant):
     import os
     import subprocess
@@ -513,13 +528,18 @@ def test_wgmma_forward(variant):
     # check that no wgmma kernel launched can fail (with mode 0 the wgmma branch is never entered)
     env = dict(os.environ, RLX_ATTENTION_CUDA_WGMMA=fwd, RLX_ATTENTION_CUDA_WGMMA_BWD=bwd,
                RLX_ATTENTION_CUDA_WGMMA_REQUIRE="1")
+    env.update(_FWD_ENV[fwd])
+    if variant == "2-4":
+        env["RLX_ATTENTION_CUDA_FWD_HC"] = "9"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "-c", _WGMMA_CHILD], cwd=root, env=env, capture_output=True, text=True,
                        timeout=400)
     assert r.returncode == 0 and "child ok" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
     # with the require flag the module names each wgmma kernel on its first launch (stderr): the
     # path taken, not only the values, is checked; the "0" children must not reach it
-    fwd_lines = {"0": set(), "2": {"D=64 BC=128 NWG=2", "D=128 BC=128 NWG=2"}}[fwd]
+    fwd_lines = {"0": set(), "2": {"D=64 BC=128 NWG=2", "D=128 BC=128 NWG=2"},
+                 "3": {_WS_LINE + "persistent"}, "3s": {_WS_LINE + "persistent"},
+                 "3t": {_WS_LINE + "tiles"}}[fwd]
     kv = lambda d, ovl: f"D={d} BK=128 NWG=2 OVL={ovl}"
     dq = lambda d: f"D={d} BM=128 BC=64"
     dkdv_lines, dq_lines = {"0": (set(), set()),

@@ -28,6 +28,7 @@
 #include "cuda/attention_mma.cuh"
 #include "cuda/attention_wgmma.cuh"
 #include "cuda/attention_wgmma_bwd.cuh"
+#include "cuda/attention_wgmma_ws.cuh"
 
 namespace rlx {
 namespace cuda {
@@ -123,12 +124,47 @@ bool attn_fwd_mt2() {
 // wgmma kernel 0.99x / 0.99x there, within the noise; other tilings 0.80-0.94x).
 // RLX_ATTENTION_CUDA_WGMMA_REQUIRE=1 (tests): a case the wgmma forward serves is an error when
 // the loaded image has no wgmma code (instead of the mma.sync fallback).
+// 3 (being measured, run 13F of benchmarks/results/attention_fwd_h200_2026-11-22.txt): at D 128 the
+// warp-specialised kernel (attention_wgmma_ws.cuh: a producer warpgroup, 2 consumer warpgroups,
+// mbarrier ring, persistent grid), at D 64 the default.
 int attn_wgmma_mode(int64_t d) {
   static const int env = env_starts_with("RLX_ATTENTION_CUDA_WGMMA", '0')   ? 0
                          : env_starts_with("RLX_ATTENTION_CUDA_WGMMA", '2') ? 2
+                         : env_starts_with("RLX_ATTENTION_CUDA_WGMMA", '3') ? 3
                                                                             : -1;
+  if (env == 3) return d == 128 ? 3 : 0;
   if (env >= 0) return env;
   return d == 128 ? 2 : 0;
+}
+// Forward tile order for the causal mask (attn::fwd_tile in attention_mma.cuh): hc heads per chunk,
+// query tiles heaviest first across a chunk's heads. Default hc = 1 (one head's tiles after
+// another's, heaviest first: the order before). RLX_ATTENTION_CUDA_FWD_HC=<n> (read once per
+// process; n >= 1; 0 or unset: 1) chunks of n heads, longest-processing-time-first across them;
+// measured (run 13F, benchmarks/results/attention_fwd_h200_2026-11-22.txt, 6 alternating rounds,
+// B4 S4096 H16 bf16 forward) with n = ceil(2 SMs / query tiles) = 9: causal D 128 0.972x (0/6
+// rounds faster), causal D 64 0.985x (2/6) against n = 1, so it is not the default. Mask kind
+// none: always 1 (every tile has the same work).
+int attn_fwd_hc(const AttnArgs& a, int64_t nqt, int sms) {
+  (void)sms;
+  static const long env = [] {
+    const char* v = std::getenv("RLX_ATTENTION_CUDA_FWD_HC");
+    const long n = v != nullptr ? std::strtol(v, nullptr, 10) : 0;
+    return n >= 1 ? n : 1L;
+  }();
+  if (a.kind == 0 || nqt <= 0) return 1;
+  const int64_t nbh = std::max<int64_t>(1, a.B * a.H);
+  return int(std::max<int64_t>(1, std::min<int64_t>(env, nbh)));
+}
+// Grid of the warp-specialised forward (RLX_ATTENTION_CUDA_WS_GRID, read once per process): unset
+// (or another value) persistent, min(tiles, SMs) blocks looping over the tiles; 1: one block per
+// tile; 2 (tests): min(tiles, 7) blocks, so that every block serves several tiles and the barrier
+// ring's phases carry across tiles even in small cases.
+int64_t attn_ws_grid(int64_t tiles, int sms) {
+  static const int env = env_starts_with("RLX_ATTENTION_CUDA_WS_GRID", '1')   ? 1
+                         : env_starts_with("RLX_ATTENTION_CUDA_WS_GRID", '2') ? 2
+                                                                              : 0;
+  if (env == 1) return tiles;
+  return std::min<int64_t>(tiles, env == 2 ? 7 : std::max(sms, 1));
 }
 // wgmma backward kernels (attention_wgmma_bwd.cuh: dk / dv, and dq) for the same PLAIN cases (scale
 // > 0, no softcap, bias or key mask, mask kind none or causal).
@@ -220,7 +256,8 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
         if (wgmma_available(info.device)) {
           auto run_wg = [&](auto kernel, int d, int bc, int nwg, size_t smem) -> ffi::Error {
             const int rows = 64 * nwg;
-            const int64_t blocks = (a.Sq + rows - 1) / rows * a.H * a.B;
+            const int64_t nqt = (a.Sq + rows - 1) / rows;
+            const int64_t blocks = nqt * a.H * a.B;
             if (attn_wgmma_required()) {
               char line[64];
               std::snprintf(line, sizeof line, "kernel D=%d BC=%d NWG=%d", d, bc, nwg);
@@ -228,9 +265,31 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
             }
             if (auto e = grid_check(blocks, "attention"); e.failure()) return e;
             if (auto e = prepare(info.device, kernel, smem, "attention"); e.failure()) return e;
-            kernel<<<unsigned(blocks), unsigned(2 * rows), smem, stream>>>(a, q, k, v, out, lse);
+            kernel<<<unsigned(blocks), unsigned(2 * rows), smem, stream>>>(a, q, k, v, out, lse,
+                                                                            attn_fwd_hc(a, nqt, info.sms));
             return check_launch("attention forward (wgmma)");
           };
+          if (attn_wgmma_mode(a.D) == 3 && a.D == 128) {
+            // warp-specialised: 1 producer + 2 consumer warpgroups, 128 query rows per tile, K / V
+            // ring of 2 stages of 128 keys (attention_wgmma_ws.cuh)
+            constexpr int kBC = 128, kNST = 2;
+            auto kernel = attn::wgmma_fwd_ws_kernel<T, 128, kBC, kNST>;
+            const size_t smem = attn::wg_ws_smem<128, kBC, kNST>();
+            const int64_t nqt = (a.Sq + 127) / 128, tiles = nqt * a.H * a.B;
+            const int64_t blocks = attn_ws_grid(tiles, info.sms);
+            static const bool one_per_tile = env_starts_with("RLX_ATTENTION_CUDA_WS_GRID", '1');
+            const bool pers = !one_per_tile;
+            if (attn_wgmma_required()) {
+              char line[64];
+              std::snprintf(line, sizeof line, "kernel D=128 BC=%d NWG=3 WS NST=%d %s", kBC, kNST, pers ? "persistent" : "tiles");
+              log_wgmma_kernel(reinterpret_cast<const void*>(kernel), false, line);
+            }
+            if (auto e = grid_check(blocks, "attention"); e.failure()) return e;
+            if (auto e = prepare(info.device, kernel, smem, "attention"); e.failure()) return e;
+            if (blocks > 0)
+              kernel<<<unsigned(blocks), 384u, smem, stream>>>(a, q, k, v, out, lse, attn_fwd_hc(a, nqt, info.sms));
+            return check_launch("attention forward (wgmma ws)");
+          }
           // <T, D, BC (keys per tile), NWG (warpgroups of 64 rows)>; ptxas sm_90a (bf16, f16):
           // <64, 128, 2> 221 registers, no spill; <128, 128, 2> 255 registers, 40 B of spills
           // (-lineinfo; run 10 of the H200 results). 1 block of 8 warps per SM (registers).
@@ -249,7 +308,8 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
         if (auto e = grid_check(blocks, "attention"); e.failure()) return e;
         const size_t smem = attn::mma_fwd_smem(int(a.D), sw, mt, nk, nbuf);
         if (auto e = prepare(info.device, kernel, smem, "attention"); e.failure()) return e;
-        kernel<<<unsigned(blocks), attn::kMmaThreads, smem, stream>>>(a, q, k, v, bias, out, lse);
+        kernel<<<unsigned(blocks), attn::kMmaThreads, smem, stream>>>(a, q, k, v, bias, out, lse,
+                                                                       attn_fwd_hc(a, (a.Sq + rows - 1) / rows, info.sms));
         return check_launch("attention forward (mma)");
       };
       // 64 query rows x 64 keys per step. (Tried on the H200, bf16 B4 S4096 H16 non-causal:

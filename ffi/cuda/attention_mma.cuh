@@ -413,6 +413,22 @@ __device__ __forceinline__ void key_range(const AttnArgs& a, int64_t q0, int64_t
 }
 
 // ---- forward ---------------------------------------------------------------------------------
+// Forward block (or persistent-grid tile) index t -> query tile qt and row bh = b * H + h of the
+// [B * H] heads. The tiles are numbered in chunks of hc consecutive heads (hc * nqt tiles each,
+// the last chunk may hold fewer heads); inside a chunk the query tile is the slow index, heaviest
+// (causal: the last query tiles see the most keys) first across the chunk's heads, so the hardware
+// block scheduler (or the persistent grid's stride) starts the longest tiles first and ends on the
+// shortest (longest-processing-time-first), while the heads in flight stay few enough that their
+// K / V stay in L2. hc = 1 is the order before (one head's tiles after another's, heaviest first).
+__device__ __forceinline__ void fwd_tile(int64_t t, int64_t nqt, int64_t nbh, int64_t hc, int64_t* qt, int64_t* bh) {
+  const int64_t per = hc * nqt;
+  const int64_t c = t / per, i = t - c * per;
+  const int64_t n = min(hc, nbh - c * hc);  // heads in this chunk
+  const int64_t j = i / n;
+  *qt = nqt - 1 - j;
+  *bh = c * hc + (i - j * n);
+}
+
 // Template: MT m-tiles of 16 rows per warp (block rows 16 MT * 4; warp w owns rows
 // [16 MT w, 16 MT (w + 1))), NK keys per step. The launcher uses NK = 64 and MT = 1, except for
 // the PLAIN D 64 kernel without a key mask: MT = 2 (run 8 of the H200 results; see attention.cu).
@@ -430,7 +446,7 @@ __device__ __forceinline__ void key_range(const AttnArgs& a, int64_t q0, int64_t
 template <typename T, int D, int MT, int NK, bool STAGGER, int MINB, bool MASK, bool PLAIN>
 __global__ void __launch_bounds__(kMmaThreads, MINB)
     mma_fwd_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                   const T* __restrict__ bias, T* __restrict__ out, float* __restrict__ lse) {
+                   const T* __restrict__ bias, T* __restrict__ out, float* __restrict__ lse, int hc) {
 #if RLX_ATTN_MMA
   static_assert(NK % 32 == 0, "NK: whole mask words");
   constexpr bool SW = fwd_swizzle(D, MASK);
@@ -444,9 +460,8 @@ __global__ void __launch_bounds__(kMmaThreads, MINB)
   T* Vs = Ks + NBUF * NK * LDS;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   const int64_t nqt = (a.Sq + kFwdBQ - 1) / kFwdBQ;
-  int64_t blk = blockIdx.x;
-  const int64_t qt = nqt - 1 - blk % nqt;  // heaviest (causal) tiles first
-  blk /= nqt;
+  int64_t qt, blk;
+  fwd_tile(blockIdx.x, nqt, a.B * a.H, hc, &qt, &blk);  // heaviest (causal) tiles first
   const int64_t h = blk % a.H, b = blk / a.H, hk = h / a.group;
   const int64_t q0 = qt * kFwdBQ;
   const int64_t q_rs = a.H * D, kv_rs = a.Hkv * D;

@@ -254,12 +254,12 @@ template <int D, int BC, int NWG>
 constexpr size_t wg_fwd_smem() { return size_t(2) * D * (64 * NWG + 4 * BC) + 1024; }
 
 // Forward, PLAIN (scale > 0, no softcap / bias / key mask), mask kind none or causal (a.kind 0 / 1).
-// Grid and outputs as mma_fwd_kernel: block = (64 NWG-row query tile, head, batch), heaviest
-// (causal) tiles first; out and lse (log2-scaled max converted back with ln 2).
+// Grid and outputs as mma_fwd_kernel: block = (64 NWG-row query tile, head, batch) in fwd_tile's
+// order (hc heads per chunk), heaviest (causal) tiles first; out and lse (log2-scaled max converted back with ln 2).
 template <typename T, int D, int BC, int NWG>
 __global__ void __launch_bounds__(NWG * 128, 1)
     wgmma_fwd_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                     T* __restrict__ out, float* __restrict__ lse) {
+                     T* __restrict__ out, float* __restrict__ lse, int hc) {
 #if RLX_ATTN_WGMMA
   static_assert(D % 64 == 0 && BC % 16 == 0 && (BC == 64 || BC == 128), "wgmma_fwd_kernel: tile shapes");
   constexpr int BM = 64 * NWG, NT = 128 * NWG;
@@ -271,9 +271,8 @@ __global__ void __launch_bounds__(NWG * 128, 1)
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
   const int g = lane >> 2, tq = lane & 3;
   const int64_t nqt = (a.Sq + BM - 1) / BM;
-  int64_t blk = blockIdx.x;
-  const int64_t qt = nqt - 1 - blk % nqt;  // heaviest (causal) tiles first
-  blk /= nqt;
+  int64_t qt, blk;
+  fwd_tile(blockIdx.x, nqt, a.B * a.H, hc, &qt, &blk);  // heaviest (causal) tiles first
   const int64_t h = blk % a.H, b = blk / a.H, hk = h / a.group;
   const int64_t q0 = qt * BM;
   const int64_t q_rs = a.H * D, kv_rs = a.Hkv * D;

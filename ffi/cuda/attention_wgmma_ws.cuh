@@ -1,0 +1,301 @@
+// Warp-specialised attention forward on Hopper wgmma (sm_90a), bf16 / f16, head dim 128, the PLAIN
+// cases of wgmma_fwd_kernel (attention_wgmma.cuh: scale > 0, no softcap, bias or key mask, mask kind
+// none or causal). Selected by RLX_ATTENTION_CUDA_WGMMA=3 (attention.cu) while it is measured.
+//
+// Block = 3 warpgroups (384 threads), one block per SM:
+//   warpgroup 0 (producer, setmaxnreg.dec to kWsProdRegs): loads the 128-row Q tile and the K / V
+//     tiles of BC keys with cp.async (16 bytes, zero-filled past the sequence end) into the
+//     128-byte-swizzle K-major layout of attention_wgmma.cuh (wg_load_tile), into a ring of NST
+//     stages. Each thread's copies of a tile complete on the stage's full barrier through
+//     cp.async.mbarrier.arrive.noinc (count 128: one arrival per producer thread, made when that
+//     thread's earlier cp.async have landed); K and V have their own full barriers, so S = Q K^T
+//     starts before V has landed. The producer waits on the stage's empty barrier before it
+//     overwrites the stage, and on the Q empty barrier before the next tile's Q.
+//   warpgroups 1, 2 (consumers, setmaxnreg.inc to kWsConsRegs): 64 query rows each, the loop body of
+//     wgmma_fwd_kernel (S = Q K^T smem x smem, online softmax in registers, O += P V with P from
+//     registers); each waits on the full barriers (then fence.proxy.async: the cp.async data,
+//     written through the generic proxy, is read by wgmma through the async proxy), and after its
+//     P V product has completed (wait_group 0) lane 0 of each warp arrives on the stage's empty
+//     barrier (count 8). No CTA-wide barrier after the prologue.
+//   Persistent grid: block i serves tiles i, i + gridDim.x, ... of fwd_tile's order (attention_mma.cuh);
+//     the launcher picks gridDim.x = min(tiles, SMs) or one block per tile. The ring's stage and
+//     phase continue across tiles, so the producer loads the next tile's K / V while the consumers
+//     finish the previous one and write its output.
+// Barrier phases: a consumer waits on a full barrier with the ring's parity bit (first pass 0), the
+// producer on an empty barrier with the opposite bit (the first pass returns at once: the phase
+// before the first is complete). A consumer warpgroup that skips a key tile (causal: past its last
+// row) still waits on the full barriers and arrives on the empty one, which keeps it at most one
+// ring pass ahead and every phase's arrival count exact.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/attention_wgmma.cuh"
+
+namespace rlx {
+namespace cuda {
+namespace attn {
+
+constexpr int kWsProdRegs = 56, kWsConsRegs = 224;  // 128 * 56 + 256 * 224 = 64512 = 384 * 168
+
+__device__ __forceinline__ void ws_arrive(uint64_t* bar) {
+#if RLX_ATTN_WGMMA
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+#endif
+}
+// one arrival on `bar` once every cp.async this thread issued before has completed (the arrival
+// is one of the count given to mbar_init: .noinc)
+__device__ __forceinline__ void ws_cp_async_arrive(uint64_t* bar) {
+#if RLX_ATTN_WGMMA
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+#endif
+}
+__device__ __forceinline__ void ws_wait(uint64_t* bar, uint32_t parity) {
+#if RLX_ATTN_WGMMA
+  mbar_wait(bar, parity);
+#endif
+}
+template <int N>
+__device__ __forceinline__ void ws_setmaxnreg_dec() {
+#if RLX_ATTN_WGMMA
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
+#endif
+}
+template <int N>
+__device__ __forceinline__ void ws_setmaxnreg_inc() {
+#if RLX_ATTN_WGMMA
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
+#endif
+}
+
+// wg_load_tile for the producer warpgroup (128 threads) with few registers: the same layout and
+// zero fill, one source pointer and one shared address advanced per pass (not one per pass).
+template <typename T, int D, int ROWS>
+__device__ __forceinline__ void ws_load_tile(T* dst, const T* __restrict__ x, int64_t rs, int64_t r0, int64_t n) {
+#if RLX_ATTN_WGMMA
+  constexpr int kChunks = D / 8, kStep = 128 / kChunks;
+  static_assert(128 % kChunks == 0 && kStep % 8 == 0 && ROWS % kStep == 0, "ws_load_tile: whole passes");
+  const int r = (threadIdx.x & 127) / kChunks, c = threadIdx.x % kChunks;
+  int left = int(min(n - r0 - r, int64_t(1) << 30));  // this thread's row of pass `it` exists if it * kStep < left
+  const T* src = x + (r0 + r) * rs + c * 8;
+  uint32_t d = smem_addr(dst + (c >> 3) * ROWS * 64 + r * 64 + (((c & 7) ^ (r & 7)) << 3));
+  const int64_t step = kStep * rs;
+#pragma unroll 4
+  for (int it = 0; it < ROWS / kStep; ++it) {
+    const bool ok = left > 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(ok ? src : x), "r"(ok ? 16 : 0)
+                 : "memory");
+    src += step;
+    d += kStep * 128;
+    left -= kStep;
+  }
+#endif
+}
+
+// Shared memory: Q [128 x D], K and V [NST][BC x D], 1024 bytes to align the swizzle atoms, then
+// the barriers (K full, V full, empty per stage; Q full, Q empty).
+template <int D, int BC, int NST>
+constexpr size_t wg_ws_smem() { return size_t(2) * D * (128 + 2 * NST * BC) + 1024 + 8 * (3 * NST + 2); }
+
+template <typename T, int D, int BC, int NST>
+__global__ void __launch_bounds__(384, 1)
+    wgmma_fwd_ws_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                        T* __restrict__ out, float* __restrict__ lse, int hc) {
+#if RLX_ATTN_WGMMA
+  static_assert(D % 64 == 0 && (BC == 64 || BC == 128) && NST >= 2, "wgmma_fwd_ws_kernel: tile shapes");
+  constexpr int BM = 128;
+  extern __shared__ __align__(1024) uint8_t wg_smem[];
+  const uint32_t pad = (1024u - (smem_addr(wg_smem) & 1023u)) & 1023u;
+  T* Qs = reinterpret_cast<T*>(wg_smem + pad);  // [D / 64][BM][64]
+  T* Ks = Qs + BM * D;                            // [NST][D / 64][BC][64]
+  T* Vs = Ks + NST * BC * D;                      // [NST][D / 64][BC][64]
+  uint64_t* kfull = reinterpret_cast<uint64_t*>(Vs + NST * BC * D);
+  uint64_t* vfull = kfull + NST;
+  uint64_t* empty = vfull + NST;
+  uint64_t* qfull = empty + NST;
+  uint64_t* qempty = qfull + 1;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < NST; ++s) {
+      mbar_init(kfull + s, 128);
+      mbar_init(vfull + s, 128);
+      mbar_init(empty + s, 8);
+    }
+    mbar_init(qfull, 128);
+    mbar_init(qempty, 8);
+    mbar_init_fence();
+  }
+  __syncthreads();
+  const int wg = threadIdx.x >> 7;
+  const int64_t nqt = (a.Sq + BM - 1) / BM, nbh = a.B * a.H, ntiles = nqt * nbh;
+  const int64_t q_rs = a.H * D, kv_rs = a.Hkv * D;
+  int st = 0;
+  uint32_t ph = 0, qph = 0;
+  if (wg == 0) {
+    // ---- producer ----
+    ws_setmaxnreg_dec<kWsProdRegs>();
+    for (int64_t t = blockIdx.x; t < ntiles; t += gridDim.x) {
+      int64_t qt, bh;
+      fwd_tile(t, nqt, nbh, hc, &qt, &bh);
+      const int64_t h = bh % a.H, b = bh / a.H, hk = h / a.group, q0 = qt * BM;
+      const T* kb = k + (b * a.Sk * a.Hkv + hk) * D;
+      const T* vb = v + (b * a.Sk * a.Hkv + hk) * D;
+      int64_t kbeg, kend;
+      key_range(a, q0, min(a.Sq - 1, q0 + BM - 1), &kbeg, &kend, BC);
+      ws_wait(qempty, qph ^ 1);
+      qph ^= 1;
+      ws_load_tile<T, D, BM>(Qs, q + (b * a.Sq * a.H + h) * D, q_rs, q0, a.Sq);
+      ws_cp_async_arrive(qfull);
+      for (int64_t k0 = kbeg; k0 < kend; k0 += BC) {
+        ws_wait(empty + st, ph ^ 1);
+        ws_load_tile<T, D, BC>(Ks + st * BC * D, kb, kv_rs, k0, a.Sk);
+        ws_cp_async_arrive(kfull + st);
+        ws_load_tile<T, D, BC>(Vs + st * BC * D, vb, kv_rs, k0, a.Sk);
+        ws_cp_async_arrive(vfull + st);
+        if (++st == NST) {
+          st = 0;
+          ph ^= 1;
+        }
+      }
+    }
+    cp_async_wait_all();
+    return;
+  }
+  // ---- consumers ----
+  ws_setmaxnreg_inc<kWsConsRegs>();
+  const int cw = wg - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int g = lane >> 2, tq = lane & 3;
+  const float c2 = a.scale * kLog2e;  // raw score -> log2 units
+  const uint64_t qd = wg_desc(smem_addr(Qs) + uint32_t(cw * 64 * 128), 16, 1024);  // this warpgroup's 64 rows
+  for (int64_t t = blockIdx.x; t < ntiles; t += gridDim.x) {
+    int64_t qt, bh;
+    fwd_tile(t, nqt, nbh, hc, &qt, &bh);
+    const int64_t h = bh % a.H, b = bh / a.H, q0 = qt * BM;
+    int64_t kbeg, kend;
+    key_range(a, q0, min(a.Sq - 1, q0 + BM - 1), &kbeg, &kend, BC);
+    const int64_t r0 = q0 + 64 * cw;       // this warpgroup's rows [r0, r0 + 64)
+    const int64_t wrow0 = r0 + 16 * warp;  // this warp's; thread rows wrow0 + 8 r + g
+    int64_t wg_kend = kend;
+    if (a.kind != 0) wg_kend = min(a.Sk, min(a.Sq - 1, r0 + 63) + a.off + 1);
+    if (r0 >= a.Sq) wg_kend = kbeg;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    float o[D / 8][4];
+    zero(o);
+    ws_wait(qfull, qph);
+    qph ^= 1;
+    fence_proxy_async();
+    for (int64_t k0 = kbeg; k0 < kend; k0 += BC) {
+      ws_wait(kfull + st, ph);
+      if (k0 < wg_kend) {  // warpgroup-uniform
+        fence_proxy_async();  // the producer's cp.async data -> the async proxy (wgmma)
+        float s[BC / 8][4];
+        const uint64_t kd = wg_desc(smem_addr(Ks + st * BC * D), 16, 1024);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+          wgmma_ss<T, BC>(s, qd, kd, uint64_t(((kk >> 2) * BM * 128 + (kk & 3) * 32) >> 4),
+                          uint64_t(((kk >> 2) * BC * 128 + (kk & 3) * 32) >> 4), kk > 0);
+        }
+        wg_commit();
+        wg_wait0();
+        wg_fence_regs(s);
+        const bool need = tile_needs_mask(a, wrow0, k0, 16, BC);  // warp-uniform
+        float mx[2] = {-INFINITY, -INFINITY};
+        if (!need) {
+#pragma unroll
+          for (int nt = 0; nt < BC / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+        } else {
+          // 32-bit offsets from the warp's first row / the tile's first key (registers): row wrow0 + di
+          // exists if di < rl, key k0 + dj if dj < cl, and is visible (causal, mask kind 1 only
+          // here) if dj <= di + dg
+          constexpr int64_t kBig = int64_t(1) << 30;
+          const int rl = int(min(a.Sq - wrow0, kBig)), cl = int(min(a.Sk - k0, kBig));
+          const int dg = a.kind != 0 ? int(max(min(wrow0 + a.off - k0, kBig), -kBig)) : int(kBig);
+#pragma unroll
+          for (int nt = 0; nt < BC / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int di = (e >> 1) * 8 + g, dj = nt * 8 + 2 * tq + (e & 1);
+              const float x = di < rl && dj < cl && dj <= di + dg ? s[nt][e] : -INFINITY;
+              s[nt][e] = x;
+              mx[e >> 1] = fmaxf(mx[e >> 1], x);
+            }
+        }
+        float mu[2], alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          mx[r] *= c2;
+          mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+          mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+          const float mn = fmaxf(m[r], mx[r]);
+          mu[r] = mn == -INFINITY ? 0.f : mn;
+          alpha[r] = ex2(m[r] - mu[r]);
+          m[r] = mn;
+        }
+        float ls[2] = {0.f, 0.f};
+        uint32_t p[BC / 16][4];
+#pragma unroll
+        for (int nt = 0; nt < BC / 8; ++nt) {
+          float pe[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            pe[e] = ex2(fmaf(s[nt][e], c2, -mu[e >> 1]));
+            ls[e >> 1] += pe[e];
+          }
+          p[nt >> 1][(nt & 1) * 2 + 0] = pack2<T>(pe[0], pe[1]);
+          p[nt >> 1][(nt & 1) * 2 + 1] = pack2<T>(pe[2], pe[3]);
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + ls[r];
+#pragma unroll
+        for (int nt = 0; nt < D / 8; ++nt) {
+          o[nt][0] *= alpha[0];
+          o[nt][1] *= alpha[0];
+          o[nt][2] *= alpha[1];
+          o[nt][3] *= alpha[1];
+        }
+        ws_wait(vfull + st, ph);
+        fence_proxy_async();
+        const uint64_t vd = wg_desc(smem_addr(Vs + st * BC * D), BC * 128, 1024);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; ++kk) wgmma_rs<T, D>(o, p[kk], vd, uint64_t(kk * 16 * 128 >> 4), 1);
+        wg_commit();
+        wg_wait0();
+        wg_fence_regs(o);
+      } else {
+        ws_wait(vfull + st, ph);  // keeps this warpgroup paced with the ring (see the header)
+      }
+      __syncwarp();
+      if (lane == 0) ws_arrive(empty + st);
+      if (++st == NST) {
+        st = 0;
+        ph ^= 1;
+      }
+    }
+    // every S = Q K^T of this tile has completed (wait_group 0 above): Q may be overwritten
+    __syncwarp();
+    if (lane == 0) ws_arrive(qempty);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float lr = l[r];
+      lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+      lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+      const int64_t i = wrow0 + r * 8 + g;
+      if (i >= a.Sq) continue;
+      const bool live = !(lr <= 0.f);  // NaN rows are live: NaN out and lse, as the CPU kernel
+      const float inv = live ? 1.f / lr : 0.f;
+      T* orow = out + ((b * a.Sq + i) * a.H + h) * D;
+#pragma unroll
+      for (int nt = 0; nt < D / 8; ++nt)
+        *reinterpret_cast<uint32_t*>(orow + nt * 8 + 2 * tq) = pack2<T>(o[nt][2 * r] * inv, o[nt][2 * r + 1] * inv);
+      if (tq == 0) lse[(b * a.H + h) * a.Sq + i] = live ? m[r] * kLn2 + logf(lr) : -INFINITY;
+    }
+  }
+#endif
+}
+
+}  // namespace attn
+}  // namespace cuda
+}  // namespace rlx
