@@ -455,6 +455,8 @@ WGMMA_CASES = [
     # for the wgmma dk / dv (128-key blocks of 2 x 64): Sq >> Sk and Sk >> Sq causal
     (1, 700, 64, 2, 1, 128, jnp.bfloat16, dict(kind="causal", seed=5)),
     (1, 64, 700, 2, 2, 128, jnp.float16, dict(kind="causal", dlse=True, seed=6)),
+    # one query row against several key blocks (the fused backward: 3 contributors to one tile)
+    (1, 1, 300, 2, 1, 128, jnp.bfloat16, dict(kind="causal", seed=7)),
 ]
 
 _WGMMA_CHILD = """
@@ -489,6 +491,11 @@ for d in (64, 128):
         out, lse = t.A.attention_fwd(q, k, k, **t._params(d, "causal", None, None, None, None, None))
         assert out.shape == q.shape and not np.asarray(out.astype(jnp.float32)).any()
         assert np.isneginf(np.asarray(lse)).all()
+        # and the backward (the fused one's memset path: no key block, or no query tile)
+        grads = t.A.attention_bwd(q, k, k, out, lse, jnp.ones_like(q), jnp.zeros(lse.shape, jnp.float32),
+                                  **t._params(d, "causal", None, None, None, None, None))
+        assert [x.shape for x in grads] == [q.shape, k.shape, k.shape]
+        assert not any(np.asarray(x.astype(jnp.float32)).any() for x in grads)
 # a case the wgmma forward does not serve still runs (softcap: mma.sync forward)
 t._check_case(1, 130, 140, 2, 2, 64, jnp.bfloat16, kind="causal", softcap=5.0, seed=4)
 print("child ok")
@@ -517,7 +524,9 @@ _WS_LINE = "D=128 BC=128 NWG=3 WS NST=2 "
 # the plain wgmma dk / dv and the mma.sync dq at D 64); "0-5" checks the wgmma backward against the
 # mma.sync forward's out / lse. The backward's launch log ("attention backward: wgmma dkdv ... OVL=.."
 # / "wgmma dq") is checked like the forward's.
-@pytest.mark.parametrize("variant", ["2-5", "0-0", "0-5", "2-4", "3-5", "3s-5", "3t-0"])
+# "6": at D 128 the fused backward (attention_fused_bwd.cuh: one kernel for dk, dv and dq, launch
+# log "wgmma fused dkdv+dq kernel ..."; no separate dkdv or dq kernel there), at D 64 the default.
+@pytest.mark.parametrize("variant", ["2-5", "0-0", "0-5", "2-4", "2-6", "3-5", "3s-5", "3t-0"])
 def test_wgmma_forward(variant):
     import os
     import subprocess
@@ -544,10 +553,58 @@ def test_wgmma_forward(variant):
     dq = lambda d: f"D={d} BM=128 BC=64"
     dkdv_lines, dq_lines = {"0": (set(), set()),
                             "4": ({kv(64, 0), kv(128, 0)}, {dq(128)}),
-                            "5": ({kv(64, 0), kv(128, 1)}, {dq(128)})}[bwd]
+                            "5": ({kv(64, 0), kv(128, 1)}, {dq(128)}),
+                            "6": ({kv(64, 0)}, set())}[bwd]
+    fused_lines = {"D=128 BK=128 BQ=64"} if bwd == "6" else set()
     for which, want, tag in (("fwd", fwd_lines, "rlx attention forward: wgmma kernel "),
                              ("dkdv", dkdv_lines, "rlx attention backward: wgmma dkdv kernel "),
-                             ("dq", dq_lines, "rlx attention backward: wgmma dq kernel ")):
+                             ("dq", dq_lines, "rlx attention backward: wgmma dq kernel "),
+                             ("fused", fused_lines, "rlx attention backward: wgmma fused dkdv+dq kernel ")):
         launched = {ln.split(tag, 1)[1].strip() for ln in r.stderr.splitlines() if tag in ln}
         assert launched == want, (which, launched, want, r.stderr[-2000:])
 
+
+# The fused backward (RLX_ATTENTION_CUDA_WGMMA_BWD=6) sums the key blocks' dQ partials in f32 global
+# scratch in a fixed order per query tile (semaphores, no float atomics): dq, dk, dv must be
+# bitwise identical from run to run and from process to process, on shapes with many key blocks
+# per query tile (Sk 1100: 9 blocks; causal; GQA), and still match the f32 reference.
+_FUSED_DET_CHILD = """
+import hashlib, sys
+sys.path.insert(0, "tests")
+import jax, jax.numpy as jnp, numpy as np
+import test_attention_gpu as t
+for (b, sq, sk, h, hkv, kind) in ((2, 1030, 1100, 4, 2, "none"), (1, 1100, 1100, 4, 4, "causal")):
+    q, k, v, dy, _, _ = t._inputs(b, sq, sk, h, hkv, 128, jnp.bfloat16, 11)
+    p = t._params(128, kind, None, None, None, None, None)
+    out, lse = jax.jit(lambda q, k, v: t.A.attention_fwd(q, k, v, **p))(q, k, v)
+    zl = jnp.zeros(lse.shape, jnp.float32)
+    fb = jax.jit(lambda *x: t.A.attention_bwd(*x, **p))
+    runs = [[np.asarray(x.astype(jnp.float32)) for x in fb(q, k, v, out, lse, dy, zl)] for _ in range(3)]
+    for r in runs[1:]:
+        for n, x, y in zip(("dq", "dk", "dv"), runs[0], r):
+            assert np.array_equal(x.view(np.uint32), y.view(np.uint32)), (kind, n, "differs between runs")
+    with jax.default_matmul_precision("highest"):
+        f = [t._f32(x) for x in (q, k, v, dy)]
+        gr = t.A.reference_attention_bwd(*f[:3], t._f32(out), lse, f[3], zl, **p)
+    for n, x, y in zip(("dq", "dk", "dv"), runs[0], gr):
+        t._close(jnp.asarray(x).astype(jnp.bfloat16), y, jnp.bfloat16, n + " (fused, " + kind + ")")
+    print("hash", kind, hashlib.sha1(b"".join(x.tobytes() for x in runs[0])).hexdigest(), flush=True)
+print("child ok")
+"""
+
+
+def test_wgmma_fused_backward_deterministic():
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, RLX_ATTENTION_CUDA_WGMMA_BWD="6", RLX_ATTENTION_CUDA_WGMMA_REQUIRE="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    hashes = []
+    for _ in range(2):  # two processes: the order must not depend on the block schedule of either
+        r = subprocess.run([sys.executable, "-c", _FUSED_DET_CHILD], cwd=root, env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0 and "child ok" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+        assert "rlx attention backward: wgmma fused dkdv+dq kernel D=128" in r.stderr, r.stderr[-2000:]
+        hashes.append([ln for ln in r.stdout.splitlines() if ln.startswith("hash ")])
+    assert len(hashes[0]) == 2 and hashes[0] == hashes[1], hashes

@@ -7,8 +7,11 @@ PHASE: fwd (forward only) | bwd (forward and the fused backward); MASK: 1 adds a
 EXTRA: softcap | bias (the general score path of the tensor-core kernels; without either they
 run their PLAIN specialisation).
 Prints a checksum so runs can be compared; the correctness checks live in the GPU tests.
+RLX_ATTN_SANITIZE_S (default 96): the sequence length (e.g. 300: 3 key blocks of 128 and 5 query
+tiles of 64, so the fused backward's ordered dQ adds have several contributors per tile).
 """
 
+import os
 import sys
 
 import jax
@@ -19,7 +22,7 @@ from rlx_jax.ops import attention
 
 
 def main(d: int, dtype: str, kind: str, phase: str, mask: bool, extra: str = "") -> None:
-    b, s, h = 1, 96, 2
+    b, s, h = 1, int(os.environ.get("RLX_ATTN_SANITIZE_S", "96")), 2
     keys = jax.random.split(jax.random.PRNGKey(0), 5)
     q, k, v, dy = (jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(dtype) for kk in keys[:4])
     m = (jnp.arange(s)[None, :] % 7 != 3).astype(jnp.float32) if mask else None

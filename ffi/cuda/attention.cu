@@ -28,6 +28,7 @@
 #include "cuda/attention_mma.cuh"
 #include "cuda/attention_wgmma.cuh"
 #include "cuda/attention_wgmma_bwd.cuh"
+#include "cuda/attention_fused_bwd.cuh"
 #include "cuda/attention_wgmma_ws.cuh"
 
 namespace rlx {
@@ -176,10 +177,14 @@ int64_t attn_ws_grid(int64_t tiles, int sms) {
 // = OVL dkdv + mma.sync dq and 3 = plain dkdv + mma.sync dq at both head dims, and 4's D 64 wgmma dq,
 // lost to the default in every call of run 11 and were removed with the D 64 OVL dkdv and D 64 wgmma
 // dq instantiations (run 12); OVL vs plain at D 128 is undecided, so 4 stays as the alternative.)
+// 6 = at D 128 the fused backward (attention_fused_bwd.cuh: one kernel for dk, dv and dq, dQ summed in
+// f32 scratch in a fixed order per query tile) where the scratch result is large enough
+// (fused_bwd_scratch) and a (batch, kv head)'s key blocks fit on the device at once; else as 5.
 int attn_wgmma_bwd_mode() {
   static const int env = env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '0')   ? 0
                          : env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '4') ? 4
                          : env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '5') ? 5
+                         : env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '6') ? 6
                                                                                 : -1;
   if (env >= 0) return env;
   return 5;
@@ -362,7 +367,7 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
 template <typename T>
 ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const T* k, const T* v, const T* out,
                       const float* lse, const T* dout, const float* dlse, const T* bias, T* dq, T* dk, T* dv,
-                      T* dbias, float* delta) {
+                      T* dbias, float* delta, int64_t scratch_elems) {
   DeviceInfo info;
   if (cudaError_t e = device_info(&info); e != cudaSuccess) return cuda_error("attention backward", e);
   const int64_t rows = a.B * a.Sq * a.H;
@@ -447,6 +452,49 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
           if (a.D == 64)
             return run_wg(attn::wgmma_dkdv_kernel<T, 64, false>, 0, attn::wg_dkdv_smem<64>(),
                           attn::mma_dq_kernel<T, 64, false, true, 1>, false, attn::mma_dq_smem<64>());
+          if (wg_bwd == 6 && scratch_elems >= attn::fused_bwd_scratch(a.B, a.H, a.Sq, 128)) {
+            // fused dk / dv / dq (attention_fused_bwd.cuh); its deadlock-freedom argument needs the
+            // nkt key blocks of one (batch, kv head) resident at once
+            auto fused = attn::wgmma_fused_bwd_kernel<T, 128>;
+            const size_t smem = attn::wg_fused_smem<128>();
+            if (auto e = prepare(info.device, fused, smem, "attention backward"); e.failure()) return e;
+            int per_sm = 0;
+            if (cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fused, attn::kWgBwdThreads, smem);
+                e != cudaSuccess)
+              return cuda_error("attention backward", e);
+            const int64_t nkt = (a.Sk + attn::kWgBwdKeys - 1) / attn::kWgBwdKeys;
+            if (nkt <= int64_t(per_sm) * info.sms) {
+              if (attn_wgmma_required()) {
+                char line[96];
+                std::snprintf(line, sizeof line, "fused dkdv+dq kernel D=%d BK=%d BQ=%d", int(a.D), attn::kWgBwdKeys,
+                              attn::kWgBwdRows);
+                log_wgmma_kernel(reinterpret_cast<const void*>(fused), true, line);
+              }
+              const int64_t nqt = (a.Sq + attn::kWgBwdRows - 1) / attn::kWgBwdRows;
+              float* dqacc = delta + attn::fused_bwd_delta_pad(a.B * a.H * a.Sq);
+              uint32_t* sem = reinterpret_cast<uint32_t*>(dqacc + a.B * a.H * a.Sq * 128);
+              uint32_t* ticket = sem + a.B * a.H * nqt;
+              if (cudaError_t e = cudaMemsetAsync(sem, 0, size_t(a.B * a.H * nqt + 1) * sizeof(uint32_t), stream);
+                  e != cudaSuccess)
+                return cuda_error("attention backward", e);
+              // query rows no key block visits (no key: Sk 0; causal rows i with i + off < 0): dq = 0
+              const int64_t zrows = a.Sk == 0 ? a.Sq : (a.kind != 0 ? std::min(a.Sq, std::max<int64_t>(0, -a.off)) : 0);
+              if (zrows > 0) {
+                const size_t pitch = size_t(a.Sq * a.H * 128) * sizeof(T);
+                if (cudaError_t e = cudaMemset2DAsync(dq, pitch, 0, size_t(zrows * a.H * 128) * sizeof(T), size_t(a.B),
+                                                      stream);
+                    e != cudaSuccess)
+                  return cuda_error("attention backward", e);
+              }
+              const int64_t kbw = nkt * a.Hkv * a.B;
+              if (kbw > 0) {
+                fused<<<unsigned(kbw), attn::kWgBwdThreads, smem, stream>>>(a, q, k, v, dout, lse, delta, dq, dk, dv,
+                                                                             dqacc, sem, ticket);
+                if (auto e = check_launch("attention backward (wgmma fused)"); e.failure()) return e;
+              }
+              return ffi::Error::Success();
+            }
+          }
           if (wg_bwd == 4)
             return run_wg(attn::wgmma_dkdv_kernel<T, 128, false>, 0, attn::wg_dkdv_smem<128>(),
                           attn::wgmma_dq_kernel<T, 128>, true, attn::wg_dq_smem<128>());
@@ -553,7 +601,8 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
         static_cast<const float*>(lse.untyped_data()), static_cast<const T*>(dout.untyped_data()),
         static_cast<const float*>(dlse.untyped_data()), o.has_bias ? static_cast<const T*>(bias.untyped_data()) : nullptr,
         static_cast<T*>(dq->untyped_data()), static_cast<T*>(dk->untyped_data()), static_cast<T*>(dv->untyped_data()),
-        o.has_bias ? static_cast<T*>(dbias->untyped_data()) : nullptr, static_cast<float*>(scratch->untyped_data()));
+        o.has_bias ? static_cast<T*>(dbias->untyped_data()) : nullptr, static_cast<float*>(scratch->untyped_data()),
+        int64_t(scratch->element_count()));
   });
   return result;
 }

@@ -248,10 +248,29 @@ def _kernel_fwd_cuda(q, k, v, *extras, **params):
     return _kernel_fwd(q, k, v, *extras, **params)
 
 
-def cuda_bwd_scratch_size(b: int, h: int, sq: int) -> int:
+def cuda_bwd_scratch_size(b: int, h: int, sq: int, d: int = 0, fused: bool = False) -> int:
     """f32 elements of the CUDA backward's scratch result: delta_i = sum_d dout_id out_id
-    - dlse_i per (batch, head, query) row (at least one element)."""
-    return max(1, b * h * sq)
+    - dlse_i per (batch, head, query) row (at least one element). ``fused`` (the fused
+    backward of ffi/cuda/attention_fused_bwd.cuh, head dim ``d``): after delta (padded to a
+    multiple of 4) the f32 dQ accumulator [B, H, Sq, D] and one uint32 per (batch, head,
+    64-row query tile) plus one (semaphores, ticket counter); the sizes must match
+    ``fused_bwd_scratch`` there."""
+    if not fused:
+        return max(1, b * h * sq)
+    nqt = -(-sq // 64)
+    return -(-(b * h * sq) // 4) * 4 + b * h * sq * d + b * h * nqt + 1
+
+
+def _cuda_fused_bwd(q, kind, scale, softcap, has_mask, has_bias) -> bool:
+    """Does the CUDA backward take the fused kernel (RLX_ATTENTION_CUDA_WGMMA_BWD=6, read per
+    trace like the kernel's switch is read per process): the wgmma backward's PLAIN cases at
+    head dim 128, bf16 / f16. The kernel checks the scratch size and falls back when short."""
+    import os
+
+    if not os.environ.get("RLX_ATTENTION_CUDA_WGMMA_BWD", "").startswith("6"):
+        return False
+    return (q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[3] == 128 and not has_mask
+            and not has_bias and not softcap and kind in ("none", "causal") and float(scale) > 0)
 
 
 def _kernel_bwd_cuda(q, k, v, out, lse, dout, dlse, *extras, kind, window, scale, softcap, has_mask,
@@ -270,7 +289,9 @@ def _kernel_bwd_cuda(q, k, v, out, lse, dout, dlse, *extras, kind, window, scale
         jax.ShapeDtypeStruct(k.shape, k.dtype),
         jax.ShapeDtypeStruct(v.shape, v.dtype),
         jax.ShapeDtypeStruct(bb.shape, bb.dtype),
-        jax.ShapeDtypeStruct((cuda_bwd_scratch_size(b, h, sq),), jnp.float32),
+        jax.ShapeDtypeStruct((cuda_bwd_scratch_size(
+            b, h, sq, q.shape[3], _cuda_fused_bwd(q, kind, scale, softcap, has_mask, has_bias)),),
+            jnp.float32),
     )
     attrs = _attrs(kind, window, scale, softcap, has_mask, has_bias)
     res = jax.ffi.ffi_call("rlx_attention_bwd", shapes)(q, k, v, out, lse, dout, dlse, m, bb, **attrs)
