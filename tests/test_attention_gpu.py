@@ -430,9 +430,10 @@ def test_forward_d64_m_tiles_switch(variant):
 
 # ---- the wgmma forward (sm_90a; ffi/cuda/attention_wgmma.cuh) ------------------------------
 # bf16 / f16, D 64 and 128, PLAIN (scale > 0, no softcap / bias / key mask), mask kind none or
-# causal: on a compute capability 9.0 device with the sm_90a image the D 128 forward runs the
-# wgmma kernel by default (RLX_ATTENTION_CUDA_WGMMA, read once per process: 0 = the mma.sync
-# forward, 2 = wgmma at both head dims). The "2" child runs every case with
+# causal: on a compute capability 9.0 device with the sm_90a image the forward runs the
+# warp-specialised wgmma kernel by default at both head dims (RLX_ATTENTION_CUDA_WGMMA, read once per
+# process: 0 = the mma.sync forward, 2 = the 2-warpgroup wgmma kernel at both head dims, 3 = the
+# warp-specialised kernel at D 128 and mma.sync at D 64, 4 or unset = the default). The "2" child runs every case with
 # RLX_ATTENTION_CUDA_WGMMA_REQUIRE=1, which makes a served case an error instead of a silent
 # mma.sync fallback when the wgmma code is not there, and checks from the module's stderr that both
 # head dims launched the wgmma kernel; the "0" child runs the same cases on the mma.sync forward,
@@ -502,19 +503,23 @@ print("child ok")
 """
 
 
-# Forward "3" (RLX_ATTENTION_CUDA_WGMMA=3): at D 128 the warp-specialised kernel
-# (attention_wgmma_ws.cuh: producer warpgroup, mbarrier ring, persistent grid), at D 64 the default
-# (mma.sync). Its grid (RLX_ATTENTION_CUDA_WS_GRID): "3" the default persistent grid (min(tiles, SMs):
-# one tile per block in these small cases), "3s" 7 blocks (every block serves several tiles, so the
-# ring's phases and the Q buffer carry across tiles; with the causal tile order in chunks of 3 heads,
-# RLX_ATTENTION_CUDA_FWD_HC=3, the last chunk partial), "3t" one block per tile. The "2-4" child runs
-# the causal tile order in chunks of 9 heads (RLX_ATTENTION_CUDA_FWD_HC=9, the mma.sync D 64 and
-# wgmma D 128 forwards; more than the heads of these cases: one chunk), the others the default (1).
-_FWD_ENV = {"0": {}, "2": {}, "3": {"RLX_ATTENTION_CUDA_WGMMA": "3"},
+# Forward "4" (RLX_ATTENTION_CUDA_WGMMA=4, = the default): the warp-specialised kernel
+# (attention_wgmma_ws.cuh: producer warpgroup, mbarrier ring, persistent grid) at both head dims,
+# grid min(tiles, SMs) (one tile per block in these small cases); "4s": a grid of 7 blocks
+# (RLX_ATTENTION_CUDA_WS_GRID=2: every block serves several tiles, so the ring's phases and the Q
+# buffer carry across tiles). "3s" / "3t": the kernel at D 128 only (RLX_ATTENTION_CUDA_WGMMA=3,
+# mma.sync at D 64), "3s" on 7 blocks with the causal tile order in chunks of 3 heads
+# (RLX_ATTENTION_CUDA_FWD_HC=3, the last chunk partial), "3t" one block per tile
+# (RLX_ATTENTION_CUDA_WS_GRID=1). The "2-4" child runs the causal tile order in chunks of 9 heads
+# (RLX_ATTENTION_CUDA_FWD_HC=9, the 2-warpgroup kernel; more than the heads of these cases: one
+# chunk), the others chunks of 1 (the default).
+_FWD_ENV = {"0": {}, "2": {}, "4": {"RLX_ATTENTION_CUDA_WGMMA": "4"},
+            "4s": {"RLX_ATTENTION_CUDA_WGMMA": "4", "RLX_ATTENTION_CUDA_WS_GRID": "2"},
             "3s": {"RLX_ATTENTION_CUDA_WGMMA": "3", "RLX_ATTENTION_CUDA_WS_GRID": "2",
                    "RLX_ATTENTION_CUDA_FWD_HC": "3"},
             "3t": {"RLX_ATTENTION_CUDA_WGMMA": "3", "RLX_ATTENTION_CUDA_WS_GRID": "1"}}
 _WS_LINE = "D=128 BC=128 NWG=3 WS NST=2 "
+_WS64_LINE = "D=64 BC=128 NWG=3 WS NST=2 "
 
 
 # The same child runs the wgmma dk / dv backward (attention_wgmma_bwd.cuh; RLX_ATTENTION_CUDA_WGMMA_BWD,
@@ -526,7 +531,7 @@ _WS_LINE = "D=128 BC=128 NWG=3 WS NST=2 "
 # / "wgmma dq") is checked like the forward's.
 # "6": at D 128 the fused backward (attention_fused_bwd.cuh: one kernel for dk, dv and dq, launch
 # log "wgmma fused dkdv+dq kernel ..."; no separate dkdv or dq kernel there), at D 64 the default.
-@pytest.mark.parametrize("variant", ["2-5", "0-0", "0-5", "2-4", "2-6", "3-5", "3s-5", "3t-0"])
+@pytest.mark.parametrize("variant", ["2-5", "0-0", "0-5", "2-4", "2-6", "4-5", "4s-0", "3s-5", "3t-0"])
 def test_wgmma_forward(variant):
     import os
     import subprocess
@@ -547,8 +552,9 @@ def test_wgmma_forward(variant):
     # with the require flag the module names each wgmma kernel on its first launch (stderr): the
     # path taken, not only the values, is checked; the "0" children must not reach it
     fwd_lines = {"0": set(), "2": {"D=64 BC=128 NWG=2", "D=128 BC=128 NWG=2"},
-                 "3": {_WS_LINE + "persistent"}, "3s": {_WS_LINE + "persistent"},
-                 "3t": {_WS_LINE + "tiles"}}[fwd]
+                 "4": {_WS_LINE + "persistent", _WS64_LINE + "persistent"},
+                 "4s": {_WS_LINE + "persistent", _WS64_LINE + "persistent"},
+                 "3s": {_WS_LINE + "persistent"}, "3t": {_WS_LINE + "tiles"}}[fwd]
     kv = lambda d, ovl: f"D={d} BK=128 NWG=2 OVL={ovl}"
     dq = lambda d: f"D={d} BM=128 BC=64"
     dkdv_lines, dq_lines = {"0": (set(), set()),

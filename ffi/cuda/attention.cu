@@ -118,24 +118,26 @@ bool attn_fwd_mt2() {
 
 // wgmma forward (attention_wgmma.cuh) for the PLAIN cases without a key mask, mask kind none or
 // causal. RLX_ATTENTION_CUDA_WGMMA (read once per process; the A/B and the tests set it):
-// 0 = the mma.sync forward; 2 = the wgmma forward at both head dims (2 warpgroups x 128 keys).
-// Unset (or another value): the default per head dim, by the A/B of run 10
-// (benchmarks/results/attention_h200_2026-11-22.txt, 12 alternating rounds, B4 S4096 H16 bf16
-// forward): D 128 wgmma (1.34x / 1.28x the mma.sync forward, none / causal); D 64 mma.sync (the
-// wgmma kernel 0.99x / 0.99x there, within the noise; other tilings 0.80-0.94x).
+// 0 = the mma.sync forward; 2 = the 2-warpgroup wgmma forward (2 warpgroups x 128 keys) at both head
+// dims (run 10 of benchmarks/results/attention_h200_2026-11-22.txt, 12 alternating rounds, B4 S4096
+// H16 bf16 forward: D 128 1.34x / 1.28x the mma.sync forward, none / causal; D 64 0.99x / 0.99x,
+// within the noise, so D 64 stays on mma.sync).
 // RLX_ATTENTION_CUDA_WGMMA_REQUIRE=1 (tests): a case the wgmma forward serves is an error when
 // the loaded image has no wgmma code (instead of the mma.sync fallback).
-// 3 (being measured, run 13F of benchmarks/results/attention_fwd_h200_2026-11-22.txt): at D 128 the
-// warp-specialised kernel (attention_wgmma_ws.cuh: a producer warpgroup, 2 consumer warpgroups,
-// mbarrier ring, persistent grid), at D 64 the default.
+// 3: at D 128 the warp-specialised kernel (attention_wgmma_ws.cuh: a producer warpgroup, 2 consumer
+// warpgroups, mbarrier ring, persistent grid), at D 64 the mma.sync forward.
+// 4, unset or another value (the default since run 13F of
+// benchmarks/results/attention_fwd_h200_2026-11-22.txt): the warp-specialised kernel at both head
+// dims. B4 S4096 H16 bf16, 6 alternating rounds each, every round won: forward 1.30x / 1.31x the
+// 2-warpgroup wgmma kernel at D 128 (none / causal; fwd+bwd 1.05x / 1.06x), 1.07x / 1.15x the
+// mma.sync forward at D 64 (fwd+bwd 1.015x / 1.03x).
 int attn_wgmma_mode(int64_t d) {
   static const int env = env_starts_with("RLX_ATTENTION_CUDA_WGMMA", '0')   ? 0
                          : env_starts_with("RLX_ATTENTION_CUDA_WGMMA", '2') ? 2
                          : env_starts_with("RLX_ATTENTION_CUDA_WGMMA", '3') ? 3
-                                                                            : -1;
+                                                                            : 4;
   if (env == 3) return d == 128 ? 3 : 0;
-  if (env >= 0) return env;
-  return d == 128 ? 2 : 0;
+  return env;
 }
 // Forward tile order for the causal mask (attn::fwd_tile in attention_mma.cuh): hc heads per chunk,
 // query tiles heaviest first across a chunk's heads. Default hc = 1 (one head's tiles after
@@ -274,19 +276,18 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
                                                                             attn_fwd_hc(a, nqt, info.sms));
             return check_launch("attention forward (wgmma)");
           };
-          if (attn_wgmma_mode(a.D) == 3 && a.D == 128) {
-            // warp-specialised: 1 producer + 2 consumer warpgroups, 128 query rows per tile, K / V
-            // ring of 2 stages of 128 keys (attention_wgmma_ws.cuh)
+          // warp-specialised: 1 producer + 2 consumer warpgroups, 128 query rows per tile, K / V ring
+          // of 2 stages of 128 keys (attention_wgmma_ws.cuh); mode 4 (default) at both head dims, 3 at
+          // D 128 only. ptxas sm_90a (bf16, f16; D 64 and 128): 168 registers at launch, no spill.
+          auto run_ws = [&](auto kernel, int d, size_t smem) -> ffi::Error {
             constexpr int kBC = 128, kNST = 2;
-            auto kernel = attn::wgmma_fwd_ws_kernel<T, 128, kBC, kNST>;
-            const size_t smem = attn::wg_ws_smem<128, kBC, kNST>();
             const int64_t nqt = (a.Sq + 127) / 128, tiles = nqt * a.H * a.B;
             const int64_t blocks = attn_ws_grid(tiles, info.sms);
             static const bool one_per_tile = env_starts_with("RLX_ATTENTION_CUDA_WS_GRID", '1');
-            const bool pers = !one_per_tile;
             if (attn_wgmma_required()) {
               char line[64];
-              std::snprintf(line, sizeof line, "kernel D=128 BC=%d NWG=3 WS NST=%d %s", kBC, kNST, pers ? "persistent" : "tiles");
+              std::snprintf(line, sizeof line, "kernel D=%d BC=%d NWG=3 WS NST=%d %s", d, kBC, kNST,
+                            one_per_tile ? "tiles" : "persistent");
               log_wgmma_kernel(reinterpret_cast<const void*>(kernel), false, line);
             }
             if (auto e = grid_check(blocks, "attention"); e.failure()) return e;
@@ -294,7 +295,11 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
             if (blocks > 0)
               kernel<<<unsigned(blocks), 384u, smem, stream>>>(a, q, k, v, out, lse, attn_fwd_hc(a, nqt, info.sms));
             return check_launch("attention forward (wgmma ws)");
-          }
+          };
+          if (attn_wgmma_mode(a.D) == 4 && a.D == 64)
+            return run_ws(attn::wgmma_fwd_ws_kernel<T, 64, 128, 2>, 64, attn::wg_ws_smem<64, 128, 2>());
+          if (attn_wgmma_mode(a.D) >= 3 && a.D == 128)
+            return run_ws(attn::wgmma_fwd_ws_kernel<T, 128, 128, 2>, 128, attn::wg_ws_smem<128, 128, 2>());
           // <T, D, BC (keys per tile), NWG (warpgroups of 64 rows)>; ptxas sm_90a (bf16, f16):
           // <64, 128, 2> 221 registers, no spill; <128, 128, 2> 255 registers, 40 B of spills
           // (-lineinfo; run 10 of the H200 results). 1 block of 8 warps per SM (registers).

@@ -23,7 +23,8 @@
 //       BC / 16 k-steps of 16 keys (2048 bytes each); the D / 64 column halves are LBO apart.
 // Each wgmma batch is committed and waited (wait_group 0) before its accumulator is read: the
 // overlap of MMA and softmax comes from the other warpgroups of the block and SM. The launcher
-// uses 2 warpgroups x 128 keys at both head dims (attention.cu). Measured and dropped (run 10 of
+// uses 2 warpgroups x 128 keys at both head dims where RLX_ATTENTION_CUDA_WGMMA=2 (attention.cu; the
+// default at both head dims is the warp-specialised kernel of attention_wgmma_ws.cuh since run 13F). Measured and dropped (run 10 of
 // benchmarks/results/attention_h200_2026-11-22.txt; the code is in commit 2f89835): 3 warpgroups x
 // 64 keys (D 64) and 2 x 64 (D 128), and a software-pipelined kernel that issued S_j = Q K_j^T and
 // O += P_{j-1} V_{j-1} together and ran the softmax of S_j while the P V product ran (wait_group

@@ -1,6 +1,8 @@
-// Warp-specialised attention forward on Hopper wgmma (sm_90a), bf16 / f16, head dim 128, the PLAIN
-// cases of wgmma_fwd_kernel (attention_wgmma.cuh: scale > 0, no softcap, bias or key mask, mask kind
-// none or causal). Selected by RLX_ATTENTION_CUDA_WGMMA=3 (attention.cu) while it is measured.
+// Warp-specialised attention forward on Hopper wgmma (sm_90a), bf16 / f16, head dims 64 and 128, the
+// PLAIN cases of wgmma_fwd_kernel (attention_wgmma.cuh: scale > 0, no softcap, bias or key mask, mask
+// kind none or causal). The default at both head dims (RLX_ATTENTION_CUDA_WGMMA unset or 4; 3 = D 128
+// only; attention.cu): run 13F of benchmarks/results/attention_fwd_h200_2026-11-22.txt measured 1.30x
+// the 2-warpgroup kernel's forward at D 128 and 1.07x / 1.15x the mma.sync forward at D 64.
 //
 // Block = 3 warpgroups (384 threads), one block per SM:
 //   warpgroup 0 (producer, setmaxnreg.dec to kWsProdRegs): loads the 128-row Q tile and the K / V
