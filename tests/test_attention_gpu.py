@@ -525,13 +525,19 @@ _WS64_LINE = "D=64 BC=128 NWG=3 WS NST=2 "
 # The same child runs the wgmma dk / dv backward (attention_wgmma_bwd.cuh; RLX_ATTENTION_CUDA_WGMMA_BWD,
 # read once per process; see attention.cu) for the same cases: "fwd-bwd" = the two switches ("0": the
 # mma.sync dk / dv and dq; "4": at D 128 the plain wgmma dk / dv (no MMA / softmax overlap) and the
-# wgmma dq, at D 64 the default; "5" (= the default): the OVL wgmma dk / dv and the wgmma dq at D 128,
+# wgmma dq, at D 64 the default; "5" (the default before run 14): the OVL wgmma dk / dv and the wgmma dq at D 128,
 # the plain wgmma dk / dv and the mma.sync dq at D 64); "0-5" checks the wgmma backward against the
 # mma.sync forward's out / lse. The backward's launch log ("attention backward: wgmma dkdv ... OVL=.."
 # / "wgmma dq") is checked like the forward's.
 # "6": at D 128 the fused backward (attention_fused_bwd.cuh: one kernel for dk, dv and dq, launch
 # log "wgmma fused dkdv+dq kernel ..."; no separate dkdv or dq kernel there), at D 64 the default.
-@pytest.mark.parametrize("variant", ["2-5", "0-0", "0-5", "2-4", "2-6", "4-5", "4s-0", "3s-5", "3t-0"])
+# "8" (= the default since run 14): at D 128 the OVL dk / dv and the warp-specialised dq
+# (attention_wgmma_bwd_ws.cuh, launch log "wgmma dq kernel D=128 BM=128 BC=64 WS NST=4 persistent|tiles");
+# at D 64 as 5. With "4s" (RLX_ATTENTION_CUDA_WS_GRID=2, 7 blocks) every dq
+# block serves several tiles (the ring's phases and the Q / dO buffer carry across tiles); "3t"
+# one block per tile.
+@pytest.mark.parametrize("variant", ["2-5", "0-0", "0-5", "2-4", "2-6", "4-5", "4s-0", "3s-5", "3t-0",
+                                     "4-8", "4s-8", "3t-8"])
 def test_wgmma_forward(variant):
     import os
     import subprocess
@@ -557,10 +563,13 @@ def test_wgmma_forward(variant):
                  "3s": {_WS_LINE + "persistent"}, "3t": {_WS_LINE + "tiles"}}[fwd]
     kv = lambda d, ovl: f"D={d} BK=128 NWG=2 OVL={ovl}"
     dq = lambda d: f"D={d} BM=128 BC=64"
+    grid = "tiles" if fwd == "3t" else "persistent"
+    dq_ws = lambda nst: f"D=128 BM=128 BC=64 WS NST={nst} {grid}"
     dkdv_lines, dq_lines = {"0": (set(), set()),
                             "4": ({kv(64, 0), kv(128, 0)}, {dq(128)}),
                             "5": ({kv(64, 0), kv(128, 1)}, {dq(128)}),
-                            "6": ({kv(64, 0)}, set())}[bwd]
+                            "6": ({kv(64, 0)}, set()),
+                            "8": ({kv(64, 0), kv(128, 1)}, {dq_ws(4)})}[bwd]
     fused_lines = {"D=128 BK=128 BQ=64"} if bwd == "6" else set()
     for which, want, tag in (("fwd", fwd_lines, "rlx attention forward: wgmma kernel "),
                              ("dkdv", dkdv_lines, "rlx attention backward: wgmma dkdv kernel "),

@@ -15,7 +15,8 @@
 // cases without a key mask (mask kind none or causal) where the module carries sm_90a code and runs
 // on a compute capability 9.0 device: the wgmma forward at D 128 (attention_wgmma.cuh;
 // RLX_ATTENTION_CUDA_WGMMA below; D 64 too with =2) and the wgmma backward (attention_wgmma_bwd.cuh:
-// dk / dv at both head dims, dq at D 128; RLX_ATTENTION_CUDA_WGMMA_BWD below); everything else
+// dk / dv at both head dims, dq at D 128, by default the warp-specialised dq of
+// attention_wgmma_bwd_ws.cuh; RLX_ATTENTION_CUDA_WGMMA_BWD below); everything else
 // (f32, other head dims up to 256) runs the generic kernels. All are deterministic.
 #include <cmath>
 #include <cstdio>
@@ -29,6 +30,7 @@
 #include "cuda/attention_wgmma.cuh"
 #include "cuda/attention_wgmma_bwd.cuh"
 #include "cuda/attention_fused_bwd.cuh"
+#include "cuda/attention_wgmma_bwd_ws.cuh"
 #include "cuda/attention_wgmma_ws.cuh"
 
 namespace rlx {
@@ -173,8 +175,8 @@ int64_t attn_ws_grid(int64_t tiles, int sms) {
 // > 0, no softcap, bias or key mask, mask kind none or causal).
 // RLX_ATTENTION_CUDA_WGMMA_BWD (read once per process; the A/B and the tests set it): 0 = the
 // mma.sync dkdv + dq; 4 = at D 128 the wgmma dkdv without the overlap (OVL false: one wait for S^T
-// and dP^T, one for dV and dK) + the wgmma dq (wgmma_dq_kernel), at D 64 the default; 5 or unset (or
-// another value): per head dim the fastest of run 11's A/B (benchmarks/results/attention_h200_2026-11-22.txt):
+// and dP^T, one for dV and dK) + the wgmma dq (wgmma_dq_kernel), at D 64 the default; 5 (the default
+// until run 14): per head dim the fastest of run 11's A/B (benchmarks/results/attention_h200_2026-11-22.txt):
 // D 128 the OVL dkdv and the wgmma dq, D 64 the plain dkdv and the mma.sync dq. (Run 11's values 2
 // = OVL dkdv + mma.sync dq and 3 = plain dkdv + mma.sync dq at both head dims, and 4's D 64 wgmma dq,
 // lost to the default in every call of run 11 and were removed with the D 64 OVL dkdv and D 64 wgmma
@@ -182,6 +184,12 @@ int64_t attn_ws_grid(int64_t tiles, int sms) {
 // 6 = at D 128 the fused backward (attention_fused_bwd.cuh: one kernel for dk, dv and dq, dQ summed in
 // f32 scratch in a fixed order per query tile) where the scratch result is large enough
 // (fused_bwd_scratch) and a (batch, kv head)'s key blocks fit on the device at once; else as 5.
+// 8 or unset (or another value; the default since run 14 of
+// benchmarks/results/attention_bwd_h200_2026-11-22.txt: 1.01x / 1.02x mode 5's backward, none / causal,
+// B4 S4096 H16 D128 bf16) = at D 128 the OVL dkdv + the warp-specialised dq (attention_wgmma_bwd_ws.cuh:
+// producer warpgroup, K / V ring of 4 stages of 64 keys, persistent grid as the forward's,
+// attn_ws_grid); at D 64 as 5. (Run 14's ring of 2 stages, value 7 then, ran level with mode 5 and
+// was removed.)
 int attn_wgmma_bwd_mode() {
   static const int env = env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '0')   ? 0
                          : env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '4') ? 4
@@ -189,7 +197,7 @@ int attn_wgmma_bwd_mode() {
                          : env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '6') ? 6
                                                                                 : -1;
   if (env >= 0) return env;
-  return 5;
+  return 8;
 }
 bool attn_wgmma_required() {
   static const bool on = env_starts_with("RLX_ATTENTION_CUDA_WGMMA_REQUIRE", '1');
@@ -422,26 +430,29 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
           a.Sk < (int64_t(1) << 30)) {
         if (wgmma_available(info.device)) {
           // dk / dv kernel (its OVL flag for the log), then dq: the wgmma kernel (wg_dq) or mma.sync
-          auto run_wg = [&](auto dkdv, int ovl, size_t smem_kv, auto dqk, bool wg_dq, size_t smem_q) -> ffi::Error {
+          // (with_dq false: dk / dv only, the caller launches its dq kernel)
+          auto run_wg = [&](auto dkdv, int ovl, size_t smem_kv, auto dqk, bool wg_dq, size_t smem_q,
+                            bool with_dq = true) -> ffi::Error {
             const int64_t kbw = (a.Sk + attn::kWgBwdKeys - 1) / attn::kWgBwdKeys * a.Hkv * a.B;
             const int64_t qbw = wg_dq ? (a.Sq + attn::kWgDqRows - 1) / attn::kWgDqRows * a.H * a.B : qb;
             if (attn_wgmma_required()) {
               char line[96];
               std::snprintf(line, sizeof line, "dkdv kernel D=%d BK=%d NWG=2 OVL=%d", int(a.D), attn::kWgBwdKeys, ovl);
               log_wgmma_kernel(reinterpret_cast<const void*>(dkdv), true, line);
-              if (wg_dq) {
+              if (wg_dq && with_dq) {
                 std::snprintf(line, sizeof line, "dq kernel D=%d BM=%d BC=%d", int(a.D), attn::kWgDqRows,
                               attn::kWgDqKeys);
                 log_wgmma_kernel(reinterpret_cast<const void*>(dqk), true, line);
               }
             }
             if (auto e = prepare(info.device, dkdv, smem_kv, "attention backward"); e.failure()) return e;
-            if (auto e = prepare(info.device, dqk, smem_q, "attention backward"); e.failure()) return e;
+            if (with_dq)
+              if (auto e = prepare(info.device, dqk, smem_q, "attention backward"); e.failure()) return e;
             if (kbw > 0) {
               dkdv<<<unsigned(kbw), attn::kWgBwdThreads, smem_kv, stream>>>(a, q, k, v, dout, lse, delta, dk, dv);
               if (auto e = check_launch("attention backward (wgmma dk dv)"); e.failure()) return e;
             }
-            if (qbw > 0) {
+            if (with_dq && qbw > 0) {
               if constexpr (std::is_invocable_v<decltype(dqk), AttnArgs, const T*, const T*, const T*, const T*,
                                                 const float*, const float*, T*>) {
                 dqk<<<unsigned(qbw), attn::kWgBwdThreads, smem_q, stream>>>(a, q, k, v, dout, lse, delta, dq);
@@ -453,7 +464,8 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
             return ffi::Error::Success();
           };
           // ptxas sm_90a: see the results file (run 11). Modes: 4 plain dkdv + wgmma dq at D 128;
-          // 5 (default) D 128 OVL dkdv + wgmma dq; D 64 (every mode but 0) plain dkdv + mma.sync dq.
+          // 5 D 128 OVL dkdv + wgmma dq; 8 (default) OVL dkdv + warp-specialised dq (below); D 64 (every
+          // mode but 0) plain dkdv + mma.sync dq.
           if (a.D == 64)
             return run_wg(attn::wgmma_dkdv_kernel<T, 64, false>, 0, attn::wg_dkdv_smem<64>(),
                           attn::mma_dq_kernel<T, 64, false, true, 1>, false, attn::mma_dq_smem<64>());
@@ -499,6 +511,33 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
               }
               return ffi::Error::Success();
             }
+          }
+          if (wg_bwd == 8) {
+            // OVL dk / dv (run_wg with no dq launch: qb of the mma path is not used there), then the
+            // warp-specialised dq; ptxas sm_90a: run 14 of the backward results file
+            if (auto e = run_wg(attn::wgmma_dkdv_kernel<T, 128, true>, 1, attn::wg_dkdv_smem<128>(),
+                                attn::wgmma_dq_kernel<T, 128>, true, attn::wg_dq_smem<128>(), false);
+                e.failure())
+              return e;
+            auto run_dq_ws = [&](auto kernel, int nst, size_t smem) -> ffi::Error {
+              const int64_t nqt = (a.Sq + 127) / 128, tiles = nqt * a.H * a.B;
+              const int64_t blocks = attn_ws_grid(tiles, info.sms);
+              static const bool one_per_tile = env_starts_with("RLX_ATTENTION_CUDA_WS_GRID", '1');
+              if (attn_wgmma_required()) {
+                char line[96];
+                std::snprintf(line, sizeof line, "dq kernel D=%d BM=128 BC=%d WS NST=%d %s", int(a.D),
+                              attn::kWsDqKeys, nst, one_per_tile ? "tiles" : "persistent");
+                log_wgmma_kernel(reinterpret_cast<const void*>(kernel), true, line);
+              }
+              if (auto e = grid_check(blocks, "attention backward"); e.failure()) return e;
+              if (auto e = prepare(info.device, kernel, smem, "attention backward"); e.failure()) return e;
+              if (blocks > 0)
+                kernel<<<unsigned(blocks), 384u, smem, stream>>>(a, q, k, v, dout, lse, delta, dq,
+                                                                  attn_fwd_hc(a, nqt, info.sms));
+              return check_launch("attention backward (wgmma ws dq)");
+            };
+            // ptxas sm_90a (bf16, f16): 168 registers at launch (setmaxnreg 64 / 216), no spill
+            return run_dq_ws(attn::wgmma_dq_ws_kernel<T, 128, 4>, 4, attn::wg_dq_ws_smem<128, 4>());
           }
           if (wg_bwd == 4)
             return run_wg(attn::wgmma_dkdv_kernel<T, 128, false>, 0, attn::wg_dkdv_smem<128>(),
