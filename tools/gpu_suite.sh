@@ -35,11 +35,11 @@ if has tests; then
   step tests
   pids=()
   # one pytest process per file; the attention file (over 420 s in one process beside the
-  # others, 2026-11-22) runs as 7 processes split by -k, one log each ($n.partK.txt): the
-  # wgmma tests alone are 10 child processes of 45-110 s each (switch pairs, determinism)
+  # others, 2026-11-22) runs as 8 processes split by -k, one log each ($n.partK.txt): the
+  # wgmma tests alone are 13 child processes of 45-110 s each (switch pairs, determinism)
   att_parts=("tensor_core_path" "kernel_specialisations"
              "wgmma and (2-5 or 0-0 or 0-5)" "wgmma and (2-4 or 2-6)" "wgmma and (4-5 or 4s-0)"
-             "wgmma and (3s-5 or 3t-0 or deterministic)"
+             "wgmma and (3s-5 or 3t-0 or deterministic)" "wgmma and (4-8 or 4s-8 or 3t-8)"
              "not tensor_core_path and not kernel_specialisations and not wgmma")
   for f in $(gpu_test_files); do
     n=$(basename "$f" .py)
