@@ -65,56 +65,16 @@ __global__ void __launch_bounds__(384, 1)
   T* Gs = Qs + BM * D;                            // dO, [D / 64][BM][64]
   T* Ks = Gs + BM * D;                            // [NST][D / 64][BC][64]
   T* Vs = Ks + NST * BC * D;                      // [NST][D / 64][BC][64]
-  uint64_t* kfull = reinterpret_cast<uint64_t*>(Vs + NST * BC * D);
-  uint64_t* vfull = kfull + NST;
-  uint64_t* empty = vfull + NST;
-  uint64_t* qfull = empty + NST;
-  uint64_t* qempty = qfull + 1;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < NST; ++s) {
-      mbar_init(kfull + s, 128);
-      mbar_init(vfull + s, 128);
-      mbar_init(empty + s, 8);
-    }
-    mbar_init(qfull, 128);
-    mbar_init(qempty, 8);
-    mbar_init_fence();
-  }
+  const WsRing ring = ws_ring_init<NST>(Vs + NST * BC * D);
+  uint64_t *kfull = ring.kfull, *vfull = ring.vfull, *empty = ring.empty, *qfull = ring.qfull, *qempty = ring.qempty;
   __syncthreads();
   const int wg = threadIdx.x >> 7;
   const int64_t nqt = (a.Sq + BM - 1) / BM, nbh = a.B * a.H, ntiles = nqt * nbh;
-  const int64_t q_rs = a.H * D, kv_rs = a.Hkv * D;
   int st = 0;
   uint32_t ph = 0, qph = 0;
   if (wg == 0) {
-    // ---- producer ----
     ws_setmaxnreg_dec<kWsDqProdRegs>();
-    for (int64_t t = blockIdx.x; t < ntiles; t += gridDim.x) {
-      int64_t qt, bh;
-      fwd_tile(t, nqt, nbh, hc, &qt, &bh);
-      const int64_t h = bh % a.H, b = bh / a.H, hk = h / a.group, q0 = qt * BM;
-      const T* kb = k + (b * a.Sk * a.Hkv + hk) * D;
-      const T* vb = v + (b * a.Sk * a.Hkv + hk) * D;
-      int64_t kbeg, kend;
-      key_range(a, q0, min(a.Sq - 1, q0 + BM - 1), &kbeg, &kend, BC);
-      ws_wait(qempty, qph ^ 1);
-      qph ^= 1;
-      ws_load_tile<T, D, BM>(Qs, q + (b * a.Sq * a.H + h) * D, q_rs, q0, a.Sq);
-      ws_load_tile<T, D, BM>(Gs, dout + (b * a.Sq * a.H + h) * D, q_rs, q0, a.Sq);
-      ws_cp_async_arrive(qfull);
-      for (int64_t k0 = kbeg; k0 < kend; k0 += BC) {
-        ws_wait(empty + st, ph ^ 1);
-        ws_load_tile<T, D, BC>(Ks + st * BC * D, kb, kv_rs, k0, a.Sk);
-        ws_cp_async_arrive(kfull + st);
-        ws_load_tile<T, D, BC>(Vs + st * BC * D, vb, kv_rs, k0, a.Sk);
-        ws_cp_async_arrive(vfull + st);
-        if (++st == NST) {
-          st = 0;
-          ph ^= 1;
-        }
-      }
-    }
-    cp_async_wait_all();
+    ws_produce<T, D, BM, BC, NST, true>(a, q, dout, k, v, Qs, Gs, Ks, Vs, ring, hc);
     return;
   }
   // ---- consumers ----

@@ -94,6 +94,74 @@ __device__ __forceinline__ void ws_load_tile(T* dst, const T* __restrict__ x, in
 #endif
 }
 
+// The ring's barriers, NST stages: K full, V full (count 128: one cp.async arrival per producer
+// thread), empty (count 8: lane 0 of each consumer warp); Q full (128) and Q empty (8). Laid out
+// from `at` on (8-byte aligned), initialised by thread 0; the caller's __syncthreads publishes them.
+struct WsRing {
+  uint64_t *kfull, *vfull, *empty, *qfull, *qempty;
+};
+template <int NST>
+__device__ __forceinline__ WsRing ws_ring_init(void* at) {
+  WsRing r;
+  r.kfull = reinterpret_cast<uint64_t*>(at);
+  r.vfull = r.kfull + NST;
+  r.empty = r.vfull + NST;
+  r.qfull = r.empty + NST;
+  r.qempty = r.qfull + 1;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < NST; ++s) {
+      mbar_init(r.kfull + s, 128);
+      mbar_init(r.vfull + s, 128);
+      mbar_init(r.empty + s, 8);
+    }
+    mbar_init(r.qfull, 128);
+    mbar_init(r.qempty, 8);
+    mbar_init_fence();
+  }
+  return r;
+}
+
+// The producer warpgroup's whole loop (warpgroup 0 of the warp-specialised kernels): for each tile
+// of this block (fwd_tile's order, BM query rows of one (batch, head)) it waits for the consumers
+// to free Q, loads the tile's Q rows (and dO's into Gs with DO: the dq kernel), then streams
+// the K / V tiles of BC keys of the tile's key range (key_range: causal stops at the last row)
+// through the NST-stage ring, waiting on each stage's empty barrier before overwriting it.
+template <typename T, int D, int BM, int BC, int NST, bool DO>
+__device__ __forceinline__ void ws_produce(const AttnArgs& a, const T* __restrict__ q, const T* __restrict__ dout,
+                                           const T* __restrict__ k, const T* __restrict__ v, T* Qs, T* Gs, T* Ks,
+                                           T* Vs, const WsRing& ring, int hc) {
+  const int64_t nqt = (a.Sq + BM - 1) / BM, nbh = a.B * a.H, ntiles = nqt * nbh;
+  const int64_t q_rs = a.H * D, kv_rs = a.Hkv * D;
+  int st = 0;
+  uint32_t ph = 0, qph = 0;
+  for (int64_t t = blockIdx.x; t < ntiles; t += gridDim.x) {
+    int64_t qt, bh;
+    fwd_tile(t, nqt, nbh, hc, &qt, &bh);
+    const int64_t h = bh % a.H, b = bh / a.H, hk = h / a.group, q0 = qt * BM;
+    const T* kb = k + (b * a.Sk * a.Hkv + hk) * D;
+    const T* vb = v + (b * a.Sk * a.Hkv + hk) * D;
+    int64_t kbeg, kend;
+    key_range(a, q0, min(a.Sq - 1, q0 + BM - 1), &kbeg, &kend, BC);
+    ws_wait(ring.qempty, qph ^ 1);
+    qph ^= 1;
+    ws_load_tile<T, D, BM>(Qs, q + (b * a.Sq * a.H + h) * D, q_rs, q0, a.Sq);
+    if constexpr (DO) ws_load_tile<T, D, BM>(Gs, dout + (b * a.Sq * a.H + h) * D, q_rs, q0, a.Sq);
+    ws_cp_async_arrive(ring.qfull);
+    for (int64_t k0 = kbeg; k0 < kend; k0 += BC) {
+      ws_wait(ring.empty + st, ph ^ 1);
+      ws_load_tile<T, D, BC>(Ks + st * BC * D, kb, kv_rs, k0, a.Sk);
+      ws_cp_async_arrive(ring.kfull + st);
+      ws_load_tile<T, D, BC>(Vs + st * BC * D, vb, kv_rs, k0, a.Sk);
+      ws_cp_async_arrive(ring.vfull + st);
+      if (++st == NST) {
+        st = 0;
+        ph ^= 1;
+      }
+    }
+  }
+  cp_async_wait_all();
+}
+
 // Shared memory: Q [128 x D], K and V [NST][BC x D], 1024 bytes to align the swizzle atoms, then
 // the barriers (K full, V full, empty per stage; Q full, Q empty).
 template <int D, int BC, int NST>
@@ -111,55 +179,16 @@ __global__ void __launch_bounds__(384, 1)
   T* Qs = reinterpret_cast<T*>(wg_smem + pad);  // [D / 64][BM][64]
   T* Ks = Qs + BM * D;                            // [NST][D / 64][BC][64]
   T* Vs = Ks + NST * BC * D;                      // [NST][D / 64][BC][64]
-  uint64_t* kfull = reinterpret_cast<uint64_t*>(Vs + NST * BC * D);
-  uint64_t* vfull = kfull + NST;
-  uint64_t* empty = vfull + NST;
-  uint64_t* qfull = empty + NST;
-  uint64_t* qempty = qfull + 1;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < NST; ++s) {
-      mbar_init(kfull + s, 128);
-      mbar_init(vfull + s, 128);
-      mbar_init(empty + s, 8);
-    }
-    mbar_init(qfull, 128);
-    mbar_init(qempty, 8);
-    mbar_init_fence();
-  }
+  const WsRing ring = ws_ring_init<NST>(Vs + NST * BC * D);
+  uint64_t *kfull = ring.kfull, *vfull = ring.vfull, *empty = ring.empty, *qfull = ring.qfull, *qempty = ring.qempty;
   __syncthreads();
   const int wg = threadIdx.x >> 7;
   const int64_t nqt = (a.Sq + BM - 1) / BM, nbh = a.B * a.H, ntiles = nqt * nbh;
-  const int64_t q_rs = a.H * D, kv_rs = a.Hkv * D;
   int st = 0;
   uint32_t ph = 0, qph = 0;
   if (wg == 0) {
-    // ---- producer ----
     ws_setmaxnreg_dec<kWsProdRegs>();
-    for (int64_t t = blockIdx.x; t < ntiles; t += gridDim.x) {
-      int64_t qt, bh;
-      fwd_tile(t, nqt, nbh, hc, &qt, &bh);
-      const int64_t h = bh % a.H, b = bh / a.H, hk = h / a.group, q0 = qt * BM;
-      const T* kb = k + (b * a.Sk * a.Hkv + hk) * D;
-      const T* vb = v + (b * a.Sk * a.Hkv + hk) * D;
-      int64_t kbeg, kend;
-      key_range(a, q0, min(a.Sq - 1, q0 + BM - 1), &kbeg, &kend, BC);
-      ws_wait(qempty, qph ^ 1);
-      qph ^= 1;
-      ws_load_tile<T, D, BM>(Qs, q + (b * a.Sq * a.H + h) * D, q_rs, q0, a.Sq);
-      ws_cp_async_arrive(qfull);
-      for (int64_t k0 = kbeg; k0 < kend; k0 += BC) {
-        ws_wait(empty + st, ph ^ 1);
-        ws_load_tile<T, D, BC>(Ks + st * BC * D, kb, kv_rs, k0, a.Sk);
-        ws_cp_async_arrive(kfull + st);
-        ws_load_tile<T, D, BC>(Vs + st * BC * D, vb, kv_rs, k0, a.Sk);
-        ws_cp_async_arrive(vfull + st);
-        if (++st == NST) {
-          st = 0;
-          ph ^= 1;
-        }
-      }
-    }
-    cp_async_wait_all();
+    ws_produce<T, D, BM, BC, NST, false>(a, q, nullptr, k, v, Qs, nullptr, Ks, Vs, ring, hc);
     return;
   }
   // ---- consumers ----
