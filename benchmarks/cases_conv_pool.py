@@ -224,7 +224,7 @@ def _pool_gather_gpu_cases() -> list[Case]:
 
 def cases(device_kind: str) -> list[Case]:
     if device_kind == "gpu":  # the CUDA LSQ kernel (ffi/cuda/quantize.cu)
-        # 1 GiB per f32 tensor: the ~0.18 ms per-call wait of the harness stays small. The STE
+        # 1 GiB per f32 tensor (chosen when the harness still waited for every call, ~0.18 ms). The STE
         # backward has no CUDA kernel in default builds (XLA's fusion is at the floor; the
         # opt-in kernel's figures are in benchmarks/results/quantize_bn_h200_2026-11-22.txt):
         # _fake_quantize_case(big, 0, "clipped_identity", jnp.float32, fixed_scale=0.3) times it.
