@@ -219,13 +219,11 @@ def test_both_paths(budget_kb):
     _in_subprocess({"RLX_GROUP_NORM_CUDA_CTA_KB": budget_kb}, "match_f32_reference and float32")
 
 
-@pytest.mark.parametrize("env", [{"RLX_GROUP_NORM_CUDA_OCC6": "0"}, {"RLX_GROUP_NORM_CUDA_DX3": "0"}],
-                         ids=["occ5", "dx7"])
+@pytest.mark.parametrize("env", [{"RLX_GROUP_NORM_CUDA_OCC6": "0"}], ids=["occ5"])
 def test_cluster_variants(env):
-    """The cluster kernel's other builds (group_norm.cu), read once per process: the f32
-    backward compiled for 5 CTAs an SM (RLX_GROUP_NORM_CUDA_OCC6=0; the default is 6), and the
-    backward's dx from the unfactored formula (RLX_GROUP_NORM_CUDA_DX3=0), on the f32 and bf16
-    reference cases, the per-block statistics and the determinism test."""
+    """The cluster kernel's other build (group_norm.cu), read once per process: the f32
+    backward compiled for 5 CTAs an SM (RLX_GROUP_NORM_CUDA_OCC6=0; the default is 6), on the
+    f32 and bf16 reference cases, the per-block statistics and the determinism test."""
     _in_subprocess(env, "(match_f32_reference and (float32 or bfloat16)) or own_statistics or cluster_determinism")
 
 

@@ -36,8 +36,8 @@
 // gn_cluster in commit 4b0c255). Bytes: x read once, y written (forward: the centred variance
 // is a second pass over shared memory, not over HBM); x, dy read once, dx written (backward).
 // Backward dx = dy da + (x - mu) db + dc with per-segment constants (3 operations an element; the
-// unfactored formula, 7, stays behind RLX_GROUP_NORM_CUDA_DX3=0: 1.06x slower for bf16 in the A/B of
-// 2026-11-22 late night). Backward per-channel sums A, B: the CTA holding a channel's first segment adds the
+// unfactored formula, 7, was 1.06x slower for bf16 in the A/B of 2026-11-22 late night and was
+// removed: commit cedff97 has it behind RLX_GROUP_NORM_CUDA_DX3=0). Backward per-channel sums A, B: the CTA holding a channel's first segment adds the
 // channel's segment sums in segment order (pushed to it) and writes A[n,c], B[n,c] to the
 // scratch; gn_param_grads then reduces over n as in the two-pass path.
 // Size limit: a CTA's slice (spc segments of x, and of dy in the backward) must fit the
@@ -394,7 +394,7 @@ __device__ __forceinline__ void mbar_wait_cluster(uint64_t* bar, uint32_t parity
 // default and RLX_GROUP_NORM_CUDA_OCC6=0 keeps the 5-CTA build. The others take 39-40 registers.
 constexpr int kXMinBlocks = 6;
 
-template <typename T, bool BWD, int MINB = kXMinBlocks, bool DX3 = true>
+template <typename T, bool BWD, int MINB = kXMinBlocks>
 __global__ void __launch_bounds__(kClThreads, MINB)
 gn_cluster_x(const T* __restrict__ x, const T* __restrict__ dy, const T* __restrict__ gamma,
              const T* __restrict__ beta, const float* __restrict__ mean_in, const float* __restrict__ rstd_in,
@@ -540,30 +540,19 @@ gn_cluster_x(const T* __restrict__ x, const T* __restrict__ dy, const T* __restr
       const float gm = h->gm[s];
       // dx = rs (dy gm - ca - (x - mu) rs cb) = dy da + (x - mu) db + dc with the segment's
       // constants da = rs gm, db = -rs^2 cb, dc = -rs ca: one subtraction and two FMAs an
-      // element (DX3; the 16-bit kernels issue about as many instructions as they move bytes)
+      // element (the 16-bit kernels issue about as many instructions as they move bytes)
       const float da = rs * gm, db = -rs * rs * cb, dc = -rs * ca;
       const T* xv = xs + int64_t(s) * p.seg;
       const T* dv = ds + int64_t(s) * p.seg;
       T* o = out + base + sg.off;
-      if constexpr (DX3) {
 #pragma unroll 1
-        for (int64_t v = int64_t(tid) * VEC; v < sg.len; v += int64_t(kClThreads) * VEC) {
-          float xe[VEC], de[VEC], r[VEC];
-          rms::load_vec_smem<T, VEC>(xv + v, xe);
-          rms::load_vec_smem<T, VEC>(dv + v, de);
+      for (int64_t v = int64_t(tid) * VEC; v < sg.len; v += int64_t(kClThreads) * VEC) {
+        float xe[VEC], de[VEC], r[VEC];
+        rms::load_vec_smem<T, VEC>(xv + v, xe);
+        rms::load_vec_smem<T, VEC>(dv + v, de);
 #pragma unroll
-          for (int i = 0; i < VEC; ++i) r[i] = fmaf(de[i], da, fmaf(xe[i] - mu, db, dc));
-          store_vec<T, VEC>(o + v, r);
-        }
-      } else {
-        for (int64_t v = int64_t(tid) * VEC; v < sg.len; v += int64_t(kClThreads) * VEC) {
-          float xe[VEC], de[VEC], r[VEC];
-          rms::load_vec_smem<T, VEC>(xv + v, xe);
-          rms::load_vec_smem<T, VEC>(dv + v, de);
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) r[i] = rs * (de[i] * gm - ca - (xe[i] - mu) * rs * cb);
-          store_vec<T, VEC>(o + v, r);
-        }
+        for (int i = 0; i < VEC; ++i) r[i] = fmaf(de[i], da, fmaf(xe[i] - mu, db, dc));
+        store_vec<T, VEC>(o + v, r);
       }
     }
   } else {
@@ -639,17 +628,10 @@ inline bool occ5() {
   static const bool on = env_starts_with("RLX_GROUP_NORM_CUDA_OCC6", '0');
   return on;
 }
-// RLX_GROUP_NORM_CUDA_DX3=0: the backward push kernel's dx from the unfactored formula
-// (7 operations an element instead of 3); read once. A/B switch of 2026-11-22 late night.
-inline bool dx7() {
-  static const bool on = env_starts_with("RLX_GROUP_NORM_CUDA_DX3", '0');
-  return on;
-}
 template <typename T, bool BWD>
 auto cluster_kernel() {
   using Kernel = decltype(&gn_cluster_x<T, BWD>);
   if constexpr (BWD) {
-    if (dx7()) return Kernel(gn_cluster_x<T, BWD, kXMinBlocks, false>);
     if constexpr (std::is_same_v<T, float>) {
       if (occ5()) return Kernel(gn_cluster_x<T, BWD, 5>);
     }
