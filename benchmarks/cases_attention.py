@@ -140,10 +140,12 @@ def gpu_table(reps: int = 10, shapes=((4, 4096, 16, 128), (4, 4096, 16, 64)), qu
     reference: cuDNN through JAX has no softcap). FLOPs: fwd 4 B H S^2 D (halved for
     causal), fwd+bwd 3.5x fwd. ``rel err`` is ||ours - other|| / ||other|| (l2) of the
     outputs or the gradients."""
-    from benchmarks.harness import time_fn
+    from benchmarks.harness import default_batch, time_fn
 
     dev = next(d for d in jax.devices() if d.platform == "gpu")
-    print(f"# device: {dev.device_kind}; jax {jax.__version__}; bf16; median of {reps} reps, 3 warmup")
+    batch = default_batch(dev)
+    print(f"# device: {dev.device_kind}; jax {jax.__version__}; bf16; median of {reps} reps of {batch} calls "
+          "back to back (the runner's timing), 3 warmup")
     head = (f"{'case':44s} {'ours ms':>8s} {'ours TF/s':>9s} {'cuDNN TF/s':>10s} {'XLA TF/s':>9s} "
             f"{'ours/cuDNN':>10s} {'ours/XLA':>8s} {'rel err':>8s}")
     print(head)
@@ -178,7 +180,7 @@ def gpu_table(reps: int = 10, shapes=((4, 4096, 16, 128), (4, 4096, 16, 64)), qu
                         times.append(float("nan"))
                         continue
                     try:
-                        times.append(time_fn(f, args, reps))
+                        times.append(time_fn(f, args, reps, batch=batch))
                     except Exception as e:  # e.g. XLA running out of memory on the O(S^2) path
                         print(f"#   {type(e).__name__}: {str(e)[:120]}")
                         times.append(float("nan"))
