@@ -152,11 +152,12 @@ def test_empty_rows_give_nan_statistics():
 
 
 @pytest.mark.parametrize("shape", [(4099, 4096), (1000, 333), (64, 12288)], ids=str)
-def test_backward_bitwise_deterministic(shape):
-    x, g, b, dy = _inputs(shape, jnp.float32, seed=9)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_backward_bitwise_deterministic(shape, dtype):
+    x, g, b, dy = _inputs(shape, dtype, seed=9)
     f = jax.jit(lambda x, g, b, dy: jax.vjp(layer_norm, x, g, b)[1](dy))
-    first = [np.asarray(a) for a in f(x, g, b, dy)]
-    second = [np.asarray(a) for a in f(x, g, b, dy)]
+    first = [np.asarray(a.astype(jnp.float32)) for a in f(x, g, b, dy)]
+    second = [np.asarray(a.astype(jnp.float32)) for a in f(x, g, b, dy)]
     for a, c in zip(first, second):
         np.testing.assert_array_equal(a, c)
 
