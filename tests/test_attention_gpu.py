@@ -512,14 +512,19 @@ print("child ok")
 # (RLX_ATTENTION_CUDA_FWD_HC=3, the last chunk partial), "3t" one block per tile
 # (RLX_ATTENTION_CUDA_WS_GRID=1). The "2-4" child runs the causal tile order in chunks of 9 heads
 # (RLX_ATTENTION_CUDA_FWD_HC=9, the 2-warpgroup kernel; more than the heads of these cases: one
-# chunk), the others chunks of 1 (the default).
+# chunk), the others chunks of 1 (the default). Every warp-specialised child but "4n" runs the
+# default consumer loop, pipelined within each warpgroup (launch log "... PIPE"); "4n" the loop
+# before (RLX_ATTENTION_CUDA_WS_PIPE=0: each product waited for in turn).
 _FWD_ENV = {"0": {}, "2": {}, "4": {"RLX_ATTENTION_CUDA_WGMMA": "4"},
+            "4n": {"RLX_ATTENTION_CUDA_WGMMA": "4", "RLX_ATTENTION_CUDA_WS_PIPE": "0"},
             "4s": {"RLX_ATTENTION_CUDA_WGMMA": "4", "RLX_ATTENTION_CUDA_WS_GRID": "2"},
             "3s": {"RLX_ATTENTION_CUDA_WGMMA": "3", "RLX_ATTENTION_CUDA_WS_GRID": "2",
                    "RLX_ATTENTION_CUDA_FWD_HC": "3"},
             "3t": {"RLX_ATTENTION_CUDA_WGMMA": "3", "RLX_ATTENTION_CUDA_WS_GRID": "1"}}
-_WS_LINE = "D=128 BC=128 NWG=3 WS NST=2 "
-_WS64_LINE = "D=64 BC=128 NWG=3 WS NST=2 "
+_WS_LINE = "D=128 BC=128 NWG=3 WS NST=3 "  # the default: pipelined consumers (" PIPE"), 3 stages
+_WS64_LINE = "D=64 BC=128 NWG=3 WS NST=3 "
+_WS_LINE_NP = "D=128 BC=128 NWG=3 WS NST=2 "  # RLX_ATTENTION_CUDA_WS_PIPE=0: 2 stages
+_WS64_LINE_NP = "D=64 BC=128 NWG=3 WS NST=2 "
 
 
 # The same child runs the wgmma dk / dv backward (attention_wgmma_bwd.cuh; RLX_ATTENTION_CUDA_WGMMA_BWD,
@@ -537,16 +542,17 @@ _WS64_LINE = "D=64 BC=128 NWG=3 WS NST=2 "
 # block serves several tiles (the ring's phases and the Q / dO buffer carry across tiles); "3t"
 # one block per tile.
 @pytest.mark.parametrize("variant", ["2-5", "0-0", "0-5", "2-4", "2-6", "4-5", "4s-0", "3s-5", "3t-0",
-                                     "4-8", "4s-8", "3t-8"])
+                                     "4-8", "4s-8", "3t-8", "4n-8"])
 def test_wgmma_forward(variant):
     import os
     import subprocess
     import sys
 
     fwd, bwd = variant.split("-")
+    mode = fwd.rstrip("n")
     # the require flag in every child: it also turns on the launch log, so the "0" children's
     # check that no wgmma kernel launched can fail (with mode 0 the wgmma branch is never entered)
-    env = dict(os.environ, RLX_ATTENTION_CUDA_WGMMA=fwd, RLX_ATTENTION_CUDA_WGMMA_BWD=bwd,
+    env = dict(os.environ, RLX_ATTENTION_CUDA_WGMMA=mode, RLX_ATTENTION_CUDA_WGMMA_BWD=bwd,
                RLX_ATTENTION_CUDA_WGMMA_REQUIRE="1")
     env.update(_FWD_ENV[fwd])
     if variant == "2-4":
@@ -558,9 +564,10 @@ def test_wgmma_forward(variant):
     # with the require flag the module names each wgmma kernel on its first launch (stderr): the
     # path taken, not only the values, is checked; the "0" children must not reach it
     fwd_lines = {"0": set(), "2": {"D=64 BC=128 NWG=2", "D=128 BC=128 NWG=2"},
-                 "4": {_WS_LINE + "persistent", _WS64_LINE + "persistent"},
-                 "4s": {_WS_LINE + "persistent", _WS64_LINE + "persistent"},
-                 "3s": {_WS_LINE + "persistent"}, "3t": {_WS_LINE + "tiles"}}[fwd]
+                 "4": {_WS_LINE + "persistent PIPE", _WS64_LINE + "persistent PIPE"},
+                 "4n": {_WS_LINE_NP + "persistent", _WS64_LINE_NP + "persistent"},
+                 "4s": {_WS_LINE + "persistent PIPE", _WS64_LINE + "persistent PIPE"},
+                 "3s": {_WS_LINE + "persistent PIPE"}, "3t": {_WS_LINE + "tiles PIPE"}}[fwd]
     kv = lambda d, ovl: f"D={d} BK=128 NWG=2 OVL={ovl}"
     dq = lambda d: f"D={d} BM=128 BC=64"
     grid = "tiles" if fwd == "3t" else "persistent"
@@ -577,6 +584,52 @@ def test_wgmma_forward(variant):
                              ("fused", fused_lines, "rlx attention backward: wgmma fused dkdv+dq kernel ")):
         launched = {ln.split(tag, 1)[1].strip() for ln in r.stderr.splitlines() if tag in ln}
         assert launched == want, (which, launched, want, r.stderr[-2000:])
+
+
+# The warp-specialised forward's two consumer loops (pipelined within each warpgroup, the default;
+# RLX_ATTENTION_CUDA_WS_PIPE=0 waits for each product in turn) do the same arithmetic in the same
+# order: out and lse must be bitwise equal, at both head dims, causal and not, odd lengths, GQA,
+# Sq != Sk both ways, several query tiles per block (RLX_ATTENTION_CUDA_WS_GRID=2: 7 blocks), on
+# random inputs with a spread of scales (rows whose running max moves often).
+_WS_PIPE_CHILD = """
+import hashlib, sys
+sys.path.insert(0, "tests")
+import jax, jax.numpy as jnp, numpy as np
+import test_attention_gpu as t
+for (b, sq, sk, h, hkv, d, kind) in ((2, 1030, 1100, 4, 2, 128, "none"), (1, 1100, 1100, 4, 4, 128, "causal"),
+                                     (1, 333, 700, 4, 1, 64, "causal"), (2, 700, 260, 2, 2, 64, "none"),
+                                     (1, 77, 190, 2, 2, 128, "causal")):
+    q, k, v, _, _, _ = t._inputs(b, sq, sk, h, hkv, d, jnp.bfloat16, 13)
+    q = (q.astype(jnp.float32) * jnp.linspace(0.2, 4.0, sq)[None, :, None, None]).astype(jnp.bfloat16)
+    p = t._params(d, kind, None, None, None, None, None)
+    out, lse = jax.jit(lambda q, k, v: t.A.attention_fwd(q, k, v, **p))(q, k, v)
+    out32, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
+    assert np.isfinite(out32).all() and np.isfinite(lse).all()
+    print("hash", b, sq, sk, d, kind, hashlib.sha1(out32.tobytes() + lse.tobytes()).hexdigest(), flush=True)
+print("child ok")
+"""
+
+
+def test_ws_pipelined_forward_bitwise_equal():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    hashes = {}
+    for pipe in ("1", "0"):
+        env = dict(os.environ, RLX_ATTENTION_CUDA_WS_PIPE=pipe, RLX_ATTENTION_CUDA_WS_GRID="2",
+                   RLX_ATTENTION_CUDA_WGMMA_REQUIRE="1")
+        r = subprocess.run([sys.executable, "-c", _WS_PIPE_CHILD], cwd=root, env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0 and "child ok" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+        launched = {ln.split("wgmma kernel ", 1)[1].strip() for ln in r.stderr.splitlines()
+                    if "rlx attention forward: wgmma kernel " in ln}
+        want = ({_WS_LINE + "persistent PIPE", _WS64_LINE + "persistent PIPE"} if pipe == "1"
+                else {_WS_LINE_NP + "persistent", _WS64_LINE_NP + "persistent"})
+        assert launched == want, launched
+        hashes[pipe] = [ln for ln in r.stdout.splitlines() if ln.startswith("hash ")]
+    assert len(hashes["1"]) == 5 and hashes["1"] == hashes["0"], hashes
 
 
 # The fused backward (RLX_ATTENTION_CUDA_WGMMA_BWD=6) sums the key blocks' dQ partials in f32 global

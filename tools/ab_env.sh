@@ -3,9 +3,12 @@
 # on the GPU machine, in alternating processes on the same warm GPU and the same build:
 #   tools/ab_env.sh ROUNDS "A_ENV" "B_ENV" [benchmarks.run args...]
 # e.g. tools/ab_env.sh 4 "" "RLX_LAYER_NORM_CUDA_BWD_NV=1" --cases norms --filter "layer_norm bfloat16"
+# AB_CMD replaces the timed command (default "python3 -m benchmarks.run --device gpu"), e.g.
+#   AB_CMD="python3 -m benchmarks.cases_attention" tools/ab_env.sh 3 "" "RLX_ATTENTION_CUDA_WS_PIPE=0" --reps 5 --quick
+# (any command whose rows are a name, then numbers, the first of them a time).
 # A_ENV / B_ENV: space-separated NAME=VALUE assignments ("" for the defaults). The kernels come
 # from RLX_JAX_KERNEL_DIR (default build/gpu: tools/gpu_suite.sh build). Each round runs A then
-# B (python3 -m benchmarks.run --device gpu <args>); rows go to $OUT/ab_env_A.txt / ab_env_B.txt,
+# B ($AB_CMD <args>); rows go to $OUT/ab_env_A.txt / ab_env_B.txt,
 # and the last lines print each row's per-round B/A time ratios (> 1: B slower), so one look
 # shows whether a difference is larger than the spread between rounds.
 set -u
@@ -22,8 +25,8 @@ for round in $(seq 1 "$rounds"); do
     which=$([ $i = 0 ] && echo A || echo B)
     echo "--- round $round: $which [${envs[$i]}]" | tee -a "$OUT/ab_env_$which.txt"
     # shellcheck disable=SC2086
-    env ${envs[$i]} timeout 300 python3 -m benchmarks.run --device gpu "$@" 2>&1 | grep -vi warning \
-      | grep -E "^[a-z_]+.* [0-9.]+ +[0-9.]+" | tee -a "$OUT/ab_env_$which.txt"
+    env ${envs[$i]} timeout 300 ${AB_CMD:-python3 -m benchmarks.run --device gpu} "$@" 2>&1 | grep -vi warning \
+      | grep -E "^[a-z_]+.* [0-9.]+ +[0-9.]+" | grep -v "^#" | tee -a "$OUT/ab_env_$which.txt"
   done
 done
 # per row: B/A of the first time column ("ours ms") in each round

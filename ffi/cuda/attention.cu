@@ -171,6 +171,16 @@ int64_t attn_ws_grid(int64_t tiles, int sms) {
   if (env == 1) return tiles;
   return std::min<int64_t>(tiles, env == 2 ? 7 : std::max(sms, 1));
 }
+// Consumer loop of the warp-specialised forward (RLX_ATTENTION_CUDA_WS_PIPE, read once per process):
+// unset (or another value): pipelined within each consumer warpgroup (the next key tile's S = Q K^T
+// is issued before this tile's O += P V and the softmax runs while that product is in flight;
+// attention_wgmma_ws.cuh); 0: each tile's products waited for in turn (the loop before). Both
+// compute the same values in the same order: the outputs are bitwise equal (tested).
+bool attn_ws_pipe() {
+  static const bool on = !env_starts_with("RLX_ATTENTION_CUDA_WS_PIPE", '0');
+  return on;
+}
+
 // wgmma backward kernels (attention_wgmma_bwd.cuh: dk / dv, and dq) for the same PLAIN cases (scale
 // > 0, no softcap, bias or key mask, mask kind none or causal).
 // RLX_ATTENTION_CUDA_WGMMA_BWD (read once per process; the A/B and the tests set it): 0 = the
@@ -285,17 +295,19 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
             return check_launch("attention forward (wgmma)");
           };
           // warp-specialised: 1 producer + 2 consumer warpgroups, 128 query rows per tile, K / V ring
-          // of 2 stages of 128 keys (attention_wgmma_ws.cuh); mode 4 (default) at both head dims, 3 at
-          // D 128 only. ptxas sm_90a (bf16, f16; D 64 and 128): 168 registers at launch, no spill.
-          auto run_ws = [&](auto kernel, int d, size_t smem) -> ffi::Error {
-            constexpr int kBC = 128, kNST = 2;
+          // of 2 (3 pipelined) stages of 128 keys (attention_wgmma_ws.cuh); mode 4 (default) at both
+          // head dims, 3 at D 128 only. ptxas sm_90a (nvcc 13.0, -lineinfo; bf16, f16): 168 registers
+          // at launch; the loop that waits for each product no spill, the pipelined one (setmaxnreg
+          // 24 / 240) 104 / 116 bytes of spill stores at D 64 / 128, no wgmma serialisation (C7513).
+          auto run_ws = [&](auto kernel, int d, int nst, size_t smem) -> ffi::Error {
+            constexpr int kBC = 128;
             const int64_t nqt = (a.Sq + 127) / 128, tiles = nqt * a.H * a.B;
             const int64_t blocks = attn_ws_grid(tiles, info.sms);
             static const bool one_per_tile = env_starts_with("RLX_ATTENTION_CUDA_WS_GRID", '1');
             if (attn_wgmma_required()) {
               char line[64];
-              std::snprintf(line, sizeof line, "kernel D=%d BC=%d NWG=3 WS NST=%d %s", d, kBC, kNST,
-                            one_per_tile ? "tiles" : "persistent");
+              std::snprintf(line, sizeof line, "kernel D=%d BC=%d NWG=3 WS NST=%d %s%s", d, kBC, nst,
+                            one_per_tile ? "tiles" : "persistent", attn_ws_pipe() ? " PIPE" : "");
               log_wgmma_kernel(reinterpret_cast<const void*>(kernel), false, line);
             }
             if (auto e = grid_check(blocks, "attention"); e.failure()) return e;
@@ -304,10 +316,20 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
               kernel<<<unsigned(blocks), 384u, smem, stream>>>(a, q, k, v, out, lse, attn_fwd_hc(a, nqt, info.sms));
             return check_launch("attention forward (wgmma ws)");
           };
+          // The pipelined consumer loop releases a ring stage one step later (after the next tile's
+          // S = Q K^T has been issued), so it takes 3 stages: the producer then still has a whole
+          // step to load each K / V tile (230,488 bytes of shared memory at D 128: fits the 227 KB).
           if (attn_wgmma_mode(a.D) == 4 && a.D == 64)
-            return run_ws(attn::wgmma_fwd_ws_kernel<T, 64, 128, 2>, 64, attn::wg_ws_smem<64, 128, 2>());
+            return attn_ws_pipe()
+                       ? run_ws(attn::wgmma_fwd_ws_kernel<T, 64, 128, 3, true>, 64, 3, attn::wg_ws_smem<64, 128, 3>())
+                       : run_ws(attn::wgmma_fwd_ws_kernel<T, 64, 128, 2, false>, 64, 2,
+                                attn::wg_ws_smem<64, 128, 2>());
           if (attn_wgmma_mode(a.D) >= 3 && a.D == 128)
-            return run_ws(attn::wgmma_fwd_ws_kernel<T, 128, 128, 2>, 128, attn::wg_ws_smem<128, 128, 2>());
+            return attn_ws_pipe()
+                       ? run_ws(attn::wgmma_fwd_ws_kernel<T, 128, 128, 3, true>, 128, 3,
+                                attn::wg_ws_smem<128, 128, 3>())
+                       : run_ws(attn::wgmma_fwd_ws_kernel<T, 128, 128, 2, false>, 128, 2,
+                                attn::wg_ws_smem<128, 128, 2>());
           // <T, D, BC (keys per tile), NWG (warpgroups of 64 rows)>; ptxas sm_90a (bf16, f16):
           // <64, 128, 2> 221 registers, no spill; <128, 128, 2> 255 registers, 40 B of spills
           // (-lineinfo; run 10 of the H200 results). 1 block of 8 warps per SM (registers).

@@ -5,7 +5,7 @@
 // the 2-warpgroup kernel's forward at D 128 and 1.07x / 1.15x the mma.sync forward at D 64.
 //
 // Block = 3 warpgroups (384 threads), one block per SM:
-//   warpgroup 0 (producer, setmaxnreg.dec to kWsProdRegs): loads the 128-row Q tile and the K / V
+//   warpgroup 0 (producer, setmaxnreg.dec to kWsProdRegs; kWsPipeProdRegs with PIPE): loads the 128-row Q tile and the K / V
 //     tiles of BC keys with cp.async (16 bytes, zero-filled past the sequence end) into the
 //     128-byte-swizzle K-major layout of attention_wgmma.cuh (wg_load_tile), into a ring of NST
 //     stages. Each thread's copies of a tile complete on the stage's full barrier through
@@ -13,7 +13,7 @@
 //     thread's earlier cp.async have landed); K and V have their own full barriers, so S = Q K^T
 //     starts before V has landed. The producer waits on the stage's empty barrier before it
 //     overwrites the stage, and on the Q empty barrier before the next tile's Q.
-//   warpgroups 1, 2 (consumers, setmaxnreg.inc to kWsConsRegs): 64 query rows each, the loop body of
+//   warpgroups 1, 2 (consumers, setmaxnreg.inc to kWsConsRegs; kWsPipeConsRegs): 64 query rows each, the loop body of
 //     wgmma_fwd_kernel (S = Q K^T smem x smem, online softmax in registers, O += P V with P from
 //     registers); each waits on the full barriers (then fence.proxy.async: the cp.async data,
 //     written through the generic proxy, is read by wgmma through the async proxy), and after its
@@ -23,6 +23,14 @@
 //     the launcher picks gridDim.x = min(tiles, SMs) or one block per tile. The ring's stage and
 //     phase continue across tiles, so the producer loads the next tile's K / V while the consumers
 //     finish the previous one and write its output.
+// Consumer loop, PIPE (the default; RLX_ATTENTION_CUDA_WS_PIPE=0 selects the loop above, attention.cu):
+//   pipelined within each consumer warpgroup: tile j's S = Q K^T is issued, then tile j - 1's
+//   O += P V, and tile j's softmax runs while that product is in flight (wait_group 1, then 0 before
+//   O is rescaled); the stage of tile j - 1 is released after its product, one step later than
+//   above, so the ring has 3 stages (the producer keeps a whole step per load). Same arithmetic in
+//   the same order: bitwise the outputs of the loop above. H100, B4 S4096 H16 bf16, 3 alternating
+//   rounds (benchmarks/results/h100_2026-11-26.txt): forward 1.06-1.08x (D 128 none), 1.05-1.06x
+//   (D 128 causal), 1.06-1.08x (D 64 none), 1.01-1.03x (D 64 causal); fwd+bwd 1.00-1.02x.
 // Barrier phases: a consumer waits on a full barrier with the ring's parity bit (first pass 0), the
 // producer on an empty barrier with the opposite bit (the first pass returns at once: the phase
 // before the first is complete). A consumer warpgroup that skips a key tile (causal: past its last
@@ -31,6 +39,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/attention_wgmma.cuh"
 
@@ -39,6 +48,9 @@ namespace cuda {
 namespace attn {
 
 constexpr int kWsProdRegs = 56, kWsConsRegs = 224;  // 128 * 56 + 256 * 224 = 64512 = 384 * 168
+// The pipelined forward's consumers hold O, S and two P buffers (D 128: 64 + 64 + 2 x 32 registers):
+// its producer gives up more registers. 128 * 24 + 256 * 240 = 64512.
+constexpr int kWsPipeProdRegs = 24, kWsPipeConsRegs = 240;
 
 __device__ __forceinline__ void ws_arrive(uint64_t* bar) {
 #if RLX_ATTN_WGMMA
@@ -167,7 +179,122 @@ __device__ __forceinline__ void ws_produce(const AttnArgs& a, const T* __restric
 template <int D, int BC, int NST>
 constexpr size_t wg_ws_smem() { return size_t(2) * D * (128 + 2 * NST * BC) + 1024 + 8 * (3 * NST + 2); }
 
-template <typename T, int D, int BC, int NST>
+// One key tile's online-softmax step for a consumer warpgroup (this thread: rows wrow0 + 8 r + g,
+// r < 2, of the warp's 16; keys k0 + 8 nt + 2 tq + (e & 1) of s[nt][e]): masks s where the tile
+// needs it (bounds; causal, the only mask kind here), takes the row max in log2 units (c2 = scale
+// log2 e), updates the running max m and sum l, and writes P = 2^(s c2 - m) packed as the A
+// fragments of the P V product. alpha = 2^(m_old - m_new): the factor by which O must be scaled
+// before this tile's P V is added (l is already rescaled here).
+// KEEP_S false: masked scores are stored back into s as -inf (the loop that waits for each product).
+// KEEP_S true: s is only read (masked scores are -inf in the max and 0 in P, the same values): the
+// pipelined loop runs this while a P V product is in flight, and ptxas serialises every wgmma of
+// a kernel in which non-wgmma instructions define a wgmma's registers inside a pipeline stage
+// (C7513); the P loop then has an unmasked and a masked copy, so unmasked tiles test no mask.
+template <typename T, int BC, bool KEEP_S>
+__device__ __forceinline__ void ws_softmax_tile(const AttnArgs& a, float (&s)[BC / 8][4], int64_t wrow0, int64_t k0,
+                                                int g, int tq, float c2, float (&m)[2], float (&l)[2],
+                                                uint32_t (&p)[BC / 16][4], float (&alpha)[2]) {
+  const bool need = tile_needs_mask(a, wrow0, k0, 16, BC);  // warp-uniform
+  // 32-bit offsets from the warp's first row / the tile's first key (registers): row wrow0 + di
+  // exists if di < rl, key k0 + dj if dj < cl, and is visible (causal, mask kind 1 only here) if
+  // dj <= di + dg
+  constexpr int64_t kBig = int64_t(1) << 30;
+  int rl = 0, cl = 0, dg = 0;
+  auto visible = [&](int nt, int e) {
+    const int di = (e >> 1) * 8 + g, dj = nt * 8 + 2 * tq + (e & 1);
+    return di < rl && dj < cl && dj <= di + dg;
+  };
+  float mx[2] = {-INFINITY, -INFINITY};
+  if (!need) {
+#pragma unroll
+    for (int nt = 0; nt < BC / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+  } else {
+    rl = int(min(a.Sq - wrow0, kBig));
+    cl = int(min(a.Sk - k0, kBig));
+    dg = a.kind != 0 ? int(max(min(wrow0 + a.off - k0, kBig), -kBig)) : int(kBig);
+#pragma unroll
+    for (int nt = 0; nt < BC / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float x = visible(nt, e) ? s[nt][e] : -INFINITY;
+        if constexpr (!KEEP_S) s[nt][e] = x;
+        mx[e >> 1] = fmaxf(mx[e >> 1], x);
+      }
+  }
+  float mu[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] *= c2;
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    const float mn = fmaxf(m[r], mx[r]);
+    mu[r] = mn == -INFINITY ? 0.f : mn;
+    alpha[r] = ex2(m[r] - mu[r]);
+    m[r] = mn;
+  }
+  float ls[2] = {0.f, 0.f};
+  auto p_tile = [&](auto masked) {
+#pragma unroll
+    for (int nt = 0; nt < BC / 8; ++nt) {
+      float pe[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        pe[e] = decltype(masked)::value && !visible(nt, e) ? 0.f : ex2(fmaf(s[nt][e], c2, -mu[e >> 1]));
+        ls[e >> 1] += pe[e];
+      }
+      p[nt >> 1][(nt & 1) * 2 + 0] = pack2<T>(pe[0], pe[1]);
+      p[nt >> 1][(nt & 1) * 2 + 1] = pack2<T>(pe[2], pe[3]);
+    }
+  };
+  if (KEEP_S && need)
+    p_tile(std::true_type{});
+  else
+    p_tile(std::false_type{});
+#pragma unroll
+  for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + ls[r];
+}
+
+// S = Q K^T for a consumer warpgroup's 64 rows and the BC keys of ring stage Kst (smem x smem,
+// K-major, 128-byte swizzle), issued and committed as one wgmma group (not waited for).
+template <typename T, int D, int BC>
+__device__ __forceinline__ void ws_issue_qk(float (&s)[BC / 8][4], uint64_t qd, const T* Kst) {
+  constexpr int BM = 128;
+  const uint64_t kd = wg_desc(smem_addr(Kst), 16, 1024);
+  wg_fence();
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+    wgmma_ss<T, BC>(s, qd, kd, uint64_t(((kk >> 2) * BM * 128 + (kk & 3) * 32) >> 4),
+                    uint64_t(((kk >> 2) * BC * 128 + (kk & 3) * 32) >> 4), kk > 0);
+  wg_commit();
+}
+
+// O += P V for the BC keys of ring stage Vst (P from registers, V MN-major), issued and committed
+// as one wgmma group (not waited for).
+template <typename T, int D, int BC>
+__device__ __forceinline__ void ws_issue_pv(float (&o)[D / 8][4], const uint32_t (&p)[BC / 16][4], const T* Vst) {
+  const uint64_t vd = wg_desc(smem_addr(Vst), BC * 128, 1024);
+  wg_fence();
+#pragma unroll
+  for (int kk = 0; kk < BC / 16; ++kk) wgmma_rs<T, D>(o, p[kk], vd, uint64_t(kk * 16 * 128 >> 4), 1);
+  wg_commit();
+}
+
+__device__ __forceinline__ void ws_ring_next(int& st, uint32_t& ph, int nst) {
+  if (++st == nst) {
+    st = 0;
+    ph ^= 1;
+  }
+}
+
+// PIPE false: each key tile's S = Q K^T, softmax and O += P V in turn (each product waited for).
+// PIPE true (intra-warpgroup pipelining): tile j's S = Q K^T is issued before tile j - 1's
+// O += P V, and the softmax of tile j runs while that P V product is in flight; O is scaled by
+// tile j's alpha once the product has completed (wait_group 0), before tile j's P V is issued in
+// the next step. Per tile the tensor pipe then has the next product queued while the softmax runs.
+// The ring stage of tile j - 1 is released once its P V product has completed.
+template <typename T, int D, int BC, int NST, bool PIPE>
 __global__ void __launch_bounds__(384, 1)
     wgmma_fwd_ws_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                         T* __restrict__ out, float* __restrict__ lse, int hc) {
@@ -187,12 +314,12 @@ __global__ void __launch_bounds__(384, 1)
   int st = 0;
   uint32_t ph = 0, qph = 0;
   if (wg == 0) {
-    ws_setmaxnreg_dec<kWsProdRegs>();
+    ws_setmaxnreg_dec<PIPE ? kWsPipeProdRegs : kWsProdRegs>();
     ws_produce<T, D, BM, BC, NST, false>(a, q, nullptr, k, v, Qs, nullptr, Ks, Vs, ring, hc);
     return;
   }
   // ---- consumers ----
-  ws_setmaxnreg_inc<kWsConsRegs>();
+  ws_setmaxnreg_inc<PIPE ? kWsPipeConsRegs : kWsConsRegs>();
   const int cw = wg - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
   const int g = lane >> 2, tq = lane & 3;
   const float c2 = a.scale * kLog2e;  // raw score -> log2 units
@@ -214,71 +341,89 @@ __global__ void __launch_bounds__(384, 1)
     ws_wait(qfull, qph);
     qph ^= 1;
     fence_proxy_async();
-    for (int64_t k0 = kbeg; k0 < kend; k0 += BC) {
-      ws_wait(kfull + st, ph);
-      if (k0 < wg_kend) {  // warpgroup-uniform
+    int64_t k0 = kbeg;
+    if constexpr (PIPE) {
+      // the key tiles this warpgroup computes are [kbeg, kstop) (a prefix of the block's), pipelined.
+      // P alternates between two register buffers (the loop is unrolled by two): copying the next
+      // tile's P into the buffer of the product in flight made ptxas serialise every wgmma (C7513).
+      const int64_t kstop = min(kend, wg_kend);
+      if (k0 < kstop) {
+        float s[BC / 8][4], alpha[2];
+        uint32_t pa[BC / 16][4], pb[BC / 16][4];
+        ws_wait(kfull + st, ph);
         fence_proxy_async();  // the producer's cp.async data -> the async proxy (wgmma)
-        float s[BC / 8][4];
-        const uint64_t kd = wg_desc(smem_addr(Ks + st * BC * D), 16, 1024);
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-          wgmma_ss<T, BC>(s, qd, kd, uint64_t(((kk >> 2) * BM * 128 + (kk & 3) * 32) >> 4),
-                          uint64_t(((kk >> 2) * BC * 128 + (kk & 3) * 32) >> 4), kk > 0);
-        }
-        wg_commit();
+        ws_issue_qk<T, D, BC>(s, qd, Ks + st * BC * D);
         wg_wait0();
         wg_fence_regs(s);
-        const bool need = tile_needs_mask(a, wrow0, k0, 16, BC);  // warp-uniform
-        float mx[2] = {-INFINITY, -INFINITY};
-        if (!need) {
+        ws_softmax_tile<T, BC, true>(a, s, wrow0, k0, g, tq, c2, m, l, pa, alpha);  // O is 0: alpha unused
+        int pst = st;  // the ring stage of the tile whose P V is pending (its P in pc below)
+        uint32_t pph = ph;
+        ws_ring_next(st, ph, NST);
+        k0 += BC;
+        // one step: S of tile k0 issued, then the pending tile's P V; the softmax of tile k0 (its P
+        // into pn) while that product runs; then O scaled by tile k0's alpha
+        auto step = [&](auto& pc, auto& pn) {
+          ws_wait(kfull + st, ph);
+          fence_proxy_async();
+          ws_issue_qk<T, D, BC>(s, qd, Ks + st * BC * D);
+          ws_wait(vfull + pst, pph);
+          fence_proxy_async();
+          ws_issue_pv<T, D, BC>(o, pc, Vs + pst * BC * D);
+          wg_wait<1>();  // S of this tile (committed first) has completed
+          wg_fence_regs(s);
+          ws_softmax_tile<T, BC, true>(a, s, wrow0, k0, g, tq, c2, m, l, pn, alpha);
+          wg_wait0();  // the pending tile's P V
+          wg_fence_regs(o);
+          wg_fence_afrag(pc);
+          __syncwarp();
+          if (lane == 0) ws_arrive(empty + pst);
 #pragma unroll
-          for (int nt = 0; nt < BC / 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
-        } else {
-          // 32-bit offsets from the warp's first row / the tile's first key (registers): row wrow0 + di
-          // exists if di < rl, key k0 + dj if dj < cl, and is visible (causal, mask kind 1 only
-          // here) if dj <= di + dg
-          constexpr int64_t kBig = int64_t(1) << 30;
-          const int rl = int(min(a.Sq - wrow0, kBig)), cl = int(min(a.Sk - k0, kBig));
-          const int dg = a.kind != 0 ? int(max(min(wrow0 + a.off - k0, kBig), -kBig)) : int(kBig);
-#pragma unroll
-          for (int nt = 0; nt < BC / 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int di = (e >> 1) * 8 + g, dj = nt * 8 + 2 * tq + (e & 1);
-              const float x = di < rl && dj < cl && dj <= di + dg ? s[nt][e] : -INFINITY;
-              s[nt][e] = x;
-              mx[e >> 1] = fmaxf(mx[e >> 1], x);
-            }
-        }
-        float mu[2], alpha[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          mx[r] *= c2;
-          mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-          mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-          const float mn = fmaxf(m[r], mx[r]);
-          mu[r] = mn == -INFINITY ? 0.f : mn;
-          alpha[r] = ex2(m[r] - mu[r]);
-          m[r] = mn;
-        }
-        float ls[2] = {0.f, 0.f};
-        uint32_t p[BC / 16][4];
-#pragma unroll
-        for (int nt = 0; nt < BC / 8; ++nt) {
-          float pe[4];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            pe[e] = ex2(fmaf(s[nt][e], c2, -mu[e >> 1]));
-            ls[e >> 1] += pe[e];
+          for (int nt = 0; nt < D / 8; ++nt) {
+            o[nt][0] *= alpha[0];
+            o[nt][1] *= alpha[0];
+            o[nt][2] *= alpha[1];
+            o[nt][3] *= alpha[1];
           }
-          p[nt >> 1][(nt & 1) * 2 + 0] = pack2<T>(pe[0], pe[1]);
-          p[nt >> 1][(nt & 1) * 2 + 1] = pack2<T>(pe[2], pe[3]);
+          pst = st;
+          pph = ph;
+          ws_ring_next(st, ph, NST);
+          k0 += BC;
+        };
+        // the last tile's P V, with its P in pc
+        auto last = [&](auto& pc) {
+          ws_wait(vfull + pst, pph);
+          fence_proxy_async();
+          ws_issue_pv<T, D, BC>(o, pc, Vs + pst * BC * D);
+          wg_wait0();
+          wg_fence_regs(o);
+          wg_fence_afrag(pc);
+          __syncwarp();
+          if (lane == 0) ws_arrive(empty + pst);
+        };
+        while (true) {
+          if (k0 >= kstop) {
+            last(pa);
+            break;
+          }
+          step(pa, pb);
+          if (k0 >= kstop) {
+            last(pb);
+            break;
+          }
+          step(pb, pa);
         }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + ls[r];
+      }
+    }
+    for (; k0 < kend; k0 += BC) {
+      ws_wait(kfull + st, ph);
+      if (!PIPE && k0 < wg_kend) {  // warpgroup-uniform
+        fence_proxy_async();  // the producer's cp.async data -> the async proxy (wgmma)
+        float s[BC / 8][4], alpha[2];
+        uint32_t p[BC / 16][4];
+        ws_issue_qk<T, D, BC>(s, qd, Ks + st * BC * D);
+        wg_wait0();
+        wg_fence_regs(s);
+        ws_softmax_tile<T, BC, false>(a, s, wrow0, k0, g, tq, c2, m, l, p, alpha);
 #pragma unroll
         for (int nt = 0; nt < D / 8; ++nt) {
           o[nt][0] *= alpha[0];
@@ -288,11 +433,7 @@ __global__ void __launch_bounds__(384, 1)
         }
         ws_wait(vfull + st, ph);
         fence_proxy_async();
-        const uint64_t vd = wg_desc(smem_addr(Vs + st * BC * D), BC * 128, 1024);
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < BC / 16; ++kk) wgmma_rs<T, D>(o, p[kk], vd, uint64_t(kk * 16 * 128 >> 4), 1);
-        wg_commit();
+        ws_issue_pv<T, D, BC>(o, p, Vs + st * BC * D);
         wg_wait0();
         wg_fence_regs(o);
       } else {
@@ -300,10 +441,7 @@ __global__ void __launch_bounds__(384, 1)
       }
       __syncwarp();
       if (lane == 0) ws_arrive(empty + st);
-      if (++st == NST) {
-        st = 0;
-        ph ^= 1;
-      }
+      ws_ring_next(st, ph, NST);
     }
     // every S = Q K^T of this tile has completed (wait_group 0 above): Q may be overwritten
     __syncwarp();
