@@ -134,12 +134,14 @@ def _max_rel(a, b) -> float:
     return max(errs)
 
 
-def gpu_table(reps: int = 10, shapes=((4, 4096, 16, 128), (4, 4096, 16, 64)), quick: bool = False) -> None:
+def gpu_table(reps: int = 10, shapes=((4, 4096, 16, 128), (4, 4096, 16, 64)), quick: bool = False,
+              ours_only: bool = False) -> None:
     """TFLOP/s of ours, cuDNN and XLA (jax.nn.dot_product_attention implementations), bf16,
     fwd and fwd+bwd, causal and not; then softcap and key-mask cases vs XLA (the pure-JAX
     reference: cuDNN through JAX has no softcap). FLOPs: fwd 4 B H S^2 D (halved for
     causal), fwd+bwd 3.5x fwd. ``rel err`` is ||ours - other|| / ||other|| (l2) of the
-    outputs or the gradients."""
+    outputs or the gradients. ``ours_only`` (A/B runs of our kernels, tools/ab_env.sh): time ours
+    alone; the cuDNN, XLA and error columns are nan."""
     from benchmarks.harness import default_batch, time_fn
 
     dev = next(d for d in jax.devices() if d.platform == "gpu")
@@ -163,6 +165,8 @@ def gpu_table(reps: int = 10, shapes=((4, 4096, 16, 128), (4, 4096, 16, 64)), qu
                          ("none", dict(mask=key_mask))]
         for kind_, extra in variants:
             ours, cudnn, xla = _gpu_fns(kind_, **extra)
+            if ours_only:
+                cudnn = xla = None
             tag = kind_ + ("+softcap" if "softcap" in extra else "") + ("+keymask" if "mask" in extra else "")
             for backward in (False, True):
                 flops = 4 * b * h * s * s * d * (0.5 if kind_ == "causal" else 1.0) * (3.5 if backward else 1.0)
@@ -173,7 +177,7 @@ def gpu_table(reps: int = 10, shapes=((4, 4096, 16, 128), (4, 4096, 16, 64)), qu
                 jitted = [None if f is None else jax.jit(f) for f in fns]
                 res = [None if f is None else f(*args) for f in jitted]
                 other = res[1] if res[1] is not None else res[2]
-                err = _max_rel(res[0], other)
+                err = float("nan") if other is None else _max_rel(res[0], other)
                 times = []
                 for f in jitted:
                     if f is None:
@@ -204,11 +208,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="GPU: only plain and causal cases")
+    parser.add_argument("--ours-only", action="store_true", help="GPU: time only our kernels (A/B runs)")
     args = parser.parse_args()
     device = jax.devices()[0]
     kind = "gpu" if device.platform in ("gpu", "cuda") else "cpu"
     if kind == "gpu":
-        gpu_table(args.reps, quick=args.quick)
+        gpu_table(args.reps, quick=args.quick, ours_only=args.ours_only)
         return
     print(f"# device: {device.device_kind} ({device.platform}); jax {jax.__version__}")
     head = (f"{'case':48s} {'ours ms':>9s} {'XLA ms':>9s} {'XLA/ours':>8s} {'ours GF/s':>9s} "

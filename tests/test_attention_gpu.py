@@ -514,9 +514,11 @@ print("child ok")
 # (RLX_ATTENTION_CUDA_FWD_HC=9, the 2-warpgroup kernel; more than the heads of these cases: one
 # chunk), the others chunks of 1 (the default). Every warp-specialised child but "4n" runs the
 # default consumer loop, pipelined within each warpgroup (launch log "... PIPE"); "4n" the loop
-# before (RLX_ATTENTION_CUDA_WS_PIPE=0: each product waited for in turn).
+# before (RLX_ATTENTION_CUDA_WS_PIPE=0: each product waited for in turn), and so for the
+# warp-specialised dq kernel of backward "8" (RLX_ATTENTION_CUDA_WS_DQ_PIPE=0).
 _FWD_ENV = {"0": {}, "2": {}, "4": {"RLX_ATTENTION_CUDA_WGMMA": "4"},
-            "4n": {"RLX_ATTENTION_CUDA_WGMMA": "4", "RLX_ATTENTION_CUDA_WS_PIPE": "0"},
+            "4n": {"RLX_ATTENTION_CUDA_WGMMA": "4", "RLX_ATTENTION_CUDA_WS_PIPE": "0",
+                   "RLX_ATTENTION_CUDA_WS_DQ_PIPE": "0"},
             "4s": {"RLX_ATTENTION_CUDA_WGMMA": "4", "RLX_ATTENTION_CUDA_WS_GRID": "2"},
             "3s": {"RLX_ATTENTION_CUDA_WGMMA": "3", "RLX_ATTENTION_CUDA_WS_GRID": "2",
                    "RLX_ATTENTION_CUDA_FWD_HC": "3"},
@@ -537,8 +539,8 @@ _WS64_LINE_NP = "D=64 BC=128 NWG=3 WS NST=2 "
 # "6": at D 128 the fused backward (attention_fused_bwd.cuh: one kernel for dk, dv and dq, launch
 # log "wgmma fused dkdv+dq kernel ..."; no separate dkdv or dq kernel there), at D 64 the default.
 # "8" (= the default since run 14): at D 128 the OVL dk / dv and the warp-specialised dq
-# (attention_wgmma_bwd_ws.cuh, launch log "wgmma dq kernel D=128 BM=128 BC=64 WS NST=4 persistent|tiles");
-# at D 64 as 5. With "4s" (RLX_ATTENTION_CUDA_WS_GRID=2, 7 blocks) every dq
+# (attention_wgmma_bwd_ws.cuh, launch log "wgmma dq kernel D=128 BM=128 BC=64 WS NST=4
+# persistent|tiles PIPE"; without " PIPE" in "4n": each product waited for); at D 64 as 5. With "4s" (RLX_ATTENTION_CUDA_WS_GRID=2, 7 blocks) every dq
 # block serves several tiles (the ring's phases and the Q / dO buffer carry across tiles); "3t"
 # one block per tile.
 @pytest.mark.parametrize("variant", ["2-5", "0-0", "0-5", "2-4", "2-6", "4-5", "4s-0", "3s-5", "3t-0",
@@ -571,12 +573,12 @@ def test_wgmma_forward(variant):
     kv = lambda d, ovl: f"D={d} BK=128 NWG=2 OVL={ovl}"
     dq = lambda d: f"D={d} BM=128 BC=64"
     grid = "tiles" if fwd == "3t" else "persistent"
-    dq_ws = lambda nst: f"D=128 BM=128 BC=64 WS NST={nst} {grid}"
+    dq_ws = f"D=128 BM=128 BC=64 WS NST=4 {grid}" + ("" if fwd == "4n" else " PIPE")
     dkdv_lines, dq_lines = {"0": (set(), set()),
                             "4": ({kv(64, 0), kv(128, 0)}, {dq(128)}),
                             "5": ({kv(64, 0), kv(128, 1)}, {dq(128)}),
                             "6": ({kv(64, 0)}, set()),
-                            "8": ({kv(64, 0), kv(128, 1)}, {dq_ws(4)})}[bwd]
+                            "8": ({kv(64, 0), kv(128, 1)}, {dq_ws})}[bwd]
     fused_lines = {"D=128 BK=128 BQ=64"} if bwd == "6" else set()
     for which, want, tag in (("fwd", fwd_lines, "rlx attention forward: wgmma kernel "),
                              ("dkdv", dkdv_lines, "rlx attention backward: wgmma dkdv kernel "),
@@ -586,11 +588,12 @@ def test_wgmma_forward(variant):
         assert launched == want, (which, launched, want, r.stderr[-2000:])
 
 
-# The warp-specialised forward's two consumer loops (pipelined within each warpgroup, the default;
-# RLX_ATTENTION_CUDA_WS_PIPE=0 waits for each product in turn) do the same arithmetic in the same
-# order: out and lse must be bitwise equal, at both head dims, causal and not, odd lengths, GQA,
-# Sq != Sk both ways, several query tiles per block (RLX_ATTENTION_CUDA_WS_GRID=2: 7 blocks), on
-# random inputs with a spread of scales (rows whose running max moves often).
+# The warp-specialised forward's and dq kernel's two consumer loops (pipelined within each
+# warpgroup, the default; RLX_ATTENTION_CUDA_WS_PIPE=0 / RLX_ATTENTION_CUDA_WS_DQ_PIPE=0 wait for
+# each product in turn) do the same arithmetic in the same order: out, lse and dq (and dk, dv, from
+# the same dk / dv kernel) must be bitwise equal, at both head dims, causal and not, odd lengths,
+# GQA, Sq != Sk both ways, several query tiles per block (RLX_ATTENTION_CUDA_WS_GRID=2: 7 blocks),
+# on random inputs with a spread of scales (rows whose running max moves often).
 _WS_PIPE_CHILD = """
 import hashlib, sys
 sys.path.insert(0, "tests")
@@ -603,14 +606,19 @@ for (b, sq, sk, h, hkv, d, kind) in ((2, 1030, 1100, 4, 2, 128, "none"), (1, 110
     q = (q.astype(jnp.float32) * jnp.linspace(0.2, 4.0, sq)[None, :, None, None]).astype(jnp.bfloat16)
     p = t._params(d, kind, None, None, None, None, None)
     out, lse = jax.jit(lambda q, k, v: t.A.attention_fwd(q, k, v, **p))(q, k, v)
+    dy = jax.random.normal(jax.random.PRNGKey(sq + d), out.shape, jnp.float32).astype(jnp.bfloat16)
+    grads = jax.jit(lambda *x: t.A.attention_bwd(*x, **p))(q, k, v, out, lse, dy, jnp.zeros_like(lse))
     out32, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
-    assert np.isfinite(out32).all() and np.isfinite(lse).all()
-    print("hash", b, sq, sk, d, kind, hashlib.sha1(out32.tobytes() + lse.tobytes()).hexdigest(), flush=True)
+    g32 = [np.asarray(x.astype(jnp.float32)) for x in grads]
+    assert np.isfinite(out32).all() and np.isfinite(lse).all() and all(np.isfinite(x).all() for x in g32)
+    assert all(np.abs(x).max() > 0 for x in g32)
+    print("hash", b, sq, sk, d, kind, hashlib.sha1(out32.tobytes() + lse.tobytes()).hexdigest(),
+          hashlib.sha1(b"".join(x.tobytes() for x in g32)).hexdigest(), flush=True)
 print("child ok")
 """
 
 
-def test_ws_pipelined_forward_bitwise_equal():
+def test_ws_pipelined_loops_bitwise_equal():
     import os
     import subprocess
     import sys
@@ -618,8 +626,8 @@ def test_ws_pipelined_forward_bitwise_equal():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     hashes = {}
     for pipe in ("1", "0"):
-        env = dict(os.environ, RLX_ATTENTION_CUDA_WS_PIPE=pipe, RLX_ATTENTION_CUDA_WS_GRID="2",
-                   RLX_ATTENTION_CUDA_WGMMA_REQUIRE="1")
+        env = dict(os.environ, RLX_ATTENTION_CUDA_WS_PIPE=pipe, RLX_ATTENTION_CUDA_WS_DQ_PIPE=pipe,
+                   RLX_ATTENTION_CUDA_WS_GRID="2", RLX_ATTENTION_CUDA_WGMMA_REQUIRE="1")
         r = subprocess.run([sys.executable, "-c", _WS_PIPE_CHILD], cwd=root, env=env, capture_output=True,
                            text=True, timeout=300)
         assert r.returncode == 0 and "child ok" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
@@ -628,6 +636,10 @@ def test_ws_pipelined_forward_bitwise_equal():
         want = ({_WS_LINE + "persistent PIPE", _WS64_LINE + "persistent PIPE"} if pipe == "1"
                 else {_WS_LINE_NP + "persistent", _WS64_LINE_NP + "persistent"})
         assert launched == want, launched
+        dq_launched = {ln.split("wgmma dq kernel ", 1)[1].strip() for ln in r.stderr.splitlines()
+                       if "rlx attention backward: wgmma dq kernel " in ln}
+        dq_want = {"D=128 BM=128 BC=64 WS NST=4 persistent" + (" PIPE" if pipe == "1" else "")}
+        assert dq_launched == dq_want, dq_launched
         hashes[pipe] = [ln for ln in r.stdout.splitlines() if ln.startswith("hash ")]
     assert len(hashes["1"]) == 5 and hashes["1"] == hashes["0"], hashes
 

@@ -180,6 +180,15 @@ bool attn_ws_pipe() {
   static const bool on = !env_starts_with("RLX_ATTENTION_CUDA_WS_PIPE", '0');
   return on;
 }
+// Consumer loop of the warp-specialised dq kernel (RLX_ATTENTION_CUDA_WS_DQ_PIPE, read once per
+// process): unset (or another value): pipelined within each consumer warpgroup (the next key tile's
+// S and dP are issued before this tile's dQ += dS K, and the next dS is formed while that product is
+// in flight; attention_wgmma_bwd_ws.cuh); 0: each tile's products waited for in turn. Bitwise equal
+// (tested).
+bool attn_ws_dq_pipe() {
+  static const bool on = !env_starts_with("RLX_ATTENTION_CUDA_WS_DQ_PIPE", '0');
+  return on;
+}
 
 // wgmma backward kernels (attention_wgmma_bwd.cuh: dk / dv, and dq) for the same PLAIN cases (scale
 // > 0, no softcap, bias or key mask, mask kind none or causal).
@@ -485,9 +494,31 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
             }
             return ffi::Error::Success();
           };
+          // the warp-specialised dq (attention_wgmma_bwd_ws.cuh), after a dk / dv kernel launched by
+          // run_wg without its dq (qb of the mma path is not used there)
+          auto run_dq_ws = [&](auto kernel, int nst, size_t smem) -> ffi::Error {
+            const int64_t nqt = (a.Sq + 127) / 128, tiles = nqt * a.H * a.B;
+            const int64_t blocks = attn_ws_grid(tiles, info.sms);
+            static const bool one_per_tile = env_starts_with("RLX_ATTENTION_CUDA_WS_GRID", '1');
+            if (attn_wgmma_required()) {
+              char line[96];
+              std::snprintf(line, sizeof line, "dq kernel D=%d BM=128 BC=%d WS NST=%d %s%s", int(a.D),
+                            attn::kWsDqKeys, nst, one_per_tile ? "tiles" : "persistent",
+                            attn_ws_dq_pipe() ? " PIPE" : "");
+              log_wgmma_kernel(reinterpret_cast<const void*>(kernel), true, line);
+            }
+            if (auto e = grid_check(blocks, "attention backward"); e.failure()) return e;
+            if (auto e = prepare(info.device, kernel, smem, "attention backward"); e.failure()) return e;
+            if (blocks > 0)
+              kernel<<<unsigned(blocks), 384u, smem, stream>>>(a, q, k, v, dout, lse, delta, dq,
+                                                                attn_fwd_hc(a, nqt, info.sms));
+            return check_launch("attention backward (wgmma ws dq)");
+          };
           // ptxas sm_90a: see the results file (run 11). Modes: 4 plain dkdv + wgmma dq at D 128;
-          // 5 D 128 OVL dkdv + wgmma dq; 8 (default) OVL dkdv + warp-specialised dq (below); D 64 (every
-          // mode but 0) plain dkdv + mma.sync dq.
+          // 5 D 128 OVL dkdv + wgmma dq; 8 (default) OVL dkdv + the warp-specialised dq (pipelined
+          // unless RLX_ATTENTION_CUDA_WS_DQ_PIPE=0); D 64 (every mode but 0) plain dkdv + mma.sync dq
+          // (the warp-specialised dq at D 64 ran 6-9 % slower causal, level without a mask: H100,
+          // benchmarks/results/h100_2026-11-26.txt, session 22).
           if (a.D == 64)
             return run_wg(attn::wgmma_dkdv_kernel<T, 64, false>, 0, attn::wg_dkdv_smem<64>(),
                           attn::mma_dq_kernel<T, 64, false, true, 1>, false, attn::mma_dq_smem<64>());
@@ -541,25 +572,10 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
                                 attn::wgmma_dq_kernel<T, 128>, true, attn::wg_dq_smem<128>(), false);
                 e.failure())
               return e;
-            auto run_dq_ws = [&](auto kernel, int nst, size_t smem) -> ffi::Error {
-              const int64_t nqt = (a.Sq + 127) / 128, tiles = nqt * a.H * a.B;
-              const int64_t blocks = attn_ws_grid(tiles, info.sms);
-              static const bool one_per_tile = env_starts_with("RLX_ATTENTION_CUDA_WS_GRID", '1');
-              if (attn_wgmma_required()) {
-                char line[96];
-                std::snprintf(line, sizeof line, "dq kernel D=%d BM=128 BC=%d WS NST=%d %s", int(a.D),
-                              attn::kWsDqKeys, nst, one_per_tile ? "tiles" : "persistent");
-                log_wgmma_kernel(reinterpret_cast<const void*>(kernel), true, line);
-              }
-              if (auto e = grid_check(blocks, "attention backward"); e.failure()) return e;
-              if (auto e = prepare(info.device, kernel, smem, "attention backward"); e.failure()) return e;
-              if (blocks > 0)
-                kernel<<<unsigned(blocks), 384u, smem, stream>>>(a, q, k, v, dout, lse, delta, dq,
-                                                                  attn_fwd_hc(a, nqt, info.sms));
-              return check_launch("attention backward (wgmma ws dq)");
-            };
             // ptxas sm_90a (bf16, f16): 168 registers at launch (setmaxnreg 64 / 216), no spill
-            return run_dq_ws(attn::wgmma_dq_ws_kernel<T, 128, 4>, 4, attn::wg_dq_ws_smem<128, 4>());
+            return attn_ws_dq_pipe()
+                       ? run_dq_ws(attn::wgmma_dq_ws_kernel<T, 128, 4, true>, 4, attn::wg_dq_ws_smem<128, 4>())
+                       : run_dq_ws(attn::wgmma_dq_ws_kernel<T, 128, 4, false>, 4, attn::wg_dq_ws_smem<128, 4>());
           }
           if (wg_bwd == 4)
             return run_wg(attn::wgmma_dkdv_kernel<T, 128, false>, 0, attn::wg_dkdv_smem<128>(),

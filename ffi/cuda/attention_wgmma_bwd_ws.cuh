@@ -1,4 +1,5 @@
-// Warp-specialised wgmma dq kernel (sm_90a), bf16 / f16, head dim 128, the cases of wgmma_dq_kernel
+// Warp-specialised wgmma dq kernel (sm_90a), bf16 / f16, head dim 128 (the template serves 64 too: it
+// ran 6-9 % slower than the mma.sync dq causal there, so D 64 keeps that), the cases of wgmma_dq_kernel
 // (attention_wgmma_bwd.cuh: PLAIN, mask kind none or causal). Engineer F's structure of the forward
 // (attention_wgmma_ws.cuh) applied to the dq loop, which streams K / V tiles past a resident Q / dO
 // tile just as the forward streams K / V past Q. The default at D 128 (RLX_ATTENTION_CUDA_WGMMA_BWD
@@ -16,12 +17,19 @@
 //     of wgmma_dq_kernel: S = Q_w K^T and dP = dO_w V^T (smem x smem), dS = P (dP - delta), dQ +=
 //     dS K (A = dS from registers, B = K MN-major from the stage). The stage is released (empty
 //     arrival) once dQ += dS K, its last reader, has completed.
-//     dQ += dS K is waited (wait_group 0) before the stage is released (lane 0 of each warp) and
-//     the next key tile starts; the other consumer warpgroup's products fill the tensor pipe
-//     meanwhile. (Tried: keeping dQ += dS K of tile t in flight across the next tile's barrier
-//     waits and S / dP issue: ptxas -v reported C7518 (wgmma serialised by a compiler-inserted wait
-//     in a divergent path; the per-thread mbarrier spin loop or the lane-0 arrival, not isolated),
-//     also with the arrival moved after wait_group 0, so that variant was dropped before any GPU run.)
+//     PIPE false (RLX_ATTENTION_CUDA_WS_DQ_PIPE=0): dQ += dS K is waited (wait_group 0) before the
+//     stage is released (lane 0 of each warp) and the next key tile starts; the other consumer
+//     warpgroup's products fill the tensor pipe meanwhile.
+//     PIPE true (the default since session 22): tile j's S and dP are issued before tile j - 1's
+//     dQ += dS K, and tile j's dS is formed while that product runs (as the forward's PIPE); the
+//     stage of tile j - 1 is released after its dQ product. The first try of such an overlap (run
+//     14, dQ kept in flight across the next tile's barrier waits) hit C7518 (wgmma serialised);
+//     here, as in the forward, no non-wgmma instruction writes a register of an in-flight wgmma (dS
+//     alternates between two buffers, the loop unrolled by two; S and dP are only read) and ptxas
+//     reports no serialisation. ptxas: 168 registers at launch, 52 bytes of spill stores at D 128
+//     (the consumer at 216 registers; 64 / 216 is the split without producer spills). H100, B4
+//     S4096 H16 bf16, 3 alternating rounds (benchmarks/results/h100_2026-11-26.txt, session 22):
+//     fwd+bwd 1.02-1.04x (D 128 none and causal). Bitwise the dq of PIPE false (tested).
 //   No CTA-wide barrier after the prologue; barrier phases as in attention_wgmma_ws.cuh (consumers
 //   wait full barriers with the ring's parity, the producer empty ones with the opposite bit). A
 //   consumer warpgroup that skips a key tile (causal: past its last row) still waits on both full
@@ -51,13 +59,49 @@ constexpr size_t wg_dq_ws_smem() {
   return size_t(2) * D * (2 * 128 + 2 * NST * kWsDqKeys) + 1024 + 8 * (3 * NST + 2);
 }
 
-template <typename T, int D, int NST>
+// One key tile's dS for a consumer warpgroup (this thread: rows wrow0 + 8 r + g, r < 2; keys k0 +
+// 8 nt + 2 tq + (e & 1) of s[nt][e], dp[nt][e]): dS = P (dP - delta) with P = 2^(s c2 - L) (L =
+// lse log2 e, c2 = scale log2 e), 0 where the tile needs a mask and the (row, key) is masked or out
+// of bounds; packed as the A fragments of dQ += dS K (n8 block nt is half of k-step nt / 2's
+// fragment: keys 16 (nt / 2) ..). s and dp are only read (the pipelined loop runs this while a
+// dQ product is in flight: ptxas serialises the wgmma of a kernel whose non-wgmma instructions
+// define registers of an in-flight wgmma, C7513).
+template <typename T>
+__device__ __forceinline__ void ws_ds_tile(const AttnArgs& a, const float (&s)[8][4], const float (&dp)[8][4],
+                                           int64_t wrow0, int64_t k0, int g, int tq, float c2, const float (&L)[2],
+                                           const float (&dl)[2], uint32_t (&da)[4][4]) {
+  const bool need = tile_needs_mask(a, wrow0, k0, 16, kWsDqKeys);  // warp-uniform
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    float de[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = e >> 1;
+      const float p = ex2(fmaf(s[nt][e], c2, -L[r]));
+      de[e] = p * (dp[nt][e] - dl[r]);
+      if (need) {
+        const int64_t i = wrow0 + 8 * r + g, j = k0 + nt * 8 + 2 * tq + (e & 1);
+        if (!(i < a.Sq && j < a.Sk && kind_visible(a, i, j))) de[e] = 0.f;
+      }
+    }
+    da[nt >> 1][(nt & 1) * 2 + 0] = pack2<T>(de[0], de[1]);
+    da[nt >> 1][(nt & 1) * 2 + 1] = pack2<T>(de[2], de[3]);
+  }
+}
+
+// PIPE false: per key tile S = Q_w K^T and dP = dO_w V^T, dS, dQ += dS K, each product waited for.
+// PIPE true (intra-warpgroup pipelining, as the forward's PIPE): tile j's S and dP are issued
+// before tile j - 1's dQ += dS K, and tile j's dS is formed while that product is in flight (dS
+// alternates between two register buffers, the loop unrolled by two); the stage of tile j - 1 is
+// released once its dQ product has completed, one step later than PIPE false (so NST >= 3). Same
+// products in the same order: dq is bitwise the one of PIPE false.
+template <typename T, int D, int NST, bool PIPE>
 __global__ void __launch_bounds__(384, 1)
     wgmma_dq_ws_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                        const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
                        T* __restrict__ dq, int hc) {
 #if RLX_ATTN_WGMMA
-  static_assert(D % 64 == 0 && NST >= 2, "wgmma_dq_ws_kernel: tile shapes");
+  static_assert(D % 64 == 0 && NST >= (PIPE ? 3 : 2), "wgmma_dq_ws_kernel: tile shapes");
   constexpr int BM = 128, BC = kWsDqKeys;
   extern __shared__ __align__(1024) uint8_t wg_smem[];
   const uint32_t pad = (1024u - (smem_addr(wg_smem) & 1023u)) & 1023u;
@@ -110,66 +154,95 @@ __global__ void __launch_bounds__(384, 1)
     }
     float dqa[D / 8][4];
     zero(dqa);
-    uint32_t da[4][4];  // dS as the A fragments of dQ += dS K
     ws_wait(qfull, qph);
     qph ^= 1;
     fence_proxy_async();
-    for (int64_t k0 = kbeg; k0 < kend; k0 += BC) {
-      ws_wait(kfull + st, ph);
-      ws_wait(vfull + st, ph);
-      if (k0 < wg_kend) {     // warpgroup-uniform
-        fence_proxy_async();  // the producer's cp.async data -> the async proxy (wgmma)
-        const uint32_t kaddr = smem_addr(Ks + st * BC * D), vaddr = smem_addr(Vs + st * BC * D);
+    int64_t k0 = kbeg;
+    if constexpr (PIPE) {
+      // the key tiles this warpgroup computes are [kbeg, kstop) (a prefix of the block's)
+      const int64_t kstop = min(kend, wg_kend);
+      if (k0 < kstop) {
         float s[8][4], dp[8][4];
-        const uint64_t kd = wg_desc(kaddr, 16, 1024), vd = wg_desc(vaddr, 16, 1024);
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk)  // k-step kk: column half kk / 4, 16 columns = 32 bytes in
-          wgmma_ss<T, 64>(s, qd, kd, uint64_t(((kk >> 2) * BM * 128 + (kk & 3) * 32) >> 4),
-                          uint64_t(((kk >> 2) * BC * 128 + (kk & 3) * 32) >> 4), kk > 0);
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk)
-          wgmma_ss<T, 64>(dp, gd, vd, uint64_t(((kk >> 2) * BM * 128 + (kk & 3) * 32) >> 4),
-                          uint64_t(((kk >> 2) * BC * 128 + (kk & 3) * 32) >> 4), kk > 0);
-        wg_commit();
+        uint32_t da0[4][4], da1[4][4];
+        ws_wait(kfull + st, ph);
+        ws_wait(vfull + st, ph);
+        fence_proxy_async();  // the producer's cp.async data -> the async proxy (wgmma)
+        ws_issue_qk<T, D, BC>(s, qd, Ks + st * BC * D);
+        ws_issue_qk<T, D, BC>(dp, gd, Vs + st * BC * D);  // dP = dO V^T: V as S's K
         wg_wait0();
         wg_fence_regs(s);
         wg_fence_regs(dp);
-        const bool need = tile_needs_mask(a, wrow0, k0, 16, BC);  // warp-uniform
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-          float de[4];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int r = e >> 1;
-            const float p = ex2(fmaf(s[nt][e], c2, -L[r]));
-            de[e] = p * (dp[nt][e] - dl[r]);
-            if (need) {
-              const int64_t i = wrow0 + 8 * r + g, j = k0 + nt * 8 + 2 * tq + (e & 1);
-              if (!(i < a.Sq && j < a.Sk && kind_visible(a, i, j))) de[e] = 0.f;
-            }
+        ws_ds_tile<T>(a, s, dp, wrow0, k0, g, tq, c2, L, dl, da0);
+        int pst = st;  // the ring stage of the tile whose dQ product is pending (its dS in dc below)
+        ws_ring_next(st, ph, NST);
+        k0 += BC;
+        // one step: S and dP of tile k0 issued, then the pending tile's dQ += dS K; tile k0's dS
+        // (into dn) while that product runs
+        auto step = [&](auto& dc, auto& dn) {
+          ws_wait(kfull + st, ph);
+          ws_wait(vfull + st, ph);
+          fence_proxy_async();
+          ws_issue_qk<T, D, BC>(s, qd, Ks + st * BC * D);
+          ws_issue_qk<T, D, BC>(dp, gd, Vs + st * BC * D);
+          ws_issue_pv<T, D, BC>(dqa, dc, Ks + pst * BC * D);  // K MN-major: keys are the K dimension
+          wg_wait<1>();  // S and dP of this tile (committed first) have completed
+          wg_fence_regs(s);
+          wg_fence_regs(dp);
+          ws_ds_tile<T>(a, s, dp, wrow0, k0, g, tq, c2, L, dl, dn);
+          wg_wait0();  // the pending tile's dQ product
+          wg_fence_regs(dqa);
+          wg_fence_afrag(dc);
+          __syncwarp();
+          if (lane == 0) ws_arrive(empty + pst);
+          pst = st;
+          ws_ring_next(st, ph, NST);
+          k0 += BC;
+        };
+        auto last = [&](auto& dc) {  // the last tile's dQ product, its dS in dc
+          ws_issue_pv<T, D, BC>(dqa, dc, Ks + pst * BC * D);
+          wg_wait0();
+          wg_fence_regs(dqa);
+          wg_fence_afrag(dc);
+          __syncwarp();
+          if (lane == 0) ws_arrive(empty + pst);
+        };
+        while (true) {
+          if (k0 >= kstop) {
+            last(da0);
+            break;
           }
-          // n8 block nt is half of the A fragment of k-step nt / 2 (keys 16 (nt / 2) ..)
-          da[nt >> 1][(nt & 1) * 2 + 0] = pack2<T>(de[0], de[1]);
-          da[nt >> 1][(nt & 1) * 2 + 1] = pack2<T>(de[2], de[3]);
+          step(da0, da1);
+          if (k0 >= kstop) {
+            last(da1);
+            break;
+          }
+          step(da1, da0);
         }
-        // K as MN-major B (keys are the K dimension): 8-key groups 1024 bytes apart (SBO), the D / 64
-        // column halves BC * 128 bytes apart (LBO); k-step kk = keys [16 kk, 16 kk + 16)
-        const uint64_t kdt = wg_desc(kaddr, BC * 128, 1024);
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < BC / 16; ++kk) wgmma_rs<T, D>(dqa, da[kk], kdt, uint64_t(kk * 16 * 128 >> 4), 1);
-        wg_commit();
+      }
+    }
+    // PIPE false: every key tile; PIPE true: the tiles past this warpgroup's last visible key, only
+    // paced with the ring (a skipped tile still waits both full barriers and arrives on the empty one)
+    for (; k0 < kend; k0 += BC) {
+      ws_wait(kfull + st, ph);
+      ws_wait(vfull + st, ph);
+      if (!PIPE && k0 < wg_kend) {  // warpgroup-uniform
+        fence_proxy_async();
+        float s[8][4], dp[8][4];
+        uint32_t da[4][4];  // dS as the A fragments of dQ += dS K
+        ws_issue_qk<T, D, BC>(s, qd, Ks + st * BC * D);
+        ws_issue_qk<T, D, BC>(dp, gd, Vs + st * BC * D);
+        wg_wait0();
+        wg_fence_regs(s);
+        wg_fence_regs(dp);
+        ws_ds_tile<T>(a, s, dp, wrow0, k0, g, tq, c2, L, dl, da);
+        ws_issue_pv<T, D, BC>(dqa, da, Ks + st * BC * D);
         wg_wait0();
         wg_fence_regs(dqa);
         wg_fence_afrag(da);
       }
       __syncwarp();
       if (lane == 0) ws_arrive(empty + st);  // the stage's last reader (dQ += dS K) has completed
-      if (++st == NST) {
-        st = 0;
-        ph ^= 1;
-      }
+      ws_ring_next(st, ph, NST);
     }
     // every S / dP of this tile has completed (wait_group 0 above): Q and dO may be overwritten
     __syncwarp();
