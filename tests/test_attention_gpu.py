@@ -538,13 +538,14 @@ _WS64_LINE_NP = "D=64 BC=128 NWG=3 WS NST=2 "
 # / "wgmma dq") is checked like the forward's.
 # "6": at D 128 the fused backward (attention_fused_bwd.cuh: one kernel for dk, dv and dq, launch
 # log "wgmma fused dkdv+dq kernel ..."; no separate dkdv or dq kernel there), at D 64 the default.
-# "8" (= the default since run 14): at D 128 the OVL dk / dv and the warp-specialised dq
+# "9" (the default from run 14 to session 22): at D 128 the OVL dk / dv and the warp-specialised dq
 # (attention_wgmma_bwd_ws.cuh, launch log "wgmma dq kernel D=128 BM=128 BC=64 WS NST=4
-# persistent|tiles PIPE"; without " PIPE" in "4n": each product waited for); at D 64 as 5. With "4s" (RLX_ATTENTION_CUDA_WS_GRID=2, 7 blocks) every dq
+# persistent|tiles PIPE"; without " PIPE" in "4n": each product waited for); at D 64 as 5.
+# "8" (= the default): at D 128 the fused backward for mask kind none, 9's kernels for causal. With "4s" (RLX_ATTENTION_CUDA_WS_GRID=2, 7 blocks) every dq
 # block serves several tiles (the ring's phases and the Q / dO buffer carry across tiles); "3t"
 # one block per tile.
 @pytest.mark.parametrize("variant", ["2-5", "0-0", "0-5", "2-4", "2-6", "4-5", "4s-0", "3s-5", "3t-0",
-                                     "4-8", "4s-8", "3t-8", "4n-8"])
+                                     "4-8", "4s-9", "3t-8", "4n-8"])
 def test_wgmma_forward(variant):
     import os
     import subprocess
@@ -578,8 +579,9 @@ def test_wgmma_forward(variant):
                             "4": ({kv(64, 0), kv(128, 0)}, {dq(128)}),
                             "5": ({kv(64, 0), kv(128, 1)}, {dq(128)}),
                             "6": ({kv(64, 0)}, set()),
-                            "8": ({kv(64, 0), kv(128, 1)}, {dq_ws})}[bwd]
-    fused_lines = {"D=128 BK=128 BQ=64"} if bwd == "6" else set()
+                            "8": ({kv(64, 0), kv(128, 1)}, {dq_ws}),
+                            "9": ({kv(64, 0), kv(128, 1)}, {dq_ws})}[bwd]
+    fused_lines = {"D=128 BK=128 BQ=64"} if bwd in ("6", "8") else set()
     for which, want, tag in (("fwd", fwd_lines, "rlx attention forward: wgmma kernel "),
                              ("dkdv", dkdv_lines, "rlx attention backward: wgmma dkdv kernel "),
                              ("dq", dq_lines, "rlx attention backward: wgmma dq kernel "),
@@ -626,8 +628,11 @@ def test_ws_pipelined_loops_bitwise_equal():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     hashes = {}
     for pipe in ("1", "0"):
+        # backward 9: the warp-specialised dq for mask kind none too (the default 8 takes the fused
+        # backward there)
         env = dict(os.environ, RLX_ATTENTION_CUDA_WS_PIPE=pipe, RLX_ATTENTION_CUDA_WS_DQ_PIPE=pipe,
-                   RLX_ATTENTION_CUDA_WS_GRID="2", RLX_ATTENTION_CUDA_WGMMA_REQUIRE="1")
+                   RLX_ATTENTION_CUDA_WS_GRID="2", RLX_ATTENTION_CUDA_WGMMA_REQUIRE="1",
+                   RLX_ATTENTION_CUDA_WGMMA_BWD="9")
         r = subprocess.run([sys.executable, "-c", _WS_PIPE_CHILD], cwd=root, env=env, capture_output=True,
                            text=True, timeout=300)
         assert r.returncode == 0 and "child ok" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]

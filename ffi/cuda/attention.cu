@@ -203,17 +203,21 @@ bool attn_ws_dq_pipe() {
 // 6 = at D 128 the fused backward (attention_fused_bwd.cuh: one kernel for dk, dv and dq, dQ summed in
 // f32 scratch in a fixed order per query tile) where the scratch result is large enough
 // (fused_bwd_scratch) and a (batch, kv head)'s key blocks fit on the device at once; else as 5.
-// 8 or unset (or another value; the default since run 14 of
-// benchmarks/results/attention_bwd_h200_2026-11-22.txt: 1.01x / 1.02x mode 5's backward, none / causal,
-// B4 S4096 H16 D128 bf16) = at D 128 the OVL dkdv + the warp-specialised dq (attention_wgmma_bwd_ws.cuh:
-// producer warpgroup, K / V ring of 4 stages of 64 keys, persistent grid as the forward's,
-// attn_ws_grid); at D 64 as 5. (Run 14's ring of 2 stages, value 7 then, ran level with mode 5 and
-// was removed.)
+// 9 = at D 128 the OVL dkdv + the warp-specialised dq (attention_wgmma_bwd_ws.cuh: producer
+// warpgroup, K / V ring of 4 stages of 64 keys, persistent grid as the forward's, attn_ws_grid) for
+// both mask kinds (the default from run 14 of benchmarks/results/attention_bwd_h200_2026-11-22.txt,
+// 1.01x / 1.02x mode 5's backward, to session 22); at D 64 as 5. (Run 14's ring of 2 stages, value 7
+// then, ran level with mode 5 and was removed.)
+// 8 or unset (or another value; the default since session 22) = at D 128 the fused backward for mask
+// kind none (as 6 where it serves, fwd+bwd 1.05-1.09x mode 9's, H100, B4 S4096 H16 bf16:
+// benchmarks/results/h100_2026-11-26.txt) and mode 9's kernels for causal (the fused kernel ran
+// 1.2x slower there); at D 64 as 5.
 int attn_wgmma_bwd_mode() {
   static const int env = env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '0')   ? 0
                          : env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '4') ? 4
                          : env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '5') ? 5
                          : env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '6') ? 6
+                         : env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '9') ? 9
                                                                                 : -1;
   if (env >= 0) return env;
   return 8;
@@ -522,7 +526,8 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
           if (a.D == 64)
             return run_wg(attn::wgmma_dkdv_kernel<T, 64, false>, 0, attn::wg_dkdv_smem<64>(),
                           attn::mma_dq_kernel<T, 64, false, true, 1>, false, attn::mma_dq_smem<64>());
-          if (wg_bwd == 6 && scratch_elems >= attn::fused_bwd_scratch(a.B, a.H, a.Sq, 128)) {
+          if ((wg_bwd == 6 || (wg_bwd == 8 && a.kind == 0)) &&
+              scratch_elems >= attn::fused_bwd_scratch(a.B, a.H, a.Sq, 128)) {
             // fused dk / dv / dq (attention_fused_bwd.cuh); its deadlock-freedom argument needs the
             // nkt key blocks of one (batch, kv head) resident at once
             auto fused = attn::wgmma_fused_bwd_kernel<T, 128>;
@@ -547,12 +552,13 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
               if (cudaError_t e = cudaMemsetAsync(sem, 0, size_t(a.B * a.H * nqt + 1) * sizeof(uint32_t), stream);
                   e != cudaSuccess)
                 return cuda_error("attention backward", e);
-              // query rows no key block visits (no key: Sk 0; causal rows i with i + off < 0): dq = 0
+              // query rows no key block visits (no key: Sk 0; causal rows i with i + off < 0): their
+              // dQacc rows (of every batch and head) = 0, so dq = 0 there after the convert pass
               const int64_t zrows = a.Sk == 0 ? a.Sq : (a.kind != 0 ? std::min(a.Sq, std::max<int64_t>(0, -a.off)) : 0);
               if (zrows > 0) {
-                const size_t pitch = size_t(a.Sq * a.H * 128) * sizeof(T);
-                if (cudaError_t e = cudaMemset2DAsync(dq, pitch, 0, size_t(zrows * a.H * 128) * sizeof(T), size_t(a.B),
-                                                      stream);
+                const size_t pitch = size_t(a.Sq * 128) * sizeof(float);
+                if (cudaError_t e = cudaMemset2DAsync(dqacc, pitch, 0, size_t(zrows * 128) * sizeof(float),
+                                                      size_t(a.B * a.H), stream);
                     e != cudaSuccess)
                   return cuda_error("attention backward", e);
               }
@@ -562,10 +568,18 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
                                                                              dqacc, sem, ticket);
                 if (auto e = check_launch("attention backward (wgmma fused)"); e.failure()) return e;
               }
+              // dq = scale * dQacc, [B, H, Sq, D] f32 -> [B, Sq, H, D]
+              const int64_t n4 = a.B * a.H * a.Sq * 128 / 4, cblocks = (n4 + 255) / 256;
+              if (auto e = grid_check(cblocks, "attention backward"); e.failure()) return e;
+              if (cblocks > 0) {
+                attn::fused_dq_convert_kernel<T><<<unsigned(cblocks), 256, 0, stream>>>(n4, a.Sq, a.H, 128, a.scale,
+                                                                                        dqacc, dq);
+                if (auto e = check_launch("attention backward (fused dq convert)"); e.failure()) return e;
+              }
               return ffi::Error::Success();
             }
           }
-          if (wg_bwd == 8) {
+          if (wg_bwd == 8 || wg_bwd == 9) {
             // OVL dk / dv (run_wg with no dq launch: qb of the mma path is not used there), then the
             // warp-specialised dq; ptxas sm_90a: run 14 of the backward results file
             if (auto e = run_wg(attn::wgmma_dkdv_kernel<T, 128, true>, 1, attn::wg_dkdv_smem<128>(),

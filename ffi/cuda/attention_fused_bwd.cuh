@@ -1,7 +1,7 @@
 // Fused attention backward on Hopper wgmma (sm_90a), bf16 / f16, head dim 128, the PLAIN cases of
 // wgmma_dkdv_kernel (scale > 0, no softcap / bias / key mask, mask kind none or causal): one kernel
 // computes dk, dv AND dq, so S and dP are formed once (5 S x S x D products instead of the 7 of
-// wgmma_dkdv_kernel + wgmma_dq_kernel). Selected by RLX_ATTENTION_CUDA_WGMMA_BWD=6 (attention.cu).
+// wgmma_dkdv_kernel + wgmma_dq_kernel). Selection: attention.cu (attn_wgmma_bwd_mode), below.
 //
 // Block = 2 warpgroups over 128 keys of one kv head, exactly wgmma_dkdv_kernel's OVL schedule
 // (attention_wgmma_bwd.cuh) for S^T, dP^T, P^T, dS^T, dV += P^T dO, dK += dS^T Q; in addition, per
@@ -21,19 +21,23 @@
 //     start on different tiles instead of queueing behind each other; causal: r = 0, the blocks
 //     already start on different tiles, their diagonals).
 //   - The fixed add order of a tile: its contributors sorted by (step m at which they visit it, kt).
-//     The contributor of rank r adds its partial once the tile's uint32 semaphore equals r, and then
-//     sets it to r + 1; the adds are pipelined over the loop (item m's partial, 64 x 128 f32, waits
-//     in shared memory from the end of iteration m):
-//       iteration m + 1, after its first MMAs are issued: thread 0 spins on ld.acquire of the
-//         semaphore until it equals r, barrier, cp.async (L2, 16 bytes) of the dQacc tile into a
-//         staging copy (rank 0 loads nothing);
-//       after iteration m + 1's middle barrier (the cp.async waited): every thread adds staging +
-//         partial and stores the f32 tile (st.global.cg), or, the last contributor (r = count - 1),
-//         writes dq = scale * sum in T (so no convert pass runs; one contributor writes dq directly);
-//       after the top barrier of iteration m + 2 (or the end of the loop): thread 0 stores r + 1
-//         with st.release.gpu (cumulative over the block's stores ordered by the barrier).
-//     Tiles no key block visits (causal rows that see no key, Sk = 0) are zeroed by the launcher
-//     (cudaMemsetAsync), as are the semaphores and the ticket counter.
+//     The contributor of rank r sends its partial once the tile's uint32 semaphore equals r, and then
+//     sets it to r + 1. The partial (64 x 128 f32) goes to shared memory (rows padded to 132 floats,
+//     two buffers) at the end of iteration m; the TMA engine sums it into dQacc, pipelined over the
+//     loop:
+//       iteration m + 1, after its first MMAs are issued: lane 0 of warp 0 spins on ld.acquire of the
+//         semaphore until it equals r; warp 0 issues one bulk operation per row below Sq (lane l:
+//         rows l, l + 32): rank 0 a bulk copy (cp.async.bulk: dQacc is not zeroed first), the others
+//         a bulk add (cp.reduce.async.bulk .add.f32, performed at L2 element by element);
+//       iteration m + 1, after its dQ product is issued: warp 0 waits for its bulk groups (the sums
+//         performed), lane 0 stores r + 1 with st.release.gpu.
+//     The f32 sum of a dQacc element is therefore ((p_0 + p_1) + p_2) + ... in the fixed rank order:
+//     dq is bitwise reproducible. After the kernel fused_dq_convert_kernel writes dq = scale * dQacc
+//     in T (the launcher, attention.cu). The first version (run 13) read the dQacc tile into shared
+//     memory with cp.async, added and stored it with the math threads (64 KB through L2 a block and
+//     tile on the math warps' path); the bulk ops take the sum off their path.
+//     dQacc rows no key block visits (causal rows that see no key, Sk = 0) are zeroed by the
+//     launcher (cudaMemset2DAsync), as are the semaphores and the ticket counter.
 //   - Deadlock freedom: an item (kt, m) waits only on items of the same (batch, kv head) that are
 //     lexicographically smaller in (m, kt), and a block runs its own items in increasing m, so the
 //     wait graph has no cycle; every waited-on item belongs to a block of the same (batch, kv head),
@@ -43,13 +47,19 @@
 //     whose groups (nkt blocks) fit on the device at once (nkt <= SMs x resident blocks per SM), so
 //     when the whole groups have finished, a partly started group's blocks leave room to start the
 //     rest of it. Otherwise the launcher runs the two-kernel backward.
-// Not the default: at B4 S4096 H16 D128 bf16 it is slower than the two-kernel backward (mode 5 /
-// fused, median of 5 paired rounds: bwd 0.72 none, 0.64 causal; fwd+bwd 0.77 / 0.73; run 13 in
-// benchmarks/results/attention_bwd_h200_2026-11-22.txt). Without the ordered adds (a diagnosis build,
-// dq wrong, not kept) it ran 1.28x faster than the two kernels without a mask (0.95x causal): the 5
-// products pay, the ordered f32 reduction through L2 (32 KB read + 32 KB written per block and query
-// tile, its latency on the math warps' path) does not. ptxas (sm_90a, nvcc 13.0): 255 registers, 80
-// bytes of spill stores, 1 block of 8 warps per SM, 216,080 bytes of shared memory.
+// The default for mask kind none (RLX_ATTENTION_CUDA_WGMMA_BWD unset or 8; 6 takes it causal too; 9 =
+// the two kernels for both). History, all B4 S4096 H16 D128 bf16 (benchmarks/results/
+// attention_bwd_h200_2026-11-22.txt run 13, h100_2026-11-26.txt session 22):
+//   - run 13 (H200): the math threads read the dQacc tile with cp.async, added, stored: 0.77x / 0.73x
+//     the two-kernel fwd+bwd (none / causal). A build without the ordered adds (dq wrong) ran 1.28x.
+//   - session 22 (H100), fwd+bwd against the two kernels (mode 9, with the pipelined dq):
+//     bulk ops row by row (64 a tile), __threadfence before the release: 0.73x none; one bulk op a
+//     tile (chunks permuted): 1.00x; without the __threadfence: 1.08-1.09x none (3 alternating
+//     rounds). Causal it stays slower (0.80x; 0.84x even without any dQ sum: the structure, not the
+//     sums), so causal keeps the two kernels. Diagnosis builds (not kept): without the semaphore wait
+//     1.02x faster than this kernel, without the bulk ops as well 1.07x: the ordered sums now cost
+//     about 7 % of fwd+bwd.
+// ptxas (sm_90a, nvcc 13): 255 registers, 12 bytes of spill stores, 1 block of 8 warps per SM.
 #pragma once
 
 #include <cstdint>
@@ -112,15 +122,53 @@ inline int64_t fused_bwd_scratch(int64_t B, int64_t H, int64_t Sq, int64_t D) {
   return fused_bwd_delta_pad(B * H * Sq) + B * H * Sq * D + B * H * nqt + 1;
 }
 
-// row stride (f32) of the staging copy of a dQacc tile: 128 + 4 (conflict-free fragment reads)
-constexpr int kFusedStageLd = 132;
+// Bulk (TMA engine) copies from shared to global memory, completed per thread as bulk groups:
+// dst = src (copy) or dst += src (add.f32: a reduction performed at L2, one per element), bytes a
+// multiple of 16, both addresses 16-byte aligned.
+__device__ __forceinline__ void bulk_store_f32(float* dst, uint32_t src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_add_f32(float* dst, uint32_t src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst), "r"(src),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// every bulk group of this thread complete: its global writes performed
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+// orders this thread's async-proxy global accesses (the bulk ops) with its generic-proxy ones
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
 
-// Shared memory: wgmma_dkdv_kernel's, plus dS^T [128 keys][64 queries] T, the dQ partial of the
-// previous tile (32 f32 a thread, 32 KB) and three ints.
+// dQacc layout: [B, H, Sq, D] f32 with the 16-byte chunks of each row permuted: chunk c (columns
+// 4 c .. 4 c + 3) of query row i is stored at chunk c ^ (i & 7) (D a multiple of 32). The shared
+// memory partial of a 64-row tile has the same layout (its rows start at multiples of 64), so the
+// fragment stores spread over the banks and the whole tile is ONE contiguous bulk operation.
+__host__ __device__ constexpr int fused_chunk(int c, int64_t i) { return c ^ int(i & 7); }
+
+// Shared memory: wgmma_dkdv_kernel's, plus dS^T [128 keys][64 queries] T, two dQ partials [64 rows]
+// [D] f32 (the one being sent to global memory and the next) and one int.
 template <int D>
 constexpr size_t wg_fused_smem() {
-  return wg_dkdv_smem<D>() + size_t(2) * kWgBwdKeys * kWgBwdRows + size_t(4) * 32 * kWgBwdThreads +
-         size_t(4) * kWgBwdRows * kFusedStageLd + 16;
+  return wg_dkdv_smem<D>() + size_t(2) * kWgBwdKeys * kWgBwdRows + size_t(4) * 2 * kWgBwdRows * D + 16;
+}
+
+// dq = scale * dQacc after the fused kernel: dQacc [B, H, Sq, D] f32 (chunks permuted, above) -> dq
+// [B, Sq, H, D] in T, one 16-byte chunk (four elements) a thread.
+template <typename T>
+__global__ void fused_dq_convert_kernel(int64_t n4, int64_t Sq, int64_t H, int D, float scale,
+                                        const float* __restrict__ acc, T* __restrict__ dq) {
+  const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= n4) return;
+  const int64_t x = e * 4, c = x % D, row = x / D;  // row = (b H + h) Sq + i
+  const int64_t i = row % Sq, bh = row / Sq, h = bh % H, b = bh / H;
+  const float4 f = *reinterpret_cast<const float4*>(acc + row * D + 4 * fused_chunk(int(c / 4), i));
+  uint2 o;
+  o.x = pack2<T>(f.x * scale, f.y * scale);
+  o.y = pack2<T>(f.z * scale, f.w * scale);
+  *reinterpret_cast<uint2*>(dq + ((b * Sq + i) * H + h) * D + c) = o;
 }
 
 // barrier 1 over the block's 256 threads (they may arrive from different code: the warpgroups'
@@ -148,11 +196,10 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
   T* Qs = Vs + BK * D;                            // [2][D / 64][BQ][64]
   T* Gs = Qs + 2 * BQ * D;                        // dO, [2][D / 64][BQ][64]
   T* Ss = Gs + 2 * BQ * D;                        // dS^T [BK][BQ] (128-byte swizzle)
-  float* Fs = reinterpret_cast<float*>(Ss + BK * BQ);  // dQ partial [8][256 threads][4]
-  float* Ps = Fs + 32 * NT;                             // dQacc tile staging [BQ][kFusedStageLd]
-  float* Ls = Ps + BQ * kFusedStageLd;                  // [2][BQ], log2 units
+  float* Ps = reinterpret_cast<float*>(Ss + BK * BQ);  // dQ partials [2][BQ][D], chunks permuted
+  float* Ls = Ps + 2 * BQ * D;                          // [2][BQ], log2 units
   float* Dl = Ls + 2 * BQ;                              // [2][BQ]
-  int* Rc = reinterpret_cast<int*>(Dl + 2 * BQ);        // [0] = ticket, then rank, count
+  int* Rc = reinterpret_cast<int*>(Dl + 2 * BQ);        // [0] = ticket, [1] = rank
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
   const int g = lane >> 2, tq = lane & 3;
   if (threadIdx.x == 0) Rc[0] = int(atomicAdd(ticket, 1u));
@@ -217,66 +264,39 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
   const uint64_t kdq = wg_desc(smem_addr(Ks) + uint32_t(wg * BK * 128), BK * 128, 1024);
   const bool wg_live = kw0 < a.Sk;
   uint8_t* const srow = reinterpret_cast<uint8_t*>(Ss);
-  // Ordered dQ adds, pipelined over the loop (item m's partial is in Fs from the end of iteration m):
-  //   iteration m + 1, after the first MMAs are issued: acquire(m): thread 0 waits for the tile's
-  //     semaphore to reach the rank, barrier, cp.async of the dQacc tile (L2) into Ps;
-  //   after the middle barrier (cp.async waited): add_store(m): Ps + Fs -> dQacc (or dq, last);
-  //   the top barrier of iteration m + 2: thread 0 releases the tile (st.release rank + 1).
-  int p_rank = -1, p_count = 0, p_i0 = 0;  // the pending item (its partial in Fs)
+  // Ordered dQ sums through the TMA engine, pipelined over the loop (item m's partial is in
+  // Ps[m & 1] from the end of iteration m), by thread 0:
+  //   iteration m + 1, after its first MMAs are issued (send): wait until item m's tile semaphore
+  //     equals its rank, then send the partial's rows below Sq as one bulk operation: a copy for
+  //     rank 0 (dQacc needs no zeroing), an add (f32, at L2) for the others;
+  //   iteration m + 1, after its dQ product is issued (finish): wait for the bulk group (the sums
+  //     performed, Ps[m & 1] read), release the tile (st.release rank + 1);
+  //   Ps[m & 1] is written again at the end of iteration m + 2, after the barriers that follow.
+  // No membar.gl (__threadfence) before the release: a build with one ran 1.13x slower (fwd+bwd,
+  // H100, session 22); wait_group 0 has performed the sums, and the proxy fence orders them before
+  // the generic-proxy release. After the loop: send the last item, wait, release.
+  // dq = scale * dQacc is written by fused_dq_convert_kernel after this kernel.
+  int p_rank = -1, p_i0 = 0, p_buf = 0;  // the pending item (its partial in Ps[p_buf])
   int64_t p_h = 0;
   uint32_t* p_sem = nullptr;
-  uint32_t* r_sem = nullptr;  // the item to release at the next barrier, and its value
-  uint32_t r_val = 0;
-  auto acquire = [&]() {
-    if (p_rank < 0) return;
-    if (threadIdx.x == 0 && p_rank > 0)
+  auto send = [&]() {
+    if (p_rank < 0 || threadIdx.x != 0) return;
+    if (p_rank > 0)
       while (ld_acquire_u32(p_sem) != uint32_t(p_rank)) __nanosleep(32);
-    if (p_rank > 0) {
-      fused_bar();  // the predecessors' adds are visible (thread 0's acquire, then the barrier)
-      const float* src = dqacc + ((b * a.H + p_h) * a.Sq + p_i0) * D;
-#pragma unroll
-      for (int c = 0; c < BQ * D / 4 / NT; ++c) {
-        const int e = c * NT + threadIdx.x, row = e / (D / 4), col = (e % (D / 4)) * 4;
-        const bool ok = p_i0 + row < sq;
-        cp_async16(Ps + row * kFusedStageLd + col, ok ? src + int64_t(row) * D + col : src, ok);
-      }
-    }
-    cp_async_commit();
+    fence_proxy_async_global();  // the acquired sums, then this thread's bulk add
+    const uint32_t src = smem_addr(Ps + p_buf * BQ * D), bytes = uint32_t(min(BQ, sq - p_i0) * D * 4);
+    float* dst = dqacc + ((b * a.H + p_h) * a.Sq + p_i0) * D;
+    if (p_rank == 0)
+      bulk_store_f32(dst, src, bytes);
+    else
+      bulk_add_f32(dst, src, bytes);
+    bulk_commit();
   };
-  auto add_store = [&]() {
-    if (p_rank < 0) return;
-    const bool last = p_rank == p_count - 1;
-    float* accb = dqacc + ((b * a.H + p_h) * a.Sq) * D;
-#pragma unroll 2
-    for (int nt = 0; nt < 8; ++nt) {
-      const float4 f = *reinterpret_cast<const float4*>(Fs + (nt * NT + threadIdx.x) * 4);
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int ir = 16 * warp + g + 8 * r, i = p_i0 + ir;
-        if (i >= sq) continue;
-        const int col = 64 * wg + 2 * tq + nt * 8;
-        float x0 = r ? f.z : f.x, x1 = r ? f.w : f.y;
-        if (p_rank > 0) {
-          const float2 o = *reinterpret_cast<const float2*>(Ps + ir * kFusedStageLd + col);
-          x0 = o.x + x0;
-          x1 = o.y + x1;
-        }
-        if (last)
-          *reinterpret_cast<uint32_t*>(dq + ((b * a.Sq + i) * a.H + p_h) * D + col) =
-              pack2<T>(x0 * a.scale, x1 * a.scale);
-        else
-          __stcg(reinterpret_cast<float2*>(accb + int64_t(i) * D + col), make_float2(x0, x1));
-      }
-    }
-    if (!last) {
-      r_sem = p_sem;
-      r_val = uint32_t(p_rank + 1);
-    }
-  };
-  // after a block-wide barrier that follows every thread's add_store stores (cumulative release)
-  auto release = [&]() {
-    if (r_sem != nullptr && threadIdx.x == 0) st_release_u32(r_sem, r_val);
-    r_sem = nullptr;
+  auto finish = [&]() {
+    if (p_rank < 0 || threadIdx.x != 0) return;
+    bulk_wait_all();
+    fence_proxy_async_global();
+    st_release_u32(p_sem, uint32_t(p_rank + 1));
   };
   int buf = 0;
   for (int m = 0; m < iters; ++m, buf ^= 1) {
@@ -286,33 +306,27 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     const int64_t h = hk * a.group + hl;
     cp_async_wait_all();
     fence_proxy_async();
-    __syncthreads();  // tiles landed; both warpgroups done with buf ^ 1, Ss, Ps and Rc[1..2]
-    release();
+    __syncthreads();  // tiles landed; both warpgroups done with buf ^ 1, Ss and Rc[1]; Ps written
     if (m + 1 < iters) stage(m + 1, buf ^ 1);
     cp_async_commit();
     if (threadIdx.x < 32) {
-      // rank of this block among the tile's contributors (ordered by (step, kt)) and their count
-      int rank = 0, count = 0;
+      // rank of this block among the tile's contributors (ordered by (step, kt))
+      int rank = 0;
       for (int x0 = 0; x0 < nkt; x0 += 32) {
         const int x = x0 + lane;
-        bool contrib = false, before = false;
+        bool before = false;
         if (x < nkt) {
           const int xq0 = qt0_of(x);
           if (xq0 <= t) {
-            contrib = true;
             const int xnq = nqt - xq0, xit = xnq * grp;
             int xm = hl * xnq + (t - xq0) - fused_rot(x, nkt, xit, causal);
             if (xm < 0) xm += xit;
             before = x != kt && (xm < m || (xm == m && x < kt));
           }
         }
-        count += __popc(__ballot_sync(0xffffffffu, contrib));
         rank += __popc(__ballot_sync(0xffffffffu, before));
       }
-      if (lane == 0) {
-        Rc[1] = rank;
-        Rc[2] = count;
-      }
+      if (lane == 0) Rc[1] = rank;
     }
     // warpgroup-uniform: does any query of the tile see a key of this warpgroup?
     const bool live = wg_live && !(causal && kw0 > i0 + BQ - 1 + off);
@@ -331,7 +345,7 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
         wgmma_ss<T, 64>(dpt, vdsc, gd, uint64_t(((kk >> 2) * BK * 128 + (kk & 3) * 32) >> 4),
                         uint64_t(((kk >> 2) * BQ * 128 + (kk & 3) * 32) >> 4), kk > 0);
       wg_commit();
-      acquire();
+      send();
       const float* Lb = Ls + buf * BQ;
       const float* Db = Dl + buf * BQ;
       // warp-uniform: the causal diagonal or the end of the keys crosses this warp's 16 keys (dS^T
@@ -393,7 +407,7 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
       wg_fence_afrag(pa);
       wg_fence_afrag(da);
     } else {
-      acquire();
+      send();
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
@@ -402,37 +416,39 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
           *reinterpret_cast<uint32_t*>(srow + row * 128 + ((nt ^ (row & 7)) << 4) + 4 * tq) = 0u;
         }
     }
-    cp_async_wait_all();  // this thread's Ps copies (and the next Q / dO tiles)
+    cp_async_wait_all();  // the next Q / dO tiles
     fence_proxy_async();  // dS^T (st.shared) -> the async proxy
-    __syncthreads();      // both warpgroups' dS^T rows and Ps copies stored; Rc[1..2] written
+    __syncthreads();      // both warpgroups' dS^T rows stored; Rc[1] written
     float dqa[8][4];
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk)
       wgmma_ss_tt64<T>(dqa, sdt, kdq, uint64_t(kk * 16 * 128 >> 4), uint64_t(kk * 16 * 128 >> 4), kk > 0);
     wg_commit();
-    add_store();  // the previous item, while this tile's dQ product runs
+    finish();  // the previous item, while this tile's dQ product runs
     p_rank = Rc[1];
-    p_count = Rc[2];
     p_i0 = i0;
     p_h = h;
+    p_buf = buf;
     p_sem = sem + (b * a.H + h) * nqt + t;
     wg_wait0();
     wg_fence_regs(dqa);
+    // this thread's dQ rows 16 warp + g (+ 8) (row & 7 = g), columns 64 wg + 8 nt + 2 tq (+ 1):
+    // chunk 16 wg + 2 nt + tq / 2, stored at fused_chunk(chunk, g), into Ps[buf] (sent by iteration
+    // m + 1's send, after the barrier at its top)
+    float* pr = Ps + buf * BQ * D + (16 * warp + g) * D + 2 * (tq & 1);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
-      *reinterpret_cast<float4*>(Fs + (nt * NT + threadIdx.x) * 4) =
-          make_float4(dqa[nt][0], dqa[nt][1], dqa[nt][2], dqa[nt][3]);
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        *reinterpret_cast<float2*>(pr + 8 * r * D + 4 * fused_chunk(16 * wg + 2 * nt + (tq >> 1), g)) =
+            make_float2(dqa[nt][2 * r], dqa[nt][2 * r + 1]);
+    fence_proxy_async();  // Ps (st.shared) -> the async proxy (the bulk ops)
   }
-  // the last item: release the one before, then acquire, add, release
+  // the last item
   __syncthreads();
-  release();
-  acquire();
-  cp_async_wait_all();
-  __syncthreads();
-  add_store();
-  __syncthreads();
-  release();
+  send();
+  finish();
   cp_async_wait_all();
   const int64_t kv_b = (b * a.Sk) * a.Hkv + hk;
 #pragma unroll

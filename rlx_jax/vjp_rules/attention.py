@@ -262,15 +262,20 @@ def cuda_bwd_scratch_size(b: int, h: int, sq: int, d: int = 0, fused: bool = Fal
 
 
 def _cuda_fused_bwd(q, kind, scale, softcap, has_mask, has_bias) -> bool:
-    """Does the CUDA backward take the fused kernel (RLX_ATTENTION_CUDA_WGMMA_BWD=6, read per
-    trace like the kernel's switch is read per process): the wgmma backward's PLAIN cases at
-    head dim 128, bf16 / f16. The kernel checks the scratch size and falls back when short."""
+    """Can the CUDA backward take the fused kernel (ffi/cuda/attention.cu, the switch
+    RLX_ATTENTION_CUDA_WGMMA_BWD read per trace as the kernel reads it per process): unset or
+    8 (the default) for mask kind none, 6 for none and causal, 0 / 4 / 5 / 9 never; only the
+    wgmma backward's PLAIN cases at head dim 128, bf16 / f16. Sizes the scratch for it; the
+    kernel checks the size (and that the device can hold a head's key blocks at once) and
+    otherwise runs the two-kernel backward."""
     import os
 
-    if not os.environ.get("RLX_ATTENTION_CUDA_WGMMA_BWD", "").startswith("6"):
+    mode = os.environ.get("RLX_ATTENTION_CUDA_WGMMA_BWD", "")[:1]
+    if mode in ("0", "4", "5", "9"):
         return False
+    kinds = ("none", "causal") if mode == "6" else ("none",)
     return (q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[3] == 128 and not has_mask
-            and not has_bias and not softcap and kind in ("none", "causal") and float(scale) > 0)
+            and not has_bias and not softcap and kind in kinds and float(scale) > 0)
 
 
 def _kernel_bwd_cuda(q, k, v, out, lse, dout, dlse, *extras, kind, window, scale, softcap, has_mask,
