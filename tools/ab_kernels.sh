@@ -24,7 +24,7 @@ case "${1:-}" in
   run)
     rounds=${2:-2}; shift 2
     mkdir -p "$OUT"
-    (cd "$tree" && cmake -S . -B b -G Ninja -DCMAKE_BUILD_TYPE=Release -DRLX_JAX_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real \
+    (cd "$tree" && cmake -S . -B b -G Ninja -DCMAKE_BUILD_TYPE=Release -DRLX_JAX_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a-real \
        -DPython_EXECUTABLE="$(command -v python3)" >/dev/null && cmake --build b -j 16 >/dev/null) \
       || { echo "old build failed"; exit 1; }
     echo "old kernels: $(cat build/ab/REV 2>/dev/null) built"

@@ -25,12 +25,14 @@
 //     sets it to r + 1. The partial (64 x 128 f32) goes to shared memory (rows padded to 132 floats,
 //     two buffers) at the end of iteration m; the TMA engine sums it into dQacc, pipelined over the
 //     loop:
-//       iteration m + 1, after its first MMAs are issued: lane 0 of warp 0 spins on ld.acquire of the
-//         semaphore until it equals r; warp 0 issues one bulk operation per row below Sq (lane l:
-//         rows l, l + 32): rank 0 a bulk copy (cp.async.bulk: dQacc is not zeroed first), the others
-//         a bulk add (cp.reduce.async.bulk .add.f32, performed at L2 element by element);
-//       iteration m + 1, after its dQ product is issued: warp 0 waits for its bulk groups (the sums
-//         performed), lane 0 stores r + 1 with st.release.gpu.
+//       iteration m + 1, after its first MMAs are issued: one thread (kFusedSender) spins on
+//         ld.acquire of the semaphore until it equals r, then issues ONE bulk operation for the
+//         tile's rows below Sq (the partial's 16-byte chunks are permuted, fused_chunk, so shared
+//         memory and dQacc hold the same contiguous layout): rank 0 a bulk copy (cp.async.bulk:
+//         dQacc is not zeroed first), the others a bulk add (cp.reduce.async.bulk .add.f32,
+//         performed at L2 element by element);
+//       iteration m + 1, after its dQ product is issued: that thread waits for its bulk group (the
+//         sums performed), then stores r + 1 with st.release.gpu.
 //     The f32 sum of a dQacc element is therefore ((p_0 + p_1) + p_2) + ... in the fixed rank order:
 //     dq is bitwise reproducible. After the kernel fused_dq_convert_kernel writes dq = scale * dQacc
 //     in T (the launcher, attention.cu). The first version (run 13) read the dQacc tile into shared
@@ -55,10 +57,17 @@
 //   - session 22 (H100), fwd+bwd against the two kernels (mode 9, with the pipelined dq):
 //     bulk ops row by row (64 a tile), __threadfence before the release: 0.73x none; one bulk op a
 //     tile (chunks permuted): 1.00x; without the __threadfence: 1.08-1.09x none (3 alternating
-//     rounds). Causal it stays slower (0.80x; 0.84x even without any dQ sum: the structure, not the
-//     sums), so causal keeps the two kernels. Diagnosis builds (not kept): without the semaphore wait
-//     1.02x faster than this kernel, without the bulk ops as well 1.07x: the ordered sums now cost
-//     about 7 % of fwd+bwd.
+//     rounds). Then, backward alone (3 alternating rounds each, one build with a temporary switch):
+//     the per-tile rank (a loop over the head's key blocks) moved from warp 0, before warpgroup 0's
+//     first MMAs, to warp 4 after warpgroup 1's: 1.05-1.06x none, 1.03x causal; the sends moved
+//     from thread 0 to thread 160 (kFusedSender): 1.01-1.04x none, 1.015x causal.
+//     Causal it stays slower than the two kernels (0.83x the backward before the last two steps;
+//     0.84x before that without any dQ sum: the structure, not the sums: ncu shows the SMs 93 %
+//     active but 1.4x the cycles per iteration of the non-causal run, cause not found), so causal
+//     keeps the two kernels. Diagnosis builds (not kept): without the semaphore wait 1.02x faster,
+//     without the bulk ops as well 1.07x: the ordered sums cost about 7 % of fwd+bwd. Staging lse /
+//     delta by cp.async (no thread waits on their loads before the MMAs) ran level here and 0.98x in
+//     the dk / dv kernel: not kept.
 // ptxas (sm_90a, nvcc 13): 255 registers, 12 bytes of spill stores, 1 block of 8 warps per SM.
 #pragma once
 
@@ -171,6 +180,11 @@ __global__ void fused_dq_convert_kernel(int64_t n4, int64_t Sq, int64_t H, int D
   *reinterpret_cast<uint2*>(dq + ((b * Sq + i) * H + h) * D + c) = o;
 }
 
+// The thread that sends the dQ partials (waits on the semaphores, issues and waits for the bulk ops):
+// lane 0 of warp 5, in warpgroup 1, whose warp 4 computes the ranks; thread 0 (warpgroup 0, the
+// first to issue each step's MMAs) ran 1.01-1.04x slower (backward alone, none; 1.015x causal).
+constexpr unsigned kFusedSender = 160;
+
 // barrier 1 over the block's 256 threads (they may arrive from different code: the warpgroups'
 // live / dead branches)
 __device__ __forceinline__ void fused_bar() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
@@ -265,7 +279,7 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
   const bool wg_live = kw0 < a.Sk;
   uint8_t* const srow = reinterpret_cast<uint8_t*>(Ss);
   // Ordered dQ sums through the TMA engine, pipelined over the loop (item m's partial is in
-  // Ps[m & 1] from the end of iteration m), by thread 0:
+  // Ps[m & 1] from the end of iteration m), by thread kFusedSender:
   //   iteration m + 1, after its first MMAs are issued (send): wait until item m's tile semaphore
   //     equals its rank, then send the partial's rows below Sq as one bulk operation: a copy for
   //     rank 0 (dQacc needs no zeroing), an add (f32, at L2) for the others;
@@ -280,7 +294,7 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
   int64_t p_h = 0;
   uint32_t* p_sem = nullptr;
   auto send = [&]() {
-    if (p_rank < 0 || threadIdx.x != 0) return;
+    if (p_rank < 0 || threadIdx.x != kFusedSender) return;
     if (p_rank > 0)
       while (ld_acquire_u32(p_sem) != uint32_t(p_rank)) __nanosleep(32);
     fence_proxy_async_global();  // the acquired sums, then this thread's bulk add
@@ -293,7 +307,7 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     bulk_commit();
   };
   auto finish = [&]() {
-    if (p_rank < 0 || threadIdx.x != 0) return;
+    if (p_rank < 0 || threadIdx.x != kFusedSender) return;
     bulk_wait_all();
     fence_proxy_async_global();
     st_release_u32(p_sem, uint32_t(p_rank + 1));
@@ -309,8 +323,11 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     __syncthreads();  // tiles landed; both warpgroups done with buf ^ 1, Ss and Rc[1]; Ps written
     if (m + 1 < iters) stage(m + 1, buf ^ 1);
     cp_async_commit();
-    if (threadIdx.x < 32) {
-      // rank of this block among the tile's contributors (ordered by (step, kt))
+    // rank of this block among the tile's contributors (ordered by (step, kt)), into Rc[1] (read
+    // after the middle barrier): computed by warp 4 (the first of warpgroup 1) once this
+    // iteration's first MMAs are issued, off the path of warpgroup 0 (which issues them first)
+    auto compute_rank = [&]() {
+      if ((threadIdx.x >> 5) != 4) return;
       int rank = 0;
       for (int x0 = 0; x0 < nkt; x0 += 32) {
         const int x = x0 + lane;
@@ -327,7 +344,7 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
         rank += __popc(__ballot_sync(0xffffffffu, before));
       }
       if (lane == 0) Rc[1] = rank;
-    }
+    };
     // warpgroup-uniform: does any query of the tile see a key of this warpgroup?
     const bool live = wg_live && !(causal && kw0 > i0 + BQ - 1 + off);
     if (live) {
@@ -346,6 +363,7 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
                         uint64_t(((kk >> 2) * BQ * 128 + (kk & 3) * 32) >> 4), kk > 0);
       wg_commit();
       send();
+      compute_rank();
       const float* Lb = Ls + buf * BQ;
       const float* Db = Dl + buf * BQ;
       // warp-uniform: the causal diagonal or the end of the keys crosses this warp's 16 keys (dS^T
@@ -408,6 +426,7 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
       wg_fence_afrag(da);
     } else {
       send();
+      compute_rank();
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
