@@ -250,6 +250,36 @@ constexpr int kWgDqRows = 128, kWgDqKeys = 64;
 template <int D>
 constexpr size_t wg_dq_smem() { return size_t(2) * D * (2 * kWgDqRows + 4 * kWgDqKeys) + 1024; }
 
+// One 64-key tile's dS for a warpgroup of the dq kernels (wgmma_dq_kernel, and wgmma_dq_ws_kernel's consumers) (this thread: rows wrow0 + 8 r + g, r < 2; keys k0 +
+// 8 nt + 2 tq + (e & 1) of s[nt][e], dp[nt][e]): dS = P (dP - delta) with P = 2^(s c2 - L) (L =
+// lse log2 e, c2 = scale log2 e), 0 where the tile needs a mask and the (row, key) is masked or out
+// of bounds; packed as the A fragments of dQ += dS K (n8 block nt is half of k-step nt / 2's
+// fragment: keys 16 (nt / 2) ..). s and dp are only read (the pipelined loop runs this while a
+// dQ product is in flight: ptxas serialises the wgmma of a kernel whose non-wgmma instructions
+// define registers of an in-flight wgmma, C7513).
+template <typename T>
+__device__ __forceinline__ void wg_dq_ds_tile(const AttnArgs& a, const float (&s)[8][4], const float (&dp)[8][4],
+                                           int64_t wrow0, int64_t k0, int g, int tq, float c2, const float (&L)[2],
+                                           const float (&dl)[2], uint32_t (&da)[4][4]) {
+  const bool need = tile_needs_mask(a, wrow0, k0, 16, kWgDqKeys);  // warp-uniform
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    float de[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = e >> 1;
+      const float p = ex2(fmaf(s[nt][e], c2, -L[r]));
+      de[e] = p * (dp[nt][e] - dl[r]);
+      if (need) {
+        const int64_t i = wrow0 + 8 * r + g, j = k0 + nt * 8 + 2 * tq + (e & 1);
+        if (!(i < a.Sq && j < a.Sk && kind_visible(a, i, j))) de[e] = 0.f;
+      }
+    }
+    da[nt >> 1][(nt & 1) * 2 + 0] = pack2<T>(de[0], de[1]);
+    da[nt >> 1][(nt & 1) * 2 + 1] = pack2<T>(de[2], de[3]);
+  }
+}
+
 // dq on wgmma, same cases as wgmma_dkdv_kernel. Block = 2 warpgroups over 128 query rows of one
 // head (warpgroup w: rows [64 w, 64 w + 64), warp i of it 16 rows), heaviest (causal) tiles first;
 // loop over key tiles of 64, K / V double buffered (cp.async, 128-byte swizzle), as the forward:
@@ -344,25 +374,8 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
       wg_fence_regs(s);
       wg_fence_regs(dp);
     }
-    const bool need = tile_needs_mask(a, wrow0, k0, 16, BC);  // warp-uniform
-    uint32_t da[4][4];
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      float de[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e >> 1;
-        const float p = ex2(fmaf(s[nt][e], c2, -L[r]));
-        de[e] = p * (dp[nt][e] - dl[r]);
-        if (need) {
-          const int64_t i = wrow0 + 8 * r + g, j = k0 + nt * 8 + 2 * tq + (e & 1);
-          if (!(i < a.Sq && j < a.Sk && kind_visible(a, i, j))) de[e] = 0.f;
-        }
-      }
-      // n8 block nt is half of the A fragment of k-step nt / 2 (keys 16 (nt / 2) ..)
-      da[nt >> 1][(nt & 1) * 2 + 0] = pack2<T>(de[0], de[1]);
-      da[nt >> 1][(nt & 1) * 2 + 1] = pack2<T>(de[2], de[3]);
-    }
+    uint32_t da[4][4];  // dS as the A fragments of dQ += dS K
+    wg_dq_ds_tile<T>(a, s, dp, wrow0, k0, g, tq, c2, L, dl, da);
     // K as MN-major B (keys are the K dimension): 8-key groups 1024 bytes apart (SBO), the D / 64
     // column halves BC * 128 bytes apart (LBO); k-step kk = keys [16 kk, 16 kk + 16)
     const uint64_t kdt = wg_desc(kaddr, BC * 128, 1024);

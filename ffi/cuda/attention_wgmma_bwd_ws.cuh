@@ -59,36 +59,6 @@ constexpr size_t wg_dq_ws_smem() {
   return size_t(2) * D * (2 * 128 + 2 * NST * kWsDqKeys) + 1024 + 8 * (3 * NST + 2);
 }
 
-// One key tile's dS for a consumer warpgroup (this thread: rows wrow0 + 8 r + g, r < 2; keys k0 +
-// 8 nt + 2 tq + (e & 1) of s[nt][e], dp[nt][e]): dS = P (dP - delta) with P = 2^(s c2 - L) (L =
-// lse log2 e, c2 = scale log2 e), 0 where the tile needs a mask and the (row, key) is masked or out
-// of bounds; packed as the A fragments of dQ += dS K (n8 block nt is half of k-step nt / 2's
-// fragment: keys 16 (nt / 2) ..). s and dp are only read (the pipelined loop runs this while a
-// dQ product is in flight: ptxas serialises the wgmma of a kernel whose non-wgmma instructions
-// define registers of an in-flight wgmma, C7513).
-template <typename T>
-__device__ __forceinline__ void ws_ds_tile(const AttnArgs& a, const float (&s)[8][4], const float (&dp)[8][4],
-                                           int64_t wrow0, int64_t k0, int g, int tq, float c2, const float (&L)[2],
-                                           const float (&dl)[2], uint32_t (&da)[4][4]) {
-  const bool need = tile_needs_mask(a, wrow0, k0, 16, kWsDqKeys);  // warp-uniform
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
-    float de[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int r = e >> 1;
-      const float p = ex2(fmaf(s[nt][e], c2, -L[r]));
-      de[e] = p * (dp[nt][e] - dl[r]);
-      if (need) {
-        const int64_t i = wrow0 + 8 * r + g, j = k0 + nt * 8 + 2 * tq + (e & 1);
-        if (!(i < a.Sq && j < a.Sk && kind_visible(a, i, j))) de[e] = 0.f;
-      }
-    }
-    da[nt >> 1][(nt & 1) * 2 + 0] = pack2<T>(de[0], de[1]);
-    da[nt >> 1][(nt & 1) * 2 + 1] = pack2<T>(de[2], de[3]);
-  }
-}
-
 // PIPE false: per key tile S = Q_w K^T and dP = dO_w V^T, dS, dQ += dS K, each product waited for.
 // PIPE true (intra-warpgroup pipelining, as the forward's PIPE): tile j's S and dP are issued
 // before tile j - 1's dQ += dS K, and tile j's dS is formed while that product is in flight (dS
@@ -101,7 +71,7 @@ __global__ void __launch_bounds__(384, 1)
                        const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
                        T* __restrict__ dq, int hc) {
 #if RLX_ATTN_WGMMA
-  static_assert(D % 64 == 0 && NST >= (PIPE ? 3 : 2), "wgmma_dq_ws_kernel: tile shapes");
+  static_assert(D % 64 == 0 && NST >= (PIPE ? 3 : 2) && kWsDqKeys == kWgDqKeys, "wgmma_dq_ws_kernel: tile shapes");
   constexpr int BM = 128, BC = kWsDqKeys;
   extern __shared__ __align__(1024) uint8_t wg_smem[];
   const uint32_t pad = (1024u - (smem_addr(wg_smem) & 1023u)) & 1023u;
@@ -172,7 +142,7 @@ __global__ void __launch_bounds__(384, 1)
         wg_wait0();
         wg_fence_regs(s);
         wg_fence_regs(dp);
-        ws_ds_tile<T>(a, s, dp, wrow0, k0, g, tq, c2, L, dl, da0);
+        wg_dq_ds_tile<T>(a, s, dp, wrow0, k0, g, tq, c2, L, dl, da0);
         int pst = st;  // the ring stage of the tile whose dQ product is pending (its dS in dc below)
         ws_ring_next(st, ph, NST);
         k0 += BC;
@@ -188,7 +158,7 @@ __global__ void __launch_bounds__(384, 1)
           wg_wait<1>();  // S and dP of this tile (committed first) have completed
           wg_fence_regs(s);
           wg_fence_regs(dp);
-          ws_ds_tile<T>(a, s, dp, wrow0, k0, g, tq, c2, L, dl, dn);
+          wg_dq_ds_tile<T>(a, s, dp, wrow0, k0, g, tq, c2, L, dl, dn);
           wg_wait0();  // the pending tile's dQ product
           wg_fence_regs(dqa);
           wg_fence_afrag(dc);
@@ -234,7 +204,7 @@ __global__ void __launch_bounds__(384, 1)
         wg_wait0();
         wg_fence_regs(s);
         wg_fence_regs(dp);
-        ws_ds_tile<T>(a, s, dp, wrow0, k0, g, tq, c2, L, dl, da);
+        wg_dq_ds_tile<T>(a, s, dp, wrow0, k0, g, tq, c2, L, dl, da);
         ws_issue_pv<T, D, BC>(dqa, da, Ks + st * BC * D);
         wg_wait0();
         wg_fence_regs(dqa);
