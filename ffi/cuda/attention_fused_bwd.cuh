@@ -185,10 +185,6 @@ __global__ void fused_dq_convert_kernel(int64_t n4, int64_t Sq, int64_t H, int D
 // first to issue each step's MMAs) ran 1.01-1.04x slower (backward alone, none; 1.015x causal).
 constexpr unsigned kFusedSender = 160;
 
-// barrier 1 over the block's 256 threads (they may arrive from different code: the warpgroups'
-// live / dead branches)
-__device__ __forceinline__ void fused_bar() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
-
 // The rotation start of key block kt (items of the block: iters).
 __device__ __forceinline__ int fused_rot(int kt, int nkt, int iters, bool causal) {
   return causal ? 0 : int((int64_t(kt) * iters) / nkt);

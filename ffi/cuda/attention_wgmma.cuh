@@ -98,6 +98,18 @@ __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
 }
+// O *= alpha per row of the online softmax: o[nt][0..1] belong to the thread's row g, o[nt][2..3]
+// to row g + 8 (the m64 accumulator layout)
+template <int N>
+__device__ __forceinline__ void scale_rows(float (&o)[N][4], const float (&alpha)[2]) {
+#pragma unroll
+  for (int nt = 0; nt < N; ++nt) {
+    o[nt][0] *= alpha[0];
+    o[nt][1] *= alpha[0];
+    o[nt][2] *= alpha[1];
+    o[nt][3] *= alpha[1];
+  }
+}
 // keeps the compiler from moving accumulator reads / writes across the asynchronous MMA
 template <int N>
 __device__ __forceinline__ void wg_fence_regs(float (&d)[N][4]) {
@@ -368,13 +380,7 @@ __global__ void __launch_bounds__(NWG * 128, 1)
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + ls[r];
-#pragma unroll
-      for (int nt = 0; nt < D / 8; ++nt) {
-        o[nt][0] *= alpha[0];
-        o[nt][1] *= alpha[0];
-        o[nt][2] *= alpha[1];
-        o[nt][3] *= alpha[1];
-      }
+      scale_rows(o, alpha);
       // V: MN-major (keys are the K dimension), 8-key groups 1024 bytes apart (SBO), the D / 64
       // column halves BC * 128 bytes apart (LBO); k-step kk = keys [16 kk, 16 kk + 16)
       const uint64_t vd = wg_desc(smem_addr(Vs + buf * BC * D), BC * 128, 1024);

@@ -377,13 +377,7 @@ __global__ void __launch_bounds__(384, 1)
           wg_fence_afrag(pc);
           __syncwarp();
           if (lane == 0) ws_arrive(empty + pst);
-#pragma unroll
-          for (int nt = 0; nt < D / 8; ++nt) {
-            o[nt][0] *= alpha[0];
-            o[nt][1] *= alpha[0];
-            o[nt][2] *= alpha[1];
-            o[nt][3] *= alpha[1];
-          }
+          scale_rows(o, alpha);
           pst = st;
           pph = ph;
           ws_ring_next(st, ph, NST);
@@ -424,13 +418,7 @@ __global__ void __launch_bounds__(384, 1)
         wg_wait0();
         wg_fence_regs(s);
         ws_softmax_tile<T, BC, false>(a, s, wrow0, k0, g, tq, c2, m, l, p, alpha);
-#pragma unroll
-        for (int nt = 0; nt < D / 8; ++nt) {
-          o[nt][0] *= alpha[0];
-          o[nt][1] *= alpha[0];
-          o[nt][2] *= alpha[1];
-          o[nt][3] *= alpha[1];
-        }
+        scale_rows(o, alpha);
         ws_wait(vfull + st, ph);
         fence_proxy_async();
         ws_issue_pv<T, D, BC>(o, p, Vs + st * BC * D);
