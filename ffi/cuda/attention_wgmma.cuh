@@ -98,6 +98,24 @@ __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
 }
+// One online-softmax max step per thread row r < 2 (rows g, g + 8 of the warp's 16): mx = the
+// tile's raw row max of this thread's scores, taken to log2 units (c2 = scale log2 e > 0 keeps
+// the order) and over the row's 4 threads; m = the running max (updated); mu = the exponent offset
+// for this tile's P (0 while the row has seen only -inf); alpha = 2^(m_old - mu), the factor for
+// O and l.
+__device__ __forceinline__ void online_max_step(float (&mx)[2], float c2, float (&m)[2], float (&mu)[2],
+                                                float (&alpha)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] *= c2;
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    const float mn = fmaxf(m[r], mx[r]);
+    mu[r] = mn == -INFINITY ? 0.f : mn;
+    alpha[r] = ex2(m[r] - mu[r]);
+    m[r] = mn;
+  }
+}
 // O *= alpha per row of the online softmax: o[nt][0..1] belong to the thread's row g, o[nt][2..3]
 // to row g + 8 (the m64 accumulator layout)
 template <int N>
@@ -353,16 +371,7 @@ __global__ void __launch_bounds__(NWG * 128, 1)
           }
       }
       float mu[2], alpha[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        mx[r] *= c2;  // raw max -> log2 units (c2 > 0 keeps the order)
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        const float mn = fmaxf(m[r], mx[r]);
-        mu[r] = mn == -INFINITY ? 0.f : mn;
-        alpha[r] = ex2(m[r] - mu[r]);
-        m[r] = mn;
-      }
+      online_max_step(mx, c2, m, mu, alpha);
       float ls[2] = {0.f, 0.f};
       uint32_t p[BC / 16][4];
 #pragma unroll

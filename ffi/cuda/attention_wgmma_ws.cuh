@@ -224,16 +224,7 @@ __device__ __forceinline__ void ws_softmax_tile(const AttnArgs& a, float (&s)[BC
       }
   }
   float mu[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    mx[r] *= c2;
-    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-    const float mn = fmaxf(m[r], mx[r]);
-    mu[r] = mn == -INFINITY ? 0.f : mn;
-    alpha[r] = ex2(m[r] - mu[r]);
-    m[r] = mn;
-  }
+  online_max_step(mx, c2, m, mu, alpha);
   float ls[2] = {0.f, 0.f};
   auto p_tile = [&](auto masked) {
 #pragma unroll
