@@ -541,7 +541,8 @@ _WS64_LINE_NP = "D=64 BC=128 NWG=3 WS NST=2 "
 # "9" (the default from run 14 to session 22): at D 128 the OVL dk / dv and the warp-specialised dq
 # (attention_wgmma_bwd_ws.cuh, launch log "wgmma dq kernel D=128 BM=128 BC=64 WS NST=4
 # persistent|tiles PIPE"; without " PIPE" in "4n": each product waited for); at D 64 as 5.
-# "8" (= the default): at D 128 the fused backward for mask kind none, 9's kernels for causal. With "4s" (RLX_ATTENTION_CUDA_WS_GRID=2, 7 blocks) every dq
+# "8" (= the default): at D 128 the fused backward for mask kind none, 9's kernels for causal.
+# With "4s" (RLX_ATTENTION_CUDA_WS_GRID=2, 7 blocks) every dq
 # block serves several tiles (the ring's phases and the Q / dO buffer carry across tiles); "3t"
 # one block per tile.
 @pytest.mark.parametrize("variant", ["2-5", "0-0", "0-5", "2-4", "2-6", "4-5", "4s-0", "3s-5", "3t-0",

@@ -209,9 +209,9 @@ bool attn_ws_dq_pipe() {
 // 1.01x / 1.02x mode 5's backward, to session 22); at D 64 as 5. (Run 14's ring of 2 stages, value 7
 // then, ran level with mode 5 and was removed.)
 // 8 or unset (or another value; the default since session 22) = at D 128 the fused backward for mask
-// kind none (as 6 where it serves, fwd+bwd 1.05-1.09x mode 9's, H100, B4 S4096 H16 bf16:
-// benchmarks/results/h100_2026-11-26.txt) and mode 9's kernels for causal (the fused kernel ran
-// 1.2x slower there); at D 64 as 5.
+// kind none (as 6 where it serves; fwd+bwd 1.18-1.20x mode 9's, H100, B4 S4096 H16 bf16:
+// benchmarks/results/h100_2026-11-26.txt section 9) and mode 9's kernels for causal (the fused
+// kernel's backward ran 0.89-0.93x theirs there); at D 64 as 5.
 int attn_wgmma_bwd_mode() {
   static const int env = env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '0')   ? 0
                          : env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '4') ? 4
@@ -518,9 +518,10 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
                                                                 attn_fwd_hc(a, nqt, info.sms));
             return check_launch("attention backward (wgmma ws dq)");
           };
-          // ptxas sm_90a: see the results file (run 11). Modes: 4 plain dkdv + wgmma dq at D 128;
-          // 5 D 128 OVL dkdv + wgmma dq; 8 (default) OVL dkdv + the warp-specialised dq (pipelined
-          // unless RLX_ATTENTION_CUDA_WS_DQ_PIPE=0); D 64 (every mode but 0) plain dkdv + mma.sync dq
+          // ptxas sm_90a: see the results file (run 11). Modes at D 128: 4 plain dkdv + wgmma dq; 5 OVL
+          // dkdv + wgmma dq; 6 the fused kernel; 9 OVL dkdv + the warp-specialised dq (pipelined unless
+          // RLX_ATTENTION_CUDA_WS_DQ_PIPE=0); 8 (default) the fused kernel for mask none, else as 9.
+          // D 64 (every mode but 0): plain dkdv + mma.sync dq
           // (the warp-specialised dq at D 64 ran 6-9 % slower causal, level without a mask: H100,
           // benchmarks/results/h100_2026-11-26.txt, session 22).
           if (a.D == 64)
