@@ -436,17 +436,20 @@ def test_cuda_backward_scratch_follows_the_kernel_switch(monkeypatch, mode, kind
     """The CUDA backward's scratch holds the fused kernel's f32 dQ accumulator exactly where
     ffi/cuda/attention.cu may take that kernel (RLX_ATTENTION_CUDA_WGMMA_BWD, first character:
     unset / 8 / unknown = fused for mask kind none, 6 = none and causal, 0 / 4 / 5 / 9 = never),
-    and only for the cases it serves (bf16 / f16, head dim 128, no key mask, bias or softcap)."""
+    and only for the cases it serves (bf16 / f16, head dims 64 and 128, no key mask, bias or softcap)."""
     if mode is None:
         monkeypatch.delenv("RLX_ATTENTION_CUDA_WGMMA_BWD", raising=False)
     else:
         monkeypatch.setenv("RLX_ATTENTION_CUDA_WGMMA_BWD", mode)
     q = jnp.zeros((2, 130, 4, 128), jnp.bfloat16)
     assert A._cuda_fused_bwd(q, kind, 0.1, 0.0, False, False) is fused
-    for other in (q.astype(jnp.float32), q[..., :64]):
+    assert A._cuda_fused_bwd(q[..., :64].astype(jnp.float16), kind, 0.1, 0.0, False, False) is fused
+    for other in (q.astype(jnp.float32), q[..., :32], q[..., :96], jnp.zeros((2, 130, 4, 256), jnp.bfloat16)):
         assert not A._cuda_fused_bwd(other, kind, 0.1, 0.0, False, False)
+    assert not A._cuda_fused_bwd(q, kind, 0.0, 0.0, False, False)  # scale 0: not a PLAIN case
     assert not A._cuda_fused_bwd(q, kind, 0.1, 5.0, False, False)  # softcap
     assert not A._cuda_fused_bwd(q, kind, 0.1, 0.0, True, False)  # key mask
     assert not A._cuda_fused_bwd(q, "sliding", 0.1, 0.0, False, False)
     # delta (B H Sq = 1040, a multiple of 4), dQacc B H Sq D, 3 query tiles of 64 a (batch, head), ticket
     assert A.cuda_bwd_scratch_size(2, 4, 130, 128, fused) == (1040 + 1040 * 128 + 8 * 3 + 1 if fused else 1040)
+    assert A.cuda_bwd_scratch_size(1, 3, 65, 64, fused) == (196 + 195 * 64 + 3 * 2 + 1 if fused else 195)

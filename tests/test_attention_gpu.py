@@ -536,12 +536,12 @@ _WS64_LINE_NP = "D=64 BC=128 NWG=3 WS NST=2 "
 # the plain wgmma dk / dv and the mma.sync dq at D 64); "0-5" checks the wgmma backward against the
 # mma.sync forward's out / lse. The backward's launch log ("attention backward: wgmma dkdv ... OVL=.."
 # / "wgmma dq") is checked like the forward's.
-# "6": at D 128 the fused backward (attention_fused_bwd.cuh: one kernel for dk, dv and dq, launch
-# log "wgmma fused dkdv+dq kernel ..."; no separate dkdv or dq kernel there), at D 64 the default.
+# "6": at D 64 and 128 the fused backward (attention_fused_bwd.cuh: one kernel for dk, dv and dq,
+# launch log "wgmma fused dkdv+dq kernel ..."; no separate dkdv or dq kernel there).
 # "9" (the default from run 14 to session 22): at D 128 the OVL dk / dv and the warp-specialised dq
 # (attention_wgmma_bwd_ws.cuh, launch log "wgmma dq kernel D=128 BM=128 BC=64 WS NST=4
 # persistent|tiles PIPE"; without " PIPE" in "4n": each product waited for); at D 64 as 5.
-# "8" (= the default): at D 128 the fused backward for mask kind none, 9's kernels for causal.
+# "8" (= the default): at D 64 and 128 the fused backward for mask kind none, 9's kernels for causal.
 # With "4s" (RLX_ATTENTION_CUDA_WS_GRID=2, 7 blocks) every dq
 # block serves several tiles (the ring's phases and the Q / dO buffer carry across tiles); "3t"
 # one block per tile.
@@ -579,10 +579,10 @@ def test_wgmma_forward(variant):
     dkdv_lines, dq_lines = {"0": (set(), set()),
                             "4": ({kv(64, 0), kv(128, 0)}, {dq(128)}),
                             "5": ({kv(64, 0), kv(128, 1)}, {dq(128)}),
-                            "6": ({kv(64, 0)}, set()),
+                            "6": (set(), set()),
                             "8": ({kv(64, 0), kv(128, 1)}, {dq_ws}),
                             "9": ({kv(64, 0), kv(128, 1)}, {dq_ws})}[bwd]
-    fused_lines = {"D=128 BK=128 BQ=64"} if bwd in ("6", "8") else set()
+    fused_lines = {"D=64 BK=128 BQ=64", "D=128 BK=128 BQ=64"} if bwd in ("6", "8") else set()
     for which, want, tag in (("fwd", fwd_lines, "rlx attention forward: wgmma kernel "),
                              ("dkdv", dkdv_lines, "rlx attention backward: wgmma dkdv kernel "),
                              ("dq", dq_lines, "rlx attention backward: wgmma dq kernel "),
@@ -653,15 +653,17 @@ def test_ws_pipelined_loops_bitwise_equal():
 # The fused backward (RLX_ATTENTION_CUDA_WGMMA_BWD=6) sums the key blocks' dQ partials in f32 global
 # scratch in a fixed order per query tile (semaphores, no float atomics): dq, dk, dv must be
 # bitwise identical from run to run and from process to process, on shapes with many key blocks
-# per query tile (Sk 1100: 9 blocks; causal; GQA), and still match the f32 reference.
+# per query tile (Sk 1100: 9 blocks; causal; GQA), at head dims 128 and 64 (where each warpgroup's
+# dQ columns start inside the K tile's 128-byte swizzled rows), and still match the f32 reference.
 _FUSED_DET_CHILD = """
 import hashlib, sys
 sys.path.insert(0, "tests")
 import jax, jax.numpy as jnp, numpy as np
 import test_attention_gpu as t
-for (b, sq, sk, h, hkv, kind) in ((2, 1030, 1100, 4, 2, "none"), (1, 1100, 1100, 4, 4, "causal")):
-    q, k, v, dy, _, _ = t._inputs(b, sq, sk, h, hkv, 128, jnp.bfloat16, 11)
-    p = t._params(128, kind, None, None, None, None, None)
+for (b, sq, sk, h, hkv, d, kind) in ((2, 1030, 1100, 4, 2, 128, "none"), (1, 1100, 1100, 4, 4, 128, "causal"),
+                                     (2, 900, 1300, 4, 2, 64, "none"), (1, 1100, 1000, 2, 1, 64, "causal")):
+    q, k, v, dy, _, _ = t._inputs(b, sq, sk, h, hkv, d, jnp.bfloat16, 11)
+    p = t._params(d, kind, None, None, None, None, None)
     out, lse = jax.jit(lambda q, k, v: t.A.attention_fwd(q, k, v, **p))(q, k, v)
     zl = jnp.zeros(lse.shape, jnp.float32)
     fb = jax.jit(lambda *x: t.A.attention_bwd(*x, **p))
@@ -674,7 +676,7 @@ for (b, sq, sk, h, hkv, kind) in ((2, 1030, 1100, 4, 2, "none"), (1, 1100, 1100,
         gr = t.A.reference_attention_bwd(*f[:3], t._f32(out), lse, f[3], zl, **p)
     for n, x, y in zip(("dq", "dk", "dv"), runs[0], gr):
         t._close(jnp.asarray(x).astype(jnp.bfloat16), y, jnp.bfloat16, n + " (fused, " + kind + ")")
-    print("hash", kind, hashlib.sha1(b"".join(x.tobytes() for x in runs[0])).hexdigest(), flush=True)
+    print("hash", d, kind, hashlib.sha1(b"".join(x.tobytes() for x in runs[0])).hexdigest(), flush=True)
 print("child ok")
 """
 
@@ -691,6 +693,8 @@ def test_wgmma_fused_backward_deterministic():
         r = subprocess.run([sys.executable, "-c", _FUSED_DET_CHILD], cwd=root, env=env, capture_output=True,
                            text=True, timeout=300)
         assert r.returncode == 0 and "child ok" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
-        assert "rlx attention backward: wgmma fused dkdv+dq kernel D=128" in r.stderr, r.stderr[-2000:]
+        launched = {ln.split("fused dkdv+dq kernel ", 1)[1].strip() for ln in r.stderr.splitlines()
+                    if "rlx attention backward: wgmma fused dkdv+dq kernel " in ln}
+        assert launched == {"D=128 BK=128 BQ=64", "D=64 BK=128 BQ=64"}, (launched, r.stderr[-2000:])
         hashes.append([ln for ln in r.stdout.splitlines() if ln.startswith("hash ")])
-    assert len(hashes[0]) == 2 and hashes[0] == hashes[1], hashes
+    assert len(hashes[0]) == 4 and hashes[0] == hashes[1], hashes

@@ -524,62 +524,70 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
           // D 64 (every mode but 0): plain dkdv + mma.sync dq
           // (the warp-specialised dq at D 64 ran 6-9 % slower causal, level without a mask: H100,
           // benchmarks/results/h100_2026-11-26.txt, session 22).
-          if (a.D == 64)
-            return run_wg(attn::wgmma_dkdv_kernel<T, 64, false>, 0, attn::wg_dkdv_smem<64>(),
-                          attn::mma_dq_kernel<T, 64, false, true, 1>, false, attn::mma_dq_smem<64>());
-          if ((wg_bwd == 6 || (wg_bwd == 8 && a.kind == 0)) &&
-              scratch_elems >= attn::fused_bwd_scratch(a.B, a.H, a.Sq, 128)) {
-            // fused dk / dv / dq (attention_fused_bwd.cuh); its deadlock-freedom argument needs the
-            // nkt key blocks of one (batch, kv head) resident at once
-            auto fused = attn::wgmma_fused_bwd_kernel<T, 128>;
-            const size_t smem = attn::wg_fused_smem<128>();
+          // fused dk / dv / dq (attention_fused_bwd.cuh) where the switch asks for it and the scratch
+          // holds its dQ accumulator; its deadlock-freedom argument needs the nkt key blocks of one
+          // (batch, kv head) resident at once: *served false (nothing launched) otherwise
+          auto run_fused = [&](auto fused, size_t smem, bool* served) -> ffi::Error {
+            *served = false;
+            const int64_t D = a.D;
             if (auto e = prepare(info.device, fused, smem, "attention backward"); e.failure()) return e;
             int per_sm = 0;
             if (cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fused, attn::kWgBwdThreads, smem);
                 e != cudaSuccess)
               return cuda_error("attention backward", e);
             const int64_t nkt = (a.Sk + attn::kWgBwdKeys - 1) / attn::kWgBwdKeys;
-            if (nkt <= int64_t(per_sm) * info.sms) {
-              if (attn_wgmma_required()) {
-                char line[96];
-                std::snprintf(line, sizeof line, "fused dkdv+dq kernel D=%d BK=%d BQ=%d", int(a.D), attn::kWgBwdKeys,
-                              attn::kWgBwdRows);
-                log_wgmma_kernel(reinterpret_cast<const void*>(fused), true, line);
-              }
-              const int64_t nqt = (a.Sq + attn::kWgBwdRows - 1) / attn::kWgBwdRows;
-              float* dqacc = delta + attn::fused_bwd_delta_pad(a.B * a.H * a.Sq);
-              uint32_t* sem = reinterpret_cast<uint32_t*>(dqacc + a.B * a.H * a.Sq * 128);
-              uint32_t* ticket = sem + a.B * a.H * nqt;
-              if (cudaError_t e = cudaMemsetAsync(sem, 0, size_t(a.B * a.H * nqt + 1) * sizeof(uint32_t), stream);
+            if (nkt > int64_t(per_sm) * info.sms) return ffi::Error::Success();
+            *served = true;
+            if (attn_wgmma_required()) {
+              char line[96];
+              std::snprintf(line, sizeof line, "fused dkdv+dq kernel D=%d BK=%d BQ=%d", int(D), attn::kWgBwdKeys,
+                            attn::kWgBwdRows);
+              log_wgmma_kernel(reinterpret_cast<const void*>(fused), true, line);
+            }
+            const int64_t nqt = (a.Sq + attn::kWgBwdRows - 1) / attn::kWgBwdRows;
+            float* dqacc = delta + attn::fused_bwd_delta_pad(a.B * a.H * a.Sq);
+            uint32_t* sem = reinterpret_cast<uint32_t*>(dqacc + a.B * a.H * a.Sq * D);
+            uint32_t* ticket = sem + a.B * a.H * nqt;
+            if (cudaError_t e = cudaMemsetAsync(sem, 0, size_t(a.B * a.H * nqt + 1) * sizeof(uint32_t), stream);
+                e != cudaSuccess)
+              return cuda_error("attention backward", e);
+            // query rows no key block visits (no key: Sk 0; causal rows i with i + off < 0): their
+            // dQacc rows (of every batch and head) = 0, so dq = 0 there after the convert pass
+            const int64_t zrows = a.Sk == 0 ? a.Sq : (a.kind != 0 ? std::min(a.Sq, std::max<int64_t>(0, -a.off)) : 0);
+            if (zrows > 0) {
+              const size_t pitch = size_t(a.Sq * D) * sizeof(float);
+              if (cudaError_t e = cudaMemset2DAsync(dqacc, pitch, 0, size_t(zrows * D) * sizeof(float),
+                                                    size_t(a.B * a.H), stream);
                   e != cudaSuccess)
                 return cuda_error("attention backward", e);
-              // query rows no key block visits (no key: Sk 0; causal rows i with i + off < 0): their
-              // dQacc rows (of every batch and head) = 0, so dq = 0 there after the convert pass
-              const int64_t zrows = a.Sk == 0 ? a.Sq : (a.kind != 0 ? std::min(a.Sq, std::max<int64_t>(0, -a.off)) : 0);
-              if (zrows > 0) {
-                const size_t pitch = size_t(a.Sq * 128) * sizeof(float);
-                if (cudaError_t e = cudaMemset2DAsync(dqacc, pitch, 0, size_t(zrows * 128) * sizeof(float),
-                                                      size_t(a.B * a.H), stream);
-                    e != cudaSuccess)
-                  return cuda_error("attention backward", e);
-              }
-              const int64_t kbw = nkt * a.Hkv * a.B;
-              if (kbw > 0) {
-                fused<<<unsigned(kbw), attn::kWgBwdThreads, smem, stream>>>(a, q, k, v, dout, lse, delta, dq, dk, dv,
-                                                                             dqacc, sem, ticket);
-                if (auto e = check_launch("attention backward (wgmma fused)"); e.failure()) return e;
-              }
-              // dq = scale * dQacc, [B, H, Sq, D] f32 -> [B, Sq, H, D]
-              const int64_t n4 = a.B * a.H * a.Sq * 128 / 4, cblocks = (n4 + 255) / 256;
-              if (auto e = grid_check(cblocks, "attention backward"); e.failure()) return e;
-              if (cblocks > 0) {
-                attn::fused_dq_convert_kernel<T><<<unsigned(cblocks), 256, 0, stream>>>(n4, a.Sq, a.H, 128, a.scale,
-                                                                                        dqacc, dq);
-                if (auto e = check_launch("attention backward (fused dq convert)"); e.failure()) return e;
-              }
-              return ffi::Error::Success();
             }
+            const int64_t kbw = nkt * a.Hkv * a.B;
+            if (kbw > 0) {
+              fused<<<unsigned(kbw), attn::kWgBwdThreads, smem, stream>>>(a, q, k, v, dout, lse, delta, dq, dk, dv,
+                                                                           dqacc, sem, ticket);
+              if (auto e = check_launch("attention backward (wgmma fused)"); e.failure()) return e;
+            }
+            // dq = scale * dQacc, [B, H, Sq, D] f32 -> [B, Sq, H, D]
+            const int64_t n4 = a.B * a.H * a.Sq * D / 4, cblocks = (n4 + 255) / 256;
+            if (auto e = grid_check(cblocks, "attention backward"); e.failure()) return e;
+            if (cblocks > 0) {
+              attn::fused_dq_convert_kernel<T><<<unsigned(cblocks), 256, 0, stream>>>(n4, a.Sq, a.H, int(D), a.scale,
+                                                                                      dqacc, dq);
+              if (auto e = check_launch("attention backward (fused dq convert)"); e.failure()) return e;
+            }
+            return ffi::Error::Success();
+          };
+          if ((wg_bwd == 6 || (wg_bwd == 8 && a.kind == 0)) &&
+              scratch_elems >= attn::fused_bwd_scratch(a.B, a.H, a.Sq, a.D)) {
+            bool served = false;
+            const ffi::Error e =
+                a.D == 64 ? run_fused(attn::wgmma_fused_bwd_kernel<T, 64>, attn::wg_fused_smem<64>(), &served)
+                          : run_fused(attn::wgmma_fused_bwd_kernel<T, 128>, attn::wg_fused_smem<128>(), &served);
+            if (e.failure() || served) return e;
           }
+          if (a.D == 64)
+            return run_wg(attn::wgmma_dkdv_kernel<T, 64, false>, 0, attn::wg_dkdv_smem<64>(),
+                          attn::mma_dq_kernel<T, 64, false, true, 1>, false, attn::mma_dq_smem<64>());
           if (wg_bwd == 8 || wg_bwd == 9) {
             // OVL dk / dv (run_wg with no dq launch: qb of the mma path is not used there), then the
             // warp-specialised dq; ptxas sm_90a: run 14 of the backward results file

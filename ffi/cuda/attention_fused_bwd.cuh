@@ -1,4 +1,4 @@
-// Fused attention backward on Hopper wgmma (sm_90a), bf16 / f16, head dim 128, the PLAIN cases of
+// Fused attention backward on Hopper wgmma (sm_90a), bf16 / f16, head dim 64 or 128, the PLAIN cases of
 // wgmma_dkdv_kernel (scale > 0, no softcap / bias / key mask, mask kind none or causal): one kernel
 // computes dk, dv AND dq, so S and dP are formed once (5 S x S x D products instead of the 7 of
 // wgmma_dkdv_kernel + wgmma_dq_kernel). Selection: attention.cu (attn_wgmma_bwd_mode), below.
@@ -6,8 +6,8 @@
 // Block = 2 warpgroups over 128 keys of one kv head, exactly wgmma_dkdv_kernel's OVL schedule
 // (attention_wgmma_bwd.cuh) for S^T, dP^T, P^T, dS^T, dV += P^T dO, dK += dS^T Q; in addition, per
 // query tile (64 rows of one query head) it forms the block's partial
-//   dQ_tile = dS K_block   (64 queries x 128 keys x D): wgmma m64n64k16, 8 k-steps of 16 keys,
-// warpgroup w computing the D columns [64 w, 64 w + 64). A = dS, read from shared memory where
+//   dQ_tile = dS K_block   (64 queries x 128 keys x D): wgmma m64n(D/2)k16, 8 k-steps of 16 keys,
+// warpgroup w computing the D columns [D/2 w, D/2 w + D/2). A = dS, read from shared memory where
 // both warpgroups stored their dS^T rows (keys) as [128 keys][64 queries] in the 128-byte swizzle
 // layout (queries contiguous: the A operand MN-major, transpose bit); B = the block's K tile,
 // MN-major (transpose bit), as V in the forward's P V product.
@@ -79,36 +79,59 @@ namespace rlx {
 namespace cuda {
 namespace attn {
 
-// D[64 x 64] (+)= A B with A and B both from shared memory, both MN-major (transpose bits set).
-template <typename T>
-__device__ __forceinline__ void wgmma_ss_tt64(float (&d)[8][4], uint64_t da, uint64_t db, uint64_t aoff, uint64_t boff,
-                                              int scale_d) {
+// D[64 x N] (+)= A B with A and B both from shared memory, both MN-major (transpose bits set):
+// the fused backward's dQ = dS K, N = D / 2 columns per warpgroup (64 at D 128, 32 at D 64).
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_ss_tt(float (&d)[N / 8][4], uint64_t da, uint64_t db, uint64_t aoff,
+                                            uint64_t boff, int scale_d) {
+  static_assert(N == 32 || N == 64, "wgmma_ss_tt: N 32 or 64");
 #if RLX_ATTN_WGMMA
-  if constexpr (std::is_same<T, __half>::value) {
+  constexpr bool f16 = std::is_same<T, __half>::value;
+  if constexpr (N == 64 && f16) {
     asm volatile(
         "{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, %36, 0;\n"
         "add.s64 da, %32, %34;\nadd.s64 db, %33, %35;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
-        "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, da, db, p, 1, "
-        "1, 1, 1;\n}\n"
+        "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, da, db, p, "
+        "1, 1, 1, 1;\n}\n"
         : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
           "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
           "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
           "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
           "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
         : "l"(da), "l"(db), "l"(aoff), "l"(boff), "r"(scale_d));
-  } else {
+  } else if constexpr (N == 64) {
     asm volatile(
         "{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, %36, 0;\n"
         "add.s64 da, %32, %34;\nadd.s64 db, %33, %35;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
-        "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, da, db, p, 1, "
-        "1, 1, 1;\n}\n"
+        "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, da, db, p, "
+        "1, 1, 1, 1;\n}\n"
         : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
           "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
           "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
           "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
           "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "l"(da), "l"(db), "l"(aoff), "l"(boff), "r"(scale_d));
+  } else if constexpr (f16) {
+    asm volatile(
+        "{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, %20, 0;\n"
+        "add.s64 da, %16, %18;\nadd.s64 db, %17, %19;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
+        "%13, %14, %15}, da, db, p, 1, 1, 1, 1;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+          "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+          "+f"(d[3][2]), "+f"(d[3][3])
+        : "l"(da), "l"(db), "l"(aoff), "l"(boff), "r"(scale_d));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, %20, 0;\n"
+        "add.s64 da, %16, %18;\nadd.s64 db, %17, %19;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
+        "%13, %14, %15}, da, db, p, 1, 1, 1, 1;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+          "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+          "+f"(d[3][2]), "+f"(d[3][3])
         : "l"(da), "l"(db), "l"(aoff), "l"(boff), "r"(scale_d));
   }
 #endif
@@ -197,7 +220,8 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
                            T* __restrict__ dq, T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dqacc,
                            uint32_t* __restrict__ sem, uint32_t* __restrict__ ticket) {
 #if RLX_ATTN_WGMMA
-  static_assert(D == 128, "wgmma_fused_bwd_kernel: head dim 128");
+  static_assert(D == 64 || D == 128, "wgmma_fused_bwd_kernel: head dim 64 or 128");
+  constexpr int DH = D / 2;  // dQ columns of a warpgroup
   constexpr int BK = kWgBwdKeys, BQ = kWgBwdRows, NT = kWgBwdThreads;
   extern __shared__ __align__(1024) uint8_t wg_smem[];
   const uint32_t pad = (1024u - (smem_addr(wg_smem) & 1023u)) & 1023u;
@@ -268,10 +292,14 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
   const uint64_t kdsc = wg_desc(smem_addr(Ks) + uint32_t(wg * 64 * 128), 16, 1024);
   const uint64_t vdsc = wg_desc(smem_addr(Vs) + uint32_t(wg * 64 * 128), 16, 1024);
   // dQ operands: dS^T (A, MN-major: 64 queries = one 128-byte row per key, 8-key groups 1024 bytes
-  // apart) and this warpgroup's column half of K (B, MN-major, the same strides)
+  // apart) and this warpgroup's column half of K (B, MN-major, the same strides): columns [DH wg,
+  // DH wg + DH) start in 64-column block DH wg / 64 at byte 2 (DH wg % 64) of its rows (D 64: byte
+  // 64 of the 128-byte rows for warpgroup 1; the hardware swizzles the computed address, so the
+  // descriptor may start inside the swizzle atom's row as the K-major k-steps do)
   const uint32_t saddr = smem_addr(Ss);
   const uint64_t sdt = wg_desc(saddr, BK * 128, 1024);
-  const uint64_t kdq = wg_desc(smem_addr(Ks) + uint32_t(wg * BK * 128), BK * 128, 1024);
+  const uint64_t kdq =
+      wg_desc(smem_addr(Ks) + uint32_t((DH * wg / 64) * BK * 128 + 2 * (DH * wg % 64)), BK * 128, 1024);
   const bool wg_live = kw0 < a.Sk;
   uint8_t* const srow = reinterpret_cast<uint8_t*>(Ss);
   // Ordered dQ sums through the TMA engine, pipelined over the loop (item m's partial is in
@@ -434,11 +462,11 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     cp_async_wait_all();  // the next Q / dO tiles
     fence_proxy_async();  // dS^T (st.shared) -> the async proxy
     __syncthreads();      // both warpgroups' dS^T rows stored; Rc[1] written
-    float dqa[8][4];
+    float dqa[DH / 8][4];
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk)
-      wgmma_ss_tt64<T>(dqa, sdt, kdq, uint64_t(kk * 16 * 128 >> 4), uint64_t(kk * 16 * 128 >> 4), kk > 0);
+      wgmma_ss_tt<T, DH>(dqa, sdt, kdq, uint64_t(kk * 16 * 128 >> 4), uint64_t(kk * 16 * 128 >> 4), kk > 0);
     wg_commit();
     finish();  // the previous item, while this tile's dQ product runs
     p_rank = Rc[1];
@@ -448,15 +476,15 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     p_sem = sem + (b * a.H + h) * nqt + t;
     wg_wait0();
     wg_fence_regs(dqa);
-    // this thread's dQ rows 16 warp + g (+ 8) (row & 7 = g), columns 64 wg + 8 nt + 2 tq (+ 1):
-    // chunk 16 wg + 2 nt + tq / 2, stored at fused_chunk(chunk, g), into Ps[buf] (sent by iteration
-    // m + 1's send, after the barrier at its top)
+    // this thread's dQ rows 16 warp + g (+ 8) (row & 7 = g), columns DH wg + 8 nt + 2 tq (+ 1):
+    // chunk DH / 4 wg + 2 nt + tq / 2, stored at fused_chunk(chunk, g), into Ps[buf] (sent by
+    // iteration m + 1's send, after the barrier at its top)
     float* pr = Ps + buf * BQ * D + (16 * warp + g) * D + 2 * (tq & 1);
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
+    for (int nt = 0; nt < DH / 8; ++nt)
 #pragma unroll
       for (int r = 0; r < 2; ++r)
-        *reinterpret_cast<float2*>(pr + 8 * r * D + 4 * fused_chunk(16 * wg + 2 * nt + (tq >> 1), g)) =
+        *reinterpret_cast<float2*>(pr + 8 * r * D + 4 * fused_chunk(DH / 4 * wg + 2 * nt + (tq >> 1), g)) =
             make_float2(dqa[nt][2 * r], dqa[nt][2 * r + 1]);
     fence_proxy_async();  // Ps (st.shared) -> the async proxy (the bulk ops)
   }

@@ -265,7 +265,7 @@ def _cuda_fused_bwd(q, kind, scale, softcap, has_mask, has_bias) -> bool:
     """Can the CUDA backward take the fused kernel (ffi/cuda/attention.cu, the switch
     RLX_ATTENTION_CUDA_WGMMA_BWD read per trace as the kernel reads it per process): unset or
     8 (the default) for mask kind none, 6 for none and causal, 0 / 4 / 5 / 9 never; only the
-    wgmma backward's PLAIN cases at head dim 128, bf16 / f16. Sizes the scratch for it; the
+    wgmma backward's PLAIN cases at head dims 64 and 128, bf16 / f16. Sizes the scratch for it; the
     kernel checks the size (and that the device can hold a head's key blocks at once) and
     otherwise runs the two-kernel backward."""
     import os
@@ -274,7 +274,7 @@ def _cuda_fused_bwd(q, kind, scale, softcap, has_mask, has_bias) -> bool:
     if mode in ("0", "4", "5", "9"):
         return False
     kinds = ("none", "causal") if mode == "6" else ("none",)
-    return (q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[3] == 128 and not has_mask
+    return (q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[3] in (64, 128) and not has_mask
             and not has_bias and not softcap and kind in kinds and float(scale) > 0)
 
 
