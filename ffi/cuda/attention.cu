@@ -200,18 +200,19 @@ bool attn_ws_dq_pipe() {
 // = OVL dkdv + mma.sync dq and 3 = plain dkdv + mma.sync dq at both head dims, and 4's D 64 wgmma dq,
 // lost to the default in every call of run 11 and were removed with the D 64 OVL dkdv and D 64 wgmma
 // dq instantiations (run 12); OVL vs plain at D 128 is undecided, so 4 stays as the alternative.)
-// 6 = at D 128 the fused backward (attention_fused_bwd.cuh: one kernel for dk, dv and dq, dQ summed in
-// f32 scratch in a fixed order per query tile) where the scratch result is large enough
+// 6 = at D 64 and 128 the fused backward (attention_fused_bwd.cuh: one kernel for dk, dv and dq, dQ
+// summed in f32 scratch in a fixed order per query tile) where the scratch result is large enough
 // (fused_bwd_scratch) and a (batch, kv head)'s key blocks fit on the device at once; else as 5.
 // 9 = at D 128 the OVL dkdv + the warp-specialised dq (attention_wgmma_bwd_ws.cuh: producer
 // warpgroup, K / V ring of 4 stages of 64 keys, persistent grid as the forward's, attn_ws_grid) for
 // both mask kinds (the default from run 14 of benchmarks/results/attention_bwd_h200_2026-11-22.txt,
 // 1.01x / 1.02x mode 5's backward, to session 22); at D 64 as 5. (Run 14's ring of 2 stages, value 7
 // then, ran level with mode 5 and was removed.)
-// 8 or unset (or another value; the default since session 22) = at D 128 the fused backward for mask
-// kind none (as 6 where it serves; fwd+bwd 1.18-1.20x mode 9's, H100, B4 S4096 H16 bf16:
-// benchmarks/results/h100_2026-11-26.txt section 9) and mode 9's kernels for causal (the fused
-// kernel's backward ran 0.89-0.93x theirs there); at D 64 as 5.
+// 8 or unset (or another value; the default since session 22) = the fused backward for mask kind none
+// (as 6 where it serves; D 128: fwd+bwd 1.18-1.20x mode 9's, H100, B4 S4096 H16 bf16:
+// benchmarks/results/h100_2026-11-26.txt section 9; D 64 from session 23: the backward 1.09x the
+// two kernels, section 10) and the two kernels for causal (mode 9's at D 128, 5's at D 64: the fused
+// kernel's backward ran 0.89-0.93x / 0.71x theirs there).
 int attn_wgmma_bwd_mode() {
   static const int env = env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '0')   ? 0
                          : env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '4') ? 4
@@ -521,7 +522,7 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
           // ptxas sm_90a: see the results file (run 11). Modes at D 128: 4 plain dkdv + wgmma dq; 5 OVL
           // dkdv + wgmma dq; 6 the fused kernel; 9 OVL dkdv + the warp-specialised dq (pipelined unless
           // RLX_ATTENTION_CUDA_WS_DQ_PIPE=0); 8 (default) the fused kernel for mask none, else as 9.
-          // D 64 (every mode but 0): plain dkdv + mma.sync dq
+          // D 64: 6 the fused kernel, 8 the fused kernel for mask none; otherwise plain dkdv + mma.sync dq
           // (the warp-specialised dq at D 64 ran 6-9 % slower causal, level without a mask: H100,
           // benchmarks/results/h100_2026-11-26.txt, session 22).
           // fused dk / dv / dq (attention_fused_bwd.cuh) where the switch asks for it and the scratch

@@ -68,7 +68,19 @@
 //     without the bulk ops as well 1.07x: the ordered sums cost about 7 % of fwd+bwd. Staging lse /
 //     delta by cp.async (no thread waits on their loads before the MMAs) ran level here and 0.98x in
 //     the dk / dv kernel: not kept.
-// ptxas (sm_90a, nvcc 13): 255 registers, 12 bytes of spill stores, 1 block of 8 warps per SM.
+//   - session 23: D 64 (the same kernel, dQ as m64n32k16 products): backward alone 1.09x the two
+//     kernels (plain dk / dv + mma.sync dq) without a mask, 0.71x causal (H100): the default for
+//     mask kind none at D 64 as at 128. The ranks computed 64 items at a time by all warps
+//     (fill_ranks) instead of one item an iteration by warp 4: 1.01-1.04x (both head dims, none;
+//     causal level); computing the next item's rank on warp 4 during the dQ product instead ran
+//     0.97x. Causal, per item 1.5x the cost of none (H200) with no semaphore wait, no bulk op and no
+//     rank work at all (diagnosis builds), DRAM traffic 0.27 GB (L2 hit 93 %), and with the
+//     rotation rules swapped (none unrotated 1.08x slower, causal rotated 1.11x slower): the cause
+//     is still not found. A pipelined D 64 loop (the next item's S^T and dP^T issued behind this
+//     item's dQ product; one barrier an iteration, two dS^T buffers, bitwise equal) ran 0.95x; kept
+//     in flight across the loop's back edge instead, ptxas serialised every wgmma (C7514 / C7518).
+// ptxas (sm_90a, nvcc 13): D 128 255 registers, 20 bytes of spill stores; D 64 200 registers, no
+// spill; 1 block of 8 warps per SM.
 #pragma once
 
 #include <cstdint>
@@ -180,11 +192,16 @@ __device__ __forceinline__ void fence_proxy_async_global() {
 // fragment stores spread over the banks and the whole tile is ONE contiguous bulk operation.
 __host__ __device__ constexpr int fused_chunk(int c, int64_t i) { return c ^ int(i & 7); }
 
+// The ranks of a block's items are computed kFusedRankChunk at a time (all 8 warps, every
+// kFusedRankChunk iterations) into shared memory.
+constexpr int kFusedRankChunk = 64;
+
 // Shared memory: wgmma_dkdv_kernel's, plus dS^T [128 keys][64 queries] T, two dQ partials [64 rows]
-// [D] f32 (the one being sent to global memory and the next) and one int.
+// [D] f32 (the one being sent to global memory and the next), 4 ints and the ranks of a chunk.
 template <int D>
 constexpr size_t wg_fused_smem() {
-  return wg_dkdv_smem<D>() + size_t(2) * kWgBwdKeys * kWgBwdRows + size_t(4) * 2 * kWgBwdRows * D + 16;
+  return wg_dkdv_smem<D>() + size_t(2) * kWgBwdKeys * kWgBwdRows + size_t(4) * 2 * kWgBwdRows * D + 16 +
+         4 * kFusedRankChunk;
 }
 
 // dq = scale * dQacc after the fused kernel: dQacc [B, H, Sq, D] f32 (chunks permuted, above) -> dq
@@ -233,7 +250,8 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
   float* Ps = reinterpret_cast<float*>(Ss + BK * BQ);  // dQ partials [2][BQ][D], chunks permuted
   float* Ls = Ps + 2 * BQ * D;                          // [2][BQ], log2 units
   float* Dl = Ls + 2 * BQ;                              // [2][BQ]
-  int* Rc = reinterpret_cast<int*>(Dl + 2 * BQ);        // [0] = ticket, [1] = rank
+  int* Rc = reinterpret_cast<int*>(Dl + 2 * BQ);        // [0] = ticket
+  int* Rk = Rc + 4;                                      // [kFusedRankChunk] ranks (fill_ranks)
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
   const int g = lane >> 2, tq = lane & 3;
   if (threadIdx.x == 0) Rc[0] = int(atomicAdd(ticket, 1u));
@@ -336,22 +354,17 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     fence_proxy_async_global();
     st_release_u32(p_sem, uint32_t(p_rank + 1));
   };
-  int buf = 0;
-  for (int m = 0; m < iters; ++m, buf ^= 1) {
-    int hl, t;
-    item(m, &hl, &t);
-    const int i0 = t * BQ;
-    const int64_t h = hk * a.group + hl;
-    cp_async_wait_all();
-    fence_proxy_async();
-    __syncthreads();  // tiles landed; both warpgroups done with buf ^ 1, Ss and Rc[1]; Ps written
-    if (m + 1 < iters) stage(m + 1, buf ^ 1);
-    cp_async_commit();
-    // rank of this block among the tile's contributors (ordered by (step, kt)), into Rc[1] (read
-    // after the middle barrier): computed by warp 4 (the first of warpgroup 1) once this
-    // iteration's first MMAs are issued, off the path of warpgroup 0 (which issues them first)
-    auto compute_rank = [&]() {
-      if ((threadIdx.x >> 5) != 4) return;
+  // ranks of items [m0, m0 + kFusedRankChunk) (this block among the contributors of the item's
+  // tile, ordered by (step, kt)) into Rk: warp w takes items m0 + w, m0 + w + 8, ...; called by
+  // every thread at iterations m0 = 0, kFusedRankChunk, ... after the first MMAs are issued (the
+  // writes follow the top barrier, the last reads of the previous chunk precede it); read by the
+  // sender after the middle barrier. (Before, warp 4 computed each item's rank in its iteration:
+  // the backward without any rank work ran 1.04x faster, H200, session 23.)
+  auto fill_ranks = [&](int m0) {
+    for (int j = threadIdx.x >> 5; j < kFusedRankChunk && m0 + j < iters; j += NT / 32) {
+      const int m = m0 + j;
+      int hl, t;
+      item(m, &hl, &t);
       int rank = 0;
       for (int x0 = 0; x0 < nkt; x0 += 32) {
         const int x = x0 + lane;
@@ -367,8 +380,20 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
         }
         rank += __popc(__ballot_sync(0xffffffffu, before));
       }
-      if (lane == 0) Rc[1] = rank;
-    };
+      if (lane == 0) Rk[j] = rank;
+    }
+  };
+  int buf = 0;
+  for (int m = 0; m < iters; ++m, buf ^= 1) {
+    int hl, t;
+    item(m, &hl, &t);
+    const int i0 = t * BQ;
+    const int64_t h = hk * a.group + hl;
+    cp_async_wait_all();
+    fence_proxy_async();
+    __syncthreads();  // tiles landed; both warpgroups done with buf ^ 1 and Ss; Ps written
+    if (m + 1 < iters) stage(m + 1, buf ^ 1);
+    cp_async_commit();
     // warpgroup-uniform: does any query of the tile see a key of this warpgroup?
     const bool live = wg_live && !(causal && kw0 > i0 + BQ - 1 + off);
     if (live) {
@@ -387,7 +412,7 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
                         uint64_t(((kk >> 2) * BQ * 128 + (kk & 3) * 32) >> 4), kk > 0);
       wg_commit();
       send();
-      compute_rank();
+      if (m % kFusedRankChunk == 0) fill_ranks(m);
       const float* Lb = Ls + buf * BQ;
       const float* Db = Dl + buf * BQ;
       // warp-uniform: the causal diagonal or the end of the keys crosses this warp's 16 keys (dS^T
@@ -450,7 +475,7 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
       wg_fence_afrag(da);
     } else {
       send();
-      compute_rank();
+      if (m % kFusedRankChunk == 0) fill_ranks(m);
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
@@ -461,7 +486,7 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     }
     cp_async_wait_all();  // the next Q / dO tiles
     fence_proxy_async();  // dS^T (st.shared) -> the async proxy
-    __syncthreads();      // both warpgroups' dS^T rows stored; Rc[1] written
+    __syncthreads();      // both warpgroups' dS^T rows stored; Rk written
     float dqa[DH / 8][4];
     wg_fence();
 #pragma unroll
@@ -469,7 +494,7 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
       wgmma_ss_tt<T, DH>(dqa, sdt, kdq, uint64_t(kk * 16 * 128 >> 4), uint64_t(kk * 16 * 128 >> 4), kk > 0);
     wg_commit();
     finish();  // the previous item, while this tile's dQ product runs
-    p_rank = Rc[1];
+    p_rank = Rk[m % kFusedRankChunk];
     p_i0 = i0;
     p_h = h;
     p_buf = buf;
