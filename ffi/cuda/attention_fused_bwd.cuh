@@ -221,8 +221,9 @@ __global__ void fused_dq_convert_kernel(int64_t n4, int64_t Sq, int64_t H, int D
 }
 
 // The thread that sends the dQ partials (waits on the semaphores, issues and waits for the bulk ops):
-// lane 0 of warp 5, in warpgroup 1, whose warp 4 computes the ranks; thread 0 (warpgroup 0, the
-// first to issue each step's MMAs) ran 1.01-1.04x slower (backward alone, none; 1.015x causal).
+// lane 0 of warp 5, in warpgroup 1; thread 0 (warpgroup 0, the first to issue each step's MMAs)
+// ran 1.01-1.04x slower (backward alone, none; 1.015x causal; session 22, when warp 4 computed the
+// ranks).
 constexpr unsigned kFusedSender = 160;
 
 // The rotation start of key block kt (items of the block: iters).
