@@ -79,6 +79,8 @@
 //     is still not found. A pipelined D 64 loop (the next item's S^T and dP^T issued behind this
 //     item's dQ product; one barrier an iteration, two dS^T buffers, bitwise equal) ran 0.95x; kept
 //     in flight across the loop's back edge instead, ptxas serialised every wgmma (C7514 / C7518).
+//     At D 64 dV's and dK's products are now waited for after the middle barrier, with dQ's (kLate;
+//     every warpgroup through the live branch): 1.01-1.03x none, 0.98x causal (not routed).
 // ptxas (sm_90a, nvcc 13): D 128 255 registers, 20 bytes of spill stores; D 64 200 registers, no
 // spill; 1 block of 8 warps per SM.
 #pragma once
@@ -240,6 +242,11 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
 #if RLX_ATTN_WGMMA
   static_assert(D == 64 || D == 128, "wgmma_fused_bwd_kernel: head dim 64 or 128");
   constexpr int DH = D / 2;  // dQ columns of a warpgroup
+  // D 64: dV's and dK's products are waited for with the dQ product, after the middle barrier, so
+  // they run through it (backward alone 1.01-1.03x without a mask, 0.98x causal where a warpgroup
+  // a tile does not see now runs its products on zeros: H100, session 23). D 128 keeps the wait
+  // before the barrier (its registers hold no more live A fragments).
+  constexpr bool kLate = D == 64;
   constexpr int BK = kWgBwdKeys, BQ = kWgBwdRows, NT = kWgBwdThreads;
   extern __shared__ __align__(1024) uint8_t wg_smem[];
   const uint32_t pad = (1024u - (smem_addr(wg_smem) & 1023u)) & 1023u;
@@ -395,9 +402,12 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     __syncthreads();  // tiles landed; both warpgroups done with buf ^ 1 and Ss; Ps written
     if (m + 1 < iters) stage(m + 1, buf ^ 1);
     cp_async_commit();
-    // warpgroup-uniform: does any query of the tile see a key of this warpgroup?
+    // warpgroup-uniform: does any query of the tile see a key of this warpgroup? (kLate: every
+    // warpgroup takes the first branch, one the tile does not see getting P = dS = 0 from the mask
+    // there, so dV's and dK's products can stay in flight past the branch)
     const bool live = wg_live && !(causal && kw0 > i0 + BQ - 1 + off);
-    if (live) {
+    uint32_t pa[4][4], da[4][4];
+    if (kLate || live) {
       const uint32_t qaddr = smem_addr(Qs + buf * BQ * D), gaddr = smem_addr(Gs + buf * BQ * D);
       float st[8][4], dpt[8][4];
       const uint64_t qd = wg_desc(qaddr, 16, 1024), gd = wg_desc(gaddr, 16, 1024);
@@ -420,7 +430,6 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
       // feeds dQ, so keys past Sk are masked too)
       const bool need = (causal && jw + 15 > i0 + off) || jw + 15 >= sk;
       const uint64_t gdt = wg_desc(gaddr, BQ * 128, 1024), qdt = wg_desc(qaddr, BQ * 128, 1024);
-      uint32_t pa[4][4], da[4][4];
       wg_wait<1>();
       wg_fence_regs(st);
 #pragma unroll
@@ -469,11 +478,13 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
           *reinterpret_cast<uint32_t*>(srow + row * 128 + ((nt ^ (row & 7)) << 4) + 4 * tq) =
               da[nt >> 1][(nt & 1) * 2 + r];
         }
-      wg_wait0();
-      wg_fence_regs(dva);
-      wg_fence_regs(dka);
-      wg_fence_afrag(pa);
-      wg_fence_afrag(da);
+      if constexpr (!kLate) {
+        wg_wait0();
+        wg_fence_regs(dva);
+        wg_fence_regs(dka);
+        wg_fence_afrag(pa);
+        wg_fence_afrag(da);
+      }
     } else {
       send();
       if (m % kFusedRankChunk == 0) fill_ranks(m);
@@ -502,6 +513,12 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     p_sem = sem + (b * a.H + h) * nqt + t;
     wg_wait0();
     wg_fence_regs(dqa);
+    if constexpr (kLate) {  // and dV's and dK's products (in flight since before the barrier)
+      wg_fence_regs(dva);
+      wg_fence_regs(dka);
+      wg_fence_afrag(pa);
+      wg_fence_afrag(da);
+    }
     // this thread's dQ rows 16 warp + g (+ 8) (row & 7 = g), columns DH wg + 8 nt + 2 tq (+ 1):
     // chunk DH / 4 wg + 2 nt + tq / 2, stored at fused_chunk(chunk, g), into Ps[buf] (sent by
     // iteration m + 1's send, after the barrier at its top)
