@@ -244,8 +244,8 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
   constexpr int DH = D / 2;  // dQ columns of a warpgroup
   // D 64: dV's and dK's products are waited for with the dQ product, after the middle barrier, so
   // they run through it (backward alone 1.01-1.03x without a mask, 0.98x causal where a warpgroup
-  // a tile does not see now runs its products on zeros: H100, session 23). D 128 keeps the wait
-  // before the barrier (its registers hold no more live A fragments).
+  // a tile does not see now runs its products on zeros: H100, session 23). Not tried at D 128,
+  // already at 255 registers: keeping the A fragments live longer would add spills.
   constexpr bool kLate = D == 64;
   constexpr int BK = kWgBwdKeys, BQ = kWgBwdRows, NT = kWgBwdThreads;
   extern __shared__ __align__(1024) uint8_t wg_smem[];
