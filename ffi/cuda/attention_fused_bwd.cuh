@@ -22,9 +22,9 @@
 //     already start on different tiles, their diagonals).
 //   - The fixed add order of a tile: its contributors sorted by (step m at which they visit it, kt).
 //     The contributor of rank r sends its partial once the tile's uint32 semaphore equals r, and then
-//     sets it to r + 1. The partial (64 x 128 f32) goes to shared memory (rows padded to 132 floats,
-//     two buffers) at the end of iteration m; the TMA engine sums it into dQacc, pipelined over the
-//     loop:
+//     sets it to r + 1 (the ranks: fill_ranks, 64 items at a time). The partial (64 x D f32) goes
+//     to shared memory (two buffers, the dQacc layout of fused_chunk) at the end of iteration m;
+//     the TMA engine sums it into dQacc, pipelined over the loop:
 //       iteration m + 1, after its first MMAs are issued: one thread (kFusedSender) spins on
 //         ld.acquire of the semaphore until it equals r, then issues ONE bulk operation for the
 //         tile's rows below Sq (the partial's 16-byte chunks are permuted, fused_chunk, so shared
