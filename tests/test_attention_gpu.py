@@ -10,6 +10,8 @@ a bad scratch size."""
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -261,8 +263,11 @@ def test_cuda_targets_in_hlo():
     fn = jax.jit(lambda q, k, v: jax.vjp(lambda q, k, v: attention(q, k, v, mask_kind="causal"), q, k, v)[1](dy))
     text = fn.lower(q, k, v).as_text()
     assert "rlx_attention_fwd" in text and "rlx_attention_bwd" in text
-    # the CUDA backward carries its f32 scratch result (delta, B * H * Sq)
-    assert f"tensor<{A.cuda_bwd_scratch_size(2, 4, 64)}xf32>" in text
+    # the CUDA backward carries its f32 scratch result: delta (B * H * Sq) and, where the switch
+    # lets the fused kernel take the call (the default: causal too), its dQ accumulator and semaphores
+    fused = A._cuda_fused_bwd(q, "causal", 64 ** -0.5, 0.0, False, False)
+    assert fused == (os.environ.get("RLX_ATTENTION_CUDA_WGMMA_BWD", "")[:1] not in ("0", "4", "5", "8", "9"))
+    assert f"tensor<{A.cuda_bwd_scratch_size(2, 4, 64, 64, fused)}xf32>" in text
 
 
 def test_deterministic():
@@ -541,12 +546,13 @@ _WS64_LINE_NP = "D=64 BC=128 NWG=3 WS NST=2 "
 # "9" (the default from run 14 to session 22): at D 128 the OVL dk / dv and the warp-specialised dq
 # (attention_wgmma_bwd_ws.cuh, launch log "wgmma dq kernel D=128 BM=128 BC=64 WS NST=4
 # persistent|tiles PIPE"; without " PIPE" in "4n": each product waited for); at D 64 as 5.
-# "8" (= the default): at D 64 and 128 the fused backward for mask kind none, 9's kernels for causal.
+# "8" (the default from session 22 to 23): at D 64 and 128 the fused backward for mask kind none, 9's
+# kernels for causal. "d" (an unknown value: the default, as unset) = 6.
 # With "4s" (RLX_ATTENTION_CUDA_WS_GRID=2, 7 blocks) every dq
 # block serves several tiles (the ring's phases and the Q / dO buffer carry across tiles); "3t"
 # one block per tile.
 @pytest.mark.parametrize("variant", ["2-5", "0-0", "0-5", "2-4", "2-6", "4-5", "4s-0", "3s-5", "3t-0",
-                                     "4-8", "4s-9", "3t-8", "4n-8"])
+                                     "4-d", "4s-9", "3t-8", "4n-8"])
 def test_wgmma_forward(variant):
     import os
     import subprocess
@@ -579,10 +585,10 @@ def test_wgmma_forward(variant):
     dkdv_lines, dq_lines = {"0": (set(), set()),
                             "4": ({kv(64, 0), kv(128, 0)}, {dq(128)}),
                             "5": ({kv(64, 0), kv(128, 1)}, {dq(128)}),
-                            "6": (set(), set()),
+                            "6": (set(), set()), "d": (set(), set()),
                             "8": ({kv(64, 0), kv(128, 1)}, {dq_ws}),
                             "9": ({kv(64, 0), kv(128, 1)}, {dq_ws})}[bwd]
-    fused_lines = {"D=64 BK=128 BQ=64", "D=128 BK=128 BQ=64"} if bwd in ("6", "8") else set()
+    fused_lines = {"D=64 BK=128 BQ=64", "D=128 BK=128 BQ=64"} if bwd in ("6", "8", "d") else set()
     for which, want, tag in (("fwd", fwd_lines, "rlx attention forward: wgmma kernel "),
                              ("dkdv", dkdv_lines, "rlx attention backward: wgmma dkdv kernel "),
                              ("dq", dq_lines, "rlx attention backward: wgmma dq kernel "),

@@ -39,7 +39,7 @@ if has tests; then
   # wgmma tests alone are 13 child processes of 45-110 s each (switch pairs, determinism)
   att_parts=("tensor_core_path" "kernel_specialisations"
              "wgmma and (2-5 or 0-0 or 0-5)" "wgmma and (2-4 or 2-6)" "wgmma and (4-5 or 4s-0)"
-             "wgmma and (3s-5 or 3t-0 or deterministic)" "wgmma and (4-8 or 4s-9 or 3t-8 or 4n-8)"
+             "wgmma and (3s-5 or 3t-0 or deterministic)" "wgmma and (4-d or 4s-9 or 3t-8 or 4n-8)"
              "not tensor_core_path and not kernel_specialisations and not wgmma")
   for f in $(gpu_test_files); do
     n=$(basename "$f" .py)

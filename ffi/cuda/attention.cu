@@ -202,26 +202,28 @@ bool attn_ws_dq_pipe() {
 // dq instantiations (run 12); OVL vs plain at D 128 is undecided, so 4 stays as the alternative.)
 // 6 = at D 64 and 128 the fused backward (attention_fused_bwd.cuh: one kernel for dk, dv and dq, dQ
 // summed in f32 scratch in a fixed order per query tile) where the scratch result is large enough
-// (fused_bwd_scratch) and a (batch, kv head)'s key blocks fit on the device at once; else as 5.
+// (fused_bwd_scratch) and a (batch, kv head)'s key blocks fit on the device at once; else as 9.
 // 9 = at D 128 the OVL dkdv + the warp-specialised dq (attention_wgmma_bwd_ws.cuh: producer
 // warpgroup, K / V ring of 4 stages of 64 keys, persistent grid as the forward's, attn_ws_grid) for
 // both mask kinds (the default from run 14 of benchmarks/results/attention_bwd_h200_2026-11-22.txt,
 // 1.01x / 1.02x mode 5's backward, to session 22); at D 64 as 5. (Run 14's ring of 2 stages, value 7
 // then, ran level with mode 5 and was removed.)
-// 8 or unset (or another value; the default since session 22) = the fused backward for mask kind none
-// (as 6 where it serves; D 128: fwd+bwd 1.18-1.20x mode 9's, H100, B4 S4096 H16 bf16:
-// benchmarks/results/h100_2026-11-26.txt section 9; D 64 from session 23: the backward 1.09x the
-// two kernels, section 10) and the two kernels for causal (mode 9's at D 128, 5's at D 64: the fused
-// kernel's backward ran 0.89-0.93x / 0.71x theirs there).
+// 8 = the fused backward for mask kind none only (as 6 where it serves), the two kernels for causal
+// (mode 9's at D 128, 5's at D 64): the default from session 22 to 23, when the fused kernel's causal
+// backward ran 0.89-0.93x / 0.71x theirs.
+// unset or another value (the default since session 24) = 6: once the backward's unmasked tiles
+// skipped the per-score mask work (bwd_probs / bwd_dscores, attention_wgmma_bwd.cuh), the fused
+// causal backward ran 1.24-1.26x (D 128) and 1.06-1.08x (D 64) the two kernels' (H100, B4 S4096 H16
+// bf16, backward alone, one build: benchmarks/results/h100_2026-11-26.txt section 11); without a mask 1.18-1.20x
+// mode 9's fwd+bwd at D 128 (section 9) and the backward 1.09x the two kernels at D 64 (section 10).
 int attn_wgmma_bwd_mode() {
   static const int env = env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '0')   ? 0
                          : env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '4') ? 4
                          : env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '5') ? 5
-                         : env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '6') ? 6
+                         : env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '8') ? 8
                          : env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '9') ? 9
-                                                                                : -1;
-  if (env >= 0) return env;
-  return 8;
+                                                                                : 6;
+  return env;
 }
 bool attn_wgmma_required() {
   static const bool on = env_starts_with("RLX_ATTENTION_CUDA_WGMMA_REQUIRE", '1');
@@ -589,7 +591,7 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
           if (a.D == 64)
             return run_wg(attn::wgmma_dkdv_kernel<T, 64, false>, 0, attn::wg_dkdv_smem<64>(),
                           attn::mma_dq_kernel<T, 64, false, true, 1>, false, attn::mma_dq_smem<64>());
-          if (wg_bwd == 8 || wg_bwd == 9) {
+          if (wg_bwd == 6 || wg_bwd == 8 || wg_bwd == 9) {
             // OVL dk / dv (run_wg with no dq launch: qb of the mma path is not used there), then the
             // warp-specialised dq; ptxas sm_90a: run 14 of the backward results file
             if (auto e = run_wg(attn::wgmma_dkdv_kernel<T, 128, true>, 1, attn::wg_dkdv_smem<128>(),

@@ -430,40 +430,23 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
       // feeds dQ, so keys past Sk are masked too)
       const bool need = (causal && jw + 15 > i0 + off) || jw + 15 >= sk;
       const uint64_t gdt = wg_desc(gaddr, BQ * 128, 1024), qdt = wg_desc(qaddr, BQ * 128, 1024);
+      const BwdTileMask msk{jw + g, sk, causal ? i0 + off : INT_MAX};
       wg_wait<1>();
       wg_fence_regs(st);
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int ic = nt * 8 + 2 * tq + (e & 1);
-          const float p = ex2(fmaf(st[nt][e], c2, -Lb[ic]));
-          const int j = jw + g + 8 * (e >> 1);
-          const bool vis = !need || (j < sk && (!causal || j <= i0 + ic + off));
-          st[nt][e] = vis ? p : 0.f;
-        }
-        pa[nt >> 1][(nt & 1) * 2 + 0] = pack2<T>(st[nt][0], st[nt][1]);
-        pa[nt >> 1][(nt & 1) * 2 + 1] = pack2<T>(st[nt][2], st[nt][3]);
-      }
+      if (need)
+        bwd_probs<T, true>(st, pa, Lb, c2, tq, msk);
+      else
+        bwd_probs<T, false>(st, pa, Lb, c2, tq, msk);
       wg_fence();
 #pragma unroll
       for (int kk = 0; kk < BQ / 16; ++kk) wgmma_rs<T, D>(dva, pa[kk], gdt, uint64_t(kk * 16 * 128 >> 4), 1);
       wg_commit();
       wg_wait<1>();
       wg_fence_regs(dpt);
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        float de[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int ic = nt * 8 + 2 * tq + (e & 1);
-          const int j = jw + g + 8 * (e >> 1);
-          const bool vis = !need || (j < sk && (!causal || j <= i0 + ic + off));
-          de[e] = vis ? st[nt][e] * (dpt[nt][e] - Db[ic]) : 0.f;
-        }
-        da[nt >> 1][(nt & 1) * 2 + 0] = pack2<T>(de[0], de[1]);
-        da[nt >> 1][(nt & 1) * 2 + 1] = pack2<T>(de[2], de[3]);
-      }
+      if (need)
+        bwd_dscores<T, true>(st, dpt, da, Db, tq, msk);
+      else
+        bwd_dscores<T, false>(st, dpt, da, Db, tq, msk);
       wg_fence();
 #pragma unroll
       for (int kk = 0; kk < BQ / 16; ++kk) wgmma_rs<T, D>(dka, da[kk], qdt, uint64_t(kk * 16 * 128 >> 4), 1);
