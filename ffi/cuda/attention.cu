@@ -522,9 +522,10 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
             return check_launch("attention backward (wgmma ws dq)");
           };
           // ptxas sm_90a: see the results file (run 11). Modes at D 128: 4 plain dkdv + wgmma dq; 5 OVL
-          // dkdv + wgmma dq; 6 the fused kernel; 9 OVL dkdv + the warp-specialised dq (pipelined unless
-          // RLX_ATTENTION_CUDA_WS_DQ_PIPE=0); 8 (default) the fused kernel for mask none, else as 9.
-          // D 64: 6 the fused kernel, 8 the fused kernel for mask none; otherwise plain dkdv + mma.sync dq
+          // dkdv + wgmma dq; 6 (default) the fused kernel, else as 9; 9 OVL dkdv + the warp-specialised
+          // dq (pipelined unless RLX_ATTENTION_CUDA_WS_DQ_PIPE=0); 8 the fused kernel for mask none, else
+          // as 9. D 64: 6 (default) the fused kernel, 8 the fused kernel for mask none; otherwise plain
+          // dkdv + mma.sync dq
           // (the warp-specialised dq at D 64 ran 6-9 % slower causal, level without a mask: H100,
           // benchmarks/results/h100_2026-11-26.txt, session 22).
           // fused dk / dv / dq (attention_fused_bwd.cuh) where the switch asks for it and the scratch

@@ -49,8 +49,8 @@
 //     whose groups (nkt blocks) fit on the device at once (nkt <= SMs x resident blocks per SM), so
 //     when the whole groups have finished, a partly started group's blocks leave room to start the
 //     rest of it. Otherwise the launcher runs the two-kernel backward.
-// The default for mask kind none (RLX_ATTENTION_CUDA_WGMMA_BWD unset or 8; 6 takes it causal too; 9 =
-// the two kernels for both). History, all B4 S4096 H16 D128 bf16 (benchmarks/results/
+// The default for mask kinds none and causal (RLX_ATTENTION_CUDA_WGMMA_BWD unset or 6; 8 keeps it
+// for none only, 9 = the two kernels for both). History, all B4 S4096 H16 D128 bf16 (benchmarks/results/
 // attention_bwd_h200_2026-11-22.txt run 13, h100_2026-11-26.txt session 22):
 //   - run 13 (H200): the math threads read the dQacc tile with cp.async, added, stored: 0.77x / 0.73x
 //     the two-kernel fwd+bwd (none / causal). A build without the ordered adds (dq wrong) ran 1.28x.
@@ -79,10 +79,16 @@
 //     is still not found. A pipelined D 64 loop (the next item's S^T and dP^T issued behind this
 //     item's dQ product; one barrier an iteration, two dS^T buffers, bitwise equal) ran 0.95x; kept
 //     in flight across the loop's back edge instead, ptxas serialised every wgmma (C7514 / C7518).
-//     At D 64 dV's and dK's products are now waited for after the middle barrier, with dQ's (kLate;
-//     every warpgroup through the live branch): 1.01-1.03x none, 0.98x causal (not routed).
-// ptxas (sm_90a, nvcc 13): D 128 255 registers, 20 bytes of spill stores; D 64 200 registers, no
-// spill; 1 block of 8 warps per SM.
+//     At D 64 dV's and dK's products were waited for after the middle barrier, with dQ's (every
+//     warpgroup through the products): 1.01-1.03x none, 0.98x causal.
+//   - session 24: the cause of the causal cost: the per-score mask selects had compiled into a path
+//     that tested every score of every causal tile (ncu source counters, B2 D 128: 10.2 k against
+//     8.1 k instructions per item). With the unmasked tiles on mask-free loops (bwd_probs /
+//     bwd_dscores<T, false>, attention_wgmma_bwd.cuh) the fused causal backward ran 1.24-1.26x the
+//     two kernels at D 128 and 1.06-1.08x at D 64: the default for causal too. The late wait for dV
+//     and dK then also at D 128 (no spill now): 1.02-1.04x none, 1.01-1.04x causal (3 alternating
+//     rounds against each build, H100).
+// ptxas (sm_90a, nvcc 13): D 128 254 registers, D 64 196, no spill; 1 block of 8 warps per SM.
 #pragma once
 
 #include <cstdint>
@@ -242,11 +248,6 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
 #if RLX_ATTN_WGMMA
   static_assert(D == 64 || D == 128, "wgmma_fused_bwd_kernel: head dim 64 or 128");
   constexpr int DH = D / 2;  // dQ columns of a warpgroup
-  // D 64: dV's and dK's products are waited for with the dQ product, after the middle barrier, so
-  // they run through it (backward alone 1.01-1.03x without a mask, 0.98x causal where a warpgroup
-  // a tile does not see now runs its products on zeros: H100, session 23). Not tried at D 128,
-  // already at 255 registers: keeping the A fragments live longer would add spills.
-  constexpr bool kLate = D == 64;
   constexpr int BK = kWgBwdKeys, BQ = kWgBwdRows, NT = kWgBwdThreads;
   extern __shared__ __align__(1024) uint8_t wg_smem[];
   const uint32_t pad = (1024u - (smem_addr(wg_smem) & 1023u)) & 1023u;
@@ -326,7 +327,6 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
   const uint64_t sdt = wg_desc(saddr, BK * 128, 1024);
   const uint64_t kdq =
       wg_desc(smem_addr(Ks) + uint32_t((DH * wg / 64) * BK * 128 + 2 * (DH * wg % 64)), BK * 128, 1024);
-  const bool wg_live = kw0 < a.Sk;
   uint8_t* const srow = reinterpret_cast<uint8_t*>(Ss);
   // Ordered dQ sums through the TMA engine, pipelined over the loop (item m's partial is in
   // Ps[m & 1] from the end of iteration m), by thread kFusedSender:
@@ -402,83 +402,65 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     __syncthreads();  // tiles landed; both warpgroups done with buf ^ 1 and Ss; Ps written
     if (m + 1 < iters) stage(m + 1, buf ^ 1);
     cp_async_commit();
-    // warpgroup-uniform: does any query of the tile see a key of this warpgroup? (kLate: every
-    // warpgroup takes the first branch, one the tile does not see getting P = dS = 0 from the mask
-    // there, so dV's and dK's products can stay in flight past the branch)
-    const bool live = wg_live && !(causal && kw0 > i0 + BQ - 1 + off);
+    // Every warpgroup forms S^T, dP^T, P^T and dS^T, also one whose keys the tile does not see
+    // (causal, or past Sk): the mask zeroes its P^T and dS^T (such a warp always needs the mask).
+    // So no branch separates the products: dV's and dK's stay in flight through the middle
+    // barrier and are waited for with dQ's (1.02-1.04x the backward that waited for them before the
+    // barrier at D 128, 1.01-1.03x at D 64, none and causal: H100, sessions 23-24).
     uint32_t pa[4][4], da[4][4];
-    if (kLate || live) {
-      const uint32_t qaddr = smem_addr(Qs + buf * BQ * D), gaddr = smem_addr(Gs + buf * BQ * D);
-      float st[8][4], dpt[8][4];
-      const uint64_t qd = wg_desc(qaddr, 16, 1024), gd = wg_desc(gaddr, 16, 1024);
-      wg_fence();
+    const uint32_t qaddr = smem_addr(Qs + buf * BQ * D), gaddr = smem_addr(Gs + buf * BQ * D);
+    float st[8][4], dpt[8][4];
+    const uint64_t qd = wg_desc(qaddr, 16, 1024), gd = wg_desc(gaddr, 16, 1024);
+    wg_fence();
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk)
-        wgmma_ss<T, 64>(st, kdsc, qd, uint64_t(((kk >> 2) * BK * 128 + (kk & 3) * 32) >> 4),
-                        uint64_t(((kk >> 2) * BQ * 128 + (kk & 3) * 32) >> 4), kk > 0);
-      wg_commit();
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma_ss<T, 64>(st, kdsc, qd, uint64_t(((kk >> 2) * BK * 128 + (kk & 3) * 32) >> 4),
+                      uint64_t(((kk >> 2) * BQ * 128 + (kk & 3) * 32) >> 4), kk > 0);
+    wg_commit();
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk)
-        wgmma_ss<T, 64>(dpt, vdsc, gd, uint64_t(((kk >> 2) * BK * 128 + (kk & 3) * 32) >> 4),
-                        uint64_t(((kk >> 2) * BQ * 128 + (kk & 3) * 32) >> 4), kk > 0);
-      wg_commit();
-      send();
-      if (m % kFusedRankChunk == 0) fill_ranks(m);
-      const float* Lb = Ls + buf * BQ;
-      const float* Db = Dl + buf * BQ;
-      // warp-uniform: the causal diagonal or the end of the keys crosses this warp's 16 keys (dS^T
-      // feeds dQ, so keys past Sk are masked too)
-      const bool need = (causal && jw + 15 > i0 + off) || jw + 15 >= sk;
-      const uint64_t gdt = wg_desc(gaddr, BQ * 128, 1024), qdt = wg_desc(qaddr, BQ * 128, 1024);
-      const BwdTileMask msk{jw + g, sk, causal ? i0 + off : INT_MAX};
-      wg_wait<1>();
-      wg_fence_regs(st);
-      if (need)
-        bwd_probs<T, true>(st, pa, Lb, c2, tq, msk);
-      else
-        bwd_probs<T, false>(st, pa, Lb, c2, tq, msk);
-      wg_fence();
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma_ss<T, 64>(dpt, vdsc, gd, uint64_t(((kk >> 2) * BK * 128 + (kk & 3) * 32) >> 4),
+                      uint64_t(((kk >> 2) * BQ * 128 + (kk & 3) * 32) >> 4), kk > 0);
+    wg_commit();
+    send();
+    if (m % kFusedRankChunk == 0) fill_ranks(m);
+    const float* Lb = Ls + buf * BQ;
+    const float* Db = Dl + buf * BQ;
+    // warp-uniform: the causal diagonal or the end of the keys crosses this warp's 16 keys (dS^T
+    // feeds dQ, so keys past Sk are masked too)
+    const bool need = (causal && jw + 15 > i0 + off) || jw + 15 >= sk;
+    const uint64_t gdt = wg_desc(gaddr, BQ * 128, 1024), qdt = wg_desc(qaddr, BQ * 128, 1024);
+    const BwdTileMask msk{jw + g, sk, causal ? i0 + off : INT_MAX};
+    wg_wait<1>();
+    wg_fence_regs(st);
+    if (need)
+      bwd_probs<T, true>(st, pa, Lb, c2, tq, msk);
+    else
+      bwd_probs<T, false>(st, pa, Lb, c2, tq, msk);
+    wg_fence();
 #pragma unroll
-      for (int kk = 0; kk < BQ / 16; ++kk) wgmma_rs<T, D>(dva, pa[kk], gdt, uint64_t(kk * 16 * 128 >> 4), 1);
-      wg_commit();
-      wg_wait<1>();
-      wg_fence_regs(dpt);
-      if (need)
-        bwd_dscores<T, true>(st, dpt, da, Db, tq, msk);
-      else
-        bwd_dscores<T, false>(st, dpt, da, Db, tq, msk);
-      wg_fence();
+    for (int kk = 0; kk < BQ / 16; ++kk) wgmma_rs<T, D>(dva, pa[kk], gdt, uint64_t(kk * 16 * 128 >> 4), 1);
+    wg_commit();
+    wg_wait<1>();
+    wg_fence_regs(dpt);
+    if (need)
+      bwd_dscores<T, true>(st, dpt, da, Db, tq, msk);
+    else
+      bwd_dscores<T, false>(st, dpt, da, Db, tq, msk);
+    wg_fence();
 #pragma unroll
-      for (int kk = 0; kk < BQ / 16; ++kk) wgmma_rs<T, D>(dka, da[kk], qdt, uint64_t(kk * 16 * 128 >> 4), 1);
-      wg_commit();
-      // dS^T rows of this thread (keys 64 wg + 16 warp + g (+ 8)) to shared memory: queries
-      // nt * 8 + 2 tq, +1 are 4 bytes in 16-byte chunk nt, at chunk position nt ^ (row & 7)
+    for (int kk = 0; kk < BQ / 16; ++kk) wgmma_rs<T, D>(dka, da[kk], qdt, uint64_t(kk * 16 * 128 >> 4), 1);
+    wg_commit();
+    // dS^T rows of this thread (keys 64 wg + 16 warp + g (+ 8)) to shared memory: queries
+    // nt * 8 + 2 tq, +1 are 4 bytes in 16-byte chunk nt, at chunk position nt ^ (row & 7)
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
+    for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int row = 64 * wg + 16 * warp + g + 8 * r;
-          *reinterpret_cast<uint32_t*>(srow + row * 128 + ((nt ^ (row & 7)) << 4) + 4 * tq) =
-              da[nt >> 1][(nt & 1) * 2 + r];
-        }
-      if constexpr (!kLate) {
-        wg_wait0();
-        wg_fence_regs(dva);
-        wg_fence_regs(dka);
-        wg_fence_afrag(pa);
-        wg_fence_afrag(da);
+      for (int r = 0; r < 2; ++r) {
+        const int row = 64 * wg + 16 * warp + g + 8 * r;
+        *reinterpret_cast<uint32_t*>(srow + row * 128 + ((nt ^ (row & 7)) << 4) + 4 * tq) =
+            da[nt >> 1][(nt & 1) * 2 + r];
       }
-    } else {
-      send();
-      if (m % kFusedRankChunk == 0) fill_ranks(m);
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int row = 64 * wg + 16 * warp + g + 8 * r;
-          *reinterpret_cast<uint32_t*>(srow + row * 128 + ((nt ^ (row & 7)) << 4) + 4 * tq) = 0u;
-        }
-    }
     cp_async_wait_all();  // the next Q / dO tiles
     fence_proxy_async();  // dS^T (st.shared) -> the async proxy
     __syncthreads();      // both warpgroups' dS^T rows stored; Rk written
@@ -496,12 +478,10 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     p_sem = sem + (b * a.H + h) * nqt + t;
     wg_wait0();
     wg_fence_regs(dqa);
-    if constexpr (kLate) {  // and dV's and dK's products (in flight since before the barrier)
-      wg_fence_regs(dva);
-      wg_fence_regs(dka);
-      wg_fence_afrag(pa);
-      wg_fence_afrag(da);
-    }
+    wg_fence_regs(dva);  // and dV's and dK's products (in flight since before the barrier)
+    wg_fence_regs(dka);
+    wg_fence_afrag(pa);
+    wg_fence_afrag(da);
     // this thread's dQ rows 16 warp + g (+ 8) (row & 7 = g), columns DH wg + 8 nt + 2 tq (+ 1):
     // chunk DH / 4 wg + 2 nt + tq / 2, stored at fused_chunk(chunk, g), into Ps[buf] (sent by
     // iteration m + 1's send, after the barrier at its top)
