@@ -635,7 +635,7 @@ def test_ws_pipelined_loops_bitwise_equal():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     hashes = {}
     for pipe in ("1", "0"):
-        # backward 9: the warp-specialised dq for mask kind none too (the default 8 takes the fused
+        # backward 9: the warp-specialised dq for both mask kinds (the default takes the fused
         # backward there)
         env = dict(os.environ, RLX_ATTENTION_CUDA_WS_PIPE=pipe, RLX_ATTENTION_CUDA_WS_DQ_PIPE=pipe,
                    RLX_ATTENTION_CUDA_WS_GRID="2", RLX_ATTENTION_CUDA_WGMMA_REQUIRE="1",

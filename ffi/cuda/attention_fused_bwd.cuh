@@ -431,25 +431,7 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     const bool need = (causal && jw + 15 > i0 + off) || jw + 15 >= sk;
     const uint64_t gdt = wg_desc(gaddr, BQ * 128, 1024), qdt = wg_desc(qaddr, BQ * 128, 1024);
     const BwdTileMask msk{jw + g, sk, causal ? i0 + off : INT_MAX};
-    wg_wait<1>();
-    wg_fence_regs(st);
-    if (need)
-      bwd_probs<T, true>(st, pa, Lb, c2, tq, msk);
-    else
-      bwd_probs<T, false>(st, pa, Lb, c2, tq, msk);
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < BQ / 16; ++kk) wgmma_rs<T, D>(dva, pa[kk], gdt, uint64_t(kk * 16 * 128 >> 4), 1);
-    wg_commit();
-    wg_wait<1>();
-    wg_fence_regs(dpt);
-    if (need)
-      bwd_dscores<T, true>(st, dpt, da, Db, tq, msk);
-    else
-      bwd_dscores<T, false>(st, dpt, da, Db, tq, msk);
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < BQ / 16; ++kk) wgmma_rs<T, D>(dka, da[kk], qdt, uint64_t(kk * 16 * 128 >> 4), 1);
+    bwd_dv_dk_products<T, D>(st, dpt, pa, da, dva, dka, Lb, Db, c2, tq, need, msk, gdt, qdt);
     wg_commit();
     // dS^T rows of this thread (keys 64 wg + 16 warp + g (+ 8)) to shared memory: queries
     // nt * 8 + 2 tq, +1 are 4 bytes in 16-byte chunk nt, at chunk position nt ^ (row & 7)

@@ -103,6 +103,39 @@ __device__ __forceinline__ void bwd_dscores(const float (&st)[8][4], const float
   }
 }
 
+// The overlapped dV / dK step of one query tile (OVL; the fused kernel's too), once S^T and dP^T
+// have been issued as two commit groups: waits for S^T, forms P^T (masked where the warp `need`s
+// it), issues dV += P^T dO and commits it, waits for dP^T, forms dS^T and issues dK += dS^T Q,
+// which the caller commits. dO / Q come as the MN-major B descriptors gdt / qdt. pa and da are the
+// products' A fragments: the caller keeps them live (wg_fence_afrag) up to the wait that completes
+// the products.
+template <typename T, int D>
+__device__ __forceinline__ void bwd_dv_dk_products(float (&st)[8][4], float (&dpt)[8][4], uint32_t (&pa)[4][4],
+                                                   uint32_t (&da)[4][4], float (&dva)[D / 8][4],
+                                                   float (&dka)[D / 8][4], const float* Lb, const float* Db,
+                                                   float c2, int tq, bool need, const BwdTileMask& m, uint64_t gdt,
+                                                   uint64_t qdt) {
+  wg_wait<1>();
+  wg_fence_regs(st);
+  if (need)
+    bwd_probs<T, true>(st, pa, Lb, c2, tq, m);
+  else
+    bwd_probs<T, false>(st, pa, Lb, c2, tq, m);
+  wg_fence();
+#pragma unroll
+  for (int kk = 0; kk < kWgBwdRows / 16; ++kk) wgmma_rs<T, D>(dva, pa[kk], gdt, uint64_t(kk * 16 * 128 >> 4), 1);
+  wg_commit();
+  wg_wait<1>();  // dP^T done (dV may still run)
+  wg_fence_regs(dpt);
+  if (need)
+    bwd_dscores<T, true>(st, dpt, da, Db, tq, m);
+  else
+    bwd_dscores<T, false>(st, dpt, da, Db, tq, m);
+  wg_fence();
+#pragma unroll
+  for (int kk = 0; kk < kWgBwdRows / 16; ++kk) wgmma_rs<T, D>(dka, da[kk], qdt, uint64_t(kk * 16 * 128 >> 4), 1);
+}
+
 // Grid: one block per (128-key tile, kv head, batch), key tiles in increasing order (causal: the
 // heaviest first).
 template <typename T, int D, bool OVL>
@@ -202,25 +235,7 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     const BwdTileMask msk{jw + g, INT_MAX, i0 + off};
     if constexpr (OVL) {
       // S^T done (dP^T may still run): P^T, then dV += P^T dO issued while dS^T is computed
-      wg_wait<1>();
-      wg_fence_regs(st);
-      if (need)
-        bwd_probs<T, true>(st, pa, Lb, c2, tq, msk);
-      else
-        bwd_probs<T, false>(st, pa, Lb, c2, tq, msk);
-      wg_fence();
-#pragma unroll
-      for (int kk = 0; kk < BQ / 16; ++kk) wgmma_rs<T, D>(dva, pa[kk], gdt, uint64_t(kk * 16 * 128 >> 4), 1);
-      wg_commit();
-      wg_wait<1>();  // dP^T done (dV may still run)
-      wg_fence_regs(dpt);
-      if (need)
-        bwd_dscores<T, true>(st, dpt, da, Db, tq, msk);
-      else
-        bwd_dscores<T, false>(st, dpt, da, Db, tq, msk);
-      wg_fence();
-#pragma unroll
-      for (int kk = 0; kk < BQ / 16; ++kk) wgmma_rs<T, D>(dka, da[kk], qdt, uint64_t(kk * 16 * 128 >> 4), 1);
+      bwd_dv_dk_products<T, D>(st, dpt, pa, da, dva, dka, Lb, Db, c2, tq, need, msk, gdt, qdt);
     } else {
       wg_wait0();
       wg_fence_regs(st);
