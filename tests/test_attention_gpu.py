@@ -317,6 +317,18 @@ def test_long_sequence(d):
     _check_case(1, 2048, 2048, 4, 2, d, jnp.bfloat16, kind="causal", softcap=20.0)
 
 
+# The default backward of the PLAIN cases at long sequences (the fused kernel since session 24 for
+# causal too: 16 key blocks and up to 16 ordered dQ adds a query tile; bottom-right causal with
+# Sq != Sk, GQA).
+@pytest.mark.slow
+@pytest.mark.parametrize("d, kind, sq, sk, hkv, dtype", [
+    (64, "none", 2048, 2048, 2, jnp.bfloat16), (64, "causal", 2048, 2048, 2, jnp.bfloat16),
+    (128, "none", 2048, 2048, 2, jnp.bfloat16), (128, "causal", 2048, 2048, 2, jnp.bfloat16),
+    (128, "causal", 1500, 2600, 1, jnp.float16), (64, "causal", 2600, 1500, 4, jnp.float16)])
+def test_long_sequence_plain(d, kind, sq, sk, hkv, dtype):
+    _check_case(1, sq, sk, 4, hkv, d, dtype, kind=kind, dlse=True, seed=d + sq)
+
+
 # ---- kernel specialisations (ffi/cuda/attention.cu) ----------------------------------------
 # The tensor-core kernels are instantiated per head dim (64: fwd double buffered; 128: fwd
 # staggered), MASK (a key mask is given) and PLAIN (no softcap and no bias: the unmasked tiles
