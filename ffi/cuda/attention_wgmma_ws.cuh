@@ -69,6 +69,26 @@ __device__ __forceinline__ void ws_wait(uint64_t* bar, uint32_t parity) {
   mbar_wait(bar, parity);
 #endif
 }
+// The two consumer warpgroups' turns: named barrier 1 + w is warpgroup w's turn (0 is
+// __syncthreads; 256 threads: the warpgroup whose turn it is syncs, the other arrives). Immediate
+// barrier ids (a register id makes ptxas reserve all 16).
+__device__ __forceinline__ void ws_turn_wait(int cw) {
+#if RLX_ATTN_WGMMA
+  if (cw == 0)
+    asm volatile("bar.sync 1, 256;" ::: "memory");
+  else
+    asm volatile("bar.sync 2, 256;" ::: "memory");
+#endif
+}
+// pass the turn to the other warpgroup
+__device__ __forceinline__ void ws_turn_pass(int cw) {
+#if RLX_ATTN_WGMMA
+  if (cw == 0)
+    asm volatile("bar.arrive 2, 256;" ::: "memory");
+  else
+    asm volatile("bar.arrive 1, 256;" ::: "memory");
+#endif
+}
 template <int N>
 __device__ __forceinline__ void ws_setmaxnreg_dec() {
 #if RLX_ATTN_WGMMA
@@ -315,6 +335,16 @@ __global__ void __launch_bounds__(384, 1)
   const int g = lane >> 2, tq = lane & 3;
   const float c2 = a.scale * kLog2e;  // raw score -> log2 units
   const uint64_t qd = wg_desc(smem_addr(Qs) + uint32_t(cw * 64 * 128), 16, 1024);  // this warpgroup's 64 rows
+  // kTurns (PIPE at D 64): on the key tiles both consumer warpgroups compute, they take turns to issue
+  // their step's two products (named barrier 1 + w: warpgroup w's turn), so one's softmax runs while
+  // the other's products keep the tensor pipe busy (FlashAttention-3's ping-pong). Warpgroup 1
+  // passes the first turn; the turns continue across the block's query tiles (both warpgroups take
+  // the same number a tile); the last pass is left unconsumed when the block exits (synccheck: 0
+  // errors). H100, B4 S4096 H16 bf16, forward alone, 3 alternating rounds against the free-running
+  // warpgroups (benchmarks/results/h100_2026-11-26.txt section 12): D 64 1.06-1.13x none, 1.04-1.06x
+  // causal; D 128 0.96-1.00x none, 0.98-1.01x causal, so D 128 keeps them free-running.
+  constexpr bool kTurns = PIPE && D == 64;
+  if (kTurns && cw == 1) ws_turn_pass(cw);
   for (int64_t t = blockIdx.x; t < ntiles; t += gridDim.x) {
     int64_t qt, bh;
     fwd_tile(t, nqt, nbh, hc, &qt, &bh);
@@ -338,6 +368,15 @@ __global__ void __launch_bounds__(384, 1)
       // P alternates between two register buffers (the loop is unrolled by two): copying the next
       // tile's P into the buffer of the product in flight made ptxas serialise every wgmma (C7513).
       const int64_t kstop = min(kend, wg_kend);
+      // the key tiles both warpgroups compute: [kbeg, kboth) (causal: warpgroup 0's rows see fewer)
+      int64_t kboth = kend;
+      if constexpr (kTurns)
+        for (int w = 0; w < 2; ++w) {
+          const int64_t rw = q0 + 64 * w;
+          int64_t e = a.kind != 0 ? min(a.Sk, min(a.Sq - 1, rw + 63) + a.off + 1) : kend;
+          if (rw >= a.Sq) e = kbeg;
+          kboth = min(kboth, e);
+        }
       if (k0 < kstop) {
         float s[BC / 8][4], alpha[2];
         uint32_t pa[BC / 16][4], pb[BC / 16][4];
@@ -354,12 +393,15 @@ __global__ void __launch_bounds__(384, 1)
         // one step: S of tile k0 issued, then the pending tile's P V; the softmax of tile k0 (its P
         // into pn) while that product runs; then O scaled by tile k0's alpha
         auto step = [&](auto& pc, auto& pn) {
+          const bool turns = kTurns && k0 < kboth;  // warpgroup-uniform, the same steps in both
           ws_wait(kfull + st, ph);
           fence_proxy_async();
+          if (turns) ws_turn_wait(cw);
           ws_issue_qk<T, D, BC>(s, qd, Ks + st * BC * D);
           ws_wait(vfull + pst, pph);
           fence_proxy_async();
           ws_issue_pv<T, D, BC>(o, pc, Vs + pst * BC * D);
+          if (turns) ws_turn_pass(cw);
           wg_wait<1>();  // S of this tile (committed first) has completed
           wg_fence_regs(s);
           ws_softmax_tile<T, BC, true>(a, s, wrow0, k0, g, tq, c2, m, l, pn, alpha);
