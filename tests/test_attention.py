@@ -437,8 +437,8 @@ def test_cuda_backward_scratch_follows_the_kernel_switch(monkeypatch, mode, kind
     """The CUDA backward's scratch holds the fused kernel's f32 dQ accumulator exactly where
     ffi/cuda/attention.cu may take that kernel (RLX_ATTENTION_CUDA_WGMMA_BWD, first character:
     unset / 6 / unknown = fused for mask kinds none and causal, 8 = none only, 0 / 4 / 5 / 9 =
-    never),
-    and only for the cases it serves (bf16 / f16, head dims 64 and 128, no key mask, bias or softcap)."""
+    never), and only for the cases it serves (bf16 / f16, head dims 64 and 128, no key mask, bias
+    or softcap)."""
     if mode is None:
         monkeypatch.delenv("RLX_ATTENTION_CUDA_WGMMA_BWD", raising=False)
     else:

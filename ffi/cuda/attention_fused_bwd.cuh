@@ -410,18 +410,7 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     uint32_t pa[4][4], da[4][4];
     const uint32_t qaddr = smem_addr(Qs + buf * BQ * D), gaddr = smem_addr(Gs + buf * BQ * D);
     float st[8][4], dpt[8][4];
-    const uint64_t qd = wg_desc(qaddr, 16, 1024), gd = wg_desc(gaddr, 16, 1024);
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_ss<T, 64>(st, kdsc, qd, uint64_t(((kk >> 2) * BK * 128 + (kk & 3) * 32) >> 4),
-                      uint64_t(((kk >> 2) * BQ * 128 + (kk & 3) * 32) >> 4), kk > 0);
-    wg_commit();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_ss<T, 64>(dpt, vdsc, gd, uint64_t(((kk >> 2) * BK * 128 + (kk & 3) * 32) >> 4),
-                      uint64_t(((kk >> 2) * BQ * 128 + (kk & 3) * 32) >> 4), kk > 0);
-    wg_commit();
+    bwd_issue_scores<T, D, true>(st, dpt, kdsc, vdsc, qaddr, gaddr);
     send();
     if (m % kFusedRankChunk == 0) fill_ranks(m);
     const float* Lb = Ls + buf * BQ;

@@ -103,6 +103,28 @@ __device__ __forceinline__ void bwd_dscores(const float (&st)[8][4], const float
   }
 }
 
+// S^T = K_w Q^T and dP^T = V_w dO^T for a warpgroup's 64 keys and a 64-query tile (smem x smem,
+// K-major; k-step kk: column half kk / 4, 16 columns = 32 bytes in), issued as one commit group, or
+// two (SPLIT: S^T first, so it can be waited for while dP^T runs). Not waited for. kdsc / vdsc: the
+// warpgroup's K / V rows; qaddr / gaddr: the Q / dO tile.
+template <typename T, int D, bool SPLIT>
+__device__ __forceinline__ void bwd_issue_scores(float (&st)[8][4], float (&dpt)[8][4], uint64_t kdsc, uint64_t vdsc,
+                                                 uint32_t qaddr, uint32_t gaddr) {
+  constexpr int BK = kWgBwdKeys, BQ = kWgBwdRows;
+  const uint64_t qd = wg_desc(qaddr, 16, 1024), gd = wg_desc(gaddr, 16, 1024);
+  wg_fence();
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+    wgmma_ss<T, 64>(st, kdsc, qd, uint64_t(((kk >> 2) * BK * 128 + (kk & 3) * 32) >> 4),
+                    uint64_t(((kk >> 2) * BQ * 128 + (kk & 3) * 32) >> 4), kk > 0);
+  if constexpr (SPLIT) wg_commit();
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+    wgmma_ss<T, 64>(dpt, vdsc, gd, uint64_t(((kk >> 2) * BK * 128 + (kk & 3) * 32) >> 4),
+                    uint64_t(((kk >> 2) * BQ * 128 + (kk & 3) * 32) >> 4), kk > 0);
+  wg_commit();
+}
+
 // The overlapped dV / dK step of one query tile (OVL; the fused kernel's too), once S^T and dP^T
 // have been issued as two commit groups: waits for S^T, forms P^T (masked where the warp `need`s
 // it), issues dV += P^T dO and commits it, waits for dP^T, forms dS^T and issues dK += dS^T Q,
@@ -212,18 +234,7 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     if (!wg_live || (a.kind != 0 && kw0 > i0 + BQ - 1 + off)) continue;
     const uint32_t qaddr = smem_addr(Qs + buf * BQ * D), gaddr = smem_addr(Gs + buf * BQ * D);
     float st[8][4], dpt[8][4];
-    const uint64_t qd = wg_desc(qaddr, 16, 1024), gd = wg_desc(gaddr, 16, 1024);
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)  // k-step kk: column half kk / 4, 16 columns = 32 bytes in
-      wgmma_ss<T, 64>(st, kdsc, qd, uint64_t(((kk >> 2) * BK * 128 + (kk & 3) * 32) >> 4),
-                      uint64_t(((kk >> 2) * BQ * 128 + (kk & 3) * 32) >> 4), kk > 0);
-    if constexpr (OVL) wg_commit();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_ss<T, 64>(dpt, vdsc, gd, uint64_t(((kk >> 2) * BK * 128 + (kk & 3) * 32) >> 4),
-                      uint64_t(((kk >> 2) * BQ * 128 + (kk & 3) * 32) >> 4), kk > 0);
-    wg_commit();
+    bwd_issue_scores<T, D, OVL>(st, dpt, kdsc, vdsc, qaddr, gaddr);
     const float* Lb = Ls + buf * BQ;
     const float* Db = Dl + buf * BQ;
     // warp-uniform: the causal diagonal crosses this warp's 16 keys x the tile's 64 queries

@@ -353,9 +353,14 @@ __global__ void __launch_bounds__(384, 1)
     key_range(a, q0, min(a.Sq - 1, q0 + BM - 1), &kbeg, &kend, BC);
     const int64_t r0 = q0 + 64 * cw;       // this warpgroup's rows [r0, r0 + 64)
     const int64_t wrow0 = r0 + 16 * warp;  // this warp's; thread rows wrow0 + 8 r + g
-    int64_t wg_kend = kend;
-    if (a.kind != 0) wg_kend = min(a.Sk, min(a.Sq - 1, r0 + 63) + a.off + 1);
-    if (r0 >= a.Sq) wg_kend = kbeg;
+    // the end of the keys seen by the 64 rows from rw (causal: by its last row; none past Sq)
+    auto rows_key_end = [&](int64_t rw) {
+      int64_t e = kend;
+      if (a.kind != 0) e = min(a.Sk, min(a.Sq - 1, rw + 63) + a.off + 1);
+      if (rw >= a.Sq) e = kbeg;
+      return e;
+    };
+    const int64_t wg_kend = rows_key_end(r0);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     float o[D / 8][4];
     zero(o);
@@ -371,12 +376,7 @@ __global__ void __launch_bounds__(384, 1)
       // the key tiles both warpgroups compute: [kbeg, kboth) (causal: warpgroup 0's rows see fewer)
       int64_t kboth = kend;
       if constexpr (kTurns)
-        for (int w = 0; w < 2; ++w) {
-          const int64_t rw = q0 + 64 * w;
-          int64_t e = a.kind != 0 ? min(a.Sk, min(a.Sq - 1, rw + 63) + a.off + 1) : kend;
-          if (rw >= a.Sq) e = kbeg;
-          kboth = min(kboth, e);
-        }
+        for (int w = 0; w < 2; ++w) kboth = min(kboth, rows_key_end(q0 + 64 * w));
       if (k0 < kstop) {
         float s[BC / 8][4], alpha[2];
         uint32_t pa[BC / 16][4], pb[BC / 16][4];
