@@ -545,10 +545,10 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
             if (attn_wgmma_required()) {
               char line[96];
               std::snprintf(line, sizeof line, "fused dkdv+dq kernel D=%d BK=%d BQ=%d", int(D), attn::kWgBwdKeys,
-                            attn::kWgBwdRows);
+                            attn::fused_rows(D));
               log_wgmma_kernel(reinterpret_cast<const void*>(fused), true, line);
             }
-            const int64_t nqt = (a.Sq + attn::kWgBwdRows - 1) / attn::kWgBwdRows;
+            const int64_t nqt = (a.Sq + attn::fused_rows(D) - 1) / attn::fused_rows(D);
             float* dqacc = delta + attn::fused_bwd_delta_pad(a.B * a.H * a.Sq);
             uint32_t* sem = reinterpret_cast<uint32_t*>(dqacc + a.B * a.H * a.Sq * D);
             uint32_t* ticket = sem + a.B * a.H * nqt;

@@ -166,11 +166,20 @@ __device__ __forceinline__ void st_release_u32(uint32_t* p, uint32_t v) {
   asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// Query rows of a fused item (BQ): 128 at D 64, 64 at D 128. At D 64 the 64-row items left the
+// tensor pipe about 30 % busy (ncu, session 24): each m64n64 product is half the work of D 128's
+// m64n64 / n128 ones for the same barriers, staging and sends; 128 rows give each warpgroup
+// m64n128 S^T / dP^T products (64 + 64 registers), 8 k-steps of dV / dK, and split dQ by rows
+// (each warpgroup 64 queries x all 64 columns) instead of by columns. At D 128 the 128-row item
+// would need 128 + 128 registers of S^T / dP^T: it stays at 64.
+__host__ __device__ constexpr int fused_rows(int64_t D) { return D == 64 ? 128 : 64; }
+
 // Scratch of the fused backward, in f32 elements after delta (B * H * Sq, rounded up to 4):
-// dQacc B * H * Sq * D, then B * H * nqt + 1 uint32 (the tile semaphores, the ticket counter).
+// dQacc B * H * Sq * D, then B * H * nqt + 1 uint32 (the tile semaphores, the ticket counter;
+// nqt: query tiles of fused_rows(D) rows).
 inline int64_t fused_bwd_delta_pad(int64_t bhs) { return (bhs + 3) / 4 * 4; }
 inline int64_t fused_bwd_scratch(int64_t B, int64_t H, int64_t Sq, int64_t D) {
-  const int64_t nqt = (Sq + kWgBwdRows - 1) / kWgBwdRows;
+  const int64_t nqt = (Sq + fused_rows(D) - 1) / fused_rows(D);
   return fused_bwd_delta_pad(B * H * Sq) + B * H * Sq * D + B * H * nqt + 1;
 }
 
@@ -196,7 +205,7 @@ __device__ __forceinline__ void fence_proxy_async_global() {
 
 // dQacc layout: [B, H, Sq, D] f32 with the 16-byte chunks of each row permuted: chunk c (columns
 // 4 c .. 4 c + 3) of query row i is stored at chunk c ^ (i & 7) (D a multiple of 32). The shared
-// memory partial of a 64-row tile has the same layout (its rows start at multiples of 64), so the
+// memory partial of a BQ-row tile has the same layout (its rows start at multiples of BQ), so the
 // fragment stores spread over the banks and the whole tile is ONE contiguous bulk operation.
 __host__ __device__ constexpr int fused_chunk(int c, int64_t i) { return c ^ int(i & 7); }
 
@@ -204,12 +213,15 @@ __host__ __device__ constexpr int fused_chunk(int c, int64_t i) { return c ^ int
 // kFusedRankChunk iterations) into shared memory.
 constexpr int kFusedRankChunk = 64;
 
-// Shared memory: wgmma_dkdv_kernel's, plus dS^T [128 keys][64 queries] T, two dQ partials [64 rows]
-// [D] f32 (the one being sent to global memory and the next), 4 ints and the ranks of a chunk.
+// Shared memory (BQ = fused_rows(D)): K and V [128 x D], Q and dO double buffered [2][BQ x D], lse
+// and delta [2][BQ] f32 each, 1024 bytes to align the swizzle atoms, dS^T [BQ / 64][128 keys][64
+// queries] T, two dQ partials [BQ rows][D] f32 (the one being sent to global memory and the next),
+// 4 ints and the ranks of a chunk. D 64: 195 KB; D 128: 153 KB.
 template <int D>
 constexpr size_t wg_fused_smem() {
-  return wg_dkdv_smem<D>() + size_t(2) * kWgBwdKeys * kWgBwdRows + size_t(4) * 2 * kWgBwdRows * D + 16 +
-         4 * kFusedRankChunk;
+  constexpr size_t BQ = fused_rows(D);
+  return size_t(2) * D * (2 * kWgBwdKeys + 4 * BQ) + sizeof(float) * 4 * BQ + 1024 + size_t(2) * kWgBwdKeys * BQ +
+         size_t(4) * 2 * BQ * D + 16 + 4 * kFusedRankChunk;
 }
 
 // dq = scale * dQacc after the fused kernel: dQacc [B, H, Sq, D] f32 (chunks permuted, above) -> dq
@@ -247,15 +259,18 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
                            uint32_t* __restrict__ sem, uint32_t* __restrict__ ticket) {
 #if RLX_ATTN_WGMMA
   static_assert(D == 64 || D == 128, "wgmma_fused_bwd_kernel: head dim 64 or 128");
-  constexpr int DH = D / 2;  // dQ columns of a warpgroup
-  constexpr int BK = kWgBwdKeys, BQ = kWgBwdRows, NT = kWgBwdThreads;
+  constexpr int BK = kWgBwdKeys, BQ = fused_rows(D), NT = kWgBwdThreads;
+  // dQ = dS K split over the warpgroups by query rows (BQ 128: warpgroup w rows [64 w, 64 w + 64),
+  // all D columns) or by columns (BQ 64: all rows, columns [D/2 w, D/2 w + D/2))
+  constexpr bool ROWS = BQ == 128;
+  constexpr int DH = ROWS ? D : D / 2;  // dQ columns of a warpgroup
   extern __shared__ __align__(1024) uint8_t wg_smem[];
   const uint32_t pad = (1024u - (smem_addr(wg_smem) & 1023u)) & 1023u;
   T* Ks = reinterpret_cast<T*>(wg_smem + pad);  // [D / 64][BK][64]
   T* Vs = Ks + BK * D;                            // [D / 64][BK][64]
   T* Qs = Vs + BK * D;                            // [2][D / 64][BQ][64]
   T* Gs = Qs + 2 * BQ * D;                        // dO, [2][D / 64][BQ][64]
-  T* Ss = Gs + 2 * BQ * D;                        // dS^T [BK][BQ] (128-byte swizzle)
+  T* Ss = Gs + 2 * BQ * D;                        // dS^T [BQ / 64][BK][64] (128-byte swizzle)
   float* Ps = reinterpret_cast<float*>(Ss + BK * BQ);  // dQ partials [2][BQ][D], chunks permuted
   float* Ls = Ps + 2 * BQ * D;                          // [2][BQ], log2 units
   float* Dl = Ls + 2 * BQ;                              // [2][BQ]
@@ -319,14 +334,14 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
   const uint64_t kdsc = wg_desc(smem_addr(Ks) + uint32_t(wg * 64 * 128), 16, 1024);
   const uint64_t vdsc = wg_desc(smem_addr(Vs) + uint32_t(wg * 64 * 128), 16, 1024);
   // dQ operands: dS^T (A, MN-major: 64 queries = one 128-byte row per key, 8-key groups 1024 bytes
-  // apart) and this warpgroup's column half of K (B, MN-major, the same strides): columns [DH wg,
-  // DH wg + DH) start in 64-column block DH wg / 64 at byte 2 (DH wg % 64) of its rows (D 64: byte
-  // 64 of the 128-byte rows for warpgroup 1; the hardware swizzles the computed address, so the
-  // descriptor may start inside the swizzle atom's row as the K-major k-steps do)
+  // apart; ROWS: this warpgroup's 64 queries, block wg of Ss) and K (B, MN-major, the same strides;
+  // not ROWS: this warpgroup's column half, columns [DH wg, DH wg + DH) starting in 64-column block
+  // DH wg / 64 at byte 2 (DH wg % 64) of its rows; the hardware swizzles the computed address, so
+  // the descriptor may start inside the swizzle atom's row as the K-major k-steps do)
   const uint32_t saddr = smem_addr(Ss);
-  const uint64_t sdt = wg_desc(saddr, BK * 128, 1024);
-  const uint64_t kdq =
-      wg_desc(smem_addr(Ks) + uint32_t((DH * wg / 64) * BK * 128 + 2 * (DH * wg % 64)), BK * 128, 1024);
+  const uint64_t sdt = wg_desc(saddr + (ROWS ? uint32_t(wg * BK * 128) : 0u), BK * 128, 1024);
+  const int kcol = ROWS ? 0 : DH * wg;
+  const uint64_t kdq = wg_desc(smem_addr(Ks) + uint32_t((kcol / 64) * BK * 128 + 2 * (kcol % 64)), BK * 128, 1024);
   uint8_t* const srow = reinterpret_cast<uint8_t*>(Ss);
   // Ordered dQ sums through the TMA engine, pipelined over the loop (item m's partial is in
   // Ps[m & 1] from the end of iteration m), by thread kFusedSender:
@@ -407,10 +422,10 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     // So no branch separates the products: dV's and dK's stay in flight through the middle
     // barrier and are waited for with dQ's (1.02-1.04x the backward that waited for them before the
     // barrier at D 128, 1.01-1.03x at D 64, none and causal: H100, sessions 23-24).
-    uint32_t pa[4][4], da[4][4];
+    uint32_t pa[BQ / 16][4], da[BQ / 16][4];
     const uint32_t qaddr = smem_addr(Qs + buf * BQ * D), gaddr = smem_addr(Gs + buf * BQ * D);
-    float st[8][4], dpt[8][4];
-    bwd_issue_scores<T, D, true>(st, dpt, kdsc, vdsc, qaddr, gaddr);
+    float st[BQ / 8][4], dpt[BQ / 8][4];
+    bwd_issue_scores<T, D, true, BQ>(st, dpt, kdsc, vdsc, qaddr, gaddr);
     send();
     if (m % kFusedRankChunk == 0) fill_ranks(m);
     const float* Lb = Ls + buf * BQ;
@@ -420,17 +435,18 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     const bool need = (causal && jw + 15 > i0 + off) || jw + 15 >= sk;
     const uint64_t gdt = wg_desc(gaddr, BQ * 128, 1024), qdt = wg_desc(qaddr, BQ * 128, 1024);
     const BwdTileMask msk{jw + g, sk, causal ? i0 + off : INT_MAX};
-    bwd_dv_dk_products<T, D>(st, dpt, pa, da, dva, dka, Lb, Db, c2, tq, need, msk, gdt, qdt);
+    bwd_dv_dk_products<T, D, BQ>(st, dpt, pa, da, dva, dka, Lb, Db, c2, tq, need, msk, gdt, qdt);
     wg_commit();
     // dS^T rows of this thread (keys 64 wg + 16 warp + g (+ 8)) to shared memory: queries
-    // nt * 8 + 2 tq, +1 are 4 bytes in 16-byte chunk nt, at chunk position nt ^ (row & 7)
+    // nt * 8 + 2 tq, +1 are 4 bytes in 16-byte chunk nt % 8 of query block nt / 8, at chunk
+    // position (nt % 8) ^ (row & 7)
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
+    for (int nt = 0; nt < BQ / 8; ++nt)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = 64 * wg + 16 * warp + g + 8 * r;
-        *reinterpret_cast<uint32_t*>(srow + row * 128 + ((nt ^ (row & 7)) << 4) + 4 * tq) =
-            da[nt >> 1][(nt & 1) * 2 + r];
+        *reinterpret_cast<uint32_t*>(srow + (nt >> 3) * BK * 128 + row * 128 + (((nt & 7) ^ (row & 7)) << 4) +
+                                     4 * tq) = da[nt >> 1][(nt & 1) * 2 + r];
       }
     cp_async_wait_all();  // the next Q / dO tiles
     fence_proxy_async();  // dS^T (st.shared) -> the async proxy
@@ -453,15 +469,15 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     wg_fence_regs(dka);
     wg_fence_afrag(pa);
     wg_fence_afrag(da);
-    // this thread's dQ rows 16 warp + g (+ 8) (row & 7 = g), columns DH wg + 8 nt + 2 tq (+ 1):
-    // chunk DH / 4 wg + 2 nt + tq / 2, stored at fused_chunk(chunk, g), into Ps[buf] (sent by
-    // iteration m + 1's send, after the barrier at its top)
-    float* pr = Ps + buf * BQ * D + (16 * warp + g) * D + 2 * (tq & 1);
+    // this thread's dQ rows r0 + 16 warp + g (+ 8) (r0 = 64 wg where ROWS, else 0; row & 7 = g),
+    // columns kcol + 8 nt + 2 tq (+ 1): chunk kcol / 4 + 2 nt + tq / 2, stored at fused_chunk(chunk,
+    // g), into Ps[buf] (sent by iteration m + 1's send, after the barrier at its top)
+    float* pr = Ps + buf * BQ * D + ((ROWS ? 64 * wg : 0) + 16 * warp + g) * D + 2 * (tq & 1);
 #pragma unroll
     for (int nt = 0; nt < DH / 8; ++nt)
 #pragma unroll
       for (int r = 0; r < 2; ++r)
-        *reinterpret_cast<float2*>(pr + 8 * r * D + 4 * fused_chunk(DH / 4 * wg + 2 * nt + (tq >> 1), g)) =
+        *reinterpret_cast<float2*>(pr + 8 * r * D + 4 * fused_chunk(kcol / 4 + 2 * nt + (tq >> 1), g)) =
             make_float2(dqa[nt][2 * r], dqa[nt][2 * r + 1]);
     fence_proxy_async();  // Ps (st.shared) -> the async proxy (the bulk ops)
   }

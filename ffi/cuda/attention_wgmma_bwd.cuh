@@ -70,11 +70,12 @@ struct BwdTileMask {
 // MASKED = false on every other tile: a per-score select there compiled (nvcc 13) into a path that
 // tested every score of every causal tile, 1.25x the instructions per item of the unmasked run
 // (ncu source counters, session 24).
-template <typename T, bool MASKED>
-__device__ __forceinline__ void bwd_probs(float (&st)[8][4], uint32_t (&pa)[4][4], const float* Lb, float c2, int tq,
-                                          const BwdTileMask& m) {
+// NQ: the query tile's n8 blocks (8: 64 queries, 16: the fused kernel's 128-query tiles at D 64).
+template <typename T, bool MASKED, int NQ = 8>
+__device__ __forceinline__ void bwd_probs(float (&st)[NQ][4], uint32_t (&pa)[NQ / 2][4], const float* Lb, float c2,
+                                          int tq, const BwdTileMask& m) {
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
+  for (int nt = 0; nt < NQ; ++nt) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float p = ex2(fmaf(st[nt][e], c2, -Lb[8 * nt + 2 * tq + (e & 1)]));
@@ -87,11 +88,11 @@ __device__ __forceinline__ void bwd_probs(float (&st)[8][4], uint32_t (&pa)[4][4
 
 // dS^T = P^T (dP^T - delta_q) from bwd_probs' P^T (MASKED: 0 where the mask hides the score,
 // whatever dP^T holds there), packed into the A fragments of dK += dS^T Q.
-template <typename T, bool MASKED>
-__device__ __forceinline__ void bwd_dscores(const float (&st)[8][4], const float (&dpt)[8][4], uint32_t (&da)[4][4],
-                                            const float* Db, int tq, const BwdTileMask& m) {
+template <typename T, bool MASKED, int NQ = 8>
+__device__ __forceinline__ void bwd_dscores(const float (&st)[NQ][4], const float (&dpt)[NQ][4],
+                                            uint32_t (&da)[NQ / 2][4], const float* Db, int tq, const BwdTileMask& m) {
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
+  for (int nt = 0; nt < NQ; ++nt) {
     float de[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -107,20 +108,20 @@ __device__ __forceinline__ void bwd_dscores(const float (&st)[8][4], const float
 // K-major; k-step kk: column half kk / 4, 16 columns = 32 bytes in), issued as one commit group, or
 // two (SPLIT: S^T first, so it can be waited for while dP^T runs). Not waited for. kdsc / vdsc: the
 // warpgroup's K / V rows; qaddr / gaddr: the Q / dO tile.
-template <typename T, int D, bool SPLIT>
-__device__ __forceinline__ void bwd_issue_scores(float (&st)[8][4], float (&dpt)[8][4], uint64_t kdsc, uint64_t vdsc,
-                                                 uint32_t qaddr, uint32_t gaddr) {
-  constexpr int BK = kWgBwdKeys, BQ = kWgBwdRows;
+template <typename T, int D, bool SPLIT, int BQ = kWgBwdRows>
+__device__ __forceinline__ void bwd_issue_scores(float (&st)[BQ / 8][4], float (&dpt)[BQ / 8][4], uint64_t kdsc,
+                                                 uint64_t vdsc, uint32_t qaddr, uint32_t gaddr) {
+  constexpr int BK = kWgBwdKeys;
   const uint64_t qd = wg_desc(qaddr, 16, 1024), gd = wg_desc(gaddr, 16, 1024);
   wg_fence();
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk)
-    wgmma_ss<T, 64>(st, kdsc, qd, uint64_t(((kk >> 2) * BK * 128 + (kk & 3) * 32) >> 4),
+    wgmma_ss<T, BQ>(st, kdsc, qd, uint64_t(((kk >> 2) * BK * 128 + (kk & 3) * 32) >> 4),
                     uint64_t(((kk >> 2) * BQ * 128 + (kk & 3) * 32) >> 4), kk > 0);
   if constexpr (SPLIT) wg_commit();
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk)
-    wgmma_ss<T, 64>(dpt, vdsc, gd, uint64_t(((kk >> 2) * BK * 128 + (kk & 3) * 32) >> 4),
+    wgmma_ss<T, BQ>(dpt, vdsc, gd, uint64_t(((kk >> 2) * BK * 128 + (kk & 3) * 32) >> 4),
                     uint64_t(((kk >> 2) * BQ * 128 + (kk & 3) * 32) >> 4), kk > 0);
   wg_commit();
 }
@@ -131,31 +132,32 @@ __device__ __forceinline__ void bwd_issue_scores(float (&st)[8][4], float (&dpt)
 // which the caller commits. dO / Q come as the MN-major B descriptors gdt / qdt. pa and da are the
 // products' A fragments: the caller keeps them live (wg_fence_afrag) up to the wait that completes
 // the products.
-template <typename T, int D>
-__device__ __forceinline__ void bwd_dv_dk_products(float (&st)[8][4], float (&dpt)[8][4], uint32_t (&pa)[4][4],
-                                                   uint32_t (&da)[4][4], float (&dva)[D / 8][4],
-                                                   float (&dka)[D / 8][4], const float* Lb, const float* Db,
-                                                   float c2, int tq, bool need, const BwdTileMask& m, uint64_t gdt,
-                                                   uint64_t qdt) {
+template <typename T, int D, int BQ = kWgBwdRows>
+__device__ __forceinline__ void bwd_dv_dk_products(float (&st)[BQ / 8][4], float (&dpt)[BQ / 8][4],
+                                                   uint32_t (&pa)[BQ / 16][4], uint32_t (&da)[BQ / 16][4],
+                                                   float (&dva)[D / 8][4], float (&dka)[D / 8][4], const float* Lb,
+                                                   const float* Db, float c2, int tq, bool need,
+                                                   const BwdTileMask& m, uint64_t gdt, uint64_t qdt) {
+  constexpr int NQ = BQ / 8;
   wg_wait<1>();
   wg_fence_regs(st);
   if (need)
-    bwd_probs<T, true>(st, pa, Lb, c2, tq, m);
+    bwd_probs<T, true, NQ>(st, pa, Lb, c2, tq, m);
   else
-    bwd_probs<T, false>(st, pa, Lb, c2, tq, m);
+    bwd_probs<T, false, NQ>(st, pa, Lb, c2, tq, m);
   wg_fence();
 #pragma unroll
-  for (int kk = 0; kk < kWgBwdRows / 16; ++kk) wgmma_rs<T, D>(dva, pa[kk], gdt, uint64_t(kk * 16 * 128 >> 4), 1);
+  for (int kk = 0; kk < BQ / 16; ++kk) wgmma_rs<T, D>(dva, pa[kk], gdt, uint64_t(kk * 16 * 128 >> 4), 1);
   wg_commit();
   wg_wait<1>();  // dP^T done (dV may still run)
   wg_fence_regs(dpt);
   if (need)
-    bwd_dscores<T, true>(st, dpt, da, Db, tq, m);
+    bwd_dscores<T, true, NQ>(st, dpt, da, Db, tq, m);
   else
-    bwd_dscores<T, false>(st, dpt, da, Db, tq, m);
+    bwd_dscores<T, false, NQ>(st, dpt, da, Db, tq, m);
   wg_fence();
 #pragma unroll
-  for (int kk = 0; kk < kWgBwdRows / 16; ++kk) wgmma_rs<T, D>(dka, da[kk], qdt, uint64_t(kk * 16 * 128 >> 4), 1);
+  for (int kk = 0; kk < BQ / 16; ++kk) wgmma_rs<T, D>(dka, da[kk], qdt, uint64_t(kk * 16 * 128 >> 4), 1);
 }
 
 // Grid: one block per (128-key tile, kv head, batch), key tiles in increasing order (causal: the
