@@ -5,12 +5,14 @@
 //
 // Block = 2 warpgroups over 128 keys of one kv head, exactly wgmma_dkdv_kernel's OVL schedule
 // (attention_wgmma_bwd.cuh) for S^T, dP^T, P^T, dS^T, dV += P^T dO, dK += dS^T Q; in addition, per
-// query tile (64 rows of one query head) it forms the block's partial
-//   dQ_tile = dS K_block   (64 queries x 128 keys x D): wgmma m64n(D/2)k16, 8 k-steps of 16 keys,
-// warpgroup w computing the D columns [D/2 w, D/2 w + D/2). A = dS, read from shared memory where
-// both warpgroups stored their dS^T rows (keys) as [128 keys][64 queries] in the 128-byte swizzle
-// layout (queries contiguous: the A operand MN-major, transpose bit); B = the block's K tile,
-// MN-major (transpose bit), as V in the forward's P V product.
+// query tile (BQ = fused_rows(D) rows of one query head: 64 at D 128, 128 at D 64, where S^T and
+// dP^T are m64n128 products) it forms the block's partial
+//   dQ_tile = dS K_block   (BQ queries x 128 keys x D), 8 k-steps of 16 keys: at D 128 wgmma
+// m64n64k16, warpgroup w computing the D columns [64 w, 64 w + 64) of the 64 rows; at D 64 wgmma
+// m64n64k16, warpgroup w computing the 64 rows [64 w, 64 w + 64) over all columns. A = dS, read
+// from shared memory where both warpgroups stored their dS^T rows (keys) as [BQ / 64][128 keys][64
+// queries] in the 128-byte swizzle layout (queries contiguous: the A operand MN-major, transpose
+// bit); B = the block's K tile, MN-major (transpose bit), as V in the forward's P V product.
 //
 // The partials of the key blocks of one kv head are summed in f32 in global scratch (dQacc [B, H,
 // Sq, D]) in a FIXED order per query tile, so dq is bitwise reproducible: no float atomics.
@@ -88,7 +90,13 @@
 //     two kernels at D 128 and 1.06-1.08x at D 64: the default for causal too. The late wait for dV
 //     and dK then also at D 128 (no spill now): 1.02-1.04x none, 1.01-1.04x causal (3 alternating
 //     rounds against each build, H100).
-// ptxas (sm_90a, nvcc 13): D 128 254 registers, D 64 196, no spill; 1 block of 8 warps per SM.
+//   - session 25: at D 64 the items had half of D 128's product work for the same per-item barriers,
+//     staging and sends (tensor pipe 30 % busy, 0.72 warps an issue stalled on barriers: ncu). Items
+//     of 128 query rows (fused_rows): backward alone 1.27-1.29x none, 1.24-1.26x causal (3 alternating
+//     rounds, H100; tensor pipe 39 %, barrier stalls 0.46); fwd+bwd at D 64 0.74x -> 0.89x / 0.88x
+//     cuDNN. Waiting for dV's and dK's products before the middle barrier there instead ran level.
+// ptxas (sm_90a, nvcc 13): D 128 254 registers, no spill; D 64 255, 44 bytes spilled (the prologue and
+// the pending item's bookkeeping at the end of the loop); 1 block of 8 warps per SM.
 #pragma once
 
 #include <cstdint>
@@ -99,15 +107,14 @@ namespace rlx {
 namespace cuda {
 namespace attn {
 
-// D[64 x N] (+)= A B with A and B both from shared memory, both MN-major (transpose bits set):
-// the fused backward's dQ = dS K, N = D / 2 columns per warpgroup (64 at D 128, 32 at D 64).
-template <typename T, int N>
-__device__ __forceinline__ void wgmma_ss_tt(float (&d)[N / 8][4], uint64_t da, uint64_t db, uint64_t aoff,
-                                            uint64_t boff, int scale_d) {
-  static_assert(N == 32 || N == 64, "wgmma_ss_tt: N 32 or 64");
+// D[64 x 64] (+)= A B with A and B both from shared memory, both MN-major (transpose bits set):
+// the fused backward's dQ = dS K, 64 columns per warpgroup (D 128: a column half of 64 rows; D 64:
+// all columns of the warpgroup's 64 rows).
+template <typename T>
+__device__ __forceinline__ void wgmma_ss_tt(float (&d)[8][4], uint64_t da, uint64_t db, uint64_t aoff, uint64_t boff,
+                                            int scale_d) {
 #if RLX_ATTN_WGMMA
-  constexpr bool f16 = std::is_same<T, __half>::value;
-  if constexpr (N == 64 && f16) {
+  if constexpr (std::is_same<T, __half>::value) {
     asm volatile(
         "{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, %36, 0;\n"
         "add.s64 da, %32, %34;\nadd.s64 db, %33, %35;\n"
@@ -120,7 +127,7 @@ __device__ __forceinline__ void wgmma_ss_tt(float (&d)[N / 8][4], uint64_t da, u
           "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
           "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
         : "l"(da), "l"(db), "l"(aoff), "l"(boff), "r"(scale_d));
-  } else if constexpr (N == 64) {
+  } else {
     asm volatile(
         "{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, %36, 0;\n"
         "add.s64 da, %32, %34;\nadd.s64 db, %33, %35;\n"
@@ -132,26 +139,6 @@ __device__ __forceinline__ void wgmma_ss_tt(float (&d)[N / 8][4], uint64_t da, u
           "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
           "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
           "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-        : "l"(da), "l"(db), "l"(aoff), "l"(boff), "r"(scale_d));
-  } else if constexpr (f16) {
-    asm volatile(
-        "{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, %20, 0;\n"
-        "add.s64 da, %16, %18;\nadd.s64 db, %17, %19;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
-        "%13, %14, %15}, da, db, p, 1, 1, 1, 1;\n}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
-          "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
-          "+f"(d[3][2]), "+f"(d[3][3])
-        : "l"(da), "l"(db), "l"(aoff), "l"(boff), "r"(scale_d));
-  } else {
-    asm volatile(
-        "{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, %20, 0;\n"
-        "add.s64 da, %16, %18;\nadd.s64 db, %17, %19;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
-        "%13, %14, %15}, da, db, p, 1, 1, 1, 1;\n}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
-          "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
-          "+f"(d[3][2]), "+f"(d[3][3])
         : "l"(da), "l"(db), "l"(aoff), "l"(boff), "r"(scale_d));
   }
 #endif
@@ -264,6 +251,7 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
   // all D columns) or by columns (BQ 64: all rows, columns [D/2 w, D/2 w + D/2))
   constexpr bool ROWS = BQ == 128;
   constexpr int DH = ROWS ? D : D / 2;  // dQ columns of a warpgroup
+  static_assert(DH == 64, "wgmma_fused_bwd_kernel: dQ as m64n64 products (wgmma_ss_tt)");
   extern __shared__ __align__(1024) uint8_t wg_smem[];
   const uint32_t pad = (1024u - (smem_addr(wg_smem) & 1023u)) & 1023u;
   T* Ks = reinterpret_cast<T*>(wg_smem + pad);  // [D / 64][BK][64]
@@ -455,7 +443,7 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk)
-      wgmma_ss_tt<T, DH>(dqa, sdt, kdq, uint64_t(kk * 16 * 128 >> 4), uint64_t(kk * 16 * 128 >> 4), kk > 0);
+      wgmma_ss_tt<T>(dqa, sdt, kdq, uint64_t(kk * 16 * 128 >> 4), uint64_t(kk * 16 * 128 >> 4), kk > 0);
     wg_commit();
     finish();  // the previous item, while this tile's dQ product runs
     p_rank = Rk[m % kFusedRankChunk];

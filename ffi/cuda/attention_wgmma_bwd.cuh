@@ -50,7 +50,7 @@ constexpr size_t wg_dkdv_smem() {
   return size_t(2) * D * (2 * kWgBwdKeys + 4 * kWgBwdRows) + sizeof(float) * 4 * kWgBwdRows + 1024;
 }
 
-// Which scores of a thread's S^T / dP^T fragment (m64n64 C fragment: keys jw + g and jw + g + 8 as
+// Which scores of a thread's S^T / dP^T fragment (m64n64 / m64n128 C fragment: keys jw + g and jw + g + 8 as
 // rows, queries i0 + 8 nt + 2 tq (+ 1) as columns; element e of n8 block nt is key j0 + 8 (e >> 1),
 // query column 8 nt + 2 tq + (e & 1)) a tile's mask hides: key j is seen by query i0 + c iff
 // j < jend and j - c <= diag (causal: diag = i0 + off; jend = Sk where keys past it must give zeros).
@@ -104,7 +104,7 @@ __device__ __forceinline__ void bwd_dscores(const float (&st)[NQ][4], const floa
   }
 }
 
-// S^T = K_w Q^T and dP^T = V_w dO^T for a warpgroup's 64 keys and a 64-query tile (smem x smem,
+// S^T = K_w Q^T and dP^T = V_w dO^T for a warpgroup's 64 keys and a BQ-query tile (smem x smem,
 // K-major; k-step kk: column half kk / 4, 16 columns = 32 bytes in), issued as one commit group, or
 // two (SPLIT: S^T first, so it can be waited for while dP^T runs). Not waited for. kdsc / vdsc: the
 // warpgroup's K / V rows; qaddr / gaddr: the Q / dO tile.
