@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(384, 1)
   const float c2 = a.scale * kLog2e;  // raw score -> log2 units
   const uint64_t qd = wg_desc(smem_addr(Qs) + uint32_t(cw * 64 * 128), 16, 1024);  // this warpgroup's 64 rows
   const uint64_t gd = wg_desc(smem_addr(Gs) + uint32_t(cw * 64 * 128), 16, 1024);
-  for (int64_t t = blockIdx.x; t < ntiles; t += gridDim.x) {
+  for (int64_t n = 0, t = ws_tile(0, a.kind != 0); t < ntiles; t = ws_tile(++n, a.kind != 0)) {
     int64_t qt, bh;
     fwd_tile(t, nqt, nbh, hc, &qt, &bh);
     const int64_t h = bh % a.H, b = bh / a.H, q0 = qt * BM;

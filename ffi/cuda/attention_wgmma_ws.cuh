@@ -19,8 +19,8 @@
 //     written through the generic proxy, is read by wgmma through the async proxy), and after its
 //     P V product has completed (wait_group 0) lane 0 of each warp arrives on the stage's empty
 //     barrier (count 8). No CTA-wide barrier after the prologue.
-//   Persistent grid: block i serves tiles i, i + gridDim.x, ... of fwd_tile's order (attention_mma.cuh);
-//     the launcher picks gridDim.x = min(tiles, SMs) or one block per tile. The ring's stage and
+//   Persistent grid: block i serves tiles i, 2 G - 1 - i, 2 G + i, ... (causal; without a mask i, G + i, ...) of fwd_tile's order (ws_tile,
+//     G = gridDim.x); the launcher picks G = min(tiles, SMs) or one block per tile. The ring's stage and
 //     phase continue across tiles, so the producer loads the next tile's K / V while the consumers
 //     finish the previous one and write its output.
 // Consumer loop, PIPE (the default; RLX_ATTENTION_CUDA_WS_PIPE=0 selects the loop above, attention.cu):
@@ -126,6 +126,19 @@ __device__ __forceinline__ void ws_load_tile(T* dst, const T* __restrict__ x, in
 #endif
 }
 
+// Tile of pass n of a persistent block (G = gridDim.x blocks, block i): n G + i in even passes,
+// n G + G - 1 - i in odd ones (boustrophedon). fwd_tile's order puts a head's heaviest causal tiles
+// first, so with the plain stride (block i: i, G + i, 2 G + i, ...) a block whose index meets the
+// same query tile in every pass kept it: with nqt query tiles a head and G = 132 SMs, the busiest
+// block carried 1.125x the mean work (nqt = 32, S 4096) to 1.97x (nqt = 22); reversing every other
+// pass pairs heavy with light tiles (1.03x at nqt = 32, by the model of a tile's work = its key
+// tiles). A pass past the last tile ends the block's sequence: every later pass starts beyond it.
+// Without a mask (zig false: every tile the same work) the plain stride is kept.
+__device__ __forceinline__ int64_t ws_tile(int64_t n, bool zig) {
+  const int64_t G = gridDim.x, i = blockIdx.x;
+  return n * G + (zig && (n & 1) ? G - 1 - i : i);
+}
+
 // The ring's barriers, NST stages: K full, V full (count 128: one cp.async arrival per producer
 // thread), empty (count 8: lane 0 of each consumer warp); Q full (128) and Q empty (8). Laid out
 // from `at` on (8-byte aligned), initialised by thread 0; the caller's __syncthreads publishes them.
@@ -166,7 +179,7 @@ __device__ __forceinline__ void ws_produce(const AttnArgs& a, const T* __restric
   const int64_t q_rs = a.H * D, kv_rs = a.Hkv * D;
   int st = 0;
   uint32_t ph = 0, qph = 0;
-  for (int64_t t = blockIdx.x; t < ntiles; t += gridDim.x) {
+  for (int64_t n = 0, t = ws_tile(0, a.kind != 0); t < ntiles; t = ws_tile(++n, a.kind != 0)) {
     int64_t qt, bh;
     fwd_tile(t, nqt, nbh, hc, &qt, &bh);
     const int64_t h = bh % a.H, b = bh / a.H, hk = h / a.group, q0 = qt * BM;
@@ -345,7 +358,7 @@ __global__ void __launch_bounds__(384, 1)
   // causal; D 128 0.96-1.00x none, 0.98-1.01x causal, so D 128 keeps them free-running.
   constexpr bool kTurns = PIPE && D == 64;
   if (kTurns && cw == 1) ws_turn_pass(cw);
-  for (int64_t t = blockIdx.x; t < ntiles; t += gridDim.x) {
+  for (int64_t n = 0, t = ws_tile(0, a.kind != 0); t < ntiles; t = ws_tile(++n, a.kind != 0)) {
     int64_t qt, bh;
     fwd_tile(t, nqt, nbh, hc, &qt, &bh);
     const int64_t h = bh % a.H, b = bh / a.H, q0 = qt * BM;
