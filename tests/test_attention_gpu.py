@@ -614,7 +614,9 @@ def test_wgmma_forward(variant):
 # each product in turn) do the same arithmetic in the same order: out, lse and dq (and dk, dv, from
 # the same dk / dv kernel) must be bitwise equal, at both head dims, causal and not, odd lengths,
 # GQA, Sq != Sk both ways, several query tiles per block (RLX_ATTENTION_CUDA_WS_GRID=2: 7 blocks),
-# on random inputs with a spread of scales (rows whose running max moves often).
+# on random inputs with a spread of scales (rows whose running max moves often). So must the
+# persistent grid's two pass orders (RLX_ATTENTION_CUDA_WS_ORDER=0 / 1: which block takes which
+# tile, attn_ws_zig in attention.cu).
 _WS_PIPE_CHILD = """
 import hashlib, sys
 sys.path.insert(0, "tests")
@@ -646,12 +648,15 @@ def test_ws_pipelined_loops_bitwise_equal():
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     hashes = {}
-    for pipe in ("1", "0"):
+    # the pipelined and unpipelined loops, and (pipelined) the persistent grid's two pass orders
+    # (RLX_ATTENTION_CUDA_WS_ORDER: 0 plain stride, 1 boustrophedon; unset: the launcher's choice):
+    # each tile is computed the same way whichever block takes it
+    for pipe, order in (("1", ""), ("0", ""), ("1", "0"), ("1", "1")):
         # backward 9: the warp-specialised dq for both mask kinds (the default takes the fused
         # backward there)
         env = dict(os.environ, RLX_ATTENTION_CUDA_WS_PIPE=pipe, RLX_ATTENTION_CUDA_WS_DQ_PIPE=pipe,
                    RLX_ATTENTION_CUDA_WS_GRID="2", RLX_ATTENTION_CUDA_WGMMA_REQUIRE="1",
-                   RLX_ATTENTION_CUDA_WGMMA_BWD="9")
+                   RLX_ATTENTION_CUDA_WGMMA_BWD="9", RLX_ATTENTION_CUDA_WS_ORDER=order)
         r = subprocess.run([sys.executable, "-c", _WS_PIPE_CHILD], cwd=root, env=env, capture_output=True,
                            text=True, timeout=300)
         assert r.returncode == 0 and "child ok" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
@@ -664,8 +669,8 @@ def test_ws_pipelined_loops_bitwise_equal():
                        if "rlx attention backward: wgmma dq kernel " in ln}
         dq_want = {"D=128 BM=128 BC=64 WS NST=4 persistent" + (" PIPE" if pipe == "1" else "")}
         assert dq_launched == dq_want, dq_launched
-        hashes[pipe] = [ln for ln in r.stdout.splitlines() if ln.startswith("hash ")]
-    assert len(hashes["1"]) == 5 and hashes["1"] == hashes["0"], hashes
+        hashes[pipe + order] = [ln for ln in r.stdout.splitlines() if ln.startswith("hash ")]
+    assert len(hashes["1"]) == 5 and all(h == hashes["1"] for h in hashes.values()), hashes
 
 
 # The fused backward (RLX_ATTENTION_CUDA_WGMMA_BWD=6) sums the key blocks' dQ partials in f32 global

@@ -18,10 +18,12 @@
 // dk / dv at both head dims, dq at D 128, by default the warp-specialised dq of
 // attention_wgmma_bwd_ws.cuh; RLX_ATTENTION_CUDA_WGMMA_BWD below); everything else
 // (f32, other head dims up to 256) runs the generic kernels. All are deterministic.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include <map>
 #include <mutex>
@@ -170,6 +172,35 @@ int64_t attn_ws_grid(int64_t tiles, int sms) {
                                                                               : 0;
   if (env == 1) return tiles;
   return std::min<int64_t>(tiles, env == 2 ? 7 : std::max(sms, 1));
+}
+// Pass order of the persistent warp-specialised grids (attn::ws_tile: 0 the plain stride, 1
+// boustrophedon passes) for `blocks` blocks over the query tiles of bm rows (fwd_tile's order, hc):
+// the one whose busiest block has less work by the model "a tile's work = its key tiles of bc keys
+// + 1" (the + 1: its Q load and output), the plain stride on a tie and without a mask (every tile
+// the same work). O(tiles) host work a launch. RLX_ATTENTION_CUDA_WS_ORDER (read once per process):
+// 0 / 1 force the order (tests: both give bitwise the same outputs), otherwise the model decides.
+int attn_ws_zig(const AttnArgs& a, int64_t nqt, int64_t hc, int64_t blocks, int64_t bm, int64_t bc) {
+  static const int env = env_starts_with("RLX_ATTENTION_CUDA_WS_ORDER", '0')   ? 0
+                         : env_starts_with("RLX_ATTENTION_CUDA_WS_ORDER", '1') ? 1
+                                                                               : -1;
+  if (env >= 0) return env;
+  const int64_t nbh = a.B * a.H, tiles = nqt * nbh;
+  if (a.kind == 0 || blocks <= 1 || tiles <= blocks) return 0;
+  std::vector<int64_t> plain(size_t(blocks), 0), zig(size_t(blocks), 0);
+  for (int64_t t = 0; t < tiles; ++t) {
+    int64_t qt, bh;
+    attn::fwd_tile(t, nqt, nbh, hc, &qt, &bh);
+    // the tile's keys as key_range (attention_mma.cuh) gives them: causal up to its last row,
+    // sliding from its first row's window start
+    const int64_t q0 = qt * bm, q_last = std::min(a.Sq - 1, q0 + bm - 1);
+    const int64_t kend = std::min(a.Sk, q_last + a.off + 1);
+    const int64_t kbeg = a.kind == 2 ? std::max<int64_t>(0, q0 + a.off - a.window) / bc * bc : 0;
+    const int64_t work = (kend > kbeg ? (kend - kbeg + bc - 1) / bc : 0) + 1;
+    const int64_t n = t / blocks, i = t - n * blocks;
+    plain[size_t(i)] += work;
+    zig[size_t((n & 1) ? blocks - 1 - i : i)] += work;
+  }
+  return *std::max_element(zig.begin(), zig.end()) < *std::max_element(plain.begin(), plain.end()) ? 1 : 0;
 }
 // Consumer loop of the warp-specialised forward (RLX_ATTENTION_CUDA_WS_PIPE, read once per process):
 // unset (or another value): pipelined within each consumer warpgroup (the next key tile's S = Q K^T
@@ -328,8 +359,10 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
             }
             if (auto e = grid_check(blocks, "attention"); e.failure()) return e;
             if (auto e = prepare(info.device, kernel, smem, "attention"); e.failure()) return e;
+            const int hc = attn_fwd_hc(a, nqt, info.sms);
             if (blocks > 0)
-              kernel<<<unsigned(blocks), 384u, smem, stream>>>(a, q, k, v, out, lse, attn_fwd_hc(a, nqt, info.sms));
+              kernel<<<unsigned(blocks), 384u, smem, stream>>>(a, q, k, v, out, lse, hc,
+                                                                attn_ws_zig(a, nqt, hc, blocks, 128, kBC));
             return check_launch("attention forward (wgmma ws)");
           };
           // The pipelined consumer loop releases a ring stage one step later (after the next tile's
@@ -516,9 +549,10 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
             }
             if (auto e = grid_check(blocks, "attention backward"); e.failure()) return e;
             if (auto e = prepare(info.device, kernel, smem, "attention backward"); e.failure()) return e;
+            const int hc = attn_fwd_hc(a, nqt, info.sms);
             if (blocks > 0)
-              kernel<<<unsigned(blocks), 384u, smem, stream>>>(a, q, k, v, dout, lse, delta, dq,
-                                                                attn_fwd_hc(a, nqt, info.sms));
+              kernel<<<unsigned(blocks), 384u, smem, stream>>>(a, q, k, v, dout, lse, delta, dq, hc,
+                                                                attn_ws_zig(a, nqt, hc, blocks, 128, attn::kWsDqKeys));
             return check_launch("attention backward (wgmma ws dq)");
           };
           // ptxas sm_90a: see the results file (run 11). Modes at D 128: 4 plain dkdv + wgmma dq; 5 OVL

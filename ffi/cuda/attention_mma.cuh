@@ -420,10 +420,12 @@ __device__ __forceinline__ void key_range(const AttnArgs& a, int64_t q0, int64_t
 // block scheduler (or the persistent grid's stride) starts the longest tiles first and ends on the
 // shortest (longest-processing-time-first), while the heads in flight stay few enough that their
 // K / V stay in L2. hc = 1 is the order before (one head's tiles after another's, heaviest first).
-__device__ __forceinline__ void fwd_tile(int64_t t, int64_t nqt, int64_t nbh, int64_t hc, int64_t* qt, int64_t* bh) {
+// (Host too: the launcher's model of the persistent grid's balance, attn_ws_zig.)
+__host__ __device__ __forceinline__ void fwd_tile(int64_t t, int64_t nqt, int64_t nbh, int64_t hc, int64_t* qt,
+                                                  int64_t* bh) {
   const int64_t per = hc * nqt;
   const int64_t c = t / per, i = t - c * per;
-  const int64_t n = min(hc, nbh - c * hc);  // heads in this chunk
+  const int64_t n = hc < nbh - c * hc ? hc : nbh - c * hc;  // heads in this chunk
   const int64_t j = i / n;
   *qt = nqt - 1 - j;
   *bh = c * hc + (i - j * n);

@@ -69,7 +69,7 @@ template <typename T, int D, int NST, bool PIPE>
 __global__ void __launch_bounds__(384, 1)
     wgmma_dq_ws_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                        const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
-                       T* __restrict__ dq, int hc) {
+                       T* __restrict__ dq, int hc, int zig) {
 #if RLX_ATTN_WGMMA
   static_assert(D % 64 == 0 && NST >= (PIPE ? 3 : 2) && kWsDqKeys == kWgDqKeys, "wgmma_dq_ws_kernel: tile shapes");
   constexpr int BM = 128, BC = kWsDqKeys;
@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(384, 1)
   uint32_t ph = 0, qph = 0;
   if (wg == 0) {
     ws_setmaxnreg_dec<kWsDqProdRegs>();
-    ws_produce<T, D, BM, BC, NST, true>(a, q, dout, k, v, Qs, Gs, Ks, Vs, ring, hc);
+    ws_produce<T, D, BM, BC, NST, true>(a, q, dout, k, v, Qs, Gs, Ks, Vs, ring, hc, zig != 0);
     return;
   }
   // ---- consumers ----
@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(384, 1)
   const float c2 = a.scale * kLog2e;  // raw score -> log2 units
   const uint64_t qd = wg_desc(smem_addr(Qs) + uint32_t(cw * 64 * 128), 16, 1024);  // this warpgroup's 64 rows
   const uint64_t gd = wg_desc(smem_addr(Gs) + uint32_t(cw * 64 * 128), 16, 1024);
-  for (int64_t n = 0, t = ws_tile(0, a.kind != 0); t < ntiles; t = ws_tile(++n, a.kind != 0)) {
+  for (int64_t n = 0, t = ws_tile(0, zig != 0); t < ntiles; t = ws_tile(++n, zig != 0)) {
     int64_t qt, bh;
     fwd_tile(t, nqt, nbh, hc, &qt, &bh);
     const int64_t h = bh % a.H, b = bh / a.H, q0 = qt * BM;

@@ -19,8 +19,9 @@
 //     written through the generic proxy, is read by wgmma through the async proxy), and after its
 //     P V product has completed (wait_group 0) lane 0 of each warp arrives on the stage's empty
 //     barrier (count 8). No CTA-wide barrier after the prologue.
-//   Persistent grid: block i serves tiles i, 2 G - 1 - i, 2 G + i, ... (causal; without a mask i, G + i, ...) of fwd_tile's order (ws_tile,
-//     G = gridDim.x); the launcher picks G = min(tiles, SMs) or one block per tile. The ring's stage and
+//   Persistent grid: block i serves tiles i, G + i, 2 G + i, ... or i, 2 G - 1 - i, 2 G + i, ... (zig) of
+//     fwd_tile's order (ws_tile, G = gridDim.x); the launcher picks G = min(tiles, SMs) or one block per
+//     tile, and zig (attn_ws_zig). The ring's stage and
 //     phase continue across tiles, so the producer loads the next tile's K / V while the consumers
 //     finish the previous one and write its output.
 // Consumer loop, PIPE (the default; RLX_ATTENTION_CUDA_WS_PIPE=0 selects the loop above, attention.cu):
@@ -126,14 +127,15 @@ __device__ __forceinline__ void ws_load_tile(T* dst, const T* __restrict__ x, in
 #endif
 }
 
-// Tile of pass n of a persistent block (G = gridDim.x blocks, block i): n G + i in even passes,
-// n G + G - 1 - i in odd ones (boustrophedon). fwd_tile's order puts a head's heaviest causal tiles
-// first, so with the plain stride (block i: i, G + i, 2 G + i, ...) a block whose index meets the
-// same query tile in every pass kept it: with nqt query tiles a head and G = 132 SMs, the busiest
-// block carried 1.125x the mean work (nqt = 32, S 4096) to 1.97x (nqt = 22); reversing every other
-// pass pairs heavy with light tiles (1.03x at nqt = 32, by the model of a tile's work = its key
-// tiles). A pass past the last tile ends the block's sequence: every later pass starts beyond it.
-// Without a mask (zig false: every tile the same work) the plain stride is kept.
+// Tile of pass n of a persistent block (G = gridDim.x blocks, block i): n G + i, the plain stride,
+// or with zig n G + i in even passes and n G + G - 1 - i in odd ones (boustrophedon). fwd_tile's
+// order puts a head's heaviest causal tiles first, so with the plain stride a block whose index
+// meets the same query tile in every pass keeps it. By the model of a tile's work = its key tiles
+// + 1, causal, 64 heads, G = 132 SMs, the busiest block carries 1.12x the mean work at nqt = 32
+// query tiles a head (S 4096) and 1.90x at nqt = 22 (S 2816), against 1.03x and 1.11x in
+// boustrophedon passes; other shapes favour the plain stride (32 heads, nqt 32, G 114: 1.13x
+// against 1.41x). The launcher picks by that model (attn_ws_zig, attention.cu). A pass past the
+// last tile ends the block's sequence: every later pass starts beyond it.
 __device__ __forceinline__ int64_t ws_tile(int64_t n, bool zig) {
   const int64_t G = gridDim.x, i = blockIdx.x;
   return n * G + (zig && (n & 1) ? G - 1 - i : i);
@@ -174,12 +176,12 @@ __device__ __forceinline__ WsRing ws_ring_init(void* at) {
 template <typename T, int D, int BM, int BC, int NST, bool DO>
 __device__ __forceinline__ void ws_produce(const AttnArgs& a, const T* __restrict__ q, const T* __restrict__ dout,
                                            const T* __restrict__ k, const T* __restrict__ v, T* Qs, T* Gs, T* Ks,
-                                           T* Vs, const WsRing& ring, int hc) {
+                                           T* Vs, const WsRing& ring, int hc, bool zig) {
   const int64_t nqt = (a.Sq + BM - 1) / BM, nbh = a.B * a.H, ntiles = nqt * nbh;
   const int64_t q_rs = a.H * D, kv_rs = a.Hkv * D;
   int st = 0;
   uint32_t ph = 0, qph = 0;
-  for (int64_t n = 0, t = ws_tile(0, a.kind != 0); t < ntiles; t = ws_tile(++n, a.kind != 0)) {
+  for (int64_t n = 0, t = ws_tile(0, zig); t < ntiles; t = ws_tile(++n, zig)) {
     int64_t qt, bh;
     fwd_tile(t, nqt, nbh, hc, &qt, &bh);
     const int64_t h = bh % a.H, b = bh / a.H, hk = h / a.group, q0 = qt * BM;
@@ -321,7 +323,7 @@ __device__ __forceinline__ void ws_ring_next(int& st, uint32_t& ph, int nst) {
 template <typename T, int D, int BC, int NST, bool PIPE>
 __global__ void __launch_bounds__(384, 1)
     wgmma_fwd_ws_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                        T* __restrict__ out, float* __restrict__ lse, int hc) {
+                        T* __restrict__ out, float* __restrict__ lse, int hc, int zig) {
 #if RLX_ATTN_WGMMA
   static_assert(D % 64 == 0 && (BC == 64 || BC == 128) && NST >= 2, "wgmma_fwd_ws_kernel: tile shapes");
   constexpr int BM = 128;
@@ -339,7 +341,7 @@ __global__ void __launch_bounds__(384, 1)
   uint32_t ph = 0, qph = 0;
   if (wg == 0) {
     ws_setmaxnreg_dec<PIPE ? kWsPipeProdRegs : kWsProdRegs>();
-    ws_produce<T, D, BM, BC, NST, false>(a, q, nullptr, k, v, Qs, nullptr, Ks, Vs, ring, hc);
+    ws_produce<T, D, BM, BC, NST, false>(a, q, nullptr, k, v, Qs, nullptr, Ks, Vs, ring, hc, zig != 0);
     return;
   }
   // ---- consumers ----
@@ -358,7 +360,7 @@ __global__ void __launch_bounds__(384, 1)
   // causal; D 128 0.96-1.00x none, 0.98-1.01x causal, so D 128 keeps them free-running.
   constexpr bool kTurns = PIPE && D == 64;
   if (kTurns && cw == 1) ws_turn_pass(cw);
-  for (int64_t n = 0, t = ws_tile(0, a.kind != 0); t < ntiles; t = ws_tile(++n, a.kind != 0)) {
+  for (int64_t n = 0, t = ws_tile(0, zig); t < ntiles; t = ws_tile(++n, zig)) {
     int64_t qt, bh;
     fwd_tile(t, nqt, nbh, hc, &qt, &bh);
     const int64_t h = bh % a.H, b = bh / a.H, q0 = qt * BM;
