@@ -177,8 +177,9 @@ int64_t attn_ws_grid(int64_t tiles, int sms) {
 // boustrophedon passes) for `blocks` blocks over the query tiles of bm rows (fwd_tile's order, hc):
 // the one whose busiest block has less work by the model "a tile's work = its key tiles of bc keys
 // + 1" (the + 1: its Q load and output), the plain stride on a tie and without a mask (every tile
-// the same work). O(tiles) host work a launch. RLX_ATTENTION_CUDA_WS_ORDER (read once per process):
-// 0 / 1 force the order (tests: both give bitwise the same outputs), otherwise the model decides.
+// the same work). O(tiles) host work, once per shape (cached: a launch of a shape seen before
+// looks the choice up). RLX_ATTENTION_CUDA_WS_ORDER (read once per process): 0 / 1 force the order
+// (tests: both give bitwise the same outputs), otherwise the model decides.
 int attn_ws_zig(const AttnArgs& a, int64_t nqt, int64_t hc, int64_t blocks, int64_t bm, int64_t bc) {
   static const int env = env_starts_with("RLX_ATTENTION_CUDA_WS_ORDER", '0')   ? 0
                          : env_starts_with("RLX_ATTENTION_CUDA_WS_ORDER", '1') ? 1
@@ -186,6 +187,14 @@ int attn_ws_zig(const AttnArgs& a, int64_t nqt, int64_t hc, int64_t blocks, int6
   if (env >= 0) return env;
   const int64_t nbh = a.B * a.H, tiles = nqt * nbh;
   if (a.kind == 0 || blocks <= 1 || tiles <= blocks) return 0;
+  using Key = std::vector<int64_t>;
+  static std::mutex mu;
+  static std::map<Key, int> cache;
+  const Key key{a.kind, a.Sq, a.Sk, a.off, a.window, nbh, nqt, hc, blocks, bm, bc};
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (auto it = cache.find(key); it != cache.end()) return it->second;
+  }
   std::vector<int64_t> plain(size_t(blocks), 0), zig(size_t(blocks), 0);
   for (int64_t t = 0; t < tiles; ++t) {
     int64_t qt, bh;
@@ -200,7 +209,11 @@ int attn_ws_zig(const AttnArgs& a, int64_t nqt, int64_t hc, int64_t blocks, int6
     plain[size_t(i)] += work;
     zig[size_t((n & 1) ? blocks - 1 - i : i)] += work;
   }
-  return *std::max_element(zig.begin(), zig.end()) < *std::max_element(plain.begin(), plain.end()) ? 1 : 0;
+  const int pick = *std::max_element(zig.begin(), zig.end()) < *std::max_element(plain.begin(), plain.end()) ? 1 : 0;
+  std::lock_guard<std::mutex> lock(mu);
+  if (cache.size() >= 4096) cache.clear();  // bounded: a program uses few shapes
+  cache.emplace(key, pick);
+  return pick;
 }
 // Consumer loop of the warp-specialised forward (RLX_ATTENTION_CUDA_WS_PIPE, read once per process):
 // unset (or another value): pipelined within each consumer warpgroup (the next key tile's S = Q K^T
