@@ -199,11 +199,11 @@ int attn_ws_zig(const AttnArgs& a, int64_t nqt, int64_t hc, int64_t blocks, int6
   for (int64_t t = 0; t < tiles; ++t) {
     int64_t qt, bh;
     attn::fwd_tile(t, nqt, nbh, hc, &qt, &bh);
-    // the tile's keys as key_range (attention_mma.cuh) gives them: causal up to its last row,
-    // sliding from its first row's window start
-    const int64_t q0 = qt * bm, q_last = std::min(a.Sq - 1, q0 + bm - 1);
-    const int64_t kend = std::min(a.Sk, q_last + a.off + 1);
-    const int64_t kbeg = a.kind == 2 ? std::max<int64_t>(0, q0 + a.off - a.window) / bc * bc : 0;
+    // the tile's keys as the kernels take them: causal up to its last row, sliding from its first
+    // row's window start
+    const int64_t q0 = qt * bm;
+    int64_t kbeg, kend;
+    attn::key_range(a, q0, std::min(a.Sq - 1, q0 + bm - 1), &kbeg, &kend, bc);
     const int64_t work = (kend > kbeg ? (kend - kbeg + bc - 1) / bc : 0) + 1;
     const int64_t n = t / blocks, i = t - n * blocks;
     plain[size_t(i)] += work;

@@ -200,15 +200,13 @@ __host__ __device__ constexpr int fused_chunk(int c, int64_t i) { return c ^ int
 // kFusedRankChunk iterations) into shared memory.
 constexpr int kFusedRankChunk = 64;
 
-// Shared memory (BQ = fused_rows(D)): K and V [128 x D], Q and dO double buffered [2][BQ x D], lse
-// and delta [2][BQ] f32 each, 1024 bytes to align the swizzle atoms, dS^T [BQ / 64][128 keys][64
-// queries] T, two dQ partials [BQ rows][D] f32 (the one being sent to global memory and the next),
-// 4 ints and the ranks of a chunk. D 64: 195 KB; D 128: 153 KB.
+// Shared memory (BQ = fused_rows(D)): wgmma_dkdv_kernel's layout for BQ-row tiles, plus dS^T
+// [BQ / 64][128 keys][64 queries] T, two dQ partials [BQ rows][D] f32 (the one being sent to global
+// memory and the next), 4 ints and the ranks of a chunk. D 64: 195 KB; D 128: 153 KB.
 template <int D>
 constexpr size_t wg_fused_smem() {
-  constexpr size_t BQ = fused_rows(D);
-  return size_t(2) * D * (2 * kWgBwdKeys + 4 * BQ) + sizeof(float) * 4 * BQ + 1024 + size_t(2) * kWgBwdKeys * BQ +
-         size_t(4) * 2 * BQ * D + 16 + 4 * kFusedRankChunk;
+  constexpr int BQ = fused_rows(D);
+  return wg_dkdv_smem<D, BQ>() + size_t(2) * kWgBwdKeys * BQ + size_t(4) * 2 * BQ * D + 16 + 4 * kFusedRankChunk;
 }
 
 // dq = scale * dQacc after the fused kernel: dQacc [B, H, Sq, D] f32 (chunks permuted, above) -> dq

@@ -402,9 +402,10 @@ __device__ __forceinline__ bool tile_needs_mask(const AttnArgs& a, int64_t q0, i
   return false;
 }
 
-// Key tiles [kbeg, kend) (kbeg a multiple of kBK) that query rows [q0, q_last] can see.
-__device__ __forceinline__ void key_range(const AttnArgs& a, int64_t q0, int64_t q_last, int64_t* kbeg,
-                                          int64_t* kend, int64_t tile = kBK) {
+// Key tiles [kbeg, kend) (kbeg a multiple of kBK) that query rows [q0, q_last] can see. (Host too:
+// the launcher's model of the persistent grid's balance, attn_ws_zig.)
+__host__ __device__ __forceinline__ void key_range(const AttnArgs& a, int64_t q0, int64_t q_last, int64_t* kbeg,
+                                                   int64_t* kend, int64_t tile = kBK) {
   int64_t e = a.Sk, s = 0;
   if (a.kind != 0) e = min(a.Sk, q_last + a.off + 1);
   if (a.kind == 2) s = max(int64_t(0), q0 + a.off - a.window);

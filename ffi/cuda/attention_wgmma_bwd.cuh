@@ -43,11 +43,12 @@ namespace attn {
 
 constexpr int kWgBwdKeys = 128, kWgBwdRows = 64, kWgBwdThreads = 256;
 
-// Shared memory of wgmma_dkdv_kernel: K and V [128 x D], Q and dO double buffered [2][64 x D],
-// lse and delta [2][64] f32 each, plus 1024 bytes to align the swizzle atoms.
-template <int D>
+// Shared memory of wgmma_dkdv_kernel: K and V [128 x D], Q and dO double buffered [2][BQ x D],
+// lse and delta [2][BQ] f32 each, plus 1024 bytes to align the swizzle atoms (BQ query rows a tile:
+// 64 here; the fused kernel's tiles, fused_rows, have 128 at D 64).
+template <int D, int BQ = kWgBwdRows>
 constexpr size_t wg_dkdv_smem() {
-  return size_t(2) * D * (2 * kWgBwdKeys + 4 * kWgBwdRows) + sizeof(float) * 4 * kWgBwdRows + 1024;
+  return size_t(2) * D * (2 * kWgBwdKeys + 4 * BQ) + sizeof(float) * 4 * BQ + 1024;
 }
 
 // Which scores of a thread's S^T / dP^T fragment (m64n64 / m64n128 C fragment: keys jw + g and jw + g + 8 as
