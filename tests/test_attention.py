@@ -430,14 +430,15 @@ def test_kernel_rejects_bad_buffers_with_an_error():
 
 @pytest.mark.parametrize("mode, kind, fused", [
     (None, "none", True), (None, "causal", True), ("8", "none", True), ("8", "causal", False),
-    ("6", "none", True), ("6", "causal", True), ("9", "none", False), ("9", "causal", False),
+    ("6", "none", True), ("6", "causal", True), ("7", "none", True), ("7", "causal", True),
+    ("9", "none", False), ("9", "causal", False),
     ("5", "none", False), ("4", "none", False), ("0", "causal", False), ("x", "none", True),
     ("x", "causal", True)])
 def test_cuda_backward_scratch_follows_the_kernel_switch(monkeypatch, mode, kind, fused):
     """The CUDA backward's scratch holds the fused kernel's f32 dQ accumulator exactly where
     ffi/cuda/attention.cu may take that kernel (RLX_ATTENTION_CUDA_WGMMA_BWD, first character:
-    unset / 6 / unknown = fused for mask kinds none and causal, 8 = none only, 0 / 4 / 5 / 9 =
-    never), and only for the cases it serves (bf16 / f16, head dims 64 and 128, no key mask, bias
+    unset / 6 / 7 / unknown = fused for mask kinds none and causal, 8 = none only, 0 / 4 / 5 / 9
+    = never), and only for the cases it serves (bf16 / f16, head dims 64 and 128, no key mask, bias
     or softcap)."""
     if mode is None:
         monkeypatch.delenv("RLX_ATTENTION_CUDA_WGMMA_BWD", raising=False)

@@ -558,13 +558,15 @@ _WS64_LINE_NP = "D=64 BC=128 NWG=3 WS NST=2 "
 # "9" (the default from run 14 to session 22): at D 128 the OVL dk / dv and the warp-specialised dq
 # (attention_wgmma_bwd_ws.cuh, launch log "wgmma dq kernel D=128 BM=128 BC=64 WS NST=4
 # persistent|tiles PIPE"; without " PIPE" in "4n": each product waited for); at D 64 as 5.
+# "7" (the default since session 26): the warp-specialised fused backward at D 128
+# (attention_fused_bwd_ws.cuh, launch log "... BQ=64 WS"), 6's kernel at D 64.
 # "8" (the default from session 22 to 23): at D 64 and 128 the fused backward for mask kind none, 9's
-# kernels for causal. "d" (an unknown value: the default, as unset) = 6.
+# kernels for causal. "d" (an unknown value: the default, as unset) = 7.
 # With "4s" (RLX_ATTENTION_CUDA_WS_GRID=2, 7 blocks) every dq
 # block serves several tiles (the ring's phases and the Q / dO buffer carry across tiles); "3t"
 # one block per tile.
 @pytest.mark.parametrize("variant", ["2-5", "0-0", "0-5", "2-4", "2-6", "4-5", "4s-0", "3s-5", "3t-0",
-                                     "4-d", "4s-9", "3t-8", "4n-8"])
+                                     "4-d", "4s-9", "3t-8", "4n-8", "4-6"])
 def test_wgmma_forward(variant):
     import os
     import subprocess
@@ -597,10 +599,12 @@ def test_wgmma_forward(variant):
     dkdv_lines, dq_lines = {"0": (set(), set()),
                             "4": ({kv(64, 0), kv(128, 0)}, {dq(128)}),
                             "5": ({kv(64, 0), kv(128, 1)}, {dq(128)}),
-                            "6": (set(), set()), "d": (set(), set()),
+                            "6": (set(), set()), "7": (set(), set()), "d": (set(), set()),
                             "8": ({kv(64, 0), kv(128, 1)}, {dq_ws}),
                             "9": ({kv(64, 0), kv(128, 1)}, {dq_ws})}[bwd]
-    fused_lines = {"D=64 BK=128 BQ=128", "D=128 BK=128 BQ=64"} if bwd in ("6", "8", "d") else set()
+    fused_lines = {"D=64 BK=128 BQ=128", "D=128 BK=128 BQ=64"} if bwd in ("6", "8") else set()
+    if bwd in ("7", "d"):
+        fused_lines = {"D=64 BK=128 BQ=128", "D=128 BK=128 BQ=64 WS"}
     for which, want, tag in (("fwd", fwd_lines, "rlx attention forward: wgmma kernel "),
                              ("dkdv", dkdv_lines, "rlx attention backward: wgmma dkdv kernel "),
                              ("dq", dq_lines, "rlx attention backward: wgmma dq kernel "),
@@ -678,6 +682,8 @@ def test_ws_pipelined_loops_bitwise_equal():
 # bitwise identical from run to run and from process to process, on shapes with many key blocks
 # per query tile (Sk 1100: 9 blocks; causal; GQA), at head dims 128 and 64 (where each warpgroup's
 # dQ columns start inside the K tile's 128-byte swizzled rows), and still match the f32 reference.
+# The warp-specialised fused kernel (7, D 128: the same products and the same sums in the same
+# order, its loads and sums on a producer warpgroup) must give bitwise the same results.
 _FUSED_DET_CHILD = """
 import hashlib, sys
 sys.path.insert(0, "tests")
@@ -709,15 +715,16 @@ def test_wgmma_fused_backward_deterministic():
     import subprocess
     import sys
 
-    env = dict(os.environ, RLX_ATTENTION_CUDA_WGMMA_BWD="6", RLX_ATTENTION_CUDA_WGMMA_REQUIRE="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     hashes = []
-    for _ in range(2):  # two processes: the order must not depend on the block schedule of either
+    # two processes (the order must not depend on the block schedule of either), two kernels at D 128
+    for mode, d128 in (("6", "D=128 BK=128 BQ=64"), ("7", "D=128 BK=128 BQ=64 WS")):
+        env = dict(os.environ, RLX_ATTENTION_CUDA_WGMMA_BWD=mode, RLX_ATTENTION_CUDA_WGMMA_REQUIRE="1")
         r = subprocess.run([sys.executable, "-c", _FUSED_DET_CHILD], cwd=root, env=env, capture_output=True,
                            text=True, timeout=300)
         assert r.returncode == 0 and "child ok" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
         launched = {ln.split("fused dkdv+dq kernel ", 1)[1].strip() for ln in r.stderr.splitlines()
                     if "rlx attention backward: wgmma fused dkdv+dq kernel " in ln}
-        assert launched == {"D=128 BK=128 BQ=64", "D=64 BK=128 BQ=128"}, (launched, r.stderr[-2000:])
+        assert launched == {d128, "D=64 BK=128 BQ=128"}, (launched, r.stderr[-2000:])
         hashes.append([ln for ln in r.stdout.splitlines() if ln.startswith("hash ")])
     assert len(hashes[0]) == 4 and hashes[0] == hashes[1], hashes

@@ -32,6 +32,7 @@
 #include "cuda/attention_wgmma.cuh"
 #include "cuda/attention_wgmma_bwd.cuh"
 #include "cuda/attention_fused_bwd.cuh"
+#include "cuda/attention_fused_bwd_ws.cuh"
 #include "cuda/attention_wgmma_bwd_ws.cuh"
 #include "cuda/attention_wgmma_ws.cuh"
 
@@ -255,18 +256,24 @@ bool attn_ws_dq_pipe() {
 // 8 = the fused backward for mask kind none only (as 6 where it serves), the two kernels for causal
 // (mode 9's at D 128, 5's at D 64): the default from session 22 to 23, when the fused kernel's causal
 // backward ran 0.89-0.93x / 0.71x theirs.
-// unset or another value (the default since session 24) = 6: once the backward's unmasked tiles
-// skipped the per-score mask work (bwd_probs / bwd_dscores, attention_wgmma_bwd.cuh), the fused
-// causal backward ran 1.24-1.26x (D 128) and 1.06-1.08x (D 64) the two kernels' (H100, B4 S4096 H16
-// bf16, backward alone, one build: benchmarks/results/h100_2026-11-26.txt section 11); without a mask 1.18-1.20x
-// mode 9's fwd+bwd at D 128 (section 9) and the backward 1.09x the two kernels at D 64 (section 10).
+// 7 = 6 with, at D 128, the warp-specialised fused kernel (attention_fused_bwd_ws.cuh: a producer
+// warpgroup loads Q / dO / lse / delta and sends the dQ partials; no block-wide barrier in the loop;
+// bitwise 6's results): the backward alone 1.035-1.05x mode 6 without a mask, 1.03-1.07x causal (H100,
+// B4 S4096 H16 bf16, 3 alternating rounds: benchmarks/results/h100_2026-11-27.txt section 13).
+// Unset or another value (the default since session 26) = 7. (Session 24 made 6 the default: once
+// the backward's unmasked tiles skipped the per-score mask work (bwd_probs / bwd_dscores,
+// attention_wgmma_bwd.cuh), the fused causal backward ran 1.24-1.26x (D 128) and 1.06-1.08x (D 64)
+// the two kernels' (H100, B4 S4096 H16 bf16, backward alone, one build:
+// benchmarks/results/h100_2026-11-26.txt section 11); without a mask 1.18-1.20x mode 9's fwd+bwd at D
+// 128 (section 9) and the backward 1.09x the two kernels at D 64 (section 10).)
 int attn_wgmma_bwd_mode() {
   static const int env = env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '0')   ? 0
                          : env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '4') ? 4
                          : env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '5') ? 5
+                         : env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '6') ? 6
                          : env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '8') ? 8
                          : env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '9') ? 9
-                                                                                : 6;
+                                                                                : 7;
   return env;
 }
 bool attn_wgmma_required() {
@@ -569,21 +576,21 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
             return check_launch("attention backward (wgmma ws dq)");
           };
           // ptxas sm_90a: see the results file (run 11). Modes at D 128: 4 plain dkdv + wgmma dq; 5 OVL
-          // dkdv + wgmma dq; 6 (default) the fused kernel, else as 9; 9 OVL dkdv + the warp-specialised
-          // dq (pipelined unless RLX_ATTENTION_CUDA_WS_DQ_PIPE=0); 8 the fused kernel for mask none, else
-          // as 9. D 64: 6 (default) the fused kernel, 8 the fused kernel for mask none; otherwise plain
-          // dkdv + mma.sync dq
+          // dkdv + wgmma dq; 7 (default) the warp-specialised fused kernel, 6 the fused kernel, else as 9;
+          // 9 OVL dkdv + the warp-specialised dq (pipelined unless RLX_ATTENTION_CUDA_WS_DQ_PIPE=0); 8
+          // the fused kernel for mask none, else as 9. D 64: 6 and 7 (default) the fused kernel, 8 the
+          // fused kernel for mask none; otherwise plain dkdv + mma.sync dq
           // (the warp-specialised dq at D 64 ran 6-9 % slower causal, level without a mask: H100,
           // benchmarks/results/h100_2026-11-26.txt, session 22).
           // fused dk / dv / dq (attention_fused_bwd.cuh) where the switch asks for it and the scratch
           // holds its dQ accumulator; its deadlock-freedom argument needs the nkt key blocks of one
           // (batch, kv head) resident at once: *served false (nothing launched) otherwise
-          auto run_fused = [&](auto fused, size_t smem, bool* served) -> ffi::Error {
+          auto run_fused = [&](auto fused, int threads, size_t smem, bool* served) -> ffi::Error {
             *served = false;
             const int64_t D = a.D;
             if (auto e = prepare(info.device, fused, smem, "attention backward"); e.failure()) return e;
             int per_sm = 0;
-            if (cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fused, attn::kWgBwdThreads, smem);
+            if (cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fused, threads, smem);
                 e != cudaSuccess)
               return cuda_error("attention backward", e);
             const int64_t nkt = (a.Sk + attn::kWgBwdKeys - 1) / attn::kWgBwdKeys;
@@ -591,8 +598,8 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
             *served = true;
             if (attn_wgmma_required()) {
               char line[96];
-              std::snprintf(line, sizeof line, "fused dkdv+dq kernel D=%d BK=%d BQ=%d", int(D), attn::kWgBwdKeys,
-                            attn::fused_rows(D));
+              std::snprintf(line, sizeof line, "fused dkdv+dq kernel D=%d BK=%d BQ=%d%s", int(D), attn::kWgBwdKeys,
+                            attn::fused_rows(D), threads == attn::kFusedWsThreads ? " WS" : "");
               log_wgmma_kernel(reinterpret_cast<const void*>(fused), true, line);
             }
             const int64_t nqt = (a.Sq + attn::fused_rows(D) - 1) / attn::fused_rows(D);
@@ -614,8 +621,13 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
             }
             const int64_t kbw = nkt * a.Hkv * a.B;
             if (kbw > 0) {
-              fused<<<unsigned(kbw), attn::kWgBwdThreads, smem, stream>>>(a, q, k, v, dout, lse, delta, dq, dk, dv,
-                                                                           dqacc, sem, ticket);
+              if constexpr (std::is_invocable_v<decltype(fused), AttnArgs, const T*, const T*, const T*, const T*,
+                                                const float*, const float*, T*, T*, float*, uint32_t*, uint32_t*>)
+                fused<<<unsigned(kbw), threads, smem, stream>>>(a, q, k, v, dout, lse, delta, dk, dv, dqacc, sem,
+                                                                ticket);
+              else
+                fused<<<unsigned(kbw), threads, smem, stream>>>(a, q, k, v, dout, lse, delta, dq, dk, dv, dqacc, sem,
+                                                                ticket);
               if (auto e = check_launch("attention backward (wgmma fused)"); e.failure()) return e;
             }
             // dq = scale * dQacc, [B, H, Sq, D] f32 -> [B, Sq, H, D]
@@ -628,18 +640,22 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
             }
             return ffi::Error::Success();
           };
-          if ((wg_bwd == 6 || (wg_bwd == 8 && a.kind == 0)) &&
+          if ((wg_bwd == 6 || wg_bwd == 7 || (wg_bwd == 8 && a.kind == 0)) &&
               scratch_elems >= attn::fused_bwd_scratch(a.B, a.H, a.Sq, a.D)) {
             bool served = false;
             const ffi::Error e =
-                a.D == 64 ? run_fused(attn::wgmma_fused_bwd_kernel<T, 64>, attn::wg_fused_smem<64>(), &served)
-                          : run_fused(attn::wgmma_fused_bwd_kernel<T, 128>, attn::wg_fused_smem<128>(), &served);
+                a.D == 64       ? run_fused(attn::wgmma_fused_bwd_kernel<T, 64>, attn::kWgBwdThreads,
+                                            attn::wg_fused_smem<64>(), &served)
+                : wg_bwd == 7 ? run_fused(attn::wgmma_fused_bwd_ws_kernel<T, 128>, attn::kFusedWsThreads,
+                                            attn::wg_fused_ws_smem<128>(), &served)
+                              : run_fused(attn::wgmma_fused_bwd_kernel<T, 128>, attn::kWgBwdThreads,
+                                          attn::wg_fused_smem<128>(), &served);
             if (e.failure() || served) return e;
           }
           if (a.D == 64)
             return run_wg(attn::wgmma_dkdv_kernel<T, 64, false>, 0, attn::wg_dkdv_smem<64>(),
                           attn::mma_dq_kernel<T, 64, false, true, 1>, false, attn::mma_dq_smem<64>());
-          if (wg_bwd == 6 || wg_bwd == 8 || wg_bwd == 9) {
+          if (wg_bwd == 6 || wg_bwd == 7 || wg_bwd == 8 || wg_bwd == 9) {
             // OVL dk / dv (run_wg with no dq launch: qb of the mma path is not used there), then the
             // warp-specialised dq; ptxas sm_90a: run 14 of the backward results file
             if (auto e = run_wg(attn::wgmma_dkdv_kernel<T, 128, true>, 1, attn::wg_dkdv_smem<128>(),

@@ -236,6 +236,54 @@ __device__ __forceinline__ int fused_rot(int kt, int nkt, int iters, bool causal
   return causal ? 0 : int((int64_t(kt) * iters) / nkt);
 }
 
+// The item schedule of key block kt (of nkt, 128 keys each) of one (batch, kv head): its items are
+// (query head hl of the group of grp, query tile t of BQ rows), t in [qt0, nqt) (causal: from the
+// tile of the block's first key on), visited in the rotated order of the header (step m: item
+// (rot + m) mod iters); and each item's rank among the contributors of its tile.
+template <int BQ>
+struct FusedSchedule {
+  int kt, nkt, nqt, grp, off;
+  bool causal;
+  int qt0, nq, iters, rot;
+  __device__ __forceinline__ FusedSchedule(int kt_, int nkt_, int nqt_, int grp_, int off_, bool causal_)
+      : kt(kt_), nkt(nkt_), nqt(nqt_), grp(grp_), off(off_), causal(causal_) {
+    qt0 = qt0_of(kt);
+    nq = nqt > qt0 ? nqt - qt0 : 0;
+    iters = nq * grp;
+    rot = fused_rot(kt, nkt, iters, causal);
+  }
+  // the first query tile of key block x
+  __device__ __forceinline__ int qt0_of(int x) const { return causal ? max(0, x * kWgBwdKeys - off) / BQ : 0; }
+  // the item of step m
+  __device__ __forceinline__ void item(int m, int* hl, int* t) const {
+    int idx = m + rot;
+    if (idx >= iters) idx -= iters;
+    *hl = idx / nq;
+    *t = qt0 + idx % nq;
+  }
+  // The rank of this block's item of step m (hl, t) among the contributors of tile t of head hl:
+  // the key blocks x that visit it at a step xm with (xm, x) < (m, kt). Warp-collective (all 32
+  // lanes, one key block a lane per pass); every lane returns the rank.
+  __device__ __forceinline__ int rank(int m, int hl, int t, int lane) const {
+    int r = 0;
+    for (int x0 = 0; x0 < nkt; x0 += 32) {
+      const int x = x0 + lane;
+      bool before = false;
+      if (x < nkt) {
+        const int xq0 = qt0_of(x);
+        if (xq0 <= t) {
+          const int xnq = nqt - xq0, xit = xnq * grp;
+          int xm = hl * xnq + (t - xq0) - fused_rot(x, nkt, xit, causal);
+          if (xm < 0) xm += xit;
+          before = x != kt && (xm < m || (xm == m && x < kt));
+        }
+      }
+      r += __popc(__ballot_sync(0xffffffffu, before));
+    }
+    return r;
+  }
+};
+
 template <typename T, int D>
 __global__ void __launch_bounds__(kWgBwdThreads, 1)
     wgmma_fused_bwd_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -280,19 +328,9 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
   const int64_t q_rs = a.H * D, kv_rs = a.Hkv * D;
   wg_load_tile<T, D, BK, NT>(Ks, k + (b * a.Sk * a.Hkv + hk) * D, kv_rs, k0, a.Sk);
   wg_load_tile<T, D, BK, NT>(Vs, v + (b * a.Sk * a.Hkv + hk) * D, kv_rs, k0, a.Sk);
-  // query tiles of key block x: [qt0(x), nqt) (causal: from the tile of its first key on)
-  auto qt0_of = [&](int x) { return causal ? max(0, x * BK - off) / BQ : 0; };
-  const int qt0 = qt0_of(kt);
-  const int nq = nqt > qt0 ? nqt - qt0 : 0;
-  const int iters = nq * grp;
-  const int rot = fused_rot(kt, nkt, iters, causal);
-  // item of step m: (query head of the group, query tile)
-  auto item = [&](int m, int* hl, int* t) {
-    int idx = m + rot;
-    if (idx >= iters) idx -= iters;
-    *hl = idx / nq;
-    *t = qt0 + idx % nq;
-  };
+  const FusedSchedule<BQ> sch(kt, nkt, nqt, grp, off, causal);
+  const int iters = sch.iters;
+  auto item = [&](int m, int* hl, int* t) { sch.item(m, hl, t); };
   auto stage = [&](int m, int bf) {
     int hl, t;
     item(m, &hl, &t);
@@ -371,24 +409,9 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
   // the backward without any rank work ran 1.04x faster, H200, session 23.)
   auto fill_ranks = [&](int m0) {
     for (int j = threadIdx.x >> 5; j < kFusedRankChunk && m0 + j < iters; j += NT / 32) {
-      const int m = m0 + j;
       int hl, t;
-      item(m, &hl, &t);
-      int rank = 0;
-      for (int x0 = 0; x0 < nkt; x0 += 32) {
-        const int x = x0 + lane;
-        bool before = false;
-        if (x < nkt) {
-          const int xq0 = qt0_of(x);
-          if (xq0 <= t) {
-            const int xnq = nqt - xq0, xit = xnq * grp;
-            int xm = hl * xnq + (t - xq0) - fused_rot(x, nkt, xit, causal);
-            if (xm < 0) xm += xit;
-            before = x != kt && (xm < m || (xm == m && x < kt));
-          }
-        }
-        rank += __popc(__ballot_sync(0xffffffffu, before));
-      }
+      item(m0 + j, &hl, &t);
+      const int rank = sch.rank(m0 + j, hl, t, lane);
       if (lane == 0) Rk[j] = rank;
     }
   };

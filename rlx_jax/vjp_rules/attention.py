@@ -264,9 +264,9 @@ def cuda_bwd_scratch_size(b: int, h: int, sq: int, d: int = 0, fused: bool = Fal
 
 def _cuda_fused_bwd(q, kind, scale, softcap, has_mask, has_bias) -> bool:
     """Can the CUDA backward take the fused kernel (ffi/cuda/attention.cu, the switch
-    RLX_ATTENTION_CUDA_WGMMA_BWD read per trace as the kernel reads it per process): unset, 6
-    or another value (the default) for mask kinds none and causal, 8 for none only, 0 / 4 / 5 /
-    9 never; only the wgmma backward's PLAIN cases at head dims 64 and 128, bf16 / f16. Sizes
+    RLX_ATTENTION_CUDA_WGMMA_BWD read per trace as the kernel reads it per process): unset, 6,
+    7 or another value (the default) for mask kinds none and causal, 8 for none only, 0 / 4 / 5
+    / 9 never; only the wgmma backward's PLAIN cases at head dims 64 and 128, bf16 / f16. Sizes
     the scratch for it; the kernel checks the size (and that the device can hold a head's key
     blocks at once) and otherwise runs the two-kernel backward."""
     import os

@@ -1,0 +1,297 @@
+// Warp-specialised fused attention backward (sm_90a), bf16 / f16, head dim 128: the maths, the item
+// schedule and the ordered dQ sums of wgmma_fused_bwd_kernel (attention_fused_bwd.cuh), with the
+// loads and the sums taken off the math warps. Selection: RLX_ATTENTION_CUDA_WGMMA_BWD (attention.cu).
+//
+// Why: in wgmma_fused_bwd_kernel every item costs the math warps two block-wide barriers (the Q / dO
+// tiles landed, then the dS^T exchange), the cp.async issue of the next item's tiles, and, on warp
+// 5, the wait on the tile semaphore and on the completion of the previous item's bulk add; ncu
+// (session 24) had 0.41 warps an issued instruction stalled on barriers and 0.60 on long scoreboards.
+//
+// Block = 3 warpgroups (384 threads, one block per SM), over 128 keys of one kv head as before:
+//   warpgroup 0 (producer, setmaxnreg.dec to kFusedWsProdRegs):
+//     warp 0 (Q) and warp 2 (dO): per item m, wait for stage m & 1 to be free (its empty barrier),
+//       copy the item's Q (dO) tile with cp.async into it and arrive on its full barrier once the
+//       copies land (cp.async.mbarrier.arrive.noinc), then load the tile's lse (warp 0: log2 units,
+//       dead rows +inf as before) or delta (warp 2) rows, store them into the stage and arrive
+//       again (a plain arrival: release of those stores). Full barrier count: 2 x 64 arrivals.
+//     warp 1 (the sender): per item m, the rank of the item among its tile's contributors
+//       (FusedSchedule::rank, the whole warp); wait for the partial of item m (Ps[m & 1], its
+//       full barrier, 256 arrivals: every consumer thread after its stores and proxy fence); lane 0
+//       waits until the tile semaphore equals the rank, issues the one bulk copy (rank 0) / bulk add,
+//       waits for the bulk op's reads of Ps (wait_group.read) and frees the buffer (its empty
+//       barrier, one arrival), then waits for the sums to be performed and releases the tile
+//       (st.release rank + 1). No consumer thread waits on a semaphore or a bulk op any more; they
+//       only wait for the buffer, two items later.
+//     warp 3 has nothing to do and exits.
+//   warpgroups 1, 2 (consumers, setmaxnreg.inc to kFusedWsConsRegs), 64 keys each: per item, wait
+//     for the stage, S^T / dP^T, P^T, dS^T, dV += P^T dO, dK += dS^T Q (bwd_issue_scores /
+//     bwd_dv_dk_products, as the fused kernel), dS^T rows into Ss[m & 1], a named barrier of the
+//     256 consumer threads (the block's dS^T complete), dQ = dS K (this warpgroup's 64 columns),
+//     waited with dV's and dK's products; the stage freed (every consumer thread arrives: count
+//     256, so each thread's lse / delta loads are released before the producer overwrites them); the
+//     partial into Ps[m & 1] once the sender has freed it.
+//   The dS^T buffers alternate: a warpgroup writes Ss[m & 1] for item m + 2 only after passing the
+//   named barrier of item m + 1, which the other warpgroup reaches after its dQ product of item m
+//   (the last reader of Ss[m & 1]) has completed. So there is no block-wide barrier in the loop.
+// Same products in the same order, the same f32 sums in the same rank order: dq, dk, dv are bitwise
+// those of wgmma_fused_bwd_kernel (tested). Deadlock freedom: as the fused kernel's (items wait only
+// on lexicographically smaller (step, key block) items of the same group; the sender takes its items
+// in increasing step; the consumers wait only on the sender two items back and on the producer).
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/attention_fused_bwd.cuh"
+#include "cuda/attention_wgmma_ws.cuh"
+
+namespace rlx {
+namespace cuda {
+namespace attn {
+
+constexpr int kFusedWsThreads = 384;
+// Register split (setmaxnreg): 128 * 24 + 256 * 240 = 64512 <= 384 * 168 at launch.
+constexpr int kFusedWsProdRegs = 24, kFusedWsConsRegs = 240;
+
+// Shared memory (D 128, BQ = 64 query rows an item): K and V [D / 64][128][64], the Q / dO stages
+// [2][D / 64][BQ][64] each, dS^T [2][BQ / 64][128][64], the dQ partials [2][BQ][D] f32, lse and delta
+// [2][BQ] f32 each, the mbarriers (full, empty, partial full, partial empty: 2 each), the ticket,
+// and 1024 bytes to align the swizzle atoms: 231,504 bytes of the 232,448 an H100 block may take.
+template <int D>
+constexpr size_t wg_fused_ws_smem() {
+  constexpr size_t BQ = fused_rows(D), BK = kWgBwdKeys;
+  return 2 * (2 * BK * D + 2 * 2 * BQ * D + 2 * BK * BQ) + 4 * (2 * BQ * D + 2 * 2 * BQ) + 8 * 8 + 16 + 1024;
+}
+static_assert(wg_fused_ws_smem<128>() <= 232448, "wgmma_fused_bwd_ws_kernel: shared memory");
+
+// bulk groups of this thread: their reads of shared memory done (the source may be overwritten)
+__device__ __forceinline__ void bulk_wait_read_all() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+
+// One warp's cp.async copy of a ROWS x D tile (rows r0 .. r0 + ROWS - 1 of x, row stride rs; rows at
+// or past n zero-filled) into wg_load_tile's 128-byte swizzle layout: lane l copies 16-byte chunk
+// l % (D / 8) of 32 / (D / 8) rows a pass.
+template <typename T, int D, int ROWS>
+__device__ __forceinline__ void warp_load_tile(T* dst, const T* __restrict__ x, int64_t rs, int64_t r0, int64_t n,
+                                               int lane) {
+  constexpr int kChunks = D / 8, kRows = 32 / kChunks;
+  static_assert(32 % kChunks == 0 && ROWS % kRows == 0, "warp_load_tile: whole rows a pass");
+  const int c = lane % kChunks;
+  int r = lane / kChunks;
+  int left = int(min(n - r0 - r, int64_t(1) << 30));  // this lane's row of the pass exists if left > 0
+  const T* src = x + (r0 + r) * rs + c * 8;
+  T* col = dst + (c >> 3) * ROWS * 64;
+#pragma unroll 8
+  for (int it = 0; it < ROWS / kRows; ++it, r += kRows, left -= kRows, src += kRows * rs)
+    cp_async16(col + r * 64 + (((c & 7) ^ (r & 7)) << 3), left > 0 ? src : x, left > 0);
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kFusedWsThreads, 1)
+    wgmma_fused_bwd_ws_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                              const T* __restrict__ dout, const float* __restrict__ lse,
+                              const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
+                              float* __restrict__ dqacc, uint32_t* __restrict__ sem, uint32_t* __restrict__ ticket) {
+#if RLX_ATTN_WGMMA
+  static_assert(D == 128, "wgmma_fused_bwd_ws_kernel: head dim 128 (64 exceeds the shared memory)");
+  constexpr int BK = kWgBwdKeys, BQ = fused_rows(D), DH = D / 2;  // dQ columns of a consumer warpgroup
+  extern __shared__ __align__(1024) uint8_t wg_smem[];
+  const uint32_t pad = (1024u - (smem_addr(wg_smem) & 1023u)) & 1023u;
+  T* Ks = reinterpret_cast<T*>(wg_smem + pad);  // [D / 64][BK][64]
+  T* Vs = Ks + BK * D;                            // [D / 64][BK][64]
+  T* Qs = Vs + BK * D;                            // [2][D / 64][BQ][64]
+  T* Gs = Qs + 2 * BQ * D;                        // dO, [2][D / 64][BQ][64]
+  T* Ss = Gs + 2 * BQ * D;                        // dS^T [2][BK][64] (128-byte swizzle)
+  float* Ps = reinterpret_cast<float*>(Ss + 2 * BK * BQ);  // dQ partials [2][BQ][D], chunks permuted
+  float* Ls = Ps + 2 * BQ * D;                              // [2][BQ], log2 units
+  float* Dl = Ls + 2 * BQ;                                  // [2][BQ]
+  uint64_t* full = reinterpret_cast<uint64_t*>(Dl + 2 * BQ);
+  uint64_t* empty = full + 2;
+  uint64_t* pfull = empty + 2;
+  uint64_t* pempty = pfull + 2;
+  int* Tk = reinterpret_cast<int*>(pempty + 2);
+  if (threadIdx.x == 0) {
+    Tk[0] = int(atomicAdd(ticket, 1u));
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(full + s, 128);
+      mbar_init(empty + s, 256);
+      mbar_init(pfull + s, 256);
+      mbar_init(pempty + s, 1);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+  const int nkt = int((a.Sk + BK - 1) / BK);
+  int64_t blk = Tk[0];
+  const int kt = int(blk % nkt);
+  blk /= nkt;
+  const int64_t hk = blk % a.Hkv, b = blk / a.Hkv;
+  const int64_t k0 = int64_t(kt) * BK;
+  const int sq = int(a.Sq), grp = int(a.group);
+  const bool causal = a.kind != 0;
+  const int nqt = (sq + BQ - 1) / BQ;
+  const int64_t q_rs = a.H * D, kv_rs = a.Hkv * D;
+  // the block's K / V tiles, by all 384 threads
+  wg_load_tile<T, D, BK, kFusedWsThreads>(Ks, k + (b * a.Sk * a.Hkv + hk) * D, kv_rs, k0, a.Sk);
+  wg_load_tile<T, D, BK, kFusedWsThreads>(Vs, v + (b * a.Sk * a.Hkv + hk) * D, kv_rs, k0, a.Sk);
+  cp_async_commit();
+  cp_async_wait_all();
+  fence_proxy_async();
+  __syncthreads();  // K and V landed (every thread's copies)
+  const FusedSchedule<BQ> sch(kt, nkt, nqt, grp, int(a.off), causal);
+  const int iters = sch.iters;
+  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  if (wg == 0) {
+    // ---- producer ----
+    ws_setmaxnreg_dec<kFusedWsProdRegs>();
+    if (warp == 0 || warp == 2) {  // the Q (warp 0) or dO (warp 2) tiles and their lse (delta) rows
+      const bool isq = warp == 0;
+      const T* x = isq ? q : dout;
+      const float* row = isq ? lse : delta;
+      T* tiles = isq ? Qs : Gs;
+      float* vals = isq ? Ls : Dl;
+      for (int m = 0; m < iters; ++m) {
+        const int s = m & 1;
+        ws_wait(empty + s, ((m >> 1) & 1) ^ 1);
+        int hl, t;
+        sch.item(m, &hl, &t);
+        const int64_t h = hk * a.group + hl, i0 = int64_t(t) * BQ;
+        warp_load_tile<T, D, BQ>(tiles + s * BQ * D, x + (b * a.Sq * a.H + h) * D, q_rs, i0, a.Sq, lane);
+        ws_cp_async_arrive(full + s);
+#pragma unroll
+        for (int r = 0; r < BQ / 32; ++r) {
+          const int64_t i = i0 + 32 * r + lane;
+          float val = isq ? INFINITY : 0.f;
+          if (i < a.Sq) {
+            val = row[(b * a.H + h) * a.Sq + i];
+            if (isq && val == -INFINITY) val = INFINITY;  // dead row: P = 0
+          }
+          vals[s * BQ + 32 * r + lane] = isq ? val * kLog2e : val;
+        }
+        ws_arrive(full + s);
+      }
+    } else if (warp == 1) {  // the sender
+      for (int m = 0; m < iters; ++m) {
+        const int s = m & 1;
+        int hl, t;
+        sch.item(m, &hl, &t);
+        const int rank = sch.rank(m, hl, t, lane);
+        ws_wait(pfull + s, (m >> 1) & 1);
+        if (lane == 0) {
+          const int64_t h = hk * a.group + hl, i0 = int64_t(t) * BQ;
+          uint32_t* ts = sem + (b * a.H + h) * nqt + t;
+          if (rank > 0)
+            while (ld_acquire_u32(ts) != uint32_t(rank)) __nanosleep(32);
+          fence_proxy_async_global();  // the acquired sums, then this thread's bulk add
+          const uint32_t src = smem_addr(Ps + s * BQ * D), bytes = uint32_t(min(int64_t(BQ), a.Sq - i0) * D * 4);
+          float* dst = dqacc + ((b * a.H + h) * a.Sq + i0) * D;
+          if (rank == 0)
+            bulk_store_f32(dst, src, bytes);
+          else
+            bulk_add_f32(dst, src, bytes);
+          bulk_commit();
+          bulk_wait_read_all();
+          ws_arrive(pempty + s);  // Ps[s] read: the consumers may write it again
+          bulk_wait_all();
+          fence_proxy_async_global();
+          st_release_u32(ts, uint32_t(rank + 1));
+        }
+        __syncwarp();
+      }
+    }
+    cp_async_commit();
+    cp_async_wait_all();  // the loaders' last copies (their arrivals are pending on them)
+    return;
+  }
+  // ---- consumers ----
+  ws_setmaxnreg_inc<kFusedWsConsRegs>();
+  const int cw = wg - 1;  // consumer warpgroup: keys [k0 + 64 cw, k0 + 64 cw + 64), dQ columns [DH cw, DH cw + DH)
+  const int g = lane >> 2, tq = lane & 3;
+  const int jw = int(k0) + 64 * cw + 16 * warp;
+  const int sk = int(a.Sk);
+  const float c2 = a.scale * kLog2e;
+  float dka[D / 8][4], dva[D / 8][4];
+  zero(dka);
+  zero(dva);
+  const uint64_t kdsc = wg_desc(smem_addr(Ks) + uint32_t(cw * 64 * 128), 16, 1024);
+  const uint64_t vdsc = wg_desc(smem_addr(Vs) + uint32_t(cw * 64 * 128), 16, 1024);
+  // dQ = dS K: A = dS^T of the item's buffer (MN-major, all 64 queries), B = K's column half cw
+  // (MN-major), as in wgmma_fused_bwd_kernel at D 128
+  const uint64_t kdq = wg_desc(smem_addr(Ks) + uint32_t(cw * BK * 128), BK * 128, 1024);
+  for (int m = 0; m < iters; ++m) {
+    const int s = m & 1;
+    int hl, t;
+    sch.item(m, &hl, &t);
+    const int i0 = t * BQ;
+    ws_wait(full + s, (m >> 1) & 1);
+    fence_proxy_async();  // the producer's cp.async data -> the async proxy (wgmma)
+    uint32_t pa[BQ / 16][4], da[BQ / 16][4];
+    const uint32_t qaddr = smem_addr(Qs + s * BQ * D), gaddr = smem_addr(Gs + s * BQ * D);
+    float st[BQ / 8][4], dpt[BQ / 8][4];
+    bwd_issue_scores<T, D, true, BQ>(st, dpt, kdsc, vdsc, qaddr, gaddr);
+    // warp-uniform: the causal diagonal or the end of the keys crosses this warp's 16 keys
+    const bool need = (causal && jw + 15 > i0 + int(a.off)) || jw + 15 >= sk;
+    const uint64_t gdt = wg_desc(gaddr, BQ * 128, 1024), qdt = wg_desc(qaddr, BQ * 128, 1024);
+    const BwdTileMask msk{jw + g, sk, causal ? i0 + int(a.off) : INT_MAX};
+    bwd_dv_dk_products<T, D, BQ>(st, dpt, pa, da, dva, dka, Ls + s * BQ, Dl + s * BQ, c2, tq, need, msk, gdt, qdt);
+    wg_commit();
+    // dS^T rows of this thread (keys 64 cw + 16 warp + g (+ 8)) into Ss[s], as the fused kernel
+    uint8_t* const srow = reinterpret_cast<uint8_t*>(Ss + s * BK * BQ);
+#pragma unroll
+    for (int nt = 0; nt < BQ / 8; ++nt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = 64 * cw + 16 * warp + g + 8 * r;
+        *reinterpret_cast<uint32_t*>(srow + row * 128 + ((nt ^ (row & 7)) << 4) + 4 * tq) =
+            da[nt >> 1][(nt & 1) * 2 + r];
+      }
+    fence_proxy_async();                            // dS^T (st.shared) -> the async proxy
+    asm volatile("bar.sync 1, 256;" ::: "memory");  // both consumer warpgroups' dS^T rows stored
+    const uint64_t sdt = wg_desc(smem_addr(Ss + s * BK * BQ), BK * 128, 1024);
+    float dqa[DH / 8][4];
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk)
+      wgmma_ss_tt<T>(dqa, sdt, kdq, uint64_t(kk * 16 * 128 >> 4), uint64_t(kk * 16 * 128 >> 4), kk > 0);
+    wg_commit();
+    wg_wait0();
+    wg_fence_regs(dqa);
+    wg_fence_regs(dva);  // and dV's and dK's products
+    wg_fence_regs(dka);
+    wg_fence_afrag(pa);
+    wg_fence_afrag(da);
+    // the stage's readers have completed: S^T, dP^T, dV, dK (wgmma) and this thread's lse / delta
+    // loads (every thread arrives: a release of its own loads, which lane 0 alone would not order)
+    ws_arrive(empty + s);
+    // this thread's dQ rows 16 warp + g (+ 8) (row & 7 = g), columns DH cw + 8 nt + 2 tq (+ 1):
+    // chunk DH cw / 4 + 2 nt + tq / 2 at fused_chunk(chunk, g), into Ps[s] once the sender has read
+    // item m - 2's partial out of it
+    ws_wait(pempty + s, ((m >> 1) & 1) ^ 1);
+    float* pr = Ps + s * BQ * D + (16 * warp + g) * D + 2 * (tq & 1);
+#pragma unroll
+    for (int nt = 0; nt < DH / 8; ++nt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        *reinterpret_cast<float2*>(pr + 8 * r * D + 4 * fused_chunk(DH * cw / 4 + 2 * nt + (tq >> 1), g)) =
+            make_float2(dqa[nt][2 * r], dqa[nt][2 * r + 1]);
+    fence_proxy_async();  // Ps (st.shared) -> the async proxy (the bulk op)
+    ws_arrive(pfull + s);
+  }
+  const int64_t kv_b = (b * a.Sk) * a.Hkv + hk;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t j = jw + g + 8 * r;
+    if (j >= a.Sk) continue;
+    T* dkr = dk + (kv_b + j * a.Hkv) * D;
+    T* dvr = dv + (kv_b + j * a.Hkv) * D;
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+      *reinterpret_cast<uint32_t*>(dkr + nt * 8 + 2 * tq) =
+          pack2<T>(dka[nt][2 * r] * a.scale, dka[nt][2 * r + 1] * a.scale);
+      *reinterpret_cast<uint32_t*>(dvr + nt * 8 + 2 * tq) = pack2<T>(dva[nt][2 * r], dva[nt][2 * r + 1]);
+    }
+  }
+#endif
+}
+
+}  // namespace attn
+}  // namespace cuda
+}  // namespace rlx
