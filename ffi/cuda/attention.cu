@@ -258,7 +258,7 @@ bool attn_ws_dq_pipe() {
 // backward ran 0.89-0.93x / 0.71x theirs.
 // 7 = 6 with, at D 128, the warp-specialised fused kernel (attention_fused_bwd_ws.cuh: a producer
 // warpgroup loads Q / dO / lse / delta and sends the dQ partials; no block-wide barrier in the loop;
-// bitwise 6's results): the backward alone 1.035-1.05x mode 6 without a mask, 1.03-1.07x causal (H100,
+// bitwise 6's results): the backward alone 1.03-1.045x mode 6 without a mask, 1.03-1.065x causal (H100,
 // B4 S4096 H16 bf16, 3 alternating rounds: benchmarks/results/h100_2026-11-27.txt section 13).
 // Unset or another value (the default since session 26) = 7. (Session 24 made 6 the default: once
 // the backward's unmasked tiles skipped the per-score mask work (bwd_probs / bwd_dscores,

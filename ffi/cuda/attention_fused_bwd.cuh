@@ -51,9 +51,11 @@
 //     whose groups (nkt blocks) fit on the device at once (nkt <= SMs x resident blocks per SM), so
 //     when the whole groups have finished, a partly started group's blocks leave room to start the
 //     rest of it. Otherwise the launcher runs the two-kernel backward.
-// The default for mask kinds none and causal (RLX_ATTENTION_CUDA_WGMMA_BWD unset or 6; 8 keeps it
-// for none only, 9 = the two kernels for both). History, all B4 S4096 H16 D128 bf16 (benchmarks/results/
-// attention_bwd_h200_2026-11-22.txt run 13, h100_2026-11-26.txt session 22):
+// The default for mask kinds none and causal at D 64 (RLX_ATTENTION_CUDA_WGMMA_BWD unset, 6 or 7; 8
+// keeps it for none only, 9 = the two kernels for both); at D 128 only with 6 (8: none): since session
+// 26 the default there is its warp-specialised form, attention_fused_bwd_ws.cuh (1.03-1.07x).
+// History, all B4 S4096 H16 D128 bf16 (benchmarks/results/attention_bwd_h200_2026-11-22.txt run 13,
+// h100_2026-11-26.txt session 22):
 //   - run 13 (H200): the math threads read the dQacc tile with cp.async, added, stored: 0.77x / 0.73x
 //     the two-kernel fwd+bwd (none / causal). A build without the ordered adds (dq wrong) ran 1.28x.
 //   - session 22 (H100), fwd+bwd against the two kernels (mode 9, with the pipelined dq):
