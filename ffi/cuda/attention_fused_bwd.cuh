@@ -227,6 +227,32 @@ __global__ void fused_dq_convert_kernel(int64_t n4, int64_t Sq, int64_t H, int D
   *reinterpret_cast<uint2*>(dq + ((b * Sq + i) * H + h) * D + c) = o;
 }
 
+// dQ partial = dS K over the block's 128 keys (8 k-steps of 16) for a warpgroup's 64 rows x 64
+// columns: A = dS^T (descriptor sdt), B = K (kdq), both MN-major; fenced, issued and committed.
+template <typename T>
+__device__ __forceinline__ void fused_issue_dq(float (&dqa)[8][4], uint64_t sdt, uint64_t kdq) {
+  wg_fence();
+#pragma unroll
+  for (int kk = 0; kk < kWgBwdKeys / 16; ++kk)
+    wgmma_ss_tt<T>(dqa, sdt, kdq, uint64_t(kk * 16 * 128 >> 4), uint64_t(kk * 16 * 128 >> 4), kk > 0);
+  wg_commit();
+}
+
+// This thread's dQ partial (dqa: rows row0 = r0 + 16 warp + g and row0 + 8 of the tile, g = row &
+// 7; columns kcol + 8 nt + 2 tq (+ 1)) into the partial buffer ps ([BQ][D] f32 in dQacc's layout):
+// chunk kcol / 4 + 2 nt + tq / 2 stored at fused_chunk(chunk, g).
+template <int D, int DH>
+__device__ __forceinline__ void fused_store_partial(float* ps, const float (&dqa)[DH / 8][4], int row0, int kcol,
+                                                    int g, int tq) {
+  float* pr = ps + row0 * D + 2 * (tq & 1);
+#pragma unroll
+  for (int nt = 0; nt < DH / 8; ++nt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      *reinterpret_cast<float2*>(pr + 8 * r * D + 4 * fused_chunk(kcol / 4 + 2 * nt + (tq >> 1), g)) =
+          make_float2(dqa[nt][2 * r], dqa[nt][2 * r + 1]);
+}
+
 // The thread that sends the dQ partials (waits on the semaphores, issues and waits for the bulk ops):
 // lane 0 of warp 5, in warpgroup 1; thread 0 (warpgroup 0, the first to issue each step's MMAs)
 // ran 1.01-1.04x slower (backward alone, none; 1.015x causal; session 22, when warp 4 computed the
@@ -236,6 +262,15 @@ constexpr unsigned kFusedSender = 160;
 // The rotation start of key block kt (items of the block: iters).
 __device__ __forceinline__ int fused_rot(int kt, int nkt, int iters, bool causal) {
   return causal ? 0 : int((int64_t(kt) * iters) / nkt);
+}
+
+// The block a ticket names (key tile fastest): key tile kt of nkt, kv head hk, batch b.
+__device__ __forceinline__ void fused_block(const AttnArgs& a, int nkt, int64_t ticket, int* kt, int64_t* hk,
+                                            int64_t* b) {
+  *kt = int(ticket % nkt);
+  ticket /= nkt;
+  *hk = ticket % a.Hkv;
+  *b = ticket / a.Hkv;
 }
 
 // The item schedule of key block kt (of nkt, 128 keys each) of one (batch, kv head): its items are
@@ -317,10 +352,9 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
   if (threadIdx.x == 0) Rc[0] = int(atomicAdd(ticket, 1u));
   __syncthreads();
   const int nkt = int((a.Sk + BK - 1) / BK);
-  int64_t blk = Rc[0];
-  const int kt = int(blk % nkt);
-  blk /= nkt;
-  const int64_t hk = blk % a.Hkv, b = blk / a.Hkv;
+  int kt;
+  int64_t hk, b;
+  fused_block(a, nkt, Rc[0], &kt, &hk, &b);
   const int64_t k0 = int64_t(kt) * BK;
   const int kw0 = int(k0) + 64 * wg;
   const int jw = kw0 + 16 * warp;
@@ -463,11 +497,7 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     fence_proxy_async();  // dS^T (st.shared) -> the async proxy
     __syncthreads();      // both warpgroups' dS^T rows stored; Rk written
     float dqa[DH / 8][4];
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk)
-      wgmma_ss_tt<T>(dqa, sdt, kdq, uint64_t(kk * 16 * 128 >> 4), uint64_t(kk * 16 * 128 >> 4), kk > 0);
-    wg_commit();
+    fused_issue_dq<T>(dqa, sdt, kdq);
     finish();  // the previous item, while this tile's dQ product runs
     p_rank = Rk[m % kFusedRankChunk];
     p_i0 = i0;
@@ -480,16 +510,9 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     wg_fence_regs(dka);
     wg_fence_afrag(pa);
     wg_fence_afrag(da);
-    // this thread's dQ rows r0 + 16 warp + g (+ 8) (r0 = 64 wg where ROWS, else 0; row & 7 = g),
-    // columns kcol + 8 nt + 2 tq (+ 1): chunk kcol / 4 + 2 nt + tq / 2, stored at fused_chunk(chunk,
-    // g), into Ps[buf] (sent by iteration m + 1's send, after the barrier at its top)
-    float* pr = Ps + buf * BQ * D + ((ROWS ? 64 * wg : 0) + 16 * warp + g) * D + 2 * (tq & 1);
-#pragma unroll
-    for (int nt = 0; nt < DH / 8; ++nt)
-#pragma unroll
-      for (int r = 0; r < 2; ++r)
-        *reinterpret_cast<float2*>(pr + 8 * r * D + 4 * fused_chunk(kcol / 4 + 2 * nt + (tq >> 1), g)) =
-            make_float2(dqa[nt][2 * r], dqa[nt][2 * r + 1]);
+    // this thread's dQ rows r0 + 16 warp + g (+ 8) (r0 = 64 wg where ROWS, else 0) into Ps[buf]
+    // (sent by iteration m + 1's send, after the barrier at its top)
+    fused_store_partial<D, DH>(Ps + buf * BQ * D, dqa, (ROWS ? 64 * wg : 0) + 16 * warp + g, kcol, g, tq);
     fence_proxy_async();  // Ps (st.shared) -> the async proxy (the bulk ops)
   }
   // the last item
@@ -497,20 +520,7 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
   send();
   finish();
   cp_async_wait_all();
-  const int64_t kv_b = (b * a.Sk) * a.Hkv + hk;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t j = jw + g + 8 * r;
-    if (j >= a.Sk) continue;
-    T* dkr = dk + (kv_b + j * a.Hkv) * D;
-    T* dvr = dv + (kv_b + j * a.Hkv) * D;
-#pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt) {
-      *reinterpret_cast<uint32_t*>(dkr + nt * 8 + 2 * tq) =
-          pack2<T>(dka[nt][2 * r] * a.scale, dka[nt][2 * r + 1] * a.scale);
-      *reinterpret_cast<uint32_t*>(dvr + nt * 8 + 2 * tq) = pack2<T>(dva[nt][2 * r], dva[nt][2 * r + 1]);
-    }
-  }
+  store_dk_dv<T, D>(a, dka, dva, dk, dv, (b * a.Sk) * a.Hkv + hk, jw + g, tq);
 #endif
 }
 

@@ -122,10 +122,9 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
   }
   __syncthreads();
   const int nkt = int((a.Sk + BK - 1) / BK);
-  int64_t blk = Tk[0];
-  const int kt = int(blk % nkt);
-  blk /= nkt;
-  const int64_t hk = blk % a.Hkv, b = blk / a.Hkv;
+  int kt;
+  int64_t hk, b;
+  fused_block(a, nkt, Tk[0], &kt, &hk, &b);
   const int64_t k0 = int64_t(kt) * BK;
   const int sq = int(a.Sq), grp = int(a.group);
   const bool causal = a.kind != 0;
@@ -235,7 +234,9 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
     const BwdTileMask msk{jw + g, sk, causal ? i0 + int(a.off) : INT_MAX};
     bwd_dv_dk_products<T, D, BQ>(st, dpt, pa, da, dva, dka, Ls + s * BQ, Dl + s * BQ, c2, tq, need, msk, gdt, qdt);
     wg_commit();
-    // dS^T rows of this thread (keys 64 cw + 16 warp + g (+ 8)) into Ss[s], as the fused kernel
+    // dS^T rows of this thread (keys 64 cw + 16 warp + g (+ 8)) into Ss[s], the layout of the fused
+    // kernel's loop at BQ 64 (a helper shared by both kernels compiled this one differently, untested
+    // on the GPU when written: kept apart)
     uint8_t* const srow = reinterpret_cast<uint8_t*>(Ss + s * BK * BQ);
 #pragma unroll
     for (int nt = 0; nt < BQ / 8; ++nt)
@@ -249,11 +250,7 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
     asm volatile("bar.sync 1, 256;" ::: "memory");  // both consumer warpgroups' dS^T rows stored
     const uint64_t sdt = wg_desc(smem_addr(Ss + s * BK * BQ), BK * 128, 1024);
     float dqa[DH / 8][4];
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk)
-      wgmma_ss_tt<T>(dqa, sdt, kdq, uint64_t(kk * 16 * 128 >> 4), uint64_t(kk * 16 * 128 >> 4), kk > 0);
-    wg_commit();
+    fused_issue_dq<T>(dqa, sdt, kdq);
     wg_wait0();
     wg_fence_regs(dqa);
     wg_fence_regs(dva);  // and dV's and dK's products
@@ -263,35 +260,15 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
     // the stage's readers have completed: S^T, dP^T, dV, dK (wgmma) and this thread's lse / delta
     // loads (every thread arrives: a release of its own loads, which lane 0 alone would not order)
     ws_arrive(empty + s);
-    // this thread's dQ rows 16 warp + g (+ 8) (row & 7 = g), columns DH cw + 8 nt + 2 tq (+ 1):
-    // chunk DH cw / 4 + 2 nt + tq / 2 at fused_chunk(chunk, g), into Ps[s] once the sender has read
-    // item m - 2's partial out of it
+    // this thread's dQ rows 16 warp + g (+ 8), columns DH cw + ..., into Ps[s] once the sender has
+    // read item m - 2's partial out of it
     ws_wait(pempty + s, ((m >> 1) & 1) ^ 1);
-    float* pr = Ps + s * BQ * D + (16 * warp + g) * D + 2 * (tq & 1);
-#pragma unroll
-    for (int nt = 0; nt < DH / 8; ++nt)
-#pragma unroll
-      for (int r = 0; r < 2; ++r)
-        *reinterpret_cast<float2*>(pr + 8 * r * D + 4 * fused_chunk(DH * cw / 4 + 2 * nt + (tq >> 1), g)) =
-            make_float2(dqa[nt][2 * r], dqa[nt][2 * r + 1]);
+    fused_store_partial<D, DH>(Ps + s * BQ * D, dqa, 16 * warp + g, DH * cw, g, tq);
     fence_proxy_async();  // Ps (st.shared) -> the async proxy (the bulk op)
     __syncwarp();         // the warp's stores and fences, then one arrival (lane 0)
     if (lane == 0) ws_arrive(pfull + s);
   }
-  const int64_t kv_b = (b * a.Sk) * a.Hkv + hk;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t j = jw + g + 8 * r;
-    if (j >= a.Sk) continue;
-    T* dkr = dk + (kv_b + j * a.Hkv) * D;
-    T* dvr = dv + (kv_b + j * a.Hkv) * D;
-#pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt) {
-      *reinterpret_cast<uint32_t*>(dkr + nt * 8 + 2 * tq) =
-          pack2<T>(dka[nt][2 * r] * a.scale, dka[nt][2 * r + 1] * a.scale);
-      *reinterpret_cast<uint32_t*>(dvr + nt * 8 + 2 * tq) = pack2<T>(dva[nt][2 * r], dva[nt][2 * r + 1]);
-    }
-  }
+  store_dk_dv<T, D>(a, dka, dva, dk, dv, (b * a.Sk) * a.Hkv + hk, jw + g, tq);
 #endif
 }
 

@@ -650,6 +650,29 @@ __global__ void __launch_bounds__(kMmaThreads, MINB)
 }
 
 // ---- backward: dk, dv (and dbias) ------------------------------------------------------------
+// dK (times the score scale) and dV of a thread's two key rows j0 and j0 + 8 (the C fragments of the
+// m16n8 / m64nD products: columns 8 nt + 2 tq (+ 1)) into dk / dv [B, Sk, Hkv, D] as T; kv_b = (b Sk)
+// Hkv + hk, the (batch, kv head)'s first row. Rows at or past Sk are not written. J: the row index
+// type of the caller (int: the key rows are summed in 32 bits, as the wgmma kernels always did).
+template <typename T, int D, typename J>
+__device__ __forceinline__ void store_dk_dv(const AttnArgs& a, const float (&dka)[D / 8][4],
+                                            const float (&dva)[D / 8][4], T* __restrict__ dk, T* __restrict__ dv,
+                                            int64_t kv_b, J j0, int tq) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t j = j0 + 8 * r;
+    if (j >= a.Sk) continue;
+    T* dkr = dk + (kv_b + j * a.Hkv) * D;
+    T* dvr = dv + (kv_b + j * a.Hkv) * D;
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+      *reinterpret_cast<uint32_t*>(dkr + nt * 8 + 2 * tq) =
+          pack2<T>(dka[nt][2 * r] * a.scale, dka[nt][2 * r + 1] * a.scale);
+      *reinterpret_cast<uint32_t*>(dvr + nt * 8 + 2 * tq) = pack2<T>(dva[nt][2 * r], dva[nt][2 * r + 1]);
+    }
+  }
+}
+
 // MASK: a key mask is given (a.mask != nullptr); false compiles the key-mask logic out.
 // AR: how many of the warp's loop-invariant A operands stay in registers (0: none, K and V
 // read from shared memory in every step; 1: K; 2: K and V), loaded once before the loop.
@@ -826,20 +849,7 @@ __global__ void __launch_bounds__(kMmaThreads)
     mma_pv<T, D, SW>(dka, dpt, Qb, lane);
   }
   cp_async_wait_all();
-  const int64_t kv_b = (b * a.Sk) * a.Hkv + hk;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t j = j_row0 + 8 * r;
-    if (j >= a.Sk) continue;
-    T* dkr = dk + (kv_b + j * a.Hkv) * D;
-    T* dvr = dv + (kv_b + j * a.Hkv) * D;
-#pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt) {
-      *reinterpret_cast<uint32_t*>(dkr + nt * 8 + 2 * tq) =
-          pack2<T>(dka[nt][2 * r] * a.scale, dka[nt][2 * r + 1] * a.scale);
-      *reinterpret_cast<uint32_t*>(dvr + nt * 8 + 2 * tq) = pack2<T>(dva[nt][2 * r], dva[nt][2 * r + 1]);
-    }
-  }
+  store_dk_dv<T, D>(a, dka, dva, dk, dv, (b * a.Sk) * a.Hkv + hk, j_row0, tq);
 #endif
 }
 

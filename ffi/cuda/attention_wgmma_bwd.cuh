@@ -275,20 +275,7 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     wg_fence_afrag(da);
   }
   cp_async_wait_all();
-  const int64_t kv_b = (b * a.Sk) * a.Hkv + hk;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t j = jw + g + 8 * r;
-    if (j >= a.Sk) continue;
-    T* dkr = dk + (kv_b + j * a.Hkv) * D;
-    T* dvr = dv + (kv_b + j * a.Hkv) * D;
-#pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt) {
-      *reinterpret_cast<uint32_t*>(dkr + nt * 8 + 2 * tq) =
-          pack2<T>(dka[nt][2 * r] * a.scale, dka[nt][2 * r + 1] * a.scale);
-      *reinterpret_cast<uint32_t*>(dvr + nt * 8 + 2 * tq) = pack2<T>(dva[nt][2 * r], dva[nt][2 * r + 1]);
-    }
-  }
+  store_dk_dv<T, D>(a, dka, dva, dk, dv, (b * a.Sk) * a.Hkv + hk, jw + g, tq);
 #endif
 }
 
