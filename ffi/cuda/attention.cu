@@ -621,13 +621,8 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
             }
             const int64_t kbw = nkt * a.Hkv * a.B;
             if (kbw > 0) {
-              if constexpr (std::is_invocable_v<decltype(fused), AttnArgs, const T*, const T*, const T*, const T*,
-                                                const float*, const float*, T*, T*, float*, uint32_t*, uint32_t*>)
-                fused<<<unsigned(kbw), threads, smem, stream>>>(a, q, k, v, dout, lse, delta, dk, dv, dqacc, sem,
-                                                                ticket);
-              else
-                fused<<<unsigned(kbw), threads, smem, stream>>>(a, q, k, v, dout, lse, delta, dq, dk, dv, dqacc, sem,
-                                                                ticket);
+              // dq is written by the convert pass below, from dQacc
+              fused<<<unsigned(kbw), threads, smem, stream>>>(a, q, k, v, dout, lse, delta, dk, dv, dqacc, sem, ticket);
               if (auto e = check_launch("attention backward (wgmma fused)"); e.failure()) return e;
             }
             // dq = scale * dQacc, [B, H, Sq, D] f32 -> [B, Sq, H, D]

@@ -325,7 +325,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kWgBwdThreads, 1)
     wgmma_fused_bwd_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                            const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
-                           T* __restrict__ dq, T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dqacc,
+                           T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dqacc,
                            uint32_t* __restrict__ sem, uint32_t* __restrict__ ticket) {
 #if RLX_ATTN_WGMMA
   static_assert(D == 64 || D == 128, "wgmma_fused_bwd_kernel: head dim 64 or 128");
