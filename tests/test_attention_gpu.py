@@ -532,8 +532,11 @@ print("child ok")
 # chunk), the others chunks of 1 (the default). Every warp-specialised child but "4n" runs the
 # default consumer loop, pipelined within each warpgroup (launch log "... PIPE"); "4n" the loop
 # before (RLX_ATTENTION_CUDA_WS_PIPE=0: each product waited for in turn), and so for the
-# warp-specialised dq kernel of backward "8" (RLX_ATTENTION_CUDA_WS_DQ_PIPE=0).
+# warp-specialised dq kernel of backward "8" (RLX_ATTENTION_CUDA_WS_DQ_PIPE=0). The pipelined
+# forward and the warp-specialised fused backward load with TMA (launch log "... TMA"); "4c" with
+# cp.async instead (RLX_ATTENTION_CUDA_TMA=0).
 _FWD_ENV = {"0": {}, "2": {}, "4": {"RLX_ATTENTION_CUDA_WGMMA": "4"},
+            "4c": {"RLX_ATTENTION_CUDA_WGMMA": "4", "RLX_ATTENTION_CUDA_TMA": "0"},
             "4n": {"RLX_ATTENTION_CUDA_WGMMA": "4", "RLX_ATTENTION_CUDA_WS_PIPE": "0",
                    "RLX_ATTENTION_CUDA_WS_DQ_PIPE": "0"},
             "4s": {"RLX_ATTENTION_CUDA_WGMMA": "4", "RLX_ATTENTION_CUDA_WS_GRID": "2"},
@@ -566,14 +569,14 @@ _WS64_LINE_NP = "D=64 BC=128 NWG=3 WS NST=2 "
 # block serves several tiles (the ring's phases and the Q / dO buffer carry across tiles); "3t"
 # one block per tile.
 @pytest.mark.parametrize("variant", ["2-5", "0-0", "0-5", "2-4", "2-6", "4-5", "4s-0", "3s-5", "3t-0",
-                                     "4-d", "4s-9", "3t-8", "4n-8", "4-6"])
+                                     "4-d", "4c-d", "4s-9", "3t-8", "4n-8", "4-6"])
 def test_wgmma_forward(variant):
     import os
     import subprocess
     import sys
 
     fwd, bwd = variant.split("-")
-    mode = fwd.rstrip("n")
+    mode = fwd.rstrip("nc")
     # the require flag in every child: it also turns on the launch log, so the "0" children's
     # check that no wgmma kernel launched can fail (with mode 0 the wgmma branch is never entered)
     env = dict(os.environ, RLX_ATTENTION_CUDA_WGMMA=mode, RLX_ATTENTION_CUDA_WGMMA_BWD=bwd,
@@ -588,10 +591,11 @@ def test_wgmma_forward(variant):
     # with the require flag the module names each wgmma kernel on its first launch (stderr): the
     # path taken, not only the values, is checked; the "0" children must not reach it
     fwd_lines = {"0": set(), "2": {"D=64 BC=128 NWG=2", "D=128 BC=128 NWG=2"},
-                 "4": {_WS_LINE + "persistent PIPE", _WS64_LINE + "persistent PIPE"},
+                 "4": {_WS_LINE + "persistent PIPE TMA", _WS64_LINE + "persistent PIPE TMA"},
+                 "4c": {_WS_LINE + "persistent PIPE", _WS64_LINE + "persistent PIPE"},
                  "4n": {_WS_LINE_NP + "persistent", _WS64_LINE_NP + "persistent"},
-                 "4s": {_WS_LINE + "persistent PIPE", _WS64_LINE + "persistent PIPE"},
-                 "3s": {_WS_LINE + "persistent PIPE"}, "3t": {_WS_LINE + "tiles PIPE"}}[fwd]
+                 "4s": {_WS_LINE + "persistent PIPE TMA", _WS64_LINE + "persistent PIPE TMA"},
+                 "3s": {_WS_LINE + "persistent PIPE TMA"}, "3t": {_WS_LINE + "tiles PIPE TMA"}}[fwd]
     kv = lambda d, ovl: f"D={d} BK=128 NWG=2 OVL={ovl}"
     dq = lambda d: f"D={d} BM=128 BC=64"
     grid = "tiles" if fwd == "3t" else "persistent"
@@ -655,26 +659,29 @@ def test_ws_pipelined_loops_bitwise_equal():
     # the pipelined and unpipelined loops, and (pipelined) the persistent grid's two pass orders
     # (RLX_ATTENTION_CUDA_WS_ORDER: 0 plain stride, 1 boustrophedon; unset: the launcher's choice):
     # each tile is computed the same way whichever block takes it
-    for pipe, order in (("1", ""), ("0", ""), ("1", "0"), ("1", "1")):
+    # and (pipelined) the producer's two ways to load (RLX_ATTENTION_CUDA_TMA: unset TMA, 0 cp.async)
+    for pipe, order, tma in (("1", "", ""), ("0", "", ""), ("1", "0", ""), ("1", "1", ""), ("1", "", "0")):
         # backward 9: the warp-specialised dq for both mask kinds (the default takes the fused
         # backward there)
         env = dict(os.environ, RLX_ATTENTION_CUDA_WS_PIPE=pipe, RLX_ATTENTION_CUDA_WS_DQ_PIPE=pipe,
                    RLX_ATTENTION_CUDA_WS_GRID="2", RLX_ATTENTION_CUDA_WGMMA_REQUIRE="1",
-                   RLX_ATTENTION_CUDA_WGMMA_BWD="9", RLX_ATTENTION_CUDA_WS_ORDER=order)
+                   RLX_ATTENTION_CUDA_WGMMA_BWD="9", RLX_ATTENTION_CUDA_WS_ORDER=order, RLX_ATTENTION_CUDA_TMA=tma)
         r = subprocess.run([sys.executable, "-c", _WS_PIPE_CHILD], cwd=root, env=env, capture_output=True,
                            text=True, timeout=300)
         assert r.returncode == 0 and "child ok" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
         launched = {ln.split("wgmma kernel ", 1)[1].strip() for ln in r.stderr.splitlines()
                     if "rlx attention forward: wgmma kernel " in ln}
-        want = ({_WS_LINE + "persistent PIPE", _WS64_LINE + "persistent PIPE"} if pipe == "1"
+        load = " TMA" if tma == "" else ""
+        want = ({_WS_LINE + "persistent PIPE" + load, _WS64_LINE + "persistent PIPE" + load} if pipe == "1"
                 else {_WS_LINE_NP + "persistent", _WS64_LINE_NP + "persistent"})
         assert launched == want, launched
         dq_launched = {ln.split("wgmma dq kernel ", 1)[1].strip() for ln in r.stderr.splitlines()
                        if "rlx attention backward: wgmma dq kernel " in ln}
         dq_want = {"D=128 BM=128 BC=64 WS NST=4 persistent" + (" PIPE" if pipe == "1" else "")}
         assert dq_launched == dq_want, dq_launched
-        hashes[pipe + order] = [ln for ln in r.stdout.splitlines() if ln.startswith("hash ")]
-    assert len(hashes["1"]) == 5 and all(h == hashes["1"] for h in hashes.values()), hashes
+        hashes[(pipe, order, tma)] = [ln for ln in r.stdout.splitlines() if ln.startswith("hash ")]
+    first = hashes["1", "", ""]
+    assert len(hashes) == 5 and len(first) == 5 and all(h == first for h in hashes.values()), hashes
 
 
 # The fused backward (RLX_ATTENTION_CUDA_WGMMA_BWD=6) sums the key blocks' dQ partials in f32 global

@@ -225,6 +225,14 @@ bool attn_ws_pipe() {
   static const bool on = !env_starts_with("RLX_ATTENTION_CUDA_WS_PIPE", '0');
   return on;
 }
+// Loads of the warp-specialised forward (RLX_ATTENTION_CUDA_TMA, read once per process): unset (or
+// another value) TMA copies issued by one producer thread (tma.cuh; cp.async when the driver gives no
+// tensor map for the buffers); 0: the producer warpgroup's cp.async copies. The same tiles in the
+// same layout: the outputs are bitwise equal (tested).
+bool attn_ws_tma() {
+  static const bool on = !env_starts_with("RLX_ATTENTION_CUDA_TMA", '0');
+  return on;
+}
 // Consumer loop of the warp-specialised dq kernel (RLX_ATTENTION_CUDA_WS_DQ_PIPE, read once per
 // process): unset (or another value): pipelined within each consumer warpgroup (the next key tile's
 // S and dP are issued before this tile's dQ += dS K, and the next dS is formed while that product is
@@ -366,15 +374,17 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
           // head dims, 3 at D 128 only. ptxas sm_90a (nvcc 13.0, -lineinfo; bf16, f16): 168 registers
           // at launch; the loop that waits for each product no spill, the pipelined one (setmaxnreg
           // 24 / 240) 104 / 116 bytes of spill stores at D 64 / 128, no wgmma serialisation (C7513).
-          auto run_ws = [&](auto kernel, int d, int nst, size_t smem) -> ffi::Error {
+          // maps: the TMA tensor maps of q, k, v (tma.cuh), read by the TMA kernels only
+          auto run_ws = [&](auto kernel, int d, int nst, size_t smem, const attn::TileMaps& maps,
+                            bool tma) -> ffi::Error {
             constexpr int kBC = 128;
             const int64_t nqt = (a.Sq + 127) / 128, tiles = nqt * a.H * a.B;
             const int64_t blocks = attn_ws_grid(tiles, info.sms);
             static const bool one_per_tile = env_starts_with("RLX_ATTENTION_CUDA_WS_GRID", '1');
             if (attn_wgmma_required()) {
               char line[64];
-              std::snprintf(line, sizeof line, "kernel D=%d BC=%d NWG=3 WS NST=%d %s%s", d, kBC, nst,
-                            one_per_tile ? "tiles" : "persistent", attn_ws_pipe() ? " PIPE" : "");
+              std::snprintf(line, sizeof line, "kernel D=%d BC=%d NWG=3 WS NST=%d %s%s%s", d, kBC, nst,
+                            one_per_tile ? "tiles" : "persistent", attn_ws_pipe() ? " PIPE" : "", tma ? " TMA" : "");
               log_wgmma_kernel(reinterpret_cast<const void*>(kernel), false, line);
             }
             if (auto e = grid_check(blocks, "attention"); e.failure()) return e;
@@ -382,23 +392,35 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
             const int hc = attn_fwd_hc(a, nqt, info.sms);
             if (blocks > 0)
               kernel<<<unsigned(blocks), 384u, smem, stream>>>(a, q, k, v, out, lse, hc,
-                                                                attn_ws_zig(a, nqt, hc, blocks, 128, kBC));
+                                                                attn_ws_zig(a, nqt, hc, blocks, 128, kBC), maps);
             return check_launch("attention forward (wgmma ws)");
           };
+          // TMA (the pipelined loop only): maps of q [B, Sq, H, D] and k, v [B, Sk, Hkv, D], boxes of
+          // the 128 rows of a query tile / key tile (without keys, Sk 0, no key tile is loaded: k's
+          // and v's maps are q's); any map the driver refuses: cp.async
+          attn::TileMaps maps{};
+          constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
+          const bool tma = attn_ws_pipe() && attn_ws_tma() && a.B > 0 && a.Sq > 0 &&
+                           attn::encode_rows_map(&maps.q, q, kBf16, a.B, a.Sq, a.H, a.D, 128) &&
+                           (a.Sk == 0 ? (maps.k = maps.v = maps.q, true)
+                                      : attn::encode_rows_map(&maps.k, k, kBf16, a.B, a.Sk, a.Hkv, a.D, 128) &&
+                                            attn::encode_rows_map(&maps.v, v, kBf16, a.B, a.Sk, a.Hkv, a.D, 128));
           // The pipelined consumer loop releases a ring stage one step later (after the next tile's
           // S = Q K^T has been issued), so it takes 3 stages: the producer then still has a whole
           // step to load each K / V tile (230,488 bytes of shared memory at D 128: fits the 227 KB).
-          if (attn_wgmma_mode(a.D) == 4 && a.D == 64)
-            return attn_ws_pipe()
-                       ? run_ws(attn::wgmma_fwd_ws_kernel<T, 64, 128, 3, true>, 64, 3, attn::wg_ws_smem<64, 128, 3>())
-                       : run_ws(attn::wgmma_fwd_ws_kernel<T, 64, 128, 2, false>, 64, 2,
-                                attn::wg_ws_smem<64, 128, 2>());
-          if (attn_wgmma_mode(a.D) >= 3 && a.D == 128)
-            return attn_ws_pipe()
-                       ? run_ws(attn::wgmma_fwd_ws_kernel<T, 128, 128, 3, true>, 128, 3,
-                                attn::wg_ws_smem<128, 128, 3>())
-                       : run_ws(attn::wgmma_fwd_ws_kernel<T, 128, 128, 2, false>, 128, 2,
-                                attn::wg_ws_smem<128, 128, 2>());
+          auto run_ws_d = [&](auto dim) -> ffi::Error {
+            constexpr int D = decltype(dim)::value;
+            if (!attn_ws_pipe())
+              return run_ws(attn::wgmma_fwd_ws_kernel<T, D, 128, 2, false, false>, D, 2, attn::wg_ws_smem<D, 128, 2>(),
+                            maps, false);
+            if (tma)
+              return run_ws(attn::wgmma_fwd_ws_kernel<T, D, 128, 3, true, true>, D, 3, attn::wg_ws_smem<D, 128, 3>(),
+                            maps, true);
+            return run_ws(attn::wgmma_fwd_ws_kernel<T, D, 128, 3, true, false>, D, 3, attn::wg_ws_smem<D, 128, 3>(),
+                          maps, false);
+          };
+          if (attn_wgmma_mode(a.D) == 4 && a.D == 64) return run_ws_d(std::integral_constant<int, 64>{});
+          if (attn_wgmma_mode(a.D) >= 3 && a.D == 128) return run_ws_d(std::integral_constant<int, 128>{});
           // <T, D, BC (keys per tile), NWG (warpgroups of 64 rows)>; ptxas sm_90a (bf16, f16):
           // <64, 128, 2> 221 registers, no spill; <128, 128, 2> 255 registers, 40 B of spills
           // (-lineinfo; run 10 of the H200 results). 1 block of 8 warps per SM (registers).
@@ -638,6 +660,9 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
           if ((wg_bwd == 6 || wg_bwd == 7 || (wg_bwd == 8 && a.kind == 0)) &&
               scratch_elems >= attn::fused_bwd_scratch(a.B, a.H, a.Sq, a.D)) {
             bool served = false;
+            // (the WS kernel loads Q and dO with cp.async: TMA copies of them, as the forward's, ran
+            // 0.965x without a mask and level causal, perhaps because the SM's TMA unit also carries
+            // the dQ partials' bulk adds; benchmarks/results/h100_2026-11-27.txt section 14)
             const ffi::Error e =
                 a.D == 64       ? run_fused(attn::wgmma_fused_bwd_kernel<T, 64>, attn::kWgBwdThreads,
                                             attn::wg_fused_smem<64>(), &served)

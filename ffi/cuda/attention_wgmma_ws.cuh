@@ -43,6 +43,7 @@
 #include <type_traits>
 
 #include "cuda/attention_wgmma.cuh"
+#include "cuda/tma.cuh"
 
 namespace rlx {
 namespace cuda {
@@ -141,14 +142,15 @@ __device__ __forceinline__ int64_t ws_tile(int64_t n, bool zig) {
   return n * G + (zig && (n & 1) ? G - 1 - i : i);
 }
 
-// The ring's barriers, NST stages: K full, V full (count 128: one cp.async arrival per producer
-// thread), empty (count 8: lane 0 of each consumer warp); Q full (128) and Q empty (8). Laid out
-// from `at` on (8-byte aligned), initialised by thread 0; the caller's __syncthreads publishes them.
+// The ring's barriers, NST stages: K full, V full (count `fulls`: 128, one cp.async arrival per
+// producer thread; 1 with TMA, the issuing thread's arrival with the bytes to expect), empty (count
+// 8: lane 0 of each consumer warp); Q full (`fulls`) and Q empty (8). Laid out from `at` on (8-byte
+// aligned), initialised by thread 0; the caller's __syncthreads publishes them.
 struct WsRing {
   uint64_t *kfull, *vfull, *empty, *qfull, *qempty;
 };
 template <int NST>
-__device__ __forceinline__ WsRing ws_ring_init(void* at) {
+__device__ __forceinline__ WsRing ws_ring_init(void* at, uint32_t fulls = 128) {
   WsRing r;
   r.kfull = reinterpret_cast<uint64_t*>(at);
   r.vfull = r.kfull + NST;
@@ -157,11 +159,11 @@ __device__ __forceinline__ WsRing ws_ring_init(void* at) {
   r.qempty = r.qfull + 1;
   if (threadIdx.x == 0) {
     for (int s = 0; s < NST; ++s) {
-      mbar_init(r.kfull + s, 128);
-      mbar_init(r.vfull + s, 128);
+      mbar_init(r.kfull + s, fulls);
+      mbar_init(r.vfull + s, fulls);
       mbar_init(r.empty + s, 8);
     }
-    mbar_init(r.qfull, 128);
+    mbar_init(r.qfull, fulls);
     mbar_init(r.qempty, 8);
     mbar_init_fence();
   }
@@ -173,10 +175,15 @@ __device__ __forceinline__ WsRing ws_ring_init(void* at) {
 // to free Q, loads the tile's Q rows (and dO's into Gs with DO: the dq kernel), then streams
 // the K / V tiles of BC keys of the tile's key range (key_range: causal stops at the last row)
 // through the NST-stage ring, waiting on each stage's empty barrier before overwriting it.
-template <typename T, int D, int BM, int BC, int NST, bool DO>
+// TMA (the forward only): one thread runs the loop and each tile is one TMA copy per 64 columns
+// (tma.cuh: maps), announced to its full barrier (count 1) with the tile's bytes; otherwise the
+// whole warpgroup copies with cp.async (count 128).
+template <typename T, int D, int BM, int BC, int NST, bool DO, bool TMA = false>
 __device__ __forceinline__ void ws_produce(const AttnArgs& a, const T* __restrict__ q, const T* __restrict__ dout,
                                            const T* __restrict__ k, const T* __restrict__ v, T* Qs, T* Gs, T* Ks,
-                                           T* Vs, const WsRing& ring, int hc, bool zig) {
+                                           T* Vs, const WsRing& ring, int hc, bool zig,
+                                           const TileMaps* maps = nullptr) {
+  static_assert(!(TMA && DO), "ws_produce: TMA loads Q, K and V only");
   const int64_t nqt = (a.Sq + BM - 1) / BM, nbh = a.B * a.H, ntiles = nqt * nbh;
   const int64_t q_rs = a.H * D, kv_rs = a.Hkv * D;
   int st = 0;
@@ -191,22 +198,34 @@ __device__ __forceinline__ void ws_produce(const AttnArgs& a, const T* __restric
     key_range(a, q0, min(a.Sq - 1, q0 + BM - 1), &kbeg, &kend, BC);
     ws_wait(ring.qempty, qph ^ 1);
     qph ^= 1;
-    ws_load_tile<T, D, BM>(Qs, q + (b * a.Sq * a.H + h) * D, q_rs, q0, a.Sq);
-    if constexpr (DO) ws_load_tile<T, D, BM>(Gs, dout + (b * a.Sq * a.H + h) * D, q_rs, q0, a.Sq);
-    ws_cp_async_arrive(ring.qfull);
+    if constexpr (TMA) {
+      mbar_arrive_expect_tx(ring.qfull, tma_rows_bytes<T, D, BM>());
+      tma_load_rows<T, D, BM>(Qs, &maps->q, h, q0, b, ring.qfull);
+    } else {
+      ws_load_tile<T, D, BM>(Qs, q + (b * a.Sq * a.H + h) * D, q_rs, q0, a.Sq);
+      if constexpr (DO) ws_load_tile<T, D, BM>(Gs, dout + (b * a.Sq * a.H + h) * D, q_rs, q0, a.Sq);
+      ws_cp_async_arrive(ring.qfull);
+    }
     for (int64_t k0 = kbeg; k0 < kend; k0 += BC) {
       ws_wait(ring.empty + st, ph ^ 1);
-      ws_load_tile<T, D, BC>(Ks + st * BC * D, kb, kv_rs, k0, a.Sk);
-      ws_cp_async_arrive(ring.kfull + st);
-      ws_load_tile<T, D, BC>(Vs + st * BC * D, vb, kv_rs, k0, a.Sk);
-      ws_cp_async_arrive(ring.vfull + st);
+      if constexpr (TMA) {
+        mbar_arrive_expect_tx(ring.kfull + st, tma_rows_bytes<T, D, BC>());
+        tma_load_rows<T, D, BC>(Ks + st * BC * D, &maps->k, hk, k0, b, ring.kfull + st);
+        mbar_arrive_expect_tx(ring.vfull + st, tma_rows_bytes<T, D, BC>());
+        tma_load_rows<T, D, BC>(Vs + st * BC * D, &maps->v, hk, k0, b, ring.vfull + st);
+      } else {
+        ws_load_tile<T, D, BC>(Ks + st * BC * D, kb, kv_rs, k0, a.Sk);
+        ws_cp_async_arrive(ring.kfull + st);
+        ws_load_tile<T, D, BC>(Vs + st * BC * D, vb, kv_rs, k0, a.Sk);
+        ws_cp_async_arrive(ring.vfull + st);
+      }
       if (++st == NST) {
         st = 0;
         ph ^= 1;
       }
     }
   }
-  cp_async_wait_all();
+  if constexpr (!TMA) cp_async_wait_all();
 }
 
 // Shared memory: Q [128 x D], K and V [NST][BC x D], 1024 bytes to align the swizzle atoms, then
@@ -320,10 +339,14 @@ __device__ __forceinline__ void ws_ring_next(int& st, uint32_t& ph, int nst) {
 // tile j's alpha once the product has completed (wait_group 0), before tile j's P V is issued in
 // the next step. Per tile the tensor pipe then has the next product queued while the softmax runs.
 // The ring stage of tile j - 1 is released once its P V product has completed.
-template <typename T, int D, int BC, int NST, bool PIPE>
+// TMA: the producer is one thread issuing TMA copies (maps: Q, K, V; ws_produce), and the consumers
+// skip the proxy fence after each full barrier (TMA writes through the async proxy already); the
+// same tiles land in the same layout, so the outputs are bitwise those of the cp.async producer.
+template <typename T, int D, int BC, int NST, bool PIPE, bool TMA>
 __global__ void __launch_bounds__(384, 1)
     wgmma_fwd_ws_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                        T* __restrict__ out, float* __restrict__ lse, int hc, int zig) {
+                        T* __restrict__ out, float* __restrict__ lse, int hc, int zig,
+                        const __grid_constant__ TileMaps maps) {
 #if RLX_ATTN_WGMMA
   static_assert(D % 64 == 0 && (BC == 64 || BC == 128) && NST >= 2, "wgmma_fwd_ws_kernel: tile shapes");
   constexpr int BM = 128;
@@ -332,7 +355,7 @@ __global__ void __launch_bounds__(384, 1)
   T* Qs = reinterpret_cast<T*>(wg_smem + pad);  // [D / 64][BM][64]
   T* Ks = Qs + BM * D;                            // [NST][D / 64][BC][64]
   T* Vs = Ks + NST * BC * D;                      // [NST][D / 64][BC][64]
-  const WsRing ring = ws_ring_init<NST>(Vs + NST * BC * D);
+  const WsRing ring = ws_ring_init<NST>(Vs + NST * BC * D, TMA ? 1 : 128);
   uint64_t *kfull = ring.kfull, *vfull = ring.vfull, *empty = ring.empty, *qfull = ring.qfull, *qempty = ring.qempty;
   __syncthreads();
   const int wg = threadIdx.x >> 7;
@@ -341,9 +364,14 @@ __global__ void __launch_bounds__(384, 1)
   uint32_t ph = 0, qph = 0;
   if (wg == 0) {
     ws_setmaxnreg_dec<PIPE ? kWsPipeProdRegs : kWsProdRegs>();
-    ws_produce<T, D, BM, BC, NST, false>(a, q, nullptr, k, v, Qs, nullptr, Ks, Vs, ring, hc, zig != 0);
+    if (!TMA || threadIdx.x == 0)
+      ws_produce<T, D, BM, BC, NST, false, TMA>(a, q, nullptr, k, v, Qs, nullptr, Ks, Vs, ring, hc, zig != 0, &maps);
     return;
   }
+  // after a full barrier: cp.async data (generic proxy) -> the async proxy that wgmma reads through
+  auto landed = [] {
+    if constexpr (!TMA) fence_proxy_async();
+  };
   // ---- consumers ----
   ws_setmaxnreg_inc<PIPE ? kWsPipeConsRegs : kWsConsRegs>();
   const int cw = wg - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
@@ -381,7 +409,7 @@ __global__ void __launch_bounds__(384, 1)
     zero(o);
     ws_wait(qfull, qph);
     qph ^= 1;
-    fence_proxy_async();
+    landed();
     int64_t k0 = kbeg;
     if constexpr (PIPE) {
       // the key tiles this warpgroup computes are [kbeg, kstop) (a prefix of the block's), pipelined.
@@ -396,7 +424,7 @@ __global__ void __launch_bounds__(384, 1)
         float s[BC / 8][4], alpha[2];
         uint32_t pa[BC / 16][4], pb[BC / 16][4];
         ws_wait(kfull + st, ph);
-        fence_proxy_async();  // the producer's cp.async data -> the async proxy (wgmma)
+        landed();
         ws_issue_qk<T, D, BC>(s, qd, Ks + st * BC * D);
         wg_wait0();
         wg_fence_regs(s);
@@ -410,11 +438,11 @@ __global__ void __launch_bounds__(384, 1)
         auto step = [&](auto& pc, auto& pn) {
           const bool turns = kTurns && k0 < kboth;  // warpgroup-uniform, the same steps in both
           ws_wait(kfull + st, ph);
-          fence_proxy_async();
+          landed();
           if (turns) ws_turn_wait(cw);
           ws_issue_qk<T, D, BC>(s, qd, Ks + st * BC * D);
           ws_wait(vfull + pst, pph);
-          fence_proxy_async();
+          landed();
           ws_issue_pv<T, D, BC>(o, pc, Vs + pst * BC * D);
           if (turns) ws_turn_pass(cw);
           wg_wait<1>();  // S of this tile (committed first) has completed
@@ -434,7 +462,7 @@ __global__ void __launch_bounds__(384, 1)
         // the last tile's P V, with its P in pc
         auto last = [&](auto& pc) {
           ws_wait(vfull + pst, pph);
-          fence_proxy_async();
+          landed();
           ws_issue_pv<T, D, BC>(o, pc, Vs + pst * BC * D);
           wg_wait0();
           wg_fence_regs(o);
@@ -459,7 +487,7 @@ __global__ void __launch_bounds__(384, 1)
     for (; k0 < kend; k0 += BC) {
       ws_wait(kfull + st, ph);
       if (!PIPE && k0 < wg_kend) {  // warpgroup-uniform
-        fence_proxy_async();  // the producer's cp.async data -> the async proxy (wgmma)
+        landed();
         float s[BC / 8][4], alpha[2];
         uint32_t p[BC / 16][4];
         ws_issue_qk<T, D, BC>(s, qd, Ks + st * BC * D);
@@ -468,7 +496,7 @@ __global__ void __launch_bounds__(384, 1)
         ws_softmax_tile<T, BC, false>(a, s, wrow0, k0, g, tq, c2, m, l, p, alpha);
         scale_rows(o, alpha);
         ws_wait(vfull + st, ph);
-        fence_proxy_async();
+        landed();
         ws_issue_pv<T, D, BC>(o, p, Vs + st * BC * D);
         wg_wait0();
         wg_fence_regs(o);
