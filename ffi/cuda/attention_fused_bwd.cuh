@@ -367,6 +367,13 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
   const FusedSchedule<BQ> sch(kt, nkt, nqt, grp, off, causal);
   const int iters = sch.iters;
   auto item = [&](int m, int* hl, int* t) { sch.item(m, hl, t); };
+  // stage(m, bf): item m's Q / dO tiles into buffer bf (cp.async) and its lse / delta rows into
+  // registers (row_l, row_d: thread i < BQ holds row i); put_rows(bf) stores those into Ls / Dl.
+  // The loop stores them late in the iteration (before its middle barrier), so a warp does not wait
+  // for the global loads before it issues the item's first products: H100, D 64 backward alone, 3
+  // alternating rounds against the stores at the top, 1.011-1.017x without a mask, 0.997-1.045x causal
+  // (benchmarks/results/h100_2026-11-27.txt section 14).
+  float row_l = INFINITY, row_d = 0.f;
   auto stage = [&](int m, int bf) {
     int hl, t;
     item(m, &hl, &t);
@@ -375,17 +382,24 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     wg_load_tile<T, D, BQ, NT>(Gs + bf * BQ * D, dout + (b * a.Sq * a.H + h) * D, q_rs, i0, a.Sq);
     if (threadIdx.x < BQ) {
       const int64_t i = i0 + threadIdx.x;
-      float L = INFINITY, dl = 0.f;
+      row_l = INFINITY;
+      row_d = 0.f;
       if (i < a.Sq) {
-        L = lse[(b * a.H + h) * a.Sq + i];
-        if (L == -INFINITY) L = INFINITY;  // dead row: P = 0
-        dl = delta[(b * a.H + h) * a.Sq + i];
+        row_l = lse[(b * a.H + h) * a.Sq + i];
+        row_d = delta[(b * a.H + h) * a.Sq + i];
       }
-      Ls[bf * BQ + threadIdx.x] = L * kLog2e;
-      Dl[bf * BQ + threadIdx.x] = dl;
     }
   };
-  if (iters > 0) stage(0, 0);
+  auto put_rows = [&](int bf) {
+    if (threadIdx.x < BQ) {
+      Ls[bf * BQ + threadIdx.x] = (row_l == -INFINITY ? INFINITY : row_l) * kLog2e;  // dead row: P = 0
+      Dl[bf * BQ + threadIdx.x] = row_d;
+    }
+  };
+  if (iters > 0) {
+    stage(0, 0);
+    put_rows(0);
+  }
   cp_async_commit();
   const float c2 = a.scale * kLog2e;
   float dka[D / 8][4], dva[D / 8][4];
@@ -493,6 +507,7 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
         *reinterpret_cast<uint32_t*>(srow + (nt >> 3) * BK * 128 + row * 128 + (((nt & 7) ^ (row & 7)) << 4) +
                                      4 * tq) = da[nt >> 1][(nt & 1) * 2 + r];
       }
+    if (m + 1 < iters) put_rows(buf ^ 1);  // the next item's lse / delta rows (read after the top barrier)
     cp_async_wait_all();  // the next Q / dO tiles
     fence_proxy_async();  // dS^T (st.shared) -> the async proxy
     __syncthreads();      // both warpgroups' dS^T rows stored; Rk written

@@ -5,7 +5,12 @@
 // the 2-warpgroup kernel's forward at D 128 and 1.07x / 1.15x the mma.sync forward at D 64.
 //
 // Block = 3 warpgroups (384 threads), one block per SM:
-//   warpgroup 0 (producer, setmaxnreg.dec to kWsProdRegs; kWsPipeProdRegs with PIPE): loads the 128-row Q tile and the K / V
+//   warpgroup 0 (producer, setmaxnreg.dec to kWsProdRegs; kWsPipeProdRegs with PIPE). With TMA (the
+//     default with PIPE; RLX_ATTENTION_CUDA_TMA=0 selects the cp.async producer below) one thread of it
+//     issues each tile as TMA copies (tma.cuh), announced to the tile's full barrier (count 1) with
+//     its bytes, in the same layout with the same zero fill, and the other 127 exit: 1.08-1.15x the
+//     forward (H100, benchmarks/results/h100_2026-11-27.txt section 14). Without TMA it
+//     loads the 128-row Q tile and the K / V
 //     tiles of BC keys with cp.async (16 bytes, zero-filled past the sequence end) into the
 //     128-byte-swizzle K-major layout of attention_wgmma.cuh (wg_load_tile), into a ring of NST
 //     stages. Each thread's copies of a tile complete on the stage's full barrier through
@@ -15,7 +20,7 @@
 //     overwrites the stage, and on the Q empty barrier before the next tile's Q.
 //   warpgroups 1, 2 (consumers, setmaxnreg.inc to kWsConsRegs; kWsPipeConsRegs): 64 query rows each, the loop body of
 //     wgmma_fwd_kernel (S = Q K^T smem x smem, online softmax in registers, O += P V with P from
-//     registers); each waits on the full barriers (then fence.proxy.async: the cp.async data,
+//     registers); each waits on the full barriers (then, cp.async producer only, fence.proxy.async: the data,
 //     written through the generic proxy, is read by wgmma through the async proxy), and after its
 //     P V product has completed (wait_group 0) lane 0 of each warp arrives on the stage's empty
 //     barrier (count 8). No CTA-wide barrier after the prologue.

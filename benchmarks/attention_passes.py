@@ -1,0 +1,75 @@
+"""Each attention pass alone: the ``attention_fwd`` primitive, and the ``attention_bwd`` primitive
+(the kernel the VJP calls) on the forward's saved out and lse, so a kernel A/B sees one pass without
+the other's share. Run one process per setting of a kernel switch (RLX_ATTENTION_CUDA_* variables
+are read once per process), alternating, e.g. on the GPU machine:
+
+    python3 -m benchmarks.attention_passes --passes fwd,bwd --kinds none,causal --batch 4 --head-dims 128
+    RLX_ATTENTION_CUDA_WGMMA_BWD=6 python3 -m benchmarks.attention_passes ...
+
+Prints one row per case: ``<pass> D<d> <kind> B<b>: <ms> ms <TF/s> TF/s``; the time is the
+runner's (benchmarks.harness.time_fn: median of --reps samples, each of default_batch calls back
+to back) and the work counts the forward as 4 B H S^2 D flops (2 S x S x D products) and the
+backward as 2.5 forward's (5 products), halved when causal. Shapes [B, S, H, D], bf16 by default;
+inputs from a fixed seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.harness import default_batch, time_fn
+from rlx_jax.vjp_rules import attention as A
+
+
+def pass_case(which: str, kind: str, b: int, s: int, h: int, d: int, dtype) -> tuple:
+    """(jitted pass, its arguments, its flop count) of one case; which: fwd or bwd."""
+    ks = jax.random.split(jax.random.PRNGKey(0), 4)
+    q, k, v, dy = (jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(dtype) for kk in ks)
+    params = dict(kind=kind, window=0, scale=d ** -0.5, softcap=0.0, has_mask=False, has_bias=False)
+    forward = jax.jit(lambda q, k, v: A.attention_fwd(q, k, v, **params))
+    flops = 4 * b * h * s * s * d * (0.5 if kind == "causal" else 1.0)
+    if which == "fwd":
+        return forward, (q, k, v), flops
+    out, lse = forward(q, k, v)
+    fn = jax.jit(lambda *x: A.attention_bwd(*x, **params))
+    return fn, (q, k, v, out, lse, dy, jnp.zeros_like(lse)), 2.5 * flops
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--passes", default="bwd", help="passes, comma-separated (fwd, bwd)")
+    parser.add_argument("--kinds", default="none,causal", help="mask kinds, comma-separated (none, causal)")
+    parser.add_argument("--batch", default="4", help="batch sizes, comma-separated")
+    parser.add_argument("--head-dims", default="128", help="head dims, comma-separated")
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--once", action="store_true", help="one call per case, no timing (for ncu)")
+    args = parser.parse_args()
+    kinds, passes = args.kinds.split(","), args.passes.split(",")
+    for kind in kinds:
+        if kind not in ("none", "causal"):
+            parser.error(f"--kinds: {kind!r} is not none or causal")
+    for which in passes:
+        if which not in ("fwd", "bwd"):
+            parser.error(f"--passes: {which!r} is not fwd or bwd")
+    device = jax.devices()[0]
+    dtype = jnp.dtype(args.dtype)
+    for d in (int(x) for x in args.head_dims.split(",")):
+        for kind in kinds:
+            for b in (int(x) for x in args.batch.split(",")):
+                for which in passes:
+                    fn, fargs, flops = pass_case(which, kind, b, args.seq, args.heads, d, dtype)
+                    jax.block_until_ready(fn(*fargs))
+                    if args.once:
+                        continue
+                    t = time_fn(fn, fargs, args.reps, batch=default_batch(device))
+                    print(f"{which} D{d} {kind} B{b}: {t:.3f} ms {flops / t / 1e9:.1f} TF/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
