@@ -412,6 +412,14 @@ __global__ void __launch_bounds__(384, 1)
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     float o[D / 8][4];
     zero(o);
+    // O *= alpha (per row). At D 128 skipped when no row of the warp changed its max (every alpha is
+    // then exactly 1: the same O, except that FTZ multiplication would have flushed denormal entries).
+    // H100, forward alone, 3 alternating rounds (benchmarks/results/h100_2026-11-27.txt section 14):
+    // D 128 1.00-1.035x none, 1.00-1.04x causal; D 64 (32 products a row instead of 64) 0.98-1.00x,
+    // so D 64 always scales.
+    auto rescale = [&](const float (&alpha)[2]) {
+      if (D != 128 || __any_sync(0xffffffffu, (alpha[0] != 1.f) | (alpha[1] != 1.f))) scale_rows(o, alpha);
+    };
     ws_wait(qfull, qph);
     qph ^= 1;
     landed();
@@ -458,7 +466,7 @@ __global__ void __launch_bounds__(384, 1)
           wg_fence_afrag(pc);
           __syncwarp();
           if (lane == 0) ws_arrive(empty + pst);
-          scale_rows(o, alpha);
+          rescale(alpha);
           pst = st;
           pph = ph;
           ws_ring_next(st, ph, NST);
@@ -499,7 +507,7 @@ __global__ void __launch_bounds__(384, 1)
         wg_wait0();
         wg_fence_regs(s);
         ws_softmax_tile<T, BC, false>(a, s, wrow0, k0, g, tq, c2, m, l, p, alpha);
-        scale_rows(o, alpha);
+        rescale(alpha);
         ws_wait(vfull + st, ph);
         landed();
         ws_issue_pv<T, D, BC>(o, p, Vs + st * BC * D);
