@@ -395,21 +395,21 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
                                                                 attn_ws_zig(a, nqt, hc, blocks, 128, kBC), maps);
             return check_launch("attention forward (wgmma ws)");
           };
-          // TMA (the pipelined loop only): maps of q [B, Sq, H, D] and k, v [B, Sk, Hkv, D], boxes of
-          // the 128 rows of a query tile / key tile (without keys, Sk 0, no key tile is loaded: k's
-          // and v's maps are q's); any map the driver refuses: cp.async
-          attn::TileMaps maps{};
-          constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
-          const bool tma = attn_ws_pipe() && attn_ws_tma() && a.B > 0 && a.Sq > 0 &&
-                           attn::encode_rows_map(&maps.q, q, kBf16, a.B, a.Sq, a.H, a.D, 128) &&
-                           (a.Sk == 0 ? (maps.k = maps.v = maps.q, true)
-                                      : attn::encode_rows_map(&maps.k, k, kBf16, a.B, a.Sk, a.Hkv, a.D, 128) &&
-                                            attn::encode_rows_map(&maps.v, v, kBf16, a.B, a.Sk, a.Hkv, a.D, 128));
           // The pipelined consumer loop releases a ring stage one step later (after the next tile's
           // S = Q K^T has been issued), so it takes 3 stages: the producer then still has a whole
           // step to load each K / V tile (230,488 bytes of shared memory at D 128: fits the 227 KB).
           auto run_ws_d = [&](auto dim) -> ffi::Error {
             constexpr int D = decltype(dim)::value;
+            // TMA (the pipelined loop only): maps of q [B, Sq, H, D] and k, v [B, Sk, Hkv, D], boxes of
+            // the 128 rows of a query tile / key tile (without keys, Sk 0, no key tile is loaded: k's
+            // and v's maps are q's); any map the driver refuses: cp.async
+            attn::TileMaps maps{};
+            constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
+            const bool tma = attn_ws_pipe() && attn_ws_tma() && a.B > 0 && a.Sq > 0 &&
+                             attn::encode_rows_map(&maps.q, q, kBf16, a.B, a.Sq, a.H, D, 128) &&
+                             (a.Sk == 0 ? (maps.k = maps.v = maps.q, true)
+                                        : attn::encode_rows_map(&maps.k, k, kBf16, a.B, a.Sk, a.Hkv, D, 128) &&
+                                              attn::encode_rows_map(&maps.v, v, kBf16, a.B, a.Sk, a.Hkv, D, 128));
             if (!attn_ws_pipe())
               return run_ws(attn::wgmma_fwd_ws_kernel<T, D, 128, 2, false, false>, D, 2, attn::wg_ws_smem<D, 128, 2>(),
                             maps, false);

@@ -414,7 +414,7 @@ __global__ void __launch_bounds__(384, 1)
     zero(o);
     // O *= alpha (per row). At D 128 skipped when no row of the warp changed its max (every alpha is
     // then exactly 1: the same O, except that FTZ multiplication would have flushed denormal entries).
-    // H100, forward alone, 3 alternating rounds (benchmarks/results/h100_2026-11-27.txt section 14):
+    // H100, forward alone, 3 alternating rounds (benchmarks/results/h100_2026-11-27.txt section 15a):
     // D 128 1.00-1.035x none, 1.00-1.04x causal; D 64 (32 products a row instead of 64) 0.98-1.00x,
     // so D 64 always scales.
     auto rescale = [&](const float (&alpha)[2]) {
