@@ -651,8 +651,8 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
             const int64_t n4 = a.B * a.H * a.Sq * D / 4, cblocks = (n4 + 255) / 256;
             if (auto e = grid_check(cblocks, "attention backward"); e.failure()) return e;
             if (cblocks > 0) {
-              attn::fused_dq_convert_kernel<T><<<unsigned(cblocks), 256, 0, stream>>>(n4, a.Sq, a.H, int(D), a.scale,
-                                                                                      dqacc, dq);
+              attn::fused_dq_convert_kernel<T><<<unsigned(cblocks), 256, 0, stream>>>(
+                  n4, a.Sq, a.H, int(D), a.scale, attn::fused_spread(D, a.kind), dqacc, dq);
               if (auto e = check_launch("attention backward (fused dq convert)"); e.failure()) return e;
             }
             return ffi::Error::Success();

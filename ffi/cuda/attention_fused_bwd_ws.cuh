@@ -263,7 +263,7 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
     // this thread's dQ rows 16 warp + g (+ 8), columns DH cw + ..., into Ps[s] once the sender has
     // read item m - 2's partial out of it
     ws_wait(pempty + s, ((m >> 1) & 1) ^ 1);
-    fused_store_partial<D, DH>(Ps + s * BQ * D, dqa, 16 * warp + g, DH * cw, g, tq);
+    fused_store_partial<D, DH>(Ps + s * BQ * D, dqa, 16 * warp + g, DH * cw, g, tq, fused_spread(D, a.kind));
     fence_proxy_async();  // Ps (st.shared) -> the async proxy (the bulk op)
     __syncwarp();         // the warp's stores and fences, then one arrival (lane 0)
     if (lane == 0) ws_arrive(pfull + s);
