@@ -181,8 +181,8 @@ __device__ __forceinline__ WsRing ws_ring_init(void* at, uint32_t fulls = 128) {
 // the K / V tiles of BC keys of the tile's key range (key_range: causal stops at the last row)
 // through the NST-stage ring, waiting on each stage's empty barrier before overwriting it.
 // TMA (the forward only): one thread runs the loop and each tile is one TMA copy per 64 columns
-// (tma.cuh: maps), announced to its full barrier (count 1) with the tile's bytes; otherwise the
-// whole warpgroup copies with cp.async (count 128).
+// (tma.cuh: maps), announced to its full barrier (count 1) with the tile's bytes by tma_load_rows;
+// otherwise the whole warpgroup copies with cp.async (count 128).
 template <typename T, int D, int BM, int BC, int NST, bool DO, bool TMA = false>
 __device__ __forceinline__ void ws_produce(const AttnArgs& a, const T* __restrict__ q, const T* __restrict__ dout,
                                            const T* __restrict__ k, const T* __restrict__ v, T* Qs, T* Gs, T* Ks,
@@ -204,7 +204,6 @@ __device__ __forceinline__ void ws_produce(const AttnArgs& a, const T* __restric
     ws_wait(ring.qempty, qph ^ 1);
     qph ^= 1;
     if constexpr (TMA) {
-      mbar_arrive_expect_tx(ring.qfull, tma_rows_bytes<T, D, BM>());
       tma_load_rows<T, D, BM>(Qs, &maps->q, h, q0, b, ring.qfull);
     } else {
       ws_load_tile<T, D, BM>(Qs, q + (b * a.Sq * a.H + h) * D, q_rs, q0, a.Sq);
@@ -214,9 +213,7 @@ __device__ __forceinline__ void ws_produce(const AttnArgs& a, const T* __restric
     for (int64_t k0 = kbeg; k0 < kend; k0 += BC) {
       ws_wait(ring.empty + st, ph ^ 1);
       if constexpr (TMA) {
-        mbar_arrive_expect_tx(ring.kfull + st, tma_rows_bytes<T, D, BC>());
         tma_load_rows<T, D, BC>(Ks + st * BC * D, &maps->k, hk, k0, b, ring.kfull + st);
-        mbar_arrive_expect_tx(ring.vfull + st, tma_rows_bytes<T, D, BC>());
         tma_load_rows<T, D, BC>(Vs + st * BC * D, &maps->v, hk, k0, b, ring.vfull + st);
       } else {
         ws_load_tile<T, D, BC>(Ks + st * BC * D, kb, kv_rs, k0, a.Sk);

@@ -55,12 +55,14 @@ inline bool encode_rows_map(CUtensorMap* map, const void* x, bool bf16, int64_t 
 }
 
 // Device: rows r0 .. r0 + ROWS - 1 of head h, batch b, all D columns, into dst [D / 64][ROWS][64]
-// (1024-byte aligned), completing as ROWS * D * sizeof(T) bytes of transactions on `bar` (the
-// caller announces them: mbar_arrive_expect_tx). Rows at or past S arrive as zeros.
+// (1024-byte aligned): announces the tile's ROWS * D * sizeof(T) bytes to `bar` (its one arrival,
+// mbarrier.arrive.expect_tx) and issues the copies, which complete as transactions on it. Rows at
+// or past S arrive as zeros.
 template <typename T, int D, int ROWS>
 __device__ __forceinline__ void tma_load_rows(T* dst, const CUtensorMap* map, int64_t h, int64_t r0, int64_t b,
                                               uint64_t* bar) {
 #if RLX_ATTN_WGMMA
+  mbar_arrive_expect_tx(bar, uint32_t(ROWS) * D * sizeof(T));
 #pragma unroll
   for (int c = 0; c < D / 64; ++c)
     asm volatile(
@@ -70,8 +72,6 @@ __device__ __forceinline__ void tma_load_rows(T* dst, const CUtensorMap* map, in
         : "memory");
 #endif
 }
-template <typename T, int D, int ROWS>
-constexpr uint32_t tma_rows_bytes() { return uint32_t(ROWS) * D * sizeof(T); }
 
 }  // namespace attn
 }  // namespace cuda
