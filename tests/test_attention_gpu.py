@@ -533,8 +533,8 @@ print("child ok")
 # default consumer loop, pipelined within each warpgroup (launch log "... PIPE"); "4n" the loop
 # before (RLX_ATTENTION_CUDA_WS_PIPE=0: each product waited for in turn), and so for the
 # warp-specialised dq kernel of backward "8" (RLX_ATTENTION_CUDA_WS_DQ_PIPE=0). The pipelined
-# forward and the warp-specialised fused backward load with TMA (launch log "... TMA"); "4c" with
-# cp.async instead (RLX_ATTENTION_CUDA_TMA=0).
+# forward loads with TMA (launch log "... TMA"); "4c" with cp.async instead
+# (RLX_ATTENTION_CUDA_TMA=0). (Every backward kernel loads with cp.async.)
 _FWD_ENV = {"0": {}, "2": {}, "4": {"RLX_ATTENTION_CUDA_WGMMA": "4"},
             "4c": {"RLX_ATTENTION_CUDA_WGMMA": "4", "RLX_ATTENTION_CUDA_TMA": "0"},
             "4n": {"RLX_ATTENTION_CUDA_WGMMA": "4", "RLX_ATTENTION_CUDA_WS_PIPE": "0",
