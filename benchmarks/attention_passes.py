@@ -10,7 +10,8 @@ Prints one row per case: ``<pass> D<d> <kind> B<b>: <ms> ms <TF/s> TF/s``; the t
 runner's (benchmarks.harness.time_fn: median of --reps samples, each of default_batch calls back
 to back) and the work counts the forward as 4 B H S^2 D flops (2 S x S x D products) and the
 backward as 2.5 forward's (5 products), halved when causal. Shapes [B, S, H, D], bf16 by default;
-inputs from a fixed seed.
+inputs from a fixed seed. --softcap C (> 0) caps the scaled scores, C tanh(s / C) (the flop count
+is unchanged: the tanh is not counted).
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ from benchmarks.harness import default_batch, time_fn
 from rlx_jax.vjp_rules import attention as A
 
 
-def pass_case(which: str, kind: str, b: int, s: int, h: int, d: int, dtype) -> tuple:
+def pass_case(which: str, kind: str, b: int, s: int, h: int, d: int, dtype, softcap: float = 0.0) -> tuple:
     """(jitted pass, its arguments, its flop count) of one case; which: fwd or bwd."""
     ks = jax.random.split(jax.random.PRNGKey(0), 4)
     q, k, v, dy = (jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(dtype) for kk in ks)
-    params = dict(kind=kind, window=0, scale=d ** -0.5, softcap=0.0, has_mask=False, has_bias=False)
+    params = dict(kind=kind, window=0, scale=d ** -0.5, softcap=softcap, has_mask=False, has_bias=False)
     forward = jax.jit(lambda q, k, v: A.attention_fwd(q, k, v, **params))
     flops = 4 * b * h * s * s * d * (0.5 if kind == "causal" else 1.0)
     if which == "fwd":
@@ -48,8 +49,11 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--softcap", type=float, default=0.0, help="softcap C of the scores (0: none)")
     parser.add_argument("--once", action="store_true", help="one call per case, no timing (for ncu)")
     args = parser.parse_args()
+    if not args.softcap >= 0.0:
+        parser.error(f"--softcap: {args.softcap} is not >= 0")
     kinds, passes = args.kinds.split(","), args.passes.split(",")
     for kind in kinds:
         if kind not in ("none", "causal"):
@@ -63,12 +67,13 @@ def main() -> None:
         for kind in kinds:
             for b in (int(x) for x in args.batch.split(",")):
                 for which in passes:
-                    fn, fargs, flops = pass_case(which, kind, b, args.seq, args.heads, d, dtype)
+                    fn, fargs, flops = pass_case(which, kind, b, args.seq, args.heads, d, dtype, args.softcap)
                     jax.block_until_ready(fn(*fargs))
                     if args.once:
                         continue
                     t = time_fn(fn, fargs, args.reps, batch=default_batch(device))
-                    print(f"{which} D{d} {kind} B{b}: {t:.3f} ms {flops / t / 1e9:.1f} TF/s", flush=True)
+                    cap = f" softcap {args.softcap:g}" if args.softcap else ""
+                    print(f"{which} D{d} {kind}{cap} B{b}: {t:.3f} ms {flops / t / 1e9:.1f} TF/s", flush=True)
 
 
 if __name__ == "__main__":

@@ -438,8 +438,8 @@ def test_cuda_backward_scratch_follows_the_kernel_switch(monkeypatch, mode, kind
     """The CUDA backward's scratch holds the fused kernel's f32 dQ accumulator exactly where
     ffi/cuda/attention.cu may take that kernel (RLX_ATTENTION_CUDA_WGMMA_BWD, first character:
     unset / 6 / 7 / unknown = fused for mask kinds none and causal, 8 = none only, 0 / 4 / 5 / 9
-    = never), and only for the cases it serves (bf16 / f16, head dims 64 and 128, no key mask, bias
-    or softcap)."""
+    = never), and only for the cases it serves (bf16 / f16, head dims 64 and 128, scale > 0, with or
+    without a softcap, no key mask or bias)."""
     if mode is None:
         monkeypatch.delenv("RLX_ATTENTION_CUDA_WGMMA_BWD", raising=False)
     else:
@@ -450,8 +450,10 @@ def test_cuda_backward_scratch_follows_the_kernel_switch(monkeypatch, mode, kind
     for other in (q.astype(jnp.float32), q[..., :32], q[..., :96], jnp.zeros((2, 130, 4, 256), jnp.bfloat16)):
         assert not A._cuda_fused_bwd(other, kind, 0.1, 0.0, False, False)
     assert not A._cuda_fused_bwd(q, kind, 0.0, 0.0, False, False)  # scale 0: not a PLAIN case
-    assert not A._cuda_fused_bwd(q, kind, 0.1, 5.0, False, False)  # softcap
+    assert A._cuda_fused_bwd(q, kind, 0.1, 5.0, False, False) is fused  # softcap: the CAP kernels
+    assert not A._cuda_fused_bwd(q, kind, 0.0, 5.0, False, False)  # softcap, scale 0
     assert not A._cuda_fused_bwd(q, kind, 0.1, 0.0, True, False)  # key mask
+    assert not A._cuda_fused_bwd(q, kind, 0.1, 0.0, False, True)  # bias
     assert not A._cuda_fused_bwd(q, "sliding", 0.1, 0.0, False, False)
     # delta (B H Sq = 1040, a multiple of 4), dQacc B H Sq D, 3 query tiles of 64 a (batch, head), ticket
     assert A.cuda_bwd_scratch_size(2, 4, 130, 128, fused) == (1040 + 1040 * 128 + 8 * 3 + 1 if fused else 1040)

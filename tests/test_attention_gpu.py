@@ -334,7 +334,8 @@ def test_long_sequence_plain(d, kind, sq, sk, hkv, dtype):
 # staggered), MASK (a key mask is given) and PLAIN (no softcap and no bias: the unmasked tiles
 # take a separate score loop). Each (D, MASK, PLAIN) kernel is hit here, with odd lengths
 # (partial query / key tiles), GQA, Sq != Sk, and each mask kind; softcap and bias each alone
-# reach the general (not PLAIN) kernels.
+# reach the general (not PLAIN) kernels (on sm_90a a softcap without a key mask, mask kind none or
+# causal, takes the wgmma CAP kernels instead: WGMMA_CAP_CASES).
 
 SPEC_CASES = [
     # d, key mask, variant, kind, dtype
@@ -477,6 +478,20 @@ WGMMA_CASES = [
     (1, 1, 300, 2, 1, 128, jnp.bfloat16, dict(kind="causal", seed=7)),
 ]
 
+# Softcap c * tanh(s / c) on the scaled score s: the CAP kernels (the warp-specialised forward where
+# the forward switch selects it: 4 at both head dims, 3 at D 128; the fused backward where the
+# backward switch does: 6, 7, 8 for mask kind none; elsewhere the mma.sync kernels). Small caps
+# against large scores (tanh far from linear), a large cap, rows that see no key (causal, Sq > Sk:
+# out 0, lse -inf, as without a cap), GQA, odd lengths, Sq != Sk both ways, dlse.
+WGMMA_CAP_CASES = [
+    (1, 130, 140, 2, 2, 64, jnp.bfloat16, dict(kind="causal", softcap=5.0, seed=4)),
+    (2, 197, 261, 4, 2, 64, jnp.float16, dict(kind="none", softcap=1.5, scale=0.5, dlse=True, seed=8)),
+    (1, 300, 77, 4, 1, 64, jnp.bfloat16, dict(kind="causal", softcap=2.0, scale=0.4, seed=9)),
+    (2, 160, 300, 4, 2, 128, jnp.bfloat16, dict(kind="none", softcap=2.0, scale=0.3, seed=10)),
+    (1, 333, 250, 4, 4, 128, jnp.float16, dict(kind="causal", softcap=30.0, dlse=True, seed=11)),
+    (1, 260, 90, 2, 1, 128, jnp.bfloat16, dict(kind="causal", softcap=1.0, scale=0.6, seed=12)),
+]
+
 _WGMMA_CHILD = """
 import sys
 sys.path.insert(0, "tests")
@@ -501,21 +516,23 @@ for d, kind, dtype in ((64, "causal", jnp.bfloat16), (128, "none", jnp.float16))
         gr = jax.jit(jax.grad(loss_ref, argnums=(0, 1, 2)))(t._f32(q), t._f32(k), t._f32(v))
         for n, a, b in zip(("dq", "dk", "dv"), g, gr):
             t._close(a, b, dtype, n + " (ops)")
-# zero-sized: no key (rows 0, lse -inf), no query, no batch
+# zero-sized: no key (rows 0, lse -inf), no query, no batch; without and with a softcap
 for d in (64, 128):
     for b, sq, sk, h, hkv in ((2, 0, 16, 2, 2), (2, 16, 0, 2, 1), (0, 8, 8, 2, 2)):
-        q = jnp.ones((b, sq, h, d), jnp.bfloat16)
-        k = jnp.ones((b, sk, hkv, d), jnp.bfloat16)
-        out, lse = t.A.attention_fwd(q, k, k, **t._params(d, "causal", None, None, None, None, None))
-        assert out.shape == q.shape and not np.asarray(out.astype(jnp.float32)).any()
-        assert np.isneginf(np.asarray(lse)).all()
-        # and the backward (the fused one's memset path: no key block, or no query tile)
-        grads = t.A.attention_bwd(q, k, k, out, lse, jnp.ones_like(q), jnp.zeros(lse.shape, jnp.float32),
-                                  **t._params(d, "causal", None, None, None, None, None))
-        assert [x.shape for x in grads] == [q.shape, k.shape, k.shape]
-        assert not any(np.asarray(x.astype(jnp.float32)).any() for x in grads)
-# a case the wgmma forward does not serve still runs (softcap: mma.sync forward)
-t._check_case(1, 130, 140, 2, 2, 64, jnp.bfloat16, kind="causal", softcap=5.0, seed=4)
+        for cap in (None, 3.0):
+            p = t._params(d, "causal", None, None, cap, None, None)
+            q = jnp.ones((b, sq, h, d), jnp.bfloat16)
+            k = jnp.ones((b, sk, hkv, d), jnp.bfloat16)
+            out, lse = t.A.attention_fwd(q, k, k, **p)
+            assert out.shape == q.shape and not np.asarray(out.astype(jnp.float32)).any()
+            assert np.isneginf(np.asarray(lse)).all()
+            # and the backward (the fused one's memset path: no key block, or no query tile)
+            grads = t.A.attention_bwd(q, k, k, out, lse, jnp.ones_like(q), jnp.zeros(lse.shape, jnp.float32), **p)
+            assert [x.shape for x in grads] == [q.shape, k.shape, k.shape]
+            assert not any(np.asarray(x.astype(jnp.float32)).any() for x in grads)
+for i, (*shape, dtype, opts) in enumerate(t.WGMMA_CAP_CASES):
+    t._check_case(*shape, dtype, **opts)
+    print("softcap case", i, "ok", flush=True)
 print("child ok")
 """
 
@@ -595,7 +612,7 @@ def test_wgmma_forward(variant):
                  "4c": {_WS_LINE + "persistent PIPE", _WS64_LINE + "persistent PIPE"},
                  "4n": {_WS_LINE_NP + "persistent", _WS64_LINE_NP + "persistent"},
                  "4s": {_WS_LINE + "persistent PIPE TMA", _WS64_LINE + "persistent PIPE TMA"},
-                 "3s": {_WS_LINE + "persistent PIPE TMA"}, "3t": {_WS_LINE + "tiles PIPE TMA"}}[fwd]
+                 "3s": {_WS_LINE + "persistent PIPE TMA"}, "3t": {_WS_LINE + "tiles PIPE TMA"}}[fwd].copy()
     kv = lambda d, ovl: f"D={d} BK=128 NWG=2 OVL={ovl}"
     dq = lambda d: f"D={d} BM=128 BC=64"
     grid = "tiles" if fwd == "3t" else "persistent"
@@ -609,6 +626,10 @@ def test_wgmma_forward(variant):
     fused_lines = {"D=64 BK=128 BQ=128", "D=128 BK=128 BQ=64"} if bwd in ("6", "8") else set()
     if bwd in ("7", "d"):
         fused_lines = {"D=64 BK=128 BQ=128", "D=128 BK=128 BQ=64 WS"}
+    # the softcap cases: the CAP form of each warp-specialised forward and of each fused backward
+    # (8: WGMMA_CAP_CASES has mask kind none at both head dims); the others run on mma.sync
+    fwd_lines |= {ln + " CAP" for ln in fwd_lines if " WS " in ln}
+    fused_lines |= {ln + " CAP" for ln in fused_lines}
     for which, want, tag in (("fwd", fwd_lines, "rlx attention forward: wgmma kernel "),
                              ("dkdv", dkdv_lines, "rlx attention backward: wgmma dkdv kernel "),
                              ("dq", dq_lines, "rlx attention backward: wgmma dq kernel "),
@@ -630,12 +651,14 @@ import hashlib, sys
 sys.path.insert(0, "tests")
 import jax, jax.numpy as jnp, numpy as np
 import test_attention_gpu as t
-for (b, sq, sk, h, hkv, d, kind) in ((2, 1030, 1100, 4, 2, 128, "none"), (1, 1100, 1100, 4, 4, 128, "causal"),
-                                     (1, 333, 700, 4, 1, 64, "causal"), (2, 700, 260, 2, 2, 64, "none"),
-                                     (1, 77, 190, 2, 2, 128, "causal")):
+for (b, sq, sk, h, hkv, d, kind, cap) in ((2, 1030, 1100, 4, 2, 128, "none", None),
+                                          (1, 1100, 1100, 4, 4, 128, "causal", None),
+                                          (1, 333, 700, 4, 1, 64, "causal", None), (2, 700, 260, 2, 2, 64, "none", None),
+                                          (1, 77, 190, 2, 2, 128, "causal", None),
+                                          (1, 900, 1000, 4, 2, 128, "causal", 4.0), (2, 700, 520, 2, 1, 64, "none", 2.5)):
     q, k, v, _, _, _ = t._inputs(b, sq, sk, h, hkv, d, jnp.bfloat16, 13)
     q = (q.astype(jnp.float32) * jnp.linspace(0.2, 4.0, sq)[None, :, None, None]).astype(jnp.bfloat16)
-    p = t._params(d, kind, None, None, None, None, None)
+    p = t._params(d, kind, None, None, cap, None, None)
     out, lse = jax.jit(lambda q, k, v: t.A.attention_fwd(q, k, v, **p))(q, k, v)
     dy = jax.random.normal(jax.random.PRNGKey(sq + d), out.shape, jnp.float32).astype(jnp.bfloat16)
     grads = jax.jit(lambda *x: t.A.attention_bwd(*x, **p))(q, k, v, out, lse, dy, jnp.zeros_like(lse))
@@ -674,6 +697,7 @@ def test_ws_pipelined_loops_bitwise_equal():
         load = " TMA" if tma == "" else ""
         want = ({_WS_LINE + "persistent PIPE" + load, _WS64_LINE + "persistent PIPE" + load} if pipe == "1"
                 else {_WS_LINE_NP + "persistent", _WS64_LINE_NP + "persistent"})
+        want |= {ln + " CAP" for ln in want}  # the softcap cases
         assert launched == want, launched
         dq_launched = {ln.split("wgmma dq kernel ", 1)[1].strip() for ln in r.stderr.splitlines()
                        if "rlx attention backward: wgmma dq kernel " in ln}
@@ -681,7 +705,7 @@ def test_ws_pipelined_loops_bitwise_equal():
         assert dq_launched == dq_want, dq_launched
         hashes[(pipe, order, tma)] = [ln for ln in r.stdout.splitlines() if ln.startswith("hash ")]
     first = hashes["1", "", ""]
-    assert len(hashes) == 5 and len(first) == 5 and all(h == first for h in hashes.values()), hashes
+    assert len(hashes) == 5 and len(first) == 7 and all(h == first for h in hashes.values()), hashes
 
 
 # The fused backward (RLX_ATTENTION_CUDA_WGMMA_BWD=6) sums the key blocks' dQ partials in f32 global
@@ -696,10 +720,12 @@ import hashlib, sys
 sys.path.insert(0, "tests")
 import jax, jax.numpy as jnp, numpy as np
 import test_attention_gpu as t
-for (b, sq, sk, h, hkv, d, kind) in ((2, 1030, 1100, 4, 2, 128, "none"), (1, 1100, 1100, 4, 4, 128, "causal"),
-                                     (2, 900, 1300, 4, 2, 64, "none"), (1, 1100, 1000, 2, 1, 64, "causal")):
+for (b, sq, sk, h, hkv, d, kind, cap) in ((2, 1030, 1100, 4, 2, 128, "none", None),
+                                          (1, 1100, 1100, 4, 4, 128, "causal", None),
+                                          (2, 900, 1300, 4, 2, 64, "none", None), (1, 1100, 1000, 2, 1, 64, "causal", None),
+                                          (1, 1100, 1100, 4, 2, 128, "causal", 3.0)):
     q, k, v, dy, _, _ = t._inputs(b, sq, sk, h, hkv, d, jnp.bfloat16, 11)
-    p = t._params(d, kind, None, None, None, None, None)
+    p = t._params(d, kind, None, None, cap, None, None)
     out, lse = jax.jit(lambda q, k, v: t.A.attention_fwd(q, k, v, **p))(q, k, v)
     zl = jnp.zeros(lse.shape, jnp.float32)
     fb = jax.jit(lambda *x: t.A.attention_bwd(*x, **p))
@@ -712,7 +738,7 @@ for (b, sq, sk, h, hkv, d, kind) in ((2, 1030, 1100, 4, 2, 128, "none"), (1, 110
         gr = t.A.reference_attention_bwd(*f[:3], t._f32(out), lse, f[3], zl, **p)
     for n, x, y in zip(("dq", "dk", "dv"), runs[0], gr):
         t._close(jnp.asarray(x).astype(jnp.bfloat16), y, jnp.bfloat16, n + " (fused, " + kind + ")")
-    print("hash", d, kind, hashlib.sha1(b"".join(x.tobytes() for x in runs[0])).hexdigest(), flush=True)
+    print("hash", d, kind, cap, hashlib.sha1(b"".join(x.tobytes() for x in runs[0])).hexdigest(), flush=True)
 print("child ok")
 """
 
@@ -732,6 +758,6 @@ def test_wgmma_fused_backward_deterministic():
         assert r.returncode == 0 and "child ok" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
         launched = {ln.split("fused dkdv+dq kernel ", 1)[1].strip() for ln in r.stderr.splitlines()
                     if "rlx attention backward: wgmma fused dkdv+dq kernel " in ln}
-        assert launched == {d128, "D=64 BK=128 BQ=128"}, (launched, r.stderr[-2000:])
+        assert launched == {d128, d128 + " CAP", "D=64 BK=128 BQ=128"}, (launched, r.stderr[-2000:])
         hashes.append([ln for ln in r.stdout.splitlines() if ln.startswith("hash ")])
-    assert len(hashes[0]) == 4 and hashes[0] == hashes[1], hashes
+    assert len(hashes[0]) == 5 and hashes[0] == hashes[1], hashes

@@ -11,13 +11,15 @@
 // Attrs: scale, softcap (f64; softcap 0 = off), mask_kind (0 none, 1 causal, 2 sliding),
 //   window, has_mask, has_bias (i64).
 //
-// Path: bf16 / f16 with head dim 64 or 128 on sm_80+ run the mma.sync kernels, except the PLAIN
-// cases without a key mask (mask kind none or causal) where the module carries sm_90a code and runs
-// on a compute capability 9.0 device: the wgmma forward at D 128 (attention_wgmma.cuh;
-// RLX_ATTENTION_CUDA_WGMMA below; D 64 too with =2) and the wgmma backward (attention_wgmma_bwd.cuh:
-// dk / dv at both head dims, dq at D 128, by default the warp-specialised dq of
-// attention_wgmma_bwd_ws.cuh; RLX_ATTENTION_CUDA_WGMMA_BWD below); everything else
-// (f32, other head dims up to 256) runs the generic kernels. All are deterministic.
+// Path: bf16 / f16 with head dim 64 or 128 on sm_80+ run the mma.sync kernels, except where the
+// module carries sm_90a code and runs on a compute capability 9.0 device, for the cases without a
+// key mask or bias, scale > 0, mask kind none or causal: there the forward is the warp-specialised
+// wgmma kernel (attention_wgmma_ws.cuh; RLX_ATTENTION_CUDA_WGMMA below) and the backward the fused
+// wgmma kernel (attention_fused_bwd.cuh, at D 128 its warp-specialised form attention_fused_bwd_ws.cuh;
+// RLX_ATTENTION_CUDA_WGMMA_BWD below), each with or without a softcap (their CAP forms); the
+// switches select the older wgmma kernels (attention_wgmma.cuh, attention_wgmma_bwd.cuh,
+// attention_wgmma_bwd_ws.cuh), which take no softcap. Everything else (f32, other head dims up to
+// 256) runs the generic kernels. All are deterministic.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -350,9 +352,12 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
   if (cudaError_t e = device_info(&info); e != cudaSuccess) return cuda_error("attention", e);
   if (use_mma<T>(a, info.device)) {
     if constexpr (!std::is_same<T, float>::value) {
-      // wgmma forward: PLAIN, no key mask, mask kind none or causal (attention_wgmma.cuh)
-      if (a.mask == nullptr && bias == nullptr && a.softcap == 0.f && a.scale > 0.f && a.kind <= 1 &&
-          attn_wgmma_mode(a.D) != 0) {
+      // wgmma forward: PLAIN, no key mask, mask kind none or causal (attention_wgmma.cuh); with a
+      // softcap the warp-specialised kernel only (its CAP form, where the switch selects it: mode 4 at
+      // both head dims, 3 at D 128), else the mma.sync forward
+      const bool cap = a.softcap > 0.f, ws_mode = attn_wgmma_mode(a.D) >= 3;
+      if (a.mask == nullptr && bias == nullptr && a.scale > 0.f && a.kind <= 1 && attn_wgmma_mode(a.D) != 0 &&
+          (!cap || ws_mode)) {
         if (wgmma_available(info.device)) {
           auto run_wg = [&](auto kernel, int d, int bc, int nwg, size_t smem) -> ffi::Error {
             const int rows = 64 * nwg;
@@ -383,8 +388,9 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
             static const bool one_per_tile = env_starts_with("RLX_ATTENTION_CUDA_WS_GRID", '1');
             if (attn_wgmma_required()) {
               char line[64];
-              std::snprintf(line, sizeof line, "kernel D=%d BC=%d NWG=3 WS NST=%d %s%s%s", d, kBC, nst,
-                            one_per_tile ? "tiles" : "persistent", attn_ws_pipe() ? " PIPE" : "", tma ? " TMA" : "");
+              std::snprintf(line, sizeof line, "kernel D=%d BC=%d NWG=3 WS NST=%d %s%s%s%s", d, kBC, nst,
+                            one_per_tile ? "tiles" : "persistent", attn_ws_pipe() ? " PIPE" : "", tma ? " TMA" : "",
+                            cap ? " CAP" : "");
               log_wgmma_kernel(reinterpret_cast<const void*>(kernel), false, line);
             }
             if (auto e = grid_check(blocks, "attention"); e.failure()) return e;
@@ -398,8 +404,9 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
           // The pipelined consumer loop releases a ring stage one step later (after the next tile's
           // S = Q K^T has been issued), so it takes 3 stages: the producer then still has a whole
           // step to load each K / V tile (230,488 bytes of shared memory at D 128: fits the 227 KB).
-          auto run_ws_d = [&](auto dim) -> ffi::Error {
+          auto run_ws_d = [&](auto dim, auto cap_tag) -> ffi::Error {
             constexpr int D = decltype(dim)::value;
+            constexpr bool CAP = decltype(cap_tag)::value;
             // TMA (the pipelined loop only): maps of q [B, Sq, H, D] and k, v [B, Sk, Hkv, D], boxes of
             // the 128 rows of a query tile / key tile (without keys, Sk 0, no key tile is loaded: k's
             // and v's maps are q's); any map the driver refuses: cp.async
@@ -411,16 +418,21 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
                                         : attn::encode_rows_map(&maps.k, k, kBf16, a.B, a.Sk, a.Hkv, D, 128) &&
                                               attn::encode_rows_map(&maps.v, v, kBf16, a.B, a.Sk, a.Hkv, D, 128));
             if (!attn_ws_pipe())
-              return run_ws(attn::wgmma_fwd_ws_kernel<T, D, 128, 2, false, false>, D, 2, attn::wg_ws_smem<D, 128, 2>(),
-                            maps, false);
+              return run_ws(attn::wgmma_fwd_ws_kernel<T, D, 128, 2, false, false, CAP>, D, 2,
+                            attn::wg_ws_smem<D, 128, 2>(), maps, false);
             if (tma)
-              return run_ws(attn::wgmma_fwd_ws_kernel<T, D, 128, 3, true, true>, D, 3, attn::wg_ws_smem<D, 128, 3>(),
-                            maps, true);
-            return run_ws(attn::wgmma_fwd_ws_kernel<T, D, 128, 3, true, false>, D, 3, attn::wg_ws_smem<D, 128, 3>(),
-                          maps, false);
+              return run_ws(attn::wgmma_fwd_ws_kernel<T, D, 128, 3, true, true, CAP>, D, 3,
+                            attn::wg_ws_smem<D, 128, 3>(), maps, true);
+            return run_ws(attn::wgmma_fwd_ws_kernel<T, D, 128, 3, true, false, CAP>, D, 3,
+                          attn::wg_ws_smem<D, 128, 3>(), maps, false);
           };
-          if (attn_wgmma_mode(a.D) == 4 && a.D == 64) return run_ws_d(std::integral_constant<int, 64>{});
-          if (attn_wgmma_mode(a.D) >= 3 && a.D == 128) return run_ws_d(std::integral_constant<int, 128>{});
+          // (attn_wgmma_mode is 4 at D 64 here whenever it is >= 3: mode 3 reads 0 at D 64)
+          if (ws_mode) {
+            using D64 = std::integral_constant<int, 64>;
+            using D128 = std::integral_constant<int, 128>;
+            if (a.D == 64) return cap ? run_ws_d(D64{}, std::true_type{}) : run_ws_d(D64{}, std::false_type{});
+            return cap ? run_ws_d(D128{}, std::true_type{}) : run_ws_d(D128{}, std::false_type{});
+          }
           // <T, D, BC (keys per tile), NWG (warpgroups of 64 rows)>; ptxas sm_90a (bf16, f16):
           // <64, 128, 2> 221 registers, no spill; <128, 128, 2> 255 registers, 40 B of spills
           // (-lineinfo; run 10 of the H200 results). 1 block of 8 warps per SM (registers).
@@ -537,10 +549,13 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
       const bool km = a.mask != nullptr, plain = a.softcap == 0.f && bias == nullptr;
       // wgmma dk / dv (attention_wgmma_bwd.cuh) for the PLAIN cases without a key mask, mask kind
       // none or causal; dq on the wgmma kernel or on the PLAIN mma.sync one (MASK false, the AR of
-      // pick below), per RLX_ATTENTION_CUDA_WGMMA_BWD
+      // pick below), per RLX_ATTENTION_CUDA_WGMMA_BWD. With a softcap (and no bias) the fused
+      // kernels only (their CAP form), where the switch selects them; else the mma.sync kernels.
       const int wg_bwd = attn_wgmma_bwd_mode();
-      if (!km && plain && a.scale > 0.f && a.kind <= 1 && wg_bwd != 0 && a.Sq < (int64_t(1) << 30) &&
-          a.Sk < (int64_t(1) << 30)) {
+      const bool cap = a.softcap > 0.f && bias == nullptr;
+      const bool fused_mode = wg_bwd == 6 || wg_bwd == 7 || (wg_bwd == 8 && a.kind == 0);
+      if (!km && (plain || (cap && fused_mode)) && a.scale > 0.f && a.kind <= 1 && wg_bwd != 0 &&
+          a.Sq < (int64_t(1) << 30) && a.Sk < (int64_t(1) << 30)) {
         if (wgmma_available(info.device)) {
           // dk / dv kernel (its OVL flag for the log), then dq: the wgmma kernel (wg_dq) or mma.sync
           // (with_dq false: dk / dv only, the caller launches its dq kernel)
@@ -620,8 +635,8 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
             *served = true;
             if (attn_wgmma_required()) {
               char line[96];
-              std::snprintf(line, sizeof line, "fused dkdv+dq kernel D=%d BK=%d BQ=%d%s", int(D), attn::kWgBwdKeys,
-                            attn::fused_rows(D), threads == attn::kFusedWsThreads ? " WS" : "");
+              std::snprintf(line, sizeof line, "fused dkdv+dq kernel D=%d BK=%d BQ=%d%s%s", int(D), attn::kWgBwdKeys,
+                            attn::fused_rows(D), threads == attn::kFusedWsThreads ? " WS" : "", cap ? " CAP" : "");
               log_wgmma_kernel(reinterpret_cast<const void*>(fused), true, line);
             }
             const int64_t nqt = (a.Sq + attn::fused_rows(D) - 1) / attn::fused_rows(D);
@@ -657,45 +672,55 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
             }
             return ffi::Error::Success();
           };
-          if ((wg_bwd == 6 || wg_bwd == 7 || (wg_bwd == 8 && a.kind == 0)) &&
-              scratch_elems >= attn::fused_bwd_scratch(a.B, a.H, a.Sq, a.D)) {
-            bool served = false;
+          // the fused kernel of this head dim and mode, in its CAP form or not
+          auto fused_for = [&](auto cap_tag, bool* served) -> ffi::Error {
+            constexpr bool CAP = decltype(cap_tag)::value;
             // (the WS kernel loads Q and dO with cp.async: TMA copies of them, as the forward's, ran
             // 0.965x without a mask and level causal, perhaps because the SM's TMA unit also carries
             // the dQ partials' bulk adds; benchmarks/results/h100_2026-11-27.txt section 14)
-            const ffi::Error e =
-                a.D == 64       ? run_fused(attn::wgmma_fused_bwd_kernel<T, 64>, attn::kWgBwdThreads,
-                                            attn::wg_fused_smem<64>(), &served)
-                : wg_bwd == 7 ? run_fused(attn::wgmma_fused_bwd_ws_kernel<T, 128>, attn::kFusedWsThreads,
-                                            attn::wg_fused_ws_smem<128>(), &served)
-                              : run_fused(attn::wgmma_fused_bwd_kernel<T, 128>, attn::kWgBwdThreads,
-                                          attn::wg_fused_smem<128>(), &served);
+            if (a.D == 64)
+              return run_fused(attn::wgmma_fused_bwd_kernel<T, 64, CAP>, attn::kWgBwdThreads,
+                               attn::wg_fused_smem<64>(), served);
+            if (wg_bwd == 7)
+              return run_fused(attn::wgmma_fused_bwd_ws_kernel<T, 128, CAP>, attn::kFusedWsThreads,
+                               attn::wg_fused_ws_smem<128>(), served);
+            return run_fused(attn::wgmma_fused_bwd_kernel<T, 128, CAP>, attn::kWgBwdThreads,
+                             attn::wg_fused_smem<128>(), served);
+          };
+          if (fused_mode && scratch_elems >= attn::fused_bwd_scratch(a.B, a.H, a.Sq, a.D)) {
+            bool served = false;
+            const ffi::Error e = cap ? fused_for(std::true_type{}, &served) : fused_for(std::false_type{}, &served);
             if (e.failure() || served) return e;
           }
-          if (a.D == 64)
-            return run_wg(attn::wgmma_dkdv_kernel<T, 64, false>, 0, attn::wg_dkdv_smem<64>(),
-                          attn::mma_dq_kernel<T, 64, false, true, 1>, false, attn::mma_dq_smem<64>());
-          if (wg_bwd == 6 || wg_bwd == 7 || wg_bwd == 8 || wg_bwd == 9) {
-            // OVL dk / dv (run_wg with no dq launch: qb of the mma path is not used there), then the
-            // warp-specialised dq; ptxas sm_90a: run 14 of the backward results file
-            if (auto e = run_wg(attn::wgmma_dkdv_kernel<T, 128, true>, 1, attn::wg_dkdv_smem<128>(),
-                                attn::wgmma_dq_kernel<T, 128>, true, attn::wg_dq_smem<128>(), false);
-                e.failure())
-              return e;
-            // ptxas sm_90a (bf16, f16): 168 registers at launch (setmaxnreg 64 / 216), no spill
-            return attn_ws_dq_pipe()
-                       ? run_dq_ws(attn::wgmma_dq_ws_kernel<T, 128, 4, true>, 4, attn::wg_dq_ws_smem<128, 4>())
-                       : run_dq_ws(attn::wgmma_dq_ws_kernel<T, 128, 4, false>, 4, attn::wg_dq_ws_smem<128, 4>());
-          }
-          if (wg_bwd == 4)
-            return run_wg(attn::wgmma_dkdv_kernel<T, 128, false>, 0, attn::wg_dkdv_smem<128>(),
+          // without a softcap the two-kernel wgmma backward; a softcap the fused kernel did not serve
+          // (scratch too small, or more key blocks than fit on the device at once) falls through to
+          // the mma.sync kernels below
+          if (!cap) {
+            if (a.D == 64)
+              return run_wg(attn::wgmma_dkdv_kernel<T, 64, false>, 0, attn::wg_dkdv_smem<64>(),
+                            attn::mma_dq_kernel<T, 64, false, true, 1>, false, attn::mma_dq_smem<64>());
+            if (wg_bwd == 6 || wg_bwd == 7 || wg_bwd == 8 || wg_bwd == 9) {
+              // OVL dk / dv (run_wg with no dq launch: qb of the mma path is not used there), then the
+              // warp-specialised dq; ptxas sm_90a: run 14 of the backward results file
+              if (auto e = run_wg(attn::wgmma_dkdv_kernel<T, 128, true>, 1, attn::wg_dkdv_smem<128>(),
+                                  attn::wgmma_dq_kernel<T, 128>, true, attn::wg_dq_smem<128>(), false);
+                  e.failure())
+                return e;
+              // ptxas sm_90a (bf16, f16): 168 registers at launch (setmaxnreg 64 / 216), no spill
+              return attn_ws_dq_pipe()
+                         ? run_dq_ws(attn::wgmma_dq_ws_kernel<T, 128, 4, true>, 4, attn::wg_dq_ws_smem<128, 4>())
+                         : run_dq_ws(attn::wgmma_dq_ws_kernel<T, 128, 4, false>, 4, attn::wg_dq_ws_smem<128, 4>());
+            }
+            if (wg_bwd == 4)
+              return run_wg(attn::wgmma_dkdv_kernel<T, 128, false>, 0, attn::wg_dkdv_smem<128>(),
+                            attn::wgmma_dq_kernel<T, 128>, true, attn::wg_dq_smem<128>());
+            return run_wg(attn::wgmma_dkdv_kernel<T, 128, true>, 1, attn::wg_dkdv_smem<128>(),
                           attn::wgmma_dq_kernel<T, 128>, true, attn::wg_dq_smem<128>());
-          return run_wg(attn::wgmma_dkdv_kernel<T, 128, true>, 1, attn::wg_dkdv_smem<128>(),
-                        attn::wgmma_dq_kernel<T, 128>, true, attn::wg_dq_smem<128>());
-        }
-        if (attn_wgmma_required())
+          }
+        } else if (attn_wgmma_required()) {
           return invalid("attention backward (cuda): RLX_ATTENTION_CUDA_WGMMA_REQUIRE=1 but the loaded kernel image "
                          "has no wgmma (sm_90a) code for this device");
+        }
       }
       auto pick = [&](auto mask_tag, auto plain_tag) -> ffi::Error {
         constexpr bool M = decltype(mask_tag)::value, P = decltype(plain_tag)::value;

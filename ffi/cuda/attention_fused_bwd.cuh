@@ -1,5 +1,6 @@
 // Fused attention backward on Hopper wgmma (sm_90a), bf16 / f16, head dim 64 or 128, the PLAIN cases of
-// wgmma_dkdv_kernel (scale > 0, no softcap / bias / key mask, mask kind none or causal): one kernel
+// wgmma_dkdv_kernel (scale > 0, no softcap / bias / key mask, mask kind none or causal), and in its
+// CAP form (bwd_probs, attention_wgmma_bwd.cuh) the same cases with a softcap: one kernel
 // computes dk, dv AND dq, so S and dP are formed once (5 S x S x D products instead of the 7 of
 // wgmma_dkdv_kernel + wgmma_dq_kernel). Selection: attention.cu (attn_wgmma_bwd_mode), below.
 //
@@ -333,7 +334,8 @@ struct FusedSchedule {
   }
 };
 
-template <typename T, int D>
+// CAP: a softcap c > 0 (bwd_probs; the launcher takes CAP for a.softcap > 0 only).
+template <typename T, int D, bool CAP = false>
 __global__ void __launch_bounds__(kWgBwdThreads, 1)
     wgmma_fused_bwd_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                            const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
@@ -413,7 +415,8 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     put_rows(0);
   }
   cp_async_commit();
-  const float c2 = a.scale * kLog2e;
+  // raw score -> log2 units: S c2, or with CAP c2 tanh(S carg)
+  const float c2 = CAP ? a.softcap * kLog2e : a.scale * kLog2e, carg = CAP ? a.scale / a.softcap : 0.f;
   float dka[D / 8][4], dva[D / 8][4];
   zero(dka);
   zero(dva);
@@ -506,7 +509,7 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     const bool need = (causal && jw + 15 > i0 + off) || jw + 15 >= sk;
     const uint64_t gdt = wg_desc(gaddr, BQ * 128, 1024), qdt = wg_desc(qaddr, BQ * 128, 1024);
     const BwdTileMask msk{jw + g, sk, causal ? i0 + off : INT_MAX};
-    bwd_dv_dk_products<T, D, BQ>(st, dpt, pa, da, dva, dka, Lb, Db, c2, tq, need, msk, gdt, qdt);
+    bwd_dv_dk_products<T, D, BQ, CAP>(st, dpt, pa, da, dva, dka, Lb, Db, c2, tq, need, msk, gdt, qdt, carg);
     wg_commit();
     // dS^T rows of this thread (keys 64 wg + 16 warp + g (+ 8)) to shared memory: queries
     // nt * 8 + 2 tq, +1 are 4 bytes in 16-byte chunk nt % 8 of query block nt / 8, at chunk

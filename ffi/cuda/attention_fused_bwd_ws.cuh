@@ -86,7 +86,8 @@ __device__ __forceinline__ void warp_load_tile(T* dst, const T* __restrict__ x, 
     cp_async16(col + r * 64 + (((c & 7) ^ (r & 7)) << 3), left > 0 ? src : x, left > 0);
 }
 
-template <typename T, int D>
+// CAP: a softcap c > 0 (bwd_probs; the launcher takes CAP for a.softcap > 0 only).
+template <typename T, int D, bool CAP = false>
 __global__ void __launch_bounds__(kFusedWsThreads, 1)
     wgmma_fused_bwd_ws_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                               const T* __restrict__ dout, const float* __restrict__ lse,
@@ -208,7 +209,8 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
   const int g = lane >> 2, tq = lane & 3;
   const int jw = int(k0) + 64 * cw + 16 * warp;
   const int sk = int(a.Sk);
-  const float c2 = a.scale * kLog2e;
+  // raw score -> log2 units: S c2, or with CAP c2 tanh(S carg)
+  const float c2 = CAP ? a.softcap * kLog2e : a.scale * kLog2e, carg = CAP ? a.scale / a.softcap : 0.f;
   float dka[D / 8][4], dva[D / 8][4];
   zero(dka);
   zero(dva);
@@ -232,7 +234,8 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
     const bool need = (causal && jw + 15 > i0 + int(a.off)) || jw + 15 >= sk;
     const uint64_t gdt = wg_desc(gaddr, BQ * 128, 1024), qdt = wg_desc(qaddr, BQ * 128, 1024);
     const BwdTileMask msk{jw + g, sk, causal ? i0 + int(a.off) : INT_MAX};
-    bwd_dv_dk_products<T, D, BQ>(st, dpt, pa, da, dva, dka, Ls + s * BQ, Dl + s * BQ, c2, tq, need, msk, gdt, qdt);
+    bwd_dv_dk_products<T, D, BQ, CAP>(st, dpt, pa, da, dva, dka, Ls + s * BQ, Dl + s * BQ, c2, tq, need, msk, gdt,
+                                      qdt, carg);
     wg_commit();
     // dS^T rows of this thread (keys 64 cw + 16 warp + g (+ 8)) into Ss[s], the layout of the fused
     // kernel's loop at BQ 64 (a helper shared by both kernels compiled this one differently, untested

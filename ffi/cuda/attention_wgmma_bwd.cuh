@@ -72,18 +72,24 @@ struct BwdTileMask {
 // tested every score of every causal tile, 1.25x the instructions per item of the unmasked run
 // (ncu source counters, session 24).
 // NQ: the query tile's n8 blocks (8: 64 queries, 16: the fused kernel's 128-query tiles at D 64).
-template <typename T, bool MASKED, int NQ = 8>
+// CAP (a softcap c > 0; the fused kernels only): the score in log2 units is c2 tanh(S^T carg) (c2 =
+// c log2 e, carg = scale / c), and st keeps P^T (1 - tanh^2), the softcap's derivative folded in,
+// so that bwd_dscores' P^T (dP^T - delta) is the gradient of the scaled raw score; pa still packs P^T.
+template <typename T, bool MASKED, int NQ = 8, bool CAP = false>
 __device__ __forceinline__ void bwd_probs(float (&st)[NQ][4], uint32_t (&pa)[NQ / 2][4], const float* Lb, float c2,
-                                          int tq, const BwdTileMask& m) {
+                                          int tq, const BwdTileMask& m, float carg = 0.f) {
 #pragma unroll
   for (int nt = 0; nt < NQ; ++nt) {
+    float pe[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float p = ex2(fmaf(st[nt][e], c2, -Lb[8 * nt + 2 * tq + (e & 1)]));
-      st[nt][e] = !MASKED || m.vis(nt, e, tq) ? p : 0.f;
+      const float th = CAP ? tanhf(st[nt][e] * carg) : 0.f;
+      const float p = ex2(fmaf(CAP ? th : st[nt][e], c2, -Lb[8 * nt + 2 * tq + (e & 1)]));
+      pe[e] = !MASKED || m.vis(nt, e, tq) ? p : 0.f;
+      st[nt][e] = CAP ? pe[e] * (1.f - th * th) : pe[e];
     }
-    pa[nt >> 1][(nt & 1) * 2 + 0] = pack2<T>(st[nt][0], st[nt][1]);
-    pa[nt >> 1][(nt & 1) * 2 + 1] = pack2<T>(st[nt][2], st[nt][3]);
+    pa[nt >> 1][(nt & 1) * 2 + 0] = pack2<T>(pe[0], pe[1]);
+    pa[nt >> 1][(nt & 1) * 2 + 1] = pack2<T>(pe[2], pe[3]);
   }
 }
 
@@ -132,20 +138,21 @@ __device__ __forceinline__ void bwd_issue_scores(float (&st)[BQ / 8][4], float (
 // it), issues dV += P^T dO and commits it, waits for dP^T, forms dS^T and issues dK += dS^T Q,
 // which the caller commits. dO / Q come as the MN-major B descriptors gdt / qdt. pa and da are the
 // products' A fragments: the caller keeps them live (wg_fence_afrag) up to the wait that completes
-// the products.
-template <typename T, int D, int BQ = kWgBwdRows>
+// the products. CAP, carg: bwd_probs'.
+template <typename T, int D, int BQ = kWgBwdRows, bool CAP = false>
 __device__ __forceinline__ void bwd_dv_dk_products(float (&st)[BQ / 8][4], float (&dpt)[BQ / 8][4],
                                                    uint32_t (&pa)[BQ / 16][4], uint32_t (&da)[BQ / 16][4],
                                                    float (&dva)[D / 8][4], float (&dka)[D / 8][4], const float* Lb,
                                                    const float* Db, float c2, int tq, bool need,
-                                                   const BwdTileMask& m, uint64_t gdt, uint64_t qdt) {
+                                                   const BwdTileMask& m, uint64_t gdt, uint64_t qdt,
+                                                   float carg = 0.f) {
   constexpr int NQ = BQ / 8;
   wg_wait<1>();
   wg_fence_regs(st);
   if (need)
-    bwd_probs<T, true, NQ>(st, pa, Lb, c2, tq, m);
+    bwd_probs<T, true, NQ, CAP>(st, pa, Lb, c2, tq, m, carg);
   else
-    bwd_probs<T, false, NQ>(st, pa, Lb, c2, tq, m);
+    bwd_probs<T, false, NQ, CAP>(st, pa, Lb, c2, tq, m, carg);
   wg_fence();
 #pragma unroll
   for (int kk = 0; kk < BQ / 16; ++kk) wgmma_rs<T, D>(dva, pa[kk], gdt, uint64_t(kk * 16 * 128 >> 4), 1);

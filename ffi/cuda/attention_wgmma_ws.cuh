@@ -1,6 +1,6 @@
 // Warp-specialised attention forward on Hopper wgmma (sm_90a), bf16 / f16, head dims 64 and 128, the
 // PLAIN cases of wgmma_fwd_kernel (attention_wgmma.cuh: scale > 0, no softcap, bias or key mask, mask
-// kind none or causal). The default at both head dims (RLX_ATTENTION_CUDA_WGMMA unset or 4; 3 = D 128
+// kind none or causal) and, in its CAP form (ws_softmax_tile), the same cases with a softcap. The default at both head dims (RLX_ATTENTION_CUDA_WGMMA unset or 4; 3 = D 128
 // only; attention.cu): run 13F of benchmarks/results/attention_fwd_h200_2026-11-22.txt measured 1.30x
 // the 2-warpgroup kernel's forward at D 128 and 1.07x / 1.15x the mma.sync forward at D 64.
 //
@@ -246,9 +246,13 @@ constexpr size_t wg_ws_smem() { return size_t(2) * D * (128 + 2 * NST * BC) + 10
 // pipelined loop runs this while a P V product is in flight, and ptxas serialises every wgmma of
 // a kernel in which non-wgmma instructions define a wgmma's registers inside a pipeline stage
 // (C7513); the P loop then has an unmasked and a masked copy, so unmasked tiles test no mask.
-template <typename T, int BC, bool KEEP_S>
+// CAP (a softcap c > 0): the score in log2 units is c log2 e tanh(s scale / c), taken as
+// c2 tanh(s carg) (the caller's c2 = c log2 e, carg = scale / c). tanh is increasing, so the row's
+// capped maximum is the cap of its raw maximum: the max pass stays on the raw scores and costs two
+// tanh a thread, and s is still only read (one tanh and one ex2 a score, in the P loop).
+template <typename T, int BC, bool KEEP_S, bool CAP = false>
 __device__ __forceinline__ void ws_softmax_tile(const AttnArgs& a, float (&s)[BC / 8][4], int64_t wrow0, int64_t k0,
-                                                int g, int tq, float c2, float (&m)[2], float (&l)[2],
+                                                int g, int tq, float c2, float carg, float (&m)[2], float (&l)[2],
                                                 uint32_t (&p)[BC / 16][4], float (&alpha)[2]) {
   const bool need = tile_needs_mask(a, wrow0, k0, 16, BC);  // warp-uniform
   // 32-bit offsets from the warp's first row / the tile's first key (registers): row wrow0 + di
@@ -279,6 +283,10 @@ __device__ __forceinline__ void ws_softmax_tile(const AttnArgs& a, float (&s)[BC
         mx[e >> 1] = fmaxf(mx[e >> 1], x);
       }
   }
+  if constexpr (CAP) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) mx[r] = mx[r] == -INFINITY ? -INFINITY : tanhf(mx[r] * carg);  // no key: stays -inf
+  }
   float mu[2];
   online_max_step(mx, c2, m, mu, alpha);
   float ls[2] = {0.f, 0.f};
@@ -288,14 +296,15 @@ __device__ __forceinline__ void ws_softmax_tile(const AttnArgs& a, float (&s)[BC
       float pe[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        pe[e] = decltype(masked)::value && !visible(nt, e) ? 0.f : ex2(fmaf(s[nt][e], c2, -mu[e >> 1]));
+        const float x = CAP ? tanhf(s[nt][e] * carg) : s[nt][e];
+        pe[e] = decltype(masked)::value && !visible(nt, e) ? 0.f : ex2(fmaf(x, c2, -mu[e >> 1]));
         ls[e >> 1] += pe[e];
       }
       p[nt >> 1][(nt & 1) * 2 + 0] = pack2<T>(pe[0], pe[1]);
       p[nt >> 1][(nt & 1) * 2 + 1] = pack2<T>(pe[2], pe[3]);
     }
   };
-  if (KEEP_S && need)
+  if ((KEEP_S || CAP) && need)  // CAP: a hidden score's -inf would map to tanh = -1, not to P = 0
     p_tile(std::true_type{});
   else
     p_tile(std::false_type{});
@@ -344,7 +353,8 @@ __device__ __forceinline__ void ws_ring_next(int& st, uint32_t& ph, int nst) {
 // TMA: the producer is one thread issuing TMA copies (maps: Q, K, V; ws_produce), and the consumers
 // skip the proxy fence after each full barrier (TMA writes through the async proxy already); the
 // same tiles land in the same layout, so the outputs are bitwise those of the cp.async producer.
-template <typename T, int D, int BC, int NST, bool PIPE, bool TMA>
+// CAP: a softcap c > 0 (ws_softmax_tile); the launcher takes CAP for a.softcap > 0 only.
+template <typename T, int D, int BC, int NST, bool PIPE, bool TMA, bool CAP = false>
 __global__ void __launch_bounds__(384, 1)
     wgmma_fwd_ws_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                         T* __restrict__ out, float* __restrict__ lse, int hc, int zig,
@@ -378,7 +388,8 @@ __global__ void __launch_bounds__(384, 1)
   ws_setmaxnreg_inc<PIPE ? kWsPipeConsRegs : kWsConsRegs>();
   const int cw = wg - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
   const int g = lane >> 2, tq = lane & 3;
-  const float c2 = a.scale * kLog2e;  // raw score -> log2 units
+  // raw score -> log2 units: s c2, or with CAP c2 tanh(s carg)
+  const float c2 = CAP ? a.softcap * kLog2e : a.scale * kLog2e, carg = CAP ? a.scale / a.softcap : 0.f;
   const uint64_t qd = wg_desc(smem_addr(Qs) + uint32_t(cw * 64 * 128), 16, 1024);  // this warpgroup's 64 rows
   // kTurns (PIPE at D 64): on the key tiles both consumer warpgroups compute, they take turns to issue
   // their step's two products (named barrier 1 + w: warpgroup w's turn), so one's softmax runs while
@@ -438,7 +449,7 @@ __global__ void __launch_bounds__(384, 1)
         ws_issue_qk<T, D, BC>(s, qd, Ks + st * BC * D);
         wg_wait0();
         wg_fence_regs(s);
-        ws_softmax_tile<T, BC, true>(a, s, wrow0, k0, g, tq, c2, m, l, pa, alpha);  // O is 0: alpha unused
+        ws_softmax_tile<T, BC, true, CAP>(a, s, wrow0, k0, g, tq, c2, carg, m, l, pa, alpha);  // O is 0: alpha unused
         int pst = st;  // the ring stage of the tile whose P V is pending (its P in pc below)
         uint32_t pph = ph;
         ws_ring_next(st, ph, NST);
@@ -457,7 +468,7 @@ __global__ void __launch_bounds__(384, 1)
           if (turns) ws_turn_pass(cw);
           wg_wait<1>();  // S of this tile (committed first) has completed
           wg_fence_regs(s);
-          ws_softmax_tile<T, BC, true>(a, s, wrow0, k0, g, tq, c2, m, l, pn, alpha);
+          ws_softmax_tile<T, BC, true, CAP>(a, s, wrow0, k0, g, tq, c2, carg, m, l, pn, alpha);
           wg_wait0();  // the pending tile's P V
           wg_fence_regs(o);
           wg_fence_afrag(pc);
@@ -503,7 +514,7 @@ __global__ void __launch_bounds__(384, 1)
         ws_issue_qk<T, D, BC>(s, qd, Ks + st * BC * D);
         wg_wait0();
         wg_fence_regs(s);
-        ws_softmax_tile<T, BC, false>(a, s, wrow0, k0, g, tq, c2, m, l, p, alpha);
+        ws_softmax_tile<T, BC, false, CAP>(a, s, wrow0, k0, g, tq, c2, carg, m, l, p, alpha);
         rescale(alpha);
         ws_wait(vfull + st, ph);
         landed();
