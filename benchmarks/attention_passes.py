@@ -10,8 +10,10 @@ Prints one row per case: ``<pass> D<d> <kind> B<b>: <ms> ms <TF/s> TF/s``; the t
 runner's (benchmarks.harness.time_fn: median of --reps samples, each of default_batch calls back
 to back) and the work counts the forward as 4 B H S^2 D flops (2 S x S x D products) and the
 backward as 2.5 forward's (5 products), halved when causal. Shapes [B, S, H, D], bf16 by default;
-inputs from a fixed seed. --softcap C (> 0) caps the scaled scores, C tanh(s / C) (the flop count
-is unchanged: the tanh is not counted).
+inputs from a fixed seed. --softcap C (> 0) caps the scaled scores, C tanh(s / C); --key-mask F
+(0 < F <= 1) adds a key mask [B, S] keeping each key with probability F (fixed seed; at F < 1 nearly
+every key tile holds a hidden key). The flop count is unchanged by either (hidden keys and the tanh
+are not discounted or counted).
 """
 
 from __future__ import annotations
@@ -25,18 +27,21 @@ from benchmarks.harness import default_batch, time_fn
 from rlx_jax.vjp_rules import attention as A
 
 
-def pass_case(which: str, kind: str, b: int, s: int, h: int, d: int, dtype, softcap: float = 0.0) -> tuple:
-    """(jitted pass, its arguments, its flop count) of one case; which: fwd or bwd."""
-    ks = jax.random.split(jax.random.PRNGKey(0), 4)
-    q, k, v, dy = (jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(dtype) for kk in ks)
-    params = dict(kind=kind, window=0, scale=d ** -0.5, softcap=softcap, has_mask=False, has_bias=False)
-    forward = jax.jit(lambda q, k, v: A.attention_fwd(q, k, v, **params))
+def pass_case(which: str, kind: str, b: int, s: int, h: int, d: int, dtype, softcap: float = 0.0,
+              keep: float = 0.0) -> tuple:
+    """(jitted pass, its arguments, its flop count) of one case; which: fwd or bwd; keep > 0: a key
+    mask keeping each key with that probability."""
+    ks = jax.random.split(jax.random.PRNGKey(0), 5)
+    q, k, v, dy = (jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(dtype) for kk in ks[:4])
+    extras = [(jax.random.uniform(ks[4], (b, s)) < keep).astype(jnp.float32)] if keep > 0 else []
+    params = dict(kind=kind, window=0, scale=d ** -0.5, softcap=softcap, has_mask=bool(extras), has_bias=False)
+    forward = jax.jit(lambda q, k, v, *e: A.attention_fwd(q, k, v, *e, **params))
     flops = 4 * b * h * s * s * d * (0.5 if kind == "causal" else 1.0)
     if which == "fwd":
-        return forward, (q, k, v), flops
-    out, lse = forward(q, k, v)
+        return forward, (q, k, v, *extras), flops
+    out, lse = forward(q, k, v, *extras)
     fn = jax.jit(lambda *x: A.attention_bwd(*x, **params))
-    return fn, (q, k, v, out, lse, dy, jnp.zeros_like(lse)), 2.5 * flops
+    return fn, (q, k, v, out, lse, dy, jnp.zeros_like(lse), *extras), 2.5 * flops
 
 
 def main() -> None:
@@ -50,10 +55,14 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--softcap", type=float, default=0.0, help="softcap C of the scores (0: none)")
+    parser.add_argument("--key-mask", type=float, default=0.0,
+                        help="a key mask keeping each key with this probability (0: no mask)")
     parser.add_argument("--once", action="store_true", help="one call per case, no timing (for ncu)")
     args = parser.parse_args()
     if not args.softcap >= 0.0:
         parser.error(f"--softcap: {args.softcap} is not >= 0")
+    if not 0.0 <= args.key_mask <= 1.0:
+        parser.error(f"--key-mask: {args.key_mask} is not in [0, 1]")
     kinds, passes = args.kinds.split(","), args.passes.split(",")
     for kind in kinds:
         if kind not in ("none", "causal"):
@@ -67,12 +76,14 @@ def main() -> None:
         for kind in kinds:
             for b in (int(x) for x in args.batch.split(",")):
                 for which in passes:
-                    fn, fargs, flops = pass_case(which, kind, b, args.seq, args.heads, d, dtype, args.softcap)
+                    fn, fargs, flops = pass_case(which, kind, b, args.seq, args.heads, d, dtype, args.softcap,
+                                                 args.key_mask)
                     jax.block_until_ready(fn(*fargs))
                     if args.once:
                         continue
                     t = time_fn(fn, fargs, args.reps, batch=default_batch(device))
                     cap = f" softcap {args.softcap:g}" if args.softcap else ""
+                    cap += f" key-mask {args.key_mask:g}" if args.key_mask else ""
                     print(f"{which} D{d} {kind}{cap} B{b}: {t:.3f} ms {flops / t / 1e9:.1f} TF/s", flush=True)
 
 

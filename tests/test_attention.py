@@ -439,7 +439,7 @@ def test_cuda_backward_scratch_follows_the_kernel_switch(monkeypatch, mode, kind
     ffi/cuda/attention.cu may take that kernel (RLX_ATTENTION_CUDA_WGMMA_BWD, first character:
     unset / 6 / 7 / unknown = fused for mask kinds none and causal, 8 = none only, 0 / 4 / 5 / 9
     = never), and only for the cases it serves (bf16 / f16, head dims 64 and 128, scale > 0, with or
-    without a softcap, no key mask or bias)."""
+    without a softcap or a key mask, no bias)."""
     if mode is None:
         monkeypatch.delenv("RLX_ATTENTION_CUDA_WGMMA_BWD", raising=False)
     else:
@@ -452,7 +452,8 @@ def test_cuda_backward_scratch_follows_the_kernel_switch(monkeypatch, mode, kind
     assert not A._cuda_fused_bwd(q, kind, 0.0, 0.0, False, False)  # scale 0: not a PLAIN case
     assert A._cuda_fused_bwd(q, kind, 0.1, 5.0, False, False) is fused  # softcap: the CAP kernels
     assert not A._cuda_fused_bwd(q, kind, 0.0, 5.0, False, False)  # softcap, scale 0
-    assert not A._cuda_fused_bwd(q, kind, 0.1, 0.0, True, False)  # key mask
+    assert A._cuda_fused_bwd(q, kind, 0.1, 0.0, True, False) is fused  # key mask: the MASK kernels
+    assert A._cuda_fused_bwd(q, kind, 0.1, 5.0, True, False) is fused  # both
     assert not A._cuda_fused_bwd(q, kind, 0.1, 0.0, False, True)  # bias
     assert not A._cuda_fused_bwd(q, "sliding", 0.1, 0.0, False, False)
     # delta (B H Sq = 1040, a multiple of 4), dQacc B H Sq D, 3 query tiles of 64 a (batch, head), ticket

@@ -492,6 +492,21 @@ WGMMA_CAP_CASES = [
     (1, 260, 90, 2, 1, 128, jnp.bfloat16, dict(kind="causal", softcap=1.0, scale=0.6, seed=12)),
 ]
 
+# Key mask [B, Sk] (without and with a softcap): the MASK kernels, served as the CAP ones (the
+# warp-specialised forward's consumers read each tile's mask values; the fused backward reads its
+# block's keys' once). Random masks, whole key tiles hidden and kept (mask_tiles), a batch whose
+# rows see no key (dead_batch: out, lse -inf and gradients as without keys), GQA, odd lengths,
+# Sq != Sk both ways, dlse; mask kind none at both head dims with and without a softcap (backward 8).
+WGMMA_MASK_CASES = [
+    (3, 70, 130, 2, 1, 64, jnp.bfloat16, dict(kind="none", mask=True, dead_batch=True)),
+    (2, 199, 333, 4, 2, 64, jnp.float16, dict(kind="causal", mask_tiles=True, dlse=True, seed=13)),
+    (2, 150, 260, 4, 2, 128, jnp.bfloat16, dict(kind="none", mask_tiles=True, seed=14)),
+    (2, 301, 280, 4, 4, 128, jnp.float16, dict(kind="causal", mask=True, dead_batch=True, seed=15)),
+    (2, 140, 200, 2, 2, 64, jnp.bfloat16, dict(kind="none", mask=True, softcap=2.0, scale=0.4, seed=16)),
+    (1, 260, 300, 4, 2, 128, jnp.bfloat16, dict(kind="none", mask_tiles=True, softcap=3.0, seed=17)),
+    (2, 230, 200, 2, 1, 128, jnp.float16, dict(kind="causal", mask=True, softcap=5.0, dead_batch=True, seed=18)),
+]
+
 _WGMMA_CHILD = """
 import sys
 sys.path.insert(0, "tests")
@@ -533,6 +548,9 @@ for d in (64, 128):
 for i, (*shape, dtype, opts) in enumerate(t.WGMMA_CAP_CASES):
     t._check_case(*shape, dtype, **opts)
     print("softcap case", i, "ok", flush=True)
+for i, (*shape, dtype, opts) in enumerate(t.WGMMA_MASK_CASES):
+    t._check_case(*shape, dtype, **opts)
+    print("key mask case", i, "ok", flush=True)
 print("child ok")
 """
 
@@ -626,10 +644,12 @@ def test_wgmma_forward(variant):
     fused_lines = {"D=64 BK=128 BQ=128", "D=128 BK=128 BQ=64"} if bwd in ("6", "8") else set()
     if bwd in ("7", "d"):
         fused_lines = {"D=64 BK=128 BQ=128", "D=128 BK=128 BQ=64 WS"}
-    # the softcap cases: the CAP form of each warp-specialised forward and of each fused backward
-    # (8: WGMMA_CAP_CASES has mask kind none at both head dims); the others run on mma.sync
-    fwd_lines |= {ln + " CAP" for ln in fwd_lines if " WS " in ln}
-    fused_lines |= {ln + " CAP" for ln in fused_lines}
+    # the softcap and key-mask cases: the CAP, MASK and CAP MASK forms of each warp-specialised
+    # forward and of each fused backward (8: WGMMA_CAP_CASES and WGMMA_MASK_CASES have mask kind none
+    # at both head dims); the others run on mma.sync
+    flags = (" CAP", " MASK", " CAP MASK")
+    fwd_lines |= {ln + f for ln in fwd_lines if " WS " in ln for f in flags}
+    fused_lines |= {ln + f for ln in fused_lines for f in flags}
     for which, want, tag in (("fwd", fwd_lines, "rlx attention forward: wgmma kernel "),
                              ("dkdv", dkdv_lines, "rlx attention backward: wgmma dkdv kernel "),
                              ("dq", dq_lines, "rlx attention backward: wgmma dq kernel "),
@@ -651,17 +671,22 @@ import hashlib, sys
 sys.path.insert(0, "tests")
 import jax, jax.numpy as jnp, numpy as np
 import test_attention_gpu as t
-for (b, sq, sk, h, hkv, d, kind, cap) in ((2, 1030, 1100, 4, 2, 128, "none", None),
-                                          (1, 1100, 1100, 4, 4, 128, "causal", None),
-                                          (1, 333, 700, 4, 1, 64, "causal", None), (2, 700, 260, 2, 2, 64, "none", None),
-                                          (1, 77, 190, 2, 2, 128, "causal", None),
-                                          (1, 900, 1000, 4, 2, 128, "causal", 4.0), (2, 700, 520, 2, 1, 64, "none", 2.5)):
-    q, k, v, _, _, _ = t._inputs(b, sq, sk, h, hkv, d, jnp.bfloat16, 13)
+for (b, sq, sk, h, hkv, d, kind, cap, mask) in ((2, 1030, 1100, 4, 2, 128, "none", None, False),
+                                                (1, 1100, 1100, 4, 4, 128, "causal", None, False),
+                                                (1, 333, 700, 4, 1, 64, "causal", None, False),
+                                                (2, 700, 260, 2, 2, 64, "none", None, False),
+                                                (1, 77, 190, 2, 2, 128, "causal", None, False),
+                                                (1, 900, 1000, 4, 2, 128, "causal", 4.0, False),
+                                                (2, 700, 520, 2, 1, 64, "none", 2.5, False),
+                                                (2, 800, 900, 4, 2, 128, "none", None, True),
+                                                (1, 600, 700, 2, 2, 64, "causal", 3.0, True)):
+    q, k, v, _, m, _ = t._inputs(b, sq, sk, h, hkv, d, jnp.bfloat16, 13, mask=mask)
     q = (q.astype(jnp.float32) * jnp.linspace(0.2, 4.0, sq)[None, :, None, None]).astype(jnp.bfloat16)
-    p = t._params(d, kind, None, None, cap, None, None)
-    out, lse = jax.jit(lambda q, k, v: t.A.attention_fwd(q, k, v, **p))(q, k, v)
+    p = t._params(d, kind, None, None, cap, m, None)
+    ex = [m] if mask else []
+    out, lse = jax.jit(lambda q, k, v, *e: t.A.attention_fwd(q, k, v, *e, **p))(q, k, v, *ex)
     dy = jax.random.normal(jax.random.PRNGKey(sq + d), out.shape, jnp.float32).astype(jnp.bfloat16)
-    grads = jax.jit(lambda *x: t.A.attention_bwd(*x, **p))(q, k, v, out, lse, dy, jnp.zeros_like(lse))
+    grads = jax.jit(lambda *x: t.A.attention_bwd(*x, **p))(q, k, v, out, lse, dy, jnp.zeros_like(lse), *ex)
     out32, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
     g32 = [np.asarray(x.astype(jnp.float32)) for x in grads]
     assert np.isfinite(out32).all() and np.isfinite(lse).all() and all(np.isfinite(x).all() for x in g32)
@@ -695,9 +720,10 @@ def test_ws_pipelined_loops_bitwise_equal():
         launched = {ln.split("wgmma kernel ", 1)[1].strip() for ln in r.stderr.splitlines()
                     if "rlx attention forward: wgmma kernel " in ln}
         load = " TMA" if tma == "" else ""
-        want = ({_WS_LINE + "persistent PIPE" + load, _WS64_LINE + "persistent PIPE" + load} if pipe == "1"
-                else {_WS_LINE_NP + "persistent", _WS64_LINE_NP + "persistent"})
-        want |= {ln + " CAP" for ln in want}  # the softcap cases
+        d128, d64 = ((_WS_LINE + "persistent PIPE" + load, _WS64_LINE + "persistent PIPE" + load) if pipe == "1"
+                     else (_WS_LINE_NP + "persistent", _WS64_LINE_NP + "persistent"))
+        # the child's softcap / key-mask cases: softcap at both head dims, a key mask at D 128, both at D 64
+        want = {d128, d64, d128 + " CAP", d64 + " CAP", d128 + " MASK", d64 + " CAP MASK"}
         assert launched == want, launched
         dq_launched = {ln.split("wgmma dq kernel ", 1)[1].strip() for ln in r.stderr.splitlines()
                        if "rlx attention backward: wgmma dq kernel " in ln}
@@ -705,7 +731,7 @@ def test_ws_pipelined_loops_bitwise_equal():
         assert dq_launched == dq_want, dq_launched
         hashes[(pipe, order, tma)] = [ln for ln in r.stdout.splitlines() if ln.startswith("hash ")]
     first = hashes["1", "", ""]
-    assert len(hashes) == 5 and len(first) == 7 and all(h == first for h in hashes.values()), hashes
+    assert len(hashes) == 5 and len(first) == 9 and all(h == first for h in hashes.values()), hashes
 
 
 # The fused backward (RLX_ATTENTION_CUDA_WGMMA_BWD=6) sums the key blocks' dQ partials in f32 global
@@ -720,25 +746,28 @@ import hashlib, sys
 sys.path.insert(0, "tests")
 import jax, jax.numpy as jnp, numpy as np
 import test_attention_gpu as t
-for (b, sq, sk, h, hkv, d, kind, cap) in ((2, 1030, 1100, 4, 2, 128, "none", None),
-                                          (1, 1100, 1100, 4, 4, 128, "causal", None),
-                                          (2, 900, 1300, 4, 2, 64, "none", None), (1, 1100, 1000, 2, 1, 64, "causal", None),
-                                          (1, 1100, 1100, 4, 2, 128, "causal", 3.0)):
-    q, k, v, dy, _, _ = t._inputs(b, sq, sk, h, hkv, d, jnp.bfloat16, 11)
-    p = t._params(d, kind, None, None, cap, None, None)
-    out, lse = jax.jit(lambda q, k, v: t.A.attention_fwd(q, k, v, **p))(q, k, v)
+for (b, sq, sk, h, hkv, d, kind, cap, mask) in ((2, 1030, 1100, 4, 2, 128, "none", None, False),
+                                                (1, 1100, 1100, 4, 4, 128, "causal", None, False),
+                                                (2, 900, 1300, 4, 2, 64, "none", None, False),
+                                                (1, 1100, 1000, 2, 1, 64, "causal", None, False),
+                                                (1, 1100, 1100, 4, 2, 128, "causal", 3.0, False),
+                                                (2, 1000, 1100, 4, 2, 128, "none", None, True)):
+    q, k, v, dy, m, _ = t._inputs(b, sq, sk, h, hkv, d, jnp.bfloat16, 11, mask=mask)
+    p = t._params(d, kind, None, None, cap, m, None)
+    ex = [m] if mask else []
+    out, lse = jax.jit(lambda q, k, v, *e: t.A.attention_fwd(q, k, v, *e, **p))(q, k, v, *ex)
     zl = jnp.zeros(lse.shape, jnp.float32)
     fb = jax.jit(lambda *x: t.A.attention_bwd(*x, **p))
-    runs = [[np.asarray(x.astype(jnp.float32)) for x in fb(q, k, v, out, lse, dy, zl)] for _ in range(3)]
+    runs = [[np.asarray(x.astype(jnp.float32)) for x in fb(q, k, v, out, lse, dy, zl, *ex)] for _ in range(3)]
     for r in runs[1:]:
         for n, x, y in zip(("dq", "dk", "dv"), runs[0], r):
             assert np.array_equal(x.view(np.uint32), y.view(np.uint32)), (kind, n, "differs between runs")
     with jax.default_matmul_precision("highest"):
         f = [t._f32(x) for x in (q, k, v, dy)]
-        gr = t.A.reference_attention_bwd(*f[:3], t._f32(out), lse, f[3], zl, **p)
+        gr = t.A.reference_attention_bwd(*f[:3], t._f32(out), lse, f[3], zl, *ex, **p)
     for n, x, y in zip(("dq", "dk", "dv"), runs[0], gr):
         t._close(jnp.asarray(x).astype(jnp.bfloat16), y, jnp.bfloat16, n + " (fused, " + kind + ")")
-    print("hash", d, kind, cap, hashlib.sha1(b"".join(x.tobytes() for x in runs[0])).hexdigest(), flush=True)
+    print("hash", d, kind, cap, mask, hashlib.sha1(b"".join(x.tobytes() for x in runs[0])).hexdigest(), flush=True)
 print("child ok")
 """
 
@@ -758,6 +787,6 @@ def test_wgmma_fused_backward_deterministic():
         assert r.returncode == 0 and "child ok" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
         launched = {ln.split("fused dkdv+dq kernel ", 1)[1].strip() for ln in r.stderr.splitlines()
                     if "rlx attention backward: wgmma fused dkdv+dq kernel " in ln}
-        assert launched == {d128, d128 + " CAP", "D=64 BK=128 BQ=128"}, (launched, r.stderr[-2000:])
+        assert launched == {d128, d128 + " CAP", d128 + " MASK", "D=64 BK=128 BQ=128"}, (launched, r.stderr[-2000:])
         hashes.append([ln for ln in r.stdout.splitlines() if ln.startswith("hash ")])
-    assert len(hashes[0]) == 5 and hashes[0] == hashes[1], hashes
+    assert len(hashes[0]) == 6 and hashes[0] == hashes[1], hashes

@@ -102,12 +102,14 @@ if has sanitize; then
     pids+=($!)
   done
   # attention: the forward and the backward of both head dims, with and without a key mask, the
-  # PLAIN score loops and the general ones (softcap, bias; on sm_90a a softcap without a key mask or bias takes
-  # the wgmma CAP kernels), under memcheck and racecheck (the shared-memory K / V buffers are where a race would be)
+  # PLAIN score loops and the general ones (softcap, bias; on sm_90a a softcap or a key mask without a bias,
+  # mask kind none or causal, takes the wgmma CAP / MASK kernels), under memcheck and racecheck (the
+  # shared-memory K / V buffers are where a race would be)
   [ "${RLX_SANITIZE_ATTENTION:-1}" = 1 ] && ( i=0
     for tool in memcheck racecheck; do
       for cfg in "64 bfloat16 causal fwd" "64 bfloat16 none fwd 1" "128 bfloat16 none fwd" "128 float16 causal bwd" \
                  "64 bfloat16 sliding bwd 1" "64 float32 causal bwd" "128 bfloat16 none bwd 0 softcap" "64 float16 causal bwd 0 softcap" \
+                 "128 bfloat16 causal bwd 1" "64 bfloat16 none bwd 1 softcap" \
                  "64 float16 causal bwd 1 bias"; do
         i=$((i + 1))
         timeout 120 compute-sanitizer --tool $tool python3 tools/attention_sanitize.py $cfg >"$OUT/attn_$tool$i.txt" 2>&1

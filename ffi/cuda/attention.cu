@@ -13,13 +13,14 @@
 //
 // Path: bf16 / f16 with head dim 64 or 128 on sm_80+ run the mma.sync kernels, except where the
 // module carries sm_90a code and runs on a compute capability 9.0 device, for the cases without a
-// key mask or bias, scale > 0, mask kind none or causal: there the forward is the warp-specialised
-// wgmma kernel (attention_wgmma_ws.cuh; RLX_ATTENTION_CUDA_WGMMA below) and the backward the fused
-// wgmma kernel (attention_fused_bwd.cuh, at D 128 its warp-specialised form attention_fused_bwd_ws.cuh;
-// RLX_ATTENTION_CUDA_WGMMA_BWD below), each with or without a softcap (their CAP forms); the
-// switches select the older wgmma kernels (attention_wgmma.cuh, attention_wgmma_bwd.cuh,
-// attention_wgmma_bwd_ws.cuh), which take no softcap. Everything else (f32, other head dims up to
-// 256) runs the generic kernels. All are deterministic.
+// bias, scale > 0, mask kind none or causal: there the forward is the warp-specialised wgmma kernel
+// (attention_wgmma_ws.cuh; RLX_ATTENTION_CUDA_WGMMA below) and the backward the fused wgmma kernel
+// (attention_fused_bwd.cuh, at D 128 its warp-specialised form attention_fused_bwd_ws.cuh;
+// RLX_ATTENTION_CUDA_WGMMA_BWD below), each with or without a softcap and a key mask (their CAP /
+// MASK forms); the switches select the older wgmma kernels (attention_wgmma.cuh,
+// attention_wgmma_bwd.cuh, attention_wgmma_bwd_ws.cuh), which take neither. Everything else (f32,
+// other head dims up to 256, sliding window, bias) runs the mma.sync or generic kernels. All are
+// deterministic.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -124,7 +125,8 @@ bool attn_fwd_mt2() {
 }
 
 // wgmma forward (attention_wgmma.cuh) for the PLAIN cases without a key mask, mask kind none or
-// causal. RLX_ATTENTION_CUDA_WGMMA (read once per process; the A/B and the tests set it):
+// causal (modes 3 and 4 below, the warp-specialised kernel, also with a softcap and / or a key mask:
+// its CAP / MASK forms). RLX_ATTENTION_CUDA_WGMMA (read once per process; the A/B and the tests set it):
 // 0 = the mma.sync forward; 2 = the 2-warpgroup wgmma forward (2 warpgroups x 128 keys) at both head
 // dims (run 10 of benchmarks/results/attention_h200_2026-11-22.txt, 12 alternating rounds, B4 S4096
 // H16 bf16 forward: D 128 1.34x / 1.28x the mma.sync forward, none / causal; D 64 0.99x / 0.99x,
@@ -352,12 +354,11 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
   if (cudaError_t e = device_info(&info); e != cudaSuccess) return cuda_error("attention", e);
   if (use_mma<T>(a, info.device)) {
     if constexpr (!std::is_same<T, float>::value) {
-      // wgmma forward: PLAIN, no key mask, mask kind none or causal (attention_wgmma.cuh); with a
-      // softcap the warp-specialised kernel only (its CAP form, where the switch selects it: mode 4 at
-      // both head dims, 3 at D 128), else the mma.sync forward
-      const bool cap = a.softcap > 0.f, ws_mode = attn_wgmma_mode(a.D) >= 3;
-      if (a.mask == nullptr && bias == nullptr && a.scale > 0.f && a.kind <= 1 && attn_wgmma_mode(a.D) != 0 &&
-          (!cap || ws_mode)) {
+      // wgmma forward: no bias, scale > 0, mask kind none or causal (attention_wgmma.cuh); with a
+      // softcap or a key mask the warp-specialised kernel only (its CAP / MASK forms, where the switch
+      // selects it: mode 4 at both head dims, 3 at D 128), else the mma.sync forward
+      const bool cap = a.softcap > 0.f, km = a.mask != nullptr, ws_mode = attn_wgmma_mode(a.D) >= 3;
+      if (bias == nullptr && a.scale > 0.f && a.kind <= 1 && attn_wgmma_mode(a.D) != 0 && ((!cap && !km) || ws_mode)) {
         if (wgmma_available(info.device)) {
           auto run_wg = [&](auto kernel, int d, int bc, int nwg, size_t smem) -> ffi::Error {
             const int rows = 64 * nwg;
@@ -388,9 +389,9 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
             static const bool one_per_tile = env_starts_with("RLX_ATTENTION_CUDA_WS_GRID", '1');
             if (attn_wgmma_required()) {
               char line[64];
-              std::snprintf(line, sizeof line, "kernel D=%d BC=%d NWG=3 WS NST=%d %s%s%s%s", d, kBC, nst,
+              std::snprintf(line, sizeof line, "kernel D=%d BC=%d NWG=3 WS NST=%d %s%s%s%s%s", d, kBC, nst,
                             one_per_tile ? "tiles" : "persistent", attn_ws_pipe() ? " PIPE" : "", tma ? " TMA" : "",
-                            cap ? " CAP" : "");
+                            cap ? " CAP" : "", km ? " MASK" : "");
               log_wgmma_kernel(reinterpret_cast<const void*>(kernel), false, line);
             }
             if (auto e = grid_check(blocks, "attention"); e.failure()) return e;
@@ -404,9 +405,9 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
           // The pipelined consumer loop releases a ring stage one step later (after the next tile's
           // S = Q K^T has been issued), so it takes 3 stages: the producer then still has a whole
           // step to load each K / V tile (230,488 bytes of shared memory at D 128: fits the 227 KB).
-          auto run_ws_d = [&](auto dim, auto cap_tag) -> ffi::Error {
+          auto run_ws_d = [&](auto dim, auto cap_tag, auto mask_tag) -> ffi::Error {
             constexpr int D = decltype(dim)::value;
-            constexpr bool CAP = decltype(cap_tag)::value;
+            constexpr bool CAP = decltype(cap_tag)::value, MASK = decltype(mask_tag)::value;
             // TMA (the pipelined loop only): maps of q [B, Sq, H, D] and k, v [B, Sk, Hkv, D], boxes of
             // the 128 rows of a query tile / key tile (without keys, Sk 0, no key tile is loaded: k's
             // and v's maps are q's); any map the driver refuses: cp.async
@@ -418,20 +419,25 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
                                         : attn::encode_rows_map(&maps.k, k, kBf16, a.B, a.Sk, a.Hkv, D, 128) &&
                                               attn::encode_rows_map(&maps.v, v, kBf16, a.B, a.Sk, a.Hkv, D, 128));
             if (!attn_ws_pipe())
-              return run_ws(attn::wgmma_fwd_ws_kernel<T, D, 128, 2, false, false, CAP>, D, 2,
+              return run_ws(attn::wgmma_fwd_ws_kernel<T, D, 128, 2, false, false, CAP, MASK>, D, 2,
                             attn::wg_ws_smem<D, 128, 2>(), maps, false);
             if (tma)
-              return run_ws(attn::wgmma_fwd_ws_kernel<T, D, 128, 3, true, true, CAP>, D, 3,
+              return run_ws(attn::wgmma_fwd_ws_kernel<T, D, 128, 3, true, true, CAP, MASK>, D, 3,
                             attn::wg_ws_smem<D, 128, 3>(), maps, true);
-            return run_ws(attn::wgmma_fwd_ws_kernel<T, D, 128, 3, true, false, CAP>, D, 3,
+            return run_ws(attn::wgmma_fwd_ws_kernel<T, D, 128, 3, true, false, CAP, MASK>, D, 3,
                           attn::wg_ws_smem<D, 128, 3>(), maps, false);
+          };
+          // the CAP / MASK form of this head dim's kernel
+          auto run_ws_flags = [&](auto dim) -> ffi::Error {
+            using Tr = std::true_type;
+            using F = std::false_type;
+            if (km) return cap ? run_ws_d(dim, Tr{}, Tr{}) : run_ws_d(dim, F{}, Tr{});
+            return cap ? run_ws_d(dim, Tr{}, F{}) : run_ws_d(dim, F{}, F{});
           };
           // (attn_wgmma_mode is 4 at D 64 here whenever it is >= 3: mode 3 reads 0 at D 64)
           if (ws_mode) {
-            using D64 = std::integral_constant<int, 64>;
-            using D128 = std::integral_constant<int, 128>;
-            if (a.D == 64) return cap ? run_ws_d(D64{}, std::true_type{}) : run_ws_d(D64{}, std::false_type{});
-            return cap ? run_ws_d(D128{}, std::true_type{}) : run_ws_d(D128{}, std::false_type{});
+            if (a.D == 64) return run_ws_flags(std::integral_constant<int, 64>{});
+            return run_ws_flags(std::integral_constant<int, 128>{});
           }
           // <T, D, BC (keys per tile), NWG (warpgroups of 64 rows)>; ptxas sm_90a (bf16, f16):
           // <64, 128, 2> 221 registers, no spill; <128, 128, 2> 255 registers, 40 B of spills
@@ -549,12 +555,13 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
       const bool km = a.mask != nullptr, plain = a.softcap == 0.f && bias == nullptr;
       // wgmma dk / dv (attention_wgmma_bwd.cuh) for the PLAIN cases without a key mask, mask kind
       // none or causal; dq on the wgmma kernel or on the PLAIN mma.sync one (MASK false, the AR of
-      // pick below), per RLX_ATTENTION_CUDA_WGMMA_BWD. With a softcap (and no bias) the fused
-      // kernels only (their CAP form), where the switch selects them; else the mma.sync kernels.
+      // pick below), per RLX_ATTENTION_CUDA_WGMMA_BWD. With a softcap or a key mask (and no bias)
+      // the fused kernels only (their CAP / MASK forms), where the switch selects them; else the
+      // mma.sync kernels.
       const int wg_bwd = attn_wgmma_bwd_mode();
-      const bool cap = a.softcap > 0.f && bias == nullptr;
+      const bool cap = a.softcap > 0.f;
       const bool fused_mode = wg_bwd == 6 || wg_bwd == 7 || (wg_bwd == 8 && a.kind == 0);
-      if (!km && (plain || (cap && fused_mode)) && a.scale > 0.f && a.kind <= 1 && wg_bwd != 0 &&
+      if (bias == nullptr && ((!km && !cap) || fused_mode) && a.scale > 0.f && a.kind <= 1 && wg_bwd != 0 &&
           a.Sq < (int64_t(1) << 30) && a.Sk < (int64_t(1) << 30)) {
         if (wgmma_available(info.device)) {
           // dk / dv kernel (its OVL flag for the log), then dq: the wgmma kernel (wg_dq) or mma.sync
@@ -635,8 +642,9 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
             *served = true;
             if (attn_wgmma_required()) {
               char line[96];
-              std::snprintf(line, sizeof line, "fused dkdv+dq kernel D=%d BK=%d BQ=%d%s%s", int(D), attn::kWgBwdKeys,
-                            attn::fused_rows(D), threads == attn::kFusedWsThreads ? " WS" : "", cap ? " CAP" : "");
+              std::snprintf(line, sizeof line, "fused dkdv+dq kernel D=%d BK=%d BQ=%d%s%s%s", int(D),
+                            attn::kWgBwdKeys, attn::fused_rows(D), threads == attn::kFusedWsThreads ? " WS" : "",
+                            cap ? " CAP" : "", km ? " MASK" : "");
               log_wgmma_kernel(reinterpret_cast<const void*>(fused), true, line);
             }
             const int64_t nqt = (a.Sq + attn::fused_rows(D) - 1) / attn::fused_rows(D);
@@ -672,30 +680,33 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
             }
             return ffi::Error::Success();
           };
-          // the fused kernel of this head dim and mode, in its CAP form or not
-          auto fused_for = [&](auto cap_tag, bool* served) -> ffi::Error {
-            constexpr bool CAP = decltype(cap_tag)::value;
+          // the fused kernel of this head dim and mode, in its CAP / MASK form or not
+          auto fused_for = [&](auto cap_tag, auto mask_tag, bool* served) -> ffi::Error {
+            constexpr bool CAP = decltype(cap_tag)::value, MASK = decltype(mask_tag)::value;
             // (the WS kernel loads Q and dO with cp.async: TMA copies of them, as the forward's, ran
             // 0.965x without a mask and level causal, perhaps because the SM's TMA unit also carries
             // the dQ partials' bulk adds; benchmarks/results/h100_2026-11-27.txt section 14)
             if (a.D == 64)
-              return run_fused(attn::wgmma_fused_bwd_kernel<T, 64, CAP>, attn::kWgBwdThreads,
+              return run_fused(attn::wgmma_fused_bwd_kernel<T, 64, CAP, MASK>, attn::kWgBwdThreads,
                                attn::wg_fused_smem<64>(), served);
             if (wg_bwd == 7)
-              return run_fused(attn::wgmma_fused_bwd_ws_kernel<T, 128, CAP>, attn::kFusedWsThreads,
+              return run_fused(attn::wgmma_fused_bwd_ws_kernel<T, 128, CAP, MASK>, attn::kFusedWsThreads,
                                attn::wg_fused_ws_smem<128>(), served);
-            return run_fused(attn::wgmma_fused_bwd_kernel<T, 128, CAP>, attn::kWgBwdThreads,
+            return run_fused(attn::wgmma_fused_bwd_kernel<T, 128, CAP, MASK>, attn::kWgBwdThreads,
                              attn::wg_fused_smem<128>(), served);
           };
           if (fused_mode && scratch_elems >= attn::fused_bwd_scratch(a.B, a.H, a.Sq, a.D)) {
+            using Tr = std::true_type;
+            using F = std::false_type;
             bool served = false;
-            const ffi::Error e = cap ? fused_for(std::true_type{}, &served) : fused_for(std::false_type{}, &served);
+            const ffi::Error e = km ? (cap ? fused_for(Tr{}, Tr{}, &served) : fused_for(F{}, Tr{}, &served))
+                                    : (cap ? fused_for(Tr{}, F{}, &served) : fused_for(F{}, F{}, &served));
             if (e.failure() || served) return e;
           }
-          // without a softcap the two-kernel wgmma backward; a softcap the fused kernel did not serve
-          // (scratch too small, or more key blocks than fit on the device at once) falls through to
-          // the mma.sync kernels below
-          if (!cap) {
+          // without a softcap or key mask the two-kernel wgmma backward; a case with one that the
+          // fused kernel did not serve (scratch too small, or more key blocks than fit on the device
+          // at once) falls through to the mma.sync kernels below
+          if (!cap && !km) {
             if (a.D == 64)
               return run_wg(attn::wgmma_dkdv_kernel<T, 64, false>, 0, attn::wg_dkdv_smem<64>(),
                             attn::mma_dq_kernel<T, 64, false, true, 1>, false, attn::mma_dq_smem<64>());

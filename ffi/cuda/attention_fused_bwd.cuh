@@ -1,6 +1,7 @@
 // Fused attention backward on Hopper wgmma (sm_90a), bf16 / f16, head dim 64 or 128, the PLAIN cases of
 // wgmma_dkdv_kernel (scale > 0, no softcap / bias / key mask, mask kind none or causal), and in its
-// CAP form (bwd_probs, attention_wgmma_bwd.cuh) the same cases with a softcap: one kernel
+// CAP / MASK forms (bwd_probs, bwd_kept_keys: attention_wgmma_bwd.cuh) the same cases with a softcap and /
+// or a key mask: one kernel
 // computes dk, dv AND dq, so S and dP are formed once (5 S x S x D products instead of the 7 of
 // wgmma_dkdv_kernel + wgmma_dq_kernel). Selection: attention.cu (attn_wgmma_bwd_mode), below.
 //
@@ -334,8 +335,10 @@ struct FusedSchedule {
   }
 };
 
-// CAP: a softcap c > 0 (bwd_probs; the launcher takes CAP for a.softcap > 0 only).
-template <typename T, int D, bool CAP = false>
+// CAP: a softcap c > 0 (bwd_probs; the launcher takes CAP for a.softcap > 0 only). MASK: a key mask
+// [B, Sk] is given (a.mask): the block's keys are fixed, so each thread reads its two keys' mask
+// values once (bwd_kept_keys), and a warp with a hidden key masks every tile.
+template <typename T, int D, bool CAP = false, bool MASK = false>
 __global__ void __launch_bounds__(kWgBwdThreads, 1)
     wgmma_fused_bwd_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                            const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
@@ -420,6 +423,8 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
   float dka[D / 8][4], dva[D / 8][4];
   zero(dka);
   zero(dva);
+  bool warp_hides = false;  // MASK: a key of this warp's 16 is hidden
+  const uint32_t kept = MASK ? bwd_kept_keys(a.mask + b * a.Sk, jw + g, sk, &warp_hides) : 3u;
   const uint64_t kdsc = wg_desc(smem_addr(Ks) + uint32_t(wg * 64 * 128), 16, 1024);
   const uint64_t vdsc = wg_desc(smem_addr(Vs) + uint32_t(wg * 64 * 128), 16, 1024);
   // dQ operands: dS^T (A, MN-major: 64 queries = one 128-byte row per key, 8-key groups 1024 bytes
@@ -506,9 +511,9 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     const float* Db = Dl + buf * BQ;
     // warp-uniform: the causal diagonal or the end of the keys crosses this warp's 16 keys (dS^T
     // feeds dQ, so keys past Sk are masked too)
-    const bool need = (causal && jw + 15 > i0 + off) || jw + 15 >= sk;
+    const bool need = (causal && jw + 15 > i0 + off) || jw + 15 >= sk || warp_hides;
     const uint64_t gdt = wg_desc(gaddr, BQ * 128, 1024), qdt = wg_desc(qaddr, BQ * 128, 1024);
-    const BwdTileMask msk{jw + g, sk, causal ? i0 + off : INT_MAX};
+    const BwdTileMask msk{jw + g, sk, causal ? i0 + off : INT_MAX, kept};
     bwd_dv_dk_products<T, D, BQ, CAP>(st, dpt, pa, da, dva, dka, Lb, Db, c2, tq, need, msk, gdt, qdt, carg);
     wg_commit();
     // dS^T rows of this thread (keys 64 wg + 16 warp + g (+ 8)) to shared memory: queries

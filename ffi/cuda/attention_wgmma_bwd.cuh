@@ -54,16 +54,31 @@ constexpr size_t wg_dkdv_smem() {
 // Which scores of a thread's S^T / dP^T fragment (m64n64 / m64n128 C fragment: keys jw + g and jw + g + 8 as
 // rows, queries i0 + 8 nt + 2 tq (+ 1) as columns; element e of n8 block nt is key j0 + 8 (e >> 1),
 // query column 8 nt + 2 tq + (e & 1)) a tile's mask hides: key j is seen by query i0 + c iff
-// j < jend and j - c <= diag (causal: diag = i0 + off; jend = Sk where keys past it must give zeros).
+// j < jend and j - c <= diag (causal: diag = i0 + off; jend = Sk where keys past it must give zeros)
+// and the key mask keeps it (kept bit r: key j0 + 8 r; both set without a key mask).
 struct BwdTileMask {
-  int j0;    // this thread's first key, jw + g
-  int jend;  // first hidden key (INT_MAX: none)
-  int diag;  // i0 + off where causal, INT_MAX otherwise
+  int j0;           // this thread's first key, jw + g
+  int jend;         // first hidden key (INT_MAX: none)
+  int diag;         // i0 + off where causal, INT_MAX otherwise
+  uint32_t kept = 3u;  // bit r: the key mask keeps key j0 + 8 r
   __device__ __forceinline__ bool vis(int nt, int e, int tq) const {
     const int j = j0 + 8 * (e >> 1), c = 8 * nt + 2 * tq + (e & 1);
-    return j < jend && j - c <= diag;
+    return ((kept >> (e >> 1)) & 1u) && j < jend && j - c <= diag;
   }
 };
+// The key mask's bits of this thread's two keys j0, j0 + 8 (BwdTileMask::kept; mrow: the batch's
+// mask row, keys at or past sk hidden), and whether any of the warp's keys is hidden (its tiles then
+// all take the masked path).
+__device__ __forceinline__ uint32_t bwd_kept_keys(const float* mrow, int j0, int sk, bool* warp_hides) {
+  uint32_t kept = 0u;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int j = j0 + 8 * r;
+    if (j < sk && mrow[j] >= 0.5f) kept |= 1u << r;
+  }
+  *warp_hides = __any_sync(0xffffffffu, kept != 3u);
+  return kept;
+}
 
 // P^T = ex2(S^T c2 - L_q) over a thread's 8 x 4 scores, in place (MASKED: 0 where the mask hides
 // the score), packed into the A fragments of dV += P^T dO: n8 blocks 2 kk and 2 kk + 1 are the

@@ -1,6 +1,7 @@
 // Warp-specialised attention forward on Hopper wgmma (sm_90a), bf16 / f16, head dims 64 and 128, the
 // PLAIN cases of wgmma_fwd_kernel (attention_wgmma.cuh: scale > 0, no softcap, bias or key mask, mask
-// kind none or causal) and, in its CAP form (ws_softmax_tile), the same cases with a softcap. The default at both head dims (RLX_ATTENTION_CUDA_WGMMA unset or 4; 3 = D 128
+// kind none or causal) and, in its CAP / MASK forms (ws_softmax_tile), the same cases with a softcap and / or
+// a key mask. The default at both head dims (RLX_ATTENTION_CUDA_WGMMA unset or 4; 3 = D 128
 // only; attention.cu): run 13F of benchmarks/results/attention_fwd_h200_2026-11-22.txt measured 1.30x
 // the 2-warpgroup kernel's forward at D 128 and 1.07x / 1.15x the mma.sync forward at D 64.
 //
@@ -250,19 +251,31 @@ constexpr size_t wg_ws_smem() { return size_t(2) * D * (128 + 2 * NST * BC) + 10
 // c2 tanh(s carg) (the caller's c2 = c log2 e, carg = scale / c). tanh is increasing, so the row's
 // capped maximum is the cap of its raw maximum: the max pass stays on the raw scores and costs two
 // tanh a thread, and s is still only read (one tanh and one ex2 a score, in the P loop).
-template <typename T, int BC, bool KEEP_S, bool CAP = false>
+// MASK (a key mask is given): mv holds the tile's key mask values as mask_load reads them (lane l:
+// keys k0 + 32 w + l), loaded by the caller ahead of the products' wait; a tile with a hidden key
+// takes the masked path (its keys' bits, mask_bits: the same words in every lane).
+template <typename T, int BC, bool KEEP_S, bool CAP = false, bool MASK = false, int W = 1>
 __device__ __forceinline__ void ws_softmax_tile(const AttnArgs& a, float (&s)[BC / 8][4], int64_t wrow0, int64_t k0,
                                                 int g, int tq, float c2, float carg, float (&m)[2], float (&l)[2],
-                                                uint32_t (&p)[BC / 16][4], float (&alpha)[2]) {
-  const bool need = tile_needs_mask(a, wrow0, k0, 16, BC);  // warp-uniform
+                                                uint32_t (&p)[BC / 16][4], float (&alpha)[2], const float (&mv)[W]) {
+  static_assert(!MASK || W == BC / 32, "ws_softmax_tile: one mask word per 32 keys");
+  bool need = tile_needs_mask(a, wrow0, k0, 16, BC);  // warp-uniform
+  uint32_t bits[W];
+  if constexpr (MASK) {
+    bool all_on, none;
+    mask_bits(bits, mv, &all_on, &none);
+    need = need || !all_on;
+  }
   // 32-bit offsets from the warp's first row / the tile's first key (registers): row wrow0 + di
   // exists if di < rl, key k0 + dj if dj < cl, and is visible (causal, mask kind 1 only here) if
-  // dj <= di + dg
+  // dj <= di + dg (and, MASK, if its bit is set)
   constexpr int64_t kBig = int64_t(1) << 30;
   int rl = 0, cl = 0, dg = 0;
   auto visible = [&](int nt, int e) {
     const int di = (e >> 1) * 8 + g, dj = nt * 8 + 2 * tq + (e & 1);
-    return di < rl && dj < cl && dj <= di + dg;
+    bool kept = true;
+    if constexpr (MASK) kept = (bits[nt >> 2] >> (dj & 31)) & 1u;
+    return kept && di < rl && dj < cl && dj <= di + dg;
   };
   float mx[2] = {-INFINITY, -INFINITY};
   if (!need) {
@@ -354,7 +367,9 @@ __device__ __forceinline__ void ws_ring_next(int& st, uint32_t& ph, int nst) {
 // skip the proxy fence after each full barrier (TMA writes through the async proxy already); the
 // same tiles land in the same layout, so the outputs are bitwise those of the cp.async producer.
 // CAP: a softcap c > 0 (ws_softmax_tile); the launcher takes CAP for a.softcap > 0 only.
-template <typename T, int D, int BC, int NST, bool PIPE, bool TMA, bool CAP = false>
+// MASK: a key mask [B, Sk] is given (a.mask; ws_softmax_tile); each consumer warp loads a tile's
+// mask values (4 per lane at BC 128) before it waits for the tile's products.
+template <typename T, int D, int BC, int NST, bool PIPE, bool TMA, bool CAP = false, bool MASK = false>
 __global__ void __launch_bounds__(384, 1)
     wgmma_fwd_ws_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                         T* __restrict__ out, float* __restrict__ lse, int hc, int zig,
@@ -405,6 +420,12 @@ __global__ void __launch_bounds__(384, 1)
     int64_t qt, bh;
     fwd_tile(t, nqt, nbh, hc, &qt, &bh);
     const int64_t h = bh % a.H, b = bh / a.H, q0 = qt * BM;
+    const float* mrow = MASK ? a.mask + b * a.Sk : nullptr;  // this batch's key mask
+    constexpr int W = MASK ? BC / 32 : 1;
+    float mv[W];  // MASK: the mask values of the tile whose softmax comes next (mask_load)
+    auto load_mask = [&](int64_t kt0) {
+      if constexpr (MASK) mask_load(mv, mrow, kt0, a.Sk, lane);
+    };
     int64_t kbeg, kend;
     key_range(a, q0, min(a.Sq - 1, q0 + BM - 1), &kbeg, &kend, BC);
     const int64_t r0 = q0 + 64 * cw;       // this warpgroup's rows [r0, r0 + 64)
@@ -444,12 +465,14 @@ __global__ void __launch_bounds__(384, 1)
       if (k0 < kstop) {
         float s[BC / 8][4], alpha[2];
         uint32_t pa[BC / 16][4], pb[BC / 16][4];
+        load_mask(k0);
         ws_wait(kfull + st, ph);
         landed();
         ws_issue_qk<T, D, BC>(s, qd, Ks + st * BC * D);
         wg_wait0();
         wg_fence_regs(s);
-        ws_softmax_tile<T, BC, true, CAP>(a, s, wrow0, k0, g, tq, c2, carg, m, l, pa, alpha);  // O is 0: alpha unused
+        // O is 0: alpha unused
+        ws_softmax_tile<T, BC, true, CAP, MASK>(a, s, wrow0, k0, g, tq, c2, carg, m, l, pa, alpha, mv);
         int pst = st;  // the ring stage of the tile whose P V is pending (its P in pc below)
         uint32_t pph = ph;
         ws_ring_next(st, ph, NST);
@@ -458,6 +481,7 @@ __global__ void __launch_bounds__(384, 1)
         // into pn) while that product runs; then O scaled by tile k0's alpha
         auto step = [&](auto& pc, auto& pn) {
           const bool turns = kTurns && k0 < kboth;  // warpgroup-uniform, the same steps in both
+          load_mask(k0);
           ws_wait(kfull + st, ph);
           landed();
           if (turns) ws_turn_wait(cw);
@@ -468,7 +492,7 @@ __global__ void __launch_bounds__(384, 1)
           if (turns) ws_turn_pass(cw);
           wg_wait<1>();  // S of this tile (committed first) has completed
           wg_fence_regs(s);
-          ws_softmax_tile<T, BC, true, CAP>(a, s, wrow0, k0, g, tq, c2, carg, m, l, pn, alpha);
+          ws_softmax_tile<T, BC, true, CAP, MASK>(a, s, wrow0, k0, g, tq, c2, carg, m, l, pn, alpha, mv);
           wg_wait0();  // the pending tile's P V
           wg_fence_regs(o);
           wg_fence_afrag(pc);
@@ -508,13 +532,14 @@ __global__ void __launch_bounds__(384, 1)
     for (; k0 < kend; k0 += BC) {
       ws_wait(kfull + st, ph);
       if (!PIPE && k0 < wg_kend) {  // warpgroup-uniform
+        load_mask(k0);
         landed();
         float s[BC / 8][4], alpha[2];
         uint32_t p[BC / 16][4];
         ws_issue_qk<T, D, BC>(s, qd, Ks + st * BC * D);
         wg_wait0();
         wg_fence_regs(s);
-        ws_softmax_tile<T, BC, false, CAP>(a, s, wrow0, k0, g, tq, c2, carg, m, l, p, alpha);
+        ws_softmax_tile<T, BC, false, CAP, MASK>(a, s, wrow0, k0, g, tq, c2, carg, m, l, p, alpha, mv);
         rescale(alpha);
         ws_wait(vfull + st, ph);
         landed();
