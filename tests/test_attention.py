@@ -437,7 +437,7 @@ def test_kernel_rejects_bad_buffers_with_an_error():
 def test_cuda_backward_scratch_follows_the_kernel_switch(monkeypatch, mode, kind, fused):
     """The CUDA backward's scratch holds the fused kernel's f32 dQ accumulator exactly where
     ffi/cuda/attention.cu may take that kernel (RLX_ATTENTION_CUDA_WGMMA_BWD, first character:
-    unset / 6 / 7 / unknown = fused for mask kinds none and causal, 8 = none only, 0 / 4 / 5 / 9
+    unset / 6 / 7 / unknown = fused for mask kinds none, causal and sliding, 8 = none only, 0 / 4 / 5 / 9
     = never), and only for the cases it serves (bf16 / f16, head dims 64 and 128, scale > 0, with or
     without a softcap or a key mask, no bias)."""
     if mode is None:
@@ -455,7 +455,7 @@ def test_cuda_backward_scratch_follows_the_kernel_switch(monkeypatch, mode, kind
     assert A._cuda_fused_bwd(q, kind, 0.1, 0.0, True, False) is fused  # key mask: the MASK kernels
     assert A._cuda_fused_bwd(q, kind, 0.1, 5.0, True, False) is fused  # both
     assert not A._cuda_fused_bwd(q, kind, 0.1, 0.0, False, True)  # bias
-    assert not A._cuda_fused_bwd(q, "sliding", 0.1, 0.0, False, False)
+    assert A._cuda_fused_bwd(q, "sliding", 0.1, 0.0, False, False) is (fused and mode != "8")  # MASK kernels
     # delta (B H Sq = 1040, a multiple of 4), dQacc B H Sq D, 3 query tiles of 64 a (batch, head), ticket
     assert A.cuda_bwd_scratch_size(2, 4, 130, 128, fused) == (1040 + 1040 * 128 + 8 * 3 + 1 if fused else 1040)
     # D 64: query tiles of 128 rows (65 rows: one tile, 129: two)

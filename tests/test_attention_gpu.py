@@ -492,11 +492,13 @@ WGMMA_CAP_CASES = [
     (1, 260, 90, 2, 1, 128, jnp.bfloat16, dict(kind="causal", softcap=1.0, scale=0.6, seed=12)),
 ]
 
-# Key mask [B, Sk] (without and with a softcap): the MASK kernels, served as the CAP ones (the
-# warp-specialised forward's consumers read each tile's mask values; the fused backward reads its
-# block's keys' once). Random masks, whole key tiles hidden and kept (mask_tiles), a batch whose
-# rows see no key (dead_batch: out, lse -inf and gradients as without keys), GQA, odd lengths,
-# Sq != Sk both ways, dlse; mask kind none at both head dims with and without a softcap (backward 8).
+# Key mask [B, Sk] and / or a sliding window (without and with a softcap): the MASK kernels, served
+# as the CAP ones (the warp-specialised forward's consumers read each tile's mask values; the fused
+# backward reads its block's keys' once, and a window bounds its query tiles). Random masks, whole
+# key tiles hidden and kept (mask_tiles), a batch whose rows see no key (dead_batch: out, lse -inf
+# and gradients as without keys), windows of 1 (each row sees two keys; at 0, one key, dq and dk are
+# exactly 0 and the relative check meaningless), 40-300 keys (one to several key blocks, Sq < Sk), GQA, odd lengths, Sq != Sk both ways, dlse; mask kind none at both head dims
+# with and without a softcap (backward 8 serves none only).
 WGMMA_MASK_CASES = [
     (3, 70, 130, 2, 1, 64, jnp.bfloat16, dict(kind="none", mask=True, dead_batch=True)),
     (2, 199, 333, 4, 2, 64, jnp.float16, dict(kind="causal", mask_tiles=True, dlse=True, seed=13)),
@@ -505,6 +507,11 @@ WGMMA_MASK_CASES = [
     (2, 140, 200, 2, 2, 64, jnp.bfloat16, dict(kind="none", mask=True, softcap=2.0, scale=0.4, seed=16)),
     (1, 260, 300, 4, 2, 128, jnp.bfloat16, dict(kind="none", mask_tiles=True, softcap=3.0, seed=17)),
     (2, 230, 200, 2, 1, 128, jnp.float16, dict(kind="causal", mask=True, softcap=5.0, dead_batch=True, seed=18)),
+    (2, 300, 300, 4, 2, 128, jnp.bfloat16, dict(kind="sliding", window=70, seed=19)),
+    (1, 333, 400, 4, 1, 64, jnp.float16, dict(kind="sliding", window=150, mask=True, dlse=True, seed=20)),
+    (2, 260, 200, 2, 2, 128, jnp.bfloat16, dict(kind="sliding", window=40, softcap=4.0, seed=21)),
+    (1, 700, 700, 2, 1, 64, jnp.bfloat16, dict(kind="sliding", window=1, seed=22)),
+    (1, 520, 1100, 2, 2, 128, jnp.float16, dict(kind="sliding", window=300, seed=23)),
 ]
 
 _WGMMA_CHILD = """
@@ -679,10 +686,11 @@ for (b, sq, sk, h, hkv, d, kind, cap, mask) in ((2, 1030, 1100, 4, 2, 128, "none
                                                 (1, 900, 1000, 4, 2, 128, "causal", 4.0, False),
                                                 (2, 700, 520, 2, 1, 64, "none", 2.5, False),
                                                 (2, 800, 900, 4, 2, 128, "none", None, True),
-                                                (1, 600, 700, 2, 2, 64, "causal", 3.0, True)):
+                                                (1, 600, 700, 2, 2, 64, "causal", 3.0, True),
+                                                (1, 900, 900, 4, 2, 128, "sliding", None, False)):
     q, k, v, _, m, _ = t._inputs(b, sq, sk, h, hkv, d, jnp.bfloat16, 13, mask=mask)
     q = (q.astype(jnp.float32) * jnp.linspace(0.2, 4.0, sq)[None, :, None, None]).astype(jnp.bfloat16)
-    p = t._params(d, kind, None, None, cap, m, None)
+    p = t._params(d, kind, 200, None, cap, m, None)  # (the window: sliding only)
     ex = [m] if mask else []
     out, lse = jax.jit(lambda q, k, v, *e: t.A.attention_fwd(q, k, v, *e, **p))(q, k, v, *ex)
     dy = jax.random.normal(jax.random.PRNGKey(sq + d), out.shape, jnp.float32).astype(jnp.bfloat16)
@@ -722,7 +730,8 @@ def test_ws_pipelined_loops_bitwise_equal():
         load = " TMA" if tma == "" else ""
         d128, d64 = ((_WS_LINE + "persistent PIPE" + load, _WS64_LINE + "persistent PIPE" + load) if pipe == "1"
                      else (_WS_LINE_NP + "persistent", _WS64_LINE_NP + "persistent"))
-        # the child's softcap / key-mask cases: softcap at both head dims, a key mask at D 128, both at D 64
+        # the child's softcap / key-mask / window cases: softcap at both head dims, a key mask or a window
+        # at D 128, both a key mask and a softcap at D 64
         want = {d128, d64, d128 + " CAP", d64 + " CAP", d128 + " MASK", d64 + " CAP MASK"}
         assert launched == want, launched
         dq_launched = {ln.split("wgmma dq kernel ", 1)[1].strip() for ln in r.stderr.splitlines()
@@ -731,7 +740,7 @@ def test_ws_pipelined_loops_bitwise_equal():
         assert dq_launched == dq_want, dq_launched
         hashes[(pipe, order, tma)] = [ln for ln in r.stdout.splitlines() if ln.startswith("hash ")]
     first = hashes["1", "", ""]
-    assert len(hashes) == 5 and len(first) == 9 and all(h == first for h in hashes.values()), hashes
+    assert len(hashes) == 5 and len(first) == 10 and all(h == first for h in hashes.values()), hashes
 
 
 # The fused backward (RLX_ATTENTION_CUDA_WGMMA_BWD=6) sums the key blocks' dQ partials in f32 global
@@ -751,9 +760,10 @@ for (b, sq, sk, h, hkv, d, kind, cap, mask) in ((2, 1030, 1100, 4, 2, 128, "none
                                                 (2, 900, 1300, 4, 2, 64, "none", None, False),
                                                 (1, 1100, 1000, 2, 1, 64, "causal", None, False),
                                                 (1, 1100, 1100, 4, 2, 128, "causal", 3.0, False),
-                                                (2, 1000, 1100, 4, 2, 128, "none", None, True)):
+                                                (2, 1000, 1100, 4, 2, 128, "none", None, True),
+                                                (1, 1100, 1100, 4, 2, 128, "sliding", None, False)):
     q, k, v, dy, m, _ = t._inputs(b, sq, sk, h, hkv, d, jnp.bfloat16, 11, mask=mask)
-    p = t._params(d, kind, None, None, cap, m, None)
+    p = t._params(d, kind, 300, None, cap, m, None)  # (the window: sliding only)
     ex = [m] if mask else []
     out, lse = jax.jit(lambda q, k, v, *e: t.A.attention_fwd(q, k, v, *e, **p))(q, k, v, *ex)
     zl = jnp.zeros(lse.shape, jnp.float32)
@@ -789,4 +799,4 @@ def test_wgmma_fused_backward_deterministic():
                     if "rlx attention backward: wgmma fused dkdv+dq kernel " in ln}
         assert launched == {d128, d128 + " CAP", d128 + " MASK", "D=64 BK=128 BQ=128"}, (launched, r.stderr[-2000:])
         hashes.append([ln for ln in r.stdout.splitlines() if ln.startswith("hash ")])
-    assert len(hashes[0]) == 6 and hashes[0] == hashes[1], hashes
+    assert len(hashes[0]) == 7 and hashes[0] == hashes[1], hashes

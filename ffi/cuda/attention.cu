@@ -13,14 +13,14 @@
 //
 // Path: bf16 / f16 with head dim 64 or 128 on sm_80+ run the mma.sync kernels, except where the
 // module carries sm_90a code and runs on a compute capability 9.0 device, for the cases without a
-// bias, scale > 0, mask kind none or causal: there the forward is the warp-specialised wgmma kernel
+// bias, scale > 0: there the forward is the warp-specialised wgmma kernel
 // (attention_wgmma_ws.cuh; RLX_ATTENTION_CUDA_WGMMA below) and the backward the fused wgmma kernel
 // (attention_fused_bwd.cuh, at D 128 its warp-specialised form attention_fused_bwd_ws.cuh;
-// RLX_ATTENTION_CUDA_WGMMA_BWD below), each with or without a softcap and a key mask (their CAP /
-// MASK forms); the switches select the older wgmma kernels (attention_wgmma.cuh,
-// attention_wgmma_bwd.cuh, attention_wgmma_bwd_ws.cuh), which take neither. Everything else (f32,
-// other head dims up to 256, sliding window, bias) runs the mma.sync or generic kernels. All are
-// deterministic.
+// RLX_ATTENTION_CUDA_WGMMA_BWD below), each plain (mask kind none or causal) or, in their CAP / MASK
+// forms, with a softcap, a key mask and / or a sliding window; the switches select the older wgmma
+// kernels (attention_wgmma.cuh, attention_wgmma_bwd.cuh, attention_wgmma_bwd_ws.cuh), which take
+// only the plain cases. Everything else (f32, other head dims up to 256, bias) runs the mma.sync or
+// generic kernels. All are deterministic.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -125,8 +125,8 @@ bool attn_fwd_mt2() {
 }
 
 // wgmma forward (attention_wgmma.cuh) for the PLAIN cases without a key mask, mask kind none or
-// causal (modes 3 and 4 below, the warp-specialised kernel, also with a softcap and / or a key mask:
-// its CAP / MASK forms). RLX_ATTENTION_CUDA_WGMMA (read once per process; the A/B and the tests set it):
+// causal (modes 3 and 4 below, the warp-specialised kernel, also with a softcap, a key mask and / or
+// a sliding window: its CAP / MASK forms). RLX_ATTENTION_CUDA_WGMMA (read once per process; the A/B and the tests set it):
 // 0 = the mma.sync forward; 2 = the 2-warpgroup wgmma forward (2 warpgroups x 128 keys) at both head
 // dims (run 10 of benchmarks/results/attention_h200_2026-11-22.txt, 12 alternating rounds, B4 S4096
 // H16 bf16 forward: D 128 1.34x / 1.28x the mma.sync forward, none / causal; D 64 0.99x / 0.99x,
@@ -355,10 +355,11 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
   if (use_mma<T>(a, info.device)) {
     if constexpr (!std::is_same<T, float>::value) {
       // wgmma forward: no bias, scale > 0, mask kind none or causal (attention_wgmma.cuh); with a
-      // softcap or a key mask the warp-specialised kernel only (its CAP / MASK forms, where the switch
-      // selects it: mode 4 at both head dims, 3 at D 128), else the mma.sync forward
-      const bool cap = a.softcap > 0.f, km = a.mask != nullptr, ws_mode = attn_wgmma_mode(a.D) >= 3;
-      if (bias == nullptr && a.scale > 0.f && a.kind <= 1 && attn_wgmma_mode(a.D) != 0 && ((!cap && !km) || ws_mode)) {
+      // softcap, a key mask or a sliding window the warp-specialised kernel only (its CAP / MASK forms,
+      // where the switch selects it: mode 4 at both head dims, 3 at D 128), else the mma.sync forward.
+      // general: the MASK form (a key mask and / or a sliding window)
+      const bool cap = a.softcap > 0.f, general = a.mask != nullptr || a.kind == 2, ws_mode = attn_wgmma_mode(a.D) >= 3;
+      if (bias == nullptr && a.scale > 0.f && attn_wgmma_mode(a.D) != 0 && ((!cap && !general) || ws_mode)) {
         if (wgmma_available(info.device)) {
           auto run_wg = [&](auto kernel, int d, int bc, int nwg, size_t smem) -> ffi::Error {
             const int rows = 64 * nwg;
@@ -391,7 +392,7 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
               char line[64];
               std::snprintf(line, sizeof line, "kernel D=%d BC=%d NWG=3 WS NST=%d %s%s%s%s%s", d, kBC, nst,
                             one_per_tile ? "tiles" : "persistent", attn_ws_pipe() ? " PIPE" : "", tma ? " TMA" : "",
-                            cap ? " CAP" : "", km ? " MASK" : "");
+                            cap ? " CAP" : "", general ? " MASK" : "");
               log_wgmma_kernel(reinterpret_cast<const void*>(kernel), false, line);
             }
             if (auto e = grid_check(blocks, "attention"); e.failure()) return e;
@@ -431,7 +432,7 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
           auto run_ws_flags = [&](auto dim) -> ffi::Error {
             using Tr = std::true_type;
             using F = std::false_type;
-            if (km) return cap ? run_ws_d(dim, Tr{}, Tr{}) : run_ws_d(dim, F{}, Tr{});
+            if (general) return cap ? run_ws_d(dim, Tr{}, Tr{}) : run_ws_d(dim, F{}, Tr{});
             return cap ? run_ws_d(dim, Tr{}, F{}) : run_ws_d(dim, F{}, F{});
           };
           // (attn_wgmma_mode is 4 at D 64 here whenever it is >= 3: mode 3 reads 0 at D 64)
@@ -555,13 +556,13 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
       const bool km = a.mask != nullptr, plain = a.softcap == 0.f && bias == nullptr;
       // wgmma dk / dv (attention_wgmma_bwd.cuh) for the PLAIN cases without a key mask, mask kind
       // none or causal; dq on the wgmma kernel or on the PLAIN mma.sync one (MASK false, the AR of
-      // pick below), per RLX_ATTENTION_CUDA_WGMMA_BWD. With a softcap or a key mask (and no bias)
-      // the fused kernels only (their CAP / MASK forms), where the switch selects them; else the
-      // mma.sync kernels.
+      // pick below), per RLX_ATTENTION_CUDA_WGMMA_BWD. With a softcap, a key mask or a sliding window
+      // (and no bias) the fused kernels only (their CAP / MASK forms), where the switch selects them;
+      // else the mma.sync kernels. general: the MASK form (a key mask and / or a sliding window).
       const int wg_bwd = attn_wgmma_bwd_mode();
-      const bool cap = a.softcap > 0.f;
+      const bool cap = a.softcap > 0.f, general = km || a.kind == 2;
       const bool fused_mode = wg_bwd == 6 || wg_bwd == 7 || (wg_bwd == 8 && a.kind == 0);
-      if (bias == nullptr && ((!km && !cap) || fused_mode) && a.scale > 0.f && a.kind <= 1 && wg_bwd != 0 &&
+      if (bias == nullptr && ((!general && !cap) || fused_mode) && a.scale > 0.f && wg_bwd != 0 &&
           a.Sq < (int64_t(1) << 30) && a.Sk < (int64_t(1) << 30)) {
         if (wgmma_available(info.device)) {
           // dk / dv kernel (its OVL flag for the log), then dq: the wgmma kernel (wg_dq) or mma.sync
@@ -644,7 +645,7 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
               char line[96];
               std::snprintf(line, sizeof line, "fused dkdv+dq kernel D=%d BK=%d BQ=%d%s%s%s", int(D),
                             attn::kWgBwdKeys, attn::fused_rows(D), threads == attn::kFusedWsThreads ? " WS" : "",
-                            cap ? " CAP" : "", km ? " MASK" : "");
+                            cap ? " CAP" : "", general ? " MASK" : "");
               log_wgmma_kernel(reinterpret_cast<const void*>(fused), true, line);
             }
             const int64_t nqt = (a.Sq + attn::fused_rows(D) - 1) / attn::fused_rows(D);
@@ -699,14 +700,14 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
             using Tr = std::true_type;
             using F = std::false_type;
             bool served = false;
-            const ffi::Error e = km ? (cap ? fused_for(Tr{}, Tr{}, &served) : fused_for(F{}, Tr{}, &served))
-                                    : (cap ? fused_for(Tr{}, F{}, &served) : fused_for(F{}, F{}, &served));
+            const ffi::Error e = general ? (cap ? fused_for(Tr{}, Tr{}, &served) : fused_for(F{}, Tr{}, &served))
+                                         : (cap ? fused_for(Tr{}, F{}, &served) : fused_for(F{}, F{}, &served));
             if (e.failure() || served) return e;
           }
-          // without a softcap or key mask the two-kernel wgmma backward; a case with one that the
-          // fused kernel did not serve (scratch too small, or more key blocks than fit on the device
-          // at once) falls through to the mma.sync kernels below
-          if (!cap && !km) {
+          // without a softcap, key mask or window the two-kernel wgmma backward; a case with one that
+          // the fused kernel did not serve (scratch too small, or more key blocks than fit on the
+          // device at once) falls through to the mma.sync kernels below
+          if (!cap && !general) {
             if (a.D == 64)
               return run_wg(attn::wgmma_dkdv_kernel<T, 64, false>, 0, attn::wg_dkdv_smem<64>(),
                             attn::mma_dq_kernel<T, 64, false, true, 1>, false, attn::mma_dq_smem<64>());

@@ -1,7 +1,7 @@
 // Fused attention backward on Hopper wgmma (sm_90a), bf16 / f16, head dim 64 or 128, the PLAIN cases of
 // wgmma_dkdv_kernel (scale > 0, no softcap / bias / key mask, mask kind none or causal), and in its
-// CAP / MASK forms (bwd_probs, bwd_kept_keys: attention_wgmma_bwd.cuh) the same cases with a softcap and /
-// or a key mask: one kernel
+// CAP / MASK forms (bwd_probs, bwd_kept_keys: attention_wgmma_bwd.cuh; FusedSchedule's window bound) the
+// same cases with a softcap, a key mask and / or a sliding window: one kernel
 // computes dk, dv AND dq, so S and dP are formed once (5 S x S x D products instead of the 7 of
 // wgmma_dkdv_kernel + wgmma_dq_kernel). Selection: attention.cu (attn_wgmma_bwd_mode), below.
 //
@@ -288,23 +288,35 @@ __device__ __forceinline__ void fused_block(const AttnArgs& a, int nkt, int64_t 
 }
 
 // The item schedule of key block kt (of nkt, 128 keys each) of one (batch, kv head): its items are
-// (query head hl of the group of grp, query tile t of BQ rows), t in [qt0, nqt) (causal: from the
-// tile of the block's first key on), visited in the rotated order of the header (step m: item
-// (rot + m) mod iters); and each item's rank among the contributors of its tile.
+// (query head hl of the group of grp, query tile t of BQ rows), t in [qt0, qt1) (causal: from the
+// tile of the block's first key on; a sliding window of win >= 0 keys: up to the tile of the last
+// row whose window reaches the block's last key; otherwise to nqt), visited in the rotated order of
+// the header (step m: item (rot + m) mod iters); and each item's rank among the contributors of its
+// tile. (win < 0: no window; the kernels pass a constant -1 where they take no window.)
 template <int BQ>
 struct FusedSchedule {
   int kt, nkt, nqt, grp, off;
   bool causal;
+  int win;
   int qt0, nq, iters, rot;
-  __device__ __forceinline__ FusedSchedule(int kt_, int nkt_, int nqt_, int grp_, int off_, bool causal_)
-      : kt(kt_), nkt(nkt_), nqt(nqt_), grp(grp_), off(off_), causal(causal_) {
+  __device__ __forceinline__ FusedSchedule(int kt_, int nkt_, int nqt_, int grp_, int off_, bool causal_,
+                                           int win_ = -1)
+      : kt(kt_), nkt(nkt_), nqt(nqt_), grp(grp_), off(off_), causal(causal_), win(win_) {
     qt0 = qt0_of(kt);
-    nq = nqt > qt0 ? nqt - qt0 : 0;
+    const int qt1 = qt1_of(kt);
+    nq = qt1 > qt0 ? qt1 - qt0 : 0;
     iters = nq * grp;
     rot = fused_rot(kt, nkt, iters, causal);
   }
   // the first query tile of key block x
   __device__ __forceinline__ int qt0_of(int x) const { return causal ? max(0, x * kWgBwdKeys - off) / BQ : 0; }
+  // one past the last query tile of key block x: row i sees key j >= i + off - win, so the block's
+  // last key x 128 + 127 is seen up to row x 128 + 127 - off + win
+  __device__ __forceinline__ int qt1_of(int x) const {
+    if (win < 0) return nqt;
+    const int64_t last = int64_t(x) * kWgBwdKeys + kWgBwdKeys - 1 - off + win;
+    return last < 0 ? 0 : int(min(int64_t(nqt), last / BQ + 1));
+  }
   // the item of step m
   __device__ __forceinline__ void item(int m, int* hl, int* t) const {
     int idx = m + rot;
@@ -321,9 +333,9 @@ struct FusedSchedule {
       const int x = x0 + lane;
       bool before = false;
       if (x < nkt) {
-        const int xq0 = qt0_of(x);
-        if (xq0 <= t) {
-          const int xnq = nqt - xq0, xit = xnq * grp;
+        const int xq0 = qt0_of(x), xq1 = qt1_of(x);
+        if (xq0 <= t && (win < 0 || t < xq1)) {  // (t < nqt = xq1 without a window)
+          const int xnq = xq1 - xq0, xit = xnq * grp;
           int xm = hl * xnq + (t - xq0) - fused_rot(x, nkt, xit, causal);
           if (xm < 0) xm += xit;
           before = x != kt && (xm < m || (xm == m && x < kt));
@@ -336,8 +348,10 @@ struct FusedSchedule {
 };
 
 // CAP: a softcap c > 0 (bwd_probs; the launcher takes CAP for a.softcap > 0 only). MASK: a key mask
-// [B, Sk] is given (a.mask): the block's keys are fixed, so each thread reads its two keys' mask
-// values once (bwd_kept_keys), and a warp with a hidden key masks every tile.
+// [B, Sk] (a.mask) and / or a sliding window (mask kind 2) may be given: the block's keys are fixed,
+// so with a key mask each thread reads its two keys' mask values once (bwd_kept_keys) and a warp
+// with a hidden key masks every tile; a window bounds the block's query tiles (FusedSchedule) and
+// masks the tiles its lower edge crosses (BwdTileMask::lo).
 template <typename T, int D, bool CAP = false, bool MASK = false>
 __global__ void __launch_bounds__(kWgBwdThreads, 1)
     wgmma_fused_bwd_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -381,7 +395,9 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
   const int64_t q_rs = a.H * D, kv_rs = a.Hkv * D;
   wg_load_tile<T, D, BK, NT>(Ks, k + (b * a.Sk * a.Hkv + hk) * D, kv_rs, k0, a.Sk);
   wg_load_tile<T, D, BK, NT>(Vs, v + (b * a.Sk * a.Hkv + hk) * D, kv_rs, k0, a.Sk);
-  const FusedSchedule<BQ> sch(kt, nkt, nqt, grp, off, causal);
+  // the sliding window (MASK only; -1: none)
+  const int win = MASK && a.kind == 2 ? int(min(a.window, int64_t(1) << 30)) : -1;
+  const FusedSchedule<BQ> sch(kt, nkt, nqt, grp, off, causal, win);
   const int iters = sch.iters;
   auto item = [&](int m, int* hl, int* t) { sch.item(m, hl, t); };
   // stage(m, bf): item m's Q / dO tiles into buffer bf (cp.async) and its lse / delta rows into
@@ -423,8 +439,8 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
   float dka[D / 8][4], dva[D / 8][4];
   zero(dka);
   zero(dva);
-  bool warp_hides = false;  // MASK: a key of this warp's 16 is hidden
-  const uint32_t kept = MASK ? bwd_kept_keys(a.mask + b * a.Sk, jw + g, sk, &warp_hides) : 3u;
+  bool warp_hides = false;  // MASK: a key of this warp's 16 is hidden by the key mask
+  const uint32_t kept = MASK && a.mask != nullptr ? bwd_kept_keys(a.mask + b * a.Sk, jw + g, sk, &warp_hides) : 3u;
   const uint64_t kdsc = wg_desc(smem_addr(Ks) + uint32_t(wg * 64 * 128), 16, 1024);
   const uint64_t vdsc = wg_desc(smem_addr(Vs) + uint32_t(wg * 64 * 128), 16, 1024);
   // dQ operands: dS^T (A, MN-major: 64 queries = one 128-byte row per key, 8-key groups 1024 bytes
@@ -511,9 +527,11 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     const float* Db = Dl + buf * BQ;
     // warp-uniform: the causal diagonal or the end of the keys crosses this warp's 16 keys (dS^T
     // feeds dQ, so keys past Sk are masked too)
-    const bool need = (causal && jw + 15 > i0 + off) || jw + 15 >= sk || warp_hides;
+    // (or a window's lower edge: key jw below the window of the tile's last row)
+    const bool need =
+        (causal && jw + 15 > i0 + off) || jw + 15 >= sk || warp_hides || (win >= 0 && jw < i0 + BQ - 1 + off - win);
     const uint64_t gdt = wg_desc(gaddr, BQ * 128, 1024), qdt = wg_desc(qaddr, BQ * 128, 1024);
-    const BwdTileMask msk{jw + g, sk, causal ? i0 + off : INT_MAX, kept};
+    const BwdTileMask msk{jw + g, sk, causal ? i0 + off : INT_MAX, kept, win >= 0 ? i0 + off - win : INT_MIN};
     bwd_dv_dk_products<T, D, BQ, CAP>(st, dpt, pa, da, dva, dka, Lb, Db, c2, tq, need, msk, gdt, qdt, carg);
     wg_commit();
     // dS^T rows of this thread (keys 64 wg + 16 warp + g (+ 8)) to shared memory: queries

@@ -86,7 +86,7 @@ __device__ __forceinline__ void warp_load_tile(T* dst, const T* __restrict__ x, 
     cp_async16(col + r * 64 + (((c & 7) ^ (r & 7)) << 3), left > 0 ? src : x, left > 0);
 }
 
-// CAP: a softcap c > 0, MASK: a key mask (both as wgmma_fused_bwd_kernel's).
+// CAP: a softcap c > 0, MASK: a key mask and / or a sliding window (both as wgmma_fused_bwd_kernel's).
 template <typename T, int D, bool CAP = false, bool MASK = false>
 __global__ void __launch_bounds__(kFusedWsThreads, 1)
     wgmma_fused_bwd_ws_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -138,7 +138,9 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
   cp_async_wait_all();
   fence_proxy_async();
   __syncthreads();  // K and V landed (every thread's copies)
-  const FusedSchedule<BQ> sch(kt, nkt, nqt, grp, int(a.off), causal);
+  // the sliding window (MASK only; -1: none)
+  const int win = MASK && a.kind == 2 ? int(min(a.window, int64_t(1) << 30)) : -1;
+  const FusedSchedule<BQ> sch(kt, nkt, nqt, grp, int(a.off), causal, win);
   const int iters = sch.iters;
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
   if (wg == 0) {
@@ -214,8 +216,8 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
   float dka[D / 8][4], dva[D / 8][4];
   zero(dka);
   zero(dva);
-  bool warp_hides = false;  // MASK: a key of this warp's 16 is hidden
-  const uint32_t kept = MASK ? bwd_kept_keys(a.mask + b * a.Sk, jw + g, sk, &warp_hides) : 3u;
+  bool warp_hides = false;  // MASK: a key of this warp's 16 is hidden by the key mask
+  const uint32_t kept = MASK && a.mask != nullptr ? bwd_kept_keys(a.mask + b * a.Sk, jw + g, sk, &warp_hides) : 3u;
   const uint64_t kdsc = wg_desc(smem_addr(Ks) + uint32_t(cw * 64 * 128), 16, 1024);
   const uint64_t vdsc = wg_desc(smem_addr(Vs) + uint32_t(cw * 64 * 128), 16, 1024);
   // dQ = dS K: A = dS^T of the item's buffer (MN-major, all 64 queries), B = K's column half cw
@@ -232,10 +234,13 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
     const uint32_t qaddr = smem_addr(Qs + s * BQ * D), gaddr = smem_addr(Gs + s * BQ * D);
     float st[BQ / 8][4], dpt[BQ / 8][4];
     bwd_issue_scores<T, D, true, BQ>(st, dpt, kdsc, vdsc, qaddr, gaddr);
-    // warp-uniform: the causal diagonal or the end of the keys crosses this warp's 16 keys
-    const bool need = (causal && jw + 15 > i0 + int(a.off)) || jw + 15 >= sk || warp_hides;
+    // warp-uniform: the causal diagonal, a window's lower edge or the end of the keys crosses this
+    // warp's 16 keys, or the key mask hides one of them
+    const int diag = i0 + int(a.off);
+    const bool need =
+        (causal && jw + 15 > diag) || jw + 15 >= sk || warp_hides || (win >= 0 && jw < diag + BQ - 1 - win);
     const uint64_t gdt = wg_desc(gaddr, BQ * 128, 1024), qdt = wg_desc(qaddr, BQ * 128, 1024);
-    const BwdTileMask msk{jw + g, sk, causal ? i0 + int(a.off) : INT_MAX, kept};
+    const BwdTileMask msk{jw + g, sk, causal ? diag : INT_MAX, kept, win >= 0 ? diag - win : INT_MIN};
     bwd_dv_dk_products<T, D, BQ, CAP>(st, dpt, pa, da, dva, dka, Ls + s * BQ, Dl + s * BQ, c2, tq, need, msk, gdt,
                                       qdt, carg);
     wg_commit();

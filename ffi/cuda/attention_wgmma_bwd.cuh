@@ -54,16 +54,18 @@ constexpr size_t wg_dkdv_smem() {
 // Which scores of a thread's S^T / dP^T fragment (m64n64 / m64n128 C fragment: keys jw + g and jw + g + 8 as
 // rows, queries i0 + 8 nt + 2 tq (+ 1) as columns; element e of n8 block nt is key j0 + 8 (e >> 1),
 // query column 8 nt + 2 tq + (e & 1)) a tile's mask hides: key j is seen by query i0 + c iff
-// j < jend and j - c <= diag (causal: diag = i0 + off; jend = Sk where keys past it must give zeros)
-// and the key mask keeps it (kept bit r: key j0 + 8 r; both set without a key mask).
+// j < jend and lo <= j - c <= diag (causal: diag = i0 + off; a sliding window of win keys: lo =
+// diag - win; jend = Sk where keys past it must give zeros) and the key mask keeps it (kept bit r:
+// key j0 + 8 r; both set without a key mask).
 struct BwdTileMask {
-  int j0;           // this thread's first key, jw + g
-  int jend;         // first hidden key (INT_MAX: none)
-  int diag;         // i0 + off where causal, INT_MAX otherwise
+  int j0;              // this thread's first key, jw + g
+  int jend;            // first hidden key (INT_MAX: none)
+  int diag;            // i0 + off where causal, INT_MAX otherwise
   uint32_t kept = 3u;  // bit r: the key mask keeps key j0 + 8 r
+  int lo = INT_MIN;    // i0 + off - win with a sliding window
   __device__ __forceinline__ bool vis(int nt, int e, int tq) const {
     const int j = j0 + 8 * (e >> 1), c = 8 * nt + 2 * tq + (e & 1);
-    return ((kept >> (e >> 1)) & 1u) && j < jend && j - c <= diag;
+    return ((kept >> (e >> 1)) & 1u) && j < jend && j - c <= diag && j - c >= lo;
   }
 };
 // The key mask's bits of this thread's two keys j0, j0 + 8 (BwdTileMask::kept; mrow: the batch's

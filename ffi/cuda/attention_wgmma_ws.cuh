@@ -1,7 +1,7 @@
 // Warp-specialised attention forward on Hopper wgmma (sm_90a), bf16 / f16, head dims 64 and 128, the
 // PLAIN cases of wgmma_fwd_kernel (attention_wgmma.cuh: scale > 0, no softcap, bias or key mask, mask
-// kind none or causal) and, in its CAP / MASK forms (ws_softmax_tile), the same cases with a softcap and / or
-// a key mask. The default at both head dims (RLX_ATTENTION_CUDA_WGMMA unset or 4; 3 = D 128
+// kind none or causal) and, in its CAP / MASK forms (ws_softmax_tile), the same cases with a softcap, a key
+// mask and / or a sliding window. The default at both head dims (RLX_ATTENTION_CUDA_WGMMA unset or 4; 3 = D 128
 // only; attention.cu): run 13F of benchmarks/results/attention_fwd_h200_2026-11-22.txt measured 1.30x
 // the 2-warpgroup kernel's forward at D 128 and 1.07x / 1.15x the mma.sync forward at D 64.
 //
@@ -251,9 +251,11 @@ constexpr size_t wg_ws_smem() { return size_t(2) * D * (128 + 2 * NST * BC) + 10
 // c2 tanh(s carg) (the caller's c2 = c log2 e, carg = scale / c). tanh is increasing, so the row's
 // capped maximum is the cap of its raw maximum: the max pass stays on the raw scores and costs two
 // tanh a thread, and s is still only read (one tanh and one ex2 a score, in the P loop).
-// MASK (a key mask is given): mv holds the tile's key mask values as mask_load reads them (lane l:
-// keys k0 + 32 w + l), loaded by the caller ahead of the products' wait; a tile with a hidden key
-// takes the masked path (its keys' bits, mask_bits: the same words in every lane).
+// MASK (a key mask and / or a sliding window, mask kind 2): with a key mask (a.mask), mv holds the
+// tile's key mask values as mask_load reads them (lane l: keys k0 + 32 w + l), loaded by the caller
+// ahead of the products' wait, and a tile with a hidden key takes the masked path (its keys' bits,
+// mask_bits: the same words in every lane); a window hides key k0 + dj from row wrow0 + di below
+// dj = di + dg - window (tile_needs_mask sends the tiles its lower edge crosses to the masked path).
 template <typename T, int BC, bool KEEP_S, bool CAP = false, bool MASK = false, int W = 1>
 __device__ __forceinline__ void ws_softmax_tile(const AttnArgs& a, float (&s)[BC / 8][4], int64_t wrow0, int64_t k0,
                                                 int g, int tq, float c2, float carg, float (&m)[2], float (&l)[2],
@@ -262,19 +264,24 @@ __device__ __forceinline__ void ws_softmax_tile(const AttnArgs& a, float (&s)[BC
   bool need = tile_needs_mask(a, wrow0, k0, 16, BC);  // warp-uniform
   uint32_t bits[W];
   if constexpr (MASK) {
-    bool all_on, none;
-    mask_bits(bits, mv, &all_on, &none);
-    need = need || !all_on;
+    if (a.mask != nullptr) {
+      bool all_on, none;
+      mask_bits(bits, mv, &all_on, &none);
+      need = need || !all_on;
+    } else {
+#pragma unroll
+      for (int w = 0; w < W; ++w) bits[w] = 0xffffffffu;
+    }
   }
   // 32-bit offsets from the warp's first row / the tile's first key (registers): row wrow0 + di
-  // exists if di < rl, key k0 + dj if dj < cl, and is visible (causal, mask kind 1 only here) if
-  // dj <= di + dg (and, MASK, if its bit is set)
+  // exists if di < rl, key k0 + dj if dj < cl, and is visible (causal, sliding) if dj <= di + dg
+  // (and, MASK, if its bit is set and dj >= di + lo)
   constexpr int64_t kBig = int64_t(1) << 30;
-  int rl = 0, cl = 0, dg = 0;
+  int rl = 0, cl = 0, dg = 0, lo = 0;
   auto visible = [&](int nt, int e) {
     const int di = (e >> 1) * 8 + g, dj = nt * 8 + 2 * tq + (e & 1);
     bool kept = true;
-    if constexpr (MASK) kept = (bits[nt >> 2] >> (dj & 31)) & 1u;
+    if constexpr (MASK) kept = ((bits[nt >> 2] >> (dj & 31)) & 1u) && dj >= di + lo;
     return kept && di < rl && dj < cl && dj <= di + dg;
   };
   float mx[2] = {-INFINITY, -INFINITY};
@@ -287,6 +294,7 @@ __device__ __forceinline__ void ws_softmax_tile(const AttnArgs& a, float (&s)[BC
     rl = int(min(a.Sq - wrow0, kBig));
     cl = int(min(a.Sk - k0, kBig));
     dg = a.kind != 0 ? int(max(min(wrow0 + a.off - k0, kBig), -kBig)) : int(kBig);
+    if constexpr (MASK) lo = a.kind == 2 ? int(max(min(wrow0 + a.off - a.window - k0, kBig), -kBig)) : -int(kBig);
 #pragma unroll
     for (int nt = 0; nt < BC / 8; ++nt)
 #pragma unroll
@@ -367,8 +375,9 @@ __device__ __forceinline__ void ws_ring_next(int& st, uint32_t& ph, int nst) {
 // skip the proxy fence after each full barrier (TMA writes through the async proxy already); the
 // same tiles land in the same layout, so the outputs are bitwise those of the cp.async producer.
 // CAP: a softcap c > 0 (ws_softmax_tile); the launcher takes CAP for a.softcap > 0 only.
-// MASK: a key mask [B, Sk] is given (a.mask; ws_softmax_tile); each consumer warp loads a tile's
-// mask values (4 per lane at BC 128) before it waits for the tile's products.
+// MASK: a key mask [B, Sk] (a.mask) and / or a sliding window (mask kind 2) may be given
+// (ws_softmax_tile); with a key mask each consumer warp loads a tile's mask values (4 per lane at BC
+// 128) before it waits for the tile's products.
 template <typename T, int D, int BC, int NST, bool PIPE, bool TMA, bool CAP = false, bool MASK = false>
 __global__ void __launch_bounds__(384, 1)
     wgmma_fwd_ws_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -420,11 +429,12 @@ __global__ void __launch_bounds__(384, 1)
     int64_t qt, bh;
     fwd_tile(t, nqt, nbh, hc, &qt, &bh);
     const int64_t h = bh % a.H, b = bh / a.H, q0 = qt * BM;
-    const float* mrow = MASK ? a.mask + b * a.Sk : nullptr;  // this batch's key mask
+    const float* mrow = MASK && a.mask != nullptr ? a.mask + b * a.Sk : nullptr;  // this batch's key mask
     constexpr int W = MASK ? BC / 32 : 1;
     float mv[W];  // MASK: the mask values of the tile whose softmax comes next (mask_load)
     auto load_mask = [&](int64_t kt0) {
-      if constexpr (MASK) mask_load(mv, mrow, kt0, a.Sk, lane);
+      if constexpr (MASK)
+        if (mrow != nullptr) mask_load(mv, mrow, kt0, a.Sk, lane);
     };
     int64_t kbeg, kend;
     key_range(a, q0, min(a.Sq - 1, q0 + BM - 1), &kbeg, &kend, BC);

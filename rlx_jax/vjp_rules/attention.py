@@ -265,17 +265,18 @@ def cuda_bwd_scratch_size(b: int, h: int, sq: int, d: int = 0, fused: bool = Fal
 def _cuda_fused_bwd(q, kind, scale, softcap, has_mask, has_bias) -> bool:
     """Can the CUDA backward take the fused kernel (ffi/cuda/attention.cu, the switch
     RLX_ATTENTION_CUDA_WGMMA_BWD read per trace as the kernel reads it per process): unset, 6,
-    7 or another value (the default) for mask kinds none and causal, 8 for none only, 0 / 4 / 5
-    / 9 never; at head dims 64 and 128, bf16 / f16, scale > 0, with or without a softcap or a key
-    mask (its CAP / MASK kernels), no bias. Sizes the scratch for it; the kernel checks the size
-    (and that the device can hold a head's key blocks at once) and otherwise runs the two-kernel
-    backward (with a softcap or a key mask: the mma.sync kernels)."""
+    7 or another value (the default) for mask kinds none, causal and sliding, 8 for none only,
+    0 / 4 / 5 / 9 never; at head dims 64 and 128, bf16 / f16, scale > 0, with or without a
+    softcap or a key mask (its CAP / MASK kernels, which also take the window), no bias. Sizes the
+    scratch for it; the kernel checks the size (and that the device can hold a head's key blocks at
+    once) and otherwise runs the two-kernel backward (with a softcap, a key mask or a window: the
+    mma.sync kernels)."""
     import os
 
     mode = os.environ.get("RLX_ATTENTION_CUDA_WGMMA_BWD", "")[:1]
     if mode in ("0", "4", "5", "9"):
         return False
-    kinds = ("none",) if mode == "8" else ("none", "causal")
+    kinds = ("none",) if mode == "8" else ("none", "causal", "sliding")
     return (q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[3] in (64, 128) and not has_bias
             and kind in kinds and float(scale) > 0)
 
