@@ -4,8 +4,9 @@
 
 D: head dim; DTYPE: bfloat16 | float16 | float32; KIND: none | causal | sliding;
 PHASE: fwd (forward only) | bwd (forward and the fused backward); MASK: 1 adds a key mask;
-EXTRA: softcap | bias (the general score path of the tensor-core kernels; without either they
-run their PLAIN specialisation).
+EXTRA: softcap | bias (the general score path of the mma.sync kernels; without either they run
+their PLAIN specialisation. On sm_90a a softcap, a key mask or mask kind sliding without a bias
+runs the wgmma kernels' CAP / MASK forms instead).
 Prints a checksum so runs can be compared; the correctness checks live in the GPU tests.
 RLX_ATTN_SANITIZE_S (default 96): the sequence length (e.g. 300: 3 key blocks of 128 and 5 query
 tiles of 64, so the fused backward's ordered dQ adds have several contributors per tile).
