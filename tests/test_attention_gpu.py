@@ -2,8 +2,8 @@
 CUDA) against the float32 pure-JAX reference (highest matmul precision) on random data.
 Skipped where JAX sees no GPU.
 
-Cases cover both kernel paths: the tensor-core path (bf16 / f16, head dims 64 and 128) and
-the generic path (f32, and bf16 / f16 with head dims 32, 96, 256), every mask kind with and
+Cases cover both kernel paths: the tensor-core path (bf16 / f16, head dims 64 and 128: mma.sync,
+and on sm_90a the wgmma kernels with their softcap / key-mask / window forms) and the generic path (f32, and bf16 / f16 with head dims 32, 96, 256), every mask kind with and
 without scale and softcap, key mask, additive bias (with its gradient), GQA, odd lengths,
 Sq != Sk both ways, fully masked rows, the dlse term of the backward, zero-sized inputs and
 a bad scratch size."""
@@ -334,8 +334,8 @@ def test_long_sequence_plain(d, kind, sq, sk, hkv, dtype):
 # staggered), MASK (a key mask is given) and PLAIN (no softcap and no bias: the unmasked tiles
 # take a separate score loop). Each (D, MASK, PLAIN) kernel is hit here, with odd lengths
 # (partial query / key tiles), GQA, Sq != Sk, and each mask kind; softcap and bias each alone
-# reach the general (not PLAIN) kernels (on sm_90a a softcap without a key mask, mask kind none or
-# causal, takes the wgmma CAP kernels instead: WGMMA_CAP_CASES).
+# reach the general (not PLAIN) kernels (on sm_90a a softcap, a key mask or a window without a bias
+# takes the wgmma CAP / MASK kernels instead: WGMMA_CAP_CASES, WGMMA_MASK_CASES).
 
 SPEC_CASES = [
     # d, key mask, variant, kind, dtype
@@ -497,8 +497,9 @@ WGMMA_CAP_CASES = [
 # backward reads its block's keys' once, and a window bounds its query tiles). Random masks, whole
 # key tiles hidden and kept (mask_tiles), a batch whose rows see no key (dead_batch: out, lse -inf
 # and gradients as without keys), windows of 1 (each row sees two keys; at 0, one key, dq and dk are
-# exactly 0 and the relative check meaningless), 40-300 keys (one to several key blocks, Sq < Sk), GQA, odd lengths, Sq != Sk both ways, dlse; mask kind none at both head dims
-# with and without a softcap (backward 8 serves none only).
+# exactly 0 and the relative check meaningless), 40-300 keys (one to several key blocks, Sq < Sk),
+# GQA, odd lengths, Sq != Sk both ways, dlse; mask kind none at both head dims with and without a
+# softcap (backward 8 serves none only).
 WGMMA_MASK_CASES = [
     (3, 70, 130, 2, 1, 64, jnp.bfloat16, dict(kind="none", mask=True, dead_batch=True)),
     (2, 199, 333, 4, 2, 64, jnp.float16, dict(kind="causal", mask_tiles=True, dlse=True, seed=13)),
