@@ -331,6 +331,16 @@ void log_wgmma_kernel(const void* kernel, bool backward, const char* what) {
 
 constexpr int64_t kMaxGrid = 2147483647;
 
+// f(cap_tag, mask_tag): the runtime softcap / general-mask flags as std::bool_constant tags, for
+// the kernels' CAP / MASK template flags.
+template <typename F>
+ffi::Error with_cap_mask(bool cap, bool mask, F&& f) {
+  using Tr = std::true_type;
+  using Fa = std::false_type;
+  if (mask) return cap ? f(Tr{}, Tr{}) : f(Fa{}, Tr{});
+  return cap ? f(Tr{}, Fa{}) : f(Fa{}, Fa{});
+}
+
 ffi::Error grid_check(int64_t blocks, const char* who) {
   if (blocks > kMaxGrid) return invalid(std::string(who) + " (cuda): problem too large for one grid");
   return ffi::Error::Success();
@@ -428,18 +438,12 @@ ffi::Error launch_fwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
             return run_ws(attn::wgmma_fwd_ws_kernel<T, D, 128, 3, true, false, CAP, MASK>, D, 3,
                           attn::wg_ws_smem<D, 128, 3>(), maps, false);
           };
-          // the CAP / MASK form of this head dim's kernel
-          auto run_ws_flags = [&](auto dim) -> ffi::Error {
-            using Tr = std::true_type;
-            using F = std::false_type;
-            if (general) return cap ? run_ws_d(dim, Tr{}, Tr{}) : run_ws_d(dim, F{}, Tr{});
-            return cap ? run_ws_d(dim, Tr{}, F{}) : run_ws_d(dim, F{}, F{});
-          };
           // (attn_wgmma_mode is 4 at D 64 here whenever it is >= 3: mode 3 reads 0 at D 64)
-          if (ws_mode) {
-            if (a.D == 64) return run_ws_flags(std::integral_constant<int, 64>{});
-            return run_ws_flags(std::integral_constant<int, 128>{});
-          }
+          if (ws_mode)
+            return with_cap_mask(cap, general, [&](auto cap_tag, auto mask_tag) {
+              if (a.D == 64) return run_ws_d(std::integral_constant<int, 64>{}, cap_tag, mask_tag);
+              return run_ws_d(std::integral_constant<int, 128>{}, cap_tag, mask_tag);
+            });
           // <T, D, BC (keys per tile), NWG (warpgroups of 64 rows)>; ptxas sm_90a (bf16, f16):
           // <64, 128, 2> 221 registers, no spill; <128, 128, 2> 255 registers, 40 B of spills
           // (-lineinfo; run 10 of the H200 results). 1 block of 8 warps per SM (registers).
@@ -697,11 +701,9 @@ ffi::Error launch_bwd(cudaStream_t stream, const AttnArgs& a, const T* q, const 
                              attn::wg_fused_smem<128>(), served);
           };
           if (fused_mode && scratch_elems >= attn::fused_bwd_scratch(a.B, a.H, a.Sq, a.D)) {
-            using Tr = std::true_type;
-            using F = std::false_type;
             bool served = false;
-            const ffi::Error e = general ? (cap ? fused_for(Tr{}, Tr{}, &served) : fused_for(F{}, Tr{}, &served))
-                                         : (cap ? fused_for(Tr{}, F{}, &served) : fused_for(F{}, F{}, &served));
+            const ffi::Error e = with_cap_mask(
+                cap, general, [&](auto cap_tag, auto mask_tag) { return fused_for(cap_tag, mask_tag, &served); });
             if (e.failure() || served) return e;
           }
           // without a softcap, key mask or window the two-kernel wgmma backward; a case with one that
