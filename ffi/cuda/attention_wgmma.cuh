@@ -50,7 +50,7 @@ namespace attn {
 // one with wgmma code) and 1024 bytes otherwise; the host reads it with cudaFuncGetAttributes
 // (no launch, so it is safe during stream capture).
 constexpr int kWgmmaProbeSmem = 2048;
-__global__ void wgmma_probe_kernel(int* out) {
+static __global__ void wgmma_probe_kernel(int* out) {
 #if RLX_ATTN_WGMMA
   __shared__ int marker[kWgmmaProbeSmem / 4];
 #else
