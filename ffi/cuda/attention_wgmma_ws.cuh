@@ -253,26 +253,34 @@ constexpr size_t wg_ws_smem() { return size_t(2) * D * (128 + 2 * NST * BC) + 10
 // tanh a thread, and s is still only read (one tanh and one ex2 a score, in the P loop).
 // MASK (a key mask and / or a sliding window, mask kind 2): with a key mask (a.mask), mv holds the
 // tile's key mask values as mask_load reads them (lane l: keys k0 + 32 w + l), loaded by the caller
-// ahead of the products' wait, and a tile with a hidden key takes the masked path (its keys' bits,
-// mask_bits: the same words in every lane); a window hides key k0 + dj from row wrow0 + di below
+// ahead of the products' wait, and a tile with a hidden key is masked by its keys' bits (mask_bits:
+// the same words in every lane); a window hides key k0 + dj from row wrow0 + di below
 // dj = di + dg - window (tile_needs_mask sends the tiles its lower edge crosses to the masked path).
+// A tile that only the key mask touches (no sequence end, causal diagonal or window edge crosses
+// it: the common case of a key mask) takes a cheaper test than the positional one: the thread's 32
+// keys 8 nt + 2 tq + (e & 1) are bits 8 (nt & 3) + (e & 1) of the words bits[nt / 4] >> 2 tq, so
+// each score costs one constant-bit test and a select.
 template <typename T, int BC, bool KEEP_S, bool CAP = false, bool MASK = false, int W = 1>
 __device__ __forceinline__ void ws_softmax_tile(const AttnArgs& a, float (&s)[BC / 8][4], int64_t wrow0, int64_t k0,
                                                 int g, int tq, float c2, float carg, float (&m)[2], float (&l)[2],
                                                 uint32_t (&p)[BC / 16][4], float (&alpha)[2], const float (&mv)[W]) {
   static_assert(!MASK || W == BC / 32, "ws_softmax_tile: one mask word per 32 keys");
-  bool need = tile_needs_mask(a, wrow0, k0, 16, BC);  // warp-uniform
+  const bool need = tile_needs_mask(a, wrow0, k0, 16, BC);  // warp-uniform: a position mask crosses the tile
+  bool keys = false;  // MASK, warp-uniform: the key mask hides a key of the tile
   uint32_t bits[W];
   if constexpr (MASK) {
     if (a.mask != nullptr) {
       bool all_on, none;
       mask_bits(bits, mv, &all_on, &none);
-      need = need || !all_on;
+      keys = !all_on;
     } else {
 #pragma unroll
       for (int w = 0; w < W; ++w) bits[w] = 0xffffffffu;
     }
   }
+  // the key-only test (tiles with keys && !need): this thread's keys' bits at constant positions
+  uint32_t kb[W] = {};
+  auto key_kept = [&](int nt, int e) { return ((kb[nt >> 2] >> (8 * (nt & 3) + (e & 1))) & 1u) != 0u; };
   // 32-bit offsets from the warp's first row / the tile's first key (registers): row wrow0 + di
   // exists if di < rl, key k0 + dj if dj < cl, and is visible (causal, sliding) if dj <= di + dg
   // (and, MASK, if its bit is set and dj >= di + lo)
@@ -285,11 +293,22 @@ __device__ __forceinline__ void ws_softmax_tile(const AttnArgs& a, float (&s)[BC
     return kept && di < rl && dj < cl && dj <= di + dg;
   };
   float mx[2] = {-INFINITY, -INFINITY};
-  if (!need) {
+  if (!need && !keys) {
 #pragma unroll
     for (int nt = 0; nt < BC / 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+  } else if (MASK && !need) {
+#pragma unroll
+    for (int w = 0; w < W; ++w) kb[w] = bits[w] >> (2 * tq);
+#pragma unroll
+    for (int nt = 0; nt < BC / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float x = key_kept(nt, e) ? s[nt][e] : -INFINITY;
+        if constexpr (!KEEP_S) s[nt][e] = x;
+        mx[e >> 1] = fmaxf(mx[e >> 1], x);
+      }
   } else {
     rl = int(min(a.Sq - wrow0, kBig));
     cl = int(min(a.Sk - k0, kBig));
@@ -311,14 +330,18 @@ __device__ __forceinline__ void ws_softmax_tile(const AttnArgs& a, float (&s)[BC
   float mu[2];
   online_max_step(mx, c2, m, mu, alpha);
   float ls[2] = {0.f, 0.f};
-  auto p_tile = [&](auto masked) {
+  // hide: 0 none, 1 the positional test (visible), 2 the key-only one (key_kept)
+  auto p_tile = [&](auto hide) {
 #pragma unroll
     for (int nt = 0; nt < BC / 8; ++nt) {
       float pe[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float x = CAP ? tanhf(s[nt][e] * carg) : s[nt][e];
-        pe[e] = decltype(masked)::value && !visible(nt, e) ? 0.f : ex2(fmaf(x, c2, -mu[e >> 1]));
+        bool hidden = false;
+        if constexpr (decltype(hide)::value == 1) hidden = !visible(nt, e);
+        if constexpr (decltype(hide)::value == 2) hidden = !key_kept(nt, e);
+        pe[e] = hidden ? 0.f : ex2(fmaf(x, c2, -mu[e >> 1]));
         ls[e >> 1] += pe[e];
       }
       p[nt >> 1][(nt & 1) * 2 + 0] = pack2<T>(pe[0], pe[1]);
@@ -326,9 +349,11 @@ __device__ __forceinline__ void ws_softmax_tile(const AttnArgs& a, float (&s)[BC
     }
   };
   if ((KEEP_S || CAP) && need)  // CAP: a hidden score's -inf would map to tanh = -1, not to P = 0
-    p_tile(std::true_type{});
+    p_tile(std::integral_constant<int, 1>{});
+  else if (MASK && (KEEP_S || CAP) && keys)
+    p_tile(std::integral_constant<int, 2>{});
   else
-    p_tile(std::false_type{});
+    p_tile(std::integral_constant<int, 0>{});
 #pragma unroll
   for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + ls[r];
 }
