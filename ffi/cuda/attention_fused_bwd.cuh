@@ -526,13 +526,14 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     const float* Lb = Ls + buf * BQ;
     const float* Db = Dl + buf * BQ;
     // warp-uniform: the causal diagonal or the end of the keys crosses this warp's 16 keys (dS^T
-    // feeds dQ, so keys past Sk are masked too)
-    // (or a window's lower edge: key jw below the window of the tile's last row)
-    const bool need =
-        (causal && jw + 15 > i0 + off) || jw + 15 >= sk || warp_hides || (win >= 0 && jw < i0 + BQ - 1 + off - win);
+    // feeds dQ, so keys past Sk are masked too), or a window's lower edge (key jw below the window
+    // of the tile's last row): the positional test; else, where the key mask hides one of them, the
+    // key-only one (BwdHide)
+    const bool pos = (causal && jw + 15 > i0 + off) || jw + 15 >= sk || (win >= 0 && jw < i0 + BQ - 1 + off - win);
+    const int hide = pos ? kHidePos : warp_hides ? kHideKeys : kHideNone;
     const uint64_t gdt = wg_desc(gaddr, BQ * 128, 1024), qdt = wg_desc(qaddr, BQ * 128, 1024);
     const BwdTileMask msk{jw + g, sk, causal ? i0 + off : INT_MAX, kept, win >= 0 ? i0 + off - win : INT_MIN};
-    bwd_dv_dk_products<T, D, BQ, CAP>(st, dpt, pa, da, dva, dka, Lb, Db, c2, tq, need, msk, gdt, qdt, carg);
+    bwd_dv_dk_products<T, D, BQ, CAP, MASK>(st, dpt, pa, da, dva, dka, Lb, Db, c2, tq, hide, msk, gdt, qdt, carg);
     wg_commit();
     // dS^T rows of this thread (keys 64 wg + 16 warp + g (+ 8)) to shared memory: queries
     // nt * 8 + 2 tq, +1 are 4 bytes in 16-byte chunk nt % 8 of query block nt / 8, at chunk

@@ -235,13 +235,13 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
     float st[BQ / 8][4], dpt[BQ / 8][4];
     bwd_issue_scores<T, D, true, BQ>(st, dpt, kdsc, vdsc, qaddr, gaddr);
     // warp-uniform: the causal diagonal, a window's lower edge or the end of the keys crosses this
-    // warp's 16 keys, or the key mask hides one of them
+    // warp's 16 keys (the positional test), or else the key mask hides one of them (key-only: BwdHide)
     const int diag = i0 + int(a.off);
-    const bool need =
-        (causal && jw + 15 > diag) || jw + 15 >= sk || warp_hides || (win >= 0 && jw < diag + BQ - 1 - win);
+    const bool pos = (causal && jw + 15 > diag) || jw + 15 >= sk || (win >= 0 && jw < diag + BQ - 1 - win);
+    const int hide = pos ? kHidePos : warp_hides ? kHideKeys : kHideNone;
     const uint64_t gdt = wg_desc(gaddr, BQ * 128, 1024), qdt = wg_desc(qaddr, BQ * 128, 1024);
     const BwdTileMask msk{jw + g, sk, causal ? diag : INT_MAX, kept, win >= 0 ? diag - win : INT_MIN};
-    bwd_dv_dk_products<T, D, BQ, CAP>(st, dpt, pa, da, dva, dka, Ls + s * BQ, Dl + s * BQ, c2, tq, need, msk, gdt,
+    bwd_dv_dk_products<T, D, BQ, CAP, MASK>(st, dpt, pa, da, dva, dka, Ls + s * BQ, Dl + s * BQ, c2, tq, hide, msk, gdt,
                                       qdt, carg);
     wg_commit();
     // dS^T rows of this thread (keys 64 cw + 16 warp + g (+ 8)) into Ss[s], the layout of the fused

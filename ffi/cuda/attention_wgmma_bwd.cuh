@@ -67,7 +67,17 @@ struct BwdTileMask {
     const int j = j0 + 8 * (e >> 1), c = 8 * nt + 2 * tq + (e & 1);
     return ((kept >> (e >> 1)) & 1u) && j < jend && j - c <= diag && j - c >= lo;
   }
+  // the key mask alone (a tile no position mask crosses): the thread's key of score e
+  __device__ __forceinline__ bool key_kept(int e) const { return ((kept >> (e >> 1)) & 1u) != 0u; }
 };
+// Which scores a tile hides (bwd_probs / bwd_dscores' HIDE, warp-uniform): none, those the positional
+// test BwdTileMask::vis hides (sequence end, causal diagonal, window edge, key mask), or, on a tile
+// no position mask crosses, those of the thread's keys the key mask hides (BwdTileMask::key_kept:
+// one predicate a key row, instead of the positional test of each score).
+enum BwdHide : int { kHideNone = 0, kHidePos = 1, kHideKeys = 2 };
+__device__ __forceinline__ bool bwd_hidden(const BwdTileMask& m, int hide, int nt, int e, int tq) {
+  return hide == kHidePos ? !m.vis(nt, e, tq) : hide == kHideKeys ? !m.key_kept(e) : false;
+}
 // The key mask's bits of this thread's two keys j0, j0 + 8 (BwdTileMask::kept; mrow: the batch's
 // mask row, keys at or past sk hidden), and whether any of the warp's keys is hidden (its tiles then
 // all take the masked path).
@@ -82,17 +92,17 @@ __device__ __forceinline__ uint32_t bwd_kept_keys(const float* mrow, int j0, int
   return kept;
 }
 
-// P^T = ex2(S^T c2 - L_q) over a thread's 8 x 4 scores, in place (MASKED: 0 where the mask hides
-// the score), packed into the A fragments of dV += P^T dO: n8 blocks 2 kk and 2 kk + 1 are the
+// P^T = ex2(S^T c2 - L_q) over a thread's 8 x 4 scores, in place (0 where the tile's HIDE hides the
+// score: BwdHide), packed into the A fragments of dV += P^T dO: n8 blocks 2 kk and 2 kk + 1 are the
 // fragment of k-step kk. The callers branch on a warp-uniform "the tile needs a mask" and take
-// MASKED = false on every other tile: a per-score select there compiled (nvcc 13) into a path that
+// HIDE = kHideNone on every other tile: a per-score select there compiled (nvcc 13) into a path that
 // tested every score of every causal tile, 1.25x the instructions per item of the unmasked run
 // (ncu source counters, session 24).
 // NQ: the query tile's n8 blocks (8: 64 queries, 16: the fused kernel's 128-query tiles at D 64).
 // CAP (a softcap c > 0; the fused kernels only): the score in log2 units is c2 tanh(S^T carg) (c2 =
 // c log2 e, carg = scale / c), and st keeps P^T (1 - tanh^2), the softcap's derivative folded in,
 // so that bwd_dscores' P^T (dP^T - delta) is the gradient of the scaled raw score; pa still packs P^T.
-template <typename T, bool MASKED, int NQ = 8, bool CAP = false>
+template <typename T, int HIDE, int NQ = 8, bool CAP = false>
 __device__ __forceinline__ void bwd_probs(float (&st)[NQ][4], uint32_t (&pa)[NQ / 2][4], const float* Lb, float c2,
                                           int tq, const BwdTileMask& m, float carg = 0.f) {
 #pragma unroll
@@ -102,7 +112,7 @@ __device__ __forceinline__ void bwd_probs(float (&st)[NQ][4], uint32_t (&pa)[NQ 
     for (int e = 0; e < 4; ++e) {
       const float th = CAP ? tanhf(st[nt][e] * carg) : 0.f;
       const float p = ex2(fmaf(CAP ? th : st[nt][e], c2, -Lb[8 * nt + 2 * tq + (e & 1)]));
-      pe[e] = !MASKED || m.vis(nt, e, tq) ? p : 0.f;
+      pe[e] = bwd_hidden(m, HIDE, nt, e, tq) ? 0.f : p;
       st[nt][e] = CAP ? pe[e] * (1.f - th * th) : pe[e];
     }
     pa[nt >> 1][(nt & 1) * 2 + 0] = pack2<T>(pe[0], pe[1]);
@@ -110,9 +120,9 @@ __device__ __forceinline__ void bwd_probs(float (&st)[NQ][4], uint32_t (&pa)[NQ 
   }
 }
 
-// dS^T = P^T (dP^T - delta_q) from bwd_probs' P^T (MASKED: 0 where the mask hides the score,
-// whatever dP^T holds there), packed into the A fragments of dK += dS^T Q.
-template <typename T, bool MASKED, int NQ = 8>
+// dS^T = P^T (dP^T - delta_q) from bwd_probs' P^T (0 where HIDE hides the score, whatever dP^T
+// holds there), packed into the A fragments of dK += dS^T Q.
+template <typename T, int HIDE, int NQ = 8>
 __device__ __forceinline__ void bwd_dscores(const float (&st)[NQ][4], const float (&dpt)[NQ][4],
                                             uint32_t (&da)[NQ / 2][4], const float* Db, int tq, const BwdTileMask& m) {
 #pragma unroll
@@ -121,7 +131,7 @@ __device__ __forceinline__ void bwd_dscores(const float (&st)[NQ][4], const floa
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float ds = st[nt][e] * (dpt[nt][e] - Db[8 * nt + 2 * tq + (e & 1)]);
-      de[e] = !MASKED || m.vis(nt, e, tq) ? ds : 0.f;
+      de[e] = bwd_hidden(m, HIDE, nt, e, tq) ? 0.f : ds;
     }
     da[nt >> 1][(nt & 1) * 2 + 0] = pack2<T>(de[0], de[1]);
     da[nt >> 1][(nt & 1) * 2 + 1] = pack2<T>(de[2], de[3]);
@@ -151,35 +161,40 @@ __device__ __forceinline__ void bwd_issue_scores(float (&st)[BQ / 8][4], float (
 }
 
 // The overlapped dV / dK step of one query tile (OVL; the fused kernel's too), once S^T and dP^T
-// have been issued as two commit groups: waits for S^T, forms P^T (masked where the warp `need`s
-// it), issues dV += P^T dO and commits it, waits for dP^T, forms dS^T and issues dK += dS^T Q,
-// which the caller commits. dO / Q come as the MN-major B descriptors gdt / qdt. pa and da are the
-// products' A fragments: the caller keeps them live (wg_fence_afrag) up to the wait that completes
-// the products. CAP, carg: bwd_probs'.
-template <typename T, int D, int BQ = kWgBwdRows, bool CAP = false>
+// have been issued as two commit groups: waits for S^T, forms P^T (masked as the warp-uniform `hide`
+// says: BwdHide), issues dV += P^T dO and commits it, waits for dP^T, forms dS^T and issues
+// dK += dS^T Q, which the caller commits. dO / Q come as the MN-major B descriptors gdt / qdt. pa
+// and da are the products' A fragments: the caller keeps them live (wg_fence_afrag) up to the wait
+// that completes the products. CAP, carg: bwd_probs'. KEYS: the key-only form exists (a key mask
+// may be present: the fused kernels' MASK form); without it hide is kHideNone or kHidePos.
+template <typename T, int D, int BQ = kWgBwdRows, bool CAP = false, bool KEYS = false>
 __device__ __forceinline__ void bwd_dv_dk_products(float (&st)[BQ / 8][4], float (&dpt)[BQ / 8][4],
                                                    uint32_t (&pa)[BQ / 16][4], uint32_t (&da)[BQ / 16][4],
                                                    float (&dva)[D / 8][4], float (&dka)[D / 8][4], const float* Lb,
-                                                   const float* Db, float c2, int tq, bool need,
+                                                   const float* Db, float c2, int tq, int hide,
                                                    const BwdTileMask& m, uint64_t gdt, uint64_t qdt,
                                                    float carg = 0.f) {
   constexpr int NQ = BQ / 8;
   wg_wait<1>();
   wg_fence_regs(st);
-  if (need)
-    bwd_probs<T, true, NQ, CAP>(st, pa, Lb, c2, tq, m, carg);
+  if (hide == kHidePos)
+    bwd_probs<T, kHidePos, NQ, CAP>(st, pa, Lb, c2, tq, m, carg);
+  else if (KEYS && hide == kHideKeys)
+    bwd_probs<T, kHideKeys, NQ, CAP>(st, pa, Lb, c2, tq, m, carg);
   else
-    bwd_probs<T, false, NQ, CAP>(st, pa, Lb, c2, tq, m, carg);
+    bwd_probs<T, kHideNone, NQ, CAP>(st, pa, Lb, c2, tq, m, carg);
   wg_fence();
 #pragma unroll
   for (int kk = 0; kk < BQ / 16; ++kk) wgmma_rs<T, D>(dva, pa[kk], gdt, uint64_t(kk * 16 * 128 >> 4), 1);
   wg_commit();
   wg_wait<1>();  // dP^T done (dV may still run)
   wg_fence_regs(dpt);
-  if (need)
-    bwd_dscores<T, true, NQ>(st, dpt, da, Db, tq, m);
+  if (hide == kHidePos)
+    bwd_dscores<T, kHidePos, NQ>(st, dpt, da, Db, tq, m);
+  else if (KEYS && hide == kHideKeys)
+    bwd_dscores<T, kHideKeys, NQ>(st, dpt, da, Db, tq, m);
   else
-    bwd_dscores<T, false, NQ>(st, dpt, da, Db, tq, m);
+    bwd_dscores<T, kHideNone, NQ>(st, dpt, da, Db, tq, m);
   wg_fence();
 #pragma unroll
   for (int kk = 0; kk < BQ / 16; ++kk) wgmma_rs<T, D>(dka, da[kk], qdt, uint64_t(kk * 16 * 128 >> 4), 1);
@@ -273,17 +288,18 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     const BwdTileMask msk{jw + g, INT_MAX, i0 + off};
     if constexpr (OVL) {
       // S^T done (dP^T may still run): P^T, then dV += P^T dO issued while dS^T is computed
-      bwd_dv_dk_products<T, D>(st, dpt, pa, da, dva, dka, Lb, Db, c2, tq, need, msk, gdt, qdt);
+      const int hide = need ? kHidePos : kHideNone;
+      bwd_dv_dk_products<T, D>(st, dpt, pa, da, dva, dka, Lb, Db, c2, tq, hide, msk, gdt, qdt);
     } else {
       wg_wait0();
       wg_fence_regs(st);
       wg_fence_regs(dpt);
       if (need) {
-        bwd_probs<T, true>(st, pa, Lb, c2, tq, msk);
-        bwd_dscores<T, true>(st, dpt, da, Db, tq, msk);
+        bwd_probs<T, kHidePos>(st, pa, Lb, c2, tq, msk);
+        bwd_dscores<T, kHidePos>(st, dpt, da, Db, tq, msk);
       } else {
-        bwd_probs<T, false>(st, pa, Lb, c2, tq, msk);
-        bwd_dscores<T, false>(st, dpt, da, Db, tq, msk);
+        bwd_probs<T, kHideNone>(st, pa, Lb, c2, tq, msk);
+        bwd_dscores<T, kHideNone>(st, dpt, da, Db, tq, msk);
       }
       wg_fence();
 #pragma unroll
