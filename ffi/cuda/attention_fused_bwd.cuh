@@ -3,7 +3,7 @@
 // CAP / MASK forms (bwd_probs, bwd_kept_keys: attention_wgmma_bwd.cuh; FusedSchedule's window bound) the
 // same cases with a softcap, a key mask and / or a sliding window: one kernel
 // computes dk, dv AND dq, so S and dP are formed once (5 S x S x D products instead of the 7 of
-// wgmma_dkdv_kernel + wgmma_dq_kernel). Selection: attention.cu (attn_wgmma_bwd_mode), below.
+// wgmma_dkdv_kernel + wgmma_dq_kernel). Selection: attention_launch_impl.cuh (attn_wgmma_bwd_mode), below.
 //
 // Block = 2 warpgroups over 128 keys of one kv head, exactly wgmma_dkdv_kernel's OVL schedule
 // (attention_wgmma_bwd.cuh) for S^T, dP^T, P^T, dS^T, dV += P^T dO, dK += dS^T Q; in addition, per
@@ -39,7 +39,7 @@
 //         sums performed), then stores r + 1 with st.release.gpu.
 //     The f32 sum of a dQacc element is therefore ((p_0 + p_1) + p_2) + ... in the fixed rank order:
 //     dq is bitwise reproducible. After the kernel fused_dq_convert_kernel writes dq = scale * dQacc
-//     in T (the launcher, attention.cu). The first version (run 13) read the dQacc tile into shared
+//     in T (the launcher, attention_launch_impl.cuh). The first version (run 13) read the dQacc tile into shared
 //     memory with cp.async, added and stored it with the math threads (64 KB through L2 a block and
 //     tile on the math warps' path); the bulk ops take the sum off their path.
 //     dQacc rows no key block visits (causal rows that see no key, Sk = 0) are zeroed by the
@@ -347,12 +347,13 @@ struct FusedSchedule {
   }
 };
 
-// CAP: a softcap c > 0 (bwd_probs; the launcher takes CAP for a.softcap > 0 only). MASK: a key mask
-// [B, Sk] (a.mask) and / or a sliding window (mask kind 2) may be given: the block's keys are fixed,
+// CAP: a softcap c > 0 (bwd_probs; the launcher takes CAP for a.softcap > 0 only). MASK 1: a key mask
+// [B, Sk] (a.mask); 2: a sliding window (mask kind 2), a key mask optional (the window's code is
+// compiled at 2 only: mask_level in attention_launch_impl.cuh). The block's keys are fixed,
 // so with a key mask each thread reads its two keys' mask values once (bwd_kept_keys) and a warp
 // with a hidden key masks every tile; a window bounds the block's query tiles (FusedSchedule) and
 // masks the tiles its lower edge crosses (BwdTileMask::lo).
-template <typename T, int D, bool CAP = false, bool MASK = false>
+template <typename T, int D, bool CAP = false, int MASK = 0>
 __global__ void __launch_bounds__(kWgBwdThreads, 1)
     wgmma_fused_bwd_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                            const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
@@ -395,8 +396,8 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
   const int64_t q_rs = a.H * D, kv_rs = a.Hkv * D;
   wg_load_tile<T, D, BK, NT>(Ks, k + (b * a.Sk * a.Hkv + hk) * D, kv_rs, k0, a.Sk);
   wg_load_tile<T, D, BK, NT>(Vs, v + (b * a.Sk * a.Hkv + hk) * D, kv_rs, k0, a.Sk);
-  // the sliding window (MASK only; -1: none)
-  const int win = MASK && a.kind == 2 ? int(min(a.window, int64_t(1) << 30)) : -1;
+  // the sliding window (MASK 2 only; -1: none)
+  const int win = MASK == 2 && a.kind == 2 ? int(min(a.window, int64_t(1) << 30)) : -1;
   const FusedSchedule<BQ> sch(kt, nkt, nqt, grp, off, causal, win);
   const int iters = sch.iters;
   auto item = [&](int m, int* hl, int* t) { sch.item(m, hl, t); };
@@ -533,7 +534,7 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     const int hide = pos ? kHidePos : warp_hides ? kHideKeys : kHideNone;
     const uint64_t gdt = wg_desc(gaddr, BQ * 128, 1024), qdt = wg_desc(qaddr, BQ * 128, 1024);
     const BwdTileMask msk{jw + g, sk, causal ? i0 + off : INT_MAX, kept, win >= 0 ? i0 + off - win : INT_MIN};
-    bwd_dv_dk_products<T, D, BQ, CAP, MASK>(st, dpt, pa, da, dva, dka, Lb, Db, c2, tq, hide, msk, gdt, qdt, carg);
+    bwd_dv_dk_products<T, D, BQ, CAP, MASK != 0>(st, dpt, pa, da, dva, dka, Lb, Db, c2, tq, hide, msk, gdt, qdt, carg);
     wg_commit();
     // dS^T rows of this thread (keys 64 wg + 16 warp + g (+ 8)) to shared memory: queries
     // nt * 8 + 2 tq, +1 are 4 bytes in 16-byte chunk nt % 8 of query block nt / 8, at chunk

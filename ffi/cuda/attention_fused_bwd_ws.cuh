@@ -1,6 +1,6 @@
 // Warp-specialised fused attention backward (sm_90a), bf16 / f16, head dim 128: the maths, the item
 // schedule and the ordered dQ sums of wgmma_fused_bwd_kernel (attention_fused_bwd.cuh), with the
-// loads and the sums taken off the math warps. Selection: RLX_ATTENTION_CUDA_WGMMA_BWD (attention.cu).
+// loads and the sums taken off the math warps. Selection: RLX_ATTENTION_CUDA_WGMMA_BWD (attention_launch_impl.cuh).
 //
 // Why: in wgmma_fused_bwd_kernel every item costs the math warps two block-wide barriers (the Q / dO
 // tiles landed, then the dS^T exchange), the cp.async issue of the next item's tiles, and, on warp
@@ -86,8 +86,8 @@ __device__ __forceinline__ void warp_load_tile(T* dst, const T* __restrict__ x, 
     cp_async16(col + r * 64 + (((c & 7) ^ (r & 7)) << 3), left > 0 ? src : x, left > 0);
 }
 
-// CAP: a softcap c > 0, MASK: a key mask and / or a sliding window (both as wgmma_fused_bwd_kernel's).
-template <typename T, int D, bool CAP = false, bool MASK = false>
+// CAP: a softcap c > 0, MASK 1: a key mask, 2: a sliding window (both as wgmma_fused_bwd_kernel's).
+template <typename T, int D, bool CAP = false, int MASK = 0>
 __global__ void __launch_bounds__(kFusedWsThreads, 1)
     wgmma_fused_bwd_ws_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                               const T* __restrict__ dout, const float* __restrict__ lse,
@@ -138,8 +138,8 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
   cp_async_wait_all();
   fence_proxy_async();
   __syncthreads();  // K and V landed (every thread's copies)
-  // the sliding window (MASK only; -1: none)
-  const int win = MASK && a.kind == 2 ? int(min(a.window, int64_t(1) << 30)) : -1;
+  // the sliding window (MASK 2 only; -1: none)
+  const int win = MASK == 2 && a.kind == 2 ? int(min(a.window, int64_t(1) << 30)) : -1;
   const FusedSchedule<BQ> sch(kt, nkt, nqt, grp, int(a.off), causal, win);
   const int iters = sch.iters;
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
@@ -241,7 +241,7 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
     const int hide = pos ? kHidePos : warp_hides ? kHideKeys : kHideNone;
     const uint64_t gdt = wg_desc(gaddr, BQ * 128, 1024), qdt = wg_desc(qaddr, BQ * 128, 1024);
     const BwdTileMask msk{jw + g, sk, causal ? diag : INT_MAX, kept, win >= 0 ? diag - win : INT_MIN};
-    bwd_dv_dk_products<T, D, BQ, CAP, MASK>(st, dpt, pa, da, dva, dka, Ls + s * BQ, Dl + s * BQ, c2, tq, hide, msk, gdt,
+    bwd_dv_dk_products<T, D, BQ, CAP, MASK != 0>(st, dpt, pa, da, dva, dka, Ls + s * BQ, Dl + s * BQ, c2, tq, hide, msk, gdt,
                                       qdt, carg);
     wg_commit();
     // dS^T rows of this thread (keys 64 cw + 16 warp + g (+ 8)) into Ss[s], the layout of the fused

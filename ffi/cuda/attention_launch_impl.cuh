@@ -255,14 +255,25 @@ void log_wgmma_kernel(const void* kernel, bool backward, const char* what) {
 
 constexpr int64_t kMaxGrid = 2147483647;
 
-// f(cap_tag, mask_tag): the runtime softcap / general-mask flags as std::bool_constant tags, for
-// the kernels' CAP / MASK template flags.
+// The MASK form a call takes (the wgmma kernels' MASK template value): 0 none (mask kind none or
+// causal, no key mask), 1 a key mask (mask kind none or causal), 2 mask kind sliding (a window, with
+// or without a key mask). The window's code stays out of the key-mask-only kernels: compiled into them
+// (session 29) it raised the fused backward's spills at D 64 from 96 / 88 to 224 / 344 bytes and
+// ran the key-masked backward at ~0.75x.
+int mask_level(const AttnArgs& a) { return a.kind == 2 ? 2 : a.mask != nullptr ? 1 : 0; }
+
+// f(cap_tag, mask_tag): the runtime softcap flag and mask level (mask_level) as
+// std::integral_constant tags, for the kernels' CAP / MASK template values.
 template <typename F>
-ffi::Error with_cap_mask(bool cap, bool mask, F&& f) {
+ffi::Error with_cap_mask(bool cap, int level, F&& f) {
   using Tr = std::true_type;
   using Fa = std::false_type;
-  if (mask) return cap ? f(Tr{}, Tr{}) : f(Fa{}, Tr{});
-  return cap ? f(Tr{}, Fa{}) : f(Fa{}, Fa{});
+  auto with_level = [&](auto cap_tag) {
+    if (level == 2) return f(cap_tag, std::integral_constant<int, 2>{});
+    if (level == 1) return f(cap_tag, std::integral_constant<int, 1>{});
+    return f(cap_tag, std::integral_constant<int, 0>{});
+  };
+  return cap ? with_level(Tr{}) : with_level(Fa{});
 }
 
 ffi::Error grid_check(int64_t blocks, const char* who) {
@@ -345,7 +356,8 @@ ffi::Error AttentionFwd<T>::launch(cudaStream_t stream, const AttnArgs& a, const
           // step to load each K / V tile (230,488 bytes of shared memory at D 128: fits the 227 KB).
           auto run_ws_d = [&](auto dim, auto cap_tag, auto mask_tag) -> ffi::Error {
             constexpr int D = decltype(dim)::value;
-            constexpr bool CAP = decltype(cap_tag)::value, MASK = decltype(mask_tag)::value;
+            constexpr bool CAP = decltype(cap_tag)::value;
+            constexpr int MASK = decltype(mask_tag)::value;
             // TMA (the pipelined loop only): maps of q [B, Sq, H, D] and k, v [B, Sk, Hkv, D], boxes of
             // the 128 rows of a query tile / key tile (without keys, Sk 0, no key tile is loaded: k's
             // and v's maps are q's); any map the driver refuses: cp.async
@@ -367,7 +379,7 @@ ffi::Error AttentionFwd<T>::launch(cudaStream_t stream, const AttnArgs& a, const
           };
           // (attn_wgmma_mode is 4 at D 64 here whenever it is >= 3: mode 3 reads 0 at D 64)
           if (ws_mode)
-            return with_cap_mask(cap, general, [&](auto cap_tag, auto mask_tag) {
+            return with_cap_mask(cap, mask_level(a), [&](auto cap_tag, auto mask_tag) {
               if (a.D == 64) return run_ws_d(std::integral_constant<int, 64>{}, cap_tag, mask_tag);
               return run_ws_d(std::integral_constant<int, 128>{}, cap_tag, mask_tag);
             });
@@ -614,7 +626,8 @@ ffi::Error AttentionBwd<T>::launch(cudaStream_t stream, const AttnArgs& a, const
           };
           // the fused kernel of this head dim and mode, in its CAP / MASK form or not
           auto fused_for = [&](auto cap_tag, auto mask_tag, bool* served) -> ffi::Error {
-            constexpr bool CAP = decltype(cap_tag)::value, MASK = decltype(mask_tag)::value;
+            constexpr bool CAP = decltype(cap_tag)::value;
+            constexpr int MASK = decltype(mask_tag)::value;
             // (the WS kernel loads Q and dO with cp.async: TMA copies of them, as the forward's, ran
             // 0.965x without a mask and level causal, perhaps because the SM's TMA unit also carries
             // the dQ partials' bulk adds; benchmarks/results/h100_2026-11-27.txt section 14)
@@ -630,7 +643,7 @@ ffi::Error AttentionBwd<T>::launch(cudaStream_t stream, const AttnArgs& a, const
           if (fused_mode && scratch_elems >= attn::fused_bwd_scratch(a.B, a.H, a.Sq, a.D)) {
             bool served = false;
             const ffi::Error e = with_cap_mask(
-                cap, general, [&](auto cap_tag, auto mask_tag) { return fused_for(cap_tag, mask_tag, &served); });
+                cap, mask_level(a), [&](auto cap_tag, auto mask_tag) { return fused_for(cap_tag, mask_tag, &served); });
             if (e.failure() || served) return e;
           }
           // without a softcap, key mask or window the two-kernel wgmma backward; a case with one that

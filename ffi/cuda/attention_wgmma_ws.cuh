@@ -2,7 +2,7 @@
 // PLAIN cases of wgmma_fwd_kernel (attention_wgmma.cuh: scale > 0, no softcap, bias or key mask, mask
 // kind none or causal) and, in its CAP / MASK forms (ws_softmax_tile), the same cases with a softcap, a key
 // mask and / or a sliding window. The default at both head dims (RLX_ATTENTION_CUDA_WGMMA unset or 4; 3 = D 128
-// only; attention.cu): run 13F of benchmarks/results/attention_fwd_h200_2026-11-22.txt measured 1.30x
+// only; attention_launch_impl.cuh): run 13F of benchmarks/results/attention_fwd_h200_2026-11-22.txt measured 1.30x
 // the 2-warpgroup kernel's forward at D 128 and 1.07x / 1.15x the mma.sync forward at D 64.
 //
 // Block = 3 warpgroups (384 threads), one block per SM:
@@ -30,7 +30,7 @@
 //     tile, and zig (attn_ws_zig). The ring's stage and
 //     phase continue across tiles, so the producer loads the next tile's K / V while the consumers
 //     finish the previous one and write its output.
-// Consumer loop, PIPE (the default; RLX_ATTENTION_CUDA_WS_PIPE=0 selects the loop above, attention.cu):
+// Consumer loop, PIPE (the default; RLX_ATTENTION_CUDA_WS_PIPE=0 selects the loop above, attention_launch_impl.cuh):
 //   pipelined within each consumer warpgroup: tile j's S = Q K^T is issued, then tile j - 1's
 //   O += P V, and tile j's softmax runs while that product is in flight (wait_group 1, then 0 before
 //   O is rescaled); the stage of tile j - 1 is released after its product, one step later than
@@ -141,7 +141,7 @@ __device__ __forceinline__ void ws_load_tile(T* dst, const T* __restrict__ x, in
 // + 1, causal, 64 heads, G = 132 SMs, the busiest block carries 1.12x the mean work at nqt = 32
 // query tiles a head (S 4096) and 1.90x at nqt = 22 (S 2816), against 1.03x and 1.11x in
 // boustrophedon passes; other shapes favour the plain stride (32 heads, nqt 32, G 114: 1.13x
-// against 1.41x). The launcher picks by that model (attn_ws_zig, attention.cu). A pass past the
+// against 1.41x). The launcher picks by that model (attn_ws_zig, attention_launch_impl.cuh). A pass past the
 // last tile ends the block's sequence: every later pass starts beyond it.
 __device__ __forceinline__ int64_t ws_tile(int64_t n, bool zig) {
   const int64_t G = gridDim.x, i = blockIdx.x;
@@ -251,7 +251,8 @@ constexpr size_t wg_ws_smem() { return size_t(2) * D * (128 + 2 * NST * BC) + 10
 // c2 tanh(s carg) (the caller's c2 = c log2 e, carg = scale / c). tanh is increasing, so the row's
 // capped maximum is the cap of its raw maximum: the max pass stays on the raw scores and costs two
 // tanh a thread, and s is still only read (one tanh and one ex2 a score, in the P loop).
-// MASK (a key mask and / or a sliding window, mask kind 2): with a key mask (a.mask), mv holds the
+// MASK (mask_level in attention_launch_impl.cuh: 1 a key mask, 2 mask kind sliding, a window with or
+// without a key mask; the window's code is compiled at 2 only): with a key mask (a.mask), mv holds the
 // tile's key mask values as mask_load reads them (lane l: keys k0 + 32 w + l), loaded by the caller
 // ahead of the products' wait, and a tile with a hidden key is masked by its keys' bits (mask_bits:
 // the same words in every lane); a window hides key k0 + dj from row wrow0 + di below
@@ -260,7 +261,7 @@ constexpr size_t wg_ws_smem() { return size_t(2) * D * (128 + 2 * NST * BC) + 10
 // it: the common case of a key mask) takes a cheaper test than the positional one: the thread's 32
 // keys 8 nt + 2 tq + (e & 1) are bits 8 (nt & 3) + (e & 1) of the words bits[nt / 4] >> 2 tq, so
 // each score costs one constant-bit test and a select.
-template <typename T, int BC, bool KEEP_S, bool CAP = false, bool MASK = false, int W = 1>
+template <typename T, int BC, bool KEEP_S, bool CAP = false, int MASK = 0, int W = 1>
 __device__ __forceinline__ void ws_softmax_tile(const AttnArgs& a, float (&s)[BC / 8][4], int64_t wrow0, int64_t k0,
                                                 int g, int tq, float c2, float carg, float (&m)[2], float (&l)[2],
                                                 uint32_t (&p)[BC / 16][4], float (&alpha)[2], const float (&mv)[W]) {
@@ -289,7 +290,7 @@ __device__ __forceinline__ void ws_softmax_tile(const AttnArgs& a, float (&s)[BC
   auto visible = [&](int nt, int e) {
     const int di = (e >> 1) * 8 + g, dj = nt * 8 + 2 * tq + (e & 1);
     bool kept = true;
-    if constexpr (MASK) kept = ((bits[nt >> 2] >> (dj & 31)) & 1u) && dj >= di + lo;
+    if constexpr (MASK) kept = ((bits[nt >> 2] >> (dj & 31)) & 1u) && (MASK != 2 || dj >= di + lo);
     return kept && di < rl && dj < cl && dj <= di + dg;
   };
   float mx[2] = {-INFINITY, -INFINITY};
@@ -313,7 +314,7 @@ __device__ __forceinline__ void ws_softmax_tile(const AttnArgs& a, float (&s)[BC
     rl = int(min(a.Sq - wrow0, kBig));
     cl = int(min(a.Sk - k0, kBig));
     dg = a.kind != 0 ? int(max(min(wrow0 + a.off - k0, kBig), -kBig)) : int(kBig);
-    if constexpr (MASK) lo = a.kind == 2 ? int(max(min(wrow0 + a.off - a.window - k0, kBig), -kBig)) : -int(kBig);
+    if constexpr (MASK == 2) lo = a.kind == 2 ? int(max(min(wrow0 + a.off - a.window - k0, kBig), -kBig)) : -int(kBig);
 #pragma unroll
     for (int nt = 0; nt < BC / 8; ++nt)
 #pragma unroll
@@ -400,10 +401,10 @@ __device__ __forceinline__ void ws_ring_next(int& st, uint32_t& ph, int nst) {
 // skip the proxy fence after each full barrier (TMA writes through the async proxy already); the
 // same tiles land in the same layout, so the outputs are bitwise those of the cp.async producer.
 // CAP: a softcap c > 0 (ws_softmax_tile); the launcher takes CAP for a.softcap > 0 only.
-// MASK: a key mask [B, Sk] (a.mask) and / or a sliding window (mask kind 2) may be given
+// MASK 1: a key mask [B, Sk] (a.mask); 2: a sliding window (mask kind 2), a key mask optional
 // (ws_softmax_tile); with a key mask each consumer warp loads a tile's mask values (4 per lane at BC
 // 128) before it waits for the tile's products.
-template <typename T, int D, int BC, int NST, bool PIPE, bool TMA, bool CAP = false, bool MASK = false>
+template <typename T, int D, int BC, int NST, bool PIPE, bool TMA, bool CAP = false, int MASK = 0>
 __global__ void __launch_bounds__(384, 1)
     wgmma_fwd_ws_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                         T* __restrict__ out, float* __restrict__ lse, int hc, int zig,
