@@ -436,7 +436,7 @@ def test_kernel_rejects_bad_buffers_with_an_error():
     ("x", "causal", True)])
 def test_cuda_backward_scratch_follows_the_kernel_switch(monkeypatch, mode, kind, fused):
     """The CUDA backward's scratch holds the fused kernel's f32 dQ accumulator exactly where
-    ffi/cuda/attention.cu may take that kernel (RLX_ATTENTION_CUDA_WGMMA_BWD, first character:
+    ffi/cuda/attention_launch_impl.cuh may take that kernel (RLX_ATTENTION_CUDA_WGMMA_BWD, first character:
     unset / 6 / 7 / unknown = fused for mask kinds none, causal and sliding, 8 = none only, 0 / 4 / 5 / 9
     = never), and only for the cases it serves (bf16 / f16, head dims 64 and 128, scale > 0, with or
     without a softcap or a key mask, no bias)."""

@@ -329,7 +329,7 @@ def test_long_sequence_plain(d, kind, sq, sk, hkv, dtype):
     _check_case(1, sq, sk, 4, hkv, d, dtype, kind=kind, dlse=True, seed=d + sq)
 
 
-# ---- kernel specialisations (ffi/cuda/attention.cu) ----------------------------------------
+# ---- kernel specialisations (ffi/cuda/attention_launch_impl.cuh) ----------------------------------------
 # The tensor-core kernels are instantiated per head dim (64: fwd double buffered; 128: fwd
 # staggered), MASK (a key mask is given) and PLAIN (no softcap and no bias: the unmasked tiles
 # take a separate score loop). Each (D, MASK, PLAIN) kernel is hit here, with odd lengths
@@ -593,7 +593,7 @@ _WS64_LINE_NP = "D=64 BC=128 NWG=3 WS NST=2 "
 
 
 # The same child runs the wgmma dk / dv backward (attention_wgmma_bwd.cuh; RLX_ATTENTION_CUDA_WGMMA_BWD,
-# read once per process; see attention.cu) for the same cases: "fwd-bwd" = the two switches ("0": the
+# read once per process; see attention_launch_impl.cuh) for the same cases: "fwd-bwd" = the two switches ("0": the
 # mma.sync dk / dv and dq; "4": at D 128 the plain wgmma dk / dv (no MMA / softmax overlap) and the
 # wgmma dq, at D 64 the default; "5" (the default before run 14): the OVL wgmma dk / dv and the wgmma dq at D 128,
 # the plain wgmma dk / dv and the mma.sync dq at D 64); "0-5" checks the wgmma backward against the
@@ -673,7 +673,7 @@ def test_wgmma_forward(variant):
 # GQA, Sq != Sk both ways, several query tiles per block (RLX_ATTENTION_CUDA_WS_GRID=2: 7 blocks),
 # on random inputs with a spread of scales (rows whose running max moves often). So must the
 # persistent grid's two pass orders (RLX_ATTENTION_CUDA_WS_ORDER=0 / 1: which block takes which
-# tile, attn_ws_zig in attention.cu).
+# tile, attn_ws_zig in attention_launch_impl.cuh).
 _WS_PIPE_CHILD = """
 import hashlib, sys
 sys.path.insert(0, "tests")

@@ -34,13 +34,14 @@ python3 -c 'import jax, rlx_jax; i = rlx_jax.kernel_info(); print("jax", jax.__v
 if has tests; then
   step tests
   pids=()
-  # one pytest process per file; the attention file (over 420 s in one process beside the
-  # others, 2026-11-22) runs as 8 processes split by -k, one log each ($n.partK.txt): the
-  # wgmma tests alone are 13 child processes of 45-110 s each (switch pairs, determinism)
-  att_parts=("tensor_core_path" "kernel_specialisations"
-             "wgmma and (2-5 or 0-0 or 0-5)" "wgmma and (2-4 or 2-6)" "wgmma and (4-5 or 4s-0)"
-             "wgmma and (3s-5 or 3t-0 or deterministic)" "wgmma and (4-d or 4s-9 or 3t-8 or 4n-8)"
-             "not tensor_core_path and not kernel_specialisations and not wgmma")
+  # one pytest process per file; the attention file runs as 20 processes split by -k, one log
+  # each ($n.partK.txt): the 15 wgmma switch-pair children (about 35 cases each) take 210-230 s
+  # each with all 20 side by side on 16 cores (session 30), the other parts less
+  att_parts=("tensor_core_path" "kernel_specialisations" "deterministic" "ws_pipelined"
+             "not tensor_core_path and not kernel_specialisations and not wgmma and not deterministic and not ws_pipelined")
+  for v in 2-5 0-0 0-5 2-4 2-6 4-5 4s-0 3s-5 3t-0 4-d 4c-d 4s-9 3t-8 4n-8 4-6; do
+    att_parts+=("test_wgmma_forward and $v")
+  done
   for f in $(gpu_test_files); do
     n=$(basename "$f" .py)
     if [ "$n" = test_attention_gpu ]; then

@@ -4,7 +4,7 @@
 // MASK (a key mask is given; without one the kernels carry no mask bits or flags) and PLAIN (no
 // softcap and no bias; the forward also needs scale > 0). Each kernel is instantiated per
 // (dtype, head dim, MASK, PLAIN); the forward's pipeline is fixed per head dim and MASK
-// (attention.cu). In every kernel a tile that needs no per-element masking (warp- or
+// (attention_launch_impl.cuh). In every kernel a tile that needs no per-element masking (warp- or
 // block-uniform test) runs a score loop of its own: PLAIN fwd max + fma + ex2 per score, PLAIN
 // bwd fma + ex2 + the dS product, softcap-only (general kernels, no bias) tanh + fma + ex2; the
 // index tests (mask kind, sequence ends) run only on the tiles that need them.
@@ -34,7 +34,7 @@
 // The masking work (per-element visibility) runs only on tiles that need it: partial tiles,
 // the causal / sliding diagonal bands, and key tiles where the key mask hides some keys (the
 // mask is read once per tile into ballot bits; tiles with no kept key are skipped).
-// The forward's pipeline is per head dim (attention.cu): without a key mask, double buffered
+// The forward's pipeline is per head dim (attention_launch_impl.cuh): without a key mask, double buffered
 // at D 64 and staggered (one K and one V buffer, see mma_fwd_kernel) at D 128; with a key
 // mask staggered at both. dq and dkdv double buffer as described above.
 // NaN: a NaN score gives p = NaN (ex2 of NaN), so the row's l, output, lse (forward) and its
@@ -434,7 +434,7 @@ __host__ __device__ __forceinline__ void fwd_tile(int64_t t, int64_t nqt, int64_
 
 // Template: MT m-tiles of 16 rows per warp (block rows 16 MT * 4; warp w owns rows
 // [16 MT w, 16 MT (w + 1))), NK keys per step. The launcher uses NK = 64 and MT = 1, except for
-// the PLAIN D 64 kernel without a key mask: MT = 2 (run 8 of the H200 results; see attention.cu).
+// the PLAIN D 64 kernel without a key mask: MT = 2 (run 8 of the H200 results; see attention_launch_impl.cuh).
 // STAGGER false: K and V double buffered (both tiles of step t + 1 load during step t).
 // STAGGER true: one K and one V buffer (less shared memory: more blocks per SM); V of step t
 // loads while S = Q K^T and the softmax run, K of step t + 1 while O += P V runs.

@@ -1,7 +1,7 @@
 // Attention forward on Hopper warpgroup MMA (wgmma, sm_90a only), bf16 / f16, head dims 64 and
 // 128, no key mask, no bias, no softcap, scale > 0, mask kind none or causal: the PLAIN cases of
 // the mma.sync forward (attention_mma.cuh), which keeps every other case and is the fallback
-// when the loaded image has no sm_90a code (wgmma_available, attention.cu) or
+// when the loaded image has no sm_90a code (wgmma_available, attention_launch_impl.cuh) or
 // RLX_ATTENTION_CUDA_WGMMA=0.
 //
 // Block = NWG warpgroups (128 threads each) over 64 * NWG query rows; warpgroup w owns rows
@@ -23,7 +23,7 @@
 //       BC / 16 k-steps of 16 keys (2048 bytes each); the D / 64 column halves are LBO apart.
 // Each wgmma batch is committed and waited (wait_group 0) before its accumulator is read: the
 // overlap of MMA and softmax comes from the other warpgroups of the block and SM. The launcher
-// uses 2 warpgroups x 128 keys at both head dims where RLX_ATTENTION_CUDA_WGMMA=2 (attention.cu; the
+// uses 2 warpgroups x 128 keys at both head dims where RLX_ATTENTION_CUDA_WGMMA=2 (attention_launch_impl.cuh; the
 // default at both head dims is the warp-specialised kernel of attention_wgmma_ws.cuh since run 13F). Measured and dropped (run 10 of
 // benchmarks/results/attention_h200_2026-11-22.txt; the code is in commit 2f89835): 3 warpgroups x
 // 64 keys (D 64) and 2 x 64 (D 128), and a software-pipelined kernel that issued S_j = Q K_j^T and

@@ -2,7 +2,7 @@
 // 128, the PLAIN cases (scale > 0, no softcap, bias or key mask), mask kind none or causal:
 // wgmma_dkdv_kernel (dk, dv) and wgmma_dq_kernel (dq, below). Every other case keeps the mma.sync
 // kernels (attention_mma.cuh), which are also the fallback when the loaded image has no sm_90a code
-// (wgmma_available, attention.cu) or RLX_ATTENTION_CUDA_WGMMA_BWD=0. The launcher's default (run 11
+// (wgmma_available, attention_launch_impl.cuh) or RLX_ATTENTION_CUDA_WGMMA_BWD=0. The launcher's default (run 11
 // of benchmarks/results/attention_h200_2026-11-22.txt): D 128 wgmma dkdv (OVL) + wgmma dq, D 64
 // wgmma dkdv (plain) + the mma.sync dq.
 //

@@ -263,7 +263,7 @@ def cuda_bwd_scratch_size(b: int, h: int, sq: int, d: int = 0, fused: bool = Fal
 
 
 def _cuda_fused_bwd(q, kind, scale, softcap, has_mask, has_bias) -> bool:
-    """Can the CUDA backward take the fused kernel (ffi/cuda/attention.cu, the switch
+    """Can the CUDA backward take the fused kernel (ffi/cuda/attention_launch_impl.cuh, the switch
     RLX_ATTENTION_CUDA_WGMMA_BWD read per trace as the kernel reads it per process): unset, 6,
     7 or another value (the default) for mask kinds none, causal and sliding, 8 for none only,
     0 / 4 / 5 / 9 never; at head dims 64 and 128, bf16 / f16, scale > 0, with or without a
