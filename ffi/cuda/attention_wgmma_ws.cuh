@@ -294,6 +294,17 @@ __device__ __forceinline__ void ws_softmax_tile(const AttnArgs& a, float (&s)[BC
     return kept && di < rl && dj < cl && dj <= di + dg;
   };
   float mx[2] = {-INFINITY, -INFINITY};
+  // the row maxima over the scores kept(nt, e) keeps (the others -inf, stored back into s unless KEEP_S)
+  auto masked_max = [&](auto kept) {
+#pragma unroll
+    for (int nt = 0; nt < BC / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float x = kept(nt, e) ? s[nt][e] : -INFINITY;
+        if constexpr (!KEEP_S) s[nt][e] = x;
+        mx[e >> 1] = fmaxf(mx[e >> 1], x);
+      }
+  };
   if (!need && !keys) {
 #pragma unroll
     for (int nt = 0; nt < BC / 8; ++nt)
@@ -302,27 +313,13 @@ __device__ __forceinline__ void ws_softmax_tile(const AttnArgs& a, float (&s)[BC
   } else if (MASK && !need) {
 #pragma unroll
     for (int w = 0; w < W; ++w) kb[w] = bits[w] >> (2 * tq);
-#pragma unroll
-    for (int nt = 0; nt < BC / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float x = key_kept(nt, e) ? s[nt][e] : -INFINITY;
-        if constexpr (!KEEP_S) s[nt][e] = x;
-        mx[e >> 1] = fmaxf(mx[e >> 1], x);
-      }
+    masked_max(key_kept);
   } else {
     rl = int(min(a.Sq - wrow0, kBig));
     cl = int(min(a.Sk - k0, kBig));
     dg = a.kind != 0 ? int(max(min(wrow0 + a.off - k0, kBig), -kBig)) : int(kBig);
     if constexpr (MASK == 2) lo = a.kind == 2 ? int(max(min(wrow0 + a.off - a.window - k0, kBig), -kBig)) : -int(kBig);
-#pragma unroll
-    for (int nt = 0; nt < BC / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float x = visible(nt, e) ? s[nt][e] : -INFINITY;
-        if constexpr (!KEEP_S) s[nt][e] = x;
-        mx[e >> 1] = fmaxf(mx[e >> 1], x);
-      }
+    masked_max(visible);
   }
   if constexpr (CAP) {
 #pragma unroll
