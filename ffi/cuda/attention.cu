@@ -117,10 +117,10 @@ ffi::Error AttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   ffi::Error result = ffi::Error::Success();
   dispatch(q.element_type(), [&](auto tag) {
     using T = decltype(tag);
-    result = AttentionFwd<T>::launch(stream, a, static_cast<const T*>(q.untyped_data()), static_cast<const T*>(k.untyped_data()),
-                           static_cast<const T*>(v.untyped_data()),
-                           o.has_bias ? static_cast<const T*>(bias.untyped_data()) : nullptr,
-                           static_cast<T*>(out->untyped_data()), static_cast<float*>(lse->untyped_data()));
+    result = AttentionFwd<T>::launch(stream, a, static_cast<const T*>(q.untyped_data()),
+                                     static_cast<const T*>(k.untyped_data()), static_cast<const T*>(v.untyped_data()),
+                                     o.has_bias ? static_cast<const T*>(bias.untyped_data()) : nullptr,
+                                     static_cast<T*>(out->untyped_data()), static_cast<float*>(lse->untyped_data()));
   });
   return result;
 }

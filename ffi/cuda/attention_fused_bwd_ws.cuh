@@ -241,8 +241,8 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
     const int hide = pos ? kHidePos : warp_hides ? kHideKeys : kHideNone;
     const uint64_t gdt = wg_desc(gaddr, BQ * 128, 1024), qdt = wg_desc(qaddr, BQ * 128, 1024);
     const BwdTileMask msk{jw + g, sk, causal ? diag : INT_MAX, kept, win >= 0 ? diag - win : INT_MIN};
-    bwd_dv_dk_products<T, D, BQ, CAP, MASK != 0>(st, dpt, pa, da, dva, dka, Ls + s * BQ, Dl + s * BQ, c2, tq, hide, msk, gdt,
-                                      qdt, carg);
+    bwd_dv_dk_products<T, D, BQ, CAP, MASK != 0>(st, dpt, pa, da, dva, dka, Ls + s * BQ, Dl + s * BQ, c2, tq, hide,
+                                                 msk, gdt, qdt, carg);
     wg_commit();
     // dS^T rows of this thread (keys 64 cw + 16 warp + g (+ 8)) into Ss[s], the layout of the fused
     // kernel's loop at BQ 64 (a helper shared by both kernels compiled this one differently, untested
