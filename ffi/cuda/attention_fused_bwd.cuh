@@ -529,7 +529,7 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     // warp-uniform: the causal diagonal or the end of the keys crosses this warp's 16 keys (dS^T
     // feeds dQ, so keys past Sk are masked too), or a window's lower edge (key jw below the window
     // of the tile's last row): the positional test; else, where the key mask hides one of them, the
-    // key-only one (BwdHide)
+    // key-only one (TileHide)
     const bool pos = (causal && jw + 15 > i0 + off) || jw + 15 >= sk || (win >= 0 && jw < i0 + BQ - 1 + off - win);
     const int hide = pos ? kHidePos : warp_hides ? kHideKeys : kHideNone;
     const uint64_t gdt = wg_desc(gaddr, BQ * 128, 1024), qdt = wg_desc(qaddr, BQ * 128, 1024);

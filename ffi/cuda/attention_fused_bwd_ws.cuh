@@ -235,7 +235,7 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
     float st[BQ / 8][4], dpt[BQ / 8][4];
     bwd_issue_scores<T, D, true, BQ>(st, dpt, kdsc, vdsc, qaddr, gaddr);
     // warp-uniform: the causal diagonal, a window's lower edge or the end of the keys crosses this
-    // warp's 16 keys (the positional test), or else the key mask hides one of them (key-only: BwdHide)
+    // warp's 16 keys (the positional test), or else the key mask hides one of them (key-only: TileHide)
     const int diag = i0 + int(a.off);
     const bool pos = (causal && jw + 15 > diag) || jw + 15 >= sk || (win >= 0 && jw < diag + BQ - 1 - win);
     const int hide = pos ? kHidePos : warp_hides ? kHideKeys : kHideNone;

@@ -306,7 +306,8 @@ ffi::Error AttentionFwd<T>::launch(cudaStream_t stream, const AttnArgs& a, const
       // softcap, a key mask or a sliding window the warp-specialised kernel only (its CAP / MASK forms,
       // where the switch selects it: mode 4 at both head dims, 3 at D 128), else the mma.sync forward.
       // general: the MASK form (a key mask and / or a sliding window)
-      const bool cap = a.softcap > 0.f, general = a.mask != nullptr || a.kind == 2, ws_mode = attn_wgmma_mode(a.D) >= 3;
+      const int level = mask_level(a);
+      const bool cap = a.softcap > 0.f, general = level != 0, ws_mode = attn_wgmma_mode(a.D) >= 3;
       if (bias == nullptr && a.scale > 0.f && attn_wgmma_mode(a.D) != 0 && ((!cap && !general) || ws_mode)) {
         if (wgmma_available(info.device)) {
           auto run_wg = [&](auto kernel, int d, int bc, int nwg, size_t smem) -> ffi::Error {
@@ -379,7 +380,7 @@ ffi::Error AttentionFwd<T>::launch(cudaStream_t stream, const AttnArgs& a, const
           };
           // (attn_wgmma_mode is 4 at D 64 here whenever it is >= 3: mode 3 reads 0 at D 64)
           if (ws_mode)
-            return with_cap_mask(cap, mask_level(a), [&](auto cap_tag, auto mask_tag) {
+            return with_cap_mask(cap, level, [&](auto cap_tag, auto mask_tag) {
               if (a.D == 64) return run_ws_d(std::integral_constant<int, 64>{}, cap_tag, mask_tag);
               return run_ws_d(std::integral_constant<int, 128>{}, cap_tag, mask_tag);
             });
@@ -503,7 +504,8 @@ ffi::Error AttentionBwd<T>::launch(cudaStream_t stream, const AttnArgs& a, const
       // (and no bias) the fused kernels only (their CAP / MASK forms), where the switch selects them;
       // else the mma.sync kernels. general: the MASK form (a key mask and / or a sliding window).
       const int wg_bwd = attn_wgmma_bwd_mode();
-      const bool cap = a.softcap > 0.f, general = km || a.kind == 2;
+      const int level = mask_level(a);
+      const bool cap = a.softcap > 0.f, general = level != 0;
       const bool fused_mode = wg_bwd == 6 || wg_bwd == 7 || (wg_bwd == 8 && a.kind == 0);
       if (bias == nullptr && ((!general && !cap) || fused_mode) && a.scale > 0.f && wg_bwd != 0 &&
           a.Sq < (int64_t(1) << 30) && a.Sk < (int64_t(1) << 30)) {
@@ -643,7 +645,7 @@ ffi::Error AttentionBwd<T>::launch(cudaStream_t stream, const AttnArgs& a, const
           if (fused_mode && scratch_elems >= attn::fused_bwd_scratch(a.B, a.H, a.Sq, a.D)) {
             bool served = false;
             const ffi::Error e = with_cap_mask(
-                cap, mask_level(a), [&](auto cap_tag, auto mask_tag) { return fused_for(cap_tag, mask_tag, &served); });
+                cap, level, [&](auto cap_tag, auto mask_tag) { return fused_for(cap_tag, mask_tag, &served); });
             if (e.failure() || served) return e;
           }
           // without a softcap, key mask or window the two-kernel wgmma backward; a case with one that

@@ -62,6 +62,12 @@ static __global__ void wgmma_probe_kernel(int* out) {
   if (out != nullptr && threadIdx.x == 0) out[0] = marker[n - 1] + 1 == n ? (RLX_ATTN_WGMMA ? 1 : 0) : -1;
 }
 
+// Which scores a tile hides (warp-uniform; the forward's ws_softmax_tile and the backward's
+// bwd_probs / bwd_dscores): none, those a positional test hides (sequence end, causal diagonal,
+// window edge, and the key mask with them), or, on a tile no position mask crosses, those the key mask
+// alone hides (a key-bit test: cheaper than the positional one).
+enum TileHide : int { kHideNone = 0, kHidePos = 1, kHideKeys = 2 };
+
 // wgmma shared-memory matrix descriptor: start address >> 4 (bits 0-13), leading-dimension byte
 // offset >> 4 (16-29), stride-dimension byte offset >> 4 (32-45), base offset 0 (49-51: the
 // atoms are 1024-byte aligned), swizzle mode 1 = 128 bytes (62-63).

@@ -70,11 +70,10 @@ struct BwdTileMask {
   // the key mask alone (a tile no position mask crosses): the thread's key of score e
   __device__ __forceinline__ bool key_kept(int e) const { return ((kept >> (e >> 1)) & 1u) != 0u; }
 };
-// Which scores a tile hides (bwd_probs / bwd_dscores' HIDE, warp-uniform): none, those the positional
-// test BwdTileMask::vis hides (sequence end, causal diagonal, window edge, key mask), or, on a tile
-// no position mask crosses, those of the thread's keys the key mask hides (BwdTileMask::key_kept:
-// one predicate a key row, instead of the positional test of each score).
-enum BwdHide : int { kHideNone = 0, kHidePos = 1, kHideKeys = 2 };
+// The backward's forms of TileHide (attention_wgmma.cuh; bwd_probs / bwd_dscores' HIDE): the
+// positional test is BwdTileMask::vis (sequence end, causal diagonal, window edge, key mask), the
+// key-only one BwdTileMask::key_kept (one predicate a key row, instead of the positional test of each
+// score).
 __device__ __forceinline__ bool bwd_hidden(const BwdTileMask& m, int hide, int nt, int e, int tq) {
   return hide == kHidePos ? !m.vis(nt, e, tq) : hide == kHideKeys ? !m.key_kept(e) : false;
 }
@@ -93,7 +92,7 @@ __device__ __forceinline__ uint32_t bwd_kept_keys(const float* mrow, int j0, int
 }
 
 // P^T = ex2(S^T c2 - L_q) over a thread's 8 x 4 scores, in place (0 where the tile's HIDE hides the
-// score: BwdHide), packed into the A fragments of dV += P^T dO: n8 blocks 2 kk and 2 kk + 1 are the
+// score: TileHide), packed into the A fragments of dV += P^T dO: n8 blocks 2 kk and 2 kk + 1 are the
 // fragment of k-step kk. The callers branch on a warp-uniform "the tile needs a mask" and take
 // HIDE = kHideNone on every other tile: a per-score select there compiled (nvcc 13) into a path that
 // tested every score of every causal tile, 1.25x the instructions per item of the unmasked run
@@ -162,7 +161,7 @@ __device__ __forceinline__ void bwd_issue_scores(float (&st)[BQ / 8][4], float (
 
 // The overlapped dV / dK step of one query tile (OVL; the fused kernel's too), once S^T and dP^T
 // have been issued as two commit groups: waits for S^T, forms P^T (masked as the warp-uniform `hide`
-// says: BwdHide), issues dV += P^T dO and commits it, waits for dP^T, forms dS^T and issues
+// says: TileHide), issues dV += P^T dO and commits it, waits for dP^T, forms dS^T and issues
 // dK += dS^T Q, which the caller commits. dO / Q come as the MN-major B descriptors gdt / qdt. pa
 // and da are the products' A fragments: the caller keeps them live (wg_fence_afrag) up to the wait
 // that completes the products. CAP, carg: bwd_probs'. KEYS: the key-only form exists (a key mask

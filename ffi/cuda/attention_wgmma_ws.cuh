@@ -328,7 +328,7 @@ __device__ __forceinline__ void ws_softmax_tile(const AttnArgs& a, float (&s)[BC
   float mu[2];
   online_max_step(mx, c2, m, mu, alpha);
   float ls[2] = {0.f, 0.f};
-  // hide: 0 none, 1 the positional test (visible), 2 the key-only one (key_kept)
+  // hide (TileHide): kHidePos the positional test (visible), kHideKeys the key-only one (key_kept)
   auto p_tile = [&](auto hide) {
 #pragma unroll
     for (int nt = 0; nt < BC / 8; ++nt) {
@@ -337,8 +337,8 @@ __device__ __forceinline__ void ws_softmax_tile(const AttnArgs& a, float (&s)[BC
       for (int e = 0; e < 4; ++e) {
         const float x = CAP ? tanhf(s[nt][e] * carg) : s[nt][e];
         bool hidden = false;
-        if constexpr (decltype(hide)::value == 1) hidden = !visible(nt, e);
-        if constexpr (decltype(hide)::value == 2) hidden = !key_kept(nt, e);
+        if constexpr (decltype(hide)::value == kHidePos) hidden = !visible(nt, e);
+        if constexpr (decltype(hide)::value == kHideKeys) hidden = !key_kept(nt, e);
         pe[e] = hidden ? 0.f : ex2(fmaf(x, c2, -mu[e >> 1]));
         ls[e >> 1] += pe[e];
       }
@@ -347,11 +347,11 @@ __device__ __forceinline__ void ws_softmax_tile(const AttnArgs& a, float (&s)[BC
     }
   };
   if ((KEEP_S || CAP) && need)  // CAP: a hidden score's -inf would map to tanh = -1, not to P = 0
-    p_tile(std::integral_constant<int, 1>{});
+    p_tile(std::integral_constant<int, kHidePos>{});
   else if (MASK && (KEEP_S || CAP) && keys)
-    p_tile(std::integral_constant<int, 2>{});
+    p_tile(std::integral_constant<int, kHideKeys>{});
   else
-    p_tile(std::integral_constant<int, 0>{});
+    p_tile(std::integral_constant<int, kHideNone>{});
 #pragma unroll
   for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + ls[r];
 }
