@@ -34,14 +34,17 @@ python3 -c 'import jax, rlx_jax; i = rlx_jax.kernel_info(); print("jax", jax.__v
 if has tests; then
   step tests
   pids=()
-  # one pytest process per file; the attention file runs as 20 processes split by -k, one log
-  # each ($n.partK.txt): the 15 wgmma switch-pair children (about 35 cases each) take 210-230 s
-  # each with all 20 side by side on 16 cores (session 30), the other parts less
+  # one pytest process per file; the attention file runs as processes split by -k, one log each
+  # ($n.partK.txt): five parts, then each wgmma switch-pair child in its own part, the pairs read
+  # from the test's own parametrisation (so a new pair gets a part). The 15 pairs (about 35 cases
+  # each) took 210-230 s each with all 20 parts side by side on 16 cores (session 30).
   att_parts=("tensor_core_path" "kernel_specialisations" "deterministic" "ws_pipelined"
              "not tensor_core_path and not kernel_specialisations and not wgmma and not deterministic and not ws_pipelined")
-  for v in 2-5 0-0 0-5 2-4 2-6 4-5 4s-0 3s-5 3t-0 4-d 4c-d 4s-9 3t-8 4n-8 4-6; do
+  while read -r v; do
     att_parts+=("test_wgmma_forward and $v")
-  done
+  done < <(python3 -m pytest -q --collect-only -p no:cacheprovider --import-mode=importlib -m "not slow" \
+             tests/test_attention_gpu.py -k test_wgmma_forward 2>/dev/null |
+           sed -n 's/.*::test_wgmma_forward\[\(.*\)\]$/\1/p')
   for f in $(gpu_test_files); do
     n=$(basename "$f" .py)
     if [ "$n" = test_attention_gpu ]; then
