@@ -604,8 +604,9 @@ _WS64_LINE_NP = "D=64 BC=128 NWG=3 WS NST=2 "
 # "9" (the default from run 14 to session 22): at D 128 the OVL dk / dv and the warp-specialised dq
 # (attention_wgmma_bwd_ws.cuh, launch log "wgmma dq kernel D=128 BM=128 BC=64 WS NST=4
 # persistent|tiles PIPE"; without " PIPE" in "4n": each product waited for); at D 64 as 5.
-# "7" (the default since session 26): the warp-specialised fused backward at D 128
-# (attention_fused_bwd_ws.cuh, launch log "... BQ=64 WS"), 6's kernel at D 64.
+# "7" (the default since session 26): the warp-specialised fused backward (attention_fused_bwd_ws.cuh,
+# launch log "... BQ=64 WS" at D 128; at D 64 since session 31 "... BQ=128 WS", but 6's kernel with a
+# softcap).
 # "8" (the default from session 22 to 23): at D 64 and 128 the fused backward for mask kind none, 9's
 # kernels for causal. "d" (an unknown value: the default, as unset) = 7.
 # With "4s" (RLX_ATTENTION_CUDA_WS_GRID=2, 7 blocks) every dq
@@ -651,13 +652,15 @@ def test_wgmma_forward(variant):
                             "9": ({kv(64, 0), kv(128, 1)}, {dq_ws})}[bwd]
     fused_lines = {"D=64 BK=128 BQ=128", "D=128 BK=128 BQ=64"} if bwd in ("6", "8") else set()
     if bwd in ("7", "d"):
-        fused_lines = {"D=64 BK=128 BQ=128", "D=128 BK=128 BQ=64 WS"}
+        fused_lines = {"D=64 BK=128 BQ=128 WS", "D=128 BK=128 BQ=64 WS"}
     # the softcap and key-mask cases: the CAP, MASK and CAP MASK forms of each warp-specialised
     # forward and of each fused backward (8: WGMMA_CAP_CASES and WGMMA_MASK_CASES have mask kind none
-    # at both head dims); the others run on mma.sync
+    # at both head dims); the others run on mma.sync. At D 64 the warp-specialised fused backward
+    # leaves the softcap to 6's kernel.
     flags = (" CAP", " MASK", " CAP MASK")
-    fwd_lines |= {ln + f for ln in fwd_lines if " WS " in ln for f in flags}
-    fused_lines |= {ln + f for ln in fused_lines for f in flags}
+    fwd_lines |= {ln + f for ln in fwd_lines if " WS" in ln for f in flags}
+    fused_lines |= {(ln.replace(" WS", "") if ln.startswith("D=64") and "CAP" in f else ln) + f
+                    for ln in fused_lines for f in flags}
     for which, want, tag in (("fwd", fwd_lines, "rlx attention forward: wgmma kernel "),
                              ("dkdv", dkdv_lines, "rlx attention backward: wgmma dkdv kernel "),
                              ("dq", dq_lines, "rlx attention backward: wgmma dq kernel "),
@@ -749,8 +752,10 @@ def test_ws_pipelined_loops_bitwise_equal():
 # bitwise identical from run to run and from process to process, on shapes with many key blocks
 # per query tile (Sk 1100: 9 blocks; causal; GQA), at head dims 128 and 64 (where each warpgroup's
 # dQ columns start inside the K tile's 128-byte swizzled rows), and still match the f32 reference.
-# The warp-specialised fused kernel (7, D 128: the same products and the same sums in the same
-# order, its loads and sums on a producer warpgroup) must give bitwise the same results.
+# The warp-specialised fused kernel (7: the same products and the same sums in the same order, its
+# loads and sums on a producer warpgroup; at D 64 P^T and dS^T formed before dV's product is issued,
+# and the dQ partials in the dS^T buffers) must give bitwise the same results, with a key mask and a
+# sliding window too; at D 64 with a softcap 7 runs 6's kernel.
 _FUSED_DET_CHILD = """
 import hashlib, sys
 sys.path.insert(0, "tests")
@@ -762,7 +767,10 @@ for (b, sq, sk, h, hkv, d, kind, cap, mask) in ((2, 1030, 1100, 4, 2, 128, "none
                                                 (1, 1100, 1000, 2, 1, 64, "causal", None, False),
                                                 (1, 1100, 1100, 4, 2, 128, "causal", 3.0, False),
                                                 (2, 1000, 1100, 4, 2, 128, "none", None, True),
-                                                (1, 1100, 1100, 4, 2, 128, "sliding", None, False)):
+                                                (1, 1100, 1100, 4, 2, 128, "sliding", None, False),
+                                                (2, 1000, 1100, 4, 2, 64, "none", None, True),
+                                                (1, 1100, 1100, 4, 2, 64, "sliding", None, False),
+                                                (1, 1000, 1100, 4, 2, 64, "causal", 3.0, False)):
     q, k, v, dy, m, _ = t._inputs(b, sq, sk, h, hkv, d, jnp.bfloat16, 11, mask=mask)
     p = t._params(d, kind, 300, None, cap, m, None)  # (the window: sliding only)
     ex = [m] if mask else []
@@ -790,14 +798,16 @@ def test_wgmma_fused_backward_deterministic():
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     hashes = []
-    # two processes (the order must not depend on the block schedule of either), two kernels at D 128
-    for mode, d128 in (("6", "D=128 BK=128 BQ=64"), ("7", "D=128 BK=128 BQ=64 WS")):
+    # two processes (the order must not depend on the block schedule of either), two kernels at each head dim
+    for mode, ws in (("6", ""), ("7", " WS")):
+        d128, d64 = "D=128 BK=128 BQ=64" + ws, "D=64 BK=128 BQ=128"
         env = dict(os.environ, RLX_ATTENTION_CUDA_WGMMA_BWD=mode, RLX_ATTENTION_CUDA_WGMMA_REQUIRE="1")
         r = subprocess.run([sys.executable, "-c", _FUSED_DET_CHILD], cwd=root, env=env, capture_output=True,
                            text=True, timeout=300)
         assert r.returncode == 0 and "child ok" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
         launched = {ln.split("fused dkdv+dq kernel ", 1)[1].strip() for ln in r.stderr.splitlines()
                     if "rlx attention backward: wgmma fused dkdv+dq kernel " in ln}
-        assert launched == {d128, d128 + " CAP", d128 + " MASK", "D=64 BK=128 BQ=128"}, (launched, r.stderr[-2000:])
+        assert launched == {d128, d128 + " CAP", d128 + " MASK", d64 + ws, d64 + ws + " MASK", d64 + " CAP"}, (
+            launched, r.stderr[-2000:])
         hashes.append([ln for ln in r.stdout.splitlines() if ln.startswith("hash ")])
-    assert len(hashes[0]) == 7 and hashes[0] == hashes[1], hashes
+    assert len(hashes[0]) == 10 and hashes[0] == hashes[1], hashes

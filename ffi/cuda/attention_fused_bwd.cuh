@@ -53,9 +53,10 @@
 //     whose groups (nkt blocks) fit on the device at once (nkt <= SMs x resident blocks per SM), so
 //     when the whole groups have finished, a partly started group's blocks leave room to start the
 //     rest of it. Otherwise the launcher runs the two-kernel backward.
-// The default for mask kinds none and causal at D 64 (RLX_ATTENTION_CUDA_WGMMA_BWD unset, 6 or 7; 8
-// keeps it for none only, 9 = the two kernels for both); at D 128 only with 6 (8: none): since session
-// 26 the default there is its warp-specialised form, attention_fused_bwd_ws.cuh (1.03-1.07x).
+// The default at D 64 with a softcap (RLX_ATTENTION_CUDA_WGMMA_BWD unset, 6 or 7; 8 keeps it for mask
+// kind none only, 9 = the two kernels for both); otherwise only with 6 (8: none): the default is its
+// warp-specialised form, attention_fused_bwd_ws.cuh, at D 128 since session 26 (1.03-1.07x), at D 64
+// without a softcap since session 31 (level without a mask, 1.05x with a key mask, 1.15x with a window).
 // History, all B4 S4096 H16 D128 bf16 (benchmarks/results/attention_bwd_h200_2026-11-22.txt run 13,
 // h100_2026-11-26.txt session 22):
 //   - run 13 (H200): the math threads read the dQacc tile with cp.async, added, stored: 0.77x / 0.73x

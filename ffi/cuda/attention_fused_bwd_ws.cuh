@@ -1,4 +1,5 @@
-// Warp-specialised fused attention backward (sm_90a), bf16 / f16, head dim 128: the maths, the item
+// Warp-specialised fused attention backward (sm_90a), bf16 / f16, head dim 128, and 64 without a
+// softcap (since session 31; the same products, P^T and dS^T formed before dV's product: LATE): the maths, the item
 // schedule and the ordered dQ sums of wgmma_fused_bwd_kernel (attention_fused_bwd.cuh), with the
 // loads and the sums taken off the math warps. Selection: RLX_ATTENTION_CUDA_WGMMA_BWD (attention_launch_impl.cuh).
 //
@@ -54,16 +55,30 @@ constexpr int kFusedWsThreads = 384;
 // Register split (setmaxnreg): 128 * 24 + 256 * 240 = 64512 <= 384 * 168 at launch.
 constexpr int kFusedWsProdRegs = 24, kFusedWsConsRegs = 240;
 
-// Shared memory (D 128, BQ = 64 query rows an item): K and V [D / 64][128][64], the Q / dO stages
-// [2][D / 64][BQ][64] each, dS^T [2][BQ / 64][128][64], the dQ partials [2][BQ][D] f32, lse and delta
-// [2][BQ] f32 each, the mbarriers (full, empty, partial full, partial empty: 2 each), the ticket,
-// and 1024 bytes to align the swizzle atoms: 231,504 bytes of the 232,448 an H100 block may take.
+// The dQ partial of an item in the buffer of its dS^T (D 64): there, with BQ = 128 query rows split by
+// rows, warpgroup w's dQ product reads only dS^T block w (queries [64 w, 64 w + 64), all 128 keys,
+// 16 KB) and its partial rows [64 w, 64 w + 64) x 64 columns f32 are the same 16 KB at the same
+// offset. So each warpgroup overwrites its own block once its dQ product has completed, and the
+// sender's bulk op reads the buffer (item m's partial) before any dS^T of item m + 2 is stored into
+// it (the consumers wait for the buffer before the dS^T stores instead of before the partial's).
+// Without it the D 64 kernel would need 232,528 bytes of shared memory (80 over the limit).
+__host__ __device__ constexpr bool fused_ws_partial_in_ds(int64_t D) { return fused_rows(D) == 128; }
+
+// Shared memory (BQ = fused_rows(D) query rows an item): K and V [D / 64][128][64], the Q / dO
+// stages [2][D / 64][BQ][64] each, dS^T [2][BQ / 64][128][64], the dQ partials [2][BQ][D] f32 (D 128
+// only: fused_ws_partial_in_ds), lse and delta [2][BQ] f32 each, the mbarriers (full, empty, partial
+// full, partial empty: 2 each), the ticket, and 1024 bytes to align the swizzle atoms: D 128
+// 231,504 bytes of the 232,448 an H100 block may take, D 64 166,992.
 template <int D>
 constexpr size_t wg_fused_ws_smem() {
   constexpr size_t BQ = fused_rows(D), BK = kWgBwdKeys;
-  return 2 * (2 * BK * D + 2 * 2 * BQ * D + 2 * BK * BQ) + 4 * (2 * BQ * D + 2 * 2 * BQ) + 8 * 8 + 16 + 1024;
+  constexpr size_t partials = fused_ws_partial_in_ds(D) ? 0 : 2 * BQ * D;
+  return 2 * (2 * BK * D + 2 * 2 * BQ * D + 2 * BK * BQ) + 4 * (partials + 2 * 2 * BQ) + 8 * 8 + 16 + 1024;
 }
-static_assert(wg_fused_ws_smem<128>() <= 232448, "wgmma_fused_bwd_ws_kernel: shared memory");
+static_assert(wg_fused_ws_smem<128>() <= 232448 && wg_fused_ws_smem<64>() <= 232448,
+              "wgmma_fused_bwd_ws_kernel: shared memory");
+static_assert(!fused_ws_partial_in_ds(128) && 2 * kWgBwdKeys * fused_rows(64) == 4 * fused_rows(64) * 64,
+              "wgmma_fused_bwd_ws_kernel: a D 64 dQ partial fills its dS^T buffer exactly");
 
 // bulk groups of this thread: their reads of shared memory done (the source may be overwritten)
 __device__ __forceinline__ void bulk_wait_read_all() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
@@ -94,17 +109,25 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
                               const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
                               float* __restrict__ dqacc, uint32_t* __restrict__ sem, uint32_t* __restrict__ ticket) {
 #if RLX_ATTN_WGMMA
-  static_assert(D == 128, "wgmma_fused_bwd_ws_kernel: head dim 128 (64 exceeds the shared memory)");
-  constexpr int BK = kWgBwdKeys, BQ = fused_rows(D), DH = D / 2;  // dQ columns of a consumer warpgroup
+  static_assert(D == 64 || D == 128, "wgmma_fused_bwd_ws_kernel: head dim 64 or 128");
+  // dQ = dS K split over the consumer warpgroups by query rows (D 64, BQ 128: warpgroup w rows
+  // [64 w, 64 w + 64), all D columns) or by columns (D 128, BQ 64: all rows, columns [64 w, 64 w + 64))
+  constexpr int BK = kWgBwdKeys, BQ = fused_rows(D);
+  constexpr bool ROWS = BQ == 128, ALIAS = fused_ws_partial_in_ds(D);
+  constexpr int DH = ROWS ? D : D / 2;  // dQ columns of a consumer warpgroup
+  // D 64 (S^T / dP^T m64n128, 128 registers) within the consumers' 240 registers: bwd_dv_dk_products' LATE
+  constexpr bool kLate = D == 64 && !CAP;
+  static_assert(DH == 64, "wgmma_fused_bwd_ws_kernel: dQ as m64n64 products (wgmma_ss_tt)");
   extern __shared__ __align__(1024) uint8_t wg_smem[];
   const uint32_t pad = (1024u - (smem_addr(wg_smem) & 1023u)) & 1023u;
   T* Ks = reinterpret_cast<T*>(wg_smem + pad);  // [D / 64][BK][64]
   T* Vs = Ks + BK * D;                            // [D / 64][BK][64]
   T* Qs = Vs + BK * D;                            // [2][D / 64][BQ][64]
   T* Gs = Qs + 2 * BQ * D;                        // dO, [2][D / 64][BQ][64]
-  T* Ss = Gs + 2 * BQ * D;                        // dS^T [2][BK][64] (128-byte swizzle)
-  float* Ps = reinterpret_cast<float*>(Ss + 2 * BK * BQ);  // dQ partials [2][BQ][D], chunks permuted
-  float* Ls = Ps + 2 * BQ * D;                              // [2][BQ], log2 units
+  T* Ss = Gs + 2 * BQ * D;                        // dS^T [2][BQ / 64][BK][64] (128-byte swizzle)
+  // dQ partials [2][BQ][D], chunks permuted (ALIAS: in the dS^T buffers)
+  float* Ps = reinterpret_cast<float*>(ALIAS ? Ss : Ss + 2 * BK * BQ);
+  float* Ls = reinterpret_cast<float*>(Ss + 2 * BK * BQ) + (ALIAS ? 0 : 2 * BQ * D);  // [2][BQ], log2 units
   float* Dl = Ls + 2 * BQ;                                  // [2][BQ]
   uint64_t* full = reinterpret_cast<uint64_t*>(Dl + 2 * BQ);
   uint64_t* empty = full + 2;
@@ -207,7 +230,9 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
   }
   // ---- consumers ----
   ws_setmaxnreg_inc<kFusedWsConsRegs>();
-  const int cw = wg - 1;  // consumer warpgroup: keys [k0 + 64 cw, k0 + 64 cw + 64), dQ columns [DH cw, DH cw + DH)
+  // consumer warpgroup cw: keys [k0 + 64 cw, k0 + 64 cw + 64); dQ rows [64 cw, 64 cw + 64) (ROWS) or
+  // columns [DH cw, DH cw + DH)
+  const int cw = wg - 1;
   const int g = lane >> 2, tq = lane & 3;
   const int jw = int(k0) + 64 * cw + 16 * warp;
   const int sk = int(a.Sk);
@@ -220,9 +245,11 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
   const uint32_t kept = MASK && a.mask != nullptr ? bwd_kept_keys(a.mask + b * a.Sk, jw + g, sk, &warp_hides) : 3u;
   const uint64_t kdsc = wg_desc(smem_addr(Ks) + uint32_t(cw * 64 * 128), 16, 1024);
   const uint64_t vdsc = wg_desc(smem_addr(Vs) + uint32_t(cw * 64 * 128), 16, 1024);
-  // dQ = dS K: A = dS^T of the item's buffer (MN-major, all 64 queries), B = K's column half cw
-  // (MN-major), as in wgmma_fused_bwd_kernel at D 128
-  const uint64_t kdq = wg_desc(smem_addr(Ks) + uint32_t(cw * BK * 128), BK * 128, 1024);
+  // dQ = dS K, as in wgmma_fused_bwd_kernel: A = dS^T of the item's buffer (MN-major; ROWS: block cw,
+  // this warpgroup's 64 queries, else all 64 queries), B = K (MN-major; ROWS: all 64 columns, else
+  // the column half cw)
+  const uint64_t kdq = wg_desc(smem_addr(Ks) + uint32_t(ROWS ? 0 : cw * BK * 128), BK * 128, 1024);
+  const uint32_t sblk = ROWS ? uint32_t(cw * BK * 128) : 0u;  // byte offset of the dS^T block cw reads
   for (int m = 0; m < iters; ++m) {
     const int s = m & 1;
     int hl, t;
@@ -241,24 +268,30 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
     const int hide = pos ? kHidePos : warp_hides ? kHideKeys : kHideNone;
     const uint64_t gdt = wg_desc(gaddr, BQ * 128, 1024), qdt = wg_desc(qaddr, BQ * 128, 1024);
     const BwdTileMask msk{jw + g, sk, causal ? diag : INT_MAX, kept, win >= 0 ? diag - win : INT_MIN};
-    bwd_dv_dk_products<T, D, BQ, CAP, MASK != 0>(st, dpt, pa, da, dva, dka, Ls + s * BQ, Dl + s * BQ, c2, tq, hide,
-                                                 msk, gdt, qdt, carg);
+    bwd_dv_dk_products<T, D, BQ, CAP, MASK != 0, kLate>(st, dpt, pa, da, dva, dka, Ls + s * BQ, Dl + s * BQ, c2, tq,
+                                                        hide, msk, gdt, qdt, carg);
     wg_commit();
+    // ALIAS: Ss[s] holds item m - 2's partial until the sender has read it
+    if constexpr (ALIAS) ws_wait(pempty + s, ((m >> 1) & 1) ^ 1);
     // dS^T rows of this thread (keys 64 cw + 16 warp + g (+ 8)) into Ss[s], the layout of the fused
-    // kernel's loop at BQ 64 (a helper shared by both kernels compiled this one differently, untested
-    // on the GPU when written: kept apart)
+    // kernel's loop (queries nt * 8 + 2 tq, +1 in 16-byte chunk nt % 8 of query block nt / 8; a
+    // helper shared by both kernels compiled this one differently, untested on the GPU when
+    // written: kept apart)
     uint8_t* const srow = reinterpret_cast<uint8_t*>(Ss + s * BK * BQ);
 #pragma unroll
     for (int nt = 0; nt < BQ / 8; ++nt)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = 64 * cw + 16 * warp + g + 8 * r;
-        *reinterpret_cast<uint32_t*>(srow + row * 128 + ((nt ^ (row & 7)) << 4) + 4 * tq) =
+        // (BQ 64: the query block and chunk spelt as before ROWS, which keeps the D 128 kernel's code)
+        uint8_t* const sblock = BQ == 64 ? srow : srow + (nt >> 3) * BK * 128;
+        const int chunk = BQ == 64 ? nt : nt & 7;
+        *reinterpret_cast<uint32_t*>(sblock + row * 128 + ((chunk ^ (row & 7)) << 4) + 4 * tq) =
             da[nt >> 1][(nt & 1) * 2 + r];
       }
     fence_proxy_async();                            // dS^T (st.shared) -> the async proxy
     asm volatile("bar.sync 1, 256;" ::: "memory");  // both consumer warpgroups' dS^T rows stored
-    const uint64_t sdt = wg_desc(smem_addr(Ss + s * BK * BQ), BK * 128, 1024);
+    const uint64_t sdt = wg_desc(smem_addr(Ss + s * BK * BQ) + sblk, BK * 128, 1024);
     float dqa[DH / 8][4];
     fused_issue_dq<T>(dqa, sdt, kdq);
     wg_wait0();
@@ -270,10 +303,12 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
     // the stage's readers have completed: S^T, dP^T, dV, dK (wgmma) and this thread's lse / delta
     // loads (every thread arrives: a release of its own loads, which lane 0 alone would not order)
     ws_arrive(empty + s);
-    // this thread's dQ rows 16 warp + g (+ 8), columns DH cw + ..., into Ps[s] once the sender has
-    // read item m - 2's partial out of it
-    ws_wait(pempty + s, ((m >> 1) & 1) ^ 1);
-    fused_store_partial<D, DH>(Ps + s * BQ * D, dqa, 16 * warp + g, DH * cw, g, tq, fused_spread(D, a.kind));
+    // this thread's dQ rows (ROWS: 64 cw +) 16 warp + g (+ 8), columns (not ROWS: DH cw +) 2 tq + ...,
+    // into Ps[s] once the sender has read item m - 2's partial out of it (ALIAS: waited for above;
+    // the rows are dS^T block cw, whose only reader, this warpgroup's dQ product, has completed)
+    if constexpr (!ALIAS) ws_wait(pempty + s, ((m >> 1) & 1) ^ 1);
+    fused_store_partial<D, DH>(Ps + s * BQ * D, dqa, (ROWS ? 64 * cw : 0) + 16 * warp + g, ROWS ? 0 : DH * cw, g,
+                               tq, fused_spread(D, a.kind));
     fence_proxy_async();  // Ps (st.shared) -> the async proxy (the bulk op)
     __syncwarp();         // the warp's stores and fences, then one arrival (lane 0)
     if (lane == 0) ws_arrive(pfull + s);

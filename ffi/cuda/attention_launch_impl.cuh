@@ -633,12 +633,21 @@ ffi::Error AttentionBwd<T>::launch(cudaStream_t stream, const AttnArgs& a, const
             // (the WS kernel loads Q and dO with cp.async: TMA copies of them, as the forward's, ran
             // 0.965x without a mask and level causal, perhaps because the SM's TMA unit also carries
             // the dQ partials' bulk adds; benchmarks/results/h100_2026-11-27.txt section 14)
+            // (at D 64 the warp-specialised kernel without a softcap only: its consumers' 240 registers
+            // hold the softcap's P^T and P^T (1 - tanh^2) only with spills that serialise every wgmma)
+            if (wg_bwd == 7) {
+              if constexpr (!CAP) {
+                if (a.D == 64)
+                  return run_fused(attn::wgmma_fused_bwd_ws_kernel<T, 64, false, MASK>, attn::kFusedWsThreads,
+                                   attn::wg_fused_ws_smem<64>(), served);
+              }
+              if (a.D == 128)
+                return run_fused(attn::wgmma_fused_bwd_ws_kernel<T, 128, CAP, MASK>, attn::kFusedWsThreads,
+                                 attn::wg_fused_ws_smem<128>(), served);
+            }
             if (a.D == 64)
               return run_fused(attn::wgmma_fused_bwd_kernel<T, 64, CAP, MASK>, attn::kWgBwdThreads,
                                attn::wg_fused_smem<64>(), served);
-            if (wg_bwd == 7)
-              return run_fused(attn::wgmma_fused_bwd_ws_kernel<T, 128, CAP, MASK>, attn::kFusedWsThreads,
-                               attn::wg_fused_ws_smem<128>(), served);
             return run_fused(attn::wgmma_fused_bwd_kernel<T, 128, CAP, MASK>, attn::kWgBwdThreads,
                              attn::wg_fused_smem<128>(), served);
           };

@@ -101,9 +101,11 @@ __device__ __forceinline__ uint32_t bwd_kept_keys(const float* mrow, int j0, int
 // CAP (a softcap c > 0; the fused kernels only): the score in log2 units is c2 tanh(S^T carg) (c2 =
 // c log2 e, carg = scale / c), and st keeps P^T (1 - tanh^2), the softcap's derivative folded in,
 // so that bwd_dscores' P^T (dP^T - delta) is the gradient of the scaled raw score; pa still packs P^T.
-template <typename T, int HIDE, int NQ = 8, bool CAP = false>
+// PACK false (not with CAP): st only, pa untouched (bwd_pack packs it later from st).
+template <typename T, int HIDE, int NQ = 8, bool CAP = false, bool PACK = true>
 __device__ __forceinline__ void bwd_probs(float (&st)[NQ][4], uint32_t (&pa)[NQ / 2][4], const float* Lb, float c2,
                                           int tq, const BwdTileMask& m, float carg = 0.f) {
+  static_assert(PACK || !CAP, "bwd_probs: with a softcap st is not P^T: pa is packed here");
 #pragma unroll
   for (int nt = 0; nt < NQ; ++nt) {
     float pe[4];
@@ -114,16 +116,30 @@ __device__ __forceinline__ void bwd_probs(float (&st)[NQ][4], uint32_t (&pa)[NQ 
       pe[e] = bwd_hidden(m, HIDE, nt, e, tq) ? 0.f : p;
       st[nt][e] = CAP ? pe[e] * (1.f - th * th) : pe[e];
     }
-    pa[nt >> 1][(nt & 1) * 2 + 0] = pack2<T>(pe[0], pe[1]);
-    pa[nt >> 1][(nt & 1) * 2 + 1] = pack2<T>(pe[2], pe[3]);
+    if constexpr (PACK) {
+      pa[nt >> 1][(nt & 1) * 2 + 0] = pack2<T>(pe[0], pe[1]);
+      pa[nt >> 1][(nt & 1) * 2 + 1] = pack2<T>(pe[2], pe[3]);
+    }
+  }
+}
+
+// x (a thread's NQ x 4 scores, f32) packed into the A fragments of a k-step-kk product (n8 blocks 2 kk
+// and 2 kk + 1)
+template <typename T, int NQ>
+__device__ __forceinline__ void bwd_pack(const float (&x)[NQ][4], uint32_t (&frag)[NQ / 2][4]) {
+#pragma unroll
+  for (int nt = 0; nt < NQ; ++nt) {
+    frag[nt >> 1][(nt & 1) * 2 + 0] = pack2<T>(x[nt][0], x[nt][1]);
+    frag[nt >> 1][(nt & 1) * 2 + 1] = pack2<T>(x[nt][2], x[nt][3]);
   }
 }
 
 // dS^T = P^T (dP^T - delta_q) from bwd_probs' P^T (0 where HIDE hides the score, whatever dP^T
-// holds there), packed into the A fragments of dK += dS^T Q.
-template <typename T, int HIDE, int NQ = 8>
-__device__ __forceinline__ void bwd_dscores(const float (&st)[NQ][4], const float (&dpt)[NQ][4],
-                                            uint32_t (&da)[NQ / 2][4], const float* Db, int tq, const BwdTileMask& m) {
+// holds there), packed into the A fragments of dK += dS^T Q; PACK false: into dpt (f32, in place),
+// da untouched.
+template <typename T, int HIDE, int NQ = 8, bool PACK = true>
+__device__ __forceinline__ void bwd_dscores(const float (&st)[NQ][4], float (&dpt)[NQ][4], uint32_t (&da)[NQ / 2][4],
+                                            const float* Db, int tq, const BwdTileMask& m) {
 #pragma unroll
   for (int nt = 0; nt < NQ; ++nt) {
     float de[4];
@@ -131,9 +147,12 @@ __device__ __forceinline__ void bwd_dscores(const float (&st)[NQ][4], const floa
     for (int e = 0; e < 4; ++e) {
       const float ds = st[nt][e] * (dpt[nt][e] - Db[8 * nt + 2 * tq + (e & 1)]);
       de[e] = bwd_hidden(m, HIDE, nt, e, tq) ? 0.f : ds;
+      if constexpr (!PACK) dpt[nt][e] = de[e];
     }
-    da[nt >> 1][(nt & 1) * 2 + 0] = pack2<T>(de[0], de[1]);
-    da[nt >> 1][(nt & 1) * 2 + 1] = pack2<T>(de[2], de[3]);
+    if constexpr (PACK) {
+      da[nt >> 1][(nt & 1) * 2 + 0] = pack2<T>(de[0], de[1]);
+      da[nt >> 1][(nt & 1) * 2 + 1] = pack2<T>(de[2], de[3]);
+    }
   }
 }
 
@@ -166,7 +185,12 @@ __device__ __forceinline__ void bwd_issue_scores(float (&st)[BQ / 8][4], float (
 // and da are the products' A fragments: the caller keeps them live (wg_fence_afrag) up to the wait
 // that completes the products. CAP, carg: bwd_probs'. KEYS: the key-only form exists (a key mask
 // may be present: the fused kernels' MASK form); without it hide is kHideNone or kHidePos.
-template <typename T, int D, int BQ = kWgBwdRows, bool CAP = false, bool KEYS = false>
+// LATE (not with CAP): dV's product is issued after dS^T is formed, both from f32 P^T / dS^T held
+// in st / dpt and packed just before their products, instead of dV's issue before the dP^T wait with
+// pa packed at once: 32 registers less at the peak (P^T f32, dP^T, pa, dV, dK: 224 at BQ 128, D 64),
+// one warpgroup's dV product less overlapped with its own dS^T maths. The same values: bitwise the
+// same products.
+template <typename T, int D, int BQ = kWgBwdRows, bool CAP = false, bool KEYS = false, bool LATE = false>
 __device__ __forceinline__ void bwd_dv_dk_products(float (&st)[BQ / 8][4], float (&dpt)[BQ / 8][4],
                                                    uint32_t (&pa)[BQ / 16][4], uint32_t (&da)[BQ / 16][4],
                                                    float (&dva)[D / 8][4], float (&dka)[D / 8][4], const float* Lb,
@@ -174,26 +198,38 @@ __device__ __forceinline__ void bwd_dv_dk_products(float (&st)[BQ / 8][4], float
                                                    const BwdTileMask& m, uint64_t gdt, uint64_t qdt,
                                                    float carg = 0.f) {
   constexpr int NQ = BQ / 8;
+  static_assert(!(LATE && CAP), "bwd_dv_dk_products: LATE keeps P^T in st, which CAP scales");
+  constexpr bool PACK = !LATE;
   wg_wait<1>();
   wg_fence_regs(st);
   if (hide == kHidePos)
-    bwd_probs<T, kHidePos, NQ, CAP>(st, pa, Lb, c2, tq, m, carg);
+    bwd_probs<T, kHidePos, NQ, CAP, PACK>(st, pa, Lb, c2, tq, m, carg);
   else if (KEYS && hide == kHideKeys)
-    bwd_probs<T, kHideKeys, NQ, CAP>(st, pa, Lb, c2, tq, m, carg);
+    bwd_probs<T, kHideKeys, NQ, CAP, PACK>(st, pa, Lb, c2, tq, m, carg);
   else
-    bwd_probs<T, kHideNone, NQ, CAP>(st, pa, Lb, c2, tq, m, carg);
-  wg_fence();
+    bwd_probs<T, kHideNone, NQ, CAP, PACK>(st, pa, Lb, c2, tq, m, carg);
+  if constexpr (!LATE) {
+    wg_fence();
 #pragma unroll
-  for (int kk = 0; kk < BQ / 16; ++kk) wgmma_rs<T, D>(dva, pa[kk], gdt, uint64_t(kk * 16 * 128 >> 4), 1);
-  wg_commit();
-  wg_wait<1>();  // dP^T done (dV may still run)
+    for (int kk = 0; kk < BQ / 16; ++kk) wgmma_rs<T, D>(dva, pa[kk], gdt, uint64_t(kk * 16 * 128 >> 4), 1);
+    wg_commit();
+  }
+  wg_wait<LATE ? 0 : 1>();  // dP^T done (dV may still run)
   wg_fence_regs(dpt);
   if (hide == kHidePos)
-    bwd_dscores<T, kHidePos, NQ>(st, dpt, da, Db, tq, m);
+    bwd_dscores<T, kHidePos, NQ, PACK>(st, dpt, da, Db, tq, m);
   else if (KEYS && hide == kHideKeys)
-    bwd_dscores<T, kHideKeys, NQ>(st, dpt, da, Db, tq, m);
+    bwd_dscores<T, kHideKeys, NQ, PACK>(st, dpt, da, Db, tq, m);
   else
-    bwd_dscores<T, kHideNone, NQ>(st, dpt, da, Db, tq, m);
+    bwd_dscores<T, kHideNone, NQ, PACK>(st, dpt, da, Db, tq, m);
+  if constexpr (LATE) {
+    bwd_pack<T, NQ>(st, pa);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < BQ / 16; ++kk) wgmma_rs<T, D>(dva, pa[kk], gdt, uint64_t(kk * 16 * 128 >> 4), 1);
+    wg_commit();
+    bwd_pack<T, NQ>(dpt, da);
+  }
   wg_fence();
 #pragma unroll
   for (int kk = 0; kk < BQ / 16; ++kk) wgmma_rs<T, D>(dka, da[kk], qdt, uint64_t(kk * 16 * 128 >> 4), 1);
