@@ -9,7 +9,7 @@
 // (session 24) had 0.41 warps an issued instruction stalled on barriers and 0.60 on long scoreboards.
 //
 // Block = 3 warpgroups (384 threads, one block per SM), over 128 keys of one kv head as before:
-//   warpgroup 0 (producer, setmaxnreg.dec to kFusedWsProdRegs):
+//   warpgroup 0 (producer, setmaxnreg.dec to fused_ws_prod_regs):
 //     warp 0 (Q) and warp 2 (dO): per item m, wait for stage m & 1 to be free (its empty barrier),
 //       copy the item's Q (dO) tile with cp.async into it and arrive on its full barrier once the
 //       copies land (cp.async.mbarrier.arrive.noinc), then load the tile's lse (warp 0: log2 units,
@@ -26,7 +26,7 @@
 //       (st.release rank + 1). No consumer thread waits on a semaphore or a bulk op any more; they
 //       only wait for the buffer, two items later.
 //     warp 3 has nothing to do and exits.
-//   warpgroups 1, 2 (consumers, setmaxnreg.inc to kFusedWsConsRegs), 64 keys each: per item, wait
+//   warpgroups 1, 2 (consumers, setmaxnreg.inc to fused_ws_cons_regs), 64 keys each: per item, wait
 //     for the stage, S^T / dP^T, P^T, dS^T, dV += P^T dO, dK += dS^T Q (bwd_issue_scores /
 //     bwd_dv_dk_products, as the fused kernel), dS^T rows into Ss[m & 1], a named barrier of the
 //     256 consumer threads (the block's dS^T complete), dQ = dS K (this warpgroup's 64 columns),
@@ -52,8 +52,18 @@ namespace cuda {
 namespace attn {
 
 constexpr int kFusedWsThreads = 384;
-// Register split (setmaxnreg): 128 * 24 + 256 * 240 = 64512 <= 384 * 168 at launch.
-constexpr int kFusedWsProdRegs = 24, kFusedWsConsRegs = 240;
+// Register split (setmaxnreg): 128 P + 256 C = 64512 <= 384 * 168 at launch. D 128: P = 24, C = 240 (the
+// consumers hold 128 dK / dV accumulators; at 232 ptxas spills and serialises their wgmmas). D 64: P = 56,
+// C = 224 (the LATE consumers fit; at 24 the loader warps kept their addresses in local memory and re-read
+// the thread index for every cp.async, and the consumers waited for the Q / dO stage ~15 % of their time:
+// ncu source counters, session 31).
+template <int D>
+constexpr int fused_ws_prod_regs() { return D == 64 ? 56 : 24; }
+template <int D>
+constexpr int fused_ws_cons_regs() { return D == 64 ? 224 : 240; }
+static_assert(128 * fused_ws_prod_regs<64>() + 256 * fused_ws_cons_regs<64>() <= 384 * 168 &&
+                  128 * fused_ws_prod_regs<128>() + 256 * fused_ws_cons_regs<128>() <= 384 * 168,
+              "wgmma_fused_bwd_ws_kernel: the register split");
 
 // The dQ partial of an item in the buffer of its dS^T (D 64): there, with BQ = 128 query rows split by
 // rows, warpgroup w's dQ product reads only dS^T block w (queries [64 w, 64 w + 64), all 128 keys,
@@ -168,7 +178,7 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
   if (wg == 0) {
     // ---- producer ----
-    ws_setmaxnreg_dec<kFusedWsProdRegs>();
+    ws_setmaxnreg_dec<fused_ws_prod_regs<D>()>();
     if (warp == 0 || warp == 2) {  // the Q (warp 0) or dO (warp 2) tiles and their lse (delta) rows
       const bool isq = warp == 0;
       const T* x = isq ? q : dout;
@@ -229,7 +239,7 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
     return;
   }
   // ---- consumers ----
-  ws_setmaxnreg_inc<kFusedWsConsRegs>();
+  ws_setmaxnreg_inc<fused_ws_cons_regs<D>()>();
   // consumer warpgroup cw: keys [k0 + 64 cw, k0 + 64 cw + 64); dQ rows [64 cw, 64 cw + 64) (ROWS) or
   // columns [DH cw, DH cw + DH)
   const int cw = wg - 1;
