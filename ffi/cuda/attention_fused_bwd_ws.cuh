@@ -15,7 +15,10 @@
 //       copies land (cp.async.mbarrier.arrive.noinc), then load the tile's lse (warp 0: log2 units,
 //       dead rows +inf as before) or delta (warp 2) rows, store them into the stage and arrive
 //       again (a plain arrival: release of those stores). Full barrier count: 2 x 64 arrivals.
-//     warp 1 (the sender): per item m, the rank of the item among its tile's contributors
+//     warps 1 and 3 (the senders: warp 1 the items of partial buffer 0, m even, warp 3 those of buffer
+//       1, m odd, so one item's wait for its sums does not hold up the next item's send; session 31,
+//       where one sender left the consumers waiting for a buffer ~13 % of the samples at D 128): per
+//       item m, the rank of the item among its tile's contributors
 //       (FusedSchedule::rank, the whole warp); wait for the partial of item m (Ps[m & 1], its
 //       full barrier, 8 arrivals: lane 0 of each consumer warp after the warp's stores, proxy
 //       fences and a __syncwarp, as a TMA store follows its writers' fences and a barrier; an
@@ -25,7 +28,6 @@
 //       barrier, one arrival), then waits for the sums to be performed and releases the tile
 //       (st.release rank + 1). No consumer thread waits on a semaphore or a bulk op any more; they
 //       only wait for the buffer, two items later.
-//     warp 3 has nothing to do and exits.
 //   warpgroups 1, 2 (consumers, setmaxnreg.inc to fused_ws_cons_regs), 64 keys each: per item, wait
 //     for the stage, S^T / dP^T, P^T, dS^T, dV += P^T dO, dK += dS^T Q (bwd_issue_scores /
 //     bwd_dv_dk_products, as the fused kernel), dS^T rows into Ss[m & 1], a named barrier of the
@@ -38,8 +40,9 @@
 //   (the last reader of Ss[m & 1]) has completed. So there is no block-wide barrier in the loop.
 // Same products in the same order, the same f32 sums in the same rank order: dq, dk, dv are bitwise
 // those of wgmma_fused_bwd_kernel (tested). Deadlock freedom: as the fused kernel's (items wait only
-// on lexicographically smaller (step, key block) items of the same group; the sender takes its items
-// in increasing step; the consumers wait only on the sender two items back and on the producer).
+// on lexicographically smaller (step, key block) items of the same group; each sender takes its items
+// in increasing step and releases an item's tile right after its own sums, whatever the other sender
+// does; the consumers wait only on a sender two items back and on the producer).
 #pragma once
 
 #include <cstdint>
@@ -205,8 +208,8 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
         }
         ws_arrive(full + s);
       }
-    } else if (warp == 1) {  // the sender
-      for (int m = 0; m < iters; ++m) {
+    } else {  // the senders: warp 1 the even items (buffer 0), warp 3 the odd ones (buffer 1)
+      for (int m = warp >> 1; m < iters; m += 2) {
         const int s = m & 1;
         int hl, t;
         sch.item(m, &hl, &t);
