@@ -31,10 +31,12 @@
 //   warpgroups 1, 2 (consumers, setmaxnreg.inc to fused_ws_cons_regs), 64 keys each: per item, wait
 //     for the stage, S^T / dP^T, P^T, dS^T, dV += P^T dO, dK += dS^T Q (bwd_issue_scores /
 //     bwd_dv_dk_products, as the fused kernel), dS^T rows into Ss[m & 1], a named barrier of the
-//     256 consumer threads (the block's dS^T complete), dQ = dS K (this warpgroup's 64 columns),
-//     waited with dV's and dK's products; the stage freed (every consumer thread arrives: count
-//     256, so each thread's lse / delta loads are released before the producer overwrites them); the
-//     partial into Ps[m & 1] once the sender has freed it.
+//     256 consumer threads (the block's dS^T complete), dQ = dS K (D 128: this warpgroup's 64 columns
+//     of the 64 rows; D 64: its 64 rows of the 128, all columns), waited with dV's and dK's products;
+//     the stage freed (every consumer thread arrives: count 256, so each thread's lse / delta loads are
+//     released before the producer overwrites them); the partial into Ps[m & 1] once the sender has
+//     freed it (D 64: Ps[m & 1] is Ss[m & 1], fused_ws_partial_in_ds, so the consumers wait for the
+//     sender before the dS^T stores instead).
 //   The dS^T buffers alternate: a warpgroup writes Ss[m & 1] for item m + 2 only after passing the
 //   named barrier of item m + 1, which the other warpgroup reaches after its dQ product of item m
 //   (the last reader of Ss[m & 1]) has completed. So there is no block-wide barrier in the loop.
