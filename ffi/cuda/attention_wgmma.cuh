@@ -143,6 +143,15 @@ __device__ __forceinline__ void wg_fence_regs(float (&d)[N][4]) {
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
 }
 
+// n8 block nt of a thread's f32 accumulator pair of rows (x[0..1]: row g, x[2..3]: row g + 8) as half of
+// the A fragment of k-step nt / 2 (T = bf16 / f16): its registers (row g, row g + 8) of keys 2 tq..
+// (nt even) or 2 tq + 8.. (nt odd)
+template <typename T, int K>
+__device__ __forceinline__ void pack_a_n8(uint32_t (&frag)[K][4], int nt, const float (&x)[4]) {
+  frag[nt >> 1][(nt & 1) * 2 + 0] = pack2<T>(x[0], x[1]);
+  frag[nt >> 1][(nt & 1) * 2 + 1] = pack2<T>(x[2], x[3]);
+}
+
 // keeps register A fragments live and unmoved until this point (after the wait that completes the
 // wgmma reading them: the compiler does not know the MMA reads them asynchronously)
 template <int N>
@@ -388,10 +397,7 @@ __global__ void __launch_bounds__(NWG * 128, 1)
           pe[e] = ex2(fmaf(s[nt][e], c2, -mu[e >> 1]));
           ls[e >> 1] += pe[e];
         }
-        // n8 block nt is half of the A fragment of k-step nt / 2: regs (row g, row g + 8) for
-        // keys 2t.. (nt even) or 2t + 8.. (nt odd)
-        p[nt >> 1][(nt & 1) * 2 + 0] = pack2<T>(pe[0], pe[1]);
-        p[nt >> 1][(nt & 1) * 2 + 1] = pack2<T>(pe[2], pe[3]);
+        pack_a_n8<T>(p, nt, pe);
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + ls[r];

@@ -116,10 +116,7 @@ __device__ __forceinline__ void bwd_probs(float (&st)[NQ][4], uint32_t (&pa)[NQ 
       pe[e] = bwd_hidden(m, HIDE, nt, e, tq) ? 0.f : p;
       st[nt][e] = CAP ? pe[e] * (1.f - th * th) : pe[e];
     }
-    if constexpr (PACK) {
-      pa[nt >> 1][(nt & 1) * 2 + 0] = pack2<T>(pe[0], pe[1]);
-      pa[nt >> 1][(nt & 1) * 2 + 1] = pack2<T>(pe[2], pe[3]);
-    }
+    if constexpr (PACK) pack_a_n8<T>(pa, nt, pe);
   }
 }
 
@@ -128,10 +125,7 @@ __device__ __forceinline__ void bwd_probs(float (&st)[NQ][4], uint32_t (&pa)[NQ 
 template <typename T, int NQ>
 __device__ __forceinline__ void bwd_pack(const float (&x)[NQ][4], uint32_t (&frag)[NQ / 2][4]) {
 #pragma unroll
-  for (int nt = 0; nt < NQ; ++nt) {
-    frag[nt >> 1][(nt & 1) * 2 + 0] = pack2<T>(x[nt][0], x[nt][1]);
-    frag[nt >> 1][(nt & 1) * 2 + 1] = pack2<T>(x[nt][2], x[nt][3]);
-  }
+  for (int nt = 0; nt < NQ; ++nt) pack_a_n8<T>(frag, nt, x[nt]);
 }
 
 // dS^T = P^T (dP^T - delta_q) from bwd_probs' P^T (0 where HIDE hides the score, whatever dP^T
@@ -149,10 +143,7 @@ __device__ __forceinline__ void bwd_dscores(const float (&st)[NQ][4], float (&dp
       de[e] = bwd_hidden(m, HIDE, nt, e, tq) ? 0.f : ds;
       if constexpr (!PACK) dpt[nt][e] = de[e];
     }
-    if constexpr (PACK) {
-      da[nt >> 1][(nt & 1) * 2 + 0] = pack2<T>(de[0], de[1]);
-      da[nt >> 1][(nt & 1) * 2 + 1] = pack2<T>(de[2], de[3]);
-    }
+    if constexpr (PACK) pack_a_n8<T>(da, nt, de);
   }
 }
 
@@ -394,8 +385,7 @@ __device__ __forceinline__ void wg_dq_ds_tile(const AttnArgs& a, const float (&s
         if (!(i < a.Sq && j < a.Sk && kind_visible(a, i, j))) de[e] = 0.f;
       }
     }
-    da[nt >> 1][(nt & 1) * 2 + 0] = pack2<T>(de[0], de[1]);
-    da[nt >> 1][(nt & 1) * 2 + 1] = pack2<T>(de[2], de[3]);
+    pack_a_n8<T>(da, nt, de);
   }
 }
 

@@ -342,8 +342,7 @@ __device__ __forceinline__ void ws_softmax_tile(const AttnArgs& a, float (&s)[BC
         pe[e] = hidden ? 0.f : ex2(fmaf(x, c2, -mu[e >> 1]));
         ls[e >> 1] += pe[e];
       }
-      p[nt >> 1][(nt & 1) * 2 + 0] = pack2<T>(pe[0], pe[1]);
-      p[nt >> 1][(nt & 1) * 2 + 1] = pack2<T>(pe[2], pe[3]);
+      pack_a_n8<T>(p, nt, pe);
     }
   };
   if ((KEEP_S || CAP) && need)  // CAP: a hidden score's -inf would map to tanh = -1, not to P = 0
