@@ -56,7 +56,9 @@
 // The default at D 64 with a softcap (RLX_ATTENTION_CUDA_WGMMA_BWD unset, 6 or 7; 8 keeps it for mask
 // kind none only, 9 = the two kernels for both); otherwise only with 6 (8: none): the default is its
 // warp-specialised form, attention_fused_bwd_ws.cuh, at D 128 since session 26 (1.03-1.07x), at D 64
-// without a softcap since session 31 (level without a mask, 1.05x with a key mask, 1.15x with a window).
+// without a softcap since session 31 (the backward alone: level with this kernel at first; then 56
+// registers for its loader warps ran it 1.14-1.16x that first form without a mask, 1.10x with a key
+// mask, 1.15x with a window: results sections 33 and 36).
 // History, all B4 S4096 H16 D128 bf16 (benchmarks/results/attention_bwd_h200_2026-11-22.txt run 13,
 // h100_2026-11-26.txt session 22):
 //   - run 13 (H200): the math threads read the dQacc tile with cp.async, added, stored: 0.77x / 0.73x

@@ -125,13 +125,16 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
                               float* __restrict__ dqacc, uint32_t* __restrict__ sem, uint32_t* __restrict__ ticket) {
 #if RLX_ATTN_WGMMA
   static_assert(D == 64 || D == 128, "wgmma_fused_bwd_ws_kernel: head dim 64 or 128");
+  // (at D 64 LATE, below, cannot hold a softcap's P^T and P^T (1 - tanh^2): the launcher keeps D 64 with
+  // a softcap on wgmma_fused_bwd_kernel)
+  static_assert(D == 128 || !CAP, "wgmma_fused_bwd_ws_kernel: D 64 without a softcap");
   // dQ = dS K split over the consumer warpgroups by query rows (D 64, BQ 128: warpgroup w rows
   // [64 w, 64 w + 64), all D columns) or by columns (D 128, BQ 64: all rows, columns [64 w, 64 w + 64))
   constexpr int BK = kWgBwdKeys, BQ = fused_rows(D);
   constexpr bool ROWS = BQ == 128, ALIAS = fused_ws_partial_in_ds(D);
   constexpr int DH = ROWS ? D : D / 2;  // dQ columns of a consumer warpgroup
   // D 64 (S^T / dP^T m64n128, 128 registers) within the consumers' 240 registers: bwd_dv_dk_products' LATE
-  constexpr bool kLate = D == 64 && !CAP;
+  constexpr bool kLate = D == 64;
   static_assert(DH == 64, "wgmma_fused_bwd_ws_kernel: dQ as m64n64 products (wgmma_ss_tt)");
   extern __shared__ __align__(1024) uint8_t wg_smem[];
   const uint32_t pad = (1024u - (smem_addr(wg_smem) & 1023u)) & 1023u;

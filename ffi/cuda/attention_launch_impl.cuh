@@ -633,7 +633,7 @@ ffi::Error AttentionBwd<T>::launch(cudaStream_t stream, const AttnArgs& a, const
             // (the WS kernel loads Q and dO with cp.async: TMA copies of them, as the forward's, ran
             // 0.965x without a mask and level causal, perhaps because the SM's TMA unit also carries
             // the dQ partials' bulk adds; benchmarks/results/h100_2026-11-27.txt section 14)
-            // (at D 64 the warp-specialised kernel without a softcap only: its consumers' 240 registers
+            // (at D 64 the warp-specialised kernel without a softcap only: its consumers' 224 registers
             // hold the softcap's P^T and P^T (1 - tanh^2) only with spills that serialise every wgmma)
             if (wg_bwd == 7) {
               if constexpr (!CAP) {
