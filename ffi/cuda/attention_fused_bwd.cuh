@@ -198,22 +198,18 @@ __device__ __forceinline__ void fence_proxy_async_global() {
 }
 
 // dQacc layout: [B, H, Sq, D] f32 with the 16-byte chunks of each row permuted (D a multiple of 32):
-// chunk c (columns 4 c .. 4 c + 3) of query row i is stored at chunk c ^ 2 (i & 3) (`spread`) or
-// c ^ (i & 7). The shared-memory partial of a BQ-row tile has the same layout (its rows start at
-// multiples of BQ), so the whole tile is ONE contiguous bulk operation. Fragment stores
-// (fused_store_partial): in a half-warp (rows with i & 7 = g < 4, or 4 <= g < 8, of 128-byte-
-// aligned rows), lane (g, tq) stores a float2 into chunk (c0 + tq / 2) ^ h(g), c0 even. spread,
-// h = 2 (g & 3): the 8 chunks of an aligned group, each by two lanes (its two halves): the 16 stores
-// cover the 32 banks once. h = g & 7 puts two rows on each chunk half: 2-way bank conflicts (8.7 M
-// extra shared-memory wavefronts in the D 128 backward at B1 S4096 H16, ncu). Backward alone, H100
-// (benchmarks/results/h100_2026-11-27.txt sections 21-22), spread everywhere against nowhere: D 128
-// causal 1.015-1.026x, D 64 1.01x, but D 128 without a mask 0.97-0.99x (cause not found). So spread =
-// causal or D 64 (fused_spread); against nowhere: D 64 1.007-1.017x, D 128 causal 1.01-1.05x, D 128
-// none level. Both layouts give the same sums: dq is bitwise the same.
-__host__ __device__ constexpr int fused_chunk(int c, int64_t i, bool spread) {
-  return c ^ int(spread ? 2 * (i & 3) : (i & 7));
-}
-__host__ __device__ constexpr bool fused_spread(int64_t D, int kind) { return D == 64 || kind != 0; }
+// chunk c (columns 4 c .. 4 c + 3) of query row i is stored at chunk c ^ 2 (i & 3). The shared-memory
+// partial of a BQ-row tile has the same layout (its rows start at multiples of BQ), so the whole tile
+// is ONE contiguous bulk operation. Fragment stores (fused_store_partial): in a half-warp (rows with
+// i & 7 = g < 4, or 4 <= g < 8, of 128-byte-aligned rows), lane (g, tq) stores a float2 into chunk
+// (c0 + tq / 2) ^ 2 (g & 3), c0 even: the 8 chunks of an aligned group, each by two lanes (its two
+// halves), so the 16 stores cover the 32 banks once. The permutation c ^ (i & 7) puts two rows on each
+// chunk half: 2-way bank conflicts (8.7 M extra shared-memory wavefronts in the D 128 backward at B1
+// S4096 H16, ncu). Against it, backward alone, H100: D 64 1.007-1.017x, D 128 causal 1.01-1.05x
+// (sessions 27-28, benchmarks/results/h100_2026-11-27.txt sections 21-22, where D 128 without a mask
+// ran 0.97-0.99x and kept c ^ (i & 7)); D 128 without a mask 1.02-1.05x since session 32 (the
+// two-sender WS kernel; section 41 there). Either layout gives the same sums: dq is bitwise the same.
+__host__ __device__ constexpr int fused_chunk(int c, int64_t i) { return c ^ int(2 * (i & 3)); }
 
 // The ranks of a block's items are computed kFusedRankChunk at a time (all 8 warps, every
 // kFusedRankChunk iterations) into shared memory.
@@ -231,13 +227,13 @@ constexpr size_t wg_fused_smem() {
 // dq = scale * dQacc after the fused kernel: dQacc [B, H, Sq, D] f32 (chunks permuted, above) -> dq
 // [B, Sq, H, D] in T, one 16-byte chunk (four elements) a thread.
 template <typename T>
-__global__ void fused_dq_convert_kernel(int64_t n4, int64_t Sq, int64_t H, int D, float scale, bool spread,
+__global__ void fused_dq_convert_kernel(int64_t n4, int64_t Sq, int64_t H, int D, float scale,
                                         const float* __restrict__ acc, T* __restrict__ dq) {
   const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (e >= n4) return;
   const int64_t x = e * 4, c = x % D, row = x / D;  // row = (b H + h) Sq + i
   const int64_t i = row % Sq, bh = row / Sq, h = bh % H, b = bh / H;
-  const float4 f = *reinterpret_cast<const float4*>(acc + row * D + 4 * fused_chunk(int(c / 4), i, spread));
+  const float4 f = *reinterpret_cast<const float4*>(acc + row * D + 4 * fused_chunk(int(c / 4), i));
   uint2 o;
   o.x = pack2<T>(f.x * scale, f.y * scale);
   o.y = pack2<T>(f.z * scale, f.w * scale);
@@ -257,16 +253,16 @@ __device__ __forceinline__ void fused_issue_dq(float (&dqa)[8][4], uint64_t sdt,
 
 // This thread's dQ partial (dqa: rows row0 = r0 + 16 warp + g and row0 + 8 of the tile, g = row &
 // 7; columns kcol + 8 nt + 2 tq (+ 1)) into the partial buffer ps ([BQ][D] f32 in dQacc's layout):
-// chunk kcol / 4 + 2 nt + tq / 2 stored at fused_chunk(chunk, g, spread).
+// chunk kcol / 4 + 2 nt + tq / 2 stored at fused_chunk(chunk, g).
 template <int D, int DH>
 __device__ __forceinline__ void fused_store_partial(float* ps, const float (&dqa)[DH / 8][4], int row0, int kcol,
-                                                    int g, int tq, bool spread) {
+                                                    int g, int tq) {
   float* pr = ps + row0 * D + 2 * (tq & 1);
 #pragma unroll
   for (int nt = 0; nt < DH / 8; ++nt)
 #pragma unroll
     for (int r = 0; r < 2; ++r)
-      *reinterpret_cast<float2*>(pr + 8 * r * D + 4 * fused_chunk(kcol / 4 + 2 * nt + (tq >> 1), g, spread)) =
+      *reinterpret_cast<float2*>(pr + 8 * r * D + 4 * fused_chunk(kcol / 4 + 2 * nt + (tq >> 1), g)) =
           make_float2(dqa[nt][2 * r], dqa[nt][2 * r + 1]);
 }
 
@@ -570,8 +566,7 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     wg_fence_afrag(da);
     // this thread's dQ rows r0 + 16 warp + g (+ 8) (r0 = 64 wg where ROWS, else 0) into Ps[buf]
     // (sent by iteration m + 1's send, after the barrier at its top)
-    fused_store_partial<D, DH>(Ps + buf * BQ * D, dqa, (ROWS ? 64 * wg : 0) + 16 * warp + g, kcol, g, tq,
-                               fused_spread(D, a.kind));
+    fused_store_partial<D, DH>(Ps + buf * BQ * D, dqa, (ROWS ? 64 * wg : 0) + 16 * warp + g, kcol, g, tq);
     fence_proxy_async();  // Ps (st.shared) -> the async proxy (the bulk ops)
   }
   // the last item

@@ -343,8 +343,7 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
     // into Ps[s] once the sender has read item m - 2's partial out of it (ALIAS: waited for above;
     // the rows are dS^T block cw, whose only reader, this warpgroup's dQ product, has completed)
     if constexpr (!ALIAS) ws_wait(pempty + s, ((m >> 1) & 1) ^ 1);
-    fused_store_partial<D, DH>(Ps + s * BQ * D, dqa, (ROWS ? 64 * cw : 0) + 16 * warp + g, ROWS ? 0 : DH * cw, g,
-                               tq, fused_spread(D, a.kind));
+    fused_store_partial<D, DH>(Ps + s * BQ * D, dqa, (ROWS ? 64 * cw : 0) + 16 * warp + g, ROWS ? 0 : DH * cw, g, tq);
     fence_proxy_async();  // Ps (st.shared) -> the async proxy (the bulk op)
     __syncwarp();         // the warp's stores and fences, then one arrival (lane 0)
     if (lane == 0) ws_arrive(pfull + s);

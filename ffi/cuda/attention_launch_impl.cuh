@@ -621,7 +621,7 @@ ffi::Error AttentionBwd<T>::launch(cudaStream_t stream, const AttnArgs& a, const
             if (auto e = grid_check(cblocks, "attention backward"); e.failure()) return e;
             if (cblocks > 0) {
               attn::fused_dq_convert_kernel<T><<<unsigned(cblocks), 256, 0, stream>>>(
-                  n4, a.Sq, a.H, int(D), a.scale, attn::fused_spread(D, a.kind), dqacc, dq);
+                  n4, a.Sq, a.H, int(D), a.scale, dqacc, dq);
               if (auto e = check_launch("attention backward (fused dq convert)"); e.failure()) return e;
             }
             return ffi::Error::Success();
