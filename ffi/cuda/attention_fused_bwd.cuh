@@ -208,7 +208,7 @@ __device__ __forceinline__ void fence_proxy_async_global() {
 // S4096 H16, ncu). Against it, backward alone, H100: D 64 1.007-1.017x, D 128 causal 1.01-1.05x
 // (sessions 27-28, benchmarks/results/h100_2026-11-27.txt sections 21-22, where D 128 without a mask
 // ran 0.97-0.99x and kept c ^ (i & 7)); D 128 without a mask 1.02-1.05x since session 32 (the
-// two-sender WS kernel; section 41 there). Either layout gives the same sums: dq is bitwise the same.
+// two-sender WS kernel; section 45 there). Either layout gives the same sums: dq is bitwise the same.
 __host__ __device__ constexpr int fused_chunk(int c, int64_t i) { return c ^ int(2 * (i & 3)); }
 
 // The ranks of a block's items are computed kFusedRankChunk at a time (all 8 warps, every
