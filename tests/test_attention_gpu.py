@@ -280,7 +280,7 @@ def test_deterministic():
 
 
 @pytest.mark.parametrize("b,sq,sk,h,hkv", [(2, 0, 16, 2, 2), (2, 16, 0, 2, 1), (2, 0, 0, 2, 2), (0, 8, 8, 2, 2)])
-@pytest.mark.parametrize("d", [64, 32])
+@pytest.mark.parametrize("d", [64, 128, 32])
 def test_zero_sized(b, sq, sk, h, hkv, d):
     dtype = jnp.bfloat16
     q = jnp.ones((b, sq, h, d), dtype)
