@@ -315,6 +315,8 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
         stmatrix_x4(rowb + uint32_t((nt >> 3) * BK * 128 + (((nt & 7) ^ j) << 4)), da[p]);
       }
     } else {
+      // (the stores of wgmma_fused_bwd_kernel's loop at BQ 64; one helper for both compiled this kernel to
+      // different code that ran 0.986-0.993x: benchmarks/results/h100_2026-11-27.txt section 50)
       uint8_t* const srow = reinterpret_cast<uint8_t*>(Ss + s * BK * BQ);
 #pragma unroll
       for (int nt = 0; nt < BQ / 8; ++nt)
