@@ -188,24 +188,43 @@ __global__ void __launch_bounds__(kGenWarps * 32)
 }
 
 // ---- backward pre-pass: delta = rowsum(dout * out) - dlse --------------------------------
-// One warp per (b, i, h) row of out; rows in [B, Sq, H] order, delta in [B, H, Sq].
-template <typename T>
+// A group of L lanes per row (L a power of two, 1..32, chosen by the launcher, delta_lanes), the
+// rows taken in delta's [B, H, Sq] order so the groups of a warp write consecutive delta elements
+// and read consecutive dlse ones; a row of out / dout is D contiguous elements of [B, Sq, H, D],
+// read in 16-byte vectors (VEC elements: D a multiple of VEC, 16-byte aligned buffers) or else one
+// element at a time. Each lane sums its vectors, then the group adds its lanes' sums (xor
+// shuffles): a fixed order, so delta is deterministic. (H100, B4 S4096 H16 D128 bf16: one warp a
+// row, 2-byte loads, writes H apart: 70 us, 1.9 TB/s; benchmarks/results/h100_2026-11-27.txt
+// section 53.)
+template <typename T, int VEC>
 __global__ void __launch_bounds__(256)
-    delta_kernel(int64_t rows, int64_t Sq, int64_t H, int64_t D, const T* __restrict__ out,
+    delta_kernel(int64_t rows, int64_t Sq, int64_t H, int D, int L, const T* __restrict__ out,
                  const T* __restrict__ dout, const float* __restrict__ dlse, float* __restrict__ delta) {
-  const int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-  const int lane = threadIdx.x & 31;
-  if (r >= rows) return;
-  const T* o = out + r * D;
-  const T* g = dout + r * D;
+  const int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / L;  // [B, H, Sq] row
+  const int lane = threadIdx.x & 31, sub = lane & (L - 1);
+  if (r >= rows) return;  // whole groups: L divides 32 and the block size
+  const int64_t i = r % Sq, bh = r / Sq, h = bh % H, b = bh / H;
+  const int64_t at = ((b * Sq + i) * H + h) * D;
+  const T* o = out + at;
+  const T* g = dout + at;
   float s = 0.f;
-  for (int64_t d = lane; d < D; d += 32) s = fmaf(to_f32(o[d]), to_f32(g[d]), s);
-  s = warp_sum(s);
-  if (lane == 0) {
-    const int64_t h = r % H, bi = r / H, i = bi % Sq, b = bi / Sq;
-    const int64_t at = (b * H + h) * Sq + i;
-    delta[at] = s - dlse[at];
+  for (int c = sub; c < D / VEC; c += L) {
+    float ov[VEC], gv[VEC];
+    load_vec<T, VEC>(o + c * VEC, ov);
+    load_vec<T, VEC>(g + c * VEC, gv);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) s = fmaf(ov[e], gv[e], s);
   }
+  const unsigned group = L == 32 ? 0xffffffffu : ((1u << L) - 1u) << (lane & ~(L - 1));
+  for (int m = L / 2; m > 0; m >>= 1) s += __shfl_xor_sync(group, s, m);
+  if (sub == 0) delta[r] = s - dlse[r];
+}
+
+// The lanes a row of delta_kernel: the power of two (at most 32) covering the row's D / VEC vectors.
+inline int delta_lanes(int64_t D, int vec) {
+  int L = 1;
+  while (L < 32 && L * vec < D) L *= 2;
+  return L;
 }
 
 // P_ij from the score and the row's lse (lse = -inf: dead row, P = 0).

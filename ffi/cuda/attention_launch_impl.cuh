@@ -461,9 +461,18 @@ ffi::Error AttentionBwd<T>::launch(cudaStream_t stream, const AttnArgs& a, const
   if (cudaError_t e = device_info(&info); e != cudaSuccess) return cuda_error("attention backward", e);
   const int64_t rows = a.B * a.Sq * a.H;
   if (rows > 0) {
-    const int64_t blocks = (rows * 32 + 255) / 256;
+    // 16-byte vectors where every row starts 16-byte aligned (D * sizeof(T) a multiple of 16)
+    constexpr int kV = kVec16<T>;
+    const bool vec = a.D % kV == 0 && (reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(dout)) % 16 == 0;
+    const int L = attn::delta_lanes(a.D, vec ? kV : 1);
+    const int64_t blocks = (rows * L + 255) / 256;
     if (auto e = grid_check(blocks, "attention backward"); e.failure()) return e;
-    attn::delta_kernel<T><<<unsigned(blocks), 256, 0, stream>>>(rows, a.Sq, a.H, a.D, out, dout, dlse, delta);
+    if (vec)
+      attn::delta_kernel<T, kV><<<unsigned(blocks), 256, 0, stream>>>(rows, a.Sq, a.H, int(a.D), L, out, dout, dlse,
+                                                                       delta);
+    else
+      attn::delta_kernel<T, 1><<<unsigned(blocks), 256, 0, stream>>>(rows, a.Sq, a.H, int(a.D), L, out, dout, dlse,
+                                                                      delta);
     if (auto e = check_launch("attention backward (delta)"); e.failure()) return e;
   }
   const int64_t q_blocks_g = (a.Sq + attn::kGenWarps - 1) / attn::kGenWarps * a.H * a.B;
