@@ -456,8 +456,9 @@ def test_cuda_backward_scratch_follows_the_kernel_switch(monkeypatch, mode, kind
     assert A._cuda_fused_bwd(q, kind, 0.1, 5.0, True, False) is fused  # both
     assert not A._cuda_fused_bwd(q, kind, 0.1, 0.0, False, True)  # bias
     assert A._cuda_fused_bwd(q, "sliding", 0.1, 0.0, False, False) is (fused and mode != "8")  # MASK kernels
-    # delta (B H Sq = 1040, a multiple of 4), dQacc B H Sq D, 3 query tiles of 64 a (batch, head), ticket
-    assert A.cuda_bwd_scratch_size(2, 4, 130, 128, fused) == (1040 + 1040 * 128 + 8 * 3 + 1 if fused else 1040)
+    # delta (B H Sq = 1040, a multiple of 4), dQacc B H Sq D, 3 query tiles of 64 a (batch, head), ticket,
+    # the converters' tile counter
+    assert A.cuda_bwd_scratch_size(2, 4, 130, 128, fused) == (1040 + 1040 * 128 + 8 * 3 + 2 if fused else 1040)
     # D 64: query tiles of 128 rows (65 rows: one tile, 129: two)
-    assert A.cuda_bwd_scratch_size(1, 3, 65, 64, fused) == (196 + 195 * 64 + 3 * 1 + 1 if fused else 195)
-    assert A.cuda_bwd_scratch_size(1, 3, 129, 64, fused) == (388 + 387 * 64 + 3 * 2 + 1 if fused else 387)
+    assert A.cuda_bwd_scratch_size(1, 3, 65, 64, fused) == (196 + 195 * 64 + 3 * 1 + 2 if fused else 195)
+    assert A.cuda_bwd_scratch_size(1, 3, 129, 64, fused) == (388 + 387 * 64 + 3 * 2 + 2 if fused else 387)

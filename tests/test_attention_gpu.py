@@ -125,6 +125,11 @@ MMA_CASES = [
     (1, 200, 200, 4, 2, 64, jnp.bfloat16, dict(kind="causal")),
     (1, 133, 77, 4, 1, 128, jnp.bfloat16, dict(kind="causal")),
     (1, 77, 190, 2, 2, 128, jnp.float16, dict(kind="causal")),
+    # causal, Sq - Sk over a query tile (64 rows at D 128, 128 at D 64): whole tiles no key block
+    # visits (the fused backward's converter blocks write their dq = 0), then rows that see no key
+    # inside visited tiles
+    (1, 300, 100, 2, 1, 128, jnp.bfloat16, dict(kind="causal")),
+    (2, 400, 130, 2, 2, 64, jnp.float16, dict(kind="causal")),
     (1, 150, 150, 2, 1, 64, jnp.float16, dict(kind="sliding", window=40)),
     (2, 97, 161, 4, 2, 128, jnp.bfloat16, dict(kind="sliding", window=70)),
     (1, 130, 130, 2, 2, 64, jnp.bfloat16, dict(kind="none", scale=0.3, softcap=2.0)),
@@ -468,6 +473,11 @@ WGMMA_CASES = [
     (2, 128, 128, 4, 4, 128, jnp.bfloat16, {}),
     (1, 133, 77, 4, 1, 128, jnp.bfloat16, dict(kind="causal")),
     (1, 77, 190, 2, 2, 128, jnp.float16, dict(kind="causal")),
+    # causal, Sq - Sk over a query tile (64 rows at D 128, 128 at D 64): whole tiles no key block
+    # visits (the fused backward's converter blocks write their dq = 0), then rows that see no key
+    # inside visited tiles
+    (1, 300, 100, 2, 1, 128, jnp.bfloat16, dict(kind="causal")),
+    (2, 400, 130, 2, 2, 64, jnp.float16, dict(kind="causal")),
     (2, 300, 300, 2, 2, 128, jnp.bfloat16, dict(kind="none", dlse=True)),
     (1, 401, 129, 4, 2, 128, jnp.float16, dict(kind="none", scale=0.05)),
     (1, 520, 520, 2, 1, 128, jnp.bfloat16, dict(kind="causal", seed=3)),

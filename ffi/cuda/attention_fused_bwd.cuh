@@ -38,12 +38,13 @@
 //       iteration m + 1, after its dQ product is issued: that thread waits for its bulk group (the
 //         sums performed), then stores r + 1 with st.release.gpu.
 //     The f32 sum of a dQacc element is therefore ((p_0 + p_1) + p_2) + ... in the fixed rank order:
-//     dq is bitwise reproducible. After the kernel fused_dq_convert_kernel writes dq = scale * dQacc
-//     in T (the launcher, attention_launch_impl.cuh). The first version (run 13) read the dQacc tile into shared
+//     dq is bitwise reproducible. The grid's last blocks (tickets kbw and up) are converters,
+//     fused_convert_tiles: they write dq = scale * dQacc in T tile by tile as the tiles' sums complete
+//     (until session 34 a separate kernel after this one). The first version (run 13) read the dQacc tile into shared
 //     memory with cp.async, added and stored it with the math threads (64 KB through L2 a block and
 //     tile on the math warps' path); the bulk ops take the sum off their path.
-//     dQacc rows no key block visits (causal rows that see no key, Sk = 0) are zeroed by the
-//     launcher (cudaMemset2DAsync), as are the semaphores and the ticket counter.
+//     dq rows of tiles no key block visits (causal rows that see no key, Sk = 0) are zeroed by the
+//     converters; the launcher zeroes the semaphores and the ticket and converter counters.
 //   - Deadlock freedom: an item (kt, m) waits only on items of the same (batch, kv head) that are
 //     lexicographically smaller in (m, kt), and a block runs its own items in increasing m, so the
 //     wait graph has no cycle; every waited-on item belongs to a block of the same (batch, kv head),
@@ -169,12 +170,12 @@ __device__ __forceinline__ void st_release_u32(uint32_t* p, uint32_t v) {
 __host__ __device__ constexpr int fused_rows(int64_t D) { return D == 64 ? 128 : 64; }
 
 // Scratch of the fused backward, in f32 elements after delta (B * H * Sq, rounded up to 4):
-// dQacc B * H * Sq * D, then B * H * nqt + 1 uint32 (the tile semaphores, the ticket counter;
-// nqt: query tiles of fused_rows(D) rows).
+// dQacc B * H * Sq * D, then B * H * nqt + 2 uint32 (the tile semaphores, the ticket counter, the
+// converters' tile counter; nqt: query tiles of fused_rows(D) rows).
 inline int64_t fused_bwd_delta_pad(int64_t bhs) { return (bhs + 3) / 4 * 4; }
 inline int64_t fused_bwd_scratch(int64_t B, int64_t H, int64_t Sq, int64_t D) {
   const int64_t nqt = (Sq + fused_rows(D) - 1) / fused_rows(D);
-  return fused_bwd_delta_pad(B * H * Sq) + B * H * Sq * D + B * H * nqt + 1;
+  return fused_bwd_delta_pad(B * H * Sq) + B * H * Sq * D + B * H * nqt + 2;
 }
 
 // Bulk (TMA engine) copies from shared to global memory, completed per thread as bulk groups:
@@ -222,22 +223,6 @@ template <int D>
 constexpr size_t wg_fused_smem() {
   constexpr int BQ = fused_rows(D);
   return wg_dkdv_smem<D, BQ>() + size_t(2) * kWgBwdKeys * BQ + size_t(4) * 2 * BQ * D + 16 + 4 * kFusedRankChunk;
-}
-
-// dq = scale * dQacc after the fused kernel: dQacc [B, H, Sq, D] f32 (chunks permuted, above) -> dq
-// [B, Sq, H, D] in T, one 16-byte chunk (four elements) a thread.
-template <typename T>
-__global__ void fused_dq_convert_kernel(int64_t n4, int64_t Sq, int64_t H, int D, float scale,
-                                        const float* __restrict__ acc, T* __restrict__ dq) {
-  const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (e >= n4) return;
-  const int64_t x = e * 4, c = x % D, row = x / D;  // row = (b H + h) Sq + i
-  const int64_t i = row % Sq, bh = row / Sq, h = bh % H, b = bh / H;
-  const float4 f = *reinterpret_cast<const float4*>(acc + row * D + 4 * fused_chunk(int(c / 4), i));
-  uint2 o;
-  o.x = pack2<T>(f.x * scale, f.y * scale);
-  o.y = pack2<T>(f.z * scale, f.w * scale);
-  *reinterpret_cast<uint2*>(dq + ((b * Sq + i) * H + h) * D + c) = o;
 }
 
 // dQ partial = dS K over the block's 128 keys (8 k-steps of 16) for a warpgroup's 64 rows x 64
@@ -344,7 +329,78 @@ struct FusedSchedule {
     }
     return r;
   }
+  // The number of key blocks that visit query tile t (of any head of the group): the value its
+  // semaphore holds once every partial of the tile is summed. Warp-collective, as rank.
+  __device__ __forceinline__ int contributors(int t, int lane) const {
+    int n = 0;
+    for (int x0 = 0; x0 < nkt; x0 += 32) {
+      const int x = x0 + lane;
+      n += __popc(__ballot_sync(0xffffffffu, x < nkt && qt0_of(x) <= t && (win < 0 || t < qt1_of(x))));
+    }
+    return n;
+  }
 };
+
+// The converter blocks of a fused backward grid (tickets kbw and up, after the kbw key blocks):
+// dq = scale * dQacc, tile by tile, each tile once all its partials are summed. A warp takes the
+// next tile u = (b H + h) nqt + t from the counter *next (u increasing: the order the (batch, kv
+// head) groups start in, so the tiles of finished groups come first), waits until the tile's
+// semaphore equals its contributor count (ld.acquire; a tile no key block visits, causal rows that
+// see no key or Sk = 0, has count 0 and gets dq = 0 without reading dQacc), and converts its
+// min(BQ, Sq - t BQ) rows: dQacc [B, H, Sq, D] f32 (16-byte chunks permuted, fused_chunk) -> dq
+// [B, Sq, H, D] in T, kBatch 16-byte loads a lane in flight. A converter block starts only once
+// every key block has started (tickets are taken in start order) and no key block waits on a
+// converter, so the deadlock-freedom argument of the header is unchanged; the converters take SMs
+// the key blocks no longer need (the last wave's idle SMs) instead of a separate kernel after them
+// (B4 S4096 H16 D128 bf16: 66 us on an H100, section 53 of the results file).
+template <typename T, int D, int BQ>
+__device__ __forceinline__ void fused_convert_tiles(const AttnArgs& a, const FusedSchedule<BQ>& sch,
+                                                    const float* __restrict__ dqacc, const uint32_t* sem,
+                                                    uint32_t* next, T* __restrict__ dq) {
+  constexpr int kRowChunks = D / 4, kPerLane = BQ * kRowChunks / 32, kBatch = 16;
+  static_assert(kPerLane % kBatch == 0, "fused_convert_tiles: whole batches");
+  const int lane = threadIdx.x & 31;
+  const int64_t ntiles = a.B * a.H * int64_t(sch.nqt);
+  for (;;) {
+    int64_t u = 0;
+    if (lane == 0) u = atomicAdd(next, 1u);
+    u = __shfl_sync(0xffffffffu, u, 0);
+    if (u >= ntiles) return;
+    const int t = int(u % sch.nqt);
+    const int64_t bh = u / sch.nqt, h = bh % a.H, b = bh / a.H, i0 = int64_t(t) * BQ;
+    // (Sk = 0: no key block; the caller builds sch with nkt 1, for its constructor's division)
+    const int need = a.Sk > 0 ? sch.contributors(t, lane) : 0;
+    // (backing off to 1 us: up to a warp a tile polls, in the tail, while the last key blocks
+    // still send their partials through L2)
+    if (need > 0 && lane == 0)
+      for (unsigned ns = 64; ld_acquire_u32(sem + u) != uint32_t(need); ns = min(2 * ns, 1024u)) __nanosleep(ns);
+    __syncwarp();  // lane 0's acquire, then every lane's reads
+    const int rows = int(min(int64_t(BQ), a.Sq - i0));
+    const float* src = dqacc + (bh * a.Sq + i0) * D;
+    T* dst = dq + ((b * a.Sq + i0) * a.H + h) * D;
+#pragma unroll 1
+    for (int p = 0; p < kPerLane; p += kBatch) {
+      float4 f[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int e = lane + 32 * (p + j), r = e / kRowChunks, c = e % kRowChunks;
+        f[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (need > 0 && r < rows)
+          f[j] = *reinterpret_cast<const float4*>(src + r * D + 4 * fused_chunk(c, i0 + r));
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int e = lane + 32 * (p + j), r = e / kRowChunks, c = e % kRowChunks;
+        if (r < rows) {
+          uint2 o;
+          o.x = pack2<T>(f[j].x * a.scale, f[j].y * a.scale);
+          o.y = pack2<T>(f[j].z * a.scale, f[j].w * a.scale);
+          *reinterpret_cast<uint2*>(dst + int64_t(r) * a.H * D + 4 * c) = o;
+        }
+      }
+    }
+  }
+}
 
 // CAP: a softcap c > 0 (bwd_probs; the launcher takes CAP for a.softcap > 0 only). MASK 1: a key mask
 // [B, Sk] (a.mask); 2: a sliding window (mask kind 2), a key mask optional (the window's code is
@@ -357,7 +413,7 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     wgmma_fused_bwd_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                            const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
                            T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dqacc,
-                           uint32_t* __restrict__ sem, uint32_t* __restrict__ ticket) {
+                           uint32_t* __restrict__ sem, uint32_t* __restrict__ ticket, T* __restrict__ dq) {
 #if RLX_ATTN_WGMMA
   static_assert(D == 64 || D == 128, "wgmma_fused_bwd_kernel: head dim 64 or 128");
   constexpr int BK = kWgBwdKeys, BQ = fused_rows(D), NT = kWgBwdThreads;
@@ -383,20 +439,25 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
   if (threadIdx.x == 0) Rc[0] = int(atomicAdd(ticket, 1u));
   __syncthreads();
   const int nkt = int((a.Sk + BK - 1) / BK);
+  const int off = int(a.off), sq = int(a.Sq), sk = int(a.Sk), grp = int(a.group);
+  const bool causal = a.kind != 0;
+  const int nqt = (sq + BQ - 1) / BQ;
+  // the sliding window (MASK 2 only; -1: none)
+  const int win = MASK == 2 && a.kind == 2 ? int(min(a.window, int64_t(1) << 30)) : -1;
+  if (Rc[0] >= int64_t(nkt) * a.Hkv * a.B) {  // a converter block (the header)
+    fused_convert_tiles<T, D, BQ>(a, FusedSchedule<BQ>(0, max(nkt, 1), nqt, grp, off, causal, win), dqacc, sem, ticket + 1,
+                                  dq);
+    return;
+  }
   int kt;
   int64_t hk, b;
   fused_block(a, nkt, Rc[0], &kt, &hk, &b);
   const int64_t k0 = int64_t(kt) * BK;
   const int kw0 = int(k0) + 64 * wg;
   const int jw = kw0 + 16 * warp;
-  const int off = int(a.off), sq = int(a.Sq), sk = int(a.Sk), grp = int(a.group);
-  const bool causal = a.kind != 0;
-  const int nqt = (sq + BQ - 1) / BQ;
   const int64_t q_rs = a.H * D, kv_rs = a.Hkv * D;
   wg_load_tile<T, D, BK, NT>(Ks, k + (b * a.Sk * a.Hkv + hk) * D, kv_rs, k0, a.Sk);
   wg_load_tile<T, D, BK, NT>(Vs, v + (b * a.Sk * a.Hkv + hk) * D, kv_rs, k0, a.Sk);
-  // the sliding window (MASK 2 only; -1: none)
-  const int win = MASK == 2 && a.kind == 2 ? int(min(a.window, int64_t(1) << 30)) : -1;
   const FusedSchedule<BQ> sch(kt, nkt, nqt, grp, off, causal, win);
   const int iters = sch.iters;
   auto item = [&](int m, int* hl, int* t) { sch.item(m, hl, t); };
@@ -464,7 +525,7 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
   // No membar.gl (__threadfence) before the release: a build with one ran 1.13x slower (fwd+bwd,
   // H100, session 22); wait_group 0 has performed the sums, and the proxy fence orders them before
   // the generic-proxy release. After the loop: send the last item, wait, release.
-  // dq = scale * dQacc is written by fused_dq_convert_kernel after this kernel.
+  // dq = scale * dQacc is written by the grid's converter blocks (fused_convert_tiles).
   int p_rank = -1, p_i0 = 0, p_buf = 0;  // the pending item (its partial in Ps[p_buf])
   int64_t p_h = 0;
   uint32_t* p_sem = nullptr;

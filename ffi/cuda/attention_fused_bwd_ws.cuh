@@ -131,7 +131,8 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
     wgmma_fused_bwd_ws_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                               const T* __restrict__ dout, const float* __restrict__ lse,
                               const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
-                              float* __restrict__ dqacc, uint32_t* __restrict__ sem, uint32_t* __restrict__ ticket) {
+                              float* __restrict__ dqacc, uint32_t* __restrict__ sem, uint32_t* __restrict__ ticket,
+                              T* __restrict__ dq) {
 #if RLX_ATTN_WGMMA
   static_assert(D == 64 || D == 128, "wgmma_fused_bwd_ws_kernel: head dim 64 or 128");
   // (at D 64 LATE, below, cannot hold a softcap's P^T and P^T (1 - tanh^2): the launcher keeps D 64 with
@@ -173,13 +174,20 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
   }
   __syncthreads();
   const int nkt = int((a.Sk + BK - 1) / BK);
+  const int sq = int(a.Sq), grp = int(a.group);
+  const bool causal = a.kind != 0;
+  const int nqt = (sq + BQ - 1) / BQ;
+  // the sliding window (MASK 2 only; -1: none)
+  const int win = MASK == 2 && a.kind == 2 ? int(min(a.window, int64_t(1) << 30)) : -1;
+  if (Tk[0] >= int64_t(nkt) * a.Hkv * a.B) {  // a converter block (the header of attention_fused_bwd.cuh)
+    fused_convert_tiles<T, D, BQ>(a, FusedSchedule<BQ>(0, max(nkt, 1), nqt, grp, int(a.off), causal, win), dqacc, sem,
+                                  ticket + 1, dq);
+    return;
+  }
   int kt;
   int64_t hk, b;
   fused_block(a, nkt, Tk[0], &kt, &hk, &b);
   const int64_t k0 = int64_t(kt) * BK;
-  const int sq = int(a.Sq), grp = int(a.group);
-  const bool causal = a.kind != 0;
-  const int nqt = (sq + BQ - 1) / BQ;
   const int64_t q_rs = a.H * D, kv_rs = a.Hkv * D;
   // the block's K / V tiles, by all 384 threads
   wg_load_tile<T, D, BK, kFusedWsThreads>(Ks, k + (b * a.Sk * a.Hkv + hk) * D, kv_rs, k0, a.Sk);
@@ -188,8 +196,6 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
   cp_async_wait_all();
   fence_proxy_async();
   __syncthreads();  // K and V landed (every thread's copies)
-  // the sliding window (MASK 2 only; -1: none)
-  const int win = MASK == 2 && a.kind == 2 ? int(min(a.window, int64_t(1) << 30)) : -1;
   const FusedSchedule<BQ> sch(kt, nkt, nqt, grp, int(a.off), causal, win);
   const int iters = sch.iters;
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;

@@ -605,33 +605,20 @@ ffi::Error AttentionBwd<T>::launch(cudaStream_t stream, const AttnArgs& a, const
             const int64_t nqt = (a.Sq + attn::fused_rows(D) - 1) / attn::fused_rows(D);
             float* dqacc = delta + attn::fused_bwd_delta_pad(a.B * a.H * a.Sq);
             uint32_t* sem = reinterpret_cast<uint32_t*>(dqacc + a.B * a.H * a.Sq * D);
-            uint32_t* ticket = sem + a.B * a.H * nqt;
-            if (cudaError_t e = cudaMemsetAsync(sem, 0, size_t(a.B * a.H * nqt + 1) * sizeof(uint32_t), stream);
+            uint32_t* ticket = sem + a.B * a.H * nqt;  // then the converters' tile counter
+            if (cudaError_t e = cudaMemsetAsync(sem, 0, size_t(a.B * a.H * nqt + 2) * sizeof(uint32_t), stream);
                 e != cudaSuccess)
               return cuda_error("attention backward", e);
-            // query rows no key block visits (no key: Sk 0; causal rows i with i + off < 0): their
-            // dQacc rows (of every batch and head) = 0, so dq = 0 there after the convert pass
-            const int64_t zrows = a.Sk == 0 ? a.Sq : (a.kind != 0 ? std::min(a.Sq, std::max<int64_t>(0, -a.off)) : 0);
-            if (zrows > 0) {
-              const size_t pitch = size_t(a.Sq * D) * sizeof(float);
-              if (cudaError_t e = cudaMemset2DAsync(dqacc, pitch, 0, size_t(zrows * D) * sizeof(float),
-                                                    size_t(a.B * a.H), stream);
-                  e != cudaSuccess)
-                return cuda_error("attention backward", e);
-            }
-            const int64_t kbw = nkt * a.Hkv * a.B;
-            if (kbw > 0) {
-              // dq is written by the convert pass below, from dQacc
-              fused<<<unsigned(kbw), threads, smem, stream>>>(a, q, k, v, dout, lse, delta, dk, dv, dqacc, sem, ticket);
+            // kbw key blocks, then converter blocks (dq = scale * dQacc as the tiles' sums complete;
+            // tiles no key block visits get dq = 0): as many as fit on the device at once, at most one
+            // a tile (the header of attention_fused_bwd.cuh)
+            const int64_t kbw = nkt * a.Hkv * a.B, tiles = a.B * a.H * nqt;
+            const int64_t blocks = kbw + std::min<int64_t>(tiles, int64_t(per_sm) * info.sms);
+            if (auto e = grid_check(blocks, "attention backward"); e.failure()) return e;
+            if (blocks > 0) {
+              fused<<<unsigned(blocks), threads, smem, stream>>>(a, q, k, v, dout, lse, delta, dk, dv, dqacc, sem, ticket,
+                                                                  dq);
               if (auto e = check_launch("attention backward (wgmma fused)"); e.failure()) return e;
-            }
-            // dq = scale * dQacc, [B, H, Sq, D] f32 -> [B, Sq, H, D]
-            const int64_t n4 = a.B * a.H * a.Sq * D / 4, cblocks = (n4 + 255) / 256;
-            if (auto e = grid_check(cblocks, "attention backward"); e.failure()) return e;
-            if (cblocks > 0) {
-              attn::fused_dq_convert_kernel<T><<<unsigned(cblocks), 256, 0, stream>>>(
-                  n4, a.Sq, a.H, int(D), a.scale, dqacc, dq);
-              if (auto e = check_launch("attention backward (fused dq convert)"); e.failure()) return e;
             }
             return ffi::Error::Success();
           };

@@ -253,13 +253,14 @@ def cuda_bwd_scratch_size(b: int, h: int, sq: int, d: int = 0, fused: bool = Fal
     - dlse_i per (batch, head, query) row (at least one element). ``fused`` (the fused
     backward of ffi/cuda/attention_fused_bwd.cuh, head dim ``d``): after delta (padded to a
     multiple of 4) the f32 dQ accumulator [B, H, Sq, D] and one uint32 per (batch, head,
-    query tile of ``fused_rows(d)`` rows: 128 at d 64, else 64) plus one (semaphores, ticket
-    counter); the sizes must match ``fused_bwd_scratch`` there."""
+    query tile of ``fused_rows(d)`` rows: 128 at d 64, else 64) plus two (semaphores, ticket
+    counter, the converter blocks' tile counter); the sizes must match ``fused_bwd_scratch``
+    there."""
     if not fused:
         return max(1, b * h * sq)
     rows = 128 if d == 64 else 64
     nqt = -(-sq // rows)
-    return -(-(b * h * sq) // 4) * 4 + b * h * sq * d + b * h * nqt + 1
+    return -(-(b * h * sq) // 4) * 4 + b * h * sq * d + b * h * nqt + 2
 
 
 def _cuda_fused_bwd(q, kind, scale, softcap, has_mask, has_bias) -> bool:
