@@ -40,6 +40,7 @@ def _child(args) -> None:
     import jax.numpy as jnp
     import numpy as np
 
+    from benchmarks.cases_attention import _fwd_bwd
     from benchmarks.harness import default_batch, time_fn
     from rlx_jax.ops import attention
 
@@ -59,14 +60,7 @@ def _child(args) -> None:
             def cudnn(q, k, v, causal=causal):
                 return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
 
-            def fwd_bwd(fn):
-                def run(q, k, v, dy):
-                    _, vjp = jax.vjp(fn, q, k, v)
-                    return vjp(dy)
-
-                return jax.jit(run)
-
-            fns = {"ours": fwd_bwd(ours), "cudnn": fwd_bwd(cudnn)}
+            fns = {"ours": jax.jit(_fwd_bwd(ours)), "cudnn": jax.jit(_fwd_bwd(cudnn))}
             inputs = (q, k, v, dy)
             distinct = {}
             for name, fn in fns.items():
