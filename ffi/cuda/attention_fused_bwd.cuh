@@ -301,6 +301,8 @@ struct FusedSchedule {
     const int64_t last = int64_t(x) * kWgBwdKeys + kWgBwdKeys - 1 - off + win;
     return last < 0 ? 0 : int(min(int64_t(nqt), last / BQ + 1));
   }
+  // key block x visits query tile t (t < nqt = qt1_of(x) without a window)
+  __device__ __forceinline__ bool visits(int x, int t) const { return qt0_of(x) <= t && (win < 0 || t < qt1_of(x)); }
   // the item of step m
   __device__ __forceinline__ void item(int m, int* hl, int* t) const {
     int idx = m + rot;
@@ -316,14 +318,11 @@ struct FusedSchedule {
     for (int x0 = 0; x0 < nkt; x0 += 32) {
       const int x = x0 + lane;
       bool before = false;
-      if (x < nkt) {
-        const int xq0 = qt0_of(x), xq1 = qt1_of(x);
-        if (xq0 <= t && (win < 0 || t < xq1)) {  // (t < nqt = xq1 without a window)
-          const int xnq = xq1 - xq0, xit = xnq * grp;
-          int xm = hl * xnq + (t - xq0) - fused_rot(x, nkt, xit, causal);
-          if (xm < 0) xm += xit;
-          before = x != kt && (xm < m || (xm == m && x < kt));
-        }
+      if (x < nkt && visits(x, t)) {
+        const int xq0 = qt0_of(x), xnq = qt1_of(x) - xq0, xit = xnq * grp;
+        int xm = hl * xnq + (t - xq0) - fused_rot(x, nkt, xit, causal);
+        if (xm < 0) xm += xit;
+        before = x != kt && (xm < m || (xm == m && x < kt));
       }
       r += __popc(__ballot_sync(0xffffffffu, before));
     }
@@ -335,7 +334,7 @@ struct FusedSchedule {
     int n = 0;
     for (int x0 = 0; x0 < nkt; x0 += 32) {
       const int x = x0 + lane;
-      n += __popc(__ballot_sync(0xffffffffu, x < nkt && qt0_of(x) <= t && (win < 0 || t < qt1_of(x))));
+      n += __popc(__ballot_sync(0xffffffffu, x < nkt && visits(x, t)));
     }
     return n;
   }
@@ -354,11 +353,14 @@ struct FusedSchedule {
 // the key blocks no longer need (the last wave's idle SMs) instead of a separate kernel after them
 // (B4 S4096 H16 D128 bf16: 66 us on an H100, section 53 of the results file).
 template <typename T, int D, int BQ>
-__device__ __forceinline__ void fused_convert_tiles(const AttnArgs& a, const FusedSchedule<BQ>& sch,
+__device__ __forceinline__ void fused_convert_tiles(const AttnArgs& a, int nkt, int nqt, int grp, bool causal, int win,
                                                     const float* __restrict__ dqacc, const uint32_t* sem,
                                                     uint32_t* next, T* __restrict__ dq) {
   constexpr int kRowChunks = D / 4, kPerLane = BQ * kRowChunks / 32, kBatch = 16;
   static_assert(kPerLane % kBatch == 0, "fused_convert_tiles: whole batches");
+  // the tiles' visits (any block's: kt 0; at least one key block, for the constructor's division;
+  // Sk = 0, no key block, is nkt 0 below)
+  const FusedSchedule<BQ> sch(0, max(nkt, 1), nqt, grp, int(a.off), causal, win);
   const int lane = threadIdx.x & 31;
   const int64_t ntiles = a.B * a.H * int64_t(sch.nqt);
   for (;;) {
@@ -368,8 +370,7 @@ __device__ __forceinline__ void fused_convert_tiles(const AttnArgs& a, const Fus
     if (u >= ntiles) return;
     const int t = int(u % sch.nqt);
     const int64_t bh = u / sch.nqt, h = bh % a.H, b = bh / a.H, i0 = int64_t(t) * BQ;
-    // (Sk = 0: no key block; the caller builds sch with nkt 1, for its constructor's division)
-    const int need = a.Sk > 0 ? sch.contributors(t, lane) : 0;
+    const int need = nkt > 0 ? sch.contributors(t, lane) : 0;
     // (backing off to 1 us: up to a warp a tile polls, in the tail, while the last key blocks
     // still send their partials through L2)
     if (need > 0 && lane == 0)
@@ -445,8 +446,7 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
   // the sliding window (MASK 2 only; -1: none)
   const int win = MASK == 2 && a.kind == 2 ? int(min(a.window, int64_t(1) << 30)) : -1;
   if (Rc[0] >= int64_t(nkt) * a.Hkv * a.B) {  // a converter block (the header)
-    fused_convert_tiles<T, D, BQ>(a, FusedSchedule<BQ>(0, max(nkt, 1), nqt, grp, off, causal, win), dqacc, sem, ticket + 1,
-                                  dq);
+    fused_convert_tiles<T, D, BQ>(a, nkt, nqt, grp, causal, win, dqacc, sem, ticket + 1, dq);
     return;
   }
   int kt;

@@ -180,8 +180,7 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
   // the sliding window (MASK 2 only; -1: none)
   const int win = MASK == 2 && a.kind == 2 ? int(min(a.window, int64_t(1) << 30)) : -1;
   if (Tk[0] >= int64_t(nkt) * a.Hkv * a.B) {  // a converter block (the header of attention_fused_bwd.cuh)
-    fused_convert_tiles<T, D, BQ>(a, FusedSchedule<BQ>(0, max(nkt, 1), nqt, grp, int(a.off), causal, win), dqacc, sem,
-                                  ticket + 1, dq);
+    fused_convert_tiles<T, D, BQ>(a, nkt, nqt, grp, causal, win, dqacc, sem, ticket + 1, dq);
     return;
   }
   int kt;
