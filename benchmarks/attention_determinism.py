@@ -40,9 +40,8 @@ def _child(args) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from benchmarks.cases_attention import _fwd_bwd
+    from benchmarks.cases_attention import _fwd_bwd, _gpu_fns, attention_flops
     from benchmarks.harness import default_batch, time_fn
-    from rlx_jax.ops import attention
 
     dev = next(d for d in jax.devices() if d.platform == "gpu")
     batch = default_batch(dev)
@@ -52,14 +51,7 @@ def _child(args) -> None:
         q, k, v, dy = (jax.device_put(jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(jnp.bfloat16), dev)
                        for kk in ks)
         for kind in args.kinds.split(","):
-            causal = kind == "causal"
-
-            def ours(q, k, v, kind=kind):
-                return attention(q, k, v, mask_kind=kind)
-
-            def cudnn(q, k, v, causal=causal):
-                return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
-
+            ours, cudnn, _ = _gpu_fns(kind)
             fns = {"ours": jax.jit(_fwd_bwd(ours)), "cudnn": jax.jit(_fwd_bwd(cudnn))}
             inputs = (q, k, v, dy)
             distinct = {}
@@ -76,7 +68,7 @@ def _child(args) -> None:
             for _ in range(2):  # alternate: ours, cuDNN, ours, cuDNN
                 for name, fn in fns.items():
                     ms[name].append(time_fn(fn, inputs, args.reps, batch=batch))
-            flops = 4 * b * h * s * s * d * 3.5 * (0.5 if causal else 1.0)
+            flops = attention_flops(b, h, s, d, causal=kind == "causal", backward=True)
             row = {"case": f"fwd+bwd {kind} B{b} S{s} H{h} D{d}", "device": dev.device_kind,
                    "ours_ms": min(ms["ours"]), "cudnn_ms": min(ms["cudnn"]), "flops": flops,
                    "distinct_ours": distinct["ours"], "distinct_cudnn": distinct["cudnn"]}

@@ -73,7 +73,7 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.cases_attention import _fwd_bwd, _gpu_fns
+    from benchmarks.cases_attention import _fwd_bwd, _gpu_fns, attention_flops
 
     dev = next(d for d in jax.devices() if d.platform == "gpu")
     b, s, h = args.batch, args.seq, args.heads
@@ -91,7 +91,7 @@ def main() -> None:
             fns = {"ours": jax.jit(_fwd_bwd(ours)), "cuDNN": jax.jit(_fwd_bwd(cudnn))}
             for fn in fns.values():
                 jax.block_until_ready(fn(*inputs))
-            flops = 4 * b * h * s * s * d * 3.5 * (0.5 if kind == "causal" else 1.0)
+            flops = attention_flops(b, h, s, d, causal=kind == "causal", backward=True)
             smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits",
                                     "-lms", "100"], stdout=subprocess.PIPE, text=True)
             phases = []

@@ -22,6 +22,12 @@ from rlx_jax.ops import attention
 from rlx_jax.vjp_rules.attention import reference_attention
 
 
+def attention_flops(b: int, h: int, s: int, d: int, *, causal: bool, backward: bool) -> float:
+    """The work counted for one attention call of [B, S, H, D]: the forward's two S x S x D
+    products, 4 B H S^2 D flops, 3.5x that with the backward's five; halved when causal."""
+    return 4 * b * h * s * s * d * (3.5 if backward else 1.0) * (0.5 if causal else 1.0)
+
+
 def _reference(q, k, v, causal):
     params = dict(kind="causal" if causal else "none", window=0, scale=q.shape[-1] ** -0.5,
                   softcap=0.0, has_mask=False, has_bias=False)
@@ -54,7 +60,7 @@ def _case(b, s, h, d, dtype, *, backward: bool, causal: bool = False) -> Case:
 
     itemsize = jnp.dtype(dtype).itemsize
     tensor = b * s * h * d * itemsize
-    flops = 4 * b * h * s * s * d * (3.5 if backward else 1.0) * (0.5 if causal else 1.0)
+    flops = attention_flops(b, h, s, d, causal=causal, backward=backward)
     spec = tuple(jax.ShapeDtypeStruct((b, s, h, d), dtype) for _ in range(4))
     extra = {
         "gflop": flops / 1e9,
@@ -169,7 +175,7 @@ def gpu_table(reps: int = 10, shapes=((4, 4096, 16, 128), (4, 4096, 16, 64)), qu
                 cudnn = xla = None
             tag = kind_ + ("+softcap" if "softcap" in extra else "") + ("+keymask" if "mask" in extra else "")
             for backward in (False, True):
-                flops = 4 * b * h * s * s * d * (0.5 if kind_ == "causal" else 1.0) * (3.5 if backward else 1.0)
+                flops = attention_flops(b, h, s, d, causal=kind_ == "causal", backward=backward)
                 fns = [f for f in (ours, cudnn, xla)]
                 if backward:
                     fns = [None if f is None else _fwd_bwd(f) for f in fns]
