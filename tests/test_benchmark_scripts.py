@@ -3,13 +3,21 @@
 import importlib.util
 import pathlib
 
-# loaded from its file, as tests/test_benchmark_harness.py loads the harness: benchmarks/ is not an
-# installed package
-_spec = importlib.util.spec_from_file_location(
-    "rlx_benchmarks_attention_power",
-    pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "attention_power.py")
-_power = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_power)
+import pytest
+
+
+def _load(name: str):
+    """A benchmark script loaded from its file, as tests/test_benchmark_harness.py loads the harness:
+    benchmarks/ is not an installed package."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"rlx_benchmarks_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_power = _load("attention_power")
+_kernels = _load("attention_kernels")
 
 
 def test_power_samples_parse_and_skip_bad_lines():
@@ -21,3 +29,27 @@ def test_power_samples_parse_and_skip_bad_lines():
     samples = _power._parse(lines)
     assert [s[1:] for s in samples] == [(698.2, 1612.0, True), (690.0, 1600.0, False)]
     assert abs((samples[1][0] - samples[0][0]) - 0.1) < 1e-6  # timestamps parsed to seconds
+
+
+def test_kernel_names_lose_return_type_arguments_and_namespaces():
+    name = ("void rlx::cuda::attn::wgmma_fused_bwd_ws_kernel<__nv_bfloat16, 128, false, 0>"
+            "(rlx::cuda::attn::AttnArgs, __nv_bfloat16 const*, float*)")
+    assert _kernels.short_kernel_name(name) == "wgmma_fused_bwd_ws_kernel<bf16, 128, false, 0>"
+    # a '(' inside template brackets is not the argument list
+    assert _kernels.short_kernel_name("k<(int)3>(int)") == "k<(int)3>"
+    assert _kernels.short_kernel_name("memset") == "memset"
+    assert len(_kernels.short_kernel_name("x" * 100)) == 72
+
+
+def test_kernel_table_sums_per_step_and_measures_the_span():
+    # two steps: kernel a 10 us and b 30 us each, 5 us idle between them and between the steps
+    events = [("a", 0, 10_000), ("void ns::b(int)", 15_000, 30_000),
+              ("a", 50_000, 10_000), ("void ns::b(int)", 65_000, 30_000)]
+    rows, busy, span = _kernels.kernel_table(events, steps=2)
+    assert rows == [("b", 1.0, 30.0), ("a", 1.0, 10.0)]
+    assert busy == 40.0
+    assert span == 47.5  # (95 - 0) us over 2 steps
+    with pytest.raises(ValueError, match="no GPU events"):
+        _kernels.kernel_table([], steps=2)
+    with pytest.raises(ValueError, match="steps"):
+        _kernels.kernel_table(events, steps=0)
