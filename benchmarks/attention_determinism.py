@@ -29,31 +29,30 @@ import os
 import subprocess
 import sys
 
+from benchmarks.attention_cli import add_shape_args, shape_args
+
 SETTINGS = {
     "default": "",
     "deterministic": "--xla_gpu_exclude_nondeterministic_ops=true",
 }
 
 
-def _child(args) -> None:
+def _child(kinds: list[str], dims: list[int], args) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from benchmarks.cases_attention import _fwd_bwd, _gpu_fns, attention_flops
+    from benchmarks.cases_attention import _fwd_bwd, _gpu_fns, attention_flops, gpu_inputs
     from benchmarks.harness import default_batch, time_fn
 
     dev = next(d for d in jax.devices() if d.platform == "gpu")
     batch = default_batch(dev)
     b, s, h = args.batch, args.seq, args.heads
-    for d in (int(x) for x in args.head_dims.split(",")):
-        ks = jax.random.split(jax.random.PRNGKey(0), 4)
-        q, k, v, dy = (jax.device_put(jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(jnp.bfloat16), dev)
-                       for kk in ks)
-        for kind in args.kinds.split(","):
+    for d in dims:
+        inputs = gpu_inputs(b, s, h, d, dev)
+        for kind in kinds:
             ours, cudnn, _ = _gpu_fns(kind)
             fns = {"ours": jax.jit(_fwd_bwd(ours)), "cudnn": jax.jit(_fwd_bwd(cudnn))}
-            inputs = (q, k, v, dy)
             distinct = {}
             for name, fn in fns.items():
                 digests = set()
@@ -80,20 +79,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="alternating rounds of the two settings")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=4, help="calls whose results are compared bitwise")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--head-dims", default="128,64")
-    parser.add_argument("--kinds", default="none,causal")
+    add_shape_args(parser, head_dims="128,64")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    for kind in args.kinds.split(","):
-        if kind not in ("none", "causal"):
-            parser.error(f"--kinds: {kind!r} is not none or causal")
+    kinds, dims = shape_args(parser, args)
     if args.rounds < 1 or args.reps < 1 or args.repeats < 1:
         parser.error("--rounds, --reps and --repeats must be >= 1")
     if args.child:
-        _child(args)
+        _child(kinds, dims, args)
         return
     child_argv = [sys.executable, "-m", "benchmarks.attention_determinism", "--child"] + [
         f"--{name}={getattr(args, name.replace('-', '_'))}"

@@ -22,6 +22,8 @@ import glob
 import re
 import tempfile
 
+from benchmarks.attention_cli import add_shape_args, shape_args
+
 
 def short_kernel_name(name: str) -> str:
     """A kernel's name without its return type, argument list and namespaces, at most 72 characters:
@@ -83,32 +85,23 @@ def _gpu_events(trace_dir: str):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20, help="fwd+bwd calls profiled back to back")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--head-dims", default="128")
-    parser.add_argument("--kinds", default="none,causal")
+    add_shape_args(parser)
     args = parser.parse_args()
     if args.steps < 1:
         parser.error("--steps must be >= 1")
-    for kind in args.kinds.split(","):
-        if kind not in ("none", "causal"):
-            parser.error(f"--kinds: {kind!r} is not none or causal")
+    kinds, dims = shape_args(parser, args)
 
     import jax
-    import jax.numpy as jnp
 
-    from benchmarks.cases_attention import _fwd_bwd, _gpu_fns, attention_flops
+    from benchmarks.cases_attention import _fwd_bwd, _gpu_fns, attention_flops, gpu_inputs
 
     dev = next(d for d in jax.devices() if d.platform == "gpu")
     b, s, h = args.batch, args.seq, args.heads
     print(f"# {dev.device_kind}; jax {jax.__version__}; bf16; {args.steps} fwd+bwd steps back to back under the "
           "JAX profiler; us per step")
-    for d in (int(x) for x in args.head_dims.split(",")):
-        ks = jax.random.split(jax.random.PRNGKey(0), 4)
-        inputs = tuple(jax.device_put(jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(jnp.bfloat16), dev)
-                       for kk in ks)
-        for kind in args.kinds.split(","):
+    for d in dims:
+        inputs = gpu_inputs(b, s, h, d, dev)
+        for kind in kinds:
             ours, cudnn, _ = _gpu_fns(kind)
             flops = attention_flops(b, h, s, d, causal=kind == "causal", backward=True)
             for impl, fn in (("ours", ours), ("cuDNN", cudnn)):

@@ -23,6 +23,8 @@ import datetime
 import subprocess
 import time
 
+from benchmarks.attention_cli import add_shape_args, shape_args
+
 
 def _smi_fields() -> str | None:
     """The nvidia-smi query fields: newer drivers call the flags clocks_event_reasons."""
@@ -52,17 +54,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=8.0, help="length of each phase")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--head-dims", default="128")
-    parser.add_argument("--kinds", default="none,causal")
+    add_shape_args(parser)
     args = parser.parse_args()
     if args.rounds < 1 or not args.seconds >= 2.0:
         parser.error("--rounds must be >= 1 and --seconds >= 2")
-    for kind in args.kinds.split(","):
-        if kind not in ("none", "causal"):
-            parser.error(f"--kinds: {kind!r} is not none or causal")
+    kinds, dims = shape_args(parser, args)
     try:
         fields = _smi_fields()
     except FileNotFoundError:
@@ -71,9 +67,8 @@ def main() -> None:
         raise SystemExit("nvidia-smi cannot report power.draw / clocks.sm here")
 
     import jax
-    import jax.numpy as jnp
 
-    from benchmarks.cases_attention import _fwd_bwd, _gpu_fns, attention_flops
+    from benchmarks.cases_attention import _fwd_bwd, _gpu_fns, attention_flops, gpu_inputs
 
     dev = next(d for d in jax.devices() if d.platform == "gpu")
     b, s, h = args.batch, args.seq, args.heads
@@ -82,11 +77,9 @@ def main() -> None:
             f"{'TF/s/MHz':>9s}")
     print(head)
     print("-" * len(head))
-    for d in (int(x) for x in args.head_dims.split(",")):
-        ks = jax.random.split(jax.random.PRNGKey(0), 4)
-        inputs = tuple(jax.device_put(jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(jnp.bfloat16), dev)
-                       for kk in ks)
-        for kind in args.kinds.split(","):
+    for d in dims:
+        inputs = gpu_inputs(b, s, h, d, dev)
+        for kind in kinds:
             ours, cudnn, _ = _gpu_fns(kind)
             fns = {"ours": jax.jit(_fwd_bwd(ours)), "cuDNN": jax.jit(_fwd_bwd(cudnn))}
             for fn in fns.values():

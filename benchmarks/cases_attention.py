@@ -98,6 +98,14 @@ def _tflops(flops: float, ms: float) -> float:
     return flops / ms / 1e9
 
 
+def gpu_inputs(b: int, s: int, h: int, d: int, device) -> tuple:
+    """(q, k, v, dy) [B, S, H, D] bf16 on ``device``, standard normal from a fixed seed: the
+    inputs of the attention GPU scripts' fwd+bwd steps."""
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    return tuple(jax.device_put(jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(jnp.bfloat16), device)
+                 for kk in keys)
+
+
 def _gpu_fns(kind_, *, softcap=None, mask=None):
     """(ours, cudnn or None, xla) forward functions of (q, k, v)."""
     causal = kind_ == "causal"

@@ -53,3 +53,17 @@ def test_kernel_table_sums_per_step_and_measures_the_span():
         _kernels.kernel_table([], steps=2)
     with pytest.raises(ValueError, match="steps"):
         _kernels.kernel_table(events, steps=0)
+
+
+def test_attention_scripts_share_validated_shape_options():
+    import argparse
+
+    cli = _load("attention_cli")
+    parser = argparse.ArgumentParser()
+    cli.add_shape_args(parser, head_dims="128,64")
+    args = parser.parse_args(["--kinds", "causal", "--batch", "2"])
+    assert cli.shape_args(parser, args) == (["causal"], [128, 64])
+    assert (args.batch, args.seq, args.heads) == (2, 4096, 16)
+    for bad in (["--kinds", "none,sliding"], ["--head-dims", "64,x"], ["--heads", "0"]):
+        with pytest.raises(SystemExit):
+            cli.shape_args(parser, parser.parse_args(bad))
