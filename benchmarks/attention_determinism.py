@@ -29,7 +29,6 @@ import os
 import subprocess
 import sys
 
-from benchmarks.attention_cli import add_shape_args, shape_args
 
 SETTINGS = {
     "default": "",
@@ -75,6 +74,10 @@ def _child(kinds: list[str], dims: list[int], args) -> None:
 
 
 def main() -> None:
+    # (imported here, not at the top: tests/test_benchmark_scripts.py loads this file by its path, without
+    # the repository root on sys.path)
+    from benchmarks.attention_cli import add_shape_args, shape_args
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=1, help="alternating rounds of the two settings")
     parser.add_argument("--reps", type=int, default=5)

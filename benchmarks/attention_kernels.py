@@ -22,8 +22,6 @@ import glob
 import re
 import tempfile
 
-from benchmarks.attention_cli import add_shape_args, shape_args
-
 
 def short_kernel_name(name: str) -> str:
     """A kernel's name without its return type, argument list and namespaces, at most 72 characters:
@@ -83,6 +81,10 @@ def _gpu_events(trace_dir: str):
 
 
 def main() -> None:
+    # (imported here, not at the top: tests/test_benchmark_scripts.py loads this file by its path, without
+    # the repository root on sys.path)
+    from benchmarks.attention_cli import add_shape_args, shape_args
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20, help="fwd+bwd calls profiled back to back")
     add_shape_args(parser)

@@ -23,8 +23,6 @@ import datetime
 import subprocess
 import time
 
-from benchmarks.attention_cli import add_shape_args, shape_args
-
 
 def _smi_fields() -> str | None:
     """The nvidia-smi query fields: newer drivers call the flags clocks_event_reasons."""
@@ -51,6 +49,10 @@ def _parse(lines: list[str]) -> list[tuple[float, float, float, bool]]:
 
 
 def main() -> None:
+    # (imported here, not at the top: tests/test_benchmark_scripts.py loads this file by its path, without
+    # the repository root on sys.path)
+    from benchmarks.attention_cli import add_shape_args, shape_args
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=8.0, help="length of each phase")
