@@ -29,7 +29,6 @@ import os
 import subprocess
 import sys
 
-
 SETTINGS = {
     "default": "",
     "deterministic": "--xla_gpu_exclude_nondeterministic_ops=true",

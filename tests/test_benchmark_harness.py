@@ -1,19 +1,15 @@
 """The benchmark harness's timing and checking (benchmarks/harness.py), on the CPU."""
 
-import importlib.util
 import pathlib
-import sys
 
 import jax.numpy as jnp
 import pytest
+from testutil import load_script
 
 # loaded from its file: benchmarks/ is not an installed package, and putting the repository
 # root on sys.path would let it shadow the installed rlx_jax (which carries the kernels)
-_spec = importlib.util.spec_from_file_location(
-    "rlx_benchmarks_harness", pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "harness.py")
-_harness = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = _harness  # dataclasses look their module up there
-_spec.loader.exec_module(_harness)
+_harness = load_script(pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "harness.py",
+                       "rlx_benchmarks_harness")
 Case, default_batch, run_case, time_fn = _harness.Case, _harness.default_batch, _harness.run_case, _harness.time_fn
 
 

@@ -1,19 +1,16 @@
 """CPU checks of the GPU benchmark scripts' host-side helpers (their GPU paths run on the device machine)."""
 
-import importlib.util
 import pathlib
 
 import pytest
+from testutil import load_script
 
 
 def _load(name: str):
     """A benchmark script loaded from its file, as tests/test_benchmark_harness.py loads the harness:
     benchmarks/ is not an installed package."""
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"rlx_benchmarks_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py",
+                       f"rlx_benchmarks_{name}")
 
 
 _power = _load("attention_power")

@@ -6,6 +6,7 @@ import os
 import pathlib
 
 import pytest
+from testutil import load_script
 
 nbformat = pytest.importorskip("nbformat", reason="notebook tests need nbformat (pip install 'rlx_jax[test]')")
 nbclient = pytest.importorskip("nbclient", reason="notebook tests need nbclient (pip install 'rlx_jax[test]')")
@@ -27,11 +28,7 @@ def test_notebook_executes(name, monkeypatch):
 
 def test_notebooks_match_their_generator(tmp_path):
     """The committed .ipynb files are what notebooks/make_notebooks.py writes."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("make_notebooks", NOTEBOOKS / "make_notebooks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(NOTEBOOKS / "make_notebooks.py", "make_notebooks")
     for name, cells in module.NOTEBOOKS.items():
         nb = nbformat.read(NOTEBOOKS / name, as_version=4)
         assert [c.source for c in nb.cells] == [src for _, src in cells], name

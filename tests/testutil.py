@@ -1,6 +1,11 @@
-"""Shared test helpers: the platform under test, tolerances per dtype, closeness."""
+"""Shared test helpers: the platform under test, tolerances per dtype, closeness, loading a
+repository script by its path."""
 
 from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -71,3 +76,14 @@ def assert_same_bits_on_one_core_without_avx512(digest_fn):
     assert proc.returncode == 0, proc.stderr[-3000:]
     there = [line for line in proc.stdout.splitlines() if line.startswith("DIGEST")][-1][len("DIGEST"):]
     assert there == here
+
+
+def load_script(path: pathlib.Path, name: str):
+    """The module at ``path`` (a file of the repository outside the installed package: benchmarks/,
+    notebooks/), imported as ``name`` and registered in sys.modules (dataclasses look their module
+    up there). The repository root stays off sys.path, so it cannot shadow the installed rlx_jax."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
