@@ -107,15 +107,6 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&x)[4
 // bulk groups of this thread: their reads of shared memory done (the source may be overwritten)
 __device__ __forceinline__ void bulk_wait_read_all() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 
-// cp.async of 16 bytes to the shared-memory byte address dst (src-size 16 or, with valid false, 0:
-// zero fill)
-__device__ __forceinline__ void cp_async16_to(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async16_to(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
-}
-
 // One warp's cp.async copy of a ROWS x D tile (rows r0 .. r0 + ROWS - 1 of x, row stride rs; rows at
 // or past n zero-filled) into wg_load_tile's 128-byte swizzle layout (16-byte chunk c of row i at
 // chunk c ^ (i & 7) of the row's 128 bytes): lane l copies chunk c = l % (D / 8) of row l / (D / 8)

@@ -103,12 +103,20 @@ __device__ __forceinline__ uint32_t chunk_off(int c0) { return uint32_t(c0 & ~7)
 #endif
 
 // ---- PTX wrappers ----------------------------------------------------------------------------
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+// cp.async of 16 bytes to the shared-memory byte address dst (src-size 16 or, with valid false, 0:
+// zero fill)
+__device__ __forceinline__ void cp_async16_to(uint32_t dst, const void* src) {
 #if RLX_ATTN_MMA
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(valid ? 16 : 0)
-               : "memory");
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 #endif
+}
+__device__ __forceinline__ void cp_async16_to(uint32_t dst, const void* src, bool valid) {
+#if RLX_ATTN_MMA
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  cp_async16_to(smem_addr(dst), src, valid);
 }
 __device__ __forceinline__ void cp_async_commit() {
 #if RLX_ATTN_MMA
