@@ -218,7 +218,9 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
   __syncthreads();  // K and V landed (every thread's copies)
   const FusedSchedule<BQ> sch(kt, nkt, nqt, grp, int(a.off), causal, win);
   const int iters = sch.iters;
-  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  // (the warpgroup index through a shuffle from lane 0: warp-uniform to the compiler, so what derives from it
+  // can live in uniform registers)
+  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x >> 7), 0), warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
   if (wg == 0) {
     // ---- producer ----
     ws_setmaxnreg_dec<fused_ws_prod_regs<D>()>();
@@ -327,12 +329,12 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
     // ALIAS: Ss[s] holds item m - 2's partial until the sender has read it
     if constexpr (ALIAS) ws_wait(pempty + s, ((m >> 1) & 1) ^ 1);
     // dS^T rows (keys 64 cw + 16 warp + g (+ 8)) into Ss[s], 128-byte swizzle (queries nt * 8 + 2 tq,
-    // +1: 4 bytes in 16-byte chunk nt % 8 of query block nt / 8, at chunk position (nt % 8) ^ (row & 7)).
-    // ROWS (D 64, BQ 128): one stmatrix .x4 per pair of column blocks nt = 2 p, 2 p + 1 (matrix e of
-    // da[p]: nt = 2 p + e / 2, key rows + 8 (e & 1); lane l addresses row l & 7 of matrix l >> 3), 8
-    // instructions instead of 32 four-byte stores: the D 64 backward 1.02-1.04x (H100, session 32; at
-    // D 128 0.98-1.01x, so there the stores stay as they were)
-    if constexpr (ROWS) {
+    // +1: 4 bytes in 16-byte chunk nt % 8 of query block nt / 8, at chunk position (nt % 8) ^ (row & 7)),
+    // by one stmatrix .x4 per pair of column blocks nt = 2 p, 2 p + 1 (matrix e of da[p]: nt = 2 p + e / 2,
+    // key rows + 8 (e & 1); lane l addresses row l & 7 of matrix l >> 3): BQ / 16 instructions instead of
+    // BQ / 4 four-byte stores (D 64 backward 1.02-1.04x, session 32; D 128, with the warp-uniform wg above,
+    // median 1.02x: benchmarks/results/h100_2026-11-27.txt section 63)
+    {
       const int e = lane >> 3, j = lane & 7;
       const uint32_t rowb = smem_addr(Ss + s * BK * BQ) + uint32_t((64 * cw + 16 * warp + 8 * (e & 1) + j) * 128);
 #pragma unroll
@@ -340,18 +342,6 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
         const int nt = 2 * p + (e >> 1);
         stmatrix_x4(rowb + uint32_t((nt >> 3) * BK * 128 + (((nt & 7) ^ j) << 4)), da[p]);
       }
-    } else {
-      // (the stores of wgmma_fused_bwd_kernel's loop at BQ 64; one helper for both compiled this kernel to
-      // different code that ran 0.986-0.993x: benchmarks/results/h100_2026-11-27.txt section 50)
-      uint8_t* const srow = reinterpret_cast<uint8_t*>(Ss + s * BK * BQ);
-#pragma unroll
-      for (int nt = 0; nt < BQ / 8; ++nt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int row = 64 * cw + 16 * warp + g + 8 * r;
-          *reinterpret_cast<uint32_t*>(srow + row * 128 + ((nt ^ (row & 7)) << 4) + 4 * tq) =
-              da[nt >> 1][(nt & 1) * 2 + r];
-        }
     }
     fence_proxy_async();                            // dS^T (st.shared) -> the async proxy
     asm volatile("bar.sync 1, 256;" ::: "memory");  // both consumer warpgroups' dS^T rows stored

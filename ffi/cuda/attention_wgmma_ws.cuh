@@ -416,7 +416,8 @@ __global__ void __launch_bounds__(384, 1)
   const WsRing ring = ws_ring_init<NST>(Vs + NST * BC * D, TMA ? 1 : 128);
   uint64_t *kfull = ring.kfull, *vfull = ring.vfull, *empty = ring.empty, *qfull = ring.qfull, *qempty = ring.qempty;
   __syncthreads();
-  const int wg = threadIdx.x >> 7;
+  // (through a shuffle from lane 0: warp-uniform to the compiler, as in wgmma_fused_bwd_ws_kernel)
+  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x >> 7), 0);
   const int64_t nqt = (a.Sq + BM - 1) / BM, nbh = a.B * a.H, ntiles = nqt * nbh;
   int st = 0;
   uint32_t ph = 0, qph = 0;
