@@ -218,9 +218,7 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
   __syncthreads();  // K and V landed (every thread's copies)
   const FusedSchedule<BQ> sch(kt, nkt, nqt, grp, int(a.off), causal, win);
   const int iters = sch.iters;
-  // (the warpgroup index through a shuffle from lane 0: warp-uniform to the compiler, so what derives from it
-  // can live in uniform registers)
-  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x >> 7), 0), warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int wg = ws_warpgroup(), warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
   if (wg == 0) {
     // ---- producer ----
     ws_setmaxnreg_dec<fused_ws_prod_regs<D>()>();

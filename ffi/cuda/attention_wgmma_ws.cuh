@@ -97,6 +97,11 @@ __device__ __forceinline__ void ws_turn_pass(int cw) {
     asm volatile("bar.arrive 1, 256;" ::: "memory");
 #endif
 }
+// The block's warpgroup index (threadIdx.x / 128), taken through a shuffle from lane 0 so the compiler
+// knows it is warp-uniform and keeps what derives from it (wgmma descriptors, shared-memory bases) in
+// uniform registers: the D 128 WS fused backward's consumer loop R2UR 48 -> 3, IMAD 151 -> 90 (sm_90a;
+// benchmarks/results/h100_2026-11-27.txt section 63). Every lane of the warp must be active.
+__device__ __forceinline__ int ws_warpgroup() { return __shfl_sync(0xffffffffu, int(threadIdx.x >> 7), 0); }
 template <int N>
 __device__ __forceinline__ void ws_setmaxnreg_dec() {
 #if RLX_ATTN_WGMMA
@@ -416,8 +421,7 @@ __global__ void __launch_bounds__(384, 1)
   const WsRing ring = ws_ring_init<NST>(Vs + NST * BC * D, TMA ? 1 : 128);
   uint64_t *kfull = ring.kfull, *vfull = ring.vfull, *empty = ring.empty, *qfull = ring.qfull, *qempty = ring.qempty;
   __syncthreads();
-  // (through a shuffle from lane 0: warp-uniform to the compiler, as in wgmma_fused_bwd_ws_kernel)
-  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x >> 7), 0);
+  const int wg = ws_warpgroup();
   const int64_t nqt = (a.Sq + BM - 1) / BM, nbh = a.B * a.H, ntiles = nqt * nbh;
   int st = 0;
   uint32_t ph = 0, qph = 0;
