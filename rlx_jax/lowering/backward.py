@@ -13,7 +13,7 @@ import importlib
 
 import jax.numpy as jnp
 
-from .nn import _to_bshd, attention_kwargs, attention_layout, index_array
+from .nn import _to_bshd, attention_kwargs, attention_layout, class_labels, index_array
 from .registry import enum_name, lowering_rule
 
 
@@ -304,7 +304,7 @@ def _softmax_xent_backward(op, args, ctx):
     # [logits, labels, d_loss] -> (softmax(logits) - onehot(labels)) * d_loss[:, None].
     logits, labels, dloss = args
     return ctx.cast_out(backward_fn("cross_entropy", "softmax_cross_entropy_backward")(
-        logits, index_array(labels), dloss))
+        logits, class_labels(labels, logits.shape[-1]), dloss, ignore_index=-1))
 
 
 def _ste(op):

@@ -31,6 +31,14 @@ def index_array(ix):
     return jnp.round(ix).astype(jnp.int32)
 
 
+def class_labels(labels, classes: int):
+    """RLX class ids (f32-encoded or integer) -> int32, every id outside [0, classes)
+    mapped to -1: RLX's cross-entropy gives such rows loss 0 and no gradient, which is
+    ``rlx_jax.ops``' ``ignore_index`` rule with ``ignore_index=-1``."""
+    ix = index_array(labels)
+    return jnp.where((ix >= 0) & (ix < classes), ix, -1)
+
+
 # ---- norms ---------------------------------------------------------------------------
 
 def layer_norm(x, gamma, beta, axis, eps):
@@ -231,7 +239,8 @@ def _pool(op, args, ctx):
 def _softmax_xent(op, args, ctx):
     # loss[n] = logsumexp(logits[n]) - logits[n, labels[n]]; labels f32-encoded.
     logits, labels = args
-    return ctx.cast_out(fused("softmax_cross_entropy")(logits, index_array(labels)))
+    classes = logits.shape[-1]
+    return ctx.cast_out(fused("softmax_cross_entropy")(logits, class_labels(labels, classes), ignore_index=-1))
 
 
 @lowering_rule("Cumsum")

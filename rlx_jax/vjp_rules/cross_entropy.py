@@ -1,16 +1,16 @@
-"""Softmax cross-entropy with integer class labels, and its fused linear form.
+"""Softmax cross-entropy with integer class labels.
 
-``softmax_cross_entropy(logits [N, C], labels [N]) -> loss [N]``:
+``softmax_cross_entropy(logits [..., V], labels [...], *, ignore_index=-100) -> loss [...]``:
 
     lse_n  = log sum_j exp(logits_nj)
     loss_n = lse_n - logits_n,labels_n
     dlogits_nj = (softmax(logits_n)_j - [j == labels_n]) * dloss_n
 
-Labels are integers; RLX encodes them as f32, so float labels holding integers are
-accepted (rounded to the nearest integer). **Invalid labels**: a label outside
-``[0, C)`` (for example PyTorch's ignore index -100) marks a row that takes no part in
-the loss: its loss is 0 and its logits get a zero gradient. The kernels compare each
-label with C before indexing, so no label ever reads out of bounds.
+Labels are integer arrays (float labels raise ``TypeError``). A row whose label equals
+``ignore_index`` has loss 0 and a zero gradient; any other label outside ``[0, V)`` gives
+that row a NaN loss (as optax) and a zero gradient. The kernels never index with an
+out-of-range label: they see -1 for ignored and bad rows (``kernel_labels``) and treat
+any label outside ``[0, V)`` as "no part in the loss"; the NaN is added in JAX.
 
 Primitives (lowering to the FFI kernels where registered, else to their references;
 the leading axes of logits are rows, so vmap stays on the kernels):
@@ -26,13 +26,13 @@ the leading axes of logits are rows, so vmap stays on the kernels):
   reads the loss XLA drops the forward kernel (one read of the logits and one write
   of dlogits in all, as XLA's own fused autodiff). CUDA passes the saved ``lse``.
 
-``fused_linear_cross_entropy(hidden [N, D], weight [D, V], labels [N], *, chunk_size)``
-is ``softmax_cross_entropy(hidden @ weight, labels)`` without ever materialising the
-[N, V] logits: the vocabulary is processed in chunks of ``chunk_size`` columns with an
-online logsumexp (running max and rescaled sum), and the backward recomputes each
-chunk's logits to accumulate d hidden (carried) and d weight (one [D, chunk] block per
-chunk). It is plain JAX (``lax.scan`` over chunks; XLA's matmuls do the work) behind
-the same forward / tangent / backward primitive triple, so every mode works.
+Sharding: rows split any way; when the class axis V is sharded too, ``ce_fwd`` and
+``ce_bwd`` run vocabulary-parallel (``_vocab_parallel``): per shard the local max,
+sum of exponentials and picked logit, combined by a pmax and one psum of [2, rows];
+the backward is elementwise on each shard given the combined lse. Nothing of size
+[N, V] is gathered.
+
+``fused_linear_cross_entropy`` lives in ``linear_cross_entropy`` and is re-exported here.
 """
 
 from __future__ import annotations
@@ -43,12 +43,11 @@ import numpy as np
 from jax import lax
 from jax.interpreters import ad
 
-from rlx_jax.vjp_rules._primitive import FusedPrimitive, RowPartition, instantiate, rowwise_batching
-
-
-def _acc(dtype):
-    """Arithmetic / statistics type: f32 for f32/bf16/f16, f64 for f64."""
-    return jnp.float64 if dtype == jnp.float64 else jnp.float32
+from rlx_jax.vjp_rules._primitive import FusedPrimitive, instantiate, rowwise_batching
+from rlx_jax.vjp_rules._vocab_parallel import (
+    VocabPartition, acc_dtype as _acc, block_lse_and_picked, check_ignore_index, check_labels, kernel_labels,
+    nan_where, shard_index,
+)
 
 
 def _label_parts(labels, classes):
@@ -158,14 +157,64 @@ def _kernel_ok(logits, labels, *rest, **params):
     )
 
 
-# Under SPMD sharding the rows split across devices (the class axis stays whole).
+# ---- vocabulary-parallel partition -------------------------------------------------------
+
+
+def _ce_factors(avals_in, avals_out, **params):
+    """logits [rows..., v]; labels and every other operand / result [rows...], except
+    ce_bwd's dlogits [rows..., v]."""
+    rows = tuple(f"r{i}" for i in range(len(avals_in[0].shape) - 1))
+    f_in = [rows + ("v",)] + [rows] * (len(avals_in) - 1)
+    f_out = [rows + ("v",) if len(a.shape) == len(rows) + 1 else rows for a in avals_out]
+    return f_in, f_out
+
+
+def _local_columns(logits, labels, vocab_axes, sizes, vocab_total):
+    """(logits in f32/f64, labels relative to this shard's first column, global label ok)."""
+    offset = shard_index(vocab_axes, sizes) * logits.shape[-1]
+    ok = (labels >= 0) & (labels < vocab_total)
+    return logits.astype(_acc(logits.dtype)), labels - offset, ok
+
+
+def _ce_fwd_local(fn, vocab_axes, row_axes, sizes, vocab_total, **params):
+    """Per shard: the kernel when the classes are whole, else the vocab-parallel combine."""
+    if not vocab_axes:
+        return fn
+
+    def body(logits, labels):
+        z, local, ok = _local_columns(logits, labels, vocab_axes, sizes, vocab_total)
+        lse, picked = block_lse_and_picked(z, local, vocab_axes)
+        return jnp.where(ok, lse - picked, 0).astype(logits.dtype), lse
+
+    return body
+
+
+def _ce_bwd_local(fn, vocab_axes, row_axes, sizes, vocab_total, *, recompute_lse=False):
+    """Per shard: the kernel when the classes are whole, else (p - onehot) * dloss on the
+    shard's columns with the global lse (recomputed by the combine when not given)."""
+    if not vocab_axes:
+        return fn
+
+    def body(logits, labels, lse, dloss):
+        z, local, ok = _local_columns(logits, labels, vocab_axes, sizes, vocab_total)
+        if recompute_lse:
+            lse, _ = block_lse_and_picked(z, local, vocab_axes)
+        g = jnp.where(ok, dloss.astype(z.dtype), 0)[..., None]
+        hit = jnp.arange(z.shape[-1]) == local[..., None]
+        p = jnp.exp(z - lse[..., None])
+        return ((p * g - jnp.where(hit, g, 0)).astype(logits.dtype),)
+
+    return body
+
+
+# Under SPMD sharding the rows split any way; a sharded class axis runs vocab-parallel.
 ce_fwd = FusedPrimitive(
     "rlx_softmax_ce_fwd",
     reference_softmax_cross_entropy,
     target="rlx_softmax_ce_fwd",
     kernel={"cpu": _kernel_fwd, "cuda": _kernel_fwd_cuda},
     kernel_ok=_kernel_ok,
-    partition=RowPartition(row_args=(0,), stat_args=(1,), row_outputs=(), stat_outputs=(0, 1)),
+    partition=VocabPartition(_ce_factors, _ce_fwd_local, vocab_operand=0, vocab_dim=-1),
 )
 ce_tangent = FusedPrimitive("rlx_softmax_ce_tangent", reference_softmax_cross_entropy_tangent)
 ce_bwd = FusedPrimitive(
@@ -174,7 +223,7 @@ ce_bwd = FusedPrimitive(
     target="rlx_softmax_ce_bwd",
     kernel={"cpu": _kernel_bwd_cpu, "cuda": _kernel_bwd_cuda},
     kernel_ok=_kernel_ok,
-    partition=RowPartition(row_args=(0,), stat_args=(1, 2, 3), row_outputs=(0,)),
+    partition=VocabPartition(_ce_factors, _ce_bwd_local, vocab_operand=0, vocab_dim=-1),
 )
 
 
@@ -212,204 +261,51 @@ ce_bwd.def_batching(rowwise_batching(ce_bwd, row_args=(0, 1, 2, 3)))
 # ---- public functions ------------------------------------------------------------------
 
 
-def _labels_int32(labels, rows, who):
-    labels = jnp.asarray(labels)
-    if labels.shape != (rows,):
-        raise ValueError(f"{who}: labels must have shape ({rows},), got {labels.shape}")
-    if jnp.issubdtype(labels.dtype, jnp.integer):
-        return labels.astype(jnp.int32)
-    if jnp.issubdtype(labels.dtype, jnp.floating):
-        # RLX's f32-encoded class ids; no gradient flows into labels
-        return jnp.round(lax.stop_gradient(labels)).astype(jnp.int32)
-    raise TypeError(f"{who}: labels must be integers (or floats holding integers), got {labels.dtype}")
-
-
 def _check_logits(logits, who):
     logits = jnp.asarray(logits)
     if not jnp.issubdtype(logits.dtype, jnp.floating):
         raise TypeError(f"{who}: logits must be floating point, got {logits.dtype}")
-    if logits.ndim != 2:
-        raise ValueError(f"{who}: logits must be [N, C], got shape {logits.shape}")
-    if logits.shape[1] == 0:
-        raise ValueError(f"{who}: logits need at least one class (C = 0)")
+    if logits.ndim < 1:
+        raise ValueError(f"{who}: logits must be [..., V] with at least one axis, got a scalar")
+    if logits.shape[-1] == 0:
+        raise ValueError(f"{who}: logits need at least one class (V = 0)")
     return logits
 
 
-def softmax_cross_entropy(logits, labels):
-    """Per-row loss ``logsumexp(logits[n]) - logits[n, labels[n]]``.
+def softmax_cross_entropy(logits, labels, *, ignore_index: int = -100):
+    """Per-row loss ``logsumexp(logits[..., :]) - logits[..., labels]``.
 
-    logits: [N, C] floating; labels: [N] integers (or floats holding integers, as RLX
-    encodes them). Returns loss [N] in the logits' dtype (f32 arithmetic for
-    bf16/f16). Rows whose label is outside [0, C) get loss 0 and zero gradient.
-    Reverse mode runs the fused backward kernel ``rlx_softmax_ce_bwd`` with the
-    logsumexp saved by the forward kernel.
+    logits: [..., V] floating; labels: [...] integers (float labels raise TypeError:
+    convert them explicitly). Returns loss [...] in the logits' dtype, computed in f32
+    (f64 for f64 logits). A row whose label equals ``ignore_index`` (default -100, as
+    PyTorch) has loss 0 and a zero gradient; any other label outside ``[0, V)`` gives
+    a NaN loss for that row (as optax) and a zero gradient for its logits.
+    Reverse mode runs the fused backward kernel ``rlx_softmax_ce_bwd``; a sharded V
+    axis runs vocabulary-parallel (one pmax and one psum of [2, rows], no gather).
     """
-    logits = _check_logits(logits, "softmax_cross_entropy")
-    labels = _labels_int32(labels, logits.shape[0], "softmax_cross_entropy")
+    who = "softmax_cross_entropy"
+    logits = _check_logits(logits, who)
+    labels = check_labels(labels, logits.shape[:-1], who)
+    labels, bad = kernel_labels(labels, logits.shape[-1], check_ignore_index(ignore_index, who))
     loss, _ = ce_fwd(logits, labels)
-    return loss
+    return nan_where(bad, loss)
 
 
-def softmax_cross_entropy_backward(logits, labels, dloss):
+def softmax_cross_entropy_backward(logits, labels, dloss, *, ignore_index: int = -100):
     """The RLX op SoftmaxCrossEntropyBackward: ``dlogits = (softmax(logits) - onehot(labels))
-    * dloss[:, None]`` from one pass over the logits (the kernel computes each row's
-    logsumexp while the row is in cache). Same label rules as the forward."""
-    logits = _check_logits(logits, "softmax_cross_entropy_backward")
-    labels = _labels_int32(labels, logits.shape[0], "softmax_cross_entropy_backward")
+    * dloss[..., None]`` from one pass over the logits (the kernel computes each row's
+    logsumexp while the row is in cache). Rows labelled ``ignore_index`` get zeros;
+    rows with any other label outside ``[0, V)`` get NaN (as their forward loss)."""
+    who = "softmax_cross_entropy_backward"
+    logits = _check_logits(logits, who)
+    labels = check_labels(labels, logits.shape[:-1], who)
+    labels, bad = kernel_labels(labels, logits.shape[-1], check_ignore_index(ignore_index, who))
     dloss = jnp.asarray(dloss)
-    if dloss.shape != (logits.shape[0],):
-        raise ValueError(
-            f"softmax_cross_entropy_backward: dloss must have shape ({logits.shape[0]},), got {dloss.shape}"
-        )
-    lse = jnp.zeros((logits.shape[0],), _acc(logits.dtype))  # ignored: recomputed per row
+    if dloss.shape != logits.shape[:-1]:
+        raise ValueError(f"{who}: dloss must have shape {logits.shape[:-1]}, got {dloss.shape}")
+    lse = jnp.zeros(labels.shape, _acc(logits.dtype))  # ignored: recomputed per row
     (dlogits,) = ce_bwd(logits, labels, lse, dloss.astype(logits.dtype), recompute_lse=True)
-    return dlogits
+    return nan_where(bad[..., None], dlogits)
 
 
-# ---- fused linear + cross-entropy --------------------------------------------------------
-
-
-def _n_chunks(vocab, chunk_size):
-    return -(-vocab // chunk_size)
-
-
-def _chunk(hidden, weight, k, chunk_size, acc):
-    """Chunk k of the vocabulary, read in place (no padded copy of the weight): columns
-    [start, start + chunk) with start = min(k * chunk, V - chunk), so the last chunk may
-    overlap the one before; ``fresh`` marks the columns no earlier chunk has covered.
-    Returns (w_chunk, logits in ``acc`` with stale columns at -inf, column ids, fresh)."""
-    vocab = weight.shape[1]
-    start = jnp.minimum(k * chunk_size, vocab - chunk_size)
-    wc = lax.dynamic_slice_in_dim(weight, start, chunk_size, axis=1)
-    cols = start + jnp.arange(chunk_size)
-    fresh = cols >= k * chunk_size
-    z = jnp.dot(hidden, wc, preferred_element_type=acc).astype(acc)
-    return wc, jnp.where(fresh, z, -jnp.inf), cols, fresh
-
-
-def reference_fused_linear_cross_entropy(hidden, weight, labels, *, chunk_size):
-    """Chunked forward with an online logsumexp; returns (loss [N], lse [N])."""
-    acc = _acc(hidden.dtype)
-    vocab = weight.shape[1]
-    ok, idx = _label_parts(labels, vocab)
-    rows = hidden.shape[0]
-
-    def step(carry, k):
-        m, s, picked = carry
-        _, z, cols, fresh = _chunk(hidden, weight, k, chunk_size, acc)
-        m_new = jnp.maximum(m, lax.stop_gradient(jnp.max(z, axis=1)))
-        s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z - m_new[:, None]), axis=1)
-        hit = fresh & (cols == idx[:, None])
-        picked = picked + jnp.sum(jnp.where(hit, z, 0), axis=1)
-        return (m_new, s, picked), None
-
-    init = (jnp.full((rows,), -jnp.inf, acc), jnp.zeros((rows,), acc), jnp.zeros((rows,), acc))
-    (m, s, picked), _ = lax.scan(step, init, jnp.arange(_n_chunks(vocab, chunk_size)))
-    lse = m + jnp.log(s)
-    loss = jnp.where(ok, lse - picked, 0)
-    return loss.astype(hidden.dtype), lse
-
-
-def reference_fused_linear_cross_entropy_tangent(hidden, weight, labels, lse, t_hidden, t_weight, *, chunk_size):
-    """(t_loss, t_lse) for tangents of hidden and weight, chunk by chunk:
-    with tz = t_hidden @ W_c + hidden @ t_W_c, t_lse = sum p * tz, t_loss = t_lse - tz[label]."""
-    acc = lse.dtype
-    vocab = weight.shape[1]
-    ok, idx = _label_parts(labels, vocab)
-
-    def step(carry, k):
-        t_lse, t_picked = carry
-        wc, z, cols, fresh = _chunk(hidden, weight, k, chunk_size, acc)
-        twc = lax.dynamic_slice_in_dim(t_weight, cols[0], chunk_size, axis=1)
-        p = jnp.exp(z - lse[:, None])
-        tz = jnp.dot(t_hidden, wc, preferred_element_type=acc) + jnp.dot(hidden, twc, preferred_element_type=acc)
-        tz = jnp.where(fresh, tz.astype(acc), 0)
-        t_lse = t_lse + jnp.sum(p * tz, axis=1)
-        t_picked = t_picked + jnp.sum(jnp.where(cols == idx[:, None], tz, 0), axis=1)
-        return (t_lse, t_picked), None
-
-    zeros = jnp.zeros(lse.shape, acc)
-    (t_lse, t_picked), _ = lax.scan(step, (zeros, zeros), jnp.arange(_n_chunks(vocab, chunk_size)))
-    t_loss = jnp.where(ok, t_lse - t_picked, 0)
-    return t_loss.astype(hidden.dtype), t_lse
-
-
-def reference_fused_linear_cross_entropy_bwd(hidden, weight, labels, lse, dloss, dlse, *, chunk_size):
-    """(d hidden, d weight) for cotangents (dloss, dlse): per chunk, g = p * (dloss + dlse)
-    - onehot * dloss; d hidden += g @ W_c^T and d W[:, chunk] += hidden^T @ g, both
-    carried (d weight is updated in place, one [D, chunk] block per step)."""
-    acc = lse.dtype
-    vocab = weight.shape[1]
-    ok, idx = _label_parts(labels, vocab)
-    g_loss = jnp.where(ok, dloss.astype(acc), 0)
-    g_lse = dlse.astype(acc)
-
-    def step(carry, k):
-        dh, dw = carry
-        wc, z, cols, fresh = _chunk(hidden, weight, k, chunk_size, acc)
-        p = jnp.exp(z - lse[:, None])  # 0 on stale columns
-        hit = fresh & (cols == idx[:, None])
-        g = (p * (g_loss + g_lse)[:, None] - jnp.where(hit, g_loss[:, None], 0)).astype(hidden.dtype)
-        dh = dh + jnp.dot(g, wc.T, preferred_element_type=acc)
-        dwc = jnp.dot(hidden.T, g, preferred_element_type=acc).astype(weight.dtype)
-        block = lax.dynamic_slice_in_dim(dw, cols[0], chunk_size, axis=1)
-        dw = lax.dynamic_update_slice_in_dim(dw, block + dwc, cols[0], axis=1)
-        return (dh, dw), None
-
-    init = (jnp.zeros(hidden.shape, acc), jnp.zeros(weight.shape, weight.dtype))
-    (dh, dw), _ = lax.scan(step, init, jnp.arange(_n_chunks(vocab, chunk_size)))
-    return dh.astype(hidden.dtype), dw
-
-
-flce_fwd = FusedPrimitive("rlx_fused_linear_ce_fwd", reference_fused_linear_cross_entropy)
-flce_tangent = FusedPrimitive("rlx_fused_linear_ce_tangent", reference_fused_linear_cross_entropy_tangent)
-flce_bwd = FusedPrimitive("rlx_fused_linear_ce_bwd", reference_fused_linear_cross_entropy_bwd)
-
-
-@flce_fwd.def_jvp
-def _flce_jvp(primals, tangents, *, chunk_size):
-    hidden, weight, labels = primals
-    th, tw, _ = instantiate(tangents, primals)
-    loss, lse = flce_fwd(hidden, weight, labels, chunk_size=chunk_size)
-    t_loss, t_lse = flce_tangent(hidden, weight, labels, lse, th, tw, chunk_size=chunk_size)
-    return (loss, lse), (t_loss, t_lse)
-
-
-@flce_tangent.def_transpose
-def _flce_tangent_transpose(cts, hidden, weight, labels, lse, th, tw, *, chunk_size):
-    for residual in (hidden, weight, lse):
-        if ad.is_undefined_primal(residual):
-            raise ValueError("fused linear cross-entropy tangent is linear in (t_hidden, t_weight) only")
-    ct_loss, ct_lse = cts
-    if type(ct_loss) is ad.Zero and type(ct_lse) is ad.Zero:
-        return [None] * 4 + [ad.Zero(t.aval) if ad.is_undefined_primal(t) else None for t in (th, tw)]
-    ct_loss = jnp.zeros(lse.shape, hidden.dtype) if type(ct_loss) is ad.Zero else ct_loss
-    ct_lse = jnp.zeros(lse.shape, lse.dtype) if type(ct_lse) is ad.Zero else ct_lse
-    dh, dw = flce_bwd(hidden, weight, labels, lse, ct_loss, ct_lse, chunk_size=chunk_size)
-    return [None] * 4 + [d if ad.is_undefined_primal(t) else None for d, t in ((dh, th), (dw, tw))]
-
-
-def fused_linear_cross_entropy(hidden, weight, labels, *, chunk_size: int = 4096):
-    """``softmax_cross_entropy(hidden @ weight, labels)`` without the [N, V] logits.
-
-    hidden: [N, D]; weight: [D, V] (same floating dtype); labels: [N] (integers or
-    floats holding integers; outside [0, V) -> loss 0, no gradient). The vocabulary is
-    processed ``chunk_size`` columns at a time, so the largest intermediate is
-    [N, chunk_size]. Returns loss [N]. Differentiable in hidden and weight in every mode.
-    """
-    who = "fused_linear_cross_entropy"
-    hidden, weight = jnp.asarray(hidden), jnp.asarray(weight)
-    if not jnp.issubdtype(hidden.dtype, jnp.floating):
-        raise TypeError(f"{who}: hidden must be floating point, got {hidden.dtype}")
-    if hidden.ndim != 2 or weight.ndim != 2:
-        raise ValueError(f"{who}: hidden must be [N, D] and weight [D, V], got {hidden.shape} and {weight.shape}")
-    if weight.shape[0] != hidden.shape[1]:
-        raise ValueError(f"{who}: weight must have shape ({hidden.shape[1]}, V), got {weight.shape}")
-    if weight.shape[1] == 0:
-        raise ValueError(f"{who}: weight needs at least one vocabulary column (V = 0)")
-    if not isinstance(chunk_size, (int, np.integer)) or chunk_size <= 0:
-        raise ValueError(f"{who}: chunk_size must be a positive int, got {chunk_size!r}")
-    labels = _labels_int32(labels, hidden.shape[0], who)
-    chunk_size = int(min(chunk_size, weight.shape[1]))
-    loss, _ = flce_fwd(hidden, weight.astype(hidden.dtype), labels, chunk_size=chunk_size)
-    return loss
+from rlx_jax.vjp_rules.linear_cross_entropy import fused_linear_cross_entropy  # noqa: E402,F401  (public re-export)

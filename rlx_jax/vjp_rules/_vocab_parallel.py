@@ -1,0 +1,152 @@
+"""Shared pieces of the cross-entropy ops: label checks and the vocabulary-parallel
+partition.
+
+Label rules (``softmax_cross_entropy`` and ``fused_linear_cross_entropy``): labels are
+integers; a row whose label equals ``ignore_index`` takes no part (loss 0, zero
+gradient); any other label outside ``[0, V)`` gives that row a NaN loss (as optax) and
+a zero gradient. The primitives themselves know one rule only, "a label outside
+``[0, V)`` contributes nothing": ``kernel_labels`` maps ignored and bad labels to -1
+and the public wrappers add the NaN for the bad ones.
+
+Vocabulary parallelism (Megatron's vocab-parallel cross-entropy): when the V axis of
+the logits (or of the unembedding weight) is sharded over mesh axes M, each shard
+holds the columns ``[offset, offset + V / |M|)``; it computes its rows' local max,
+sum of exponentials and picked logit (the label's column, when it is local), and the
+shards combine them with a ``pmax`` and one ``psum`` of ``[2, rows]`` over M. No
+``[N, V]`` array (or slice of one) is ever gathered.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding
+
+from rlx_jax.vjp_rules._primitive import Partition
+
+
+def acc_dtype(dtype):
+    """Arithmetic / statistics type: f32 for f32/bf16/f16, f64 for f64."""
+    return jnp.float64 if dtype == jnp.float64 else jnp.float32
+
+
+def check_labels(labels, shape, who: str):
+    """``labels`` as int32 of ``shape``; float labels are rejected, never rounded."""
+    labels = jnp.asarray(labels)
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise TypeError(
+            f"{who}: labels must be an integer array (class ids), got dtype {labels.dtype}; "
+            "convert float-encoded ids explicitly, e.g. labels.astype(jnp.int32)"
+        )
+    if labels.shape != tuple(shape):
+        raise ValueError(f"{who}: labels must have shape {tuple(shape)}, got {labels.shape}")
+    return labels.astype(jnp.int32)
+
+
+def check_ignore_index(ignore_index, who: str) -> int:
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, jnp.integer)):
+        raise TypeError(f"{who}: ignore_index must be a Python int, got {ignore_index!r}")
+    return int(ignore_index)
+
+
+def kernel_labels(labels, classes: int, ignore_index: int):
+    """(labels for the primitives, bad-row mask): ignored and out-of-range labels -> -1
+    (no part in the loss); ``bad`` marks the out-of-range labels that are not ignored."""
+    in_range = (labels >= 0) & (labels < classes)
+    ignored = labels == ignore_index
+    bad = ~in_range & ~ignored
+    return jnp.where(in_range & ~ignored, labels, -1), bad
+
+
+def nan_where(bad, loss):
+    """loss with NaN on the rows of ``bad`` (the gradient of those rows stays zero)."""
+    return jnp.where(bad, jnp.asarray(jnp.nan, loss.dtype), loss)
+
+
+# ---- collectives over the vocabulary axes -----------------------------------------------
+
+
+def shard_index(axes, sizes: dict):
+    """Linear index of this shard over the mesh axes ``axes`` (major to minor)."""
+    idx = jnp.int32(0)
+    for ax in axes:
+        idx = idx * sizes[ax] + lax.axis_index(ax).astype(jnp.int32)
+    return idx
+
+
+def combine_lse(local_max, local_sumexp_at_max, vocab_axes):
+    """Global logsumexp from each shard's (max, sum exp(x - max)): pmax then psum."""
+    if not vocab_axes:
+        return local_max + jnp.log(local_sumexp_at_max)
+    m = lax.pmax(local_max, vocab_axes)
+    s = lax.psum(local_sumexp_at_max * jnp.exp(local_max - m), vocab_axes)
+    return m + jnp.log(s)
+
+
+def block_lse_and_picked(z, local_labels, vocab_axes):
+    """For logits z [n, V_local] (f32/f64) and labels relative to this shard's first
+    column: (lse [n], picked [n]) over the whole vocabulary, with one pmax and one
+    psum of [2, n] when ``vocab_axes`` is non-empty. Labels outside the shard pick 0."""
+    m = lax.stop_gradient(jnp.max(z, axis=-1))
+    if vocab_axes:
+        m = lax.pmax(m, vocab_axes)
+    s = jnp.sum(jnp.exp(z - m[..., None]), axis=-1)
+    cols = jnp.arange(z.shape[-1])
+    picked = jnp.sum(jnp.where(cols == local_labels[..., None], z, 0), axis=-1)
+    if vocab_axes:
+        s, picked = lax.psum(jnp.stack([s, picked]), vocab_axes)
+    return m + jnp.log(s), picked
+
+
+# ---- the partition ----------------------------------------------------------------------
+
+
+class VocabPartition(Partition):
+    """A ``Partition`` whose factors may include the vocabulary ("v") besides rows.
+
+    ``local(fn, vocab_axes, row_axes, sizes, vocab_total, **params)`` builds the per-shard body:
+    ``fn`` is the single-device computation (a kernel call or a reference), the axes
+    are the mesh axes the vocabulary and the rows are split over (empty when not
+    split) and ``sizes`` maps mesh axis names to sizes. The body does its own
+    collectives (the base class only knows sums over rows)."""
+
+    def __init__(self, factors: Callable, local: Callable, vocab_operand: int, vocab_dim: int):
+        super().__init__(factors, shardable=[f"r{i}" for i in range(32)] + ["v"])
+        self.local = local
+        self.vocab_operand, self.vocab_dim = vocab_operand, vocab_dim
+
+    def wrap(self, fn: Callable, avals_in, avals_out, params: dict) -> Callable:
+        f_in, f_out = self.factors(avals_in, avals_out, **params)
+        vocab_total = avals_in[self.vocab_operand].shape[self.vocab_dim]
+
+        def call(*xs):
+            return tuple(fn(*xs))
+
+        wrapped = custom_partitioning(call)
+
+        def infer(mesh, arg_shapes, result_shape):
+            assign = self._assign(mesh, arg_shapes, f_in, f_out)
+            return tuple(NamedSharding(mesh, self._spec(fs, assign)) for fs in f_out)
+
+        def partition(mesh, arg_shapes, result_shape):
+            assign = self._assign(mesh, arg_shapes, f_in, f_out)
+            args = tuple(NamedSharding(mesh, self._spec(fs, assign)) for fs in f_in)
+            outs = tuple(NamedSharding(mesh, self._spec(fs, assign)) for fs in f_out)
+            vocab_axes = tuple(assign.get("v", ()))
+            row_axes = tuple(ax for f, axes in assign.items() if f != "v" for ax in axes)
+            sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+            body = self.local(fn, vocab_axes, row_axes, sizes, vocab_total, **params)
+            return mesh, (lambda *xs: tuple(body(*xs))), outs, args
+
+        wrapped.def_partition(infer_sharding_from_operands=infer, partition=partition,
+                              sharding_rule=self.sharding_rule(f_in, f_out))
+        return wrapped
+
+
+def shard_size(sizes: dict, axes) -> int:
+    return math.prod(sizes[ax] for ax in axes)

@@ -1,0 +1,387 @@
+"""Fused linear + softmax cross-entropy: ``loss = CE(hidden @ weight, labels)`` without
+the [N, V] logits.
+
+Shapes: hidden [N, D] (the public function flattens [..., D]), weight [D, V], labels
+[N] int32 where any label outside [0, V) takes no part (the public function maps
+``ignore_index`` and bad labels to -1 and adds NaN for the bad ones, see
+``_vocab_parallel``).
+
+**Chunking over rows.** Rows are processed ``chunk_size`` at a time; each row block
+sees the whole vocabulary, so its logits block z = h_b W [n_b, V] gives the exact lse
+at once and the logit gradient follows in the same step:
+
+    lse_b = logsumexp(z, axis=1)            p = exp(z - lse_b)
+    g_b   = (p - onehot(labels_b)) * s      (s: per-row cotangent scale)
+    dh_b  = g_b W^T                         dW += h_b^T g_b
+
+Three vocabulary-sized matmuls per row block (z, dh_b, dW), the least any backward
+needs; chunking the vocabulary instead needs the global lse before any logit gradient
+and so a fourth (the logits twice). Live memory: one [n_b, V] f32 block and the f32
+dW accumulator [D, V].
+
+**Reductions.** ``reduction="mean"`` / ``"sum"`` (``flce_reduced``): the forward pass
+computes the scalar loss *and* d hidden, d weight of that scalar (s = 1 / N_valid or 1)
+and returns them as residuals; the JVP is t_loss = <dh, t_h> + <dW, t_W>, so reverse
+mode only scales the saved gradients by the scalar cotangent: three vocabulary-sized
+matmuls in all, where the unfused path (logits, then their two gradient matmuls) also
+has three but keeps [N, V] logits. Second order differentiates through ``flce_hvp``
+(t_dh, t_dW = H (t_h, t_W), the Hessian of the reduced loss, by JAX on the plain
+row-chunked loss; the Hessian is symmetric so the primitive is its own transpose).
+``reduction="none"`` (``flce_fwd`` / ``flce_tangent`` / ``flce_bwd``): per-row cotangents
+are known only in the backward, so the backward recomputes each block's logits (four
+vocabulary-sized matmuls in all).
+
+**Sharding.** Every primitive but the tangents lowers through ``VocabPartition``: rows
+split any way (data parallel), weight's V axis split over mesh axes M runs
+vocabulary-parallel: per row block one pmax and one psum of [2, n_b] for the lse and
+the picked logit, a psum over M of dh_b [n_b, D] (the column-parallel linear's own
+all-reduce), dW local to the shard (summed over the row axes at the end). No [N, V]
+array or slice is gathered.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src import dispatch
+from jax.interpreters import ad, mlir
+
+from rlx_jax.vjp_rules._primitive import FusedPrimitive, instantiate
+from rlx_jax.vjp_rules._vocab_parallel import (
+    VocabPartition, acc_dtype, block_lse_and_picked, check_ignore_index, check_labels, kernel_labels, nan_where,
+    shard_index,
+)
+
+REDUCTIONS = ("none", "mean", "sum")
+
+
+def default_chunk_size(rows: int, dim: int, vocab: int, platform: str | None = None) -> int:
+    """Rows per block: a power of two giving a logits block [n_b, V] of about the
+    size of hidden [N, D] on GPUs (so the extra memory is bounded by the input's),
+    and of about 2 M elements (8 MiB f32, cache-sized work per matmul) on CPUs."""
+    platform = platform or jax.default_backend()
+    if platform == "cpu":
+        target = max(1, (1 << 21) // max(vocab, 1))
+    else:
+        target = max(1, (rows * dim) // max(vocab, 1))
+    block = 1 << max(4, int(math.log2(target)))
+    return int(max(1, min(block, max(rows, 1))))
+
+
+# ---- row blocks ------------------------------------------------------------------------
+
+
+def _blocks(x, n_b, fill=0):
+    """[N, ...] -> [ceil(N / n_b), n_b, ...], padding rows with ``fill``."""
+    n = x.shape[0]
+    count = -(-n // n_b)
+    x = jnp.pad(x, [(0, count * n_b - n)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
+    return x.reshape(count, n_b, *x.shape[1:])
+
+
+def _unblock(x, n):
+    return x.reshape(-1, *x.shape[2:])[:n]
+
+
+def _block_rows(n, chunk_size):
+    return max(1, min(int(chunk_size), n))
+
+
+def _local_labels(labels, w, vocab_axes, sizes, vocab_total):
+    """(labels relative to this shard's first column, row ok over the whole vocabulary)."""
+    offset = shard_index(vocab_axes, sizes) * w.shape[1] if vocab_axes else 0
+    total = w.shape[1] if vocab_total is None else vocab_total
+    return labels - offset, (labels >= 0) & (labels < total)
+
+
+def _logit_grad(z, lse, local, scale):
+    """(p - onehot) * scale[:, None] for a logits block z (rows with scale 0 take no part)."""
+    hit = jnp.arange(z.shape[-1]) == local[:, None]
+    p = jnp.exp(z - lse[:, None])
+    return p * scale[:, None] - jnp.where(hit, scale[:, None], 0)
+
+
+def _psum(x, axes):
+    return lax.psum(x, axes) if axes else x
+
+
+# ---- reduction "none": forward, tangent, backward -------------------------------------
+
+
+def reference_forward(hidden, weight, labels, *, chunk_size, vocab_axes=(), row_axes=(), sizes=None,
+                      vocab_total=None):
+    """Row-chunked forward: (loss [N] in hidden's dtype, lse [N] f32 / f64)."""
+    acc = acc_dtype(hidden.dtype)
+    n = hidden.shape[0]
+    n_b = _block_rows(n, chunk_size)
+    local, ok = _local_labels(labels, weight, vocab_axes, sizes, vocab_total)
+
+    def step(_, xs):
+        hb, lb = xs
+        z = jnp.dot(hb, weight, preferred_element_type=acc).astype(acc)
+        return None, block_lse_and_picked(z, lb, vocab_axes)
+
+    _, (lse, picked) = lax.scan(step, None, (_blocks(hidden, n_b), _blocks(local, n_b, -1)))
+    lse, picked = _unblock(lse, n), _unblock(picked, n)
+    return jnp.where(ok, lse - picked, 0).astype(hidden.dtype), lse
+
+
+def reference_tangent(hidden, weight, labels, lse, t_hidden, t_weight, *, chunk_size):
+    """(t_loss, t_lse): per block tz = t_h W + h t_W, t_lse = sum p tz, t_loss = t_lse - tz[label]."""
+    acc = lse.dtype
+    n = hidden.shape[0]
+    n_b = _block_rows(n, chunk_size)
+    ok = (labels >= 0) & (labels < weight.shape[1])
+
+    def step(_, xs):
+        hb, thb, lb, lseb = xs
+        z = jnp.dot(hb, weight, preferred_element_type=acc).astype(acc)
+        tz = (jnp.dot(thb, weight, preferred_element_type=acc) + jnp.dot(hb, t_weight, preferred_element_type=acc))
+        tz = tz.astype(acc)
+        p = jnp.exp(z - lseb[:, None])
+        hit = jnp.arange(z.shape[-1]) == lb[:, None]
+        return None, (jnp.sum(p * tz, axis=1), jnp.sum(jnp.where(hit, tz, 0), axis=1))
+
+    xs = (_blocks(hidden, n_b), _blocks(t_hidden, n_b), _blocks(labels, n_b, -1), _blocks(lse, n_b))
+    _, (t_lse, t_picked) = lax.scan(step, None, xs)
+    t_lse, t_picked = _unblock(t_lse, n), _unblock(t_picked, n)
+    return jnp.where(ok, t_lse - t_picked, 0).astype(hidden.dtype), t_lse
+
+
+def reference_backward(hidden, weight, labels, lse, dloss, dlse, *, chunk_size, vocab_axes=(), row_axes=(),
+                       sizes=None, vocab_total=None):
+    """(d hidden, d weight) for per-row cotangents (dloss, dlse), recomputing each block's
+    logits: g = p (dloss + dlse) - onehot dloss; dh_b = g W^T; dW += h_b^T g."""
+    acc = lse.dtype
+    n = hidden.shape[0]
+    n_b = _block_rows(n, chunk_size)
+    local, ok = _local_labels(labels, weight, vocab_axes, sizes, vocab_total)
+    g_loss = jnp.where(ok, dloss.astype(acc), 0)
+    g_lse = dlse.astype(acc)
+
+    def step(dw, xs):
+        hb, lb, lseb, glb, gsb = xs
+        z = jnp.dot(hb, weight, preferred_element_type=acc).astype(acc)
+        hit = jnp.arange(z.shape[-1]) == lb[:, None]
+        p = jnp.exp(z - lseb[:, None])
+        g = (p * (glb + gsb)[:, None] - jnp.where(hit, glb[:, None], 0)).astype(hidden.dtype)
+        dh = _psum(jnp.dot(g, weight.T, preferred_element_type=acc), vocab_axes)
+        return dw + jnp.dot(hb.T, g, preferred_element_type=acc), dh.astype(hidden.dtype)
+
+    xs = (_blocks(hidden, n_b), _blocks(local, n_b, -1), _blocks(lse, n_b), _blocks(g_loss, n_b), _blocks(g_lse, n_b))
+    dw, dh = lax.scan(step, jnp.zeros(weight.shape, acc), xs)
+    return _unblock(dh, n), _psum(dw, row_axes).astype(weight.dtype)
+
+
+# ---- reductions "mean" / "sum": loss and gradients in one pass ---------------------------
+
+
+def reference_reduced(hidden, weight, labels, *, chunk_size, mean, vocab_axes=(), row_axes=(), sizes=None,
+                      vocab_total=None):
+    """(loss [1], d hidden [N, D], d weight [D, V]) of the summed (or mean over rows with
+    a label in [0, V); 0 when there are none) loss, in one pass over row blocks."""
+    acc = acc_dtype(hidden.dtype)
+    n = hidden.shape[0]
+    n_b = _block_rows(n, chunk_size)
+    local, ok = _local_labels(labels, weight, vocab_axes, sizes, vocab_total)
+    if mean:
+        count = _psum(jnp.sum(ok.astype(acc)), row_axes)
+        scale = 1 / jnp.maximum(count, 1)
+    else:
+        scale = jnp.asarray(1, acc)
+    row_scale = jnp.where(ok, scale, 0).astype(acc)
+
+    def step(carry, xs):
+        dw, total = carry
+        hb, lb, sb = xs
+        z = jnp.dot(hb, weight, preferred_element_type=acc).astype(acc)
+        lse, picked = block_lse_and_picked(z, lb, vocab_axes)
+        g = _logit_grad(z, lse, lb, sb).astype(hidden.dtype)
+        dh = _psum(jnp.dot(g, weight.T, preferred_element_type=acc), vocab_axes)
+        dw = dw + jnp.dot(hb.T, g, preferred_element_type=acc)
+        total = total + jnp.sum(jnp.where(sb != 0, (lse - picked) * sb, 0))
+        return (dw, total), dh.astype(hidden.dtype)
+
+    init = (jnp.zeros(weight.shape, acc), jnp.zeros((), acc))
+    xs = (_blocks(hidden, n_b), _blocks(local, n_b, -1), _blocks(row_scale, n_b))
+    (dw, total), dh = lax.scan(step, init, xs)
+    total, dw = _psum(total, row_axes), _psum(dw, row_axes)
+    return total.astype(hidden.dtype).reshape(1), _unblock(dh, n), dw.astype(weight.dtype)
+
+
+def _reduced_loss(hidden, weight, labels, *, chunk_size, mean):
+    """The reduced loss as plain JAX (row-chunked forward), for the Hessian."""
+    loss, _ = reference_forward(hidden, weight, labels, chunk_size=chunk_size)
+    acc = acc_dtype(hidden.dtype)
+    ok = (labels >= 0) & (labels < weight.shape[1])
+    total = jnp.sum(loss.astype(acc))
+    return total / jnp.maximum(jnp.sum(ok.astype(acc)), 1) if mean else total
+
+
+def reference_hvp(hidden, weight, labels, t_hidden, t_weight, *, chunk_size, mean):
+    """(t_dh, t_dW) = Hessian of the reduced loss times (t_hidden, t_weight)."""
+    grad = jax.grad(partial(_reduced_loss, labels=labels, chunk_size=chunk_size, mean=mean), (0, 1))
+    _, (t_dh, t_dw) = jax.jvp(grad, (hidden, weight), (t_hidden, t_weight))
+    return t_dh.astype(hidden.dtype), t_dw.astype(weight.dtype)
+
+
+# ---- primitives ------------------------------------------------------------------------
+
+
+_ROW_STAT, _HIDDEN, _WEIGHT, _TOTAL = ("r0",), ("r0", "d"), ("d", "v"), ("one",)
+
+
+def _factors_for(outputs):
+    """Factors of hidden (r0, d), weight (d, v), row operands (r0) and the given outputs."""
+    def factors(avals_in, avals_out, **params):
+        return [_HIDDEN, _WEIGHT] + [_ROW_STAT] * (len(avals_in) - 2), list(outputs)
+    return factors
+
+
+def _local(reference):
+    def build(fn, vocab_axes, row_axes, sizes, vocab_total, **params):
+        if not vocab_axes and not row_axes:
+            return fn
+        return partial(reference, vocab_axes=vocab_axes, row_axes=row_axes, sizes=sizes, vocab_total=vocab_total,
+                       **params)
+    return build
+
+
+def _partitioned(prim: FusedPrimitive, outputs):
+    """Lower ``prim`` (on every platform) through a ``VocabPartition`` of its reference."""
+    part = VocabPartition(_factors_for(outputs), _local(prim.reference), vocab_operand=1, vocab_dim=1)
+
+    def lower(ctx, *args, **params):
+        fn = part.wrap(partial(prim.reference, **params), ctx.avals_in, ctx.avals_out, params)
+        return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+    mlir.register_lowering(prim.p, lower)
+    dispatch.prim_requires_devices_during_lowering.add(prim.p)
+    return prim
+
+
+flce_fwd = _partitioned(FusedPrimitive("rlx_fused_linear_ce_fwd", reference_forward), (_ROW_STAT, _ROW_STAT))
+flce_tangent = FusedPrimitive("rlx_fused_linear_ce_tangent", reference_tangent)
+flce_bwd = _partitioned(FusedPrimitive("rlx_fused_linear_ce_bwd", reference_backward), (_HIDDEN, _WEIGHT))
+flce_reduced = _partitioned(FusedPrimitive("rlx_fused_linear_ce_reduced", reference_reduced),
+                            (_TOTAL, _HIDDEN, _WEIGHT))
+flce_hvp = FusedPrimitive("rlx_fused_linear_ce_hvp", reference_hvp)
+
+
+@flce_fwd.def_jvp
+def _fwd_jvp(primals, tangents, *, chunk_size):
+    hidden, weight, labels = primals
+    th, tw, _ = instantiate(tangents, primals)
+    loss, lse = flce_fwd(hidden, weight, labels, chunk_size=chunk_size)
+    t_loss, t_lse = flce_tangent(hidden, weight, labels, lse, th, tw, chunk_size=chunk_size)
+    return (loss, lse), (t_loss, t_lse)
+
+
+@flce_tangent.def_transpose
+def _tangent_transpose(cts, hidden, weight, labels, lse, th, tw, *, chunk_size):
+    for residual in (hidden, weight, lse):
+        if ad.is_undefined_primal(residual):
+            raise ValueError("fused linear cross-entropy tangent is linear in (t_hidden, t_weight) only")
+    ct_loss, ct_lse = cts
+    if type(ct_loss) is ad.Zero and type(ct_lse) is ad.Zero:
+        return [None] * 4 + [ad.Zero(t.aval) if ad.is_undefined_primal(t) else None for t in (th, tw)]
+    ct_loss = jnp.zeros(lse.shape, hidden.dtype) if type(ct_loss) is ad.Zero else ct_loss
+    ct_lse = jnp.zeros(lse.shape, lse.dtype) if type(ct_lse) is ad.Zero else ct_lse
+    dh, dw = flce_bwd(hidden, weight, labels, lse, ct_loss, ct_lse, chunk_size=chunk_size)
+    return [None] * 4 + [d if ad.is_undefined_primal(t) else None for d, t in ((dh, th), (dw, tw))]
+
+
+@flce_reduced.def_jvp
+def _reduced_jvp(primals, tangents, *, chunk_size, mean):
+    """t_loss = <dh, t_h> + <dW, t_W> from the saved gradients (its transpose scales them
+    by the cotangent); the gradients' own tangents come from ``flce_hvp``."""
+    hidden, weight, labels = primals
+    th, tw, _ = tangents
+    loss, dh, dw = flce_reduced(hidden, weight, labels, chunk_size=chunk_size, mean=mean)
+    acc = acc_dtype(hidden.dtype)
+    t_loss = jnp.zeros((), acc)
+    for grad, t in ((dh, th), (dw, tw)):
+        if type(t) is not ad.Zero:
+            t_loss = t_loss + jnp.sum(grad.astype(acc) * t.astype(acc))
+    if type(th) is ad.Zero and type(tw) is ad.Zero:
+        return (loss, dh, dw), (jnp.zeros_like(loss), jnp.zeros_like(dh), jnp.zeros_like(dw))
+    th, tw = instantiate((th, tw), (hidden, weight))
+    t_dh, t_dw = flce_hvp(hidden, weight, labels, th, tw, chunk_size=chunk_size, mean=mean)
+    return (loss, dh, dw), (t_loss.astype(loss.dtype).reshape(1), t_dh, t_dw)
+
+
+@flce_hvp.def_transpose
+def _hvp_transpose(cts, hidden, weight, labels, th, tw, *, chunk_size, mean):
+    """The Hessian is symmetric: the transpose of v -> H v is itself."""
+    for residual in (hidden, weight):
+        if ad.is_undefined_primal(residual):
+            raise ValueError("fused linear cross-entropy hvp is linear in (t_hidden, t_weight) only")
+    ct_dh, ct_dw = cts
+    if type(ct_dh) is ad.Zero and type(ct_dw) is ad.Zero:
+        return [None] * 3 + [ad.Zero(t.aval) if ad.is_undefined_primal(t) else None for t in (th, tw)]
+    ct_dh = jnp.zeros(hidden.shape, hidden.dtype) if type(ct_dh) is ad.Zero else ct_dh
+    ct_dw = jnp.zeros(weight.shape, weight.dtype) if type(ct_dw) is ad.Zero else ct_dw
+    dh, dw = flce_hvp(hidden, weight, labels, ct_dh, ct_dw, chunk_size=chunk_size, mean=mean)
+    return [None] * 3 + [d if ad.is_undefined_primal(t) else None for d, t in ((dh, th), (dw, tw))]
+
+
+# ---- public function -------------------------------------------------------------------
+
+
+def fused_linear_cross_entropy(hidden, weight, labels, *, reduction: str = "none", ignore_index: int = -100,
+                               chunk_size: int | None = None):
+    """``softmax_cross_entropy(hidden @ weight, labels)`` without the [..., V] logits.
+
+    hidden: [..., D]; weight: [D, V]; labels: [...] integers (float labels raise
+    TypeError). hidden and weight are promoted to a common dtype as ``jnp.dot`` does
+    (bf16 hidden with an f32 weight computes in f32; nothing is silently narrowed); the
+    logits, softmax and loss are computed in f32 (f64 for f64) and the loss returned in
+    the promoted dtype. Rows labelled ``ignore_index`` (default -100) have loss 0 and no
+    gradient; any other label outside ``[0, V)`` gives that row a NaN loss (so a reduced
+    loss is NaN) and a zero gradient.
+
+    reduction: "none" -> loss [...]; "sum" -> scalar sum; "mean" -> scalar mean over the
+    rows not ignored (0, with zero gradients, when every row is ignored). With "sum" /
+    "mean" the forward pass also computes d hidden and d weight, chunk by chunk, and the
+    backward pass only scales them by the cotangent (three vocabulary-sized matmuls in
+    all); with "none" the backward recomputes the logits (four).
+
+    chunk_size: rows per block (the largest intermediate is [chunk_size, V] f32);
+    None picks ``default_chunk_size`` for the platform and shape.
+    """
+    who = "fused_linear_cross_entropy"
+    hidden, weight = jnp.asarray(hidden), jnp.asarray(weight)
+    for name, x in (("hidden", hidden), ("weight", weight)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{who}: {name} must be floating point, got {x.dtype}")
+    if hidden.ndim < 1:
+        raise ValueError(f"{who}: hidden must be [..., D], got a scalar")
+    if weight.ndim != 2 or weight.shape[0] != hidden.shape[-1]:
+        raise ValueError(f"{who}: weight must be [D={hidden.shape[-1]}, V], got shape {weight.shape}")
+    if weight.shape[1] == 0:
+        raise ValueError(f"{who}: weight needs at least one vocabulary column (V = 0)")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{who}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size <= 0
+    ):
+        raise ValueError(f"{who}: chunk_size must be a positive int or None, got {chunk_size!r}")
+    lead, dim, vocab = hidden.shape[:-1], hidden.shape[-1], weight.shape[1]
+    labels = check_labels(labels, lead, who).reshape(-1)
+    labels, bad = kernel_labels(labels, vocab, check_ignore_index(ignore_index, who))
+    dtype = jnp.promote_types(hidden.dtype, weight.dtype)
+    h2 = hidden.reshape(-1, dim).astype(dtype)
+    w = weight.astype(dtype)
+    rows = h2.shape[0]
+    chunk = int(chunk_size) if chunk_size is not None else default_chunk_size(rows, dim, vocab)
+    chunk = _block_rows(rows, chunk)
+    if reduction == "none":
+        loss, _ = flce_fwd(h2, w, labels, chunk_size=chunk)
+        return nan_where(bad, loss).reshape(lead)
+    loss, _, _ = flce_reduced(h2, w, labels, chunk_size=chunk, mean=reduction == "mean")
+    return nan_where(jnp.any(bad), loss[0])
