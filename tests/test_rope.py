@@ -122,3 +122,75 @@ def test_errors():
         rope(x[0, 0], c, s, head_dim=8)
     with pytest.raises(TypeError, match="floating"):
         rope(x.astype(jnp.int32), c, s, head_dim=8)
+
+
+# ---- the heads-split layout [..., S, H, D] (head_dim=None) ------------------------------
+
+# (leading axes, S, heads, head_dim, n_rot, table width)
+SPLIT_CASES = [
+    ((2,), 5, 3, 8, 8, 4),
+    ((2,), 5, 3, 8, 6, 4),  # partial rotation, RLX-width table
+    ((), 7, 2, 6, 2, 3),  # no batch axis
+    ((2, 3), 4, 1, 6, 4, 3),  # two leading axes
+    ((0,), 4, 2, 8, 8, 4),  # zero-sized batch
+]
+
+
+def _split_inputs(lead, s, heads, hd, tw, dtype=jnp.float32, seed=1):
+    x, c, sn = _inputs(lead, s, heads, hd, tw, dtype, seed)
+    return x.reshape(*lead, s, heads, hd), c, sn
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_split_layout_matches_oracle(case, dtype):
+    lead, s, heads, hd, nr, tw = case
+    x, c, sn = _split_inputs(lead, s, heads, hd, tw, dtype)
+    merged = lambda a: np.asarray(a, np.float64).reshape(*lead, s, heads * hd)
+    cr, sr = c.astype(dtype), sn.astype(dtype)
+    y = jax.jit(lambda x, c, s: rope(x, c, s, n_rot=nr))(x, c, sn)
+    assert y.shape == x.shape and y.dtype == dtype
+    assert_close(merged(y), _oracle(merged(x), cr, sr, hd, nr), dtype)
+    dx = jax.jit(lambda d, c, s: rope_backward(d, c, s, n_rot=nr))(x, c, sn)
+    assert_close(merged(dx), _oracle(merged(x), cr, sr, hd, nr, sign=-1.0), dtype)
+    _, vjp = jax.vjp(lambda x: rope(x, c, sn, n_rot=nr), x)
+    assert_close(vjp(x)[0], dx, dtype)
+
+
+def test_split_layout_equals_merged_and_runs_kernel_without_transpose():
+    x, c, s = _split_inputs((2,), 5, 3, 8, 4)
+    xm = x.reshape(2, 5, 24)
+    assert_close(rope(x, c, s, n_rot=6).reshape(2, 5, 24), rope(xm, c, s, head_dim=8, n_rot=6))
+    loss = lambda x: jnp.sum(rope(x, c, s) ** 2)
+    text = jax.jit(jax.grad(loss)).lower(x).compile().as_text()
+    assert "rlx_rope_fwd" in text and "rlx_rope_bwd" in text
+    assert " transpose(" not in text
+
+
+def test_split_layout_check_grads_f64_and_vmap(x64):
+    x, c, s = _split_inputs((2,), 4, 2, 6, 3, jnp.float64)
+    c, s = c.astype(jnp.float64), s.astype(jnp.float64)
+    check_grads(lambda x, c, s: rope(x, c, s, n_rot=4) ** 2, (x, c, s), order=2, modes=("fwd", "rev"))
+    check_grads(lambda x, c, s: rope_backward(x, c, s) ** 2, (x, c, s), order=1, modes=("fwd", "rev"))
+    xb = jnp.stack([x, 3 * x], axis=2)  # vmapped axis in the middle
+    got = jax.vmap(lambda x: rope(x, c, s, n_rot=4), in_axes=2, out_axes=0)(xb)
+    assert_close(got[1], rope(3 * x, c, s, n_rot=4))
+    g = jax.vmap(jax.grad(lambda x: jnp.sum(jnp.sin(rope(x, c, s)))))(jnp.stack([x, -x]))
+    assert_close(g[1], jax.grad(lambda x: jnp.sum(jnp.sin(rope(x, c, s))))(-x))
+
+
+def test_split_layout_errors():
+    x, c, s = _split_inputs((2,), 5, 2, 8, 4)
+    # a [B, S, H, D] x with head_dim reads as merged [..., S=H, D]: the message says to drop head_dim
+    with pytest.raises(ValueError, match="drop head_dim"):
+        rope(x, c, s, head_dim=8)
+    with pytest.raises(ValueError, match="drop head_dim"):
+        rope_backward(x, c, s, head_dim=8)
+    with pytest.raises(ValueError, match=r"rank >= 3.*pass head_dim"):
+        rope(x[0, :, 0], c, s)
+    with pytest.raises(ValueError, match="n_rot"):
+        rope(x, c, s, n_rot=10)
+    with pytest.raises(ValueError, match=r"cos must be \[S=5"):
+        rope(x, c[:3], s)
+    with pytest.raises(ValueError, match="head_dim must be a positive int"):
+        rope(x.reshape(2, 5, 16), c, s, head_dim=True)

@@ -222,51 +222,70 @@ class Partition:
     a sharded ``jit`` runs it on each shard instead of gathering its operands.
 
     ``factors(avals_in, avals_out, **params)`` names the axes of every operand and
-    result (einsum style, e.g. q = ("b", "s", "h", "d")). Factors in ``shardable`` keep
-    the mesh axes they have on the first operand that carries them; every other axis
-    is replicated, and a factor whose dims the mesh axes do not divide is replicated too. A result lacking a sharded factor is a sum over that factor
-    (a parameter gradient summed over rows): each shard computes its partial sum and
-    they are added with a psum over the factor's mesh axes.
+    result (einsum style, e.g. q = ("b", "s", "h", "d")) and may return a third item,
+    ``{factor: size}``, for compound axes: an axis named by a tuple of factors, major
+    first (("h", "g"): an axis of H = Hkv * G query heads, h the kv head, g the member of
+    its group), is sharded through its major factor only, and the sizes of its minor
+    factors must be given. Factors in ``shardable`` keep the mesh axes they have on the
+    first operand that carries them (on a compound axis: when the mesh axes divide its
+    major factor); every other axis is replicated, and a factor whose dims the mesh axes
+    do not divide is replicated too. A result lacking a sharded factor is a sum over
+    that factor (a parameter gradient summed over rows): each shard computes its partial
+    sum and they are added with a psum over the factor's mesh axes.
     """
 
     def __init__(self, factors: Callable, shardable: Iterable[str]):
         self.factors = factors
         self.shardable = frozenset(shardable)
 
-    def _assign(self, mesh, arg_shapes, f_in, f_out) -> dict:
+    def _factors(self, avals_in, avals_out, params):
+        """(f_in, f_out, sizes) with every axis a tuple of factors (major first)."""
+        got = self.factors(avals_in, avals_out, **params)
+        f_in, f_out = got[0], got[1]
+        sizes = dict(got[2]) if len(got) > 2 else {}
+        norm = lambda fss: [tuple(f if isinstance(f, tuple) else (f,) for f in fs) for fs in fss]
+        return norm(f_in), norm(f_out), sizes
+
+    @staticmethod
+    def _major_dim(axis, d, sizes):
+        """The size of an axis' major factor (the axis' size over its minor factors')."""
+        minor = math.prod(sizes[f] for f in axis[1:])
+        return d // minor if minor else 0
+
+    def _assign(self, mesh, arg_shapes, f_in, f_out, sizes) -> dict:
         """factor -> tuple of mesh axis names (only sharded, divisible factors)."""
         assign: dict = {}
         for a, fs in zip(arg_shapes, f_in):
             sharding = a.sharding
             spec = tuple(getattr(sharding, "spec", ())) if sharding is not None else ()
             spec = spec + (None,) * (len(fs) - len(spec))
-            for f, entry in zip(fs, spec):
+            for axis, entry in zip(fs, spec):
+                f = axis[0]
                 if f in self.shardable and f not in assign and entry is not None:
                     assign[f] = entry if isinstance(entry, tuple) else (entry,)
-        sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+        mesh_sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
         dims: dict = {}
-        for shapes, fss in ((arg_shapes, f_in), (None, f_out)):
-            if shapes is None:
-                continue
-            for a, fs in zip(shapes, fss):
-                for f, d in zip(fs, a.shape):
-                    dims.setdefault(f, set()).add(d)
+        for a, fs in zip(arg_shapes, f_in):
+            for axis, d in zip(fs, a.shape):
+                dims.setdefault(axis[0], set()).add(self._major_dim(axis, d, sizes))
         ok = {}
         for f, axes in assign.items():
-            n = math.prod(sizes[ax] for ax in axes)
+            n = math.prod(mesh_sizes[ax] for ax in axes)
             if all(d % n == 0 for d in dims.get(f, ())):
                 ok[f] = axes
         return ok
 
     @staticmethod
     def _spec(fs, assign):
-        return PartitionSpec(*[assign[f] if f in assign else None for f in fs])
+        return PartitionSpec(*[assign.get(axis[0]) for axis in fs])
 
     def sharding_rule(self, f_in, f_out) -> str:
-        return ", ".join(" ".join(fs) for fs in f_in) + " -> " + ", ".join(" ".join(fs) for fs in f_out)
+        name = lambda axis: axis[0] if len(axis) == 1 else "(" + " ".join(axis) + ")"
+        side = lambda fss: ", ".join(" ".join(name(ax) for ax in fs) for fs in fss)
+        return side(f_in) + " -> " + side(f_out)
 
     def wrap(self, fn: Callable, avals_in, avals_out, params: dict) -> Callable:
-        f_in, f_out = self.factors(avals_in, avals_out, **params)
+        f_in, f_out, sizes = self._factors(avals_in, avals_out, params)
 
         def kernel_call(*xs):  # custom_partitioning wants a plain positional function
             return tuple(fn(*xs))
@@ -274,14 +293,16 @@ class Partition:
         wrapped = custom_partitioning(kernel_call)
 
         def infer(mesh, arg_shapes, result_shape):
-            assign = self._assign(mesh, arg_shapes, f_in, f_out)
+            assign = self._assign(mesh, arg_shapes, f_in, f_out, sizes)
             return tuple(NamedSharding(mesh, self._spec(fs, assign)) for fs in f_out)
 
         def partition(mesh, arg_shapes, result_shape):
-            assign = self._assign(mesh, arg_shapes, f_in, f_out)
+            assign = self._assign(mesh, arg_shapes, f_in, f_out, sizes)
             args = tuple(NamedSharding(mesh, self._spec(fs, assign)) for fs in f_in)
             outs = tuple(NamedSharding(mesh, self._spec(fs, assign)) for fs in f_out)
-            reduce_axes = [tuple(ax for f, axes in assign.items() if f not in fs for ax in axes) for fs in f_out]
+            present = [{axis[0] for axis in fs} for fs in f_out]
+            reduce_axes = [tuple(ax for f, axes in assign.items() if f not in have for ax in axes)
+                           for have in present]
 
             def local(*xs):
                 results = list(fn(*xs))
@@ -293,7 +314,7 @@ class Partition:
             return mesh, local, outs, args
 
         wrapped.def_partition(infer_sharding_from_operands=infer, partition=partition,
-                              sharding_rule=self.sharding_rule(f_in, f_out))
+                              sharding_rule=self.sharding_rule(f_in, f_out), **sizes)
         return wrapped
 
 

@@ -316,17 +316,21 @@ def _kernel_ok(q, k, v, *rest, **params):
 def _partition_factors(avals_in, avals_out, *, has_mask, has_bias, **params):
     """SPMD axes: q, out (b, s, h, d); k, v (b, t, h, d); lse (b, h, s); key mask (b, t);
     bias (b, h, s, t). Batch and heads may split across devices. With grouped kv heads
-    (Hkv < H) the head axes get factors of their own that stay whole, since a shard of
-    query heads needs the kv heads of its groups: then only the batch splits."""
-    grouped = avals_in[1].shape[2] != avals_in[0].shape[2]
-    h, g = ("hq", "g") if grouped else ("h", "h")
-    q, kv, lse = ("b", "s", h, "d"), ("b", "t", g, "d"), ("b", h, "s")
+    (H = Hkv * G) a query-head axis is the compound (h, g): query head h * G + g reads kv
+    head h, so splitting the H axis into contiguous shards on group boundaries (mesh axes
+    dividing Hkv) gives each shard the kv heads of its own groups: q, k, v, lse and the
+    gradients all stay local."""
+    hq, hkv = avals_in[0].shape[2], avals_in[1].shape[2]
+    grouped = hkv != hq and hkv > 0
+    h = ("h", "g") if grouped else "h"
+    sizes = {"g": hq // hkv} if grouped else {}
+    q, kv, lse = ("b", "s", h, "d"), ("b", "t", "h", "d"), ("b", h, "s")
     bias = ("b", h, "s", "t")
     extras = [("b", "t")] * has_mask + [bias] * has_bias
     if len(avals_out) == 2:  # forward: q, k, v, [mask], [bias] -> out, lse
-        return [q, kv, kv, *extras], [q, lse]
+        return [q, kv, kv, *extras], [q, lse], sizes
     # backward: q, k, v, out, lse, dout, dlse, [mask], [bias] -> dq, dk, dv, [dbias]
-    return [q, kv, kv, q, lse, q, lse, *extras], [q, kv, kv] + [bias] * has_bias
+    return [q, kv, kv, q, lse, q, lse, *extras], [q, kv, kv] + [bias] * has_bias, sizes
 
 
 _PARTITION = Partition(_partition_factors, shardable=["b", "h"])

@@ -1,0 +1,602 @@
+"""One training step of a Llama-style decoder, plain JAX against rlx_jax's fused ops.
+
+The model is written the way JAX users write one: plain functions over a dict of
+parameters (token embedding, L x [RMSNorm -> q, k, v -> NeoX RoPE -> grouped-query causal
+attention -> output projection (+ residual); RMSNorm -> SwiGLU MLP (+ residual)], final
+RMSNorm, linear head + mean softmax cross-entropy). Each variant picks, per op, the plain
+JAX form or the rlx_jax one; ``jax.jit(jax.value_and_grad(loss))`` is compiled once per
+variant and the variants are timed in interleaved rounds (the median over rounds), so a
+drift of the machine hits every variant alike.
+
+Variants:
+  plain-xla        plain JAX, attention ``jax.nn.dot_product_attention(implementation="xla")``
+  plain-cudnn      the same with ``implementation="cudnn"`` (GPU only)
+  rlx              rlx_jax.ops: gather (embedding), rms_norm, rope, attention,
+                   fused_linear_cross_entropy (mean reduction)
+  rlx-plain-ce     rlx with the plain logits + cross-entropy head
+  +<op>            the best plain baseline (cudnn on the GPU, xla elsewhere) with one op
+                   swapped for rlx_jax's (embed, norm, rope, attn, loss)
+  train-fused / train-nofused
+                   the RLX-graph transformer of ``rlx-jax train`` (its full update step:
+                   loss, gradients and the AdamW update), fused kernels and ``--no-fused``
+
+Columns: ms/step (median), tokens/s, MFU (model FLOPs = 6 * N * tokens + causal attention
+FLOPs 6 * L * H * head_dim * S * tokens, N = parameters outside the embedding table, over
+the device's peak; n/a on the CPU), compiled temp memory (``memory_analysis()``), peak
+device memory (``memory_stats()`` running maximum; n/a where the backend keeps none), loss
+and gradient agreement with the reference variant (plain-xla; the train rows against
+train-nofused), and determinism (gradients bitwise identical over 3 calls).
+
+    python benchmarks/e2e_step.py --preset cpu
+    python benchmarks/e2e_step.py --preset llama-v32k --json out.json
+    python benchmarks/e2e_step.py --preset llama-v32k --deterministic-xla
+    python benchmarks/e2e_step.py --preset tiny --quick     # the CI check: agreement only
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+DET_FLAG = "--xla_gpu_deterministic_ops=true"
+
+PRESETS = {
+    "llama-v32k": dict(layers=4, width=2048, heads=16, kv_heads=4, head_dim=128, ffn=5632, vocab=32000,
+                       batch=8, seq=2048, dtype="bfloat16"),
+    "llama-v128k": dict(layers=2, width=2048, heads=16, kv_heads=4, head_dim=128, ffn=5632, vocab=128256,
+                        batch=4, seq=4096, dtype="bfloat16"),
+    "llama3-8b-2l": dict(layers=2, width=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=128256,
+                         batch=2, seq=4096, dtype="bfloat16"),
+    "cpu": dict(layers=2, width=256, heads=8, kv_heads=2, head_dim=32, ffn=704, vocab=8192,
+                batch=8, seq=256, dtype="float32"),
+    "tiny": dict(layers=2, width=64, heads=4, kv_heads=2, head_dim=16, ffn=176, vocab=512,
+                 batch=2, seq=32, dtype="float32"),
+}
+
+#: the RLX-graph transformer of ``rlx-jax train`` timed beside the step: its CPU defaults
+#: on CPU-sized presets, the GPU configuration (6 layers, width 768, 12 heads) elsewhere
+TRAIN_CONFIGS = {
+    "small": dict(layers=2, width=128, heads=4, seq=64, batch=16),
+    "tiny": dict(layers=1, width=32, heads=2, seq=16, batch=2),
+    "gpu": dict(layers=6, width=768, heads=12, seq=512, batch=32),
+}
+
+#: dense peak TFLOP/s by (device kind substring, dtype)
+PEAK_TFLOPS = {("H200", "bfloat16"): 989.0, ("H100", "bfloat16"): 989.0,
+               ("H200", "float32"): 494.7, ("H100", "float32"): 494.7}
+
+OPS = ("embed", "norm", "rope", "attn", "loss")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    layers: int
+    width: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    batch: int
+    seq: int
+    dtype: str
+    eps: float = 1e-5
+    rope_base: float = 10000.0
+
+    def __post_init__(self):
+        for name in ("layers", "width", "heads", "kv_heads", "head_dim", "ffn", "vocab", "batch", "seq"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive (got {getattr(self, name)})")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"--kv-heads {self.kv_heads} must divide --heads {self.heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"--head-dim {self.head_dim} must be even for RoPE")
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """Which implementation each op uses: embed "take" | "rlx"; norm, rope, loss "jax" |
+    "rlx"; attn "xla" | "cudnn" | "rlx"."""
+
+    name: str
+    embed: str = "take"
+    norm: str = "jax"
+    rope: str = "jax"
+    attn: str = "xla"
+    loss: str = "jax"
+
+
+# ---- the model ---------------------------------------------------------------------------------
+
+
+def param_shapes(s: Shape) -> dict:
+    shapes = {"embed": (s.vocab, s.width), "final_norm": (s.width,), "head": (s.width, s.vocab)}
+    for i in range(s.layers):
+        shapes |= {f"l{i}.attn_norm": (s.width,), f"l{i}.wq": (s.width, s.heads * s.head_dim),
+                   f"l{i}.wk": (s.width, s.kv_heads * s.head_dim), f"l{i}.wv": (s.width, s.kv_heads * s.head_dim),
+                   f"l{i}.wo": (s.heads * s.head_dim, s.width), f"l{i}.mlp_norm": (s.width,),
+                   f"l{i}.w_gate": (s.width, s.ffn), f"l{i}.w_up": (s.width, s.ffn), f"l{i}.w_down": (s.ffn, s.width)}
+    return shapes
+
+
+def init_params(s: Shape, key) -> dict:
+    """Norm gains 1, the embedding N(0, 0.02), matrices N(0, 1 / fan_in); all in s.dtype."""
+    import jax
+    import jax.numpy as jnp
+
+    shapes = param_shapes(s)
+    params = {}
+    for k, name in zip(jax.random.split(key, len(shapes)), sorted(shapes)):
+        shape = shapes[name]
+        if len(shape) == 1:
+            params[name] = jnp.ones(shape, s.dtype)
+        else:
+            std = 0.02 if name == "embed" else 1.0 / math.sqrt(shape[0])
+            params[name] = (std * jax.random.normal(k, shape, jnp.float32)).astype(s.dtype)
+    return params
+
+
+def model_flops(s: Shape) -> float:
+    """6 N tokens (N without the embedding table, whose lookup multiplies nothing) plus
+    causal attention: QK^T and PV are 4 S^2 H D per sequence forward, half of it masked,
+    times 3 for forward + backward."""
+    n = sum(math.prod(v) for k, v in param_shapes(s).items() if k != "embed")
+    return 6.0 * n * s.tokens + 6.0 * s.layers * s.heads * s.head_dim * s.seq * s.tokens
+
+
+def rope_tables(seq: int, head_dim: int, base: float):
+    """cos, sin [seq, head_dim / 2] (f32): angle(p, i) = p * base^(-2i / head_dim)."""
+    import numpy as np
+
+    inv = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    ang = np.arange(seq, dtype=np.float64)[:, None] * inv[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def _jax_rms_norm(x, gamma, eps):
+    import jax
+    import jax.numpy as jnp
+
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * gamma.astype(jnp.float32)).astype(x.dtype)
+
+
+def _jax_rope(x, cos, sin):
+    """NeoX halves on x [B, S, H, D], tables [S, D / 2]."""
+    import jax.numpy as jnp
+
+    half = x.shape[-1] // 2
+    x32 = x.astype(jnp.float32)
+    c, t = cos[:, None, :], sin[:, None, :]
+    a, b = x32[..., :half], x32[..., half:]
+    return jnp.concatenate([a * c - b * t, b * c + a * t], axis=-1).astype(x.dtype)
+
+
+def _rlx_rope(x, cos, sin):
+    """rlx_jax.ops.rope on [B, S, H, D] where it takes that layout (``head_dim=None``),
+    else on the merged [B, S, H * D] view (a free reshape)."""
+    from rlx_jax.ops import rope
+
+    head_dim = inspect.signature(rope).parameters["head_dim"]
+    if head_dim.default is None:
+        return rope(x, cos, sin)
+    b, s, h, d = x.shape
+    return rope(x.reshape(b, s, h * d), cos, sin, head_dim=d).reshape(b, s, h, d)
+
+
+def _jax_loss(h, w, labels):
+    """mean softmax cross-entropy of logits h @ w, softmax in f32."""
+    import jax
+    import jax.numpy as jnp
+
+    logits = jnp.dot(h, w).astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, labels[:, None], axis=-1)[:, 0]
+    return jnp.mean(lse - picked)
+
+
+def _rlx_loss(h, w, labels):
+    """fused_linear_cross_entropy, reduced in the op where it takes ``reduction``."""
+    import jax.numpy as jnp
+    from rlx_jax.ops import fused_linear_cross_entropy as flce
+
+    if "reduction" in inspect.signature(flce).parameters:
+        return flce(h, w, labels, reduction="mean").astype(jnp.float32)
+    return jnp.mean(flce(h, w, labels).astype(jnp.float32))
+
+
+def make_loss(s: Shape, v: Variant):
+    """loss(params, tokens [B, S] i32, labels [B * S] i32) -> f32 scalar."""
+    import jax
+    import jax.numpy as jnp
+    import rlx_jax.ops as rops
+
+    cos_np, sin_np = rope_tables(s.seq, s.head_dim, s.rope_base)
+
+    def norm(x, g):
+        return rops.rms_norm(x, g, eps=s.eps) if v.norm == "rlx" else _jax_rms_norm(x, g, s.eps)
+
+    def rotate(x, cos, sin):
+        return _rlx_rope(x, cos, sin) if v.rope == "rlx" else _jax_rope(x, cos, sin)
+
+    def attend(q, k, vv):
+        if v.attn == "rlx":
+            return rops.attention(q, k, vv, mask_kind="causal")
+        return jax.nn.dot_product_attention(q, k, vv, is_causal=True, implementation=v.attn)
+
+    def loss(params, tokens, labels):
+        cos, sin = jnp.asarray(cos_np), jnp.asarray(sin_np)
+        if v.embed == "rlx":
+            x = rops.gather(params["embed"], tokens, axis=0)
+        else:
+            x = jnp.take(params["embed"], tokens, axis=0)
+        b, t = tokens.shape
+        for i in range(s.layers):
+            p = lambda n: params[f"l{i}.{n}"]
+            h = norm(x, p("attn_norm"))
+            q = (h @ p("wq")).reshape(b, t, s.heads, s.head_dim)
+            k = (h @ p("wk")).reshape(b, t, s.kv_heads, s.head_dim)
+            vv = (h @ p("wv")).reshape(b, t, s.kv_heads, s.head_dim)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            x = x + attend(q, k, vv).reshape(b, t, s.heads * s.head_dim) @ p("wo")
+            h = norm(x, p("mlp_norm"))
+            x = x + (jax.nn.silu(h @ p("w_gate")) * (h @ p("w_up"))) @ p("w_down")
+        h = norm(x, params["final_norm"]).reshape(b * t, s.width)
+        head_loss = _rlx_loss if v.loss == "rlx" else _jax_loss
+        return head_loss(h, params["head"], labels)
+
+    return loss
+
+
+def variants(platform: str) -> list[Variant]:
+    base = "cudnn" if platform == "gpu" else "xla"
+    out = [Variant("plain-xla")]
+    if platform == "gpu":
+        out.append(Variant("plain-cudnn", attn="cudnn"))
+    out.append(Variant("rlx", embed="rlx", norm="rlx", rope="rlx", attn="rlx", loss="rlx"))
+    out.append(Variant("rlx-plain-ce", embed="rlx", norm="rlx", rope="rlx", attn="rlx"))
+    for op in OPS:
+        out.append(dataclasses.replace(Variant(f"plain-{base}+{op}", attn=base),
+                                       **{op: "rlx"}))
+    return out
+
+
+# ---- measurement ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Runner:
+    """A compiled step plus what the table reports about it."""
+
+    name: str
+    step: object  # () -> outputs, blocking
+    grads: object  # () -> (loss, grads pytree) on host
+    tokens: int
+    flops: float
+    temp_bytes: int | None
+    row: dict = dataclasses.field(default_factory=dict)
+
+
+def _temp_bytes(compiled) -> int | None:
+    try:
+        return int(compiled.memory_analysis().temp_size_in_bytes)
+    except Exception:  # some backends keep no memory analysis
+        return None
+
+
+def _peak_bytes(device) -> int | None:
+    try:
+        stats = device.memory_stats()
+    except Exception:
+        return None
+    return None if not stats else stats.get("peak_bytes_in_use")
+
+
+def step_runner(s: Shape, v: Variant, params, tokens, labels) -> Runner:
+    import jax
+
+    fn = jax.jit(jax.value_and_grad(make_loss(s, v)))
+    compiled = fn.lower(params, tokens, labels).compile()
+
+    def step():
+        return jax.block_until_ready(compiled(params, tokens, labels))
+
+    def grads():
+        loss, g = step()
+        return float(loss), jax.device_get(g)
+
+    return Runner(v.name, step, grads, s.tokens, model_flops(s), _temp_bytes(compiled))
+
+
+def train_runners(cfg: dict, precision: str | None) -> list[Runner]:
+    """The ``rlx-jax train`` transformer's update step, fused and --no-fused, on fixed
+    inputs; ``grads`` gives the loss and parameter gradients of the same graph."""
+    import jax
+    import numpy as np
+    from rlx_jax.lowering import to_jax
+    from rlx_jax.models import TransformerConfig, transformer_lm
+    from rlx_jax.train.loop import TrainConfig, make_optimizer, make_step
+    from rlx_jax.vjp_rules._primitive import fused_ops
+
+    mc = TransformerConfig(seq_len=cfg["seq"], layers=cfg["layers"], width=cfg["width"], heads=cfg["heads"])
+    model = transformer_lm(mc)
+    graph = model.build(cfg["batch"])
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, mc.vocab_size, size=(cfg["batch"], mc.seq_len)).astype(np.int32)
+    labels = rng.integers(0, mc.vocab_size, size=cfg["batch"] * mc.seq_len).astype(np.float32)
+    inputs = {"tokens": tokens, "labels": labels}
+    n = model.num_params() - mc.vocab_size * mc.width
+    tok = cfg["batch"] * mc.seq_len
+    flops = 6.0 * n * tok + 6.0 * mc.layers * mc.heads * mc.head_dim * mc.seq_len * tok
+    out = []
+    for fused in (True, False):
+        tc = TrainConfig(steps=1000, batch_size=cfg["batch"], fused=fused)
+        optimizer = make_optimizer(tc)
+        params = model.init(jax.random.PRNGKey(0))
+        opt_state = optimizer.init(params)
+        kw = {} if precision is None else {"precision": precision}
+        if "precision" not in inspect.signature(make_step).parameters:
+            kw = {}
+        compiled = make_step(graph, optimizer, fused, **kw)
+        state = {"params": params, "opt": opt_state}
+
+        def step(compiled=compiled, state=state):
+            # the update is applied to a fixed state: each call is the same step
+            return jax.block_until_ready(compiled(state["params"], state["opt"], inputs))
+
+        fn = to_jax(graph)
+        with fused_ops(fused):
+            vg = jax.jit(jax.value_and_grad(lambda p: fn(p, inputs)[0])).lower(params).compile()
+
+        def grads(vg=vg, params=params):
+            loss, g = vg(params)
+            return float(loss), jax.device_get(g)
+
+        name = "train-fused" if fused else "train-nofused"
+        out.append(Runner(name, step, grads, tok, flops, _temp_bytes(compiled)))
+    return out
+
+
+def _tree_norm(tree) -> float:
+    import numpy as np
+
+    return math.sqrt(sum(float(np.sum(np.square(np.asarray(x, np.float64)))) for x in tree_leaves(tree)))
+
+
+def tree_leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
+def agreement(got, want) -> dict:
+    """Loss relative difference, gradient-norm relative difference, and the relative L2
+    error of the whole gradient (||g - g_ref|| / ||g_ref||)."""
+    import numpy as np
+
+    (loss, g), (loss_ref, g_ref) = got, want
+    diff = [np.asarray(a, np.float64) - np.asarray(b, np.float64) for a, b in zip(tree_leaves(g), tree_leaves(g_ref))]
+    norm, norm_ref = _tree_norm(g), _tree_norm(g_ref)
+    return {"loss": loss, "loss_rel_diff": abs(loss - loss_ref) / max(abs(loss_ref), 1e-30),
+            "grad_norm": norm, "grad_norm_rel_diff": abs(norm - norm_ref) / max(norm_ref, 1e-30),
+            "grad_rel_err": _tree_norm(diff) / max(norm_ref, 1e-30)}
+
+
+def deterministic(runner: Runner, calls: int = 3) -> bool:
+    """Gradients bitwise identical over ``calls`` calls."""
+    import numpy as np
+
+    first = [np.asarray(x) for x in tree_leaves(runner.grads()[1])]
+    for _ in range(calls - 1):
+        again = [np.asarray(x) for x in tree_leaves(runner.grads()[1])]
+        if not all(a.tobytes() == b.tobytes() for a, b in zip(first, again)):
+            return False
+    return True
+
+
+def time_rounds(runners: list[Runner], rounds: int, reps: int) -> None:
+    """Each round runs every runner ``reps`` times in turn; ms/step is the median over rounds
+    of each round's mean."""
+    for r in runners:
+        r.step()  # warm
+    per = {r.name: [] for r in runners}
+    for _ in range(rounds):
+        for r in runners:
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                r.step()
+            per[r.name].append((time.perf_counter() - t0) / reps)
+    for r in runners:
+        r.row["ms"] = 1e3 * statistics.median(per[r.name])
+        r.row["ms_rounds"] = [1e3 * t for t in per[r.name]]
+
+
+# ---- the run -----------------------------------------------------------------------------------------
+
+
+def _fmt(x, spec, na="n/a"):
+    return na if x is None else format(x, spec)
+
+
+def format_table(rows: list[dict], header: str) -> str:
+    ref = next((r for r in rows if r.get("ms") is not None), None)
+    cols = ["variant", "ms/step", "vs ref", "tokens/s", "MFU", "temp GiB", "peak GiB", "loss", "loss rel",
+            "gnorm rel", "grad err", "determ."]
+    lines = [header, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | failed: {r['error'][:80]} |" + " |" * (len(cols) - 2))
+            continue
+        base = r.get("ref_ms") or (ref["ms"] if ref else None)
+        cells = [r["variant"], f"{r['ms']:.2f}", _fmt(base / r["ms"] if base else None, ".3f") + "x",
+                 f"{r['tokens_per_s']:,.0f}", _fmt(r.get("mfu"), ".1%"),
+                 _fmt(None if r.get("temp_bytes") is None else r["temp_bytes"] / 2**30, ".3f"),
+                 _fmt(None if r.get("peak_bytes") is None else r["peak_bytes"] / 2**30, ".2f"),
+                 f"{r['loss']:.5f}", f"{r['loss_rel_diff']:.1e}", f"{r['grad_norm_rel_diff']:.1e}",
+                 f"{r['grad_rel_err']:.1e}", "yes" if r["deterministic"] else "NO"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    for name in ("layers", "width", "heads", "kv-heads", "head-dim", "ffn", "vocab", "batch", "seq"):
+        p.add_argument(f"--{name}", type=int, default=None, help="override the preset")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument("--variants", default=None,
+                   help="comma-separated variant names to run (default all; the reference always runs)")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 5; quick 0)")
+    p.add_argument("--reps", type=int, default=None, help="steps per variant per round (default 3)")
+    p.add_argument("--train", choices=["auto", "none", *sorted(TRAIN_CONFIGS)], default="auto",
+                   help="the rlx-jax train transformer rows: auto = small on CPU presets, gpu otherwise")
+    p.add_argument("--train-precision", choices=["f32", "bf16"], default=None,
+                   help="rlx-jax train rows' --precision (default: that command's default)")
+    p.add_argument("--quick", action="store_true",
+                   help="no timing: compile, check agreement and determinism, fail on disagreement")
+    p.add_argument("--deterministic-xla", action="store_true",
+                   help=f"run with XLA_FLAGS {DET_FLAG} (re-executes itself with the flag set)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default by device)")
+    p.add_argument("--json", metavar="PATH", default=None)
+    a = p.parse_args(argv)
+    fields = dict(PRESETS[a.preset])
+    for name in ("layers", "width", "heads", "kv_heads", "head_dim", "ffn", "vocab", "batch", "seq", "dtype"):
+        if getattr(a, name) is not None:
+            fields[name] = getattr(a, name)
+    if a.width is not None and a.head_dim is None and a.heads is not None:
+        fields["head_dim"] = fields["width"] // fields["heads"]
+    a.shape = Shape(**fields)
+    return a
+
+
+def _tolerances(dtype: str) -> dict:
+    if dtype == "float32":
+        return {"loss_rel_diff": 1e-4, "grad_norm_rel_diff": 1e-3, "grad_rel_err": 5e-3}
+    return {"loss_rel_diff": 2e-2, "grad_norm_rel_diff": 5e-2, "grad_rel_err": 1e-1}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    a = parse_args(argv)
+    if a.deterministic_xla and DET_FLAG not in os.environ.get("XLA_FLAGS", ""):
+        if "jax" in sys.modules:
+            raise SystemExit(f"--deterministic-xla: jax is already imported; set XLA_FLAGS={DET_FLAG} instead")
+        env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + DET_FLAG).strip())
+        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *argv], env)
+    import jax
+    import numpy as np
+
+    s = a.shape
+    device = jax.devices()[0]
+    platform = "gpu" if device.platform in ("gpu", "cuda", "rocm") else device.platform
+    det_xla = DET_FLAG in os.environ.get("XLA_FLAGS", "")
+    quick = a.quick
+    rounds = a.rounds if a.rounds is not None else (0 if quick else 5)
+    reps = a.reps or 3
+    peak = a.peak_tflops
+    if peak is None and platform == "gpu":
+        peak = next((v for (kind, dt), v in PEAK_TFLOPS.items() if kind in device.device_kind and dt == s.dtype), None)
+
+    chosen = variants(platform)
+    if a.variants:
+        wanted = set(a.variants.split(","))
+        unknown = wanted - {v.name for v in chosen}
+        if unknown:
+            raise SystemExit(f"--variants: unknown {sorted(unknown)}; choose from {[v.name for v in chosen]}")
+        chosen = [v for v in chosen if v.name in wanted or v.name == "plain-xla"]
+
+    key = jax.random.PRNGKey(0)
+    params = init_params(s, key)
+    rng = np.random.default_rng(0)
+    tokens = jax.numpy.asarray(rng.integers(0, s.vocab, size=(s.batch, s.seq)), jax.numpy.int32)
+    labels = jax.numpy.asarray(rng.integers(0, s.vocab, size=s.tokens), jax.numpy.int32)
+
+    runners, failed = [], []
+    for v in chosen:
+        try:
+            runners.append(step_runner(s, v, params, tokens, labels))
+        except Exception as exc:  # a variant the backend cannot compile (cuDNN under the flag, say)
+            failed.append({"variant": v.name, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]})
+    train_kind = a.train
+    if train_kind == "auto":
+        train_kind = "small" if platform == "cpu" and a.preset != "tiny" else ("tiny" if a.preset == "tiny" else "gpu")
+    train = [] if train_kind == "none" else train_runners(TRAIN_CONFIGS[train_kind], a.train_precision)
+
+    # agreement, determinism, then memory (ascending temp memory so the running peak is
+    # each variant's own as far as possible)
+    ref = next((r for r in runners if r.name == "plain-xla"), None)
+    want = ref.grads() if ref else None
+    for r in runners:
+        r.row.update(agreement(r.grads(), want) if want else {})
+    if train:
+        want_t = train[1].grads()
+        for r in train:
+            r.row.update(agreement(r.grads(), want_t))
+    everything = runners + train
+    for r in everything:
+        r.row["deterministic"] = deterministic(r)
+    for r in sorted(everything, key=lambda r: r.temp_bytes or 0):
+        r.step()
+        r.row["peak_bytes"] = _peak_bytes(device)
+    if rounds:
+        time_rounds(runners, rounds, reps)
+        if train:
+            time_rounds(train, rounds, reps)
+    rows = []
+    for r in everything:
+        row = {"variant": r.name, "temp_bytes": r.temp_bytes, **r.row}
+        if rounds:
+            row["tokens_per_s"] = r.tokens / (row["ms"] / 1e3)
+            row["mfu"] = r.flops / (row["ms"] / 1e3) / (peak * 1e12) if peak else None
+        rows.append(row)
+    if train and rounds:
+        rows[-2]["ref_ms"] = rows[-1]["ms"]
+        rows[-1]["ref_ms"] = rows[-1]["ms"]
+    rows += failed
+
+    header = (f"e2e step, preset {a.preset}: {s.layers} layers, width {s.width}, {s.heads}/{s.kv_heads} heads x "
+              f"{s.head_dim}, ffn {s.ffn}, vocab {s.vocab}, batch {s.batch} x seq {s.seq}, {s.dtype}; "
+              f"{device.platform} ({device.device_kind}), jax {jax.__version__}"
+              f"{', ' + DET_FLAG if det_xla else ''}; {rounds} rounds x {reps} steps"
+              + (f"; train rows: rlx-jax train transformer {TRAIN_CONFIGS[train_kind]}" if train else ""))
+    if rounds:
+        print(format_table(rows, header))
+        print("(vs ref: the plain-xla step time over the row's; the train rows against train-nofused)")
+    else:
+        print(header)
+        for row in rows:
+            print({k: row.get(k) for k in ("variant", "loss", "loss_rel_diff", "grad_norm_rel_diff",
+                                             "grad_rel_err", "deterministic", "temp_bytes", "error")})
+    if a.json:
+        with open(a.json, "w", encoding="utf-8") as f:
+            json.dump({"preset": a.preset, "shape": dataclasses.asdict(s), "device": device.device_kind,
+                       "platform": device.platform, "jax": jax.__version__, "deterministic_xla": det_xla,
+                       "rounds": rounds, "reps": reps, "rows": rows}, f, indent=1)
+    bad = [r["variant"] for r in rows if "error" not in r and not _agrees(r, s.dtype)]
+    if failed and quick:
+        bad += [r["variant"] for r in failed]
+    if bad:
+        print(f"disagreement with the reference: {bad}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _agrees(row: dict, dtype: str) -> bool:
+    tol = _tolerances("float32" if row["variant"].startswith("train") else dtype)
+    return all(row.get(k, 0.0) <= v for k, v in tol.items())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
