@@ -121,7 +121,7 @@ class VocabPartition(Partition):
         self.vocab_operand, self.vocab_dim = vocab_operand, vocab_dim
 
     def wrap(self, fn: Callable, avals_in, avals_out, params: dict) -> Callable:
-        f_in, f_out = self.factors(avals_in, avals_out, **params)
+        f_in, f_out, sizes_of = self._factors(avals_in, avals_out, params)
         vocab_total = avals_in[self.vocab_operand].shape[self.vocab_dim]
 
         def call(*xs):
@@ -130,11 +130,11 @@ class VocabPartition(Partition):
         wrapped = custom_partitioning(call)
 
         def infer(mesh, arg_shapes, result_shape):
-            assign = self._assign(mesh, arg_shapes, f_in, f_out)
+            assign = self._assign(mesh, arg_shapes, f_in, f_out, sizes_of)
             return tuple(NamedSharding(mesh, self._spec(fs, assign)) for fs in f_out)
 
         def partition(mesh, arg_shapes, result_shape):
-            assign = self._assign(mesh, arg_shapes, f_in, f_out)
+            assign = self._assign(mesh, arg_shapes, f_in, f_out, sizes_of)
             args = tuple(NamedSharding(mesh, self._spec(fs, assign)) for fs in f_in)
             outs = tuple(NamedSharding(mesh, self._spec(fs, assign)) for fs in f_out)
             vocab_axes = tuple(assign.get("v", ()))
@@ -144,7 +144,7 @@ class VocabPartition(Partition):
             return mesh, (lambda *xs: tuple(body(*xs))), outs, args
 
         wrapped.def_partition(infer_sharding_from_operands=infer, partition=partition,
-                              sharding_rule=self.sharding_rule(f_in, f_out))
+                              sharding_rule=self.sharding_rule(f_in, f_out), **sizes_of)
         return wrapped
 
 
