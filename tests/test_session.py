@@ -72,7 +72,7 @@ def test_run_errors(compiled):
     with pytest.raises(ValueError, match="no param 'nope'"):
         c.set_param("nope", np.ones(3, np.float32))
     with pytest.raises(ValueError, match="set_param\\('w'\\)"):
-        c.set_param("w", np.ones((3, 4), np.float32))
+        c.set_param("w", np.ones((3, 5), np.float32))  # 15 elements cannot fill [4, 3]
     fresh = rlx.Session().compile(mlp_graph())
     with pytest.raises(ValueError, match="not set"):
         fresh.run({"x": np.ones((2, 4), np.float32)})
