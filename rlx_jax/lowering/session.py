@@ -214,6 +214,7 @@ class CompiledGraph:
         self._inputs = graph_inputs(graph)
         self._params_decl = graph_params(graph)
         self._params: dict[str, np.ndarray] = {}
+        self._params_on_device = None  # the params as device arrays, uploaded once per change
         self._x64 = any(
             np.dtype(jnp_dtype(n.shape.dtype)).itemsize == 8
             and np.dtype(jnp_dtype(n.shape.dtype)).kind in "fiu"
@@ -254,12 +255,14 @@ class CompiledGraph:
         arr = _conform(node, arr)
         self._check_static(f"set_param({name!r})", node, arr.shape)
         self._params[name] = arr
+        self._params_on_device = None
 
     def set_param_typed(self, name: str, data: bytes, dtype: str) -> None:
         """Upload parameter ``name`` from raw bytes of ``dtype`` (it must be the
         declared dtype, e.g. "f64")."""
         node = self._param_node(name)
         self._params[name] = self._decode(f"set_param_typed({name!r})", node, data, dtype)
+        self._params_on_device = None
 
     @staticmethod
     def _check_static(what, node, shape):
@@ -326,7 +329,9 @@ class CompiledGraph:
 
     def _execute(self, inputs: dict) -> list:
         dev = self._session._device
-        outs = self._fn(jax.device_put(self._params, dev), jax.device_put(inputs, dev))
+        if self._params_on_device is None:
+            self._params_on_device = jax.device_put(self._params, dev)
+        outs = self._fn(self._params_on_device, jax.device_put(inputs, dev))
         result = []
         for o, oid in zip(outs, self._graph.outputs):
             arr = np.asarray(o)
