@@ -156,6 +156,21 @@ text = gg.to_json()
 again = rlx.Graph.from_json(text)       # the RLX serde format: loads in Rust RLX too
 assert again.to_json() == text
 print(str(again).splitlines()[0])"""),
+        ("md", "pyrlx's session rules hold too (docs/FROM_PYRLX.md lists them and the few deliberate "
+               "differences): `compile` consumes the graph, `run` returns float32 with rank-0 outputs "
+               "shaped `(1,)`, device aliases and precision spellings are pyrlx's, and a backend "
+               "rlx_jax lacks is reported, not guessed."),
+        ("code", """print({d: rlx.is_available(d) for d in ("cpu", "cuda", "mlx", "mtl", "vk")})
+try:
+    sess.compile(g)                     # g was consumed by the first compile
+except RuntimeError as e:
+    print("RuntimeError:", e)
+h = rlx.Graph("scalar")
+v = h.input("v", [3], "i32")
+h.set_outputs([h.sum(h.cast(v, "f32"), [0], False)])
+(total,) = rlx.Session("cpu", precision="half").compile(h).run({"v": np.arange(3, dtype=np.int32)})
+print(total, total.shape, total.dtype)
+assert total.shape == (1,) and total.dtype == np.float32 and total[0] == 3.0"""),
     ],
     "05_gaussian_splatting.ipynb": [
         ("md", "# Differentiable 3-D Gaussian splatting\n\nFit a few thousand Gaussians to a procedurally generated "

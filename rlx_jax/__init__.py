@@ -30,9 +30,11 @@ _LAZY = {
     "Session": "rlx_jax.lowering.session",
     "available_devices": "rlx_jax.lowering.session",
     "is_available": "rlx_jax.lowering.session",
+    "CompiledGraph": "rlx_jax.lowering.session",
+    # pyrlx's grad(graph, wrt): rlx_jax.autodiff.grad under pyrlx's keyword names
+    "grad": "rlx_jax.lowering.session",
     # graph autodiff (rlx_jax/autodiff)
     "grad_with_loss": "rlx_jax.autodiff",
-    "grad": "rlx_jax.autodiff",
     "jvp": "rlx_jax.autodiff",
     "vmap": "rlx_jax.autodiff",
     "hvp": "rlx_jax.autodiff",

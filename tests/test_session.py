@@ -72,7 +72,7 @@ def test_run_errors(compiled):
     with pytest.raises(ValueError, match="no param 'nope'"):
         c.set_param("nope", np.ones(3, np.float32))
     with pytest.raises(ValueError, match="set_param\\('w'\\)"):
-        c.set_param("w", np.ones((3, 4), np.float32))
+        c.set_param("w", np.ones((3, 5), np.float32))  # 15 elements cannot fill [4, 3]
     fresh = rlx.Session().compile(mlp_graph())
     with pytest.raises(ValueError, match="not set"):
         fresh.run({"x": np.ones((2, 4), np.float32)})
@@ -177,3 +177,17 @@ def test_flat_buffers_are_reshaped_like_pyrlx(compiled):
     np.testing.assert_allclose(y, np.maximum(x @ w + b, 0), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="'x'"):
         c.run({"x": np.ones(7, np.float32)})
+
+
+def test_set_param_after_a_run_takes_effect(compiled):
+    c, w, b = compiled
+    x = RNG.standard_normal((2, 4)).astype(np.float32)
+    y0, _ = c.run({"x": x})
+    np.testing.assert_allclose(y0, np.maximum(x @ w + b, 0), rtol=1e-5, atol=1e-6)
+    w2 = RNG.standard_normal((4, 3)).astype(np.float32)
+    c.set_param("w", w2)
+    y1, _ = c.run({"x": x})
+    np.testing.assert_allclose(y1, np.maximum(x @ w2 + b, 0), rtol=1e-5, atol=1e-6)
+    c.set_param_typed("b", np.zeros(3, np.float32).tobytes(), "f32")
+    y2, _ = c.run({"x": x})
+    np.testing.assert_allclose(y2, np.maximum(x @ w2, 0), rtol=1e-5, atol=1e-6)

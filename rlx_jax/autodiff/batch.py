@@ -128,8 +128,8 @@ def _batch_node(g, n, ins, flags, bsz, src):
         if kind == "Expand" and flags[0]:
             x = _lift(g, ins[0], len(op.target_shape), bsz)
             return g._add_node(_replace(op, target_shape=(bsz,) + tuple(op.target_shape)), (x,))
-        if kind == "Gather" and flags[0] and not flags[1]:
-            return g._add_node(_replace(op, axis=op.axis + 1), tuple(ins))
+        if kind == "Gather" and flags[0] and not flags[1] and op.axis == 0:
+            return g.take(ins[0], ins[1], 1)  # per-sample embedding lookup
         if kind in _ROWS or kind == "Attention":
             return _merge_rows(g, n, ins, flags, bsz, src)
     except _Fallback:

@@ -166,7 +166,8 @@ def jacfwd(compiled_jvp, primals: dict, wrt_name: str, wrt_shape, dtype="f64") -
             for k, v in feeds.items():
                 if k in params:
                     cg.set_param(k, v)
-            return cg.run({k: v for k, v in feeds.items() if k not in params})
+            # declared dtypes and shapes (run() converts to pyrlx's f32 outputs)
+            return cg._call({k: v for k, v in feeds.items() if k not in params})
     else:
         run = compiled_jvp
         zero_tangents = {}

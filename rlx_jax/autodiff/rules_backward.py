@@ -283,7 +283,10 @@ def _cumsum_bwd(g, node, dy):
 @vjp_rule("GatherBackward")
 def _gather_bwd(g, node, dy):
     d, idx = node.inputs
-    return [g._add_node(Gather(axis=E.norm_axis(node.op.axis, node.shape.rank)), (dy, idx)), None]
+    axis = E.norm_axis(node.op.axis, node.shape.rank)
+    if E.shape(g, d).rank == node.shape.rank - 1 + E.shape(g, idx).rank:
+        return [g.take(dy, idx, axis), None]            # d in np.take's layout
+    return [g._add_node(Gather(axis=axis), (dy, idx)), None]  # d in Gather's output layout
 
 
 # -- conv / pool ------------------------------------------------------------------------
@@ -322,8 +325,6 @@ def _maxpool_bwd(g, node, dy):
     reproduced exactly: the first offset whose x equals the window maximum wins (a
     later equal value does not), and a window whose maximum is -inf (all padding or
     all -inf) passes nothing."""
-    from rlx_jax.ir.ops_shape import Gather
-
     x, d = node.inputs
     op = node.op
     xd = E.dims(g, x)
@@ -351,11 +352,11 @@ def _maxpool_bwd(g, node, dy):
                 continue
             idx = E.const(g, np.where(inside, r * w + c, 0).reshape(-1).astype(np.int32), DType.I32)
             inside = inside.reshape(-1)
-            xo = g._add_node(Gather(axis=len(lead)), (xf, idx))
+            xo = g.take(xf, idx, len(lead))
             hit = E.cmp(g, "Eq", xo, y)
             if not inside.all():
                 hit = E.where(g, E.const(g, inside, DType.Bool), hit, E.scalar(g, False, DType.Bool))
-            go = g._add_node(Gather(axis=len(lead)), (gf, idx))
+            go = g.take(gf, idx, len(lead))
             if out is None:
                 out, taken = E.where(g, hit, go, E.scalar(g, 0, dt)), hit
             else:

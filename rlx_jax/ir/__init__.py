@@ -13,8 +13,10 @@ Decisions where RLX's ``op.rs`` is silent or differs:
   ``...Gamma{eps}`` / ``...Beta`` (unit), ``LogMel`` and ``LogMelBackward`` (unit;
   ``y = log(max(spectrum @ filterbank, 1e-10))``), ``RngUniform{seed, low, high}`` and
   ``RngNormal{seed, mean, std}`` (0 inputs, declared shape).
-* ``Gather{axis}`` follows ``np.take``: ``table[:axis] + indices + table[axis+1:]``
-  (RLX's backward kernel's layout; identical to RLX for axis 0).
+* ``Gather{axis}`` has RLX's shape rule ``indices + table[axis+1:]`` and reads the
+  first slice along ``table[:axis]`` (``np.take`` for axis 0; ``Graph.take`` builds
+  ``np.take`` along any axis). ``GatherBackward`` takes dy in that layout or in
+  ``np.take``'s ``table[:axis] + indices + table[axis+1:]`` (the seed kernel's).
 * ``While``'s node value is the final carry 0; ``If`` branches return one value.
 * Index operands (Gather, ScatterAdd, GroupedMatMul, loss labels) take integer dtypes
   or RLX's f32/f64-encoded indices; bool, complex and half floats are refused.

@@ -378,10 +378,28 @@ class CoreBuilders(BuilderBase):
         return self._build(Expand, (x,), target_shape=tgt)
 
     def gather(self, table: int, indices: int, axis: int = 0) -> int:
-        """``take(table, indices, axis)``."""
+        """RLX's Gather: table ``[*lead, V, *post]``, indices ``[*idx]`` ->
+        ``[*idx, *post]`` with ``out[i, p] = table[0, ..., 0, indices[i], p]`` (the
+        embedding lookup for axis 0; for axis >= 1 the ``lead`` dims are not in the
+        output, as in RLX and pyrlx). Use :meth:`take` for ``np.take`` along an axis."""
         from .ops_shape import Gather
 
         return self._build(Gather, (table, indices), axis=self._axis("Gather", axis, table))
+
+    def take(self, table: int, indices: int, axis: int = 0) -> int:
+        """``np.take(table, indices, axis)``: ``[*lead, V, *post]`` ->
+        ``[*lead, *idx, *post]``, built from Gather along axis 0 between two
+        Transposes (``V`` moved to the front, then the index dims moved back to
+        ``axis``); for axis 0 a single Gather."""
+        axis = self._axis("Gather", axis, table)
+        if axis == 0:
+            return self.gather(table, indices, 0)
+        rank = self.node(table).shape.rank
+        k = self.node(indices).shape.rank
+        front = self.transpose(table, (axis, *range(axis), *range(axis + 1, rank)))
+        picked = self.gather(front, indices, 0)          # [*idx, *lead, *post]
+        back = (*range(k, k + axis), *range(k), *range(k + axis, k + rank - 1))
+        return self.transpose(picked, back)
 
     def resize_nearest_2x(self, x: int) -> int:
         from .ops_shape import ResizeNearest2x

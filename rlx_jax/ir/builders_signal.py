@@ -79,7 +79,7 @@ class SignalBuilders(BuilderBase):
         if n <= 1:
             return x
         idx = self.constant(np.arange(n - 1, -1, -1, dtype=np.int32))
-        return self.gather(x, idx, s.rank - 1)
+        return self.take(x, idx, s.rank - 1)
 
     def irfft(self, re: int, im: int, n: int, norm="backward") -> int:
         """Real signal of length ``n`` from a half spectrum (Hermitian mirror, inverse

@@ -365,8 +365,12 @@ class CumsumBackward(_Backward):
 
 @op_class
 class GatherBackward(_Backward):
-    """Scatter-add of dy into zeros shaped like the table: ``d_table[o, idx[k], t] +=
-    dy[o, k, t]``; inputs ``[dy, indices]``; the table shape is declared."""
+    """Scatter-add of dy into zeros shaped like the table; inputs ``[dy, indices]``;
+    the table shape ``[*lead, V, *post]`` is declared. dy comes in one of two layouts:
+    ``np.take``'s ``[*lead, *idx, *post]`` (the seed kernel's: ``d_table[o, idx[k], t]
+    += dy[o, k, t]``) or the Gather output's ``[*idx, *post]`` (what graph autodiff
+    passes: the adjoint of Gather, ``d_table[0.., idx[k], t] += dy[k, t]``, zeros at
+    every other lead position). The two differ in rank when ``lead`` is non-empty."""
 
     axis: int
     _signed = frozenset({"axis"})
@@ -378,9 +382,14 @@ class GatherBackward(_Backward):
         dy, idx = ins
         need_index("gather_backward indices", idx)
         a = norm_axis(self.axis, out.rank)
-        want = out.dims[:a] + idx.dims + out.dims[a + 1:]
-        if dy.rank != len(want) or not all(dims_compatible(x, y) for x, y in zip(dy.dims, want)):
-            raise OpFault(f"dy {dy} does not match gather output {list(want)} of table {out}")
+        take_layout = out.dims[:a] + idx.dims + out.dims[a + 1:]
+        gather_layout = idx.dims + out.dims[a + 1:]
+        if not any(
+            dy.rank == len(want) and all(dims_compatible(x, y) for x, y in zip(dy.dims, want))
+            for want in (take_layout, gather_layout)
+        ):
+            raise OpFault(f"dy {dy} matches neither the gather output {list(gather_layout)} nor "
+                          f"the np.take layout {list(take_layout)} of table {out}")
         if dy.dtype != out.dtype:
             raise OpFault(f"table dtype {out.dtype.short} differs from dy {dy.dtype.short}")
 

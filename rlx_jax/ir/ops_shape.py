@@ -169,8 +169,15 @@ class Expand(Op):
 
 @op_class
 class Gather(Op):
-    """``take(table, indices, axis)``: output ``table[:axis] + indices + table[axis+1:]``
-    (for axis 0, RLX's embedding lookup ``indices.shape + table[1:]``)."""
+    """RLX's ``Gather{axis}``: table ``[*lead, V, *post]`` (``lead`` = the ``axis``
+    dims before the gathered one), indices ``[*idx]`` -> ``[*idx, *post]``;
+    ``out[i, p] = table[0, ..., 0, indices[i], p]``.
+
+    For axis 0 this is the embedding lookup (``np.take``). For axis >= 1 the output
+    has no ``lead`` dims (RLX's shape rule) and reads the table's first slice along
+    them, the elements RLX's kernel writes inside its output; when every lead dim is 1
+    it equals ``np.take`` with those unit dims dropped. ``Graph.take`` builds
+    ``np.take`` along any axis."""
 
     axis: int
 
@@ -182,7 +189,7 @@ class Gather(Op):
         if self.axis >= t.rank:
             raise OpFault(f"axis {self.axis} out of range for table {t}")
         need_index("gather indices", idx)
-        return Shape(t.dims[: self.axis] + idx.dims + t.dims[self.axis + 1:], t.dtype)
+        return Shape(idx.dims + t.dims[self.axis + 1:], t.dtype)
 
 
 @op_class

@@ -253,7 +253,13 @@ def _gather_backward(op, args, ctx):
     dy, idx = args
     if ctx.out_shape is None or None in ctx.out_shape:
         raise ValueError("GatherBackward table shape has an unbound dynamic dim")
-    return ctx.cast_out(backward_fn("gather")(dy, index_array(idx), axis=int(op.axis),
+    a = int(op.axis) % len(ctx.out_shape)
+    lead = tuple(ctx.out_shape[:a])
+    if a and dy.ndim == idx.ndim + len(ctx.out_shape) - 1 - a:
+        # Gather-output layout [*idx, *post]: it is the first slice along lead of the
+        # np.take layout [*lead, *idx, *post]; the other lead positions get no gradient.
+        dy = jnp.zeros(lead + dy.shape, dy.dtype).at[(0,) * a].set(dy)
+    return ctx.cast_out(backward_fn("gather")(dy, index_array(idx), axis=a,
                                               table_shape=tuple(ctx.out_shape)))
 
 

@@ -251,9 +251,14 @@ def _cumsum(op, args, ctx):
 
 @lowering_rule("Gather")
 def _gather(op, args, ctx):
-    # np.take(table, indices, axis): out = table.shape[:axis] + idx.shape + table.shape[axis+1:].
+    # RLX Gather: table [*lead, V, *post], idx [*idx] -> [*idx, *post], reading the
+    # first slice along lead (a table with a zero-sized lead dim has none: zeros).
     table, idx = args
-    return ctx.cast_out(fused("gather")(table, index_array(idx), axis=int(op.axis)))
+    lead = table.shape[: int(op.axis)]
+    if 0 in lead:
+        return ctx.cast_out(jnp.zeros(idx.shape + table.shape[len(lead) + 1:], table.dtype))
+    first = table[(0,) * len(lead)]
+    return ctx.cast_out(fused("gather")(first, index_array(idx), axis=0))
 
 
 @lowering_rule("ComplexNormSq")

@@ -17,9 +17,43 @@ import jax.numpy as jnp
 from .core import graph_inputs, graph_params, to_jax
 from .registry import jnp_dtype
 
-_DEVICE_ALIASES = {"cpu": "cpu", "cuda": "gpu", "gpu": "gpu", "nvidia": "gpu", "tpu": "tpu"}
-# devices pyrlx knows whose backends rlx_jax does not provide
-_OTHER_DEVICES = ("metal", "vulkan", "opengl", "directx", "webgpu", "rocm", "wgpu")
+# pyrlx's device names and aliases -> the canonical device name.
+_DEVICE_NAMES = {
+    "cpu": "cpu",
+    "cuda": "cuda", "nvidia": "cuda",
+    "tpu": "tpu",
+    "metal": "metal", "mtl": "metal",
+    "mlx": "mlx",
+    "ane": "ane", "neural-engine": "ane",
+    "rocm": "rocm", "hip": "rocm", "amd": "rocm",
+    "wgpu": "wgpu",
+    "vulkan": "vulkan", "vk": "vulkan",
+    "opengl": "opengl", "gl": "opengl",
+    "directx": "directx", "dx12": "directx", "d3d12": "directx",
+    "webgpu": "webgpu",
+    # JAX's name for its GPU platform (pyrlx's "gpu" is the wgpu backend).
+    "gpu": "cuda",
+}
+# canonical devices rlx_jax runs on -> JAX platform name
+_JAX_PLATFORMS = {"cpu": "cpu", "cuda": "cuda", "tpu": "tpu"}
+# canonical device -> the cargo feature pyrlx builds it with
+_PYRLX_FEATURES = {
+    "cpu": "cpu", "cuda": "cuda", "tpu": "tpu", "metal": "metal", "mlx": "mlx", "ane": "ane",
+    "rocm": "rocm", "wgpu": "gpu", "vulkan": "gpu", "opengl": "gpu", "directx": "gpu",
+    "webgpu": "gpu",
+}
+# how to make a JAX platform visible to rlx_jax
+_JAX_INSTALL = {
+    "cpu": "pip install -U jax",
+    "cuda": 'pip install -U "jax[cuda12]" and build rlx_jax\'s CUDA kernels with RLX_JAX_CUDA=ON',
+    "tpu": 'pip install -U "jax[tpu]"',
+}
+# pyrlx's precision spellings -> canonical name
+_PRECISION_NAMES = {
+    "f32": "f32", "float32": "f32", "float": "f32",
+    "f16": "f16", "float16": "f16", "half": "f16",
+    "bf16": "bf16", "bfloat16": "bf16",
+}
 _PRECISIONS = {"f32": np.float32, "f16": np.float16, "bf16": jnp.bfloat16}
 
 
@@ -31,34 +65,53 @@ def _platform_present(platform: str) -> bool:
 
 
 def _parse_device(name: str) -> str:
+    """pyrlx's device string (any case, aliases allowed) -> canonical device name;
+    ``ValueError`` for a name pyrlx does not know either."""
     if not isinstance(name, str):
         raise TypeError(f"device must be a string, got {type(name).__name__}")
     key = name.strip().lower()
-    if key in _DEVICE_ALIASES:
-        return _DEVICE_ALIASES[key]
-    if key in _OTHER_DEVICES:
-        return key
-    raise ValueError(
-        f"unknown device {name!r}; expected one of {sorted(set(_DEVICE_ALIASES) | set(_OTHER_DEVICES))}"
-    )
+    if key in _DEVICE_NAMES:
+        return _DEVICE_NAMES[key]
+    raise ValueError(f"unknown device {name!r}; expected one of {sorted(_DEVICE_NAMES)}")
+
+
+def _device_available(canonical: str) -> bool:
+    platform = _JAX_PLATFORMS.get(canonical)
+    return platform is not None and _platform_present(platform)
+
+
+def _unavailable_message(name: str, canonical: str) -> str:
+    feature = _PYRLX_FEATURES[canonical]
+    if canonical in _JAX_PLATFORMS:
+        how = (f"rlx_jax runs {canonical!r} through JAX: {_JAX_INSTALL[canonical]} "
+               f"(pyrlx: rebuild with `maturin develop --features {feature}`)")
+    else:
+        how = (f"rlx_jax has no {canonical} backend (pyrlx builds it with "
+               f"`maturin develop --features {feature}`); rlx_jax runs on JAX's cpu, cuda "
+               f"and tpu platforms")
+    return (f"device {name!r} not available in this build: {how}; "
+            f"available here: {available_devices()}")
 
 
 def available_devices() -> list[str]:
-    """Devices a Session can use here, in pyrlx's labels ("cpu", "cuda", "tpu")."""
-    out = ["cpu"] if _platform_present("cpu") else []
-    if _platform_present("gpu"):
-        out.append("cuda")
-    if _platform_present("tpu"):
-        out.append("tpu")
-    return out
+    """Devices a Session can use here, in pyrlx's labels (a subset of "cpu", "cuda",
+    "tpu")."""
+    return [d for d in _JAX_PLATFORMS if _device_available(d)]
 
 
 def is_available(name: str) -> bool:
-    """Whether ``Session(name)`` would work (unknown names raise ``ValueError``)."""
-    platform = _parse_device(name)
-    if platform in _OTHER_DEVICES:
-        return False
-    return _platform_present(platform)
+    """Whether ``Session(name)`` would work here. Every device name and alias pyrlx
+    knows returns a bool (False for backends rlx_jax does not have, e.g. "metal",
+    "mlx"); a name pyrlx does not know raises ``ValueError``."""
+    return _device_available(_parse_device(name))
+
+
+def _parse_precision(precision) -> str:
+    key = precision.strip().lower() if isinstance(precision, str) else None
+    if key not in _PRECISION_NAMES:
+        raise ValueError(
+            f"unknown precision {precision!r}; expected one of {sorted(_PRECISION_NAMES)}")
+    return _PRECISION_NAMES[key]
 
 
 def _dtype_from_str(dtype) -> np.dtype:
@@ -76,12 +129,15 @@ def _dtype_label(dt) -> str:
     return DType.from_any(np.dtype(dt)).short
 
 
-def _conform(what: str, node, arr: np.ndarray) -> np.ndarray:
-    """pyrlx reads arrays as flat buffers: a 1-D array whose element count fills the
-    declared shape (one dynamic dim inferred from the count) is reshaped to it; anything
-    else is left for the shape check to reject."""
+def _conform(node, arr: np.ndarray) -> np.ndarray:
+    """pyrlx reads arrays as flat buffers: an array whose element count fills the
+    declared shape is reshaped to it (one dynamic dim is inferred from the count); an
+    array already of the declared rank, or one whose count does not fit, is left for
+    the shape check to accept or reject."""
     dims = list(node.shape.dims)
-    if arr.ndim != 1 or len(dims) == 1:
+    if arr.ndim == len(dims) and all(
+        not isinstance(d, int) or d == n for d, n in zip(dims, arr.shape)
+    ):
         return arr
     dyn = [i for i, d in enumerate(dims) if not isinstance(d, int)]
     static = int(np.prod([d for d in dims if isinstance(d, int)])) if dims else 1
@@ -93,22 +149,32 @@ def _conform(what: str, node, arr: np.ndarray) -> np.ndarray:
     return arr
 
 
+def _pyrlx_output(arr: np.ndarray) -> np.ndarray:
+    """pyrlx's ``run`` result: f32 for every real dtype (bool, integers, f16, bf16, f64),
+    and a rank-0 value as shape ``(1,)``. Complex outputs stay complex."""
+    if arr.dtype.kind in "biuf" and arr.dtype != np.float32:
+        arr = arr.astype(np.float32)
+    return arr.reshape(1) if arr.ndim == 0 else arr
+
+
 class Session:
     """``Session(device="cpu", precision="f32")``: where and at what float precision
-    compiled graphs run ("f16"/"bf16" compute f32 tensors in that type; inputs and
-    outputs stay f32)."""
+    compiled graphs run.
+
+    ``device`` takes pyrlx's names and aliases ("cpu", "cuda"/"nvidia", "tpu", and
+    "gpu" for JAX's GPU platform); names of backends rlx_jax lacks ("metal", "mlx",
+    "rocm", "vulkan", ...) raise ``RuntimeError`` naming the build feature, unknown
+    names ``ValueError``. ``precision`` is "f32" | "f16" | "bf16" (also "float32",
+    "float", "float16", "half", "bfloat16"): "f16"/"bf16" compute f32 tensors in that
+    type; inputs and outputs stay f32."""
 
     def __init__(self, device: str = "cpu", precision: str = "f32"):
-        platform = _parse_device(device)
-        if platform in _OTHER_DEVICES or not _platform_present(platform):
-            raise RuntimeError(
-                f"device {device!r} is not available here; available: {available_devices()}")
-        if not isinstance(precision, str) or precision.lower() not in _PRECISIONS:
-            raise ValueError(f"precision must be one of {sorted(_PRECISIONS)}, got {precision!r}")
-        self._platform = platform
-        self._device = jax.devices(platform)[0]
-        self._label = "cpu" if platform == "cpu" else ("cuda" if platform == "gpu" else platform)
-        self._precision = precision.lower()
+        canonical = _parse_device(device)
+        if not _device_available(canonical):
+            raise RuntimeError(_unavailable_message(device, canonical))
+        self._precision = _parse_precision(precision)
+        self._label = canonical
+        self._device = jax.devices(_JAX_PLATFORMS[canonical])[0]
 
     @property
     def device(self) -> str:
@@ -119,9 +185,21 @@ class Session:
         return self._precision
 
     def compile(self, graph) -> "CompiledGraph":
-        """Lower ``graph`` and return a :class:`CompiledGraph` (the graph is not
-        consumed: rlx_jax graphs are values)."""
-        return CompiledGraph(graph, self)
+        """Lower ``graph`` and return a :class:`CompiledGraph`. As in pyrlx, the graph
+        is consumed: compiling the same graph object again raises ``RuntimeError``
+        (compile ``graph.copy()`` to keep one; ``to_jax`` and the autodiff transforms
+        still accept a consumed graph)."""
+        from rlx_jax.ir import Graph
+
+        if not isinstance(graph, Graph):
+            raise TypeError(f"compile expects an rlx_jax.Graph, got {type(graph).__name__}")
+        if getattr(graph, "_consumed_by_session", False):
+            raise RuntimeError(
+                f"graph {graph.name!r} already consumed: Session.compile takes ownership "
+                "(compile graph.copy() to compile one graph more than once)")
+        compiled = CompiledGraph(graph.copy(), self)
+        graph._consumed_by_session = True
+        return compiled
 
     def __repr__(self) -> str:
         return f"<rlx_jax.Session device={self._label} precision={self._precision}>"
@@ -136,6 +214,7 @@ class CompiledGraph:
         self._inputs = graph_inputs(graph)
         self._params_decl = graph_params(graph)
         self._params: dict[str, np.ndarray] = {}
+        self._params_on_device = None  # the params as device arrays, uploaded once per change
         self._x64 = any(
             np.dtype(jnp_dtype(n.shape.dtype)).itemsize == 8
             and np.dtype(jnp_dtype(n.shape.dtype)).kind in "fiu"
@@ -164,7 +243,8 @@ class CompiledGraph:
         return node
 
     def set_param(self, name: str, data) -> None:
-        """Upload parameter ``name`` (an array of the declared shape)."""
+        """Upload parameter ``name``: an array of the declared shape, or (as pyrlx's
+        flat buffers) any array with the declared number of elements."""
         node = self._param_node(name)
         arr = np.asarray(data)
         want = np.dtype(jnp_dtype(node.shape.dtype))
@@ -172,15 +252,17 @@ class CompiledGraph:
             if arr.dtype.kind not in "biuf":
                 raise TypeError(f"set_param({name!r}): expected a numeric array, got {arr.dtype}")
             arr = arr.astype(want)
-        arr = _conform(f"set_param({name!r})", node, arr)
+        arr = _conform(node, arr)
         self._check_static(f"set_param({name!r})", node, arr.shape)
         self._params[name] = arr
+        self._params_on_device = None
 
     def set_param_typed(self, name: str, data: bytes, dtype: str) -> None:
         """Upload parameter ``name`` from raw bytes of ``dtype`` (it must be the
         declared dtype, e.g. "f64")."""
         node = self._param_node(name)
         self._params[name] = self._decode(f"set_param_typed({name!r})", node, data, dtype)
+        self._params_on_device = None
 
     @staticmethod
     def _check_static(what, node, shape):
@@ -235,7 +317,7 @@ class CompiledGraph:
             want = np.dtype(jnp_dtype(node.shape.dtype))
             if arr.dtype != want and arr.dtype.kind in "biuf" and want.kind in "biufc":
                 arr = arr.astype(want)
-            out[name] = _conform(f"input {name!r}", node, arr)
+            out[name] = _conform(node, arr)
         return out
 
     def _call(self, inputs: dict) -> list:
@@ -247,7 +329,9 @@ class CompiledGraph:
 
     def _execute(self, inputs: dict) -> list:
         dev = self._session._device
-        outs = self._fn(jax.device_put(self._params, dev), jax.device_put(inputs, dev))
+        if self._params_on_device is None:
+            self._params_on_device = jax.device_put(self._params, dev)
+        outs = self._fn(self._params_on_device, jax.device_put(inputs, dev))
         result = []
         for o, oid in zip(outs, self._graph.outputs):
             arr = np.asarray(o)
@@ -258,12 +342,14 @@ class CompiledGraph:
         return result
 
     def run(self, inputs: dict) -> list:
-        """``run({name: array}) -> list[np.ndarray]`` (one per graph output)."""
-        return self._call(inputs)
+        """``run({name: array}) -> list[np.ndarray]``, one per graph output, as pyrlx
+        returns them: float32 (bool, integer and f64 outputs are converted; use
+        ``run_typed`` for the declared dtypes) and rank-0 outputs shaped ``(1,)``."""
+        return [_pyrlx_output(o) for o in self._call(inputs)]
 
     def run_flat(self, inputs: dict) -> list:
         """Like ``run`` with each output flattened to 1-D (pyrlx's flat-vector run)."""
-        return [o.reshape(-1) for o in self._call(inputs)]
+        return [_pyrlx_output(o).reshape(-1) for o in self._call(inputs)]
 
     def run_typed(self, inputs: dict) -> list:
         """``run_typed({name: (bytes, dtype)}) -> [(bytes, dtype)]``: lossless raw I/O at
@@ -284,3 +370,16 @@ class CompiledGraph:
 
     def __repr__(self) -> str:
         return f"<rlx_jax.CompiledGraph device={self.device} outputs={len(self._graph.outputs)}>"
+
+
+def grad(graph, wrt, options=None):
+    """pyrlx's ``grad(graph, wrt)``: the backward graph of ``graph`` (one output, the
+    loss) with outputs ``[loss, d wrt_0, d wrt_1, ...]`` and an extra input
+    ``d_output`` shaped like the loss. ``wrt`` lists Inputs / Params by node id or
+    name; ``options`` is a ``GradWithLossOptions`` (default STRICT: a wrt with no
+    gradient path is an error). The keyword names follow pyrlx (``graph=``,
+    ``wrt=``)."""
+    from rlx_jax.autodiff import GradWithLossOptions
+    from rlx_jax.autodiff import grad as _graph_grad
+
+    return _graph_grad(graph, wrt, GradWithLossOptions.STRICT if options is None else options)
