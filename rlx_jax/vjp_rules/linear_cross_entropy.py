@@ -61,14 +61,17 @@ REDUCTIONS = ("none", "mean", "sum")
 
 
 def default_chunk_size(rows: int, dim: int, vocab: int, platform: str | None = None) -> int:
-    """Rows per block: a power of two giving a logits block [n_b, V] of about the
-    size of hidden [N, D] on GPUs (so the extra memory is bounded by the input's),
-    and of about 2 M elements (8 MiB f32, cache-sized work per matmul) on CPUs."""
+    """Rows per block, a power of two. On CPUs a logits block of about 2 M elements
+    (8 MiB f32, cache-sized work per matmul). On GPUs about 2^28 elements (1 GiB f32):
+    every block adds its h_b^T g to the f32 d weight accumulator, reading and writing
+    [D, V] f32, so small blocks turn the backward into weight traffic. Measured on an
+    H200 (N 16384, D 2048, bf16, loss + gradients against logits + log_softmax in XLA):
+    at V 128256, 256-row blocks ran at 0.54x and 2048-row blocks at 1.01x in 2 GiB of
+    temp memory (XLA: 15.7 GiB); at V 32000, 8192-row blocks ran at 1.04x in 1.7 GiB
+    (XLA: 3.9 GiB)."""
     platform = platform or jax.default_backend()
-    if platform == "cpu":
-        target = max(1, (1 << 21) // max(vocab, 1))
-    else:
-        target = max(1, (rows * dim) // max(vocab, 1))
+    budget = (1 << 21) if platform == "cpu" else (1 << 28)
+    target = max(1, budget // max(vocab, 1))
     block = 1 << max(4, int(math.log2(target)))
     return int(max(1, min(block, max(rows, 1))))
 
