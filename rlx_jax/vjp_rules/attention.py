@@ -553,9 +553,12 @@ def attention(q, k, v, *, mask_kind="none", window=None, mask=None, bias=None, s
 
     Returns [..., Sq, H, D] in q's dtype (f32 accumulation). Rows with no visible key are
     0. Differentiable in every mode; reverse mode runs the fused backward kernel, and
-    memory is O(S) on the kernel path. Under SPMD sharding it runs shard-local over the
-    batch and over heads (under grouped-query attention: over kv-head groups, the query
-    heads split on group boundaries).
+    memory is O(S) on the kernel path. On CUDA the kernels serve bf16 and f16 (head dim
+    <= 256); f32 and f64 run XLA's code (the pure-JAX reference, O(Sq * Sk) memory), whose
+    f32 matmuls use TF32 tensor cores under JAX's default matmul precision and beat the
+    f32 SIMT kernel. Under SPMD sharding it runs shard-local over the batch and over heads
+    (under grouped-query attention: over kv-head groups, the query heads split on group
+    boundaries).
     """
     q, k, v, extras, params, traced_scale, lead = _prepare(q, k, v, mask, bias, mask_kind, window, scale,
                                                            softcap, causal_alignment, "attention")
