@@ -23,7 +23,7 @@ from testutil import assert_close, hlo_text, platform
 
 
 def dense_attention(q, k, v, *, mask_kind="none", window=None, mask=None, bias=None, scale=None,
-                    softcap=None):
+                    softcap=None, top_left=False):
     """Textbook attention in plain jnp with the documented semantics (RLX_IR.md): scores
     scaled, softcapped, plus bias, masked; softmax; fully masked rows give 0."""
     b, sq, h, d = q.shape
@@ -38,7 +38,7 @@ def dense_attention(q, k, v, *, mask_kind="none", window=None, mask=None, bias=N
         s = softcap * jnp.tanh(s / softcap)
     if bias is not None:
         s = s + bias.astype(acc)
-    pos = np.arange(sq)[:, None] + max(sk - sq, 0)
+    pos = np.arange(sq)[:, None] + (0 if top_left else max(sk - sq, 0))
     j = np.arange(sk)[None, :]
     vis = np.ones((sq, sk), bool)
     if mask_kind in ("causal", "sliding"):
@@ -193,7 +193,8 @@ def test_lse_and_its_cotangent_in_the_backward_kernel():
     """The backward primitive's dlse input (second-order terms) and the lse output,
     kernel vs the module's reference, at the primitive level."""
     q, k, v, mask, bias, dy = _inputs(2, 33, 47, 4, 2, 8, seed=5)
-    params, extras = A._check_options(q, k, "sliding", 9, mask, bias, 0.4, 2.5, "test")
+    params, mask, bias, _ = A._check_options(q, k, (2,), "sliding", 9, mask, bias, 0.4, 2.5, "bottom_right", "test")
+    extras = [mask, bias]
     out, lse = jax.jit(lambda *a: A.attention_fwd(*a, **params))(q, k, v, *extras)
     out_r, lse_r = jax.jit(lambda *a: A.reference_attention(*a, **params))(q, k, v, *extras)
     assert_close(out, out_r, jnp.float32)
@@ -397,7 +398,9 @@ def test_bad_arguments_raise_clear_errors():
         attention(q, k, v, bias=bias[:, :1])
     with pytest.raises(ValueError, match="kv heads"):
         attention(q, k[:, :, :1].repeat(3, axis=2), v[:, :, :1].repeat(3, axis=2))
-    with pytest.raises(ValueError, match="q must have shape"):
+    with pytest.raises(ValueError, match=r"q must have shape \[\.\.\., S, H, D\]"):
+        attention(q[0, 0], k, v)
+    with pytest.raises(ValueError, match="leading"):
         attention(q[0], k, v)
     with pytest.raises(ValueError, match="v"):
         attention(q, k, v[:, :4])
@@ -428,22 +431,20 @@ def test_kernel_rejects_bad_buffers_with_an_error():
         jax.block_until_ready(jax.jit(lambda *a: call(*a, **attrs))(q, k3, k3, empty_mask, empty_bias))
 
 
-@pytest.mark.parametrize("mode, kind, fused", [
-    (None, "none", True), (None, "causal", True), ("8", "none", True), ("8", "causal", False),
-    ("6", "none", True), ("6", "causal", True), ("7", "none", True), ("7", "causal", True),
-    ("9", "none", False), ("9", "causal", False),
-    ("5", "none", False), ("4", "none", False), ("0", "causal", False), ("x", "none", True),
-    ("x", "causal", True)])
-def test_cuda_backward_scratch_follows_the_kernel_switch(monkeypatch, mode, kind, fused):
-    """The CUDA backward's scratch holds the fused kernel's f32 dQ accumulator exactly where
-    ffi/cuda/attention_launch_impl.cuh may take that kernel (RLX_ATTENTION_CUDA_WGMMA_BWD, first character:
-    unset / 6 / 7 / unknown = fused for mask kinds none, causal and sliding, 8 = none only, 0 / 4 / 5 / 9
-    = never), and only for the cases it serves (bf16 / f16, head dims 64 and 128, scale > 0, with or
-    without a softcap or a key mask, no bias)."""
+@pytest.mark.parametrize("mode", [None, "0", "4", "5", "6", "7", "8", "9", "x"])
+@pytest.mark.parametrize("kind", ["none", "causal", "sliding"])
+def test_cuda_backward_scratch_depends_on_shapes_only(monkeypatch, mode, kind):
+    """The CUDA backward's scratch holds the fused kernel's f32 dQ accumulator wherever the
+    fused kernel can serve the call (bf16 / f16, head dims 64 and 128, scale > 0, with or
+    without a softcap or a key mask, no bias), whatever the kernel's run-time switch
+    RLX_ATTENTION_CUDA_WGMMA_BWD says: the traced program must not depend on the environment
+    (the kernel takes the fused path only where the switch asks and the scratch is large
+    enough; the other backwards read the scratch's first B * H * Sq elements)."""
     if mode is None:
         monkeypatch.delenv("RLX_ATTENTION_CUDA_WGMMA_BWD", raising=False)
     else:
         monkeypatch.setenv("RLX_ATTENTION_CUDA_WGMMA_BWD", mode)
+    fused = True
     q = jnp.zeros((2, 130, 4, 128), jnp.bfloat16)
     assert A._cuda_fused_bwd(q, kind, 0.1, 0.0, False, False) is fused
     assert A._cuda_fused_bwd(q[..., :64].astype(jnp.float16), kind, 0.1, 0.0, False, False) is fused
@@ -455,10 +456,107 @@ def test_cuda_backward_scratch_follows_the_kernel_switch(monkeypatch, mode, kind
     assert A._cuda_fused_bwd(q, kind, 0.1, 0.0, True, False) is fused  # key mask: the MASK kernels
     assert A._cuda_fused_bwd(q, kind, 0.1, 5.0, True, False) is fused  # both
     assert not A._cuda_fused_bwd(q, kind, 0.1, 0.0, False, True)  # bias
-    assert A._cuda_fused_bwd(q, "sliding", 0.1, 0.0, False, False) is (fused and mode != "8")  # MASK kernels
-    # delta (B H Sq = 1040, a multiple of 4), dQacc B H Sq D, 3 query tiles of 64 a (batch, head), ticket,
-    # the converters' tile counter
-    assert A.cuda_bwd_scratch_size(2, 4, 130, 128, fused) == (1040 + 1040 * 128 + 8 * 3 + 2 if fused else 1040)
-    # D 64: query tiles of 128 rows (65 rows: one tile, 129: two)
-    assert A.cuda_bwd_scratch_size(1, 3, 65, 64, fused) == (196 + 195 * 64 + 3 * 1 + 2 if fused else 195)
-    assert A.cuda_bwd_scratch_size(1, 3, 129, 64, fused) == (388 + 387 * 64 + 3 * 2 + 2 if fused else 387)
+    for fused in (True, False):
+        # delta (B H Sq = 1040, a multiple of 4), dQacc B H Sq D, 3 query tiles of 64 a (batch, head), ticket,
+        # the converters' tile counter
+        assert A.cuda_bwd_scratch_size(2, 4, 130, 128, fused) == (1040 + 1040 * 128 + 8 * 3 + 2 if fused else 1040)
+        # D 64: query tiles of 128 rows (65 rows: one tile, 129: two)
+        assert A.cuda_bwd_scratch_size(1, 3, 65, 64, fused) == (196 + 195 * 64 + 3 * 1 + 2 if fused else 195)
+        assert A.cuda_bwd_scratch_size(1, 3, 129, 64, fused) == (388 + 387 * 64 + 3 * 2 + 2 if fused else 387)
+
+
+# ---- the Python front: traced hyper-parameters, causal alignment, leading axes -------------
+
+
+def test_traced_scale_values_and_gradient():
+    """A traced scale (jit argument) gives the static-scale values; its gradient matches the
+    oracle's (scale enters as q * scale)."""
+    q, k, v, _, _, _ = _inputs(2, 7, 9, 4, 2, 8, seed=11)
+    f = jax.jit(lambda q, k, v, sc: attention(q, k, v, mask_kind="causal", scale=sc, softcap=3.0))
+    assert_close(f(q, k, v, 0.3), attention(q, k, v, mask_kind="causal", scale=0.3, softcap=3.0))
+    assert_close(f(q, k, v, jnp.float32(0.3)), dense_attention(q, k, v, mask_kind="causal", scale=0.3, softcap=3.0))
+    loss = lambda fn: (lambda q, sc: jnp.sum(jnp.sin(fn(q, k, v, mask_kind="causal", scale=sc, softcap=3.0))))
+    got = jax.jit(jax.grad(loss(attention), argnums=(0, 1)))(q, 0.3)
+    want = jax.grad(loss(dense_attention), argnums=(0, 1))(q, 0.3)
+    assert_close(got[0], want[0])
+    assert_close(got[1], want[1])
+    assert "rlx_attention_bwd" in hlo_text(jax.grad(loss(attention), argnums=(0, 1)), q, 0.3)
+    # attention_backward with a traced scale: dq carries the scale
+    got = jax.jit(lambda q, sc: attention_backward(q, k, v, jnp.cos(q), scale=sc))(q, 0.7)
+    _, vjp = jax.vjp(lambda q, k, v: dense_attention(q, k, v, scale=0.7), q, k, v)
+    for g, w in zip(got, vjp(jnp.cos(q))):
+        assert_close(g, w)
+
+
+def test_traced_scale_vmapped_per_example():
+    q, k, v, _, _, _ = _inputs(2, 5, 5, 2, 2, 8, seed=12)
+    scales = jnp.array([0.2, 0.9])
+    got = jax.vmap(lambda q, k, v, sc: attention(q[None], k[None], v[None], scale=sc)[0])(q, k, v, scales)
+    for i in range(2):
+        assert_close(got[i], dense_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], scale=float(scales[i]))[0])
+
+
+def test_traced_softcap_and_eps_like_errors_name_the_argument():
+    q, k, v, _, _, _ = _inputs(1, 4, 4, 2, 2, 8)
+    with pytest.raises(TypeError, match="softcap must be a static number"):
+        jax.jit(lambda c: attention(q, k, v, softcap=c))(2.0)
+    with pytest.raises(ValueError, match="scale must be a real scalar"):
+        jax.jit(lambda sc: attention(q, k, v, scale=sc))(jnp.ones(2))
+    with pytest.raises(ValueError, match="scale must be a real scalar"):
+        attention(q, k, v, scale="big")
+    with pytest.raises(TypeError, match="scale must be a real scalar"):
+        attention(q, k, v, scale=1j)
+    with pytest.raises(ValueError, match="causal_alignment"):
+        attention(q, k, v, mask_kind="causal", causal_alignment="top-left")
+
+
+@pytest.mark.parametrize("kind, window", [("causal", None), ("sliding", 1)])
+def test_top_left_alignment_matches_jax_nn(kind, window):
+    """Sq = 2, Sk = 6: the default (bottom-right) lets the last query see every key; top-left
+    is jax.nn.dot_product_attention(is_causal=True)'s rule. Values and gradients (the keys no
+    query sees get zero gradient), key mask and bias sliced with the keys."""
+    q, k, v, mask, bias, dy = _inputs(2, 2, 6, 4, 2, 8, seed=13)
+    got = attention(q, k, v, mask_kind=kind, window=window, causal_alignment="top_left")
+    assert_close(got, dense_attention(q, k, v, mask_kind=kind, window=window, top_left=True))
+    assert_close(attention(q, k, v, mask_kind=kind, window=window),
+                 dense_attention(q, k, v, mask_kind=kind, window=window))
+    if kind == "causal":
+        assert_close(got, jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"))
+        assert float(jnp.max(jnp.abs(got - attention(q, k, v, mask_kind="causal")))) > 1e-2
+    opts = dict(mask_kind=kind, window=window, mask=mask, bias=bias)
+    f = lambda fn, **kw: (lambda q, k, v, b: jnp.sum(fn(q, k, v, **dict(opts, bias=b), **kw) * dy))
+    got_g = jax.jit(jax.grad(f(attention, causal_alignment="top_left"), argnums=(0, 1, 2, 3)))(q, k, v, bias)
+    want_g = jax.grad(f(dense_attention, top_left=True), argnums=(0, 1, 2, 3))(q, k, v, bias)
+    for g, w in zip(got_g, want_g):
+        assert_close(g, w)
+    assert not np.asarray(got_g[1][:, 2:]).any()  # keys 2..5 are seen by no query
+    got_b = attention_backward(q, k, v, dy, mask, bias, mask_kind=kind, window=window, causal_alignment="top_left")
+    for g, w in zip(got_b, want_g[:3]):
+        assert_close(g, w)
+
+
+@pytest.mark.parametrize("lead", [(), (2, 3), (1, 2, 1)])
+def test_leading_batch_axes(lead):
+    """[..., S, H, D] with zero or several leading axes: as the flattened rank-4 call, key
+    mask and bias carrying the same leading axes."""
+    b = int(np.prod(lead)) if lead else 1
+    q, k, v, mask, bias, dy = _inputs(b, 5, 7, 4, 2, 8, seed=14)
+    shape = lambda x: x.reshape(*lead, *x.shape[1:])
+    got = attention(shape(q), shape(k), shape(v), mask_kind="causal", mask=shape(mask), bias=shape(bias))
+    assert got.shape == (*lead, 5, 4, 8)
+    assert_close(got.reshape(q.shape), dense_attention(q, k, v, mask_kind="causal", mask=mask, bias=bias))
+    grads = attention_backward(shape(q), shape(k), shape(v), shape(dy), mask_kind="causal")
+    want = attention_backward(q, k, v, dy, mask_kind="causal")
+    for g, w in zip(grads, want):
+        assert g.shape == (*lead, *w.shape[1:])
+        assert_close(g.reshape(w.shape), w)
+
+
+def test_f32_routes_to_xla_on_cuda(x64):
+    """On CUDA only bf16 / f16 take the kernels: f32 and f64 lower to the pure-JAX reference
+    (XLA's TF32 matmuls beat the f32 SIMT kernel)."""
+    assert A._cuda_ok(jnp.zeros((1, 4, 2, 64), jnp.bfloat16))
+    assert A._cuda_ok(jnp.zeros((1, 4, 2, 64), jnp.float16))
+    assert not A._cuda_ok(jnp.zeros((1, 4, 2, 64), jnp.float32))
+    assert not A._cuda_ok(jnp.zeros((1, 4, 2, 64), jnp.float64))
+    assert not A._cuda_ok(jnp.zeros((1, 4, 2, 512), jnp.bfloat16))

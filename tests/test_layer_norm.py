@@ -136,14 +136,38 @@ def test_other_axes(axis):
         assert_close(a, w)
 
 
-def test_beta_optional_and_parameters_cast():
-    x, g, _, _ = _inputs((3, 8), jnp.bfloat16)
+def test_beta_optional_and_mixed_precision_promotes():
+    """bf16 x with f32 gamma / beta computes and returns f32 (jnp.result_type, as flax's
+    LayerNorm); gradients come back in each operand's own dtype."""
+    x, g, b, dy = _inputs((3, 8), jnp.bfloat16)
     y = layer_norm(x, g.astype(jnp.float32))
-    assert y.dtype == jnp.bfloat16
-    assert_close(y, _ref(*_f32(x, g), jnp.zeros(8)), jnp.bfloat16)
-    # gradients come back in each parameter's own dtype
-    dg = jax.grad(lambda g: jnp.sum(layer_norm(x, g).astype(jnp.float32)))(g.astype(jnp.float32))
-    assert dg.dtype == jnp.float32
+    assert y.dtype == jnp.float32
+    assert_close(y, _ref(*_f32(x, g), jnp.zeros(8)), jnp.float32)
+    assert layer_norm(x, g).dtype == jnp.bfloat16
+    assert layer_norm(x, g, b.astype(jnp.float32)).dtype == jnp.float32
+    dx, dg = jax.grad(lambda x, g: jnp.sum(layer_norm(x, g)), argnums=(0, 1))(x, g.astype(jnp.float32))
+    assert dx.dtype == jnp.bfloat16 and dg.dtype == jnp.float32
+    bx, bg, _ = layer_norm_backward(x, g.astype(jnp.float32), None, dy)
+    assert bx.dtype == jnp.bfloat16 and bg.dtype == jnp.float32
+
+
+def test_matches_flax_layer_norm_in_mixed_precision():
+    nnx = pytest.importorskip("flax.nnx")
+    x, g, b, _ = _inputs((4, 16), jnp.bfloat16, seed=3)
+    layer = nnx.LayerNorm(16, epsilon=1e-5, rngs=nnx.Rngs(0))
+    layer.scale[...], layer.bias[...] = _f32(g, b)
+    want = layer(x)
+    got = layer_norm(x, *_f32(g, b), eps=1e-5)
+    assert got.dtype == want.dtype == jnp.float32
+    assert_close(got, want, jnp.float32)
+
+
+def test_traced_eps_is_refused_by_name():
+    x, g, b, _ = _inputs((3, 8), jnp.float32)
+    with pytest.raises(TypeError, match="eps must be a static number"):
+        jax.jit(lambda e: layer_norm(x, g, b, eps=e))(1e-5)
+    with pytest.raises(TypeError, match="eps must be a static number"):
+        jax.jit(lambda e: layer_norm_backward(x, g, b, x, eps=e))(1e-5)
 
 
 def test_vmap_forward_grad_and_per_example_gradients():

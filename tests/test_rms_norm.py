@@ -117,11 +117,43 @@ def test_other_axes(axis):
         assert_close(a, w)
 
 
-def test_beta_optional_and_gamma_cast():
-    x, g, _, _ = _inputs((3, 8), jnp.bfloat16)
-    y = rms_norm(x, g.astype(jnp.float32))
-    assert y.dtype == jnp.bfloat16
-    assert_close(y, _ref(x.astype(jnp.float32), g.astype(jnp.float32), jnp.zeros(8)), jnp.bfloat16)
+def test_beta_optional_and_mixed_precision_promotes():
+    """bf16 x with f32 gamma computes and returns f32 (jnp.result_type, as flax's RMSNorm);
+    x's gradient comes back in bf16, gamma's in f32; f32 x with bf16 gamma stays f32."""
+    x, g, _, dy = _inputs((3, 8), jnp.bfloat16)
+    g32 = g.astype(jnp.float32)
+    y = rms_norm(x, g32)
+    assert y.dtype == jnp.float32
+    assert_close(y, _ref(x.astype(jnp.float32), g32, jnp.zeros(8)), jnp.float32)
+    dx, dg = jax.grad(lambda x, g: jnp.sum(rms_norm(x, g) * dy.astype(jnp.float32)), argnums=(0, 1))(x, g32)
+    assert dx.dtype == jnp.bfloat16 and dg.dtype == jnp.float32
+    assert rms_norm(x.astype(jnp.float32), g).dtype == jnp.float32
+    assert rms_norm(x, g).dtype == jnp.bfloat16
+    bx, bg, bb = rms_norm_backward(x, g32, None, dy)
+    assert bx.dtype == jnp.bfloat16 and bg.dtype == jnp.float32
+    _, vjp = jax.vjp(lambda x, g: rms_norm(x, g), x, g32)
+    assert_close(bx, vjp(dy.astype(jnp.float32))[0], jnp.bfloat16)
+
+
+def test_matches_flax_rms_norm_in_mixed_precision():
+    nnx = pytest.importorskip("flax.nnx")
+    x, g, _, _ = _inputs((4, 16), jnp.bfloat16, seed=3)
+    g32 = g.astype(jnp.float32)
+    layer = nnx.RMSNorm(16, epsilon=1e-6, rngs=nnx.Rngs(0))
+    layer.scale[...] = g32
+    want = layer(x)
+    got = rms_norm(x, g32, eps=1e-6)
+    assert got.dtype == want.dtype == jnp.float32
+    assert_close(got, want, jnp.float32)
+
+
+def test_traced_eps_is_refused_by_name():
+    x, g, _, _ = _inputs((3, 8), jnp.float32)
+    with pytest.raises(TypeError, match="eps must be a static number"):
+        jax.jit(lambda e: rms_norm(x, g, eps=e))(1e-5)
+    with pytest.raises(TypeError, match="eps must be a static number"):
+        jax.jit(lambda e: rms_norm_backward(x, g, None, x, eps=e))(1e-5)
+    assert_close(jax.jit(lambda x: rms_norm(x, g, eps=np.float32(1e-3)))(x), rms_norm(x, g, eps=1e-3))
 
 
 def test_vmap_forward_grad_and_per_example_gradients():

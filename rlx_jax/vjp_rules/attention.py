@@ -10,7 +10,8 @@ bias [B, H, Sq, Sk]. With scale = ``scale`` or 1/sqrt(D):
     P = softmax_j(s);   out_i = sum_j P_ij v_j;   lse_i = log sum_j exp(s_ij)
 
 Mask kinds, with off = max(Sk - Sq, 0) (RLX aligns bottom-right when keys outnumber
-queries) and pos_i = i + off: "none"; "causal": j <= pos_i; "sliding" (window w):
+queries; the public functions' ``causal_alignment="top_left"`` gives off = 0 by dropping the
+keys no query can see) and pos_i = i + off: "none"; "causal": j <= pos_i; "sliding" (window w):
 pos_i - w <= j <= pos_i. A row that sees no key gives out = 0, lse = -inf and zero
 gradients (never NaN).
 
@@ -235,11 +236,18 @@ def _kernel_bwd(q, k, v, out, lse, dout, dlse, *extras, kind, window, scale, sof
 #: largest head dim of the CUDA kernels (ffi/cuda/attention_generic.cuh, kGenMaxD)
 CUDA_MAX_HEAD_DIM = 256
 
+#: dtypes the op runs through its CUDA kernels. f32 (and f64) lower to the pure-JAX reference
+#: on CUDA: there XLA's f32 matmuls use TF32 tensor cores under JAX's default matmul precision,
+#: while the f32 kernel is a SIMT kernel, about 3x slower, so routing f32 to XLA's code keeps
+#: the op at least as fast as plain JAX for that dtype. (The f32 kernel stays built; adding
+#: jnp.float32 here routes f32 to it again.)
+CUDA_KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
+
 
 def _cuda_ok(q):
-    """The CUDA kernels take f32 / bf16 / f16 with head dim <= 256; anything else (f64)
-    lowers to the reference on GPU."""
-    return q.dtype in (jnp.float32, jnp.bfloat16, jnp.float16) and q.shape[3] <= CUDA_MAX_HEAD_DIM
+    """The CUDA kernels serve dtypes in ``CUDA_KERNEL_DTYPES`` with head dim <= 256; anything
+    else lowers to the reference on the GPU."""
+    return q.dtype in CUDA_KERNEL_DTYPES and q.shape[3] <= CUDA_MAX_HEAD_DIM
 
 
 def _kernel_fwd_cuda(q, k, v, *extras, **params):
@@ -264,22 +272,16 @@ def cuda_bwd_scratch_size(b: int, h: int, sq: int, d: int = 0, fused: bool = Fal
 
 
 def _cuda_fused_bwd(q, kind, scale, softcap, has_mask, has_bias) -> bool:
-    """Can the CUDA backward take the fused kernel (ffi/cuda/attention_launch_impl.cuh, the switch
-    RLX_ATTENTION_CUDA_WGMMA_BWD read per trace as the kernel reads it per process): unset, 6,
-    7 or another value (the default) for mask kinds none, causal and sliding, 8 for none only,
-    0 / 4 / 5 / 9 never; at head dims 64 and 128, bf16 / f16, scale > 0, with or without a
-    softcap or a key mask (its CAP / MASK kernels, which also take the window), no bias. Sizes the
-    scratch for it; the kernel checks the size (and that the device can hold a head's key blocks at
-    once) and otherwise runs the two-kernel backward (with a softcap, a key mask or a window: the
-    mma.sync kernels)."""
-    import os
-
-    mode = os.environ.get("RLX_ATTENTION_CUDA_WGMMA_BWD", "")[:1]
-    if mode in ("0", "4", "5", "9"):
-        return False
-    kinds = ("none",) if mode == "8" else ("none", "causal", "sliding")
+    """Can the CUDA backward take the fused kernel (ffi/cuda/attention_fused_bwd.cuh): at head
+    dims 64 and 128, bf16 / f16, scale > 0, mask kinds none, causal and sliding, with or without
+    a softcap or a key mask, no bias. Where it can, the scratch is sized for it. The kernel picks
+    its backward at run time (a process-wide switch, see attention_launch_impl.cuh) and takes
+    the fused one only when the scratch is large enough (and the device can hold a head's key
+    blocks at once); the other backwards read only the scratch's first B * H * Sq elements. So
+    the scratch, hence the traced program, depends on shapes and options only, never on the
+    kernel's environment: jit's cache stays valid whatever the switch says."""
     return (q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[3] in (64, 128) and not has_bias
-            and kind in kinds and float(scale) > 0)
+            and kind in MASK_KINDS and float(scale) > 0)
 
 
 def _kernel_bwd_cuda(q, k, v, out, lse, dout, dlse, *extras, kind, window, scale, softcap, has_mask,
@@ -401,30 +403,52 @@ for _prim in (attention_fwd, attention_tangent, attention_bwd):
 # ---- public functions ------------------------------------------------------------------
 
 
+CAUSAL_ALIGNMENTS = ("bottom_right", "top_left")
+
+
 def _check_qkv(q, k, v, who):
+    """q, k, v flattened to [B, S, H, D] (their leading batch axes folded into B) and the
+    leading axes to give the result back."""
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"{who}: {name} must be floating point, got {x.dtype}")
-        if x.ndim != 4:
-            raise ValueError(f"{who}: {name} must have shape [B, S, H, D], got {x.shape}")
+        if x.ndim < 3:
+            raise ValueError(f"{who}: {name} must have shape [..., S, H, D] (rank >= 3), got {x.shape}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"{who}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.shape != v.shape:
         raise ValueError(f"{who}: k {k.shape} and v {v.shape} must have the same shape")
-    b, _, h, d = q.shape
-    if k.shape[0] != b or k.shape[3] != d:
-        raise ValueError(f"{who}: k {k.shape} must match q {q.shape} in batch and head dim")
-    hkv = k.shape[2]
+    lead = q.shape[:-3]
+    if k.shape[:-3] != lead or k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"{who}: k {k.shape} must match q {q.shape} in its leading (batch) axes and head dim")
+    h, hkv = q.shape[-2], k.shape[-2]
     if (hkv == 0 and h != 0) or (hkv != 0 and h % hkv != 0):
         raise ValueError(f"{who}: kv heads ({hkv}) must divide query heads ({h})")
-    return q, k, v
+    b = math.prod(lead)
+    flat = lambda x: x.reshape(b, *x.shape[-3:])
+    return flat(q), flat(k), flat(v), lead
 
 
-def _check_options(q, k, mask_kind, window, mask, bias, scale, softcap, who):
-    """Validated static params and the (cast) mask / bias operands."""
+def _scalar(value, name, who):
+    """float(value), or None when value is traced (known only when the program runs)."""
+    if isinstance(value, str) or jnp.ndim(value) != 0:
+        raise ValueError(f"{who}: {name} must be a real scalar, got {value!r}")
+    try:
+        return float(value)
+    except jax.errors.ConcretizationTypeError:
+        return None
+    except TypeError:
+        raise TypeError(f"{who}: {name} must be a real scalar, got {value!r}") from None
+
+
+def _check_options(q, k, lead, mask_kind, window, mask, bias, scale, softcap, causal_alignment, who):
+    """Validated static params, the (cast, flattened) mask / bias operands and a traced
+    scale (or None). q, k are [B, S, H, D]; mask and bias carry the leading axes ``lead``."""
     if mask_kind not in MASK_KINDS:
         raise ValueError(f"{who}: mask_kind must be one of {MASK_KINDS}, got {mask_kind!r}")
+    if causal_alignment not in CAUSAL_ALIGNMENTS:
+        raise ValueError(f"{who}: causal_alignment must be one of {CAUSAL_ALIGNMENTS}, got {causal_alignment!r}")
     if mask_kind == "sliding":
         if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 0:
             raise ValueError(f"{who}: mask_kind='sliding' needs an int window >= 0, got {window!r}")
@@ -434,70 +458,140 @@ def _check_options(q, k, mask_kind, window, mask, bias, scale, softcap, who):
     sk = k.shape[1]
     if mask is not None:
         mask = jnp.asarray(mask)
-        if mask.shape != (b, sk):
-            raise ValueError(f"{who}: mask must have shape (B, Sk) = {(b, sk)}, got {mask.shape}")
+        if mask.shape != (*lead, sk):
+            raise ValueError(f"{who}: mask must have shape (..., Sk) = {(*lead, sk)}, got {mask.shape}")
         if jnp.issubdtype(mask.dtype, jnp.complexfloating):
             raise TypeError(f"{who}: mask must be real or bool, got {mask.dtype}")
-        mask = mask.astype(jnp.float32)
+        mask = mask.astype(jnp.float32).reshape(b, sk)
     if bias is not None:
         bias = jnp.asarray(bias)
-        if bias.shape != (b, h, sq, sk):
-            raise ValueError(f"{who}: bias must have shape (B, H, Sq, Sk) = {(b, h, sq, sk)}, got {bias.shape}")
+        if bias.shape != (*lead, h, sq, sk):
+            raise ValueError(f"{who}: bias must have shape (..., H, Sq, Sk) = {(*lead, h, sq, sk)}, got {bias.shape}")
         if not jnp.issubdtype(bias.dtype, jnp.floating):
             raise TypeError(f"{who}: bias must be floating point, got {bias.dtype}")
-        bias = bias.astype(q.dtype)
+        bias = bias.astype(q.dtype).reshape(b, h, sq, sk)
+    traced_scale = None
     if scale is None:
         scale = 1.0 / math.sqrt(d) if d > 0 else 1.0
-    elif not math.isfinite(float(scale)):
-        raise ValueError(f"{who}: scale must be finite, got {scale}")
-    if softcap is not None and not float(softcap) > 0:
-        raise ValueError(f"{who}: softcap must be > 0 (None disables it), got {softcap}")
+    else:
+        value = _scalar(scale, "scale", who)
+        if value is None:  # traced: folded into q, the kernels take scale 1
+            traced_scale, scale = scale, 1.0
+        elif not math.isfinite(value):
+            raise ValueError(f"{who}: scale must be finite, got {scale}")
+        else:
+            scale = value
+    if softcap is not None:
+        value = _scalar(softcap, "softcap", who)
+        if value is None:
+            raise TypeError(
+                f"{who}: softcap must be a static number (the kernels take it as a compile-time constant), "
+                "got a traced value: pass it as a static argument (jit's static_argnums, or a closure)")
+        if not value > 0:
+            raise ValueError(f"{who}: softcap must be > 0 (None disables it), got {softcap}")
+        softcap = value
     params = dict(
         kind=mask_kind,
         # a window past every key is the causal mask: clamp (keeps the kernel's int64 safe)
         window=min(int(window), sq + sk) if mask_kind == "sliding" else 0,
         scale=float(scale),
-        softcap=float(softcap) if softcap is not None else 0.0,
+        softcap=softcap if softcap is not None else 0.0,
         has_mask=mask is not None,
         has_bias=bias is not None,
     )
+    return params, mask, bias, traced_scale
+
+
+def _top_left(k, v, mask, bias, sq, kind, causal_alignment):
+    """Top-left causal alignment (query i sees keys j <= i, as jax.nn.dot_product_attention's
+    is_causal) through the bottom-right kernels: keys past Sq are then hidden from every
+    query, so dropping them leaves Sk = Sq, where both alignments agree. Their gradients are
+    0 (the slice's transpose pads them)."""
+    if causal_alignment == "bottom_right" or kind == "none" or k.shape[1] <= sq:
+        return k, v, mask, bias
+    k, v = k[:, :sq], v[:, :sq]
+    mask = None if mask is None else mask[:, :sq]
+    bias = None if bias is None else bias[..., :sq]
+    return k, v, mask, bias
+
+
+def _prepare(q, k, v, mask, bias, mask_kind, window, scale, softcap, causal_alignment, who):
+    """Everything the primitives take: (q, k, v, extras, params, traced scale, lead axes)."""
+    q, k, v, lead = _check_qkv(q, k, v, who)
+    params, mask, bias, traced_scale = _check_options(q, k, lead, mask_kind, window, mask, bias, scale,
+                                                      softcap, causal_alignment, who)
+    k, v, mask, bias = _top_left(k, v, mask, bias, q.shape[1], mask_kind, causal_alignment)
     extras = [x for x in (mask, bias) if x is not None]
-    return params, extras
+    return q, k, v, extras, params, traced_scale, lead
+
+
+def _fold_scale(q, scale):
+    """q * scale (a traced scale: scale * q.k = (scale q).k), rounded once to q's dtype."""
+    acc = _acc_dtype(q.dtype)
+    return (q.astype(acc) * jnp.asarray(scale, acc)).astype(q.dtype)
 
 
 def attention(q, k, v, *, mask_kind="none", window=None, mask=None, bias=None, scale=None,
-              softcap=None):
+              softcap=None, causal_alignment="bottom_right"):
     """softmax(mask(softcap(scale * q k^T) + bias)) v, per head.
 
-    q: [B, Sq, H, D]; k, v: [B, Sk, Hkv, D] with Hkv dividing H (grouped-query);
-    mask_kind: "none" | "causal" | "sliding" (with ``window`` w: keys [i - w, i]), both
-    aligned bottom-right when Sk > Sq; mask: [B, Sk] key mask (>= 0.5 keeps); bias:
-    [B, H, Sq, Sk] added after the softcap; scale: default 1/sqrt(D); softcap: c > 0 for
-    c * tanh(s / c). Returns [B, Sq, H, D] in q's dtype (f32 accumulation). Rows with no
-    visible key are 0. Differentiable in every mode; reverse mode runs the fused
-    backward kernel, and memory is O(S) on the kernel path.
+    q: [..., Sq, H, D]; k, v: [..., Sk, Hkv, D] with the same leading (batch) axes, any
+    number of them (folded into one batch axis), and Hkv dividing H (grouped-query: query
+    head h reads kv head h // (H // Hkv)). mask: [..., Sk] key mask (>= 0.5 keeps); bias:
+    [..., H, Sq, Sk] added after the softcap. scale: default 1/sqrt(D); a Python number,
+    or a traced scalar (then q is multiplied by it before the kernel, one extra rounding
+    of q in its dtype, and the gradient flows to scale). softcap: c > 0 for c * tanh(s / c),
+    a static number (a traced softcap raises TypeError).
+
+    mask_kind: "none" | "causal" | "sliding" (with ``window`` w: keys [pos_i - w, pos_i]).
+    causal_alignment says where query i sits among the keys:
+    "bottom_right" (the default, RLX's rule): pos_i = i + max(Sk - Sq, 0), the last query
+    sees every key, as when decoding new queries after a cache; "top_left": pos_i = i, as
+    ``jax.nn.dot_product_attention(is_causal=True)``. With Sq = 2, Sk = 6 and "causal",
+    bottom-right lets query 0 see keys 0..4 and query 1 keys 0..5; top-left, query 0 key 0
+    and query 1 keys 0..1. When Sq >= Sk both agree.
+
+    Returns [..., Sq, H, D] in q's dtype (f32 accumulation). Rows with no visible key are
+    0. Differentiable in every mode; reverse mode runs the fused backward kernel, and
+    memory is O(S) on the kernel path. On CUDA the kernels serve bf16 and f16 (head dim
+    <= 256); f32 and f64 run XLA's code (the pure-JAX reference, O(Sq * Sk) memory), whose
+    f32 matmuls use TF32 tensor cores under JAX's default matmul precision and beat the
+    f32 SIMT kernel. Under SPMD sharding it runs shard-local over the batch and over heads
+    (under grouped-query attention: over kv-head groups, the query heads split on group
+    boundaries).
     """
-    q, k, v = _check_qkv(q, k, v, "attention")
-    params, extras = _check_options(q, k, mask_kind, window, mask, bias, scale, softcap, "attention")
+    q, k, v, extras, params, traced_scale, lead = _prepare(q, k, v, mask, bias, mask_kind, window, scale,
+                                                           softcap, causal_alignment, "attention")
+    if traced_scale is not None:
+        q = _fold_scale(q, traced_scale)
     out, _ = attention_fwd(q, k, v, *extras, **params)
-    return out
+    return out.reshape(*lead, *out.shape[1:])
 
 
 def attention_backward(q, k, v, dy, mask=None, bias=None, *, mask_kind="none", window=None,
-                       scale=None, softcap=None):
+                       scale=None, softcap=None, causal_alignment="bottom_right"):
     """The RLX backward ops AttentionBackward{wrt = Query, Key, Value} in one call:
-    (dq, dk, dv) for upstream gradient dy [B, Sq, H, D] (same options as ``attention``).
-    The forward is recomputed (out and lse, O(S) memory), then the fused backward runs."""
-    q, k, v = _check_qkv(q, k, v, "attention_backward")
+    (dq, dk, dv) for upstream gradient dy shaped like q (same options and layouts as
+    ``attention``). The forward is recomputed (out and lse, O(S) memory), then the fused
+    backward runs."""
+    k_shape = jnp.shape(k)
+    q_shape = jnp.shape(q)
+    q, k, v, extras, params, traced_scale, lead = _prepare(q, k, v, mask, bias, mask_kind, window, scale,
+                                                           softcap, causal_alignment, "attention_backward")
     dy = jnp.asarray(dy)
-    if dy.shape != q.shape:
-        raise ValueError(f"attention_backward: dy shape {dy.shape} differs from q shape {q.shape}")
-    dy = dy.astype(q.dtype)
-    params, extras = _check_options(q, k, mask_kind, window, mask, bias, scale, softcap,
-                                    "attention_backward")
-    out, lse = attention_fwd(q, k, v, *extras, **params)
-    grads = attention_bwd(q, k, v, out, lse, dy, jnp.zeros_like(lse), *extras, **params)
-    return tuple(grads[:3])
+    if dy.shape != q_shape:
+        raise ValueError(f"attention_backward: dy shape {dy.shape} differs from q shape {q_shape}")
+    dy = dy.astype(q.dtype).reshape(q.shape)
+    qs = q if traced_scale is None else _fold_scale(q, traced_scale)
+    out, lse = attention_fwd(qs, k, v, *extras, **params)
+    dq, dk, dv = attention_bwd(qs, k, v, out, lse, dy, jnp.zeros_like(lse), *extras, **params)[:3]
+    if traced_scale is not None:  # d(scale q) / dq = scale
+        dq = _fold_scale(dq, traced_scale)
+    sk = k_shape[-3]
+    if dk.shape[1] != sk:  # top-left alignment dropped keys no query sees: their gradients are 0
+        pad = ((0, 0), (0, sk - dk.shape[1]), (0, 0), (0, 0))
+        dk, dv = jnp.pad(dk, pad), jnp.pad(dv, pad)
+    return dq.reshape(q_shape), dk.reshape(k_shape), dv.reshape(k_shape)
 
 
 def _from_rlx(x, heads, head_dim, name):

@@ -32,6 +32,7 @@ from rlx_jax.vjp_rules._primitive import (
     NOT_MAPPED, FusedPrimitive, RowPartition, instantiate, np_scalar, rowwise_batching,
 )
 from rlx_jax.vjp_rules.rms_norm import cuda_bwd_scratch_size as rms_cuda_bwd_scratch_size
+from rlx_jax.vjp_rules.rms_norm import promoted_dtype, static_eps
 
 
 def stat_dtype(dtype):
@@ -200,20 +201,20 @@ def _prepare(x, gamma, beta, axis, eps, who="layer_norm"):
         raise ValueError(f"{who}: x must have at least one axis")
     if not isinstance(axis, int) or not -x.ndim <= axis < x.ndim:
         raise ValueError(f"{who}: axis {axis!r} out of range for x of rank {x.ndim}")
-    if not eps >= 0:
-        raise ValueError(f"{who}: eps must be >= 0, got {eps}")
     axis = axis % x.ndim
     width = x.shape[axis]
     gamma = jnp.asarray(gamma)
     if gamma.shape != (width,):
         raise ValueError(f"{who}: gamma must have shape ({width},) (x.shape[{axis}]), got {gamma.shape}")
+    has_beta = beta is not None
     beta = jnp.zeros((width,), x.dtype) if beta is None else jnp.asarray(beta)
     if beta.shape != (width,):
         raise ValueError(f"{who}: beta must have shape ({width},) (x.shape[{axis}]), got {beta.shape}")
     for name, p in (("gamma", gamma), ("beta", beta)):
         if not jnp.issubdtype(p.dtype, jnp.floating):
             raise TypeError(f"{who}: {name} must be floating point, got {p.dtype}")
-    return x, gamma.astype(x.dtype), beta.astype(x.dtype), axis
+    dtype = promoted_dtype(x, gamma, beta if has_beta else None)
+    return x.astype(dtype), gamma.astype(dtype), beta.astype(dtype), axis
 
 
 def layer_norm(x, gamma, beta=None, *, axis: int = -1, eps: float = 1e-5):
@@ -221,20 +222,25 @@ def layer_norm(x, gamma, beta=None, *, axis: int = -1, eps: float = 1e-5):
     taken over ``axis``.
 
     x: any shape, normalised over ``axis``; gamma, beta: [x.shape[axis]] (beta may be
-    None: no shift). gamma and beta are cast to x's dtype; statistics accumulate in f32
-    (f64 for f64). Differentiable in every mode; reverse mode runs the fused backward
-    kernel (dx, dgamma, dbeta in one pass).
+    None: no shift). The result's dtype is ``jnp.result_type(x, gamma[, beta])`` (as
+    flax's LayerNorm: bf16 x with f32 gamma computes and returns f32; x's gradient comes
+    back in x's dtype); statistics accumulate in f32 (f64 for f64). ``eps`` is a static
+    number (a traced eps raises TypeError). Differentiable in every mode; reverse mode runs
+    the fused backward kernel (dx, dgamma, dbeta in one pass). Under SPMD sharding it runs
+    shard-local over every axis but ``axis``.
     """
+    eps = static_eps(eps, "layer_norm")
     x, gamma, beta, axis = _prepare(x, gamma, beta, axis, eps)
     xt = jnp.moveaxis(x, axis, -1)
-    y, _, _ = layer_norm_fwd(xt, gamma, beta, eps=float(eps))
+    y, _, _ = layer_norm_fwd(xt, gamma, beta, eps=eps)
     return jnp.moveaxis(y, -1, axis)
 
 
 def layer_norm_backward(x, gamma, beta, dy, *, axis: int = -1, eps: float = 1e-5):
     """RLX's LayerNormBackwardInput and LayerNormBackwardGamma (and beta's gradient, the
     row sum of dy) in one call: returns (dx, dgamma, dbeta) for upstream gradient dy
-    (shaped like x). The statistics are recomputed from x (the RLX ops take no saved
+    (shaped like x), in the dtypes of x, gamma and gamma (computed in the promoted dtype,
+    as ``layer_norm``). The statistics are recomputed from x (the RLX ops take no saved
     statistics); the gradients come from the fused ``layer_norm_bwd`` kernel.
 
     ``gamma=None`` stands for ones: LayerNormBackwardGamma [x, dy] has no gamma input,
@@ -242,6 +248,8 @@ def layer_norm_backward(x, gamma, beta, dy, *, axis: int = -1, eps: float = 1e-5
     if gamma is None:
         x = jnp.asarray(x)
         gamma = jnp.ones((x.shape[axis] if x.ndim and -x.ndim <= axis < x.ndim else 0,), x.dtype)
+    eps = static_eps(eps, "layer_norm_backward")
+    xdt = jnp.asarray(x).dtype
     x, gamma_c, beta, axis = _prepare(x, gamma, beta, axis, eps, who="layer_norm_backward")
     dy = jnp.asarray(dy)
     if dy.shape != x.shape:
@@ -249,6 +257,6 @@ def layer_norm_backward(x, gamma, beta, dy, *, axis: int = -1, eps: float = 1e-5
     dy = dy.astype(x.dtype)
     xt, dyt = jnp.moveaxis(x, axis, -1), jnp.moveaxis(dy, axis, -1)
     mean, rstd = row_moments(xt, eps)
-    dx, dg, db = layer_norm_bwd(xt, gamma_c, mean, rstd, dyt, eps=float(eps))
+    dx, dg, db = layer_norm_bwd(xt, gamma_c, mean, rstd, dyt, eps=eps)
     gdt = jnp.asarray(gamma).dtype
-    return jnp.moveaxis(dx, -1, axis), dg.astype(gdt), db.astype(gdt)
+    return jnp.moveaxis(dx, -1, axis).astype(xdt), dg.astype(gdt), db.astype(gdt)

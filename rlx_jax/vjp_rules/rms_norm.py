@@ -180,50 +180,82 @@ def _bwd_batch(args, dims, *, eps):
 # ---- public functions ------------------------------------------------------------------
 
 
-def _prepare(x, gamma, beta, axis):
+def static_eps(eps, who):
+    """eps as a Python float >= 0. The kernels take it as a compile-time constant, so a
+    traced eps is refused with an error naming it."""
+    try:
+        value = float(eps)
+    except jax.errors.ConcretizationTypeError:
+        raise TypeError(f"{who}: eps must be a static number (a compile-time constant of the kernels), got a "
+                        "traced value: pass it as a static argument (jit's static_argnums, or a closure)") from None
+    except TypeError:
+        raise TypeError(f"{who}: eps must be a real number, got {eps!r}") from None
+    if not value >= 0:
+        raise ValueError(f"{who}: eps must be >= 0, got {eps}")
+    return value
+
+
+def promoted_dtype(x, gamma, beta=None):
+    """The dtype a norm computes and returns in: ``jnp.result_type`` of x and its parameters
+    (as flax.nnx's RMSNorm / LayerNorm do): bf16 x with f32 gamma gives f32, f32 x with
+    bf16 gamma f32."""
+    return jnp.result_type(*(a.dtype for a in (x, gamma, beta) if a is not None))
+
+
+def _prepare(x, gamma, beta, axis, who="rms_norm"):
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"rms_norm: x must be floating point, got {x.dtype}")
+        raise TypeError(f"{who}: x must be floating point, got {x.dtype}")
     if x.ndim == 0:
-        raise ValueError("rms_norm: x must have at least one axis")
+        raise ValueError(f"{who}: x must have at least one axis")
     if not -x.ndim <= axis < x.ndim:
-        raise ValueError(f"rms_norm: axis {axis} out of range for x of rank {x.ndim}")
+        raise ValueError(f"{who}: axis {axis} out of range for x of rank {x.ndim}")
     axis = axis % x.ndim
     width = x.shape[axis]
     gamma = jnp.asarray(gamma)
     if gamma.shape != (width,):
-        raise ValueError(f"rms_norm: gamma must have shape ({width},) (x.shape[{axis}]), got {gamma.shape}")
-    beta = jnp.zeros((width,), x.dtype) if beta is None else jnp.asarray(beta)
-    if beta.shape != (width,):
-        raise ValueError(f"rms_norm: beta must have shape ({width},) (x.shape[{axis}]), got {beta.shape}")
-    return x, gamma.astype(x.dtype), beta.astype(x.dtype), axis
+        raise ValueError(f"{who}: gamma must have shape ({width},) (x.shape[{axis}]), got {gamma.shape}")
+    beta = None if beta is None else jnp.asarray(beta)
+    if beta is not None and beta.shape != (width,):
+        raise ValueError(f"{who}: beta must have shape ({width},) (x.shape[{axis}]), got {beta.shape}")
+    for name, p in (("gamma", gamma), ("beta", beta)):
+        if p is not None and not jnp.issubdtype(p.dtype, jnp.floating):
+            raise TypeError(f"{who}: {name} must be floating point, got {p.dtype}")
+    dtype = promoted_dtype(x, gamma, beta)
+    beta = jnp.zeros((width,), dtype) if beta is None else beta
+    return x.astype(dtype), gamma.astype(dtype), beta.astype(dtype), axis
 
 
 def rms_norm(x, gamma, beta=None, *, axis: int = -1, eps: float = 1e-6):
     """``x * rsqrt(mean(x^2, axis) + eps) * gamma (+ beta)``.
 
     x: any shape, normalised over ``axis``; gamma, beta: [x.shape[axis]] (beta optional).
-    gamma and beta are cast to x's dtype; statistics accumulate in f32 (f64 for f64).
-    Differentiable in every mode; reverse mode runs the fused backward kernel.
+    The result's dtype is ``jnp.result_type(x, gamma[, beta])`` (as flax's RMSNorm: bf16
+    x with f32 gamma computes and returns f32; x's gradient comes back in x's dtype);
+    statistics accumulate in f32 (f64 for f64). ``eps`` is a static number (a traced eps
+    raises TypeError). Differentiable in every mode; reverse mode runs the fused backward
+    kernel. Under SPMD sharding it runs shard-local over every axis but ``axis``.
     """
-    if eps < 0:
-        raise ValueError(f"rms_norm: eps must be >= 0, got {eps}")
+    eps = static_eps(eps, "rms_norm")
     x, gamma, beta, axis = _prepare(x, gamma, beta, axis)
     xt = jnp.moveaxis(x, axis, -1)
-    y, _ = rms_norm_fwd(xt, gamma, beta, eps=float(eps))
+    y, _ = rms_norm_fwd(xt, gamma, beta, eps=eps)
     return jnp.moveaxis(y, -1, axis)
 
 
 def rms_norm_backward(x, gamma, beta, dy, *, axis: int = -1, eps: float = 1e-6):
     """The RLX backward ops RmsNormBackwardInput/Gamma/Beta in one call:
-    returns (dx, dgamma, dbeta) for upstream gradient dy (shaped like x)."""
-    x, gamma_c, beta, axis = _prepare(x, gamma, beta, axis)
+    returns (dx, dgamma, dbeta) for upstream gradient dy (shaped like x), in the dtypes
+    of x, gamma and gamma (computed in the promoted dtype, as ``rms_norm``)."""
+    eps = static_eps(eps, "rms_norm_backward")
+    xdt = jnp.asarray(x).dtype
+    x, gamma_c, beta, axis = _prepare(x, gamma, beta, axis, "rms_norm_backward")
     dy = jnp.asarray(dy, x.dtype)
     if dy.shape != x.shape:
         raise ValueError(f"rms_norm_backward: dy shape {dy.shape} differs from x shape {x.shape}")
     xt, dyt = jnp.moveaxis(x, axis, -1), jnp.moveaxis(dy, axis, -1)
     acc = _stat_dtype(x.dtype)
     rstd = jax.lax.rsqrt(jnp.mean(jnp.square(xt.astype(acc)), axis=-1) + eps)
-    dx, dg, db = rms_norm_bwd(xt, gamma_c, rstd, dyt, eps=float(eps))
+    dx, dg, db = rms_norm_bwd(xt, gamma_c, rstd, dyt, eps=eps)
     gdt = jnp.asarray(gamma).dtype
-    return jnp.moveaxis(dx, -1, axis), dg.astype(gdt), db.astype(gdt)
+    return jnp.moveaxis(dx, -1, axis).astype(xdt), dg.astype(gdt), db.astype(gdt)
