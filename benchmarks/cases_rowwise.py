@@ -8,10 +8,11 @@ reference vs a copy of the op's minimal traffic. Floors:
   alone (given y): y and dy read, dx written (3 N W);
 - RoPE backward [N, W]: dy read, dx written (2 N W; the tables are O(S * n_rot));
 - cumsum backward [N, W]: dy read, dx written (2 N W);
-- fused linear cross-entropy: compute bound (three [N, D] x [D, V] matmuls); its floor
-  is reading hidden and weight and writing their gradients, so ours/copy is large by
-  nature. Its point is memory: the compiled temp size of ours vs the unfused version
-  is printed and stored in the JSON row (``temp_MB_ours`` / ``temp_MB_unfused``).
+- fused linear cross-entropy (``benchmarks.cases_cross_entropy``): compute bound (three
+  [N, D] x [D, V] matmuls); its floor is reading hidden and weight and writing their
+  gradients, so ours/copy is large by nature. Its point is memory: the compiled temp
+  size of ours vs the unfused version is stored in the row (``temp_MB_ours`` /
+  ``temp_MB_unfused``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.harness import Case
-from rlx_jax.ops import cumsum, fused_linear_cross_entropy, rope, softmax, softmax_cross_entropy
+from benchmarks.cases_cross_entropy import fused_linear_case, fused_linear_memory  # noqa: F401  (re-export)
+from rlx_jax.ops import cumsum, rope, softmax, softmax_cross_entropy
 from rlx_jax.vjp_rules.cross_entropy import reference_softmax_cross_entropy
 from rlx_jax.vjp_rules.cumsum import reference_cumsum
 from rlx_jax.vjp_rules.rope import reference_rope
@@ -71,32 +73,6 @@ def cross_entropy_bwd_case(n: int, c: int, dtype) -> Case:
         xla=lambda vo, vr, dl: vr(dl)[0],
         floor_bytes=2 * n * c * jnp.dtype(dtype).itemsize,
     )
-
-
-def fused_linear_memory(n: int, d: int, v: int, chunk: int, dtype) -> dict:
-    """Compiled memory of the gradient (d hidden, d weight) of the fused linear +
-    cross-entropy vs the unfused ``softmax_cross_entropy(hidden @ weight)`` (XLA autodiff
-    of the reference), from ``compiled.memory_analysis()`` of the jitted grad: temp
-    bytes and the peak estimate arguments + outputs + temp - aliased. Nothing runs."""
-    def ours(h, wt, y):
-        return jax.grad(lambda h, wt: jnp.sum(fused_linear_cross_entropy(h, wt, y, chunk_size=chunk)), (0, 1))(h, wt)
-
-    def unfused(h, wt, y):
-        return jax.grad(lambda h, wt: jnp.sum(reference_softmax_cross_entropy(h @ wt, y)[0]), (0, 1))(h, wt)
-
-    specs = (jax.ShapeDtypeStruct((n, d), dtype), jax.ShapeDtypeStruct((d, v), dtype),
-             jax.ShapeDtypeStruct((n,), jnp.int32))
-    out = {}
-    for label, fn in (("ours", ours), ("unfused", unfused)):
-        m = jax.jit(fn).lower(*specs).compile().memory_analysis()
-        peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-        out[f"temp_MB_{label}"] = m.temp_size_in_bytes / 2**20
-        out[f"peak_MB_{label}"] = peak / 2**20
-    print(f"# fused_linear_ce grad {_name(dtype)} {n}x{d}x{v} chunk {chunk}: temp MB ours {out['temp_MB_ours']:.0f} "
-          f"vs unfused {out['temp_MB_unfused']:.0f} ({out['temp_MB_ours'] / out['temp_MB_unfused']:.3f}); "
-          f"peak MB ours {out['peak_MB_ours']:.0f} vs unfused {out['peak_MB_unfused']:.0f} "
-          f"({out['peak_MB_ours'] / out['peak_MB_unfused']:.3f})", flush=True)
-    return out
 
 
 def softmax_case(n: int, w: int, dtype) -> Case:
@@ -180,40 +156,6 @@ def cumsum_case(n: int, w: int, axis: int, exclusive: bool, dtype) -> Case:
     )
 
 
-def fused_linear_case(n: int, d: int, v: int, chunk: int, dtype) -> Case:
-    def make(key):
-        kh, kw, kl = jax.random.split(key, 3)
-        h = jax.random.normal(kh, (n, d), jnp.float32).astype(dtype)
-        wt = (jax.random.normal(kw, (d, v), jnp.float32) / d**0.5).astype(dtype)
-        return h, wt, jax.random.randint(kl, (n,), 0, v, jnp.int32)
-
-    def ours(h, wt, y):
-        return jax.grad(lambda h, wt: jnp.sum(fused_linear_cross_entropy(h, wt, y, chunk_size=chunk)), (0, 1))(h, wt)
-
-    def xla(h, wt, y):
-        return jax.grad(lambda h, wt: jnp.sum(reference_softmax_cross_entropy(h @ wt, y)[0]), (0, 1))(h, wt)
-
-    specs = (jax.ShapeDtypeStruct((n, d), dtype), jax.ShapeDtypeStruct((d, v), dtype), jax.ShapeDtypeStruct((n,), jnp.int32))
-    mem = {}
-    for label, fn in (("ours", ours), ("unfused", xla)):
-        analysis = jax.jit(fn).lower(*specs).compile().memory_analysis()
-        mem[f"temp_MB_{label}"] = analysis.temp_size_in_bytes / 2**20
-    print(
-        f"# fused_linear_ce {n}x{d}x{v} chunk {chunk}: compiled temp memory ours {mem['temp_MB_ours']:.1f} MB "
-        f"vs unfused {mem['temp_MB_unfused']:.1f} MB (logits alone: {n * v * 4 / 2**20:.1f} MB)",
-        flush=True,
-    )
-    item = jnp.dtype(dtype).itemsize
-    return Case(
-        name=f"fused_linear_ce fwd+bwd {_name(dtype)} {n}x{d}x{v} c{chunk}",
-        make=make,
-        ours=ours,
-        xla=xla,
-        floor_bytes=2 * (n * d + d * v) * item,
-        extra=mem,
-    )
-
-
 def rope_cumsum_gpu_cases() -> list[Case]:
     """RoPE and cumsum backward at GPU sizes (the CUDA kernels of ffi/cuda/rope.cu and
     cumsum.cu): 32768 positions x 32 heads x 128 (full and half rotary), cumsum over
@@ -258,5 +200,5 @@ def cases(device_kind: str) -> list[Case]:
         cumsum_case(8192, 1024, 1, False, jnp.float32),
         cumsum_case(8192, 1024, 1, True, jnp.float32),
         cumsum_case(8192, 1024, 0, False, jnp.float32),
-        fused_linear_case(1024, 256, 32000, 4096, jnp.float32),
+        fused_linear_case(1024, 256, 32000, jnp.float32),
     ]

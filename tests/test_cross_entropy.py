@@ -1,12 +1,20 @@
-"""Softmax cross-entropy and fused linear cross-entropy: kernels vs references,
-ignored labels, gradients in every mode, vmap, memory, errors; on the CPU, the
-gradient without the forward kernel, both lse paths of the backward kernel, and the
-same bits from the AVX2 and AVX-512 row bodies and from one or several threads."""
+"""Softmax cross-entropy and fused linear cross-entropy against an independent
+optax-style oracle (log_softmax + take_along_axis): ranks 1-3, odd shapes, ignored and
+out-of-range labels, gradients in every mode (check_grads order 2, hessian, vmap, scan,
+remat), compositions, memory, errors; vocabulary-parallel sharding on 8 CPU devices
+(subprocess); on the CPU, the gradient without the forward kernel, both lse paths of
+the backward kernel, and the same bits from the AVX2 and AVX-512 row bodies and from
+one or several threads."""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import pathlib
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -31,12 +39,15 @@ def _inputs(n, c, dtype=jnp.float32, seed=0):
     return logits, labels
 
 
-def _oracle(logits, labels):
-    """Plain JAX in f32: logsumexp - picked, 0 for labels outside [0, C)."""
-    lf = logits.astype(jnp.float32)
-    ok = (labels >= 0) & (labels < lf.shape[1])
-    picked = jnp.take_along_axis(lf, jnp.where(ok, labels, 0)[:, None], axis=1)[:, 0]
-    return jnp.where(ok, jax.nn.logsumexp(lf, axis=1) - picked, 0.0)
+def _oracle(logits, labels, ignore_index=-100):
+    """optax-style plain JAX over the last axis in f32 (f64 under x64): -log_softmax at
+    the label; 0 for ignore_index, NaN for any other label outside [0, V)."""
+    lf = logits.astype(jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)
+    v = lf.shape[-1]
+    ok = (labels >= 0) & (labels < v) & (labels != ignore_index)
+    logp = jax.nn.log_softmax(lf, axis=-1)
+    picked = jnp.take_along_axis(logp, jnp.where(ok, labels, 0)[..., None], axis=-1)[..., 0]
+    return jnp.where(ok, -picked, jnp.where(labels == ignore_index, 0.0, jnp.nan))
 
 
 def test_kernels_registered_and_used():
@@ -64,33 +75,59 @@ def test_forward_and_backward_match_oracle(shape, dtype):
     assert_close(jax.jit(softmax_cross_entropy_backward)(logits, labels, dloss), want, dtype)
 
 
-def test_invalid_labels_are_ignored_and_never_read():
+@pytest.mark.parametrize("shape", [(7,), (1,), (2, 3, 11), (3, 0, 4)])
+def test_any_rank(shape):
+    """logits [..., V], labels [...]: rank 1 (one row, scalar label), rank 3, zero rows."""
+    r = np.random.default_rng(1)
+    logits = jnp.asarray(2 * r.normal(size=shape), jnp.float32)
+    labels = jnp.asarray(r.integers(0, shape[-1], shape[:-1]), jnp.int32)
+    loss = softmax_cross_entropy(logits, labels)
+    assert loss.shape == shape[:-1]
+    assert_close(loss, _oracle(logits, labels))
+    w = jnp.asarray(r.normal(size=shape[:-1]), jnp.float32)
+    got = jax.grad(lambda x: jnp.sum(softmax_cross_entropy(x, labels) * w))(logits)
+    assert_close(got, jax.grad(lambda x: jnp.sum(_oracle(x, labels) * w))(logits))
+    assert_close(softmax_cross_entropy_backward(logits, labels, w), got)
+
+
+def test_ignore_index_and_out_of_range_labels():
+    """ignore_index: loss 0, zero gradient; any other label outside [0, V): NaN loss
+    (as optax), zero gradient; the backward op gives NaN rows for those."""
     logits, _ = _inputs(6, 5)
     labels = jnp.array([0, -100, 5, 2**30, -1, 4], jnp.int32)
-    loss = softmax_cross_entropy(logits, labels)
-    assert_close(loss, _oracle(logits, labels))
-    assert np.all(np.asarray(loss)[[1, 2, 3, 4]] == 0)
-    g = np.asarray(jax.grad(lambda x: jnp.sum(softmax_cross_entropy(x, labels)))(logits))
+    loss = np.asarray(softmax_cross_entropy(logits, labels))
+    assert loss[1] == 0 and np.all(np.isnan(loss[[2, 3, 4]]))
+    assert_close(loss[[0, 5]], _oracle(logits, labels)[jnp.array([0, 5])])
+    g = np.asarray(jax.grad(lambda x: jnp.sum(jnp.where(jnp.isnan(softmax_cross_entropy(x, labels)), 0,
+                                                        softmax_cross_entropy(x, labels))))(logits))
     assert np.all(g[[1, 2, 3, 4]] == 0) and np.all(np.isfinite(g))
     assert_close(g[[0, 5]].sum(axis=1), np.zeros(2))  # softmax - onehot sums to 0
     gb = np.asarray(softmax_cross_entropy_backward(logits, labels, jnp.ones(6)))
-    assert_close(gb, g)
+    assert np.all(gb[1] == 0) and np.all(np.isnan(gb[[2, 3, 4]]))
+    assert_close(gb[[0, 5]], g[[0, 5]])
+    # an ignore_index inside [0, V) ignores that class; -100 is then out of range
+    loss3 = np.asarray(softmax_cross_entropy(logits, jnp.array([3, -100, 0, 3, 1, 2]), ignore_index=3))
+    assert loss3[0] == 0 and loss3[3] == 0 and np.isnan(loss3[1])
+    assert_close(loss3[[2, 4, 5]], _oracle(logits, jnp.array([0, 0, 0, 0, 1, 2]))[jnp.array([2, 4, 5])])
 
 
-def test_float_labels_holding_integers():
+def test_float_labels_rejected():
     logits, labels = _inputs(5, 8)
-    assert_close(softmax_cross_entropy(logits, labels.astype(jnp.float32)), softmax_cross_entropy(logits, labels))
-    g = jax.grad(lambda x, l: jnp.sum(softmax_cross_entropy(x, l)), (0, 1))(logits, labels.astype(jnp.float32))
-    assert_close(g[1], jnp.zeros(5))  # no gradient into labels
+    for fn in (lambda l: softmax_cross_entropy(logits, l), lambda l: softmax_cross_entropy_backward(logits, l, jnp.ones(5))):
+        with pytest.raises(TypeError, match="labels must be an integer array"):
+            fn(labels.astype(jnp.float32))
 
 
 def test_check_grads_f64(x64):
     logits = jax.random.normal(jax.random.PRNGKey(1), (4, 6), jnp.float64)
-    labels = jnp.array([0, 5, -1, 2], jnp.int32)
+    labels = jnp.array([0, 5, -100, 2], jnp.int32)
     assert "rlx_softmax_ce_bwd" in hlo_text(jax.grad(lambda x: jnp.sum(softmax_cross_entropy(x, labels))), logits)
-    check_grads(lambda x: softmax_cross_entropy(x, labels), (logits,), order=2, modes=("fwd", "rev"))
+    check_grads(jax.jit(lambda x: softmax_cross_entropy(x, labels)), (logits,), order=2, modes=("fwd", "rev"))
     d = jax.random.normal(jax.random.PRNGKey(2), (4,), jnp.float64)
-    check_grads(lambda x, d: softmax_cross_entropy_backward(x, labels, d), (logits, d), order=2, modes=("fwd", "rev"))
+    check_grads(jax.jit(lambda x, d: softmax_cross_entropy_backward(x, labels, d)), (logits, d), order=2,
+                modes=("fwd", "rev"))
+    assert_close(jax.jit(jax.hessian(lambda x: jnp.sum(softmax_cross_entropy(x, labels))))(logits),
+                 jax.hessian(lambda x: jnp.sum(_oracle(x, labels)))(logits))
 
 
 def test_vmap():
@@ -105,18 +142,20 @@ def test_vmap():
 
 def test_errors():
     logits, labels = _inputs(3, 4)
-    with pytest.raises(ValueError, match=r"\[N, C\]"):
-        softmax_cross_entropy(logits[0], labels[0])
+    with pytest.raises(ValueError, match="scalar"):
+        softmax_cross_entropy(logits[0, 0], labels[0])
     with pytest.raises(ValueError, match="labels must have shape"):
         softmax_cross_entropy(logits, labels[:2])
-    with pytest.raises(TypeError, match="labels must be integers"):
+    with pytest.raises(TypeError, match="labels must be an integer array"):
         softmax_cross_entropy(logits, labels.astype(jnp.complex64))
-    with pytest.raises(TypeError, match="floating"):
+    with pytest.raises(TypeError, match="logits must be floating"):
         softmax_cross_entropy(labels[:, None], labels)
     with pytest.raises(ValueError, match="at least one class"):
         softmax_cross_entropy(jnp.zeros((3, 0)), labels)
     with pytest.raises(ValueError, match="dloss"):
         softmax_cross_entropy_backward(logits, labels, jnp.ones(4))
+    with pytest.raises(TypeError, match="ignore_index"):
+        softmax_cross_entropy(logits, labels, ignore_index=-1.5)
 
 
 # ---- CPU kernel paths -------------------------------------------------------------------
@@ -176,7 +215,7 @@ def _ce_digest() -> str:
     for dtype in (jnp.float32, jnp.bfloat16):
         r = np.random.default_rng(0)
         x = jnp.asarray(3 * r.normal(size=(64, 4099)), dtype)
-        y = jnp.asarray(r.integers(-1, 4099, 64), jnp.int32)
+        y = jnp.asarray(r.integers(-1, 4099, 64), jnp.int32).at[::7].set(-100)
         w = jnp.sin(jnp.arange(64, dtype=jnp.float32))
         loss = lambda x: jnp.sum(softmax_cross_entropy(x, y).astype(jnp.float32) * w)
         for out in (jax.jit(softmax_cross_entropy)(x, y), jax.jit(jax.grad(loss))(x), jax.jit(jax.value_and_grad(loss))(x)):
@@ -195,49 +234,171 @@ def test_cpu_same_bits_with_the_avx2_body_and_one_thread():
 
 # ---- fused linear + cross-entropy --------------------------------------------------------
 
+REDUCE = {"none": lambda x: x, "sum": jnp.sum, "mean": None}
 
-def _linear_inputs(n, d, v, seed=0, dtype=jnp.float32):
+
+def _linear_inputs(n, d, v, seed=0, dtype=jnp.float32, lead=None):
     kh, kw, kl = jax.random.split(jax.random.PRNGKey(seed), 3)
-    h = jax.random.normal(kh, (n, d), jnp.float32).astype(dtype)
+    lead = (n,) if lead is None else lead
+    h = jax.random.normal(kh, (*lead, d), jnp.float32).astype(dtype)
     w = (jax.random.normal(kw, (d, v), jnp.float32) / np.sqrt(d)).astype(dtype)
-    labels = jax.random.randint(kl, (n,), 0, v, jnp.int32)
+    labels = jax.random.randint(kl, lead, 0, v, jnp.int32)
     return h, w, labels
 
 
-@pytest.mark.parametrize("chunk", [5, 64])
-def test_fused_linear_matches_unfused(chunk):
+def _linear_oracle(h, w, labels, reduction, ignore_index=-100):
+    """Unfused: the oracle on h @ w (in f32 / f64), then the reduction; the mean is over
+    rows not ignored, 0 when there are none."""
+    acc = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
+    loss = _oracle(jnp.dot(h.astype(acc), w.astype(acc)), labels, ignore_index)
+    if reduction == "mean":
+        return jnp.sum(loss) / jnp.maximum(jnp.sum(labels != ignore_index), 1)
+    return REDUCE[reduction](loss)
+
+
+def _weights(shape, reduction):
+    return jnp.cos(jnp.arange(int(np.prod(shape)), dtype=jnp.float32)).reshape(shape) if reduction == "none" else 1.0
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("chunk", [4, None])
+def test_fused_linear_matches_oracle(reduction, chunk):
+    """N = 9 rows (not a multiple of the chunk), V = 23, an ignored row."""
     h, w, labels = _linear_inputs(9, 8, 23)
     labels = labels.at[3].set(-100)
-    dloss = jax.random.normal(jax.random.PRNGKey(9), (9,))
-    fused = lambda h, w: jnp.sum(fused_linear_cross_entropy(h, w, labels, chunk_size=chunk) * dloss)
-    plain = lambda h, w: jnp.sum(_oracle(h @ w, labels) * dloss)
-    assert_close(fused_linear_cross_entropy(h, w, labels, chunk_size=chunk), _oracle(h @ w, labels))
-    for got, want in zip(jax.grad(fused, (0, 1))(h, w), jax.grad(plain, (0, 1))(h, w)):
-        assert_close(got, want)
+    wt = _weights((9,), reduction)
+    fused = lambda h, w: jnp.sum(fused_linear_cross_entropy(h, w, labels, reduction=reduction, chunk_size=chunk) * wt)
+    plain = lambda h, w: jnp.sum(_linear_oracle(h, w, labels, reduction) * wt)
+    got = jax.jit(lambda h, w: fused_linear_cross_entropy(h, w, labels, reduction=reduction, chunk_size=chunk))(h, w)
+    assert got.shape == ((9,) if reduction == "none" else ())
+    assert_close(got, _linear_oracle(h, w, labels, reduction))
+    for g, want in zip(jax.jit(jax.grad(fused, (0, 1)))(h, w), jax.grad(plain, (0, 1))(h, w)):
+        assert_close(g, want)
 
 
-def test_fused_linear_bf16():
+@pytest.mark.parametrize("reduction, lead", [("none", ()), ("mean", (1,)), ("none", (2, 3, 5)), ("mean", (2, 3, 5))])
+def test_fused_linear_ranks(reduction, lead):
+    """hidden [..., D], labels [...]: a single row (rank 1), one row, rank 4."""
+    h, w, labels = _linear_inputs(0, 6, 13, seed=2, lead=lead)
+    got = fused_linear_cross_entropy(h, w, labels, reduction=reduction, chunk_size=4)
+    assert got.shape == (lead if reduction == "none" else ())
+    assert_close(got, _linear_oracle(h, w, labels, reduction))
+    wt = _weights(lead, reduction)
+    g = jax.jit(jax.grad(lambda h, w: jnp.sum(fused_linear_cross_entropy(h, w, labels, reduction=reduction) * wt),
+                         (0, 1)))(h, w)
+    want = jax.grad(lambda h, w: jnp.sum(_linear_oracle(h, w, labels, reduction) * wt), (0, 1))(h, w)
+    for a, b in zip(g, want):
+        assert_close(a, b)
+
+
+def test_fused_linear_edge_cases():
+    """V = 1; zero rows; every row ignored (mean 0 with zero gradients); an
+    out-of-range label (NaN loss, zero gradient for that row)."""
+    h, w, labels = _linear_inputs(5, 4, 1)
+    assert_close(fused_linear_cross_entropy(h, w, labels), jnp.zeros(5))
+    h0, w0, l0 = _linear_inputs(0, 4, 7)
+    assert fused_linear_cross_entropy(h0, w0, l0).shape == (0,)
+    for red in ("mean", "sum"):
+        assert float(fused_linear_cross_entropy(h0, w0, l0, reduction=red)) == 0
+    h, w, labels = _linear_inputs(6, 4, 7)
+    ignored = jnp.full((6,), -100)
+    for red in ("mean", "sum"):
+        v, (gh, gw) = jax.value_and_grad(
+            lambda h, w: fused_linear_cross_entropy(h, w, ignored, reduction=red), (0, 1))(h, w)
+        assert float(v) == 0 and not np.any(np.asarray(gh)) and not np.any(np.asarray(gw))
+    bad = labels.at[2].set(7)
+    none = np.asarray(fused_linear_cross_entropy(h, w, bad))
+    assert np.isnan(none[2]) and np.all(np.isfinite(np.delete(none, 2)))
+    assert np.isnan(float(fused_linear_cross_entropy(h, w, bad, reduction="mean")))
+    gh = jax.grad(lambda h: jnp.nansum(fused_linear_cross_entropy(h, w, bad)))(h)
+    assert np.all(np.asarray(gh)[2] == 0) and np.all(np.isfinite(np.asarray(gh)))
+
+
+def test_fused_linear_bf16_and_mixed_precision():
+    """bf16 within bf16 tolerance of the f32 oracle; bf16 hidden with an f32 weight is
+    computed in f32 (promotion as jnp.dot), each gradient in its input's dtype."""
     h, w, labels = _linear_inputs(8, 16, 40, dtype=jnp.bfloat16)
-    got = fused_linear_cross_entropy(h, w, labels, chunk_size=16)
-    assert got.dtype == jnp.bfloat16
-    assert_close(got, _oracle(h.astype(jnp.float32) @ w.astype(jnp.float32), labels), jnp.bfloat16)
+    for red in ("none", "mean"):
+        got = fused_linear_cross_entropy(h, w, labels, reduction=red, chunk_size=3)
+        assert got.dtype == jnp.bfloat16
+        assert_close(got, _linear_oracle(h, w, labels, red), jnp.bfloat16)
+        gh, gw = jax.grad(lambda h, w: jnp.sum(fused_linear_cross_entropy(h, w, labels, reduction=red)
+                                               .astype(jnp.float32)), (0, 1))(h, w)
+        want = jax.grad(lambda h, w: jnp.sum(_linear_oracle(h, w, labels, red)), (0, 1))(
+            h.astype(jnp.float32), w.astype(jnp.float32))
+        assert gh.dtype == gw.dtype == jnp.bfloat16
+        assert_close(gh, want[0], jnp.bfloat16)
+        assert_close(gw, want[1], jnp.bfloat16)
+    w32 = w.astype(jnp.float32) * 1.001
+    got = fused_linear_cross_entropy(h, w32, labels, reduction="mean")
+    assert got.dtype == jnp.float32
+    assert_close(got, _linear_oracle(h.astype(jnp.float32), w32, labels, "mean"))
+    gh, gw = jax.grad(lambda h, w: fused_linear_cross_entropy(h, w, labels, reduction="mean"), (0, 1))(h, w32)
+    assert gh.dtype == jnp.bfloat16 and gw.dtype == jnp.float32
 
 
-def test_fused_linear_check_grads_f64(x64):
-    h, w, labels = _linear_inputs(4, 3, 7, dtype=jnp.float64)
-    labels = labels.at[1].set(7)
-    check_grads(
-        lambda h, w: fused_linear_cross_entropy(h, w, labels, chunk_size=3), (h, w), order=2, modes=("fwd", "rev")
-    )
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_fused_linear_check_grads_f64(x64, reduction):
+    """First and second order in both modes (jitted: each derivative compiles once), and
+    the Hessian (forward over reverse) against the oracle's."""
+    h, w, labels = _linear_inputs(5, 3, 7, dtype=jnp.float64)
+    labels = labels.at[1].set(-100)
+    f = jax.jit(lambda h, w: fused_linear_cross_entropy(h, w, labels, reduction=reduction, chunk_size=2))
+    check_grads(f, (h, w), order=2, modes=("fwd", "rev"))
+    hess = jax.jit(jax.hessian(lambda h, w: jnp.sum(f(h, w)), (0, 1)))(h, w)
+    want = jax.hessian(lambda h, w: jnp.sum(_linear_oracle(h, w, labels, reduction)), (0, 1))(h, w)
+    for a, b in zip(jax.tree.leaves(hess), jax.tree.leaves(want)):
+        assert_close(a, b)
 
 
-def test_fused_linear_never_materialises_logits():
-    """Compiled temp memory of value-and-grad: the fused version's scratch is about
-    [N, chunk], the unfused one's is several [N, V] buffers."""
-    n, d, v, chunk = 256, 32, 8192, 512
+def test_fused_linear_compositions():
+    """One hidden feeding two losses (mean over one weight, none over another); the loss
+    inside vmap, and inside scan with remat, against the oracle."""
+    h, w, labels = _linear_inputs(7, 5, 11, seed=3)
+    w2 = jnp.flip(w, axis=1) * 0.5
+
+    def both(loss):
+        return lambda h, w, w2: loss(h, w, labels, "mean") + jnp.sum(jnp.sin(loss(h, w2, labels[::-1], "none")))
+
+    ours = lambda h, w, l, r: fused_linear_cross_entropy(h, w, l, reduction=r, chunk_size=3)
+    got = jax.jit(jax.value_and_grad(both(ours), (0, 1, 2)))(h, w, w2)
+    want = jax.value_and_grad(both(_linear_oracle), (0, 1, 2))(h, w, w2)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_close(a, b)
+
+    hb, lb = jnp.stack([h, -h]), jnp.stack([labels, labels[::-1]])
+    for red in ("none", "mean"):
+        f = lambda h, w, l: jnp.sum(fused_linear_cross_entropy(h, w, l, reduction=red, chunk_size=2))
+        o = lambda h, w, l: jnp.sum(_linear_oracle(h, w, l, red))
+        for a, b in zip(jax.jit(jax.vmap(jax.grad(f, (0, 1)), (0, None, 0)))(hb, w, lb),
+                        jax.vmap(jax.grad(o, (0, 1)), (0, None, 0))(hb, w, lb)):
+            assert_close(a, b)
+
+        def scanned(loss):
+            return lambda w: jax.lax.scan(lambda c, xs: (c + loss(xs[0], w, xs[1]), None), 0.0, (hb, lb))[0]
+
+        got = jax.jit(jax.value_and_grad(scanned(jax.checkpoint(f))))(w)
+        for a, b in zip(got, jax.value_and_grad(scanned(o))(w)):
+            assert_close(a, b)
+
+
+def _count_dots(fn, *args):
+    return len(re.findall(r" dot\(", jax.jit(fn).lower(*args).compile().as_text()))
+
+
+def test_fused_linear_reduced_backward_only_scales():
+    """mean / sum: the forward pass computes the gradients, so loss + gradients compile
+    to three vocabulary-sized matmuls (logits, d hidden, d weight of each row block);
+    "none" recomputes the logits in the backward (four). The compiled temp memory of
+    the reduced loss + gradients stays well under one [N, V] f32 logits array."""
+    n, d, v = 256, 32, 4096
     h, w, labels = _linear_inputs(n, d, v)
-    fused = jax.jit(jax.value_and_grad(lambda h, w: jnp.sum(fused_linear_cross_entropy(h, w, labels, chunk_size=chunk)), (0, 1)))
-    plain = jax.jit(jax.value_and_grad(lambda h, w: jnp.sum(softmax_cross_entropy(h @ w, labels)), (0, 1)))
+    for red, dots in (("mean", 3), ("sum", 3), ("none", 4)):
+        loss = lambda h, w: jnp.sum(fused_linear_cross_entropy(h, w, labels, reduction=red, chunk_size=32))
+        assert _count_dots(jax.value_and_grad(loss, (0, 1)), h, w) == dots, red
+    fused = jax.jit(jax.value_and_grad(
+        lambda h, w: fused_linear_cross_entropy(h, w, labels, reduction="mean", chunk_size=32), (0, 1)))
+    plain = jax.jit(jax.value_and_grad(lambda h, w: jnp.mean(softmax_cross_entropy(h @ w, labels)), (0, 1)))
     mf = fused.lower(h, w).compile().memory_analysis().temp_size_in_bytes
     mp = plain.lower(h, w).compile().memory_analysis().temp_size_in_bytes
     logits_bytes = n * v * 4
@@ -245,11 +406,58 @@ def test_fused_linear_never_materialises_logits():
     assert mf < logits_bytes / 2, (mf, mp)
 
 
+def test_fused_linear_default_chunk():
+    from rlx_jax.vjp_rules.linear_cross_entropy import default_chunk_size
+    assert default_chunk_size(2048, 256, 8192, "cpu") == 256
+    assert default_chunk_size(16384, 2048, 32000, "cuda") == 1024
+    assert default_chunk_size(16384, 2048, 128256, "cuda") == 256
+    assert default_chunk_size(3, 8, 10, "cpu") == 3
+
+
 def test_fused_linear_errors():
     h, w, labels = _linear_inputs(3, 4, 5)
     with pytest.raises(ValueError, match="chunk_size"):
         fused_linear_cross_entropy(h, w, labels, chunk_size=0)
-    with pytest.raises(ValueError, match="weight must have shape"):
-        fused_linear_cross_entropy(h, w.T, labels, chunk_size=2)
+    with pytest.raises(ValueError, match="weight must be"):
+        fused_linear_cross_entropy(h, w.T, labels)
     with pytest.raises(ValueError, match="labels must have shape"):
-        fused_linear_cross_entropy(h, w, labels[:1], chunk_size=2)
+        fused_linear_cross_entropy(h, w, labels[:1])
+    with pytest.raises(TypeError, match="labels must be an integer array"):
+        fused_linear_cross_entropy(h, w, labels.astype(jnp.float32))
+    with pytest.raises(ValueError, match="reduction"):
+        fused_linear_cross_entropy(h, w, labels, reduction="avg")
+    with pytest.raises(TypeError, match="weight must be floating"):
+        fused_linear_cross_entropy(h, jnp.ones((4, 5), jnp.int32), labels)
+
+
+# ---- vocabulary-parallel sharding (8 CPU devices, subprocess) ---------------------------
+
+SHARDING_CHECK = pathlib.Path(__file__).with_name("cross_entropy_sharding_check.py")
+QUICK_SHARDING = ["softmax_ce_vocab_and_rows", "linear_ce_mean", "linear_ce_none"]
+
+
+def _run_sharding_check(cases):
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run([sys.executable, str(SHARDING_CHECK), *cases], capture_output=True, text=True, env=env,
+                          timeout=900)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert rows, f"cross_entropy_sharding_check printed nothing:\\n{proc.stderr[-3000:]}"
+    for r in rows:
+        assert "error" not in r, r
+        assert r["max_err"] < 1e-5, r
+        assert r["finite"], r
+        # vocab-parallel: all-reduces of row statistics only, never a gathered [N, V]
+        assert r["all_gathers"] == [], r
+        assert r["all_reduces"] >= 1, r
+    return rows
+
+
+def test_vocab_parallel_sharding_quick():
+    assert len(_run_sharding_check(QUICK_SHARDING)) == len(QUICK_SHARDING)
+
+
+@pytest.mark.slow
+def test_vocab_parallel_sharding_all_cases():
+    assert len(_run_sharding_check([])) >= 8

@@ -255,12 +255,21 @@ def _local(reference):
     return build
 
 
+def _may_be_partitioned(ctx) -> bool:
+    """False when the program is compiled for one device (no SPMD partitioning can
+    split it): the reference is then lowered as is, without a custom_partitioning call."""
+    axis_context = ctx.module_context.axis_context
+    return getattr(axis_context, "num_devices", 2) != 1
+
+
 def _partitioned(prim: FusedPrimitive, outputs):
     """Lower ``prim`` (on every platform) through a ``VocabPartition`` of its reference."""
     part = VocabPartition(_factors_for(outputs), _local(prim.reference), vocab_operand=1, vocab_dim=1)
 
     def lower(ctx, *args, **params):
-        fn = part.wrap(partial(prim.reference, **params), ctx.avals_in, ctx.avals_out, params)
+        fn = partial(prim.reference, **params)
+        if _may_be_partitioned(ctx):
+            fn = part.wrap(fn, ctx.avals_in, ctx.avals_out, params)
         return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 
     mlir.register_lowering(prim.p, lower)
