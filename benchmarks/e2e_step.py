@@ -430,15 +430,14 @@ def _fmt(x, spec, na="n/a"):
 
 
 def format_table(rows: list[dict], header: str) -> str:
-    ref = next((r for r in rows if r.get("ms") is not None), None)
-    cols = ["variant", "ms/step", "vs ref", "tokens/s", "MFU", "temp GiB", "peak GiB", "loss", "loss rel",
+    cols = ["variant", "ms/step", "speedup", "tokens/s", "MFU", "temp GiB", "peak GiB", "loss", "loss rel",
             "gnorm rel", "grad err", "determ."]
     lines = [header, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['variant']} | failed: {r['error'][:80]} |" + " |" * (len(cols) - 2))
             continue
-        base = r.get("ref_ms") or (ref["ms"] if ref else None)
+        base = r.get("ref_ms")
         cells = [r["variant"], f"{r['ms']:.2f}", _fmt(base / r["ms"] if base else None, ".3f") + "x",
                  f"{r['tokens_per_s']:,.0f}", _fmt(r.get("mfu"), ".1%"),
                  _fmt(None if r.get("temp_bytes") is None else r["temp_bytes"] / 2**30, ".3f"),
@@ -535,18 +534,24 @@ def main(argv=None) -> int:
     train = [] if train_kind == "none" else train_runners(TRAIN_CONFIGS[train_kind], train_precision)
 
     # agreement, determinism, then memory (ascending temp memory so the running peak is
-    # each variant's own as far as possible)
+    # each variant's own as far as possible); a variant that fails to run is reported
     ref = next((r for r in runners if r.name == "plain-xla"), None)
     want = ref.grads() if ref else None
-    for r in runners:
-        r.row.update(agreement(r.grads(), want) if want else {})
-    if train:
-        want_t = train[1].grads()
-        for r in train:
-            r.row.update(agreement(r.grads(), want_t))
-    everything = runners + train
-    for r in everything:
+    want_t = train[1].grads() if train else None
+
+    def check(r):
+        reference = want_t if r.name.startswith("train-") else want
+        r.row.update(agreement(r.grads(), reference) if reference else {})
         r.row["deterministic"] = deterministic(r)
+
+    for group in (runners, train):
+        for r in list(group):
+            try:
+                check(r)
+            except Exception as exc:
+                failed.append({"variant": r.name, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]})
+                group.remove(r)
+    everything = runners + train
     for r in sorted(everything, key=lambda r: r.temp_bytes or 0):
         r.step()
         r.row["peak_bytes"] = _peak_bytes(device)
@@ -557,14 +562,17 @@ def main(argv=None) -> int:
     rows = []
     for r in everything:
         row = {"variant": r.name, "temp_bytes": r.temp_bytes, **r.row}
-        row["compute_dtype"] = ("bfloat16" if train_precision == "bf16" else "float32") if r.name.startswith("train-") else s.dtype
+        is_train = r.name.startswith("train-")
+        row["compute_dtype"] = ("bfloat16" if train_precision == "bf16" else "float32") if is_train else s.dtype
         if rounds:
             row["tokens_per_s"] = r.tokens / (row["ms"] / 1e3)
             row["mfu"] = r.flops / (row["ms"] / 1e3) / (peak * 1e12) if peak else None
         rows.append(row)
-    if train and rounds:
-        rows[-2]["ref_ms"] = rows[-1]["ms"]
-        rows[-1]["ref_ms"] = rows[-1]["ms"]
+    if rounds:
+        ms = {row["variant"]: row["ms"] for row in rows}
+        base = ms.get("plain-cudnn", ms.get("plain-xla"))
+        for row in rows:
+            row["ref_ms"] = ms.get("train-nofused") if row["variant"].startswith("train-") else base
     rows += failed
 
     header = (f"e2e step, preset {a.preset}: {s.layers} layers, width {s.width}, {s.heads}/{s.kv_heads} heads x "
@@ -575,7 +583,8 @@ def main(argv=None) -> int:
                  if train else ""))
     if rounds:
         print(format_table(rows, header))
-        print("(vs ref: the plain-xla step time over the row's; the train rows against train-nofused)")
+        print("(speedup: the best plain step's time (plain-cudnn where it ran, else plain-xla) over the row's; "
+              "the train rows: train-nofused's over the row's)")
     else:
         print(header)
         for row in rows:
