@@ -320,14 +320,15 @@ def step_runner(s: Shape, v: Variant, params, tokens, labels) -> Runner:
     return Runner(v.name, step, grads, s.tokens, model_flops(s), _temp_bytes(compiled))
 
 
-def train_runners(cfg: dict, precision: str | None) -> list[Runner]:
+def train_runners(cfg: dict, precision: str) -> list[Runner]:
     """The ``rlx-jax train`` transformer's update step, fused and --no-fused, on fixed
-    inputs; ``grads`` gives the loss and parameter gradients of the same graph."""
+    inputs, computing in ``precision`` ("f32" or "bf16", f32 master weights); ``grads``
+    gives the loss and parameter gradients of the same graph in that precision."""
     import jax
     import numpy as np
     from rlx_jax.lowering import to_jax
     from rlx_jax.models import TransformerConfig, transformer_lm
-    from rlx_jax.train.loop import TrainConfig, make_optimizer, make_step
+    from rlx_jax.train.loop import TrainConfig, compute_dtype_map, make_optimizer, make_step
     from rlx_jax.vjp_rules._primitive import fused_ops
 
     mc = TransformerConfig(seq_len=cfg["seq"], layers=cfg["layers"], width=cfg["width"], heads=cfg["heads"])
@@ -346,19 +347,17 @@ def train_runners(cfg: dict, precision: str | None) -> list[Runner]:
         optimizer = make_optimizer(tc)
         params = model.init(jax.random.PRNGKey(0))
         opt_state = optimizer.init(params)
-        kw = {} if precision is None else {"precision": precision}
-        if "precision" not in inspect.signature(make_step).parameters:
-            kw = {}
-        compiled = make_step(graph, optimizer, fused, **kw)
+        compiled = make_step(graph, optimizer, fused, precision=precision)
         state = {"params": params, "opt": opt_state}
 
         def step(compiled=compiled, state=state):
             # the update is applied to a fixed state: each call is the same step
             return jax.block_until_ready(compiled(state["params"], state["opt"], inputs))
 
-        fn = to_jax(graph)
+        fn = to_jax(graph, dtype_map=compute_dtype_map(precision))
         with fused_ops(fused):
-            vg = jax.jit(jax.value_and_grad(lambda p: fn(p, inputs)[0])).lower(params).compile()
+            loss = lambda p: fn(p, inputs)[0].astype(np.float32)
+            vg = jax.jit(jax.value_and_grad(loss)).lower(params).compile()
 
         def grads(vg=vg, params=params):
             loss, g = vg(params)
@@ -431,15 +430,14 @@ def _fmt(x, spec, na="n/a"):
 
 
 def format_table(rows: list[dict], header: str) -> str:
-    ref = next((r for r in rows if r.get("ms") is not None), None)
-    cols = ["variant", "ms/step", "vs ref", "tokens/s", "MFU", "temp GiB", "peak GiB", "loss", "loss rel",
+    cols = ["variant", "ms/step", "speedup", "tokens/s", "MFU", "temp GiB", "peak GiB", "loss", "loss rel",
             "gnorm rel", "grad err", "determ."]
     lines = [header, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['variant']} | failed: {r['error'][:80]} |" + " |" * (len(cols) - 2))
             continue
-        base = r.get("ref_ms") or (ref["ms"] if ref else None)
+        base = r.get("ref_ms")
         cells = [r["variant"], f"{r['ms']:.2f}", _fmt(base / r["ms"] if base else None, ".3f") + "x",
                  f"{r['tokens_per_s']:,.0f}", _fmt(r.get("mfu"), ".1%"),
                  _fmt(None if r.get("temp_bytes") is None else r["temp_bytes"] / 2**30, ".3f"),
@@ -463,7 +461,7 @@ def parse_args(argv):
     p.add_argument("--train", choices=["auto", "none", *sorted(TRAIN_CONFIGS)], default="auto",
                    help="the rlx-jax train transformer rows: auto = small on CPU presets, gpu otherwise")
     p.add_argument("--train-precision", choices=["f32", "bf16"], default=None,
-                   help="rlx-jax train rows' --precision (default: that command's default)")
+                   help="rlx-jax train rows' --precision (default as that command: bf16 on gpu, f32 on cpu)")
     p.add_argument("--quick", action="store_true",
                    help="no timing: compile, check agreement and determinism, fail on disagreement")
     p.add_argument("--deterministic-xla", action="store_true",
@@ -532,21 +530,28 @@ def main(argv=None) -> int:
     train_kind = a.train
     if train_kind == "auto":
         train_kind = "small" if platform == "cpu" and a.preset != "tiny" else ("tiny" if a.preset == "tiny" else "gpu")
-    train = [] if train_kind == "none" else train_runners(TRAIN_CONFIGS[train_kind], a.train_precision)
+    train_precision = a.train_precision or ("bf16" if platform == "gpu" else "f32")
+    train = [] if train_kind == "none" else train_runners(TRAIN_CONFIGS[train_kind], train_precision)
 
     # agreement, determinism, then memory (ascending temp memory so the running peak is
-    # each variant's own as far as possible)
+    # each variant's own as far as possible); a variant that fails to run is reported
     ref = next((r for r in runners if r.name == "plain-xla"), None)
     want = ref.grads() if ref else None
-    for r in runners:
-        r.row.update(agreement(r.grads(), want) if want else {})
-    if train:
-        want_t = train[1].grads()
-        for r in train:
-            r.row.update(agreement(r.grads(), want_t))
-    everything = runners + train
-    for r in everything:
+    want_t = train[1].grads() if train else None
+
+    def check(r):
+        reference = want_t if r.name.startswith("train-") else want
+        r.row.update(agreement(r.grads(), reference) if reference else {})
         r.row["deterministic"] = deterministic(r)
+
+    for group in (runners, train):
+        for r in list(group):
+            try:
+                check(r)
+            except Exception as exc:
+                failed.append({"variant": r.name, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]})
+                group.remove(r)
+    everything = runners + train
     for r in sorted(everything, key=lambda r: r.temp_bytes or 0):
         r.step()
         r.row["peak_bytes"] = _peak_bytes(device)
@@ -557,23 +562,29 @@ def main(argv=None) -> int:
     rows = []
     for r in everything:
         row = {"variant": r.name, "temp_bytes": r.temp_bytes, **r.row}
+        is_train = r.name.startswith("train-")
+        row["compute_dtype"] = ("bfloat16" if train_precision == "bf16" else "float32") if is_train else s.dtype
         if rounds:
             row["tokens_per_s"] = r.tokens / (row["ms"] / 1e3)
             row["mfu"] = r.flops / (row["ms"] / 1e3) / (peak * 1e12) if peak else None
         rows.append(row)
-    if train and rounds:
-        rows[-2]["ref_ms"] = rows[-1]["ms"]
-        rows[-1]["ref_ms"] = rows[-1]["ms"]
+    if rounds:
+        ms = {row["variant"]: row["ms"] for row in rows}
+        base = ms.get("plain-cudnn", ms.get("plain-xla"))
+        for row in rows:
+            row["ref_ms"] = ms.get("train-nofused") if row["variant"].startswith("train-") else base
     rows += failed
 
     header = (f"e2e step, preset {a.preset}: {s.layers} layers, width {s.width}, {s.heads}/{s.kv_heads} heads x "
               f"{s.head_dim}, ffn {s.ffn}, vocab {s.vocab}, batch {s.batch} x seq {s.seq}, {s.dtype}; "
               f"{device.platform} ({device.device_kind}), jax {jax.__version__}"
               f"{', ' + DET_FLAG if det_xla else ''}; {rounds} rounds x {reps} steps"
-              + (f"; train rows: rlx-jax train transformer {TRAIN_CONFIGS[train_kind]}" if train else ""))
+              + (f"; train rows: rlx-jax train transformer {TRAIN_CONFIGS[train_kind]}, {train_precision}"
+                 if train else ""))
     if rounds:
         print(format_table(rows, header))
-        print("(vs ref: the plain-xla step time over the row's; the train rows against train-nofused)")
+        print("(speedup: the best plain step's time (plain-cudnn where it ran, else plain-xla) over the row's; "
+              "the train rows: train-nofused's over the row's)")
     else:
         print(header)
         for row in rows:
@@ -584,7 +595,7 @@ def main(argv=None) -> int:
             json.dump({"preset": a.preset, "shape": dataclasses.asdict(s), "device": device.device_kind,
                        "platform": device.platform, "jax": jax.__version__, "deterministic_xla": det_xla,
                        "rounds": rounds, "reps": reps, "rows": rows}, f, indent=1)
-    bad = [r["variant"] for r in rows if "error" not in r and not _agrees(r, s.dtype)]
+    bad = [r["variant"] for r in rows if "error" not in r and not _agrees(r)]
     if failed and quick:
         bad += [r["variant"] for r in failed]
     if bad:
@@ -593,8 +604,8 @@ def main(argv=None) -> int:
     return 0
 
 
-def _agrees(row: dict, dtype: str) -> bool:
-    tol = _tolerances("float32" if row["variant"].startswith("train") else dtype)
+def _agrees(row: dict) -> bool:
+    tol = _tolerances(row["compute_dtype"])
     return all(row.get(k, 0.0) <= v for k, v in tol.items())
 
 

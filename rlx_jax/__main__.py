@@ -83,8 +83,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise CliError(f"--{name.replace('_', '-')} must be positive (got {value})")
+    precision = args.precision or ("bf16" if args.device == "gpu" else "f32")
     cfg = TrainConfig(fused=args.fused, seed=args.seed, checkpoint=args.checkpoint, out_dir=args.out,
-                      progress=not args.no_progress, devices=args.devices)
+                      progress=not args.no_progress, devices=args.devices, precision=precision)
     if args.steps is not None:
         cfg.steps = args.steps
         cfg.eval_every = max(1, min(cfg.eval_every, args.steps))
@@ -97,7 +98,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                                heads=args.heads or 4)
         print(f"rlx-jax train: transformer LM, {mc.layers} layers, width {mc.width}, {mc.heads} heads, "
               f"seq {mc.seq_len}, batch {cfg.batch_size}, {cfg.steps} steps, {cfg.devices} device(s), "
-              f"{'fused kernels' if cfg.fused else 'plain XLA autodiff (--no-fused)'}, device {args.device}", flush=True)
+              f"{'fused kernels' if cfg.fused else 'plain XLA autodiff (--no-fused)'}, device {args.device}, "
+              f"{cfg.precision} compute", flush=True)
         record = train_lm(cfg, mc)
     else:
         cfg.batch_size = args.batch_size or 64
@@ -182,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="fused backward kernels (default)")
     p_train.add_argument("--no-fused", dest="fused", action="store_false",
                          help="plain XLA autodiff of the reference maths, for comparison")
+    p_train.add_argument("--precision", choices=["f32", "bf16"], default=None,
+                         help="compute dtype of the step; bf16 keeps f32 master weights and optimizer state "
+                              "(default: bf16 on gpu, f32 on cpu)")
     p_train.add_argument("--checkpoint", metavar="DIR", default=None,
                          help="save here every 100 steps, on Ctrl-C and at the end; resume from it if present")
     p_train.add_argument("--out", metavar="DIR", default="rlx_jax_runs", help="where the JSON log and loss plot go")

@@ -137,3 +137,33 @@ def test_cli_train_writes_log_and_plot(tmp_path):
     log = json.loads((tmp_path / "mlp.json").read_text())
     assert log["steps_done"] == 20 and len(log["history"]) == 20
     assert (tmp_path / "mlp_loss.png").stat().st_size > 1000
+
+
+def test_bf16_step_keeps_f32_master_weights_and_tracks_the_f32_step():
+    from rlx_jax.train.loop import make_optimizer, make_step
+
+    model = transformer_lm(TINY_LM)
+    graph = model.build(4)
+    optimizer = make_optimizer(TrainConfig(steps=50, warmup=1))
+    params = model.init(jax.random.PRNGKey(0))
+    state = optimizer.init(params)
+    tokens, labels = _tiny_corpus().batch(np.random.default_rng(0), 4, TINY_LM.seq_len)
+    inputs = {"tokens": tokens, "labels": labels}
+    out = {}
+    for precision in ("f32", "bf16"):
+        step = make_step(graph, optimizer, True, precision=precision)
+        assert ("bf16[" in step.as_text()) == (precision == "bf16")
+        out[precision] = step(params, state, inputs)
+    new_params, new_state, loss = out["bf16"]
+    assert loss.dtype == np.float32
+    for leaf in jax.tree.leaves((new_params, new_state)):
+        if jax.numpy.issubdtype(leaf.dtype, jax.numpy.floating):
+            assert leaf.dtype == np.float32
+    assert abs(float(loss) - float(out["f32"][2])) < 2e-2 * float(out["f32"][2])
+    assert float(loss) != float(out["f32"][2])  # the step really ran in bf16
+    # the first moments are the (clipped) gradients' scale: bf16 and f32 agree to bf16 accuracy
+    mu = lambda st: jax.tree.leaves(st[1][0].mu)
+    for a, b in zip(mu(new_state), mu(out["f32"][1])):
+        np.testing.assert_allclose(a, b, rtol=0.1, atol=0.05 * float(np.max(np.abs(b))) + 1e-12)
+    with pytest.raises(ValueError, match="precision"):
+        make_step(graph, optimizer, True, precision="fp8")

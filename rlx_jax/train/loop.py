@@ -4,6 +4,11 @@ classifiers (CNN / MLP) on digits.
 One step = ``jax.value_and_grad`` of ``to_jax(graph)``'s loss output (fused backward
 kernels through the ops' custom rules; with ``fused=False`` JAX differentiates the
 pure-JAX references instead, the plain-XLA baseline) followed by an optax AdamW update.
+With ``precision="bf16"`` the graph computes in bfloat16 (every f32 parameter, input,
+constant and intermediate is cast to bf16; the fused kernels keep f32 statistics) while
+the parameters the optimiser updates and its state stay f32 (master weights): the
+gradients arrive in f32 through the casts' transposes. bfloat16 keeps f32's exponent
+range, so no loss scaling is needed.
 The batch of step t is drawn from ``np.random.default_rng((seed, t))``, so a run
 resumed from a checkpoint continues exactly as an uninterrupted one would.
 """
@@ -43,6 +48,22 @@ class TrainConfig:
     out_dir: str = "rlx_jax_runs"
     progress: bool = True
     devices: int = 1  # data parallel over this many devices of the default backend
+    precision: str = "f32"  # compute dtype of the step: "f32" or "bf16" (f32 master weights)
+
+
+PRECISIONS = ("f32", "bf16")
+
+
+def compute_dtype_map(precision: str):
+    """``to_jax``'s dtype_map for a step precision: None for "f32"; for "bf16", f32 -> bf16
+    (other dtypes unchanged). f32-encoded label ids stay exact in bf16 up to 256, which
+    covers the character vocabulary (96) and the digit classes (10)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "f32":
+        return None
+    low = np.dtype(jnp.bfloat16)
+    return lambda dt: low if np.dtype(dt) == np.float32 else np.dtype(dt)
 
 
 def make_optimizer(cfg: TrainConfig):
@@ -72,18 +93,20 @@ def batch_sharding(mesh):
     return None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
 
 
-def make_step(graph, optimizer, fused: bool, mesh=None) -> Callable:
-    """A compiled (params, opt_state, inputs) -> (params, opt_state, loss) update.
+def make_step(graph, optimizer, fused: bool, mesh=None, precision: str = "f32") -> Callable:
+    """A compiled (params, opt_state, inputs) -> (params, opt_state, loss) update; the graph
+    runs in ``precision`` (``compute_dtype_map``), params and optimiser state stay f32 and
+    the loss comes back f32.
 
     With a mesh, the inputs are split along their batch axis over its "data" axis and
     the parameters and optimiser state are replicated: data parallelism, where the
     fused kernels run on each shard and the parameter gradients are all-reduced."""
     import optax
 
-    fn = to_jax(graph)
+    fn = to_jax(graph, dtype_map=compute_dtype_map(precision))
 
     def loss_fn(params, inputs):
-        return fn(params, inputs)[0]
+        return fn(params, inputs)[0].astype(jnp.float32)
 
     def step(params, opt_state, inputs):
         loss, grads = jax.value_and_grad(loss_fn)(params, inputs)
@@ -162,7 +185,7 @@ def run_steps(*, name, graph, model, cfg: TrainConfig, batch_fn, evaluate, token
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         params, opt_state = jax.device_put((params, opt_state), replicated)
     t_compile = time.perf_counter()
-    step_fn = make_step(graph, optimizer, cfg.fused, mesh)
+    step_fn = make_step(graph, optimizer, cfg.fused, mesh, cfg.precision)
     compile_s = time.perf_counter() - t_compile
 
     def save(step):
@@ -207,6 +230,7 @@ def run_steps(*, name, graph, model, cfg: TrainConfig, batch_fn, evaluate, token
     return {
         "model": name,
         "fused": cfg.fused,
+        "precision": cfg.precision,
         "steps_done": step,
         "interrupted": interrupted,
         "compile_s": compile_s,

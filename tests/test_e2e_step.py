@@ -1,0 +1,67 @@
+"""benchmarks/e2e_step.py in quick mode (tiny shapes; agreement and determinism, never time)."""
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from testutil import load_script
+
+_e2e = load_script(pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "e2e_step.py",
+                   "rlx_benchmarks_e2e_step")
+
+
+def test_quick_mode_rlx_step_and_train_rows_agree_with_plain_jax(tmp_path):
+    out = tmp_path / "e2e.json"
+    rc = _e2e.main(["--preset", "tiny", "--quick", "--variants", "rlx,plain-xla+embed", "--train", "tiny",
+                    "--json", str(out)])
+    assert rc == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"plain-xla", "rlx", "plain-xla+embed", "train-fused", "train-nofused"}
+    for name, row in rows.items():
+        assert "error" not in row, row
+        assert row["deterministic"], name
+        assert row["loss_rel_diff"] < 1e-5 and row["grad_rel_err"] < 1e-4, row
+        assert row["temp_bytes"] is None or row["temp_bytes"] >= 0
+    # a uniform-ish initial model: the loss is near log(vocab), not a constant
+    assert abs(rows["rlx"]["loss"] - np.log(512)) < 0.5
+    assert rows["rlx"]["grad_norm"] > 0
+
+
+def test_agreement_reports_a_wrong_gradient():
+    g = {"a": np.ones(4, np.float32), "b": np.full((2, 2), 2.0, np.float32)}
+    same = _e2e.agreement((1.0, g), (1.0, g))
+    assert same["loss_rel_diff"] == 0 and same["grad_rel_err"] == 0
+    wrong = dict(g, a=g["a"] * 1.1)
+    rep = _e2e.agreement((1.01, wrong), (1.0, g))
+    assert rep["loss_rel_diff"] == pytest.approx(0.01)
+    assert rep["grad_rel_err"] == pytest.approx(0.2 / np.sqrt(20.0), rel=1e-6)
+    assert not _e2e._agrees({"compute_dtype": "float32", **rep})
+    assert _e2e._agrees({"compute_dtype": "float32", **same})
+    assert _e2e._agrees({"compute_dtype": "bfloat16", **rep})  # within bf16 tolerance
+
+
+def test_rlx_rope_and_loss_wrappers_match_the_plain_forms():
+    kx, kh, kw = jax.random.split(jax.random.PRNGKey(1), 3)
+    x = jax.random.normal(kx, (2, 7, 3, 10))
+    cos, sin = (jnp.asarray(t) for t in _e2e.rope_tables(7, 10, 10000.0))
+    np.testing.assert_allclose(_e2e._rlx_rope(x, cos, sin), _e2e._jax_rope(x, cos, sin), rtol=1e-5, atol=1e-6)
+    h, w = jax.random.normal(kh, (9, 6)), jax.random.normal(kw, (6, 13))
+    labels = jnp.arange(9, dtype=jnp.int32) % 13
+    np.testing.assert_allclose(_e2e._rlx_loss(h, w, labels), _e2e._jax_loss(h, w, labels), rtol=1e-5)
+    got = jax.grad(_e2e._rlx_loss, (0, 1))(h, w, labels)
+    want = jax.grad(_e2e._jax_loss, (0, 1))(h, w, labels)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_model_flops_and_bad_shapes():
+    s = _e2e.Shape(**_e2e.PRESETS["llama-v32k"])
+    n = sum(int(np.prod(v)) for k, v in _e2e.param_shapes(s).items() if k != "embed")
+    assert _e2e.model_flops(s) == 6.0 * n * s.tokens + 6.0 * 4 * 16 * 128 * 2048 * s.tokens
+    with pytest.raises(ValueError, match="kv-heads"):
+        _e2e.Shape(**dict(_e2e.PRESETS["tiny"], kv_heads=3))
+    with pytest.raises(ValueError, match="head-dim"):
+        _e2e.Shape(**dict(_e2e.PRESETS["tiny"], head_dim=15))
