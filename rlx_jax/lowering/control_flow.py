@@ -186,8 +186,11 @@ def _scan_backward_all(op, args, ctx):
 
 
 def _scan_backward_key(op, ctx):
-    return ("ScanBackward", ctx.node_input_ids(), id(op.body_vjp), int(op.length),
-            bool(op.save_trajectory), int(op.num_checkpoints))
+    # ScanBackward and its ScanBackwardXs siblings share one sweep: the key holds every
+    # input id and every attribute but the xs index that tells the siblings apart.
+    from .backward import op_attr_key
+
+    return ("ScanBackward", ctx.node_input_ids(), op_attr_key(op, skip=("xs_idx",)))
 
 
 @lowering_rule("ScanBackward")
