@@ -20,8 +20,8 @@ def forward_loss(graph, params, inputs=None):
 
 def finite_difference(graph, params, wrt, inputs=None, h=1e-6):
     """Central differences ``(L(p + h e_i) - L(p - h e_i)) / 2h`` for every element of
-    every parameter named in ``wrt`` (float64 arrays); complex parameters get the
-    RLX-convention derivative ``dL/dRe + i dL/dIm`` per element."""
+    every parameter named in ``wrt`` (float64 arrays); complex parameters get RLX's
+    Wirtinger derivative ``dL/d conj(z) = (dL/dRe + i dL/dIm) / 2`` per element."""
     f = jax.jit(lambda p: jnp.real(rlx_jax.to_jax(graph)(p, inputs or {})[0]).sum())
     grads = {}
     for name in wrt:
@@ -36,7 +36,7 @@ def finite_difference(graph, params, wrt, inputs=None, h=1e-6):
                 lo[i] -= h * step
                 d = (float(f(dict(params, **{name: hi.reshape(base.shape)})))
                      - float(f(dict(params, **{name: lo.reshape(base.shape)})))) / (2 * h)
-                flat[i] += d * step
+                flat[i] += d * step * (0.5 if np.iscomplexobj(base) else 1.0)
         grads[name] = g
     return grads
 
