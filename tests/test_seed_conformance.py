@@ -336,3 +336,223 @@ def test_convert_scans_for_ad_forces_save_trajectory_true(x64):
     bwd = rlx_jax.grad_with_loss(g, [init, xs])
     assert any(type(n.op).__name__ == "Scan" and n.op.save_trajectory for n in bwd.nodes)
     _grads_agree(g, {"init": np.array([1.0, -2.0]), "xs": np.arange(6.0).reshape(3, 2)}, ["init", "xs"])
+
+
+# ---- part 2: closed-form backward kernels vs NumPy transcriptions --------------------------------
+
+def _run(g, feeds):
+    return [np.asarray(v) for v in rlx_jax.to_jax(g)({}, feeds)]
+
+
+def _rms_backward_numpy(x, gamma, dy, eps, seed_formula=False):
+    """RMSNorm y = x r gamma + beta, r = (mean(x^2) + eps)^-1/2, per row:
+    dx = r (gamma dy) - x r^3 mean(gamma dy x). ``seed_formula`` applies the seed text's
+    extra factor r (an r^4 term), which is not the derivative of its own forward."""
+    r = 1.0 / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+    dot = (dy * gamma * x).mean(-1, keepdims=True)
+    cube = r ** 4 if seed_formula else r ** 3
+    dx = r * gamma * dy - x * dot * cube
+    return dx, (dy * x * r).sum(0), dy.sum(0)
+
+
+def test_rms_norm_backward_is_the_derivative_not_the_seed_formula(x64):
+    rng = np.random.RandomState(0)
+    x, gamma, beta, dy = 2.0 * rng.randn(3, 5), rng.randn(5), rng.randn(5), rng.randn(3, 5)
+    g = Graph("rms_bwd")
+    ins = [g.input(n, list(v.shape), "f64") for n, v in (("x", x), ("gamma", gamma), ("beta", beta), ("dy", dy))]
+    g.set_outputs([g.rms_norm_backward_input(*ins, eps=1e-2), g.rms_norm_backward_gamma(*ins, eps=1e-2),
+                   g.rms_norm_backward_beta(*ins, eps=1e-2)])
+    dx, dg, db = _run(g, {"x": x, "gamma": gamma, "beta": beta, "dy": dy})
+    want = _rms_backward_numpy(x, gamma, dy, 1e-2)
+    for got, w in zip((dx, dg, db), want):
+        np.testing.assert_allclose(got, w, rtol=1e-9, atol=1e-12)
+    # the derivative of the forward, by JAX
+    def fwd(xx):
+        return jnp.sum(xx / jnp.sqrt(jnp.mean(xx * xx, -1, keepdims=True) + 1e-2) * gamma * dy)
+    np.testing.assert_allclose(dx, np.asarray(jax.grad(fwd)(x)), rtol=1e-9)
+    # the seed's rms_norm_backward_row multiplies x * dot by inv_r^3 and then the whole
+    # term by inv_r (inv_r^4): that is not this derivative unless mean(x^2) + eps == 1
+    seed_dx = _rms_backward_numpy(x, gamma, dy, 1e-2, seed_formula=True)[0]
+    assert np.max(np.abs(seed_dx - dx)) > 1e-2
+
+
+@pytest.mark.parametrize("exclusive", [False, True])
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_cumsum_backward_suffix_sums(x64, exclusive, axis):
+    dy = np.random.RandomState(1).randn(3, 4)
+    g = Graph("cumsum_bwd")
+    d = g.input("dy", [3, 4], "f64")
+    g.set_outputs([g.cumsum_backward(d, axis=axis, exclusive=exclusive)])
+    (got,) = _run(g, {"dy": dy})
+    a = axis % 2
+    inclusive = np.flip(np.cumsum(np.flip(dy, a), a), a)              # dx[i] = sum_{j >= i} dy[j]
+    want = inclusive - dy if exclusive else inclusive                  # exclusive: sum_{j > i}
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("n_rot", [8, 4, 2])
+def test_rope_backward_partial_rotary(x64, n_rot):
+    rng = np.random.RandomState(2)
+    s, heads, hd = 3, 2, 8
+    dy = rng.randn(2, s, heads * hd)
+    ang = rng.randn(s, hd // 2)
+    cos, sin = np.cos(ang), np.sin(ang)
+    g = Graph("rope_bwd")
+    ins = [g.input("dy", list(dy.shape), "f64"), g.input("cos", [s, hd // 2], "f64"),
+           g.input("sin", [s, hd // 2], "f64")]
+    g.set_outputs([g.rope_backward(*ins, head_dim=hd, n_rot=n_rot)])
+    (got,) = _run(g, {"dy": dy, "cos": cos, "sin": sin})
+    half = n_rot // 2
+    want = dy.copy().reshape(2, s, heads, hd)
+    y = dy.reshape(2, s, heads, hd)
+    c, sn = cos[None, :, None, :half], sin[None, :, None, :half]
+    y1, y2 = y[..., :half], y[..., half:n_rot]
+    want[..., :half] = y1 * c + y2 * sn
+    want[..., half:n_rot] = -y1 * sn + y2 * c
+    np.testing.assert_allclose(got, want.reshape(dy.shape), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("num_groups", [1, 2, 3, 6])
+def test_group_norm_backward_several_groups(x64, num_groups):
+    rng = np.random.RandomState(3)
+    b, c, h, w, eps = 2, 6, 2, 3, 1e-3
+    x, dy, gamma, beta = rng.randn(b, c, h, w), rng.randn(b, c, h, w), rng.randn(c), rng.randn(c)
+    g = Graph("gn_bwd")
+    xi, gi, bi, di = (g.input(n, list(v.shape), "f64") for n, v in (("x", x), ("gamma", gamma), ("beta", beta), ("dy", dy)))
+    g.set_outputs([g.group_norm_backward_input(xi, gi, bi, di, num_groups, eps),
+                   g.group_norm_backward_gamma(xi, di, num_groups=num_groups, eps=eps),
+                   g.group_norm_backward_beta(xi, di, num_groups=num_groups, eps=eps)])
+    dx, dg, db = _run(g, {"x": x, "gamma": gamma, "beta": beta, "dy": dy})
+    cpg = c // num_groups
+    xg = x.reshape(b, num_groups, cpg * h * w)
+    mean, var = xg.mean(-1, keepdims=True), xg.var(-1, keepdims=True)
+    inv_std = 1.0 / np.sqrt(var + eps)                              # eps inside the square root
+    xh = ((xg - mean) * inv_std).reshape(x.shape)
+    sy = (dy * gamma[None, :, None, None]).reshape(b, num_groups, -1)
+    m_sy, m_sxh = sy.mean(-1, keepdims=True), (sy * xh.reshape(sy.shape)).mean(-1, keepdims=True)
+    want_dx = (inv_std * (sy - m_sy - xh.reshape(sy.shape) * m_sxh)).reshape(x.shape)
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(dg, (dy * xh).sum((0, 2, 3)), rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(db, dy.sum((0, 2, 3)), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("axis", [0, 1, 2])
+def test_gather_backward_each_axis_repeated_indices(x64, axis):
+    rng = np.random.RandomState(4)
+    table_shape = (3, 4, 2)
+    idx = np.array([1.0, 0.0, 1.0, 1.0, 0.0])                        # repeats accumulate
+    dy_shape = table_shape[:axis] + (idx.size,) + table_shape[axis + 1:]
+    dy = rng.randn(*dy_shape)
+    g = Graph("gather_bwd")
+    d, i = g.input("dy", list(dy_shape), "f64"), g.input("idx", [idx.size], "f64")
+    g.set_outputs([g.gather_backward(d, i, list(table_shape), axis=axis)])
+    (got,) = _run(g, {"dy": dy, "idx": idx})
+    want = np.zeros(table_shape)
+    outer, trailing = int(np.prod(table_shape[:axis])), int(np.prod(table_shape[axis + 1:]))
+    w3, d3 = want.reshape(outer, table_shape[axis], trailing), dy.reshape(outer, idx.size, trailing)
+    for o in range(outer):                                             # d_table[o, idx[k], t] += dy[o, k, t]
+        for k in range(idx.size):
+            w3[o, int(idx[k])] += d3[o, k]
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def _maxpool_backward_numpy(x, dy, k, s, p):
+    """Each window's dy to its first maximum (strictly greater replaces), padding skipped."""
+    n, c, h, w = x.shape
+    dx = np.zeros_like(x)
+    ho, wo = dy.shape[2:]
+    for ni in range(n):
+        for ci in range(c):
+            for i in range(ho):
+                for j in range(wo):
+                    best, at = -np.inf, None
+                    for ki in range(k[0]):
+                        for kj in range(k[1]):
+                            hi, wi = i * s[0] + ki - p[0], j * s[1] + kj - p[1]
+                            if 0 <= hi < h and 0 <= wi < w and x[ni, ci, hi, wi] > best:
+                                best, at = x[ni, ci, hi, wi], (hi, wi)
+                    if at is not None:
+                        dx[ni, ci, at[0], at[1]] += dy[ni, ci, i, j]
+    return dx
+
+
+@pytest.mark.parametrize("k,s,p", [((2, 2), (2, 2), (0, 0)), ((3, 3), (1, 1), (1, 1)), ((2, 3), (1, 2), (1, 1))])
+def test_max_pool2d_backward_first_hit_ties_and_padding(x64, k, s, p):
+    rng = np.random.RandomState(5)
+    x = rng.randint(0, 3, (1, 2, 4, 5)).astype(np.float64)             # many ties
+    ho, wo = (4 + 2 * p[0] - k[0]) // s[0] + 1, (5 + 2 * p[1] - k[1]) // s[1] + 1
+    dy = rng.randn(1, 2, ho, wo)
+    g = Graph("pool_bwd")
+    xi, di = g.input("x", list(x.shape), "f64"), g.input("dy", list(dy.shape), "f64")
+    g.set_outputs([g.max_pool2d_backward(xi, di, kernel_size=k, stride=s, padding=p)])
+    (got,) = _run(g, {"x": x, "dy": dy})
+    np.testing.assert_allclose(got, _maxpool_backward_numpy(x, dy, k, s, p), rtol=1e-12, atol=1e-12)
+
+
+def test_max_pool2d_backward_seed_example():
+    g = Graph("pool_seed")
+    xi, di = g.input("x", [1, 1, 2, 2]), g.input("dy", [1, 1, 1, 1])
+    g.set_outputs([g.max_pool2d_backward(xi, di, kernel_size=(2, 2), stride=(2, 2))])
+    (got,) = _run(g, {"x": np.array([1.0, 3.0, 2.0, 0.0], np.float32).reshape(1, 1, 2, 2),
+                      "dy": np.array([2.0], np.float32).reshape(1, 1, 1, 1)})
+    np.testing.assert_array_equal(got.reshape(-1), [0.0, 2.0, 0.0, 0.0])
+
+
+@pytest.mark.parametrize("rows,h", [(3, 7), (40, 70)])                 # several 16-row chunks, H > 64
+def test_layer_norm_backward_input_and_gamma(x64, rows, h):
+    rng = np.random.RandomState(6)
+    x, gamma, dy, eps = rng.randn(rows, h), rng.randn(h), rng.randn(rows, h), 1e-3
+    g = Graph("ln_bwd")
+    xi, gi, di = g.input("x", [rows, h], "f64"), g.input("gamma", [h], "f64"), g.input("dy", [rows, h], "f64")
+    g.set_outputs([g.layer_norm_backward_input(xi, gi, di, eps=eps), g.layer_norm_backward_gamma(xi, di, eps=eps)])
+    dx, dg = _run(g, {"x": x, "gamma": gamma, "dy": dy})
+    mean = x.mean(-1, keepdims=True)
+    inv_std = 1.0 / np.sqrt(((x - mean) ** 2).mean(-1, keepdims=True) + eps)
+    xh, sy = (x - mean) * inv_std, dy * gamma
+    want = inv_std * (sy - sy.mean(-1, keepdims=True) - xh * (sy * xh).mean(-1, keepdims=True))
+    np.testing.assert_allclose(dx, want, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(dg, (dy * xh).sum(0), rtol=1e-9, atol=1e-12)
+
+
+def test_backward_builder_output_shapes():
+    """RLX's backward builders: relu / activation / norm dx / maxpool / conv dx like their
+    input; norm dgamma / dbeta like gamma / beta ([C] for GroupNorm); gather / conv
+    weight / BatchNorm gamma, beta: the declared shape; cross-entropy backward like the
+    logits; attention dq / dk / dv like q / k / v; complex-norm backward like z."""
+    g = Graph("shapes")
+    x = g.input("x", [2, 3, 4, 5])
+    dy = g.input("dy", [2, 3, 4, 5])
+    gam, bet = g.input("gamma", [5]), g.input("beta", [5])
+    c3 = g.input("c3", [3])
+
+    def dims(i):
+        return tuple(g.node(i).shape.dims)
+
+    assert dims(g.relu_backward(x, dy)) == (2, 3, 4, 5)
+    assert dims(g.activation_backward("tanh", x, dy)) == (2, 3, 4, 5)
+    assert dims(g.layer_norm_backward_input(x, gam, dy)) == (2, 3, 4, 5)
+    assert dims(g.layer_norm_backward_gamma(x, dy)) == (5,)
+    assert dims(g.rms_norm_backward_gamma(x, gam, bet, dy)) == (5,)
+    assert dims(g.rms_norm_backward_beta(x, gam, bet, dy)) == (5,)
+    assert dims(g.group_norm_backward_input(x, c3, c3, dy, 3)) == (2, 3, 4, 5)
+    assert dims(g.group_norm_backward_gamma(x, dy, num_groups=3)) == (3,)
+    assert dims(g.group_norm_backward_beta(x, dy, num_groups=3)) == (3,)
+    assert dims(g.batch_norm_inference_backward_input(x, c3, c3, c3, dy)) == (2, 3, 4, 5)
+    assert dims(g.batch_norm_inference_backward_gamma(x, c3, c3, dy, [3])) == (3,)
+    assert dims(g.batch_norm_inference_backward_beta(dy, [3])) == (3,)
+    assert dims(g.max_pool2d_backward(x, g.input("pdy", [2, 3, 2, 2]), kernel_size=(2, 2))) == (2, 3, 4, 5)
+    assert dims(g.cumsum_backward(dy, axis=1)) == (2, 3, 4, 5)
+    gi = g.input("gidx", [6])
+    assert dims(g.gather_backward(g.input("gdy", [6, 5]), gi, [9, 5])) == (9, 5)
+    cdy, w = g.input("cdy", [2, 4, 4, 5]), g.input("w", [4, 3, 3, 3])
+    assert dims(g.conv2d_backward_input(cdy, w, [2, 3, 4, 5], kernel_size=(3, 3), padding=(1, 1))) == (2, 3, 4, 5)
+    assert dims(g.conv2d_backward_weight(x, cdy, [4, 3, 3, 3], kernel_size=(3, 3), padding=(1, 1))) == (4, 3, 3, 3)
+    logits, labels, dl = g.input("logits", [4, 7]), g.input("labels", [4]), g.input("dl", [4])
+    assert dims(g.softmax_cross_entropy_backward(logits, labels, dl)) == (4, 7)
+    q, k, v = g.input("q", [1, 2, 3, 4]), g.input("k", [1, 2, 5, 4]), g.input("v", [1, 2, 5, 4])
+    ady = g.input("ady", [1, 2, 3, 4])
+    dq, dk, dv = g.attention_backward_all(q, k, v, ady, 2, 4)
+    assert (dims(dq), dims(dk), dims(dv)) == ((1, 2, 3, 4), (1, 2, 5, 4), (1, 2, 5, 4))
+    z = g.input("z", [3], "c64")
+    assert g.node(g.complex_norm_sq(z)).shape.dtype.short == "f32"
+    assert dims(g.complex_norm_sq_backward(z, g.input("cg", [3]))) == (3,)
