@@ -97,6 +97,15 @@ def _fused_swiglu(g, op, ins):
     return y if op.cast_to is None else E.cast(g, y, op.cast_to)
 
 
+def _keep_mask(g, mask, b, s):
+    """RLX's Custom keep-mask as [B, S]: the first B * S elements of ``mask`` (row-major),
+    the prefix RLX's kernels read (``lowering.fused.keep_mask``)."""
+    if tuple(E.dims(g, mask)) == (b, s):
+        return mask
+    flat = E.reshape(g, mask, (E.numel(E.dims(g, mask)),))
+    return E.reshape(g, g._add_node(Narrow(axis=0, start=0, len=b * s), (flat,)), (b, s))
+
+
 def attention_block(g, hidden, qkv_w, out_w, mask, qkv_b, out_b, cos, sin, nh, hd):
     b, s, _ = E.dims(g, hidden)
     qkv = matmul(g, hidden, qkv_w)
@@ -110,7 +119,7 @@ def attention_block(g, hidden, qkv_w, out_w, mask, qkv_b, out_b, cos, sin, nh, h
             t = g._add_node(Rope(head_dim=hd, n_rot=hd), (t, cos, sin))
             parts[i] = E.reshape(g, E.transpose(g, t, (0, 2, 1, 3)), (b, s, w))
     o = g._add_node(Attention(num_heads=nh, head_dim=hd, mask_kind=MaskKind("Custom"), score_scale=None,
-                              attn_logit_softcap=None), (parts[0], parts[1], parts[2], mask))
+                              attn_logit_softcap=None), (parts[0], parts[1], parts[2], _keep_mask(g, mask, b, s)))
     y = matmul(g, o, out_w)
     return y if out_b is None else E.add(g, y, out_b)
 
@@ -167,6 +176,18 @@ UNFUSE = {
 
 # -- the pass ---------------------------------------------------------------------------
 
+def _all_true(g, c):
+    """Bool tensor -> Bool scalar: every element true (RLX's While condition)."""
+    n = E.numel(E.dims(g, c))
+    if n == 1:
+        return E.reshape(g, c, ())
+    from rlx_jax.ir.op import ReduceOp
+
+    as_f = E.cast(g, c, DType.F32)
+    low = E.reduce(g, as_f, ReduceOp.Min, tuple(range(len(E.dims(g, c)))))
+    return E.reshape(g, E.cmp(g, "Ne", low, E.scalar(g, 0, DType.F32)), ())
+
+
 def _while(g, node, ins):
     op = node.op
     if op.max_iterations is None:
@@ -176,7 +197,7 @@ def _while(g, node, ins):
     for _ in range(int(op.max_iterations)):
         (c,) = inline(g, op.cond, vals)
         c = E.cmp(g, "Ne", c, E.scalar(g, 0, E.dtype(g, c))) if E.dtype(g, c) != DType.Bool else c
-        c = E.reshape(g, c, ())
+        c = _all_true(g, c)
         running = _land(g, running, c)
         nxt = inline(g, op.body, vals)
         vals = [E.where(g, running, n, v) for n, v in zip(nxt, vals)]

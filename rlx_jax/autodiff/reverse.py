@@ -6,13 +6,23 @@ applying each op's VJP rule (``rules_*.py``), sums fan-in with Add, unbroadcasts
 broadcast operands, and returns a graph whose outputs are ``[loss, aux outputs...,
 d loss / d w for w in wrt]``. STRICT raises a GraphError naming a wrt node that gets
 no gradient; TRAINING gives it zeros.
+
+Complex values (c64) follow RLX's convention at the graph's boundary: the gradient of a
+real loss L w.r.t. a complex node z is the Wirtinger derivative ``dL/d conj(z) = (dL/dRe z
++ i dL/dIm z) / 2`` (``|z|^2`` -> ``z``, and the VJP of ``a * b`` w.r.t. ``a`` is ``g *
+conj(b)``), and the ``d_output`` of a complex loss is read in that convention too. The
+rules themselves propagate JAX's cotangent (``2 conj`` of RLX's on every complex node,
+the same on real nodes), which keeps them equal to ``jax.grad`` of the lowered ops;
+the seed and the complex gradients are converted at the boundary, which gives exactly
+the values RLX's rules compose to. Real wrt nodes get the plain derivative either way.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from rlx_jax.ir import Graph, GraphError
+from rlx_jax.ir import DType, Graph, GraphError
+from rlx_jax.ir.ops_elementwise import Conjugate
 from rlx_jax.ir.ops_leaf import Input
 
 from . import emit as E
@@ -67,6 +77,20 @@ def _describe(graph, i) -> str:
     return label + (f" {nm!r}" if nm else "")
 
 
+def to_jax_cotangent(g, c):
+    """RLX's cotangent of a node -> JAX's (``2 conj(c)`` for c64, ``c`` for reals)."""
+    if E.dtype(g, c) != DType.C64:
+        return c
+    return E.mul_s(g, g._add_node(Conjugate(), (c,)), 2.0)
+
+
+def to_rlx_cotangent(g, c):
+    """JAX's cotangent of a node -> RLX's (``conj(c) / 2`` for c64, ``c`` for reals)."""
+    if E.dtype(g, c) != DType.C64:
+        return c
+    return E.mul_s(g, g._add_node(Conjugate(), (c,)), 0.5)
+
+
 def grad_with_loss(forward: Graph, wrt, options: GradWithLossOptions = GradWithLossOptions.STRICT,
                    d_output_name: str = "d_output") -> Graph:
     """Reverse-mode gradient graph of ``forward``'s output 0 (see the module doc)."""
@@ -85,7 +109,7 @@ def grad_with_loss(forward: Graph, wrt, options: GradWithLossOptions = GradWithL
     d = g._add_node(Input(name=unique_input_name(g, d_output_name)), (), g.node(loss).shape,
                     unique_input_name(g, d_output_name))
     new_wrt = [idmap[i] for i in wrt_ids]
-    grads = backprop(g, {loss: d}, new_wrt, upto)
+    grads = backprop(g, {loss: to_jax_cotangent(g, d)}, new_wrt, upto)
     outs = [loss] + list(g.outputs[1:])
     for old, i in zip(wrt_ids, new_wrt):
         gi = grads.get(i)
@@ -96,6 +120,8 @@ def grad_with_loss(forward: Graph, wrt, options: GradWithLossOptions = GradWithL
                     f"{forward.name!r}: the loss does not depend on it (or only through ops without "
                     "a gradient); use GradWithLossOptions.TRAINING to give it zeros")
             gi = E.zeros_like(g, i)
+        else:
+            gi = to_rlx_cotangent(g, gi)
         outs.append(gi)
     g.set_outputs(outs)
     return E.prune(g)

@@ -1,9 +1,10 @@
 """Graph VJP rules: activations, binary arithmetic, select, casts, complex helpers,
 the fused elementwise region.
 
-Complex values follow JAX's cotangent convention (a cotangent is transposed through
-holomorphic ops without conjugation; ``|z|^2`` gives ``2 g conj(z)``), so a graph
-gradient equals ``jax.grad`` of the lowered graph.
+Inside the sweep complex values follow JAX's cotangent convention (a cotangent is
+transposed through holomorphic ops without conjugation; ``|z|^2`` gives ``2 g conj(z)``);
+``grad_with_loss`` converts the seed and the complex gradients to RLX's convention at the
+boundary (``reverse.py``).
 """
 
 from __future__ import annotations
@@ -39,15 +40,11 @@ def _binary(g, node, dy):
         da = E.div(g, dy, b)
         return [da, E.neg(g, E.mul(g, da, node.id))]
     if op in (BinaryOp.Max, BinaryOp.Min):
-        # JAX's balanced rule: the larger (smaller) operand takes dy, ties split it.
-        win = E.cmp(g, CmpOp.Gt if op is BinaryOp.Max else CmpOp.Lt, a, b)
-        tie = E.cmp(g, CmpOp.Eq, a, b)
+        # RLX's rule: a takes all of dy where a == y (ties included), b takes the rest.
+        # (jax.grad of the lowered jnp.maximum / minimum splits ties 0.5 / 0.5.)
+        a_wins = E.cmp(g, CmpOp.Eq, a, node.id)
         zero = E.scalar(g, 0, E.dtype(g, dy))
-        half = E.mul_s(g, dy, 0.5)
-        da = E.where(g, win, dy, E.where(g, tie, half, zero))
-        lose = E.cmp(g, CmpOp.Lt if op is BinaryOp.Max else CmpOp.Gt, a, b)
-        db = E.where(g, lose, dy, E.where(g, tie, half, zero))
-        return [da, db]
+        return [E.where(g, a_wins, dy, zero), E.where(g, a_wins, zero, dy)]
     if op is BinaryOp.Pow:
         dt = E.dtype(g, dy)
         zero, one = E.scalar(g, 0, dt), E.scalar(g, 1, dt)

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from rlx_jax.ir import GraphError, Shape
+from rlx_jax.ir import DType, GraphError, Shape
 from rlx_jax.ir.op import AttentionBwdWrt, ReduceOp
 from rlx_jax.ir.ops_backward import (
     AttentionBackward, BatchNormInferenceBackwardBeta, BatchNormInferenceBackwardGamma,
@@ -236,8 +236,26 @@ def _fake_quantize_lsq(g, node, dy):
 
 @vjp_rule("Fft")
 def _fft(g, node, dy):
-    # The DFT matrix is symmetric, so the (JAX-convention) transpose is the same DFT.
-    return [g._add_node(Fft(inverse=node.op.inverse, norm=node.op.norm), (dy,))]
+    """``y = s W z`` with ``W`` the unscaled DFT (``exp(-+2 pi i jk / N)``), ``s`` the
+    norm's scale for this direction, z complex [..., N] or the real block [re | im]
+    [..., 2N].
+
+    * Real block: the op is the real linear map ``M = [[Re W, -Im W], [Im W, Re W]]``;
+      its transpose is ``[[Re W, Im W], [-Im W, Re W]]``, the real block of ``conj(W)``:
+      the DFT in the opposite direction, with the same scale ``s``.
+    * Complex (JAX's cotangent convention, see ``reverse.py``): the transpose
+      ``s W^T = s W`` (W is symmetric), the same direction.
+    """
+    from rlx_jax.lowering.signal import fft_scale
+
+    op = node.op
+    x = node.inputs[0]
+    complex_in = E.dtype(g, x) == DType.C64
+    inverse = bool(op.inverse) if complex_in else not bool(op.inverse)
+    dz = g._add_node(Fft(inverse=inverse, norm=op.norm), (dy,))
+    n = E.dims(g, x)[-1] if complex_in else E.dims(g, x)[-1] // 2
+    ratio = fft_scale(op.norm, n, bool(op.inverse)) / fft_scale(op.norm, n, inverse)
+    return [dz if ratio == 1.0 else E.mul_s(g, dz, ratio)]
 
 
 @vjp_rule("LogMel")

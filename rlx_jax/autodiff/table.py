@@ -21,6 +21,17 @@ NO_GRADIENT = {"Compare", "TopK", "Sample", "RngUniform", "RngNormal", "StopGrad
                "Input", "Param", "Constant", "QMatMul", "QConv2d", "DequantMoEWeights"}
 
 
+#: ops with an integer output that still carry a (float) gradient: RLX's straight-through
+#: rule for Quantize -> Dequantize passes dy through the int8 node unchanged
+STRAIGHT_THROUGH = {"Quantize"}
+
+
+def carries_gradient(node) -> bool:
+    """Whether a gradient may be stored for ``node``: float / c64 results, and the
+    integer results of straight-through ops."""
+    return E.is_float(node.shape.dtype) or type(node.op).__name__ in STRAIGHT_THROUGH
+
+
 def vjp_rule(*names):
     """Register the decorated function as the graph VJP rule of the named ops."""
 
@@ -60,7 +71,7 @@ def depends_on(g, sources, upto=None) -> set:
             continue
         if type(n.op).__name__ in NO_GRADIENT:
             continue
-        if any(i in dep for i in n.inputs) and E.is_float(n.shape.dtype):
+        if any(i in dep for i in n.inputs) and carries_gradient(n):
             dep.add(n.id)
     return dep
 
@@ -96,9 +107,10 @@ def backprop(g, seeds: dict, wrt, upto=None) -> dict:
             tgt = node.inputs[i]
             if tgt not in live:
                 continue
-            ts = g.node(tgt).shape
-            if not E.is_float(ts.dtype):
+            tnode = g.node(tgt)
+            ts = tnode.shape
+            if not carries_gradient(tnode):
                 continue
-            gi = E.fit(g, gi, ts)
+            gi = E.fit(g, gi, ts) if E.is_float(ts.dtype) else E.reduce_to(g, gi, ts)
             grads[tgt] = E.add(g, grads[tgt], gi) if tgt in grads else gi
     return grads

@@ -78,8 +78,10 @@ class If(Op):
 @op_class
 class While(Op):
     """``while cond(*carry): carry = body(*carry)`` (at most ``max_iterations`` times when
-    set); inputs the initial carried values; ``cond`` returns one bool scalar, ``body``
-    returns the carried values. The node's value is the final carry 0."""
+    set); inputs the initial carried values; ``cond`` returns a bool or real tensor of any
+    shape, and the loop goes on while every element of it is non-zero (RLX's unrolled
+    While: a one-element cond is the usual predicate); ``body`` returns the carried
+    values. The node's value is the final carry 0."""
 
     cond: "Graph"
     body: "Graph"
@@ -92,7 +94,8 @@ class While(Op):
         if not ins:
             raise OpFault("while needs at least one carried value")
         (c,) = check_signature("While cond", self.cond, ins, n_out=1)
-        _scalar_pred("while cond output", c)
+        if c.dtype.is_complex:
+            raise OpFault(f"while cond output must be bool or real, got {c.dtype.short}")
         check_signature("While body", self.body, ins, out_shapes=list(ins))
         return ins[0]
 

@@ -131,8 +131,11 @@ class FusedAttentionBlock(Op):
 class FusedTransformerLayer(Op):
     """A full post-LN transformer layer (attention + residual/LN + FFN + residual/LN);
     inputs ``hidden, qkv_w, [qkv_b], out_w, [out_b], ln1_g, ln1_b, fc1_w, [fc1_b],
-    fc2_w, [fc2_b], ln2_g, ln2_b, mask`` (biases when ``has_bias``); output shaped like
-    hidden."""
+    fc2_w, [fc2_b], ln2_g, ln2_b, mask`` (biases when ``has_bias``); without biases RLX's
+    8-input form ``hidden, qkv_w, out_w, ln1_g, fc1_w, fc2_w, ln2_g, mask`` (zero betas)
+    is accepted too. The mask is RLX's Custom keep-mask: its first ``B * S`` elements in
+    row-major order, read as ``[B, S]`` (a ``[B, S]`` mask, or e.g. a ``[B, H, S, S]``
+    tensor of which RLX's kernels read that prefix); output shaped like hidden."""
 
     num_heads: int
     head_dim: int
@@ -143,13 +146,20 @@ class FusedTransformerLayer(Op):
     has_bias: bool
 
     def arity(self):
-        return 14 if self.has_bias else 10
+        return 14 if self.has_bias else None
 
     def infer(self, ins):
+        if not self.has_bias and len(ins) not in (8, 10):
+            raise OpFault(f"without bias takes 10 inputs (or RLX's 8, without the LayerNorm "
+                          f"betas), got {len(ins)}")
         x = ins[0]
         need_rank("fused_transformer_layer hidden", x, 3)
         need_float("fused_transformer_layer hidden", x)
         hd = self.num_heads * self.head_dim
         if not dims_compatible(x.dims[2], hd):
             raise OpFault(f"hidden last dim {x.dims[2]} != num_heads*head_dim {hd}")
+        mask, need = ins[-1], x.dims[0] * x.dims[1] if all(isinstance(d, int) for d in x.dims[:2]) else None
+        have = mask.numel()
+        if need is not None and have is not None and have < need:
+            raise OpFault(f"mask {mask} holds {have} elements; the [B, S] keep-mask needs {need}")
         return x

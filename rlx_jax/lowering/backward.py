@@ -3,12 +3,13 @@
 transpose to, so a graph gradient and ``jax.grad`` run the same kernel).
 
 Sibling nodes (dx / dgamma / dbeta of one norm, dq / dk / dv of one attention) lower to
-one wrapper call: the result is memoised in the lowering context under the family and
-the ids of the shared inputs.
+one wrapper call: the result is memoised in the lowering context under a key holding the
+family, every input id and every attribute the result depends on (``sibling_key``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import jax.numpy as jnp
@@ -23,17 +24,36 @@ def backward_fn(family: str, name: str | None = None):
     return getattr(importlib.import_module(f"rlx_jax.vjp_rules.{family}"), name or f"{family}_backward")
 
 
-def _attrs(op, *names):
-    return tuple(getattr(op, n) for n in names)
+def _hashable(value):
+    """``value`` when it can key a dict, else its identity (sub-graph fields)."""
+    try:
+        hash(value)
+    except TypeError:
+        return ("id", id(value))
+    return value
+
+
+def op_attr_key(op, skip=()) -> tuple:
+    """Every attribute of ``op`` except those in ``skip`` (the field that tells sibling
+    nodes apart, e.g. ``wrt``), as a hashable tuple: part of every memo key, so two
+    nodes share a result only when every attribute the result depends on agrees."""
+    return tuple((f.name, _hashable(getattr(op, f.name)))
+                 for f in dataclasses.fields(op) if f.name not in skip)
+
+
+def sibling_key(family: str, op, ctx, skip=()) -> tuple:
+    """Memo key of a node whose siblings read the same inputs: the family, every input
+    id and every attribute (but ``skip``)."""
+    return (family, ctx.node_input_ids(), op_attr_key(op, skip))
 
 
 # ---- RMSNorm -------------------------------------------------------------------------------
 
 def _rms_all(op, args, ctx):
     x, gamma, beta, dy = args
-    key = ("rms_norm", ctx.node_input_ids(), _attrs(op, "axis", "eps"))
-    return ctx.memo(key, lambda: backward_fn("rms_norm")(x, gamma, beta, dy, axis=int(op.axis),
-                                                         eps=float(op.eps)))
+    return ctx.memo(sibling_key("rms_norm", op, ctx),
+                    lambda: backward_fn("rms_norm")(x, gamma, beta, dy, axis=int(op.axis),
+                                                    eps=float(op.eps)))
 
 
 @lowering_rule("RmsNormBackwardInput")
@@ -54,46 +74,65 @@ def _rms_norm_backward_beta(op, args, ctx):
     return ctx.cast_out(_rms_all(op, args, ctx)[2])
 
 
-# ---- sibling lookup ------------------------------------------------------------------------
+# ---- norms whose dgamma / dbeta nodes do not read gamma ---------------------------------------
+#
+# LayerNorm, GroupNorm and BatchNormInference emit a dx node that reads gamma and dgamma /
+# dbeta nodes that do not (those gradients do not depend on gamma). The backward wrapper
+# returns all three from one call, which needs a gamma. Two memo entries keep this both
+# shared and right:
+#   * ``(family, every input id of the dx node, attributes)``: the full result for one
+#     gamma (only a dx node with exactly these inputs may read its dx);
+#   * ``(family + " dgamma", ids of the gamma-free inputs, attributes)``: a result whose
+#     dgamma / dbeta entries are valid for any gamma.
+# A gamma-free node computes with the gamma of a dx sibling already lowered with the same
+# gamma-free inputs (then the dx node finds the full entry), else with gamma = 1.
 
-def _sibling_value(ctx, op_name, match):
-    """The value of an input of a sibling node (same graph, op ``op_name``) chosen by
-    ``match(node) -> input id or None``, if it is already computed."""
+
+def _norm_with_gamma(ctx, family, attrs, free_ids, full_ids, compute):
+    """The full result for the dx node whose inputs are ``full_ids``."""
+    key = (family, full_ids, attrs)
+    out = ctx.memo(key, compute)
+    ctx.cache.setdefault((family + " dgamma", free_ids, attrs), out)
+    return out
+
+
+def _norm_gamma_free(ctx, family, attrs, free_ids, sibling, compute):
+    """A result whose gamma-independent entries are valid. ``sibling()`` -> (full input
+    ids, gamma value, extra values) of a lowered dx sibling, or None; ``compute(gamma,
+    extra)`` runs the wrapper (gamma None: ones)."""
+    free_key = (family + " dgamma", free_ids, attrs)
+    if free_key in ctx.cache:
+        return ctx.cache[free_key]
+    found = sibling()
+    if found is not None:
+        full_ids, gamma, extra = found
+        return _norm_with_gamma(ctx, family, attrs, free_ids, full_ids, lambda: compute(gamma, extra))
+    return ctx.memo(free_key, lambda: compute(None, None))
+
+
+def _lowered_sibling(ctx, op_name, attrs, match):
+    """(input ids, input values) of a node of the graph with op ``op_name`` and the same
+    attributes for which ``match(inputs)`` holds and whose inputs are all lowered."""
     graph = ctx.graph
     if graph is None:
         return None
     for node in graph.nodes:
-        if type(node.op).__name__ != op_name:
+        if type(node.op).__name__ != op_name or op_attr_key(node.op) != attrs:
             continue
-        iid = match(node)
-        if iid is not None and iid in ctx.env:
-            return ctx.env[iid]
+        if match(node.inputs) and all(i in ctx.env for i in node.inputs):
+            return tuple(node.inputs), [ctx.env[i] for i in node.inputs]
     return None
-
-
-def _same_attrs(a, b, names):
-    return all(getattr(a, n) == getattr(b, n) for n in names)
 
 
 # ---- LayerNorm -----------------------------------------------------------------------------
 
-def _ln_all(op, ctx, x, gamma, dy, x_id, dy_id):
-    """(dx, dgamma, dbeta) of LayerNorm for (x, dy); gamma None: borrow the sibling
-    LayerNormBackwardInput's gamma if it has one (dgamma does not depend on gamma)."""
-    key = ("layer_norm", x_id, dy_id, _attrs(op, "axis", "eps"))
-    if key in ctx.cache:
-        return ctx.cache[key]
-    if gamma is None:
-        gamma = _sibling_value(
-            ctx, "LayerNormBackwardInput",
-            lambda n: n.inputs[1] if (n.inputs[0] == x_id and n.inputs[2] == dy_id
-                                      and _same_attrs(n.op, op, ("axis", "eps"))) else None)
-    if gamma is None:
-        gamma = jnp.ones((x.shape[int(op.axis) % x.ndim],), x.dtype)
-    beta = jnp.zeros_like(gamma)
-    out = backward_fn("layer_norm")(x, gamma, beta, dy, axis=int(op.axis), eps=float(op.eps))
-    ctx.cache[key] = out
-    return out
+def _ln_compute(op, x, dy):
+    def compute(gamma, _extra):
+        if gamma is None:
+            gamma = jnp.ones((x.shape[int(op.axis) % x.ndim],), x.dtype)
+        return backward_fn("layer_norm")(x, gamma, jnp.zeros_like(gamma), dy, axis=int(op.axis),
+                                         eps=float(op.eps))
+    return compute
 
 
 @lowering_rule("LayerNormBackwardInput")
@@ -101,36 +140,37 @@ def _layer_norm_backward_input(op, args, ctx):
     # [x, gamma, dy] -> dx = rstd (g dy - mean(g dy) - xhat mean(g dy xhat)).
     x, gamma, dy = args
     ids = ctx.node_input_ids()
-    return ctx.cast_out(_ln_all(op, ctx, x, gamma, dy, ids[0], ids[2])[0])
+    out = _norm_with_gamma(ctx, "layer_norm", op_attr_key(op), (ids[0], ids[2]), ids,
+                           lambda: _ln_compute(op, x, dy)(gamma, None))
+    return ctx.cast_out(out[0])
 
 
 @lowering_rule("LayerNormBackwardGamma")
 def _layer_norm_backward_gamma(op, args, ctx):
-    # [x, dy] -> dgamma = sum_rows(dy * xhat).
+    # [x, dy] -> dgamma = sum_rows(dy * xhat) (independent of gamma).
     x, dy = args
-    ids = ctx.node_input_ids()
-    return ctx.cast_out(_ln_all(op, ctx, x, None, dy, ids[0], ids[1])[1])
+    ids, attrs = ctx.node_input_ids(), op_attr_key(op)
+
+    def sibling():
+        found = _lowered_sibling(ctx, "LayerNormBackwardInput", attrs,
+                                 lambda ins: (ins[0], ins[2]) == ids)
+        return None if found is None else (found[0], found[1][1], None)
+
+    return ctx.cast_out(_norm_gamma_free(ctx, "layer_norm", attrs, ids, sibling,
+                                         _ln_compute(op, x, dy))[1])
 
 
 # ---- GroupNorm -------------------------------------------------------------------------------
 
-def _gn_all(op, ctx, x, gamma, beta, dy, x_id, dy_id):
-    key = ("group_norm", x_id, dy_id, _attrs(op, "num_groups", "eps"))
-    if key in ctx.cache:
-        return ctx.cache[key]
-    if gamma is None:
-        gamma = _sibling_value(
-            ctx, "GroupNormBackwardInput",
-            lambda n: n.inputs[1] if (n.inputs[0] == x_id and n.inputs[3] == dy_id
-                                      and _same_attrs(n.op, op, ("num_groups", "eps"))) else None)
-    if gamma is None:
-        gamma = jnp.ones((x.shape[1],), x.dtype)
-    if beta is None:
-        beta = jnp.zeros_like(gamma)
-    out = backward_fn("group_norm")(x, gamma, beta, dy, num_groups=int(op.num_groups),
-                                    eps=float(op.eps))
-    ctx.cache[key] = out
-    return out
+def _gn_compute(op, x, dy):
+    def compute(gamma, beta):
+        if gamma is None:
+            gamma = jnp.ones((x.shape[1],), x.dtype)
+        if beta is None:
+            beta = jnp.zeros_like(gamma)
+        return backward_fn("group_norm")(x, gamma, beta, dy, num_groups=int(op.num_groups),
+                                         eps=float(op.eps))
+    return compute
 
 
 @lowering_rule("GroupNormBackwardInput")
@@ -138,33 +178,48 @@ def _group_norm_backward_input(op, args, ctx):
     # [x, gamma, beta, dy] -> dx (NCHW, statistics per sample and group).
     x, gamma, beta, dy = args
     ids = ctx.node_input_ids()
-    return ctx.cast_out(_gn_all(op, ctx, x, gamma, beta, dy, ids[0], ids[3])[0])
+    out = _norm_with_gamma(ctx, "group_norm", op_attr_key(op), (ids[0], ids[3]), ids,
+                           lambda: _gn_compute(op, x, dy)(gamma, beta))
+    return ctx.cast_out(out[0])
+
+
+def _gn_gamma_free(op, args, ctx):
+    x, dy = args
+    ids, attrs = ctx.node_input_ids(), op_attr_key(op)
+
+    def sibling():
+        found = _lowered_sibling(ctx, "GroupNormBackwardInput", attrs,
+                                 lambda ins: (ins[0], ins[3]) == ids)
+        return None if found is None else (found[0], found[1][1], found[1][2])
+
+    return _norm_gamma_free(ctx, "group_norm", attrs, ids, sibling, _gn_compute(op, x, dy))
 
 
 @lowering_rule("GroupNormBackwardGamma")
 def _group_norm_backward_gamma(op, args, ctx):
     # [x, dy] -> dgamma[c] = sum over batch and space of dy * xhat.
-    x, dy = args
-    ids = ctx.node_input_ids()
-    return ctx.cast_out(_gn_all(op, ctx, x, None, None, dy, ids[0], ids[1])[1])
+    return ctx.cast_out(_gn_gamma_free(op, args, ctx)[1])
 
 
 @lowering_rule("GroupNormBackwardBeta")
 def _group_norm_backward_beta(op, args, ctx):
     # [x, dy] -> dbeta[c] = sum over batch and space of dy.
-    x, dy = args
-    ids = ctx.node_input_ids()
-    return ctx.cast_out(_gn_all(op, ctx, x, None, None, dy, ids[0], ids[1])[2])
+    return ctx.cast_out(_gn_gamma_free(op, args, ctx)[2])
 
 
 # ---- BatchNormInference ---------------------------------------------------------------------
 
-def _bn_call(ctx, op, x, gamma, mean, var, dy, key):
-    if key in ctx.cache:
-        return ctx.cache[key]
-    out = backward_fn("batch_norm", "batch_norm_inference_backward")(
-        x, gamma, mean, var, dy, eps=float(getattr(op, "eps", 1e-5)))
-    ctx.cache[key] = out
+def _bn_compute(op, x, mean, var, dy):
+    def compute(gamma, _extra):
+        if gamma is None:
+            gamma = jnp.ones_like(mean)
+        return backward_fn("batch_norm", "batch_norm_inference_backward")(
+            x, gamma, mean, var, dy, eps=float(op.eps))
+    return compute
+
+
+def _bn_note_dbeta(ctx, dy_id, out):
+    ctx.cache.setdefault(("batch_norm dbeta", dy_id), out[2])
     return out
 
 
@@ -173,29 +228,36 @@ def _bn_backward_input(op, args, ctx):
     # [x, gamma, mean, var, dy] -> dx = dy * gamma[c] / sqrt(var[c] + eps).
     x, gamma, mean, var, dy = args
     ids = ctx.node_input_ids()
-    key = ("batch_norm", ids[0], ids[2], ids[3], ids[4], float(op.eps))
-    return ctx.cast_out(_bn_call(ctx, op, x, gamma, mean, var, dy, key)[0])
+    free = (ids[0], ids[2], ids[3], ids[4])
+    out = _norm_with_gamma(ctx, "batch_norm", op_attr_key(op), free, ids,
+                           lambda: _bn_compute(op, x, mean, var, dy)(gamma, None))
+    return ctx.cast_out(_bn_note_dbeta(ctx, ids[4], out)[0])
 
 
 @lowering_rule("BatchNormInferenceBackwardGamma")
 def _bn_backward_gamma(op, args, ctx):
     # [x, mean, var, dy] -> dgamma[c] = sum dy * (x - mean[c]) / sqrt(var[c] + eps).
     x, mean, var, dy = args
-    ids = ctx.node_input_ids()
-    key = ("batch_norm", ids[0], ids[1], ids[2], ids[3], float(op.eps))
-    gamma = jnp.ones_like(mean)  # dgamma does not depend on gamma
-    return ctx.cast_out(_bn_call(ctx, op, x, gamma, mean, var, dy, key)[1])
+    ids, attrs = ctx.node_input_ids(), op_attr_key(op)
+
+    def sibling():
+        found = _lowered_sibling(ctx, "BatchNormInferenceBackwardInput", attrs,
+                                 lambda ins: (ins[0],) + tuple(ins[2:]) == ids)
+        return None if found is None else (found[0], found[1][1], None)
+
+    out = _norm_gamma_free(ctx, "batch_norm", attrs, ids, sibling, _bn_compute(op, x, mean, var, dy))
+    return ctx.cast_out(_bn_note_dbeta(ctx, ids[3], out)[1])
 
 
 @lowering_rule("BatchNormInferenceBackwardBeta")
 def _bn_backward_beta(op, args, ctx):
-    # [dy] -> dbeta[c] = sum of dy over every axis but 1. Taken from the sibling
-    # BatchNormInferenceBackwardInput's fused call when there is one with the same dy.
+    # [dy] -> dbeta[c] = sum of dy over every axis but 1 (depends on dy only), taken from a
+    # sibling's fused call on the same dy when one was lowered.
     (dy,) = args
     dy_id = ctx.node_input_ids()[0]
-    for (tag, *ids), val in list(ctx.cache.items()):
-        if tag == "batch_norm" and ids[3] == dy_id:
-            return ctx.cast_out(val[2])
+    cached = ctx.cache.get(("batch_norm dbeta", dy_id))
+    if cached is not None:
+        return ctx.cast_out(cached)
     return ctx.cast_out(jnp.sum(dy, axis=tuple(i for i in range(dy.ndim) if i != 1)))
 
 
@@ -207,7 +269,7 @@ def _attention_all(op, args, ctx):
     nh, hd = int(op.num_heads), int(op.head_dim)
     scale = getattr(op, "score_scale", None)
     softcap = getattr(op, "attn_logit_softcap", None)
-    key = ("attention", ctx.node_input_ids(), nh, hd, str(op.mask_kind), scale, softcap)
+    key = sibling_key("attention", op, ctx, skip=("wrt",))
 
     def compute():
         bhsd = attention_layout(q, nh)
@@ -330,8 +392,7 @@ def _fake_quantize_backward(op, args, ctx):
 def _lsq_all(op, args, ctx):
     x, scale, dy = args
     axis = None if op.axis is None else int(op.axis)
-    key = ("lsq", ctx.node_input_ids(), int(op.bits), axis)
-    return ctx.memo(key, lambda: backward_fn("quantize", "fake_quantize_lsq_backward")(
+    return ctx.memo(sibling_key("lsq", op, ctx), lambda: backward_fn("quantize", "fake_quantize_lsq_backward")(
         x, scale, dy, bits=int(op.bits), axis=axis))
 
 

@@ -186,8 +186,11 @@ def _scan_backward_all(op, args, ctx):
 
 
 def _scan_backward_key(op, ctx):
-    return ("ScanBackward", ctx.node_input_ids(), id(op.body_vjp), int(op.length),
-            bool(op.save_trajectory), int(op.num_checkpoints))
+    # ScanBackward and its ScanBackwardXs siblings share one sweep: the key holds every
+    # input id and every attribute but the xs index that tells the siblings apart.
+    from .backward import op_attr_key
+
+    return ("ScanBackward", ctx.node_input_ids(), op_attr_key(op, skip=("xs_idx",)))
 
 
 @lowering_rule("ScanBackward")
@@ -229,13 +232,14 @@ def _if(op, args, ctx):
 
 @lowering_rule("While")
 def _while(op, args, ctx):
-    # Loop-carried values [v...]; cond(v) -> Bool scalar; body(v) -> next v.
+    # Loop-carried values [v...]; cond(v) -> any shape, true while all non-zero; body(v) -> next v.
     # Bounded by max_iterations: a scan of that many steps with a done flag (stays
     # reverse-differentiable). Unbounded: lax.while_loop (forward-mode only).
     init = list(args)
 
     def cond_fn(vals):
-        return _scalar_pred(ctx.lower_body(op.cond, list(vals))[0])
+        # RLX: the loop goes on while every element of cond's output is non-zero
+        return jnp.all(truthy(ctx.lower_body(op.cond, list(vals))[0]))
 
     def body_fn(vals):
         outs = ctx.lower_body(op.body, list(vals))

@@ -71,8 +71,20 @@ def _split_heads(qkv, num_heads, head_dim):
     return [p.reshape(b, s, num_heads, head_dim) for p in parts]
 
 
+def keep_mask(mask, batch: int, seq: int):
+    """RLX's Custom keep-mask as ``[B, S_k]``: the first ``B * S_k`` elements of ``mask`` in
+    row-major order (RLX's kernels read that prefix of the buffer, so a ``[B, H, S, S]``
+    mask is accepted with that meaning)."""
+    if mask.shape == (batch, seq):
+        return mask
+    if mask.size < batch * seq:
+        raise ValueError(f"mask of shape {mask.shape} holds fewer than B * S_k = {batch * seq} elements")
+    return mask.reshape(-1)[:batch * seq].reshape(batch, seq)
+
+
 def _attend(q, k, v, mask):
     """Attention with a Custom [B, S_k] keep-mask on [B, S, H, D] operands."""
+    mask = keep_mask(mask, k.shape[0], k.shape[1])
     return fused("attention")(q, k, v, **attention_kwargs("Custom", mask, None, None))
 
 

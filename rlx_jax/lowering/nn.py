@@ -25,10 +25,11 @@ def fused(name: str):
 
 
 def index_array(ix):
-    """RLX indices are f32-encoded (or integer): -> int32."""
+    """RLX indices are f32-encoded (or integer): -> int32. A float index converts as RLX's
+    ``as usize`` does: truncated toward zero (2.7 -> 2), negatives saturating to 0."""
     if jnp.issubdtype(ix.dtype, jnp.integer):
         return ix.astype(jnp.int32)
-    return jnp.round(ix).astype(jnp.int32)
+    return jnp.maximum(jnp.trunc(ix), 0).astype(jnp.int32)
 
 
 def class_labels(labels, classes: int):
