@@ -18,16 +18,12 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from rlx_jax import ops  # noqa: E402
-from rlx_jax.parallel import context_parallel_attention, zigzag_permutation  # noqa: E402
+from rlx_jax.parallel import count_collectives, context_parallel_attention, zigzag_permutation  # noqa: E402
 from rlx_jax.vjp_rules.attention import reference_attention  # noqa: E402
 
 MESH8 = Mesh(np.array(jax.devices()), ("cp",))
 
 
-def collectives(hlo: str) -> dict:
-    """Count of each collective op in a compiled HLO text."""
-    names = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
-    return {n: len(re.findall(rf"= [^=]*\b{n}(-start)?\(", hlo)) for n in names}
 
 
 def inputs(b, s, h, hkv, d, seed=0):
@@ -97,7 +93,7 @@ def case_sharded_zigzag():
     got_g = [g[:, np.argsort(perm)] for g in got_g]
     hlo = fn.lower(*placed).compile().as_text()
     return {"case": "sharded_zigzag", "max_err": max_rel_err((got_v, got_g), (want_v, want_g)),
-            "collectives": collectives(hlo),
+            "collectives": count_collectives(hlo),
             "kernels": sorted(set(re.findall(r'custom_call_target="(rlx_[a-z0-9_]+)"', hlo)))}
 
 
