@@ -71,9 +71,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.devices < 1:
         raise CliError(f"--devices must be positive (got {args.devices})")
-    if args.device == "cpu" and args.devices > 1:
+    host_devices = args.devices
+    if args.mesh and args.devices == 1:  # --mesh alone: as many host devices as the mesh has
+        from rlx_jax.parallel.mesh import mesh_size
+
+        host_devices = mesh_size(args.mesh)
+    if args.device == "cpu" and host_devices > 1:
         # host "devices" must be requested before the CPU backend starts
-        jax.config.update("jax_num_cpu_devices", args.devices)
+        jax.config.update("jax_num_cpu_devices", host_devices)
     from rlx_jax.models import TransformerConfig
     from rlx_jax.train.loop import TrainConfig, write_outputs
     from rlx_jax.train.tasks import train_classifier, train_lm
@@ -85,7 +90,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise CliError(f"--{name.replace('_', '-')} must be positive (got {value})")
     precision = args.precision or ("bf16" if args.device == "gpu" else "f32")
     cfg = TrainConfig(fused=args.fused, seed=args.seed, checkpoint=args.checkpoint, out_dir=args.out,
-                      progress=not args.no_progress, devices=args.devices, precision=precision)
+                      progress=not args.no_progress, devices=args.devices, precision=precision,
+                      mesh=args.mesh)
     if args.steps is not None:
         cfg.steps = args.steps
         cfg.eval_every = max(1, min(cfg.eval_every, args.steps))
@@ -172,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_train.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     p_train.add_argument("--devices", type=int, default=1,
                          help="data parallel over N devices (on the CPU: N host devices)")
+    p_train.add_argument("--mesh", default=None, metavar="SPEC",
+                         help="device mesh, e.g. data=2,model=2: batch over data, heads / FFN / vocabulary "
+                              "over model (on the CPU: that many host devices, or --devices N of them)")
     p_train.add_argument("--steps", type=int, default=None, help="default 400 (transformer), 600 (cnn/mlp)")
     p_train.add_argument("--batch-size", type=int, default=None, help="default 16 (transformer), 64 (cnn/mlp)")
     p_train.add_argument("--seq-len", type=int, default=None, help="transformer context length (default 64)")

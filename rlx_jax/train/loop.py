@@ -49,6 +49,7 @@ class TrainConfig:
     progress: bool = True
     devices: int = 1  # data parallel over this many devices of the default backend
     precision: str = "f32"  # compute dtype of the step: "f32" or "bf16" (f32 master weights)
+    mesh: str | None = None  # e.g. "data=2,model=2": data x tensor parallel (rlx_jax.parallel.mesh)
 
 
 PRECISIONS = ("f32", "bf16")
@@ -90,17 +91,22 @@ def data_mesh(devices: int):
 
 def batch_sharding(mesh):
     """Inputs are split along their first (batch) axis over the mesh's "data" axis."""
-    return None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    from rlx_jax.parallel.mesh import batch_spec
+
+    return None if mesh is None else jax.sharding.NamedSharding(mesh, batch_spec(mesh))
 
 
-def make_step(graph, optimizer, fused: bool, mesh=None, precision: str = "f32") -> Callable:
+def make_step(graph, optimizer, fused: bool, mesh=None, config=None, precision: str = "f32") -> Callable:
     """A compiled (params, opt_state, inputs) -> (params, opt_state, loss) update; the graph
     runs in ``precision`` (``compute_dtype_map``), params and optimiser state stay f32 and
     the loss comes back f32.
 
     With a mesh, the inputs are split along their batch axis over its "data" axis and
     the parameters and optimiser state are replicated: data parallelism, where the
-    fused kernels run on each shard and the parameter gradients are all-reduced."""
+    fused kernels run on each shard and the parameter gradients are all-reduced. A mesh
+    with a "model" axis also splits the parameters (and their optimiser state) as
+    ``rlx_jax.parallel.mesh.param_specs`` says for the model of ``config``: tensor
+    parallelism."""
     import optax
 
     fn = to_jax(graph, dtype_map=compute_dtype_map(precision))
@@ -116,11 +122,15 @@ def make_step(graph, optimizer, fused: bool, mesh=None, precision: str = "f32") 
     params, opt_state, inputs = _abstract_step_args(graph, optimizer)
     jitted = jax.jit(step)
     if mesh is not None:
+        from rlx_jax.parallel.mesh import param_shardings, state_shardings
+
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        split = batch_sharding(mesh)
-        place = lambda tree, sh: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), tree)
-        params, opt_state, inputs = place(params, replicated), place(opt_state, replicated), place(inputs, split)
-        jitted = jax.jit(step, out_shardings=(replicated, replicated, replicated))
+        p_sh = param_shardings(params, mesh, config)
+        s_sh = state_shardings(opt_state, params, p_sh, mesh)
+        place = lambda tree, sh: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, sh)
+        params, opt_state = place(params, p_sh), place(opt_state, s_sh)
+        inputs = place(inputs, jax.tree.map(lambda _: batch_sharding(mesh), inputs))
+        jitted = jax.jit(step, out_shardings=(p_sh, s_sh, replicated))
     with fused_ops(fused):  # traced now, under the chosen setting
         return jitted.lower(params, opt_state, inputs).compile()
 
@@ -179,13 +189,20 @@ def run_steps(*, name, graph, model, cfg: TrainConfig, batch_fn, evaluate, token
         params = jax.tree.map(jnp.asarray, params)
         opt_state = jax.tree.map(jnp.asarray, opt_state)
     mesh = data_mesh(cfg.devices)
+    if cfg.mesh:
+        from rlx_jax.parallel.mesh import parse_mesh
+
+        mesh = parse_mesh(cfg.mesh, allowed=("data", "model"))
     if mesh is not None:
-        if cfg.batch_size % cfg.devices:
-            raise ValueError(f"batch size {cfg.batch_size} must be divisible by --devices {cfg.devices}")
-        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        params, opt_state = jax.device_put((params, opt_state), replicated)
+        from rlx_jax.parallel.mesh import param_shardings, state_shardings
+
+        data = int(mesh.shape.get("data", 1))
+        if cfg.batch_size % data:
+            raise ValueError(f"batch size {cfg.batch_size} must be divisible by the data axis ({data} devices)")
+        p_sh = param_shardings(params, mesh, model.config)
+        params, opt_state = jax.device_put((params, opt_state), (p_sh, state_shardings(opt_state, params, p_sh, mesh)))
     t_compile = time.perf_counter()
-    step_fn = make_step(graph, optimizer, cfg.fused, mesh, cfg.precision)
+    step_fn = make_step(graph, optimizer, cfg.fused, mesh, model.config, cfg.precision)
     compile_s = time.perf_counter() - t_compile
 
     def save(step):
@@ -235,6 +252,7 @@ def run_steps(*, name, graph, model, cfg: TrainConfig, batch_fn, evaluate, token
         "interrupted": interrupted,
         "compile_s": compile_s,
         "devices": cfg.devices,
+        "mesh": cfg.mesh,
         "tokens_per_s": timed_tokens / elapsed if elapsed > 0 else None,
         "history": history,
         "evals": evals,
