@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad
 
+from rlx_jax._kernels import target as ffi_target
 from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, Partition
 
 
@@ -80,7 +81,7 @@ def reference_rope_bwd(dy, cos, sin, *, head_dim, n_rot):
 def _kernel(target):
     def call(x, cos, sin, *, head_dim, n_rot):
         out = (jax.ShapeDtypeStruct(x.shape, x.dtype),)
-        return jax.ffi.ffi_call(target, out)(x, cos, sin, head_dim=np.int64(head_dim), n_rot=np.int64(n_rot))
+        return jax.ffi.ffi_call(ffi_target(target), out)(x, cos, sin, head_dim=np.int64(head_dim), n_rot=np.int64(n_rot))
 
     return call
 
