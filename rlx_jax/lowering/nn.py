@@ -242,9 +242,10 @@ def _cumsum(op, args, ctx):
 
 @lowering_rule("Gather")
 def _gather(op, args, ctx):
-    # np.take(table, indices, axis): out = table.shape[:axis] + idx.shape + table.shape[axis+1:].
+    # np.take(table, clip(indices), axis): out = table.shape[:axis] + idx.shape + table.shape[axis+1:];
+    # RLX clamps out-of-range indices (mode="clip").
     table, idx = args
-    return ctx.cast_out(fused("gather")(table, index_array(idx), axis=int(op.axis)))
+    return ctx.cast_out(fused("gather")(table, index_array(idx), axis=int(op.axis), mode="clip"))
 
 
 @lowering_rule("ComplexNormSq")
