@@ -63,7 +63,7 @@ def _close(a, b, tol):
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
         if tol >= 1e-3:  # 16-bit: rounding differs elementwise, compare the error's norm (with an
             # O(1)-per-element floor: a gradient that is zero in exact arithmetic is rounding noise)
-            bound = tol * max(np.linalg.norm(y), 0.1 * np.sqrt(y.size))
+            bound = tol * max(np.linalg.norm(y), 0.5 * np.sqrt(y.size))
             assert np.linalg.norm(x - y) <= bound, (np.linalg.norm(x - y), bound)
         else:
             np.testing.assert_allclose(x, y, rtol=tol, atol=tol)
