@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _LAZY = {
     "kernel_info": "rlx_jax._kernels",
+    "export_safety_checks": "rlx_jax._kernels",
     "fused_ops": "rlx_jax.vjp_rules._primitive",
     "ops": "rlx_jax.ops",
     # IR (rlx_jax/ir)

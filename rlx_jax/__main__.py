@@ -7,11 +7,18 @@
     rlx-jax train --model cnn     train the CNN graph on scikit-learn's digits
     rlx-jax grad G.json --wrt W   write the gradient graph (RLX JSON) of a saved graph
     rlx-jax bench                 run the kernel benchmarks (from a source checkout)
+    rlx-jax --version             the rlx_jax and jax versions
+
+``train`` needs the ``[train]`` extra (optax; scikit-learn for the digits models); without
+it, one line names the extra to install and the exit status is 2. tqdm and matplotlib
+are optional at run time: without them there is no progress bar or no loss-curve PNG,
+and a one-line note says so.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 
@@ -66,7 +73,26 @@ def _select_device(name: str) -> None:
         jax.config.update("jax_default_device", jax.devices("cpu")[0])
 
 
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+def _require_train_extra(model: str) -> None:
+    """Raises CliError naming the extra when a module ``train`` cannot run without is missing."""
+    needed = ["optax"] + (["sklearn"] if model in ("cnn", "mlp") else [])
+    missing = [m for m in needed if not _importable(m)]
+    if missing:
+        names = {"sklearn": "scikit-learn"}
+        raise CliError(f"`rlx-jax train` needs {', '.join(names.get(m, m) for m in missing)}: "
+                       "pip install 'rlx_jax[train]'")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    _require_train_extra(args.model)
     import jax
 
     if args.devices < 1:
@@ -89,9 +115,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         if value is not None and value <= 0:
             raise CliError(f"--{name.replace('_', '-')} must be positive (got {value})")
     precision = args.precision or ("bf16" if args.device == "gpu" else "f32")
+    progress = not args.no_progress
+    if progress and not _importable("tqdm"):
+        print("rlx-jax train: note: tqdm is not installed, so no progress bar (pip install 'rlx_jax[train]')")
+        progress = False
     cfg = TrainConfig(fused=args.fused, seed=args.seed, checkpoint=args.checkpoint, out_dir=args.out,
-                      progress=not args.no_progress, devices=args.devices, precision=precision,
-                      mesh=args.mesh)
+                      progress=progress, devices=args.devices, precision=precision, mesh=args.mesh)
     if args.steps is not None:
         cfg.steps = args.steps
         cfg.eval_every = max(1, min(cfg.eval_every, args.steps))
@@ -128,7 +157,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         print("--- sample (prompt from held-out text, then generated) ---")
         print(record["sample_prompt"] + "\u2502" + record["sample"])
         print("---")
-    print(f"log: {paths['log']}  loss curve: {paths['plot']}")
+    if paths.get("plot"):
+        print(f"log: {paths['log']}  loss curve: {paths['plot']}")
+    else:
+        print(f"log: {paths['log']}  (no loss-curve PNG: matplotlib is not installed; pip install 'rlx_jax[train]')")
     return 130 if record["interrupted"] else 0
 
 
@@ -163,12 +195,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(forwarded[1:] if forwarded[:1] == ["--"] else forwarded)
 
 
+def _version_line() -> str:
+    """``rlx-jax <version> (jax <version>)``, read without importing jax."""
+    from importlib import metadata
+
+    from rlx_jax import __version__
+
+    try:
+        jax_version = metadata.version("jax")
+    except metadata.PackageNotFoundError:
+        jax_version = "not installed"
+    return f"rlx-jax {__version__} (jax {jax_version})"
+
+
 class CliError(Exception):
     """A user-facing error: printed as one line, exit status 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlx-jax", description="rlx_jax: the RLX gradient compiler on JAX/XLA")
+    parser.add_argument("--version", action="version", version=_version_line())
     sub = parser.add_subparsers(dest="command")
     p_info = sub.add_parser("info", help="devices, loaded kernels, and a fused-gradient self-check")
     p_info.set_defaults(func=cmd_info)

@@ -4,6 +4,14 @@ At import, each compiled module (``_ffi_cpu``, ``_ffi_cuda``) is loaded if prese
 XLA FFI API version is checked against the running jaxlib, and its handlers are registered
 with XLA for their platform. ``kernel_info()`` reports what happened; ``has_kernel`` is
 what the lowering rules ask before emitting an ``ffi_call``.
+
+FFI target names are versioned: kernel ``rlx_rms_norm_fwd`` is registered as
+``rlx_rms_norm_fwd_v1``, and ``target(kernel)`` gives the name a lowering emits. A
+version pins the handler's ABI (operands, results, attributes), so a function
+serialized with ``jax.export`` keeps finding a handler it can call; a new ABI for one
+kernel is a new version registered beside the old ones. The registered names are
+declared stable to ``jax.export`` (see ``declare_export_stable``), so exporting a
+function that uses rlx_jax ops needs no extra arguments.
 """
 
 from __future__ import annotations
@@ -21,6 +29,58 @@ import jax
 _MODULES = {"cpu": ("rlx_jax._ffi_cpu", "cpu"), "cuda": ("rlx_jax._ffi_cuda", "CUDA")}
 
 _INFO: dict[str, dict] = {}
+
+#: the ABI version each kernel's lowering emits, when it is not 1. Bump an entry only
+#: together with the call site that needs the new ABI, and keep the older version's
+#: handler registered while exported functions that call it are supported.
+ABI_VERSIONS: dict[str, int] = {}
+
+_VERSIONED = re.compile(r"^(?P<kernel>.+)_v(?P<version>[0-9]+)$")
+
+
+def target(kernel: str) -> str:
+    """The versioned FFI target name that lowerings emit for ``kernel``
+    (``"rlx_rms_norm_fwd"`` -> ``"rlx_rms_norm_fwd_v1"``). A name that already
+    carries a version is returned unchanged."""
+    if _VERSIONED.match(kernel):
+        return kernel
+    return f"{kernel}_v{ABI_VERSIONS.get(kernel, 1)}"
+
+
+def registered_targets() -> list[str]:
+    """Every versioned FFI target name registered on any platform, sorted."""
+    _ensure_loaded()
+    return sorted({t for info in _INFO.values() for t in info["targets"]})
+
+
+def export_safety_checks() -> list:
+    """``jax.export.DisabledSafetyCheck.custom_call`` for every registered rlx_jax FFI
+    target: the public-API way to let ``jax.export`` serialize calls to them,
+    ``jax.export.export(f, disabled_checks=rlx_jax.export_safety_checks())``. Only
+    needed when ``declare_export_stable`` could not declare the targets (a jax whose
+    export module no longer has the registry it updates)."""
+    from jax.export import DisabledSafetyCheck
+
+    return [DisabledSafetyCheck.custom_call(t) for t in registered_targets()]
+
+
+def declare_export_stable(targets) -> bool:
+    """Adds ``targets`` to jax.export's set of custom-call targets whose compatibility
+    is guaranteed, so that ``jax.export.export`` serializes calls to them without
+    ``disabled_checks``. jax (0.10) has no public API for this: the set is
+    ``jax._src.export._export._CUSTOM_CALL_TARGETS_GUARANTEED_STABLE``. The guarantee
+    is ours to keep: a registered ``<kernel>_v<N>`` never changes its ABI. Returns
+    False (and changes nothing) when that set is not found; ``export_safety_checks()``
+    then gives the public-API alternative."""
+    try:
+        from jax._src.export import _export
+    except ImportError:
+        return False
+    stable = getattr(_export, "_CUSTOM_CALL_TARGETS_GUARANTEED_STABLE", None)
+    if not isinstance(stable, set):
+        return False
+    stable.update(targets)
+    return True
 _WARNED: set[str] = set()
 
 
@@ -59,7 +119,8 @@ def _import_module(module_name: str):
 
 def _load(platform: str) -> dict:
     module_name, xla_platform = _MODULES[platform]
-    info = {"loaded": False, "module": module_name, "targets": [], "error": None, "ffi_api": None}
+    info = {"loaded": False, "module": module_name, "targets": [], "error": None, "ffi_api": None,
+            "export_stable": False}
     try:
         module = _import_module(module_name)
     except ImportError as exc:
@@ -77,6 +138,8 @@ def _load(platform: str) -> dict:
         return info
     try:
         for name, capsule in sorted(module.registrations().items()):
+            if not _VERSIONED.match(name):
+                raise ValueError(f"FFI target {name!r} has no ABI version suffix")
             jax.ffi.register_ffi_target(name, capsule, platform=xla_platform)
             info["targets"].append(name)
     except Exception as exc:  # registration failures must not break import
@@ -84,6 +147,7 @@ def _load(platform: str) -> dict:
         info["targets"] = []
         return info
     info["loaded"] = True
+    info["export_stable"] = declare_export_stable(info["targets"])
     return info
 
 
@@ -105,26 +169,29 @@ def _ensure_loaded() -> None:
 
 def kernel_info() -> dict[str, dict]:
     """Per platform ("cpu", "cuda"): whether the compiled library loaded, its module,
-    the FFI targets it registered, the FFI API version it was built against, and the
-    error that stopped it, if any."""
+    the versioned FFI targets it registered, the FFI API version it was built against,
+    whether its targets were declared stable to ``jax.export``, and the error that
+    stopped it, if any."""
     _ensure_loaded()
     return {p: {k: (list(v) if isinstance(v, list) else v) for k, v in i.items()} for p, i in _INFO.items()}
 
 
-def has_kernel(platform: str, target: str) -> bool:
-    """True when a compiled handler for ``target`` is registered on ``platform``.
+def has_kernel(platform: str, kernel: str) -> bool:
+    """True when a compiled handler for ``kernel`` (a bare kernel name, at the ABI
+    version ``target(kernel)`` emits, or a versioned name) is registered on ``platform``.
 
     When it is not, the caller lowers the op's pure-JAX reference; the first such
     fallback on a platform warns once (with the reason)."""
     _ensure_loaded()
     info = _INFO.get(platform)
-    if info is not None and target in info["targets"]:
+    name = target(kernel)
+    if info is not None and name in info["targets"]:
         return True
     if platform not in _WARNED:
         _WARNED.add(platform)
         reason = info["error"] if info is not None else f"no compiled module for platform {platform!r}"
         warnings.warn(
-            f"rlx_jax: no compiled kernel {target!r} on {platform}; using the pure-JAX reference "
+            f"rlx_jax: no compiled kernel {name!r} on {platform}; using the pure-JAX reference "
             f"({reason})",
             RuntimeWarning,
             stacklevel=2,

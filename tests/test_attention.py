@@ -125,7 +125,7 @@ def _oid(opts):
 def test_compiled_kernels_are_registered_and_used():
     info = rlx_jax.kernel_info()[platform()]
     assert info["loaded"], info["error"]
-    assert {"rlx_attention_fwd", "rlx_attention_bwd"} <= set(info["targets"])
+    assert {"rlx_attention_fwd_v1", "rlx_attention_bwd_v1"} <= set(info["targets"])
     q, k, v, mask, bias, _ = _inputs(1, 8, 8, 2, 1, 4)
     fwd = hlo_text(lambda q, k, v: attention(q, k, v, mask_kind="causal"), q, k, v)
     assert "rlx_attention_fwd" in fwd
@@ -421,11 +421,11 @@ def test_kernel_rejects_bad_buffers_with_an_error():
     attrs = A._attrs("none", 0, 0.5, 0.0, False, False)
     empty_mask, empty_bias = jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.float32)
     bad_lse = jax.ShapeDtypeStruct((1, 4, 3), jnp.float32)  # Sq is 4
-    call = jax.ffi.ffi_call("rlx_attention_fwd", (jax.ShapeDtypeStruct(q.shape, q.dtype), bad_lse))
+    call = jax.ffi.ffi_call("rlx_attention_fwd_v1", (jax.ShapeDtypeStruct(q.shape, q.dtype), bad_lse))
     with pytest.raises(Exception, match="lse"):
         jax.block_until_ready(jax.jit(lambda *a: call(*a, **attrs))(q, k, v, empty_mask, empty_bias))
     good_lse = jax.ShapeDtypeStruct((1, 4, 4), jnp.float32)
-    call = jax.ffi.ffi_call("rlx_attention_fwd", (jax.ShapeDtypeStruct(q.shape, q.dtype), good_lse))
+    call = jax.ffi.ffi_call("rlx_attention_fwd_v1", (jax.ShapeDtypeStruct(q.shape, q.dtype), good_lse))
     with pytest.raises(Exception, match="kv heads"):
         k3 = jnp.zeros((1, 5, 3, 8), jnp.float32)
         jax.block_until_ready(jax.jit(lambda *a: call(*a, **attrs))(q, k3, k3, empty_mask, empty_bias))

@@ -263,7 +263,7 @@ def test_nan_row_propagates_as_cpu_kernel(dtype, d):
 def test_cuda_targets_in_hlo():
     info = rlx_jax.kernel_info()["cuda"]
     assert info["loaded"], info["error"]
-    assert {"rlx_attention_fwd", "rlx_attention_bwd"} <= set(info["targets"])
+    assert {"rlx_attention_fwd_v1", "rlx_attention_bwd_v1"} <= set(info["targets"])
     q, k, v, dy, _, _ = _inputs(2, 64, 64, 4, 2, 64, jnp.bfloat16, 0)
     fn = jax.jit(lambda q, k, v: jax.vjp(lambda q, k, v: attention(q, k, v, mask_kind="causal"), q, k, v)[1](dy))
     text = fn.lower(q, k, v).as_text()
@@ -310,7 +310,7 @@ def test_bad_scratch_is_an_error():
     shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
               jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(bb.shape, bb.dtype),
               jax.ShapeDtypeStruct((3,), jnp.float32))  # needs B * H * Sq = 32
-    call = jax.ffi.ffi_call("rlx_attention_bwd", shapes)
+    call = jax.ffi.ffi_call("rlx_attention_bwd_v1", shapes)
     attrs = A._attrs("none", 0, p["scale"], 0.0, False, False)
     with pytest.raises(Exception, match="scratch"):
         jax.block_until_ready(jax.jit(lambda *a: call(*a, **attrs))(q, k, v, out, lse, dy, jnp.zeros_like(lse), m, bb))

@@ -59,7 +59,7 @@ def test_compiled_kernel_is_registered_and_used():
     assert info["loaded"], info["error"]
     if platform() != "cpu":
         pytest.skip("the backward kernel is CPU-only")
-    assert "rlx_batch_norm_inference_bwd" in info["targets"]
+    assert "rlx_batch_norm_inference_bwd_v1" in info["targets"]
     args, _ = _inputs((2, 4, 3), jnp.float32)
     text = hlo_text(jax.grad(lambda *a: jnp.sum(_ours(*a) ** 2), (0, 1, 2, 3, 4)), *args)
     assert "rlx_batch_norm_inference_bwd" in text
@@ -179,7 +179,7 @@ def test_kernel_rejects_bad_buffers_with_an_error():
         pytest.skip("CPU handler check")
     out = (jax.ShapeDtypeStruct((2, 4), jnp.float32), jax.ShapeDtypeStruct((4,), jnp.float32),
            jax.ShapeDtypeStruct((4,), jnp.float32))
-    bad = jax.ffi.ffi_call("rlx_batch_norm_inference_bwd", out)
+    bad = jax.ffi.ffi_call("rlx_batch_norm_inference_bwd_v1", out)
     with pytest.raises(Exception, match="var must have shape"):
         jax.block_until_ready(bad(jnp.ones((2, 4)), jnp.ones(4), jnp.ones(4), jnp.ones(3), jnp.ones((2, 4)),
                                   eps=np.float32(EPS)))

@@ -84,7 +84,7 @@ def _check(x, g, m, v, dy, got, dtype):
 def test_cuda_target_loaded_and_in_hlo():
     info = rlx_jax.kernel_info()["cuda"]
     assert info["loaded"], info["error"]
-    assert "rlx_batch_norm_inference_bwd" in info["targets"]
+    assert "rlx_batch_norm_inference_bwd_v1" in info["targets"]
     x, g, m, v, dy = _inputs((4, 8, 6, 6), jnp.float32, 0)
     f = jax.jit(lambda *a: jax.vjp(lambda *p: batch_norm_inference(*p, eps=EPS), *a)[1](dy))
     text = f.lower(x, g, jnp.zeros_like(g), m, v).as_text()
@@ -146,7 +146,7 @@ def test_backward_bitwise_deterministic(shape):
 def _call(x, g, m, v, dy, scratch_len):
     p = jax.ShapeDtypeStruct(g.shape, g.dtype)
     out = (jax.ShapeDtypeStruct(x.shape, x.dtype), p, p, jax.ShapeDtypeStruct((scratch_len,), jnp.float32))
-    return jax.ffi.ffi_call("rlx_batch_norm_inference_bwd", out)(x, g, m, v, dy, eps=np.float32(EPS))[:3]
+    return jax.ffi.ffi_call("rlx_batch_norm_inference_bwd_v1", out)(x, g, m, v, dy, eps=np.float32(EPS))[:3]
 
 
 def test_bad_operands_are_errors():

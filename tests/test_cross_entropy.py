@@ -53,7 +53,7 @@ def _oracle(logits, labels, ignore_index=-100):
 def test_kernels_registered_and_used():
     info = rlx_jax.kernel_info()[platform()]
     assert info["loaded"], info["error"]
-    assert {"rlx_softmax_ce_fwd", "rlx_softmax_ce_bwd"} <= set(info["targets"])
+    assert {"rlx_softmax_ce_fwd_v1", "rlx_softmax_ce_bwd_v1"} <= set(info["targets"])
     logits, labels = _inputs(4, 9)
     text = hlo_text(jax.grad(lambda x: jnp.sum(softmax_cross_entropy(x, labels))), logits)
     assert "rlx_softmax_ce_fwd" in text and "rlx_softmax_ce_bwd" in text
@@ -174,8 +174,8 @@ def test_cpu_gradient_needs_no_forward_kernel():
     value_and_grad keeps both kernels."""
     logits, labels = _inputs(8, 37)
     loss = lambda x: jnp.sum(softmax_cross_entropy(x, labels))
-    assert _compiled_targets(jax.grad(loss), logits) == ["rlx_softmax_ce_bwd"]
-    assert _compiled_targets(jax.value_and_grad(loss), logits) == ["rlx_softmax_ce_bwd", "rlx_softmax_ce_fwd"]
+    assert _compiled_targets(jax.grad(loss), logits) == ["rlx_softmax_ce_bwd_v1"]
+    assert _compiled_targets(jax.value_and_grad(loss), logits) == ["rlx_softmax_ce_bwd_v1", "rlx_softmax_ce_fwd_v1"]
 
 
 def _bwd_both_paths(dtype):

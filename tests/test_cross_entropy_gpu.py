@@ -45,7 +45,7 @@ def _close(got, want, dtype, what, scale=None):
 def test_cuda_kernels_loaded_and_in_hlo():
     info = rlx_jax.kernel_info()["cuda"]
     assert info["loaded"], info["error"]
-    assert {"rlx_softmax_ce_fwd", "rlx_softmax_ce_bwd"} <= set(info["targets"])
+    assert {"rlx_softmax_ce_fwd_v1", "rlx_softmax_ce_bwd_v1"} <= set(info["targets"])
     logits, labels, _ = _inputs(8, 256, jnp.float32, 0)
     fn = jax.jit(lambda x, y: jax.grad(lambda x: jnp.sum(softmax_cross_entropy(x, y)))(x))
     text = fn.lower(logits, labels).as_text()
@@ -125,6 +125,6 @@ def test_extreme_logits():
 def test_bad_labels_dtype_is_an_error_not_a_crash():
     logits, _, _ = _inputs(4, 64, jnp.float32, seed=1)
     out = (jax.ShapeDtypeStruct((4,), jnp.float32), jax.ShapeDtypeStruct((4,), jnp.float32))
-    call = jax.ffi.ffi_call("rlx_softmax_ce_fwd", out)
+    call = jax.ffi.ffi_call("rlx_softmax_ce_fwd_v1", out)
     with pytest.raises(Exception, match="int32"):
         jax.block_until_ready(jax.jit(call)(logits, jnp.zeros((4,), jnp.float32)))

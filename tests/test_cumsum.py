@@ -23,7 +23,7 @@ def _x(shape, dtype=jnp.float32, seed=0):
 def test_kernels_registered_and_used():
     info = rlx_jax.kernel_info()[platform()]
     assert info["loaded"], info["error"]
-    assert {"rlx_cumsum_fwd", "rlx_cumsum_bwd"} <= set(info["targets"])
+    assert {"rlx_cumsum_fwd_v1", "rlx_cumsum_bwd_v1"} <= set(info["targets"])
     text = hlo_text(jax.grad(lambda x: jnp.sum(cumsum(x, axis=1) ** 2)), _x((3, 4)))
     assert "rlx_cumsum_fwd" in text and "rlx_cumsum_bwd" in text
 

@@ -51,7 +51,7 @@ def _close(got, want, dtype, what):
 def test_cuda_kernels_loaded_and_in_hlo():
     info = rlx_jax.kernel_info()["cuda"]
     assert info["loaded"], info["error"]
-    assert {"rlx_cumsum_fwd", "rlx_cumsum_bwd"} <= set(info["targets"])
+    assert {"rlx_cumsum_fwd_v1", "rlx_cumsum_bwd_v1"} <= set(info["targets"])
     x = _x((3, 40000))
     text = jax.jit(jax.grad(lambda x: jnp.sum(cumsum(x, axis=1) ** 2))).lower(x).as_text()
     assert "rlx_cumsum_fwd" in text and "rlx_cumsum_bwd" in text
@@ -193,7 +193,7 @@ def test_handler_rejects_bad_operands():
 
     def call(x, n, dtype=jnp.float32):
         out = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((n,), dtype))
-        return jax.ffi.ffi_call("rlx_cumsum_fwd", out)(x, exclusive=np.bool_(False))
+        return jax.ffi.ffi_call("rlx_cumsum_fwd_v1", out)(x, exclusive=np.bool_(False))
 
     need = cuda_scratch_size(2, 40000, 1)
     assert need > 1

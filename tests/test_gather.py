@@ -1,5 +1,5 @@
-"""gather / gather_backward / scatter_add: np.take semantics on every axis, clamped
-out-of-range indices, the race-free scatter-add kernel vs NumPy, gradients in every
+"""gather / gather_backward / scatter_add: np.take semantics on every axis, the
+out-of-range modes ("fill" default, "clip", "promise_in_bounds") against jnp.take, the race-free scatter-add kernel vs NumPy, gradients in every
 mode, vmap, zero-sized inputs, errors."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def np_scatter(dy, idx, axis, table_shape):
 def test_kernel_registered_and_used():
     info = rlx_jax.kernel_info()["cpu"]
     assert info["loaded"], info["error"]
-    assert "rlx_gather_bwd" in info["targets"]
+    assert "rlx_gather_bwd_v1" in info["targets"]
     t, idx = _table((10, 4)), jnp.array([1, 3, 3])
     assert "rlx_gather_bwd" in hlo_text(jax.grad(lambda t: jnp.sum(gather(t, idx) ** 2)), t)
     assert "rlx_gather_bwd" in hlo_text(lambda u: scatter_add(u, idx, 10), jnp.ones((3, 4)))
@@ -84,13 +84,13 @@ def test_f64(x64):
 def test_out_of_range_indices_clamp_in_forward_and_backward():
     table = _table((5, 2))
     idx = jnp.array([-3, 0, 4, 5, 100])
-    out = gather(table, idx)
+    out = gather(table, idx, mode="clip")
     np.testing.assert_array_equal(out, np.asarray(table)[[0, 0, 4, 4, 4]])
-    d = jax.grad(lambda t: jnp.sum(gather(t, idx)))(table)
+    d = jax.grad(lambda t: jnp.sum(gather(t, idx, mode="clip")))(table)
     np.testing.assert_array_equal(d[:, 0], [2.0, 0.0, 0.0, 0.0, 3.0])
     np.testing.assert_array_equal(scatter_add(jnp.ones((5, 2)), idx, 5)[:, 1], [2.0, 0, 0, 0, 3.0])
     big = jnp.array([2**31 - 1, -(2**31)], jnp.int32)
-    np.testing.assert_array_equal(gather(table, big), np.asarray(table)[[4, 0]])
+    np.testing.assert_array_equal(gather(table, big, mode="clip"), np.asarray(table)[[4, 0]])
 
 
 def test_scatter_add_is_rlx_scatter_add():
@@ -171,7 +171,7 @@ def test_errors():
     with pytest.raises(ValueError, match="axis 2 out of range"):
         gather(table, jnp.array([0]), axis=2)
     with pytest.raises(ValueError, match="size 0"):
-        gather(jnp.zeros((0, 3)), jnp.array([0]))
+        gather(jnp.zeros((0, 3)), jnp.array([0]), mode="clip")
     with pytest.raises(ValueError, match="at least one axis"):
         gather(jnp.float32(1.0), jnp.array([0]))
     with pytest.raises(ValueError, match="dy must have shape"):
@@ -183,6 +183,87 @@ def test_errors():
 
 
 def test_kernel_rejects_inconsistent_buffers():
-    call = jax.ffi.ffi_call("rlx_gather_bwd", jax.ShapeDtypeStruct((1, 5, 3), jnp.float32))
+    call = jax.ffi.ffi_call("rlx_gather_bwd_v1", jax.ShapeDtypeStruct((1, 5, 3), jnp.float32))
     with pytest.raises(Exception, match="K = dy.shape"):
         jax.block_until_ready(jax.jit(call)(jnp.ones((1, 2, 3)), jnp.array([0, 1, 2], jnp.int32)))
+
+
+# ---- mode ("fill" default, "clip", "promise_in_bounds"), as jnp.take -------------------------
+
+
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_default_mode_fills_out_of_range_with_nan_like_jnp_take(axis):
+    table = _table((4, 5, 3))
+    n = table.shape[axis]
+    idx = jnp.array([[n - 2, 0, n - 1], [n, 2, 10**6]])
+    got = gather(table, idx, axis=axis)
+    want = jnp.take(table, idx, axis=axis, mode="fill")
+    np.testing.assert_array_equal(got, want)  # NaN compares equal to NaN here
+    assert np.isnan(np.asarray(got)).sum() == 2 * table.size // n
+    # negative indices never wrap (jnp.take's "fill" wraps -V..-1): they are out of range
+    neg = gather(table, jnp.array([-1, 1]), axis=axis)
+    assert np.isnan(np.asarray(jnp.take(neg, 0, axis=axis))).all()
+    np.testing.assert_array_equal(jnp.take(neg, 1, axis=axis), jnp.take(table, 1, axis=axis))
+
+
+def test_fill_gradient_skips_filled_positions_and_uses_the_kernel():
+    table = _table((6, 3))
+    idx = jnp.array([5, -2, 1, 6, 1, 3])
+    dy = _table((6, 3), seed=1)
+    want = np.zeros((6, 3))
+    for k, i in enumerate(np.asarray(idx)):
+        if 0 <= i < 6:
+            want[i] += np.asarray(dy)[k]
+    for fill in (None, 7.0):
+        d = jax.grad(lambda t: jnp.sum(jnp.nan_to_num(gather(t, idx, fill_value=fill)) * dy))(table)
+        assert_close(d, want, jnp.float32)
+    # same as XLA's gradient of jnp.take's fill mode (on indices where its wrapping plays no part)
+    pos = jnp.array([5, 9, 1, 6, 1, 3])
+    ref = jax.grad(lambda t: jnp.sum(jnp.take(t, pos, axis=0, mode="fill", fill_value=0.0) * dy))(table)
+    assert_close(jax.grad(lambda t: jnp.sum(gather(t, pos, fill_value=0.0) * dy))(table), ref, jnp.float32)
+    if rlx_jax._kernels.has_kernel("cpu", "rlx_gather_bwd"):
+        assert "rlx_gather_bwd" in hlo_text(jax.grad(lambda t: jnp.sum(gather(t, idx, fill_value=0.0) * dy)), table)
+    # deterministic: the same bits on repeated runs
+    g = jax.jit(jax.grad(lambda t: jnp.sum(gather(t, idx, fill_value=0.0) * dy)))
+    np.testing.assert_array_equal(g(table), g(table))
+
+
+def test_fill_value_and_integer_defaults():
+    table = _table((3, 2))
+    got = gather(table, jnp.array([0, 3]), fill_value=-1.5)
+    np.testing.assert_array_equal(got, np.stack([np.asarray(table)[0], [-1.5, -1.5]]))
+    ints = jnp.arange(6, dtype=jnp.int32).reshape(3, 2)
+    np.testing.assert_array_equal(gather(ints, jnp.array([3, 1])),
+                                  jnp.take(ints, jnp.array([3, 1]), axis=0, mode="fill"))
+    np.testing.assert_array_equal(gather(ints, jnp.array([-1]))[0], [np.iinfo(np.int32).min] * 2)
+    uints = jnp.arange(3, dtype=jnp.uint8)
+    np.testing.assert_array_equal(gather(uints, jnp.array([5, 2])), [255, 2])
+    # an empty gathered axis: every index is out of range, so every read is the fill
+    got = gather(jnp.zeros((0, 3)), jnp.array([0, 2]))
+    assert got.shape == (2, 3) and np.isnan(np.asarray(got)).all()
+
+
+def test_clip_and_promise_in_bounds_agree_in_range_and_compose_under_jit_vmap():
+    table = _table((7, 4))
+    idx = jnp.array([[6, 0], [3, 3]])
+    want = np.asarray(table)[np.asarray(idx)]
+    for mode in ("fill", "clip", "promise_in_bounds"):
+        np.testing.assert_array_equal(jax.jit(lambda t, i: gather(t, i, mode=mode))(table, idx), want)
+        g = jax.grad(lambda t: jnp.sum(jnp.sin(gather(t, idx, mode=mode))))(table)
+        assert_close(g, jax.grad(lambda t: jnp.sum(jnp.sin(t[idx])))(table), jnp.float64)
+    tables = _table((3, 7, 4))
+    got = jax.vmap(lambda t: gather(t, jnp.array([1, 9]), mode="fill", fill_value=0.0))(tables)
+    np.testing.assert_array_equal(got[:, 0], tables[:, 1])
+    np.testing.assert_array_equal(got[:, 1], np.zeros((3, 4)))
+
+
+def test_mode_errors_name_the_argument():
+    table = _table((4, 3))
+    with pytest.raises(TypeError, match="indices"):
+        gather(table, jnp.array([0.0, 1.0]), mode="clip")
+    with pytest.raises(TypeError, match="indices"):
+        gather(table, jnp.array([True, False]))
+    with pytest.raises(ValueError, match="mode must be one of"):
+        gather(table, jnp.array([0]), mode="wrap")
+    with pytest.raises(ValueError, match="fill_value"):
+        gather(table, jnp.array([0]), mode="clip", fill_value=0.0)

@@ -57,7 +57,7 @@ def _ref_gather(table, indices, axis):
 def test_cuda_target_registered_and_in_hlo():
     info = rlx_jax.kernel_info()["cuda"]
     assert info["loaded"], info["error"]
-    assert "rlx_gather_bwd" in info["targets"]
+    assert "rlx_gather_bwd_v1" in info["targets"]
     table, idx = _put(_normal((50, 16), jnp.float32, 0), _idx((20,), 0, 50, 0))
     text = jax.jit(jax.grad(lambda t: jnp.sum(gather(t, idx) ** 2))).lower(table).as_text()
     assert "rlx_gather_bwd" in text, "rlx_gather_bwd not in the lowered HLO on GPU (silent fallback)"
@@ -112,7 +112,7 @@ def test_same_bits_as_cpu_kernel(dtype):
     g = jax.jit(lambda d, i: gather_backward(d, i, axis=0, table_shape=shape))
     on_gpu = g(got, idx_g)
     cpu = jax.devices("cpu")[0]
-    if not rlx_jax._kernels.has_kernel("cpu", "rlx_gather_bwd"):
+    if not rlx_jax._kernels.has_kernel("cpu", "rlx_gather_bwd_v1"):
         pytest.skip("CPU kernel not built")
     on_cpu = g(jax.device_put(dy, cpu), jax.device_put(idx, cpu))
     np.testing.assert_array_equal(np.asarray(on_gpu).view(np.uint8), np.asarray(on_cpu).view(np.uint8))
@@ -175,10 +175,10 @@ def test_repeated_runs_bitwise_identical():
 
 def test_bad_operands_raise():
     d_table = jax.ShapeDtypeStruct((1, 5, 3), jnp.float32)
-    call = jax.ffi.ffi_call("rlx_gather_bwd", (d_table, jax.ShapeDtypeStruct((6,), jnp.int32)))
+    call = jax.ffi.ffi_call("rlx_gather_bwd_v1", (d_table, jax.ShapeDtypeStruct((6,), jnp.int32)))
     dy, keys, order = _put(jnp.ones((1, 2, 3)), jnp.array([0, 1, 2], jnp.int32), jnp.array([0, 1], jnp.int32))
     with pytest.raises(Exception, match="K = dy.shape"):
         jax.block_until_ready(jax.jit(call)(dy, keys, order))
-    short = jax.ffi.ffi_call("rlx_gather_bwd", (d_table, jax.ShapeDtypeStruct((5,), jnp.int32)))  # needs V + 1
+    short = jax.ffi.ffi_call("rlx_gather_bwd_v1", (d_table, jax.ShapeDtypeStruct((5,), jnp.int32)))  # needs V + 1
     with pytest.raises(Exception, match="scratch"):
         jax.block_until_ready(jax.jit(short)(dy, keys[:2], order))

@@ -25,7 +25,7 @@ from gpu_testutil import requires_gpu
 
 pytestmark = requires_gpu
 
-TARGETS = ("rlx_gaussian_splat_fwd", "rlx_gaussian_splat_bwd")
+TARGETS = ("rlx_gaussian_splat_fwd_v1", "rlx_gaussian_splat_bwd_v1")
 META = gaussian_splat_render_meta([0.3, -0.2, -4], [0, 0, 0], [0, 1, 0], 45.0, 0.1, 100.0, [0.1, 0.2, 0.3])
 NAMES = ("positions", "scales", "rotations", "opacities", "colors", "sh")
 
@@ -74,9 +74,9 @@ def test_cuda_targets_are_in_the_lowered_hlo():
     s = scene(8)
     p = params()
     fwd = jax.jit(lambda *a: gaussian_splat_render(*a, META, **p))
-    assert "rlx_gaussian_splat_fwd" in fwd.lower(*s).as_text()
+    assert "rlx_gaussian_splat_fwd_v1" in fwd.lower(*s).as_text()
     grad = jax.jit(jax.grad(lambda *a: jnp.sum(gaussian_splat_render(*a, META, **p)), argnums=(0, 5)))
-    assert "rlx_gaussian_splat_bwd" in grad.lower(*s).as_text()
+    assert "rlx_gaussian_splat_bwd_v1" in grad.lower(*s).as_text()
 
 
 CONFIGS = [
@@ -131,7 +131,7 @@ def _raw_forward(s, meta, p):
     n = s[0].shape[0]
     out = (jax.ShapeDtypeStruct((p["height"] * p["width"] * 4,), jnp.float32),
            jax.ShapeDtypeStruct((gs.cuda_scratch_elems(n, p),), jnp.int32))
-    return jax.ffi.ffi_call("rlx_gaussian_splat_fwd", out)(*[jnp.asarray(a) for a in s], jnp.asarray(meta),
+    return jax.ffi.ffi_call("rlx_gaussian_splat_fwd_v1", out)(*[jnp.asarray(a) for a in s], jnp.asarray(meta),
                                                           **gs._attrs(p))
 
 
@@ -236,7 +236,7 @@ def test_scratch_too_small_is_an_error():
     out = (jax.ShapeDtypeStruct((p["height"] * p["width"] * 4,), jnp.float32),
            jax.ShapeDtypeStruct((gs.cuda_scratch_elems(5, p) - 1,), jnp.int32))
     with pytest.raises(Exception, match="scratch"):
-        jax.block_until_ready(jax.ffi.ffi_call("rlx_gaussian_splat_fwd", out)(*s, META, **gs._attrs(p)))
+        jax.block_until_ready(jax.ffi.ffi_call("rlx_gaussian_splat_fwd_v1", out)(*s, META, **gs._attrs(p)))
 
 
 @pytest.mark.parametrize("n,w,h,ts", [(300, 24, 16, 8), (50, 13, 7, 5), (4500, 8, 8, 8)])

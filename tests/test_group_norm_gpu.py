@@ -67,7 +67,7 @@ _f32 = as_f32
 def test_cuda_kernels_loaded_and_in_hlo():
     info = rlx_jax.kernel_info()["cuda"]
     assert info["loaded"], info["error"]
-    assert {"rlx_group_norm_fwd", "rlx_group_norm_bwd"} <= set(info["targets"])
+    assert {"rlx_group_norm_fwd_v1", "rlx_group_norm_bwd_v1"} <= set(info["targets"])
     x, g, b, dy = _inputs((2, 8, 4, 4), jnp.float32, 0)
     fn = jax.jit(lambda x, g, b, dy: jax.vjp(lambda *a: group_norm(*a, num_groups=4), x, g, b)[1](dy))
     text = fn.lower(x, g, b, dy).as_text()
@@ -141,7 +141,7 @@ def test_bad_scratch_is_an_error_not_a_crash():
     mean, rstd = jnp.zeros((2, 4), jnp.float32), jnp.ones((2, 4), jnp.float32)
     p = jax.ShapeDtypeStruct(g.shape, g.dtype)
     out = (jax.ShapeDtypeStruct(x.shape, x.dtype), p, p, jax.ShapeDtypeStruct((3,), jnp.float32))
-    call = jax.ffi.ffi_call("rlx_group_norm_bwd", out)
+    call = jax.ffi.ffi_call("rlx_group_norm_bwd_v1", out)
     with pytest.raises(Exception, match="scratch"):
         jax.block_until_ready(jax.jit(lambda *a: call(*a, num_groups=np.int64(4)))(x, g, mean, rstd, dy))
 

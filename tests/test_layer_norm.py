@@ -42,7 +42,7 @@ def _f32(*arrays):
 def test_compiled_kernels_are_registered_and_used():
     info = rlx_jax.kernel_info()[platform()]
     assert info["loaded"], info["error"]
-    assert {"rlx_layer_norm_fwd", "rlx_layer_norm_bwd"} <= set(info["targets"])
+    assert {"rlx_layer_norm_fwd_v1", "rlx_layer_norm_bwd_v1"} <= set(info["targets"])
     x, g, b, _ = _inputs((4, 8), jnp.float32)
     text = hlo_text(jax.grad(lambda x, g, b: jnp.sum(layer_norm(x, g, b) ** 2), (0, 1, 2)), x, g, b)
     assert "rlx_layer_norm_fwd" in text and "rlx_layer_norm_bwd" in text
@@ -291,7 +291,7 @@ def test_kernel_rejects_bad_buffers_with_an_error():
     x = jnp.ones((3, 4))
     out = (jax.ShapeDtypeStruct((3, 4), jnp.float32), jax.ShapeDtypeStruct((3,), jnp.float32),
            jax.ShapeDtypeStruct((3,), jnp.float32))
-    bad = jax.ffi.ffi_call("rlx_layer_norm_fwd", out)
+    bad = jax.ffi.ffi_call("rlx_layer_norm_fwd_v1", out)
     with pytest.raises(Exception, match="gamma must have shape"):
         jax.block_until_ready(bad(x, jnp.ones(5), jnp.ones(4), eps=np.float32(EPS)))
 

@@ -66,7 +66,7 @@ _f32 = as_f32
 def test_cuda_kernels_loaded_and_in_hlo():
     info = rlx_jax.kernel_info()["cuda"]
     assert info["loaded"], info["error"]
-    assert {"rlx_layer_norm_fwd", "rlx_layer_norm_bwd"} <= set(info["targets"])
+    assert {"rlx_layer_norm_fwd_v1", "rlx_layer_norm_bwd_v1"} <= set(info["targets"])
     x, g, b, dy = _inputs((8, 256), jnp.float32, 0)
     fn = jax.jit(lambda x, g, b, dy: jax.vjp(layer_norm, x, g, b)[1](dy))
     text = fn.lower(x, g, b, dy).as_text()
@@ -175,7 +175,7 @@ def test_bad_scratch_is_an_error_not_a_crash():
     mean, rstd = jnp.zeros((16,), jnp.float32), jnp.ones((16,), jnp.float32)
     p = jax.ShapeDtypeStruct(g.shape, g.dtype)
     out = (jax.ShapeDtypeStruct(x.shape, x.dtype), p, p, jax.ShapeDtypeStruct((7,), jnp.float32))
-    call = jax.ffi.ffi_call("rlx_layer_norm_bwd", out)
+    call = jax.ffi.ffi_call("rlx_layer_norm_bwd_v1", out)
     with pytest.raises(Exception, match="scratch"):
         jax.block_until_ready(jax.jit(call)(x, g, mean, rstd, dy))
 

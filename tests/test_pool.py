@@ -63,7 +63,7 @@ def _x(shape, dtype=jnp.float32, seed=0):
 def test_kernels_registered_and_used():
     info = rlx_jax.kernel_info()["cpu"]
     assert info["loaded"], info["error"]
-    assert {"rlx_max_pool2d_fwd", "rlx_max_pool2d_bwd", "rlx_avg_pool2d_bwd"} <= set(info["targets"])
+    assert {"rlx_max_pool2d_fwd_v1", "rlx_max_pool2d_bwd_v1", "rlx_avg_pool2d_bwd_v1"} <= set(info["targets"])
     x = _x((2, 3, 8, 8))
     kw = dict(kernel_size=2, stride=2)
     text = hlo_text(jax.grad(lambda x: jnp.sum(max_pool2d(x, **kw) ** 2)), x)
@@ -233,7 +233,7 @@ def test_errors():
 
 def test_kernel_rejects_inconsistent_buffers():
     # a pooled shape that does not match the geometry: an error, not a crash
-    call = jax.ffi.ffi_call("rlx_avg_pool2d_bwd", jax.ShapeDtypeStruct((1, 1, 4, 4), jnp.float32))
+    call = jax.ffi.ffi_call("rlx_avg_pool2d_bwd_v1", jax.ShapeDtypeStruct((1, 1, 4, 4), jnp.float32))
     geom = {k: np.int64(v) for k, v in dict(kh=2, kw=2, sh=2, sw=2, ph=0, pw=0).items()}
     with pytest.raises(Exception, match="pooled dims"):
         jax.block_until_ready(jax.jit(lambda d: call(d, **geom))(jnp.ones((1, 1, 3, 3))))
@@ -421,11 +421,11 @@ def test_check_grads_f64_int32_window(x64):
 def test_argmax_operand_dtype_is_checked():
     """The backward kernel refuses an argmax whose dtype does not match the window."""
     geom = {n: np.int64(v) for n, v in dict(kh=2, kw=2, sh=2, sw=2, ph=0, pw=0).items()}
-    call = jax.ffi.ffi_call("rlx_max_pool2d_bwd", jax.ShapeDtypeStruct((1, 1, 4, 4), jnp.float32))
+    call = jax.ffi.ffi_call("rlx_max_pool2d_bwd_v1", jax.ShapeDtypeStruct((1, 1, 4, 4), jnp.float32))
     with pytest.raises(Exception, match="argmax must be i8"):
         jax.block_until_ready(jax.jit(lambda d, a: call(d, a, **geom))(jnp.ones((1, 1, 2, 2)),
                                                                         jnp.zeros((1, 1, 2, 2), jnp.int32)))
-    call = jax.ffi.ffi_call("rlx_max_pool2d_fwd", (jax.ShapeDtypeStruct((1, 1, 2, 2), jnp.float32),
+    call = jax.ffi.ffi_call("rlx_max_pool2d_fwd_v1", (jax.ShapeDtypeStruct((1, 1, 2, 2), jnp.float32),
                                                   jax.ShapeDtypeStruct((1, 1, 2, 2), jnp.int32)))
     with pytest.raises(Exception, match="argmax must be i8"):
         jax.block_until_ready(jax.jit(lambda x: call(x, **geom))(jnp.ones((1, 1, 4, 4))))

@@ -38,8 +38,8 @@ pytestmark = requires_gpu
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 TOL = {jnp.float32: 2e-6, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
-TARGETS = ("rlx_max_pool2d_fwd", "rlx_max_pool2d_bwd")
-AVG_TARGET = "rlx_avg_pool2d_bwd"
+TARGETS = ("rlx_max_pool2d_fwd_v1", "rlx_max_pool2d_bwd_v1")
+AVG_TARGET = "rlx_avg_pool2d_bwd_v1"
 
 # (x shape, kernel, stride, padding)
 GEOMS = [
@@ -227,15 +227,15 @@ def test_bad_operands_raise():
     dy, am = _put(jnp.ones((1, 2, 3, 3), jnp.float32), jnp.zeros((1, 2, 3, 3), jnp.int8))
     bad_dx = (jax.ShapeDtypeStruct((1, 2, 9, 9), jnp.float32),)  # 9x9 pools to 4x4, not 3x3
     with pytest.raises(Exception, match="pooled dims"):
-        jax.block_until_ready(jax.jit(lambda dy, am: jax.ffi.ffi_call("rlx_max_pool2d_bwd", bad_dx)(dy, am, **geom))(dy, am))
+        jax.block_until_ready(jax.jit(lambda dy, am: jax.ffi.ffi_call("rlx_max_pool2d_bwd_v1", bad_dx)(dy, am, **geom))(dy, am))
     with pytest.raises(Exception, match="stride"):
-        jax.block_until_ready(jax.jit(lambda dy, am: jax.ffi.ffi_call("rlx_max_pool2d_bwd", bad_dx)(
+        jax.block_until_ready(jax.jit(lambda dy, am: jax.ffi.ffi_call("rlx_max_pool2d_bwd_v1", bad_dx)(
             dy, am, **{**geom, "sh": np.int64(0)}))(dy, am))
     # a 2x2 window saves an int8 window-local argmax: an int32 one is refused
     (am32,) = _put(jnp.zeros((1, 2, 3, 3), jnp.int32))
     good_dx = (jax.ShapeDtypeStruct((1, 2, 6, 6), jnp.float32),)
     with pytest.raises(Exception, match="argmax must be i8"):
-        jax.block_until_ready(jax.jit(lambda dy, am: jax.ffi.ffi_call("rlx_max_pool2d_bwd", good_dx)(dy, am, **geom))(dy, am32))
+        jax.block_until_ready(jax.jit(lambda dy, am: jax.ffi.ffi_call("rlx_max_pool2d_bwd_v1", good_dx)(dy, am, **geom))(dy, am32))
 
 
 @pytest.mark.parametrize("g", BASE_GEOMS + BOUNDARY_GEOMS, ids=_gid)
@@ -245,7 +245,7 @@ def test_max_pool_f32_same_bits_as_cpu_kernel(g):
     the same order), with ties."""
     shape, k, s, p = g
     geom = _geom(k, s, p)
-    if not rlx_jax._kernels.has_kernel("cpu", "rlx_max_pool2d_bwd"):
+    if not rlx_jax._kernels.has_kernel("cpu", "rlx_max_pool2d_bwd_v1"):
         pytest.skip("no CPU kernel compiled: nothing to compare bits with")
     x = _x(shape, jnp.float32, seed=31, ties=True)
     ho, wo = (out_size(n, kk, ss, pp) for n, kk, ss, pp in zip(shape[-2:], k, s, p))
@@ -425,7 +425,7 @@ def test_avg_bad_operands_raise():
     (dy,) = _put(jnp.ones((1, 2, 3, 3), jnp.float32))
     bad_dx = (jax.ShapeDtypeStruct((1, 2, 9, 9), jnp.float32),)
     with pytest.raises(Exception, match="pooled dims"):
-        jax.block_until_ready(jax.jit(lambda dy: jax.ffi.ffi_call("rlx_avg_pool2d_bwd", bad_dx)(dy, **geom))(dy))
+        jax.block_until_ready(jax.jit(lambda dy: jax.ffi.ffi_call("rlx_avg_pool2d_bwd_v1", bad_dx)(dy, **geom))(dy))
     with pytest.raises(Exception, match="dtype"):
         jax.block_until_ready(jax.jit(lambda dy: jax.ffi.ffi_call(
-            "rlx_avg_pool2d_bwd", (jax.ShapeDtypeStruct((1, 2, 6, 6), jnp.bfloat16),))(dy, **geom))(dy))
+            "rlx_avg_pool2d_bwd_v1", (jax.ShapeDtypeStruct((1, 2, 6, 6), jnp.bfloat16),))(dy, **geom))(dy))

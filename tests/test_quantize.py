@@ -80,7 +80,7 @@ def np_lsq(x, s, dy, axis, q):
 def test_kernels_registered_and_used():
     info = rlx_jax.kernel_info()["cpu"]
     assert info["loaded"], info["error"]
-    assert {"rlx_fake_quantize_bwd", "rlx_fake_quantize_lsq_bwd"} <= set(info["targets"])
+    assert {"rlx_fake_quantize_bwd_v1", "rlx_fake_quantize_lsq_bwd_v1"} <= set(info["targets"])
     x = _x((8, 16))
     for ste in ("clipped_identity", "hardtanh"):
         g = jax.grad(lambda x: jnp.sum(fake_quantize(x, bits=4, axis=0, ste=ste) ** 2))
@@ -273,7 +273,7 @@ def test_errors():
 
 
 def test_kernel_rejects_inconsistent_buffers():
-    call = jax.ffi.ffi_call("rlx_fake_quantize_lsq_bwd", (jax.ShapeDtypeStruct((1, 2, 3, 4), jnp.float32),
+    call = jax.ffi.ffi_call("rlx_fake_quantize_lsq_bwd_v1", (jax.ShapeDtypeStruct((1, 2, 3, 4), jnp.float32),
                                                           jax.ShapeDtypeStruct((1, 3), jnp.float32)))
     x = jnp.ones((1, 2, 3, 4))
     with pytest.raises(Exception, match="scale must be"):

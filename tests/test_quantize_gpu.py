@@ -68,14 +68,14 @@ def _f32(a):
 
 def _fq_call(x, s, dy, code):
     out = (jax.ShapeDtypeStruct(x.shape, x.dtype),)
-    return jax.ffi.ffi_call("rlx_fake_quantize_bwd", out)(x, s, dy, q_max=np.float32(Q), ste=np.int64(code))[0]
+    return jax.ffi.ffi_call("rlx_fake_quantize_bwd_v1", out)(x, s, dy, q_max=np.float32(Q), ste=np.int64(code))[0]
 
 
 def _lsq_call(x, s, dy, scratch_len=None):
     n = cuda_lsq_scratch_size(*x.shape) if scratch_len is None else scratch_len
     out = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(s.shape, s.dtype),
            jax.ShapeDtypeStruct((n,), jnp.float32))
-    dx, ds, _ = jax.ffi.ffi_call("rlx_fake_quantize_lsq_bwd", out)(x, s, dy, q_max=np.float32(Q))
+    dx, ds, _ = jax.ffi.ffi_call("rlx_fake_quantize_lsq_bwd_v1", out)(x, s, dy, q_max=np.float32(Q))
     return dx, ds
 
 
@@ -105,7 +105,7 @@ def _check_lsq(x, s, dy, dx, ds, dtype, what=""):
 def _ste_registered() -> bool:
     """rlx_fake_quantize_bwd is a CUDA target only in builds with -DRLX_CUDA_FAKE_QUANTIZE_STE
     (ffi/cuda/quantize.cu says why); otherwise the STE gradient is XLA's fusion on GPUs."""
-    return "rlx_fake_quantize_bwd" in rlx_jax.kernel_info()["cuda"]["targets"]
+    return "rlx_fake_quantize_bwd_v1" in rlx_jax.kernel_info()["cuda"]["targets"]
 
 
 def _need_ste():
@@ -116,7 +116,7 @@ def _need_ste():
 def test_cuda_targets_loaded_and_in_hlo():
     info = rlx_jax.kernel_info()["cuda"]
     assert info["loaded"], info["error"]
-    assert "rlx_fake_quantize_lsq_bwd" in info["targets"]
+    assert "rlx_fake_quantize_lsq_bwd_v1" in info["targets"]
     x, _, dy = _inputs((1, 64, 48, 1), jnp.float32, 0)
     x, dy = x.reshape(64, 48), dy.reshape(64, 48)
     f = jax.jit(jax.grad(lambda x: jnp.sum(fake_quantize(x, bits=4, scale=0.3, ste="clipped_identity") * dy)))

@@ -55,58 +55,58 @@ def _cases():
     c = {}
     x = _arr((300, 128), 0)
     g, b = _arr((128,), 1), _arr((128,), 2)
-    c["rms_norm"] = (("rlx_rms_norm_fwd", "rlx_rms_norm_bwd"), lambda x, g, b: ops.rms_norm(x, g, b), (x, g, b),
+    c["rms_norm"] = (("rlx_rms_norm_fwd_v1", "rlx_rms_norm_bwd_v1"), lambda x, g, b: ops.rms_norm(x, g, b), (x, g, b),
                      (0, 1, 2))
-    c["rms_norm_bf16"] = (("rlx_rms_norm_fwd", "rlx_rms_norm_bwd"), lambda x, g, b: ops.rms_norm(x, g, b),
+    c["rms_norm_bf16"] = (("rlx_rms_norm_fwd_v1", "rlx_rms_norm_bwd_v1"), lambda x, g, b: ops.rms_norm(x, g, b),
                           tuple(a.astype(jnp.bfloat16) for a in (x, g, b)), (0, 1, 2))
-    c["layer_norm"] = (("rlx_layer_norm_fwd", "rlx_layer_norm_bwd"), lambda x, g, b: ops.layer_norm(x, g, b),
+    c["layer_norm"] = (("rlx_layer_norm_fwd_v1", "rlx_layer_norm_bwd_v1"), lambda x, g, b: ops.layer_norm(x, g, b),
                        (x, g, b), (0, 1, 2))
     xg = _arr((8, 32, 10, 10), 3)
-    c["group_norm"] = (("rlx_group_norm_fwd", "rlx_group_norm_bwd"),
+    c["group_norm"] = (("rlx_group_norm_fwd_v1", "rlx_group_norm_bwd_v1"),
                        lambda x, g, b: ops.group_norm(x, g, b, num_groups=4), (xg, _arr((32,), 4), _arr((32,), 5)),
                        (0, 1, 2))
     xb = _arr((16, 32, 8), 6)
-    c["batch_norm_inference"] = (("rlx_batch_norm_inference_bwd",),
+    c["batch_norm_inference"] = (("rlx_batch_norm_inference_bwd_v1",),
                                  lambda x, g, b, m, v: ops.batch_norm_inference(x, g, b, m, v),
                                  (xb, _arr((32,), 7), _arr((32,), 8), _arr((32,), 9), _arr((32,), 10, lo=0.5, hi=2)),
                                  (0, 1, 2))
-    c["softmax"] = (("rlx_softmax_fwd", "rlx_softmax_bwd_x"), lambda x: ops.softmax(x), (x,), (0,))
-    c["softmax_backward"] = (("rlx_softmax_bwd",), lambda y, d: ops.softmax_backward(y, d),
+    c["softmax"] = (("rlx_softmax_fwd_v1", "rlx_softmax_bwd_x_v1"), lambda x: ops.softmax(x), (x,), (0,))
+    c["softmax_backward"] = (("rlx_softmax_bwd_v1",), lambda y, d: ops.softmax_backward(y, d),
                              (ops.softmax(x), _arr((300, 128), 30)), (0, 1))
     logits = _arr((300, 500), 12)
     labels = jnp.asarray(_rng(13).integers(0, 500, 300), jnp.int32)
-    c["softmax_cross_entropy"] = (("rlx_softmax_ce_fwd", "rlx_softmax_ce_bwd"),
+    c["softmax_cross_entropy"] = (("rlx_softmax_ce_fwd_v1", "rlx_softmax_ce_bwd_v1"),
                                   lambda l: ops.softmax_cross_entropy(l, labels), (logits,), (0,))
     lab2 = jnp.asarray(_rng(14).integers(0, 1000, 64), jnp.int32)
     c["fused_linear_cross_entropy"] = ((), lambda h, w: ops.fused_linear_cross_entropy(h, w, lab2, chunk_size=256),
                                        (_arr((64, 32), 15), _arr((32, 1000), 16)), (0, 1))
-    c["cumsum"] = (("rlx_cumsum_fwd", "rlx_cumsum_bwd"), lambda x: ops.cumsum(x, axis=-1), (x,), (0,))
+    c["cumsum"] = (("rlx_cumsum_fwd_v1", "rlx_cumsum_bwd_v1"), lambda x: ops.cumsum(x, axis=-1), (x,), (0,))
     cs, sn = _arr((16, 16), 17), _arr((16, 16), 18)
-    c["rope"] = (("rlx_rope_fwd", "rlx_rope_bwd"), lambda x: ops.rope(x, cs, sn, head_dim=32), (_arr((4, 16, 64), 19),),
+    c["rope"] = (("rlx_rope_fwd_v1", "rlx_rope_bwd_v1"), lambda x: ops.rope(x, cs, sn, head_dim=32), (_arr((4, 16, 64), 19),),
                  (0,))
     q, k, v = (_arr((2, 64, 4, 32), s) for s in (20, 21, 22))
-    c["attention_causal"] = (("rlx_attention_fwd", "rlx_attention_bwd"),
+    c["attention_causal"] = (("rlx_attention_fwd_v1", "rlx_attention_bwd_v1"),
                              lambda q, k, v: ops.attention(q, k, v, mask_kind="causal"), (q, k, v), (0, 1, 2))
     bias = _arr((2, 4, 64, 64), 23)
     mask = jnp.asarray(_rng(24).integers(0, 2, (2, 64)), F32)
-    c["attention_bias_mask"] = (("rlx_attention_fwd", "rlx_attention_bwd"),
+    c["attention_bias_mask"] = (("rlx_attention_fwd_v1", "rlx_attention_bwd_v1"),
                                 lambda q, k, v, bb: ops.attention(q, k, v, mask=mask, bias=bb), (q, k, v, bias),
                                 (0, 1, 2, 3))
     idx = jnp.asarray(_rng(25).integers(0, 500, 4000), jnp.int32)  # many repeats per row
-    c["gather"] = (("rlx_gather_bwd",), lambda t: ops.gather(t, idx), (_arr((500, 64), 26),), (0,))
+    c["gather"] = (("rlx_gather_bwd_v1",), lambda t: ops.gather(t, idx), (_arr((500, 64), 26),), (0,))
     xp = _arr((8, 16, 32, 32), 27)
-    c["max_pool2d"] = (("rlx_max_pool2d_fwd", "rlx_max_pool2d_bwd"),
+    c["max_pool2d"] = (("rlx_max_pool2d_fwd_v1", "rlx_max_pool2d_bwd_v1"),
                        lambda x: ops.max_pool2d(x, kernel_size=(3, 3), stride=(2, 2), padding=(1, 1)), (xp,), (0,))
-    c["avg_pool2d"] = (("rlx_avg_pool2d_bwd",),
+    c["avg_pool2d"] = (("rlx_avg_pool2d_bwd_v1",),
                        lambda x: ops.avg_pool2d(x, kernel_size=(3, 3), stride=(2, 2), padding=(1, 1)), (xp,), (0,))
     xq = _arr((128, 32, 9), 28)
-    c["fake_quantize"] = (("rlx_fake_quantize_bwd",),
+    c["fake_quantize"] = (("rlx_fake_quantize_bwd_v1",),
                           lambda x: ops.fake_quantize(x, bits=4, scale=0.2, ste="clipped_identity"), (xq,), (0,))
-    c["fake_quantize_lsq"] = (("rlx_fake_quantize_lsq_bwd",),
+    c["fake_quantize_lsq"] = (("rlx_fake_quantize_lsq_bwd_v1",),
                               lambda x, s: ops.fake_quantize_lsq(x, s, bits=4, axis=1),
                               (xq, _arr((32,), 29, lo=0.05, hi=0.3)), (0, 1))
     fn, scene, argnums = _splat_case()
-    c["gaussian_splat"] = (("rlx_gaussian_splat_fwd", "rlx_gaussian_splat_bwd"), fn, tuple(scene), argnums)
+    c["gaussian_splat"] = (("rlx_gaussian_splat_fwd_v1", "rlx_gaussian_splat_bwd_v1"), fn, tuple(scene), argnums)
     return c
 
 

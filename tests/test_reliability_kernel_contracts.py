@@ -39,25 +39,25 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 # per-target attribute mutations: (case name, attrs to override)
 BAD_ATTRS = {
-    "rlx_group_norm_fwd": [("num_groups_not_dividing", {"num_groups": 3}), ("num_groups_zero", {"num_groups": 0}),
+    "rlx_group_norm_fwd_v1": [("num_groups_not_dividing", {"num_groups": 3}), ("num_groups_zero", {"num_groups": 0}),
                            ("num_groups_negative", {"num_groups": -2})],
-    "rlx_group_norm_bwd": [("num_groups_not_dividing", {"num_groups": 3}), ("num_groups_zero", {"num_groups": 0})],
-    "rlx_rope_fwd": [("head_dim_not_dividing", {"head_dim": 5}), ("head_dim_zero", {"head_dim": 0}),
+    "rlx_group_norm_bwd_v1": [("num_groups_not_dividing", {"num_groups": 3}), ("num_groups_zero", {"num_groups": 0})],
+    "rlx_rope_fwd_v1": [("head_dim_not_dividing", {"head_dim": 5}), ("head_dim_zero", {"head_dim": 0}),
                      ("n_rot_odd", {"n_rot": 3}), ("n_rot_above_head_dim", {"n_rot": 64}),
                      ("n_rot_negative", {"n_rot": -2})],
-    "rlx_rope_bwd": [("head_dim_not_dividing", {"head_dim": 5}), ("n_rot_above_head_dim", {"n_rot": 64})],
-    "rlx_max_pool2d_fwd": [("kernel_zero", {"kh": 0}), ("stride_zero", {"sw": 0}), ("padding_negative", {"ph": -1}),
+    "rlx_rope_bwd_v1": [("head_dim_not_dividing", {"head_dim": 5}), ("n_rot_above_head_dim", {"n_rot": 64})],
+    "rlx_max_pool2d_fwd_v1": [("kernel_zero", {"kh": 0}), ("stride_zero", {"sw": 0}), ("padding_negative", {"ph": -1}),
                            ("kernel_larger_than_input", {"kh": 99, "kw": 99})],
-    "rlx_avg_pool2d_bwd": [("kernel_zero", {"kw": 0}), ("stride_zero", {"sh": 0}), ("padding_negative", {"pw": -3})],
-    "rlx_attention_fwd": [("mask_kind_unknown", {"mask_kind": 7}), ("window_negative", {"mask_kind": 2, "window": -1}),
+    "rlx_avg_pool2d_bwd_v1": [("kernel_zero", {"kw": 0}), ("stride_zero", {"sh": 0}), ("padding_negative", {"pw": -3})],
+    "rlx_attention_fwd_v1": [("mask_kind_unknown", {"mask_kind": 7}), ("window_negative", {"mask_kind": 2, "window": -1}),
                           ("softcap_negative", {"softcap": -1.0}), ("scale_nan", {"scale": float("nan")})],
-    "rlx_attention_bwd": [("mask_kind_unknown", {"mask_kind": -1}), ("softcap_negative", {"softcap": -2.0})],
-    "rlx_fake_quantize_bwd": [("ste_unknown", {"ste": 99}), ("q_max_zero", {"q_max": 0.0}),
+    "rlx_attention_bwd_v1": [("mask_kind_unknown", {"mask_kind": -1}), ("softcap_negative", {"softcap": -2.0})],
+    "rlx_fake_quantize_bwd_v1": [("ste_unknown", {"ste": 99}), ("q_max_zero", {"q_max": 0.0}),
                               ("q_max_negative", {"q_max": -1.0})],
-    "rlx_fake_quantize_lsq_bwd": [("q_max_zero", {"q_max": 0.0})],
-    "rlx_gaussian_splat_fwd": [("tile_size_zero", {"tile_size": 0}), ("width_mismatch", {"width": 7}),
+    "rlx_fake_quantize_lsq_bwd_v1": [("q_max_zero", {"q_max": 0.0})],
+    "rlx_gaussian_splat_fwd_v1": [("tile_size_zero", {"tile_size": 0}), ("width_mismatch", {"width": 7}),
                                ("height_negative", {"height": -16})],
-    "rlx_gaussian_splat_bwd": [("tile_size_zero", {"tile_size": 0}), ("width_mismatch", {"width": 7})],
+    "rlx_gaussian_splat_bwd_v1": [("tile_size_zero", {"tile_size": 0}), ("width_mismatch", {"width": 7})],
 }
 
 

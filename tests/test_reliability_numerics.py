@@ -111,8 +111,8 @@ def test_norms_propagate_nan_and_inf(name):
 
 def test_softmax_propagates_nan_and_inf():
     x = _poisoned((6, 9))
-    _require("rlx_softmax_fwd", ops.softmax, x)
-    _require("rlx_softmax_bwd", _grad(ops.softmax), x)
+    _require("rlx_softmax_fwd_v1", ops.softmax, x)
+    _require("rlx_softmax_bwd_v1", _grad(ops.softmax), x)
     assert_same_nonfinite(jax.jit(ops.softmax)(x), jax.nn.softmax(x, -1))
     assert_same_nonfinite(_grad(ops.softmax)(x), _grad(lambda x: jax.nn.softmax(x, -1))(x))
 
@@ -120,7 +120,7 @@ def test_softmax_propagates_nan_and_inf():
 def test_cross_entropy_propagates_nan_and_inf():
     x = _poisoned((6, 9))
     labels = jnp.asarray([0, 1, 2, 3, 4, 8], jnp.int32)
-    _require("rlx_softmax_ce_fwd", ops.softmax_cross_entropy, x, labels)
+    _require("rlx_softmax_ce_fwd_v1", ops.softmax_cross_entropy, x, labels)
     assert_same_nonfinite(jax.jit(ops.softmax_cross_entropy)(x, labels), pkg_ce(x, labels))
     got = np.asarray(_grad(ops.softmax_cross_entropy)(x, labels))
     want = np.asarray(_grad(pkg_ce)(x, labels))
@@ -132,7 +132,7 @@ def test_cross_entropy_propagates_nan_and_inf():
 def test_cumsum_propagates_nan_and_inf():
     x = _poisoned((6, 9))
     f = lambda x: ops.cumsum(x, axis=-1)
-    _require("rlx_cumsum_fwd", f, x)
+    _require("rlx_cumsum_fwd_v1", f, x)
     assert_same_nonfinite(jax.jit(f)(x), jnp.cumsum(x, -1))
     assert_same_nonfinite(_grad(f)(x), _grad(lambda x: jnp.cumsum(x, -1))(x))
 
@@ -149,8 +149,8 @@ def test_attention_propagates_nan_to_its_rows():
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(8.0)
         return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
 
-    _require("rlx_attention_fwd", f, q, k, v)
-    _require("rlx_attention_bwd", _grad(f, (0, 1, 2)), q, k, v)
+    _require("rlx_attention_fwd_v1", f, q, k, v)
+    _require("rlx_attention_bwd_v1", _grad(f, (0, 1, 2)), q, k, v)
     assert_same_nonfinite(jax.jit(f)(q, k, v), ref(q, k, v))
     for a, w in zip(_grad(f, (0, 1, 2))(q, k, v), _grad(ref, (0, 1, 2))(q, k, v)):
         assert_same_nonfinite(a, w, rtol=1e-3, atol=1e-4)
@@ -169,8 +169,8 @@ def test_cross_entropy_huge_logits_stay_finite(dtype, magnitude):
     logits[1] = -magnitude
     logits = jnp.asarray(logits, dtype)
     labels = jnp.asarray(rng.integers(0, 33, size=8), jnp.int32)
-    _require("rlx_softmax_ce_fwd", ops.softmax_cross_entropy, logits, labels)
-    _require("rlx_softmax_ce_bwd", _grad(ops.softmax_cross_entropy), logits, labels)
+    _require("rlx_softmax_ce_fwd_v1", ops.softmax_cross_entropy, logits, labels)
+    _require("rlx_softmax_ce_bwd_v1", _grad(ops.softmax_cross_entropy), logits, labels)
     loss = np.asarray(jax.jit(ops.softmax_cross_entropy)(logits, labels), np.float64)
     dlog = np.asarray(_grad(ops.softmax_cross_entropy)(logits, labels), np.float64)
     assert np.isfinite(loss).all() and np.isfinite(dlog).all()
@@ -204,8 +204,8 @@ def test_fully_masked_attention_rows_are_zero_in_values_and_grads(dtype):
     q, k, v = (jnp.asarray(rng.normal(size=(2, 4, 2, 8)), dtype) for _ in range(3))
     mask = jnp.asarray([[0, 0, 0, 0], [1, 0, 1, 1]], F32)  # batch 0: no key visible
     f = lambda q, k, v: ops.attention(q, k, v, mask=mask)
-    _require("rlx_attention_fwd", f, q, k, v)
-    _require("rlx_attention_bwd", _grad(f, (0, 1, 2)), q, k, v)
+    _require("rlx_attention_fwd_v1", f, q, k, v)
+    _require("rlx_attention_bwd_v1", _grad(f, (0, 1, 2)), q, k, v)
     out = np.asarray(jax.jit(f)(q, k, v), np.float32)
     assert np.isfinite(out).all()
     assert np.all(out[0] == 0)

@@ -41,7 +41,7 @@ def _inputs(lead, s, heads, head_dim, table_w, dtype=jnp.float32, seed=0):
 def test_kernels_registered_and_used():
     info = rlx_jax.kernel_info()[platform()]
     assert info["loaded"], info["error"]
-    assert {"rlx_rope_fwd", "rlx_rope_bwd"} <= set(info["targets"])
+    assert {"rlx_rope_fwd_v1", "rlx_rope_bwd_v1"} <= set(info["targets"])
     x, c, s = _inputs((2,), 3, 2, 8, 4)
     text = hlo_text(jax.grad(lambda x: jnp.sum(rope(x, c, s, head_dim=8) ** 2)), x)
     assert "rlx_rope_fwd" in text and "rlx_rope_bwd" in text

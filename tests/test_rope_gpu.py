@@ -47,7 +47,7 @@ def _close(got, want, dtype, what):
 def test_cuda_kernels_loaded_and_in_hlo():
     info = rlx_jax.kernel_info()["cuda"]
     assert info["loaded"], info["error"]
-    assert {"rlx_rope_fwd", "rlx_rope_bwd"} <= set(info["targets"])
+    assert {"rlx_rope_fwd_v1", "rlx_rope_bwd_v1"} <= set(info["targets"])
     x, c, t, dy = _inputs((2,), 8, 4, 32, 16, jnp.float32)
     def fwd_bwd(x, dy):  # y is returned: a pullback alone drops the (linear) forward
         y, pullback = jax.vjp(lambda x: rope(x, c, t, head_dim=32), x)
@@ -164,7 +164,7 @@ def test_handler_rejects_bad_operands():
 
     def call(x, c, s, head_dim, n_rot):
         out = (jax.ShapeDtypeStruct(x.shape, x.dtype),)
-        return jax.ffi.ffi_call("rlx_rope_fwd", out)(x, c, s, head_dim=np.int64(head_dim), n_rot=np.int64(n_rot))
+        return jax.ffi.ffi_call("rlx_rope_fwd_v1", out)(x, c, s, head_dim=np.int64(head_dim), n_rot=np.int64(n_rot))
 
     with pytest.raises(Exception, match="even n_rot"):
         jax.block_until_ready(jax.jit(call, static_argnums=(3, 4))(x, c, c, 32, 3))

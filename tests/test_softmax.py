@@ -28,15 +28,15 @@ def _x(shape, dtype, seed=0, scale=3.0):
 def test_kernels_registered_and_used():
     info = rlx_jax.kernel_info()[platform()]
     assert info["loaded"], info["error"]
-    assert {"rlx_softmax_fwd", "rlx_softmax_bwd", "rlx_softmax_bwd_x"} <= set(info["targets"])
+    assert {"rlx_softmax_fwd_v1", "rlx_softmax_bwd_v1", "rlx_softmax_bwd_x_v1"} <= set(info["targets"])
     x = _x((4, 8), jnp.float32)
     # reverse mode runs the backward from x (exact target names: rlx_softmax_bwd is a prefix)
     assert _targets(hlo_text(jax.grad(lambda x: jnp.sum(softmax(x) ** 2)), x)) == {
         "rlx_softmax_fwd", "rlx_softmax_bwd_x"}
     # forward mode runs it as the tangent map
-    assert "rlx_softmax_bwd_x" in _targets(hlo_text(lambda x: jax.jvp(softmax, (x,), (x,))[1], x))
+    assert "rlx_softmax_bwd_x_v1" in _targets(hlo_text(lambda x: jax.jvp(softmax, (x,), (x,))[1], x))
     # the RLX SoftmaxBackward op's wrapper, which receives y, keeps rlx_softmax_bwd
-    assert _targets(hlo_text(softmax_backward, x, x)) == {"rlx_softmax_bwd"}
+    assert _targets(hlo_text(softmax_backward, x, x)) == {"rlx_softmax_bwd_v1"}
 
 
 def _targets(text):
@@ -141,10 +141,10 @@ def test_grad_drops_the_forward_kernel_when_y_is_unused():
     x, w = _x((16, 40), jnp.float32), _x((16, 40), jnp.float32, seed=5)
     grad = jax.grad(lambda x: jnp.sum(softmax(x) * w))
     compiled = jax.jit(grad).lower(x).compile().as_text()
-    assert _targets(compiled) == {"rlx_softmax_bwd_x"}
+    assert _targets(compiled) == {"rlx_softmax_bwd_x_v1"}
     assert_close(grad(x), _bwd_x_oracle(x, w))
     vg = jax.jit(jax.value_and_grad(lambda x: jnp.sum(softmax(x) * w))).lower(x).compile().as_text()
-    assert _targets(vg) == {"rlx_softmax_fwd", "rlx_softmax_bwd_x"}
+    assert _targets(vg) == {"rlx_softmax_fwd_v1", "rlx_softmax_bwd_x_v1"}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -152,7 +152,7 @@ def test_grad_drops_the_forward_kernel_when_y_is_unused():
 def test_backward_from_x_matches_reference(shape, dtype):
     x, dy = _x(shape, dtype, seed=6), _x(shape, dtype, seed=7, scale=1.0)
     f = jax.jit(lambda x, dy: softmax_bwd_x(x, dy)[0])
-    assert "rlx_softmax_bwd_x" in _targets(f.lower(x, dy).as_text())
+    assert "rlx_softmax_bwd_x_v1" in _targets(f.lower(x, dy).as_text())
     got = f(x, dy)
     assert got.dtype == dtype and got.shape == shape
     assert_close(got, _bwd_x_oracle(x.astype(jnp.float32), dy.astype(jnp.float32)), dtype)
@@ -164,7 +164,7 @@ def test_backward_from_x_f64(x64):
     dy = jax.random.normal(jax.random.PRNGKey(9), (7, 37), jnp.float64)
     f = jax.jit(lambda x, dy: softmax_bwd_x(x, dy)[0])
     if platform() == "cpu":  # the CUDA kernels take no f64: the reference runs there
-        assert "rlx_softmax_bwd_x" in _targets(f.lower(x, dy).as_text())
+        assert "rlx_softmax_bwd_x_v1" in _targets(f.lower(x, dy).as_text())
     np.testing.assert_allclose(np.asarray(f(x, dy)), _bwd_x_oracle(x, dy), rtol=1e-12, atol=1e-13)
     check_grads(lambda x, d: softmax_bwd_x(x, d)[0], (x[:3, :6], dy[:3, :6]), order=2, modes=("fwd", "rev"))
 
@@ -183,21 +183,21 @@ def test_backward_from_x_masked_and_large_logits():
 def test_backward_from_x_vmap_keeps_kernel():
     x, dy = _x((4, 3, 9), jnp.float32, seed=11), _x((4, 3, 9), jnp.float32, seed=12)
     f = jax.vmap(lambda x, d: softmax_bwd_x(x, d)[0], in_axes=(1, None), out_axes=1)
-    assert "rlx_softmax_bwd_x" in _targets(hlo_text(f, x, dy[:, 0]))
+    assert "rlx_softmax_bwd_x_v1" in _targets(hlo_text(f, x, dy[:, 0]))
     want = _bwd_x_oracle(x, np.broadcast_to(np.asarray(dy[:, 0])[:, None], x.shape))
     assert_close(f(x, dy[:, 0]), want)
     # per-example gradients through the op
     g = jax.vmap(jax.grad(lambda x, d: jnp.sum(softmax(x) * d)))
-    assert "rlx_softmax_bwd_x" in _targets(hlo_text(g, x, dy))
+    assert "rlx_softmax_bwd_x_v1" in _targets(hlo_text(g, x, dy))
     assert_close(g(x, dy), _bwd_x_oracle(x, dy))
 
 
 def test_backward_from_x_rejects_mismatched_operands():
     x = jnp.ones((4, 8), jnp.float32)
-    call = jax.ffi.ffi_call("rlx_softmax_bwd_x", (jax.ShapeDtypeStruct((4, 8), jnp.float32),))
+    call = jax.ffi.ffi_call("rlx_softmax_bwd_x_v1", (jax.ShapeDtypeStruct((4, 8), jnp.float32),))
     with pytest.raises(Exception, match="dy must match"):
         jax.block_until_ready(jax.jit(call)(x, jnp.ones((4, 8), jnp.bfloat16)))
-    bad = jax.ffi.ffi_call("rlx_softmax_bwd_x", (jax.ShapeDtypeStruct((8, 4), jnp.float32),))
+    bad = jax.ffi.ffi_call("rlx_softmax_bwd_x_v1", (jax.ShapeDtypeStruct((8, 4), jnp.float32),))
     with pytest.raises(Exception, match="dx must match"):
         jax.block_until_ready(jax.jit(bad)(x, x))
 

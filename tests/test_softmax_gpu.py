@@ -45,16 +45,16 @@ def _close(got, want, dtype, what, scale=None):
 def test_cuda_kernels_loaded_and_in_hlo():
     info = rlx_jax.kernel_info()["cuda"]
     assert info["loaded"], info["error"]
-    assert {"rlx_softmax_fwd", "rlx_softmax_bwd", "rlx_softmax_bwd_x"} <= set(info["targets"])
+    assert {"rlx_softmax_fwd_v1", "rlx_softmax_bwd_v1", "rlx_softmax_bwd_x_v1"} <= set(info["targets"])
     x, dy = _inputs((8, 256), jnp.float32, 0)
     def value_and_pullback(x, dy):
         y, pull = jax.vjp(softmax, x)
         return y, pull(dy)[0]
 
-    assert _targets(jax.jit(value_and_pullback).lower(x, dy).as_text()) == {"rlx_softmax_fwd", "rlx_softmax_bwd_x"}
+    assert _targets(jax.jit(value_and_pullback).lower(x, dy).as_text()) == {"rlx_softmax_fwd_v1", "rlx_softmax_bwd_x_v1"}
     # the gradient alone: the forward kernel is dead code (the pullback reads x, not y)
     compiled = jax.jit(lambda x, dy: jax.vjp(softmax, x)[1](dy)[0]).lower(x, dy).compile().as_text()
-    assert _targets(compiled) == {"rlx_softmax_bwd_x"}
+    assert _targets(compiled) == {"rlx_softmax_bwd_x_v1"}
 
 
 def _targets(text):
@@ -90,7 +90,7 @@ def test_backward_from_x_matches_f32_reference(shape, dtype):
     scalar (odd widths), one register chunk, several chunks (65536)."""
     x, dy = _inputs(shape, dtype, seed=sum(shape) % 1000 + 1)
     f = jax.jit(lambda x, dy: softmax_bwd_x(x, dy)[0])
-    assert "rlx_softmax_bwd_x" in _targets(f.lower(x, dy).as_text())
+    assert "rlx_softmax_bwd_x_v1" in _targets(f.lower(x, dy).as_text())
     dx = f(x, dy)
     (dx_ref,) = jax.jit(reference_softmax_bwd_x)(x.astype(jnp.float32), dy.astype(jnp.float32))
     assert dx.dtype == dtype and dx.shape == shape
@@ -125,10 +125,10 @@ def test_backward_from_x_masked_and_extreme():
 
 def test_backward_from_x_mismatched_operands_are_errors():
     x, dy = _inputs((4, 64), jnp.float32, seed=2)
-    call = jax.ffi.ffi_call("rlx_softmax_bwd_x", (jax.ShapeDtypeStruct((4, 64), jnp.float32),))
+    call = jax.ffi.ffi_call("rlx_softmax_bwd_x_v1", (jax.ShapeDtypeStruct((4, 64), jnp.float32),))
     with pytest.raises(Exception, match="dy must match"):
         jax.block_until_ready(jax.jit(call)(x, dy.astype(jnp.bfloat16)))
-    bad = jax.ffi.ffi_call("rlx_softmax_bwd_x", (jax.ShapeDtypeStruct((4, 64), jnp.float16),))
+    bad = jax.ffi.ffi_call("rlx_softmax_bwd_x_v1", (jax.ShapeDtypeStruct((4, 64), jnp.float16),))
     with pytest.raises(Exception, match="dx must match"):
         jax.block_until_ready(jax.jit(bad)(x, dy))
 
@@ -157,13 +157,13 @@ def test_vmap_keeps_kernel():
     x, dy = _inputs((3, 16, 512), jnp.float32, seed=4)
     f = jax.vmap(lambda x, dy: jax.vjp(softmax, x)[1](dy)[0])
     text = jax.jit(f).lower(x, dy).as_text()
-    assert "rlx_softmax_bwd_x" in _targets(text)
+    assert "rlx_softmax_bwd_x_v1" in _targets(text)
     want = jax.vmap(lambda x, dy: jax.vjp(lambda x: reference_softmax(x)[0], x)[1](dy)[0])(x, dy)
     _close(jax.jit(f)(x, dy), want, jnp.float32, "dx")
 
 
 def test_mismatched_output_is_an_error_not_a_crash():
     x, dy = _inputs((4, 64), jnp.float32, seed=1)
-    call = jax.ffi.ffi_call("rlx_softmax_bwd", (jax.ShapeDtypeStruct((4, 64), jnp.bfloat16),))
+    call = jax.ffi.ffi_call("rlx_softmax_bwd_v1", (jax.ShapeDtypeStruct((4, 64), jnp.bfloat16),))
     with pytest.raises(Exception, match="dx must match"):
         jax.block_until_ready(jax.jit(call)(x, dy))

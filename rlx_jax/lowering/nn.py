@@ -259,7 +259,7 @@ def _gather(op, args, ctx):
     if 0 in lead:
         return ctx.cast_out(jnp.zeros(idx.shape + table.shape[len(lead) + 1:], table.dtype))
     first = table[(0,) * len(lead)]
-    return ctx.cast_out(fused("gather")(first, index_array(idx), axis=0))
+    return ctx.cast_out(fused("gather")(first, index_array(idx), axis=0, mode="clip"))
 
 
 @lowering_rule("ComplexNormSq")

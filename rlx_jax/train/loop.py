@@ -261,14 +261,19 @@ def run_steps(*, name, graph, model, cfg: TrainConfig, batch_fn, evaluate, token
     }
 
 
-def write_outputs(record: dict, out_dir: str, tag: str) -> dict[str, str]:
-    """JSON log and loss-curve PNG; returns their paths."""
+def write_outputs(record: dict, out_dir: str, tag: str) -> dict[str, str | None]:
+    """JSON log and loss-curve PNG; returns their paths (``plot`` is None when
+    matplotlib, an optional dependency, is not installed)."""
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     log = {k: v for k, v in record.items() if k != "params"}
     paths = {"log": str(out / f"{tag}.json"), "plot": str(out / f"{tag}_loss.png")}
     pathlib.Path(paths["log"]).write_text(json.dumps(log, indent=1, default=float))
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        paths["plot"] = None
+        return paths
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

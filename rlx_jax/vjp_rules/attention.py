@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad
 
+from rlx_jax._kernels import target as ffi_target
 from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, Partition, instantiate, np_scalar
 
 MASK_KINDS = ("none", "causal", "sliding")
@@ -215,7 +216,7 @@ def _kernel_fwd(q, k, v, *extras, kind, window, scale, softcap, has_mask, has_bi
     out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sq), _acc_dtype(q.dtype)))
     m, bb = _dummies(q, mask, bias)
     attrs = _attrs(kind, window, scale, softcap, has_mask, has_bias)
-    return jax.ffi.ffi_call("rlx_attention_fwd", out)(q, k, v, m, bb, **attrs)
+    return jax.ffi.ffi_call(ffi_target("rlx_attention_fwd"), out)(q, k, v, m, bb, **attrs)
 
 
 def _kernel_bwd(q, k, v, out, lse, dout, dlse, *extras, kind, window, scale, softcap, has_mask,
@@ -229,7 +230,7 @@ def _kernel_bwd(q, k, v, out, lse, dout, dlse, *extras, kind, window, scale, sof
         jax.ShapeDtypeStruct(bb.shape, bb.dtype),
     )
     attrs = _attrs(kind, window, scale, softcap, has_mask, has_bias)
-    res = jax.ffi.ffi_call("rlx_attention_bwd", shapes)(q, k, v, out, lse, dout, dlse, m, bb, **attrs)
+    res = jax.ffi.ffi_call(ffi_target("rlx_attention_bwd"), shapes)(q, k, v, out, lse, dout, dlse, m, bb, **attrs)
     return tuple(res) if has_bias else tuple(res[:3])
 
 
@@ -305,7 +306,7 @@ def _kernel_bwd_cuda(q, k, v, out, lse, dout, dlse, *extras, kind, window, scale
             jnp.float32),
     )
     attrs = _attrs(kind, window, scale, softcap, has_mask, has_bias)
-    res = jax.ffi.ffi_call("rlx_attention_bwd", shapes)(q, k, v, out, lse, dout, dlse, m, bb, **attrs)
+    res = jax.ffi.ffi_call(ffi_target("rlx_attention_bwd"), shapes)(q, k, v, out, lse, dout, dlse, m, bb, **attrs)
     return tuple(res[:4]) if has_bias else tuple(res[:3])
 
 

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.interpreters import ad
 
+from rlx_jax._kernels import target as ffi_target
 from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, Partition, instantiate, np_scalar
 from rlx_jax.vjp_rules.group_norm import merge_samples
 from rlx_jax.vjp_rules.layer_norm import stat_dtype
@@ -82,7 +83,7 @@ def reference_batch_norm_inference_bwd(x, gamma, mean, var, dy, *, eps):
 def _kernel_bwd(x, gamma, mean, var, dy, *, eps):
     p = jax.ShapeDtypeStruct(gamma.shape, gamma.dtype)
     out = (jax.ShapeDtypeStruct(x.shape, x.dtype), p, p)
-    return jax.ffi.ffi_call("rlx_batch_norm_inference_bwd", out)(x, gamma, mean, var, dy, eps=np_scalar(eps))
+    return jax.ffi.ffi_call(ffi_target("rlx_batch_norm_inference_bwd"), out)(x, gamma, mean, var, dy, eps=np_scalar(eps))
 
 
 def cuda_bwd_scratch_size(shape) -> int:
@@ -108,7 +109,7 @@ def _kernel_bwd_cuda(x, gamma, mean, var, dy, *, eps):
     p = jax.ShapeDtypeStruct(gamma.shape, gamma.dtype)
     scratch = jax.ShapeDtypeStruct((cuda_bwd_scratch_size(x.shape),), jnp.float32)
     out = (jax.ShapeDtypeStruct(x.shape, x.dtype), p, p, scratch)
-    dx, dg, db, _ = jax.ffi.ffi_call("rlx_batch_norm_inference_bwd", out)(x, gamma, mean, var, dy, eps=np_scalar(eps))
+    dx, dg, db, _ = jax.ffi.ffi_call(ffi_target("rlx_batch_norm_inference_bwd"), out)(x, gamma, mean, var, dy, eps=np_scalar(eps))
     return dx, dg, db
 
 

@@ -43,6 +43,7 @@ import numpy as np
 from jax import lax
 from jax.interpreters import ad
 
+from rlx_jax._kernels import target as ffi_target
 from rlx_jax.vjp_rules._primitive import FusedPrimitive, instantiate, rowwise_batching
 from rlx_jax.vjp_rules._vocab_parallel import (
     VocabPartition, acc_dtype as _acc, block_lse_and_picked, check_ignore_index, check_labels, kernel_labels,
@@ -110,12 +111,12 @@ def reference_softmax_cross_entropy_tangent(logits, labels, lse, t_logits):
 def _kernel_fwd(logits, labels):
     rows = logits.shape[:-1]
     out = (jax.ShapeDtypeStruct(rows, logits.dtype), jax.ShapeDtypeStruct(rows, _acc(logits.dtype)))
-    return jax.ffi.ffi_call("rlx_softmax_ce_fwd", out)(logits, labels)
+    return jax.ffi.ffi_call(ffi_target("rlx_softmax_ce_fwd"), out)(logits, labels)
 
 
 def _kernel_bwd(logits, labels, lse, dloss, *, recompute_lse=False):
     out = (jax.ShapeDtypeStruct(logits.shape, logits.dtype),)
-    return jax.ffi.ffi_call("rlx_softmax_ce_bwd", out)(
+    return jax.ffi.ffi_call(ffi_target("rlx_softmax_ce_bwd"), out)(
         logits, labels, lse, dloss, recompute_lse=np.bool_(recompute_lse)
     )
 

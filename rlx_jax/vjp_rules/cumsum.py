@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad
 
+from rlx_jax._kernels import target as ffi_target
 from rlx_jax.vjp_rules._primitive import FusedPrimitive, Partition
 
 
@@ -62,7 +63,7 @@ def reference_cumsum_bwd(dy, *, exclusive):
 
 def _kernel(target):
     def call(x, *, exclusive):
-        return jax.ffi.ffi_call(target, (jax.ShapeDtypeStruct(x.shape, x.dtype),))(x, exclusive=np.bool_(exclusive))
+        return jax.ffi.ffi_call(ffi_target(target), (jax.ShapeDtypeStruct(x.shape, x.dtype),))(x, exclusive=np.bool_(exclusive))
 
     return call
 
@@ -138,7 +139,7 @@ def _kernel_cuda(target):
         acc = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
         scratch = cuda_scratch_size(o, l, i, jnp.dtype(x.dtype).itemsize)
         out = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((scratch,), acc))
-        y, _ = jax.ffi.ffi_call(target, out)(x, exclusive=np.bool_(exclusive))
+        y, _ = jax.ffi.ffi_call(ffi_target(target), out)(x, exclusive=np.bool_(exclusive))
         return (y,)
 
     return call

@@ -5,9 +5,11 @@ Shapes: table [*pre, V, *post], integer indices [*idx] ->
 out [*pre, *idx, *post], out[a, i, b] = table[a, clip(indices[i], 0, V - 1), b].
 Internally: table [O, V, T] (O = prod(pre), T = prod(post)), indices [K] -> out [O, K, T].
 
-Out-of-range indices are CLAMPED into [0, V - 1] (negative -> 0, >= V -> V - 1), in the
+The primitives CLAMP indices into [0, V - 1] (negative -> 0, >= V -> V - 1), in the
 forward and in the backward alike, so the gradient is always that of the function
-computed: every dy row lands in the table row it was read from. (JAX's ``x[idx]`` clamps
+computed: every dy row lands in the table row it was read from. ``gather``'s ``mode``
+(``"fill"``, the default, ``"clip"``, ``"promise_in_bounds"``, as ``jnp.take``) decides
+what an out-of-range index reads; ``"fill"`` masks the clamped read. (JAX's ``x[idx]`` clamps
 too, but wraps negative indices; RLX reads f32-encoded indices with a saturating cast,
 so negatives read row 0, as here.) A table with V = 0 takes no indices.
 
@@ -33,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.interpreters import ad
 
+from rlx_jax._kernels import target as ffi_target
 from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, Partition
 
 
@@ -63,7 +66,7 @@ def reference_gather_bwd(dy, idx, *, num_rows):
 def _kernel_bwd(dy, idx, *, num_rows):
     o, _, t = dy.shape
     out = (jax.ShapeDtypeStruct((o, num_rows, t), dy.dtype),)
-    return jax.ffi.ffi_call("rlx_gather_bwd", out)(dy, idx)
+    return jax.ffi.ffi_call(ffi_target("rlx_gather_bwd"), out)(dy, idx)
 
 
 def _kernel_bwd_cuda(dy, idx, *, num_rows):
@@ -74,7 +77,7 @@ def _kernel_bwd_cuda(dy, idx, *, num_rows):
     o, k, t = dy.shape
     keys, order = jax.lax.sort((idx, jax.lax.iota(jnp.int32, k)), num_keys=1, is_stable=True)
     out = (jax.ShapeDtypeStruct((o, num_rows, t), dy.dtype), jax.ShapeDtypeStruct((num_rows + 1,), jnp.int32))
-    d_table, _ = jax.ffi.ffi_call("rlx_gather_bwd", out)(dy, keys, order)
+    d_table, _ = jax.ffi.ffi_call(ffi_target("rlx_gather_bwd"), out)(dy, keys, order)
     return (d_table,)
 
 
@@ -176,25 +179,72 @@ def _flat_indices(fn, indices, num_rows):
     return jnp.clip(indices, 0, max(num_rows - 1, 0)).astype(jnp.int32).reshape(-1)
 
 
-def gather(table, indices, *, axis: int = 0):
-    """``np.take(table, clip(indices, 0, V - 1), axis)``: table [*pre, V, *post], integer
+GATHER_MODES = ("fill", "clip", "promise_in_bounds")
+
+
+def _fill_value(fill_value, dtype):
+    """jnp.take's defaults: NaN for inexact tables, the most negative value for signed
+    integers, the largest for unsigned integers, True for booleans."""
+    if fill_value is not None:
+        return jnp.asarray(fill_value, dtype)
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return jnp.asarray(jnp.nan, dtype)
+    if jnp.issubdtype(dtype, jnp.signedinteger):
+        return jnp.asarray(jnp.iinfo(dtype).min, dtype)
+    if jnp.issubdtype(dtype, jnp.unsignedinteger):
+        return jnp.asarray(jnp.iinfo(dtype).max, dtype)
+    return jnp.asarray(True, dtype)
+
+
+def gather(table, indices, *, axis: int = 0, mode: str | None = None, fill_value=None):
+    """``jnp.take(table, indices, axis, mode=mode)``: table [*pre, V, *post], integer
     indices [*idx] -> [*pre, *idx, *post].
 
-    Out-of-range indices clamp (see the module docstring). Differentiable in the table in
-    every mode; reverse mode runs the race-free scatter-add kernel.
+    ``mode`` says what an out-of-range index (``i < 0`` or ``i >= V``) reads. Negative
+    indices never wrap (``jnp.take``'s "fill" reads ``-1`` as ``V - 1``; here it is out
+    of range, so a padding id such as -100 cannot silently read a real row):
+
+    - ``"fill"`` (the default, as ``jnp.take``'s): ``fill_value``, by default NaN for a
+      floating table (the most negative value for a signed integer table, the largest
+      for an unsigned one, True for bool). No gradient flows to the table from those
+      positions.
+    - ``"clip"``: the nearest row, ``table[clip(i, 0, V - 1)]`` (RLX's ``Gather``
+      semantics); the gradient lands in the row that was read.
+    - ``"promise_in_bounds"``: the caller guarantees every index is in range; an
+      out-of-range index reads an unspecified row (today's implementation clips).
+
+    Indices must be integers (a float array raises TypeError). Differentiable in the
+    table in every mode; reverse mode runs the deterministic scatter-add kernel.
     """
+    mode = "fill" if mode is None else mode
+    if mode not in GATHER_MODES:
+        raise ValueError(f"gather: mode must be one of {GATHER_MODES}, got {mode!r}")
+    if fill_value is not None and mode != "fill":
+        raise ValueError(f"gather: fill_value is only used with mode='fill' (got mode={mode!r})")
     table = jnp.asarray(table)
     indices = _indices("gather", indices)
     if table.ndim == 0:
         raise ValueError("gather: table must have at least one axis")
     axis = _axis("gather", axis, table.ndim)
     pre, v, post = table.shape[:axis], table.shape[axis], table.shape[axis + 1 :]
+    if mode == "fill" and v == 0:
+        # nothing to read: every index is out of range
+        fill = _fill_value(fill_value, table.dtype)
+        return jnp.broadcast_to(fill, pre + indices.shape + post)
     idx = _flat_indices("gather", indices, v)
     if not jnp.issubdtype(table.dtype, jnp.inexact):
-        return jnp.take(table, idx, axis=axis, mode="clip").reshape(pre + indices.shape + post)
-    t3 = table.reshape((math.prod(pre), v, math.prod(post)))
-    (out,) = gather_fwd(t3, idx)
-    return out.reshape(pre + indices.shape + post)
+        out = jnp.take(table, idx, axis=axis, mode="clip").reshape(pre + indices.shape + post)
+    else:
+        t3 = table.reshape((math.prod(pre), v, math.prod(post)))
+        (out,) = gather_fwd(t3, idx)
+        out = out.reshape(pre + indices.shape + post)
+    if mode != "fill":
+        return out
+    # in-range mask over [*idx], broadcast against [*pre, *idx, *post]; jnp.where's
+    # gradient zeroes dy where the fill was taken, so the scatter-add skips those rows
+    valid = (indices >= 0) & (indices < v)
+    valid = valid.reshape((1,) * len(pre) + indices.shape + (1,) * len(post))
+    return jnp.where(valid, out, _fill_value(fill_value, table.dtype))
 
 
 def gather_backward(dy, indices, *, axis: int, table_shape):

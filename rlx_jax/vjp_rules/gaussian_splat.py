@@ -57,6 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad
 
+from rlx_jax._kernels import target as ffi_target
 from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, instantiate, np_scalar
 
 META_LEN = 23
@@ -283,7 +284,7 @@ def _attrs(params):
 
 def _kernel_fwd(positions, scales, rotations, opacities, colors, sh_coeffs, meta, **params):
     out = jax.ShapeDtypeStruct((params["height"] * params["width"] * 4,), positions.dtype)
-    return (jax.ffi.ffi_call("rlx_gaussian_splat_fwd", out)(
+    return (jax.ffi.ffi_call(ffi_target("rlx_gaussian_splat_fwd"), out)(
         positions, scales, rotations, opacities, colors, sh_coeffs, meta, **_attrs(params)),)
 
 
@@ -297,7 +298,7 @@ def _kernel_bwd(positions, scales, rotations, opacities, colors, sh_coeffs, meta
                 loss_grad_clip, sh_band, max_anisotropy, **params):
     outs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype)
                  for a in (positions, scales, rotations, opacities, colors, sh_coeffs))
-    return jax.ffi.ffi_call("rlx_gaussian_splat_bwd", outs)(
+    return jax.ffi.ffi_call(ffi_target("rlx_gaussian_splat_bwd"), outs)(
         positions, scales, rotations, opacities, colors, sh_coeffs, meta, dy,
         **_bwd_attrs(loss_grad_clip, sh_band, max_anisotropy, params))
 
@@ -322,7 +323,7 @@ def _kernel_fwd_cuda(positions, scales, rotations, opacities, colors, sh_coeffs,
     n = positions.shape[0]
     out = (jax.ShapeDtypeStruct((params["height"] * params["width"] * 4,), positions.dtype),
            jax.ShapeDtypeStruct((cuda_scratch_elems(n, params),), jnp.int32))
-    img, _ = jax.ffi.ffi_call("rlx_gaussian_splat_fwd", out)(
+    img, _ = jax.ffi.ffi_call(ffi_target("rlx_gaussian_splat_fwd"), out)(
         positions, scales, rotations, opacities, colors, sh_coeffs, meta, **_attrs(params))
     return (img,)
 
@@ -337,7 +338,7 @@ def _kernel_bwd_cuda(positions, scales, rotations, opacities, colors, sh_coeffs,
     outs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype)
                  for a in (positions, scales, rotations, opacities, colors, sh_coeffs))
     outs += (jax.ShapeDtypeStruct((cuda_scratch_elems(n, params, backward=True),), jnp.int32),)
-    res = jax.ffi.ffi_call("rlx_gaussian_splat_bwd", outs)(
+    res = jax.ffi.ffi_call(ffi_target("rlx_gaussian_splat_bwd"), outs)(
         positions, scales, rotations, opacities, colors, sh_coeffs, meta, dy,
         **_bwd_attrs(loss_grad_clip, sh_band, max_anisotropy, params))
     return tuple(res[:6])

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad
 
+from rlx_jax._kernels import target as ffi_target
 from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, Partition, instantiate, np_scalar
 from rlx_jax.vjp_rules.layer_norm import stat_dtype
 
@@ -102,7 +103,7 @@ def reference_group_norm_bwd(x, gamma, mean, rstd, dy, *, num_groups, eps):
 def _kernel_fwd(x, gamma, beta, *, num_groups, eps):
     stat = jax.ShapeDtypeStruct((x.shape[0], num_groups), stat_dtype(x.dtype))
     out = (jax.ShapeDtypeStruct(x.shape, x.dtype), stat, stat)
-    return jax.ffi.ffi_call("rlx_group_norm_fwd", out)(
+    return jax.ffi.ffi_call(ffi_target("rlx_group_norm_fwd"), out)(
         x, gamma, beta, num_groups=np.int64(num_groups), eps=np_scalar(eps)
     )
 
@@ -110,7 +111,7 @@ def _kernel_fwd(x, gamma, beta, *, num_groups, eps):
 def _kernel_bwd(x, gamma, mean, rstd, dy, *, num_groups, eps):
     p = jax.ShapeDtypeStruct(gamma.shape, gamma.dtype)
     out = (jax.ShapeDtypeStruct(x.shape, x.dtype), p, p)
-    return jax.ffi.ffi_call("rlx_group_norm_bwd", out)(x, gamma, mean, rstd, dy, num_groups=np.int64(num_groups))
+    return jax.ffi.ffi_call(ffi_target("rlx_group_norm_bwd"), out)(x, gamma, mean, rstd, dy, num_groups=np.int64(num_groups))
 
 
 def cuda_bwd_scratch_size(n: int, channels: int, num_groups: int) -> int:
@@ -126,7 +127,7 @@ def _kernel_bwd_cuda(x, gamma, mean, rstd, dy, *, num_groups, eps):
     scratch = jax.ShapeDtypeStruct((cuda_bwd_scratch_size(x.shape[0], x.shape[1], num_groups),), jnp.float32)
     p = jax.ShapeDtypeStruct(gamma.shape, gamma.dtype)
     out = (jax.ShapeDtypeStruct(x.shape, x.dtype), p, p, scratch)
-    dx, dg, db, _ = jax.ffi.ffi_call("rlx_group_norm_bwd", out)(
+    dx, dg, db, _ = jax.ffi.ffi_call(ffi_target("rlx_group_norm_bwd"), out)(
         x, gamma, mean, rstd, dy, num_groups=np.int64(num_groups)
     )
     return dx, dg, db

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.interpreters import ad
 
+from rlx_jax._kernels import target as ffi_target
 from rlx_jax.vjp_rules._primitive import (
     NOT_MAPPED, FusedPrimitive, RowPartition, instantiate, np_scalar, rowwise_batching,
 )
@@ -93,13 +94,13 @@ def reference_layer_norm_bwd(x, gamma, mean, rstd, dy, *, eps):
 def _kernel_fwd(x, gamma, beta, *, eps):
     stat = jax.ShapeDtypeStruct(x.shape[:-1], stat_dtype(x.dtype))
     out = (jax.ShapeDtypeStruct(x.shape, x.dtype), stat, stat)
-    return jax.ffi.ffi_call("rlx_layer_norm_fwd", out)(x, gamma, beta, eps=np_scalar(eps))
+    return jax.ffi.ffi_call(ffi_target("rlx_layer_norm_fwd"), out)(x, gamma, beta, eps=np_scalar(eps))
 
 
 def _kernel_bwd(x, gamma, mean, rstd, dy, *, eps):
     p = jax.ShapeDtypeStruct(gamma.shape, gamma.dtype)
     out = (jax.ShapeDtypeStruct(x.shape, x.dtype), p, p)
-    return jax.ffi.ffi_call("rlx_layer_norm_bwd", out)(x, gamma, mean, rstd, dy)
+    return jax.ffi.ffi_call(ffi_target("rlx_layer_norm_bwd"), out)(x, gamma, mean, rstd, dy)
 
 
 def cuda_bwd_scratch_size(rows: int, width: int) -> int:
@@ -117,7 +118,7 @@ def _kernel_bwd_cuda(x, gamma, mean, rstd, dy, *, eps):
     scratch = jax.ShapeDtypeStruct((cuda_bwd_scratch_size(rows, x.shape[-1]),), jnp.float32)
     p = jax.ShapeDtypeStruct(gamma.shape, gamma.dtype)
     out = (jax.ShapeDtypeStruct(x.shape, x.dtype), p, p, scratch)
-    dx, dg, db, _ = jax.ffi.ffi_call("rlx_layer_norm_bwd", out)(x, gamma, mean, rstd, dy)
+    dx, dg, db, _ = jax.ffi.ffi_call(ffi_target("rlx_layer_norm_bwd"), out)(x, gamma, mean, rstd, dy)
     return dx, dg, db
 
 

@@ -44,6 +44,7 @@ import numpy as np
 from jax import lax
 from jax.interpreters import ad
 
+from rlx_jax._kernels import target as ffi_target
 from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, Partition
 
 
@@ -179,7 +180,7 @@ def _kernel_max_fwd(x, *, kernel_size, stride, padding):
     ho, wo = (out_size(n, k, s, p) for n, k, s, p in zip((h, w), kernel_size, stride, padding))
     shape = x.shape[:-2] + (ho, wo)
     out = (jax.ShapeDtypeStruct(shape, x.dtype), jax.ShapeDtypeStruct(shape, argmax_dtype(kernel_size)))
-    return jax.ffi.ffi_call("rlx_max_pool2d_fwd", out)(x, **_geom(kernel_size, stride, padding))
+    return jax.ffi.ffi_call(ffi_target("rlx_max_pool2d_fwd"), out)(x, **_geom(kernel_size, stride, padding))
 
 
 def _kernel_max_bwd(dy, argmax, *, kernel_size, stride, padding, in_hw):
@@ -187,12 +188,12 @@ def _kernel_max_bwd(dy, argmax, *, kernel_size, stride, padding, in_hw):
     window-local index with it; the CUDA one also gathers per input element over the
     windows covering it: no scatter, no atomics; see ffi/cuda/pool.cu)."""
     out = (jax.ShapeDtypeStruct(dy.shape[:-2] + tuple(in_hw), dy.dtype),)
-    return jax.ffi.ffi_call("rlx_max_pool2d_bwd", out)(dy, argmax, **_geom(kernel_size, stride, padding))
+    return jax.ffi.ffi_call(ffi_target("rlx_max_pool2d_bwd"), out)(dy, argmax, **_geom(kernel_size, stride, padding))
 
 
 def _kernel_avg_bwd(dy, *, kernel_size, stride, padding, in_hw):
     out = (jax.ShapeDtypeStruct(dy.shape[:-2] + tuple(in_hw), dy.dtype),)
-    return jax.ffi.ffi_call("rlx_avg_pool2d_bwd", out)(dy, **_geom(kernel_size, stride, padding))
+    return jax.ffi.ffi_call(ffi_target("rlx_avg_pool2d_bwd"), out)(dy, **_geom(kernel_size, stride, padding))
 
 
 def _kernel_avg_bwd_cuda(dy, *, kernel_size, stride, padding, in_hw):

@@ -48,6 +48,7 @@ import numpy as np
 from jax import lax
 from jax.interpreters import ad
 
+from rlx_jax._kernels import target as ffi_target
 from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, instantiate
 
 #: the smallest step size (RLX clamps every scale to it)
@@ -145,14 +146,14 @@ def reference_lsq_bwd(x, s, dy, *, q):
 
 def _kernel_bwd(x, s, dy, *, q, ste):
     out = (jax.ShapeDtypeStruct(x.shape, x.dtype),)
-    return jax.ffi.ffi_call("rlx_fake_quantize_bwd", out)(
+    return jax.ffi.ffi_call(ffi_target("rlx_fake_quantize_bwd"), out)(
         x, s, dy, q_max=np.float32(q), ste=np.int64(STE_CODES[ste])
     )
 
 
 def _kernel_lsq_bwd(x, s, dy, *, q):
     out = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(s.shape, s.dtype))
-    return jax.ffi.ffi_call("rlx_fake_quantize_lsq_bwd", out)(x, s, dy, q_max=np.float32(q))
+    return jax.ffi.ffi_call(ffi_target("rlx_fake_quantize_lsq_bwd"), out)(x, s, dy, q_max=np.float32(q))
 
 
 def cuda_lsq_scratch_size(g: int, o: int, c: int, i: int) -> int:
@@ -182,7 +183,7 @@ def _kernel_lsq_bwd_cuda(x, s, dy, *, q):
     partial sums of dscale (XLA allocates it; the kernel allocates nothing), dropped."""
     scratch = jax.ShapeDtypeStruct((cuda_lsq_scratch_size(*x.shape),), jnp.float32)
     out = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(s.shape, s.dtype), scratch)
-    dx, ds, _ = jax.ffi.ffi_call("rlx_fake_quantize_lsq_bwd", out)(x, s, dy, q_max=np.float32(q))
+    dx, ds, _ = jax.ffi.ffi_call(ffi_target("rlx_fake_quantize_lsq_bwd"), out)(x, s, dy, q_max=np.float32(q))
     return dx, ds
 
 

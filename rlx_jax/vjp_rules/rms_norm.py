@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.interpreters import ad
 
+from rlx_jax._kernels import target as ffi_target
 from rlx_jax.vjp_rules._primitive import (
     NOT_MAPPED, FusedPrimitive, RowPartition, instantiate, np_scalar, rowwise_batching,
 )
@@ -70,13 +71,13 @@ def reference_rms_norm_bwd(x, gamma, rstd, dy, *, eps):
 
 def _kernel_fwd(x, gamma, beta, *, eps):
     out = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(x.shape[:-1], _stat_dtype(x.dtype)))
-    return jax.ffi.ffi_call("rlx_rms_norm_fwd", out)(x, gamma, beta, eps=np_scalar(eps))
+    return jax.ffi.ffi_call(ffi_target("rlx_rms_norm_fwd"), out)(x, gamma, beta, eps=np_scalar(eps))
 
 
 def _kernel_bwd(x, gamma, rstd, dy, *, eps):
     p = jax.ShapeDtypeStruct(gamma.shape, gamma.dtype)
     out = (jax.ShapeDtypeStruct(x.shape, x.dtype), p, p)
-    return jax.ffi.ffi_call("rlx_rms_norm_bwd", out)(x, gamma, rstd, dy)
+    return jax.ffi.ffi_call(ffi_target("rlx_rms_norm_bwd"), out)(x, gamma, rstd, dy)
 
 
 def cuda_bwd_scratch_size(rows: int, width: int) -> int:
@@ -97,7 +98,7 @@ def _kernel_bwd_cuda(x, gamma, rstd, dy, *, eps):
     scratch = jax.ShapeDtypeStruct((cuda_bwd_scratch_size(rows, x.shape[-1]),), jnp.float32)
     p = jax.ShapeDtypeStruct(gamma.shape, gamma.dtype)
     out = (jax.ShapeDtypeStruct(x.shape, x.dtype), p, p, scratch)
-    dx, dg, db, _ = jax.ffi.ffi_call("rlx_rms_norm_bwd", out)(x, gamma, rstd, dy)
+    dx, dg, db, _ = jax.ffi.ffi_call(ffi_target("rlx_rms_norm_bwd"), out)(x, gamma, rstd, dy)
     return dx, dg, db
 
 

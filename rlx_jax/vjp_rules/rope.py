@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad
 
+from rlx_jax._kernels import target as ffi_target
 from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, Partition
 
 
@@ -83,7 +84,7 @@ def _kernel(target):
         # the kernel reads [B, S, H * D]: the same memory as x [B, S, H, D]
         b, s, h, d = x.shape
         out = (jax.ShapeDtypeStruct((b, s, h * d), x.dtype),)
-        (y,) = jax.ffi.ffi_call(target, out)(x.reshape(b, s, h * d), cos, sin, head_dim=np.int64(d),
+        (y,) = jax.ffi.ffi_call(ffi_target(target), out)(x.reshape(b, s, h * d), cos, sin, head_dim=np.int64(d),
                                              n_rot=np.int64(n_rot))
         return (y.reshape(x.shape),)
 

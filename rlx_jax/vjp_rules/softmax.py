@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.interpreters import ad
 
+from rlx_jax._kernels import target as ffi_target
 from rlx_jax.vjp_rules._primitive import FusedPrimitive, RowPartition, instantiate, rowwise_batching
 
 
@@ -68,15 +69,15 @@ def reference_softmax_bwd(y, dy):
 
 
 def _kernel_fwd(x):
-    return jax.ffi.ffi_call("rlx_softmax_fwd", (jax.ShapeDtypeStruct(x.shape, x.dtype),))(x)
+    return jax.ffi.ffi_call(ffi_target("rlx_softmax_fwd"), (jax.ShapeDtypeStruct(x.shape, x.dtype),))(x)
 
 
 def _kernel_bwd(y, dy):
-    return jax.ffi.ffi_call("rlx_softmax_bwd", (jax.ShapeDtypeStruct(y.shape, y.dtype),))(y, dy)
+    return jax.ffi.ffi_call(ffi_target("rlx_softmax_bwd"), (jax.ShapeDtypeStruct(y.shape, y.dtype),))(y, dy)
 
 
 def _kernel_bwd_x(x, dy):
-    return jax.ffi.ffi_call("rlx_softmax_bwd_x", (jax.ShapeDtypeStruct(x.shape, x.dtype),))(x, dy)
+    return jax.ffi.ffi_call(ffi_target("rlx_softmax_bwd_x"), (jax.ShapeDtypeStruct(x.shape, x.dtype),))(x, dy)
 
 
 def _kernel_fwd_cuda(x):

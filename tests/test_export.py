@@ -1,0 +1,171 @@
+"""jax.export of functions using rlx_jax ops: the FFI targets carry an ABI version in
+their names and are declared stable, so a jitted train step (embedding gather, RMSNorm,
+RoPE, attention, cross-entropy, their fused backward kernels) exports with a symbolic
+batch dimension and no extra arguments, serializes, and runs after deserialization in a
+fresh process with the results of the direct call."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rlx_jax
+from rlx_jax import ops
+from rlx_jax._kernels import ABI_VERSIONS, export_safety_checks, registered_targets, target
+
+pytest.importorskip("flatbuffers")  # jax.export's serialization format
+
+V, S, D, H, HD = 19, 8, 16, 2, 8  # vocabulary, sequence, width, heads, head dim
+
+
+def _loaded():
+    info = rlx_jax.kernel_info()["cpu"]
+    if not info["loaded"]:
+        pytest.skip(f"compiled CPU kernels not loaded: {info['error']}")
+    return info
+
+
+def _params(seed=0):
+    k = jax.random.split(jax.random.PRNGKey(seed), 4)
+    return {
+        "embed": 0.5 * jax.random.normal(k[0], (V, D)),
+        "gamma": 1.0 + 0.1 * jax.random.normal(k[1], (D,)),
+        "wqkv": jax.random.normal(k[2], (D, 3 * D)) / np.sqrt(D),
+        "wout": jax.random.normal(k[3], (D, V)) / np.sqrt(D),
+    }
+
+
+def _rope_tables():
+    inv = 1.0 / (10000.0 ** (np.arange(0, HD, 2) / HD))
+    ang = np.arange(S)[:, None] * inv[None, :]
+    return jnp.asarray(np.cos(ang), jnp.float32), jnp.asarray(np.sin(ang), jnp.float32)
+
+
+def _loss(params, tokens, labels):
+    """One causal attention block over token embeddings; mean next-token cross-entropy."""
+    cos, sin = _rope_tables()
+    b = tokens.shape[0]
+    x = ops.gather(params["embed"], tokens, axis=0)  # [B, S, D]
+    h = ops.rms_norm(x, params["gamma"])
+    q, k, v = jnp.split(h @ params["wqkv"], 3, axis=-1)  # [B, S, H * HD] each
+    q = ops.rope(q, cos, sin, head_dim=HD)
+    k = ops.rope(k, cos, sin, head_dim=HD)
+    heads = lambda t: t.reshape(b, S, H, HD)
+    a = ops.attention(heads(q), heads(k), heads(v), mask_kind="causal").reshape(b, S, D)
+    logits = ((x + a) @ params["wout"]).reshape(b * S, V)
+    return jnp.mean(ops.softmax_cross_entropy(logits, labels.reshape(b * S)))
+
+
+def train_step(params, tokens, labels):
+    loss, grads = jax.value_and_grad(_loss)(params, tokens, labels)
+    return loss, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+
+def _batch(b, seed):
+    r = np.random.default_rng(seed)
+    return jnp.asarray(r.integers(0, V, (b, S)), jnp.int32), jnp.asarray(r.integers(0, V, (b, S)), jnp.int32)
+
+
+@pytest.fixture(scope="module")
+def exported_step():
+    """(params, the train step exported with a symbolic batch dimension "b")."""
+    _loaded()
+    params = _params()
+    (bdim,) = jax.export.symbolic_shape("b")
+    specs = (
+        jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params),
+        jax.ShapeDtypeStruct((bdim, S), jnp.int32),
+        jax.ShapeDtypeStruct((bdim, S), jnp.int32),
+    )
+    return params, jax.export.export(jax.jit(train_step))(*specs)
+
+
+def test_targets_are_versioned_and_declared_stable():
+    info = _loaded()
+    assert info["targets"] and info["export_stable"]
+    assert all(re.fullmatch(r"rlx_[a-z0-9_]+_v[0-9]+", t) for t in info["targets"]), info["targets"]
+    assert target("rlx_rms_norm_fwd") == "rlx_rms_norm_fwd_v1"
+    assert target("rlx_rms_norm_fwd_v1") == "rlx_rms_norm_fwd_v1"
+    assert set(info["targets"]) <= set(registered_targets())
+
+
+def test_bumping_one_kernel_version_leaves_the_others(monkeypatch):
+    monkeypatch.setitem(ABI_VERSIONS, "rlx_rope_fwd", 2)
+    assert target("rlx_rope_fwd") == "rlx_rope_fwd_v2"
+    assert target("rlx_rope_bwd") == "rlx_rope_bwd_v1"
+
+
+def test_export_round_trip_in_a_fresh_process(exported_step, tmp_path):
+    params, exported = exported_step
+    text = exported.mlir_module()
+    for kernel in ("rlx_rms_norm_fwd", "rlx_rms_norm_bwd", "rlx_rope_fwd", "rlx_rope_bwd", "rlx_attention_fwd",
+                   "rlx_attention_bwd", "rlx_softmax_ce_fwd", "rlx_softmax_ce_bwd", "rlx_gather_bwd"):
+        assert f"custom_call @{target(kernel)}(" in text, f"{kernel} is not called by the exported step (silent fallback)"
+    assert str(exported.in_avals[-1].shape[0]) == "b"  # the batch dimension stayed symbolic
+
+    blob = tmp_path / "step.bin"
+    blob.write_bytes(exported.serialize())
+    np.savez(tmp_path / "params.npz", **{k: np.asarray(v) for k, v in params.items()})
+    batches = {b: _batch(b, seed=b) for b in (1, 5)}
+    np.savez(tmp_path / "batches.npz", **{f"{n}_{b}": np.asarray(a) for b, ab in batches.items()
+                                          for n, a in zip(("tokens", "labels"), ab)})
+    code = textwrap.dedent(f"""
+        import jax, numpy as np
+        import rlx_jax.ops  # registers the FFI targets the deserialized module calls
+        d = pathlib.Path({str(tmp_path)!r})
+        exp = jax.export.deserialize(bytearray((d / "step.bin").read_bytes()))
+        params = dict(np.load(d / "params.npz"))
+        bt = np.load(d / "batches.npz")
+        out = {{}}
+        for b in (1, 5):
+            loss, new = exp.call(params, bt[f"tokens_{{b}}"], bt[f"labels_{{b}}"])
+            out[f"loss_{{b}}"] = np.asarray(loss)
+            out.update({{f"{{k}}_{{b}}": np.asarray(v) for k, v in new.items()}})
+        np.savez(d / "out.npz", **out)
+    """)
+    proc = subprocess.run([sys.executable, "-c", "import pathlib\n" + code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = np.load(tmp_path / "out.npz")
+    step = jax.jit(train_step)
+    for b, (tokens, labels) in batches.items():
+        loss, new = step(params, tokens, labels)
+        np.testing.assert_allclose(got[f"loss_{b}"], loss, rtol=1e-5, atol=1e-6)
+        for k, v in new.items():
+            np.testing.assert_allclose(got[f"{k}_{b}"], v, rtol=1e-5, atol=1e-6)
+        assert not np.allclose(got[f"wqkv_{b}"], params["wqkv"])  # the step did update
+
+
+def test_export_matches_pure_jax_reference_gradients(exported_step):
+    params, exported = exported_step
+    tokens, labels = _batch(4, seed=7)
+    loss, new = exported.call(params, tokens, labels)
+    with rlx_jax.fused_ops(False):  # the pure-JAX references, differentiated by XLA
+        ref_loss, ref_new = jax.jit(train_step)(params, tokens, labels)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for k in params:
+        np.testing.assert_allclose(new[k], ref_new[k], rtol=1e-4, atol=1e-5)
+
+
+def test_public_helper_allows_export_without_the_stable_registry(monkeypatch):
+    """``rlx_jax.export_safety_checks()``: the public-API path (DisabledSafetyCheck)."""
+    _loaded()
+    from jax._src.export import _export
+
+    stable = _export._CUSTOM_CALL_TARGETS_GUARANTEED_STABLE
+    monkeypatch.setattr(_export, "_CUSTOM_CALL_TARGETS_GUARANTEED_STABLE",
+                        {t for t in stable if not t.startswith("rlx_")})
+    f = jax.jit(lambda x, g: ops.rms_norm(x, g))
+    args = (jnp.ones((3, 8)), jnp.ones((8,)))
+    with pytest.raises(ValueError, match="custom calls whose targets have no compatibility guarantees"):
+        jax.export.export(f)(*args)
+    exported = jax.export.export(f, disabled_checks=rlx_jax.export_safety_checks())(*args)
+    np.testing.assert_allclose(exported.call(*args), f(*args), rtol=1e-6)
