@@ -34,7 +34,8 @@ WORKLOG_PATTERNS = {
     "work-period number": r"\bsessions? [0-9]",
     "results-file section number": r"\bsections? [0-9]+",
     "call number": r"\bcalls? [0-9]+\b",
-    "run number": r"\bruns? [0-9]+[a-z]?\b",
+    # a run number, possibly with a letter suffix; not a speed such as "runs N.NNx faster"
+    "run number": r"\bruns? [0-9]+[a-wyz]?(?![0-9a-z.%])",
     "date": r"\b20[0-9]{2}-[01][0-9]-[0-3][0-9]\b",
     "machine path": r"/wor[k]/",
     "team process": r"\bother\s+engineers\b|\bengineers'|\bhard\s+deadline\b|\bdevice\s+tool\b",
@@ -132,18 +133,23 @@ def _worklog_hits(text: str) -> list[tuple[int, str, str]]:
 
 def test_worklog_patterns_catch_what_they_should():
     # The detector itself: each kind of work-log text is caught, plain code is not.
+    # (assembled from pieces so that this file's own text stays clean)
     caught = [
-        "// measured in session 36 (results section 64)",
-        "# call 5 of the second run",
-        "// the default before run 14",
-        "# 2026-11-22: the kernel replaced",
+        "// measured in sess" + "ion 36 (results sect" + "ion 64)",
+        "# cal" + "l 5 of the second one",
+        "// the default before ru" + "n 14",
+        "// ru" + "n 13F's A/B",
+        "# 2026" + "-11-22: the kernel replaced",
         "see /wor" + "k/shared/docs",
-        "Other engineers edit the same tree; hard deadline 01:15",
+        "Other engin" + "eers edit the same tree",
+        "hard dead" + "line 01:15",
+        "lent through the device" + " tool",
     ]
     clean = [
         "session = rlx_jax.Session('cpu')  # compiles once",
         "for run in range(3):",
         "// one block per tile: the last wave leaves half the SMs idle",
+        "fwd+bwd runs 1.07x XLA; the kernel runs 3x faster",
     ]
     assert all(_worklog_hits(line) for line in caught), [line for line in caught if not _worklog_hits(line)]
     assert not any(_worklog_hits(line) for line in clean)
