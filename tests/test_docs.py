@@ -34,8 +34,9 @@ WORKLOG_PATTERNS = {
     "work-period number": r"\bsessions? [0-9]",
     "results-file section number": r"\bsections? [0-9]+",
     "call number": r"\bcalls? [0-9]+\b",
-    # a run number, possibly with a letter suffix; not a speed such as "runs N.NNx faster"
-    "run number": r"\bruns? [0-9]+[a-wyz]?(?![0-9a-z.%])",
+    # a run number (possibly with a letter suffix) or a list of them; not prose such as
+    # "runs N.NNx faster" or "mode 7 runs 6's kernel"
+    "run number": r"\brun [0-9]+[a-wyz]?(?![0-9a-z.%])|\bruns [0-9]+(?:-[0-9]+| and [0-9]+)",
     "date": r"\b20[0-9]{2}-[01][0-9]-[0-3][0-9]\b",
     "machine path": r"/wor[k]/",
     "team process": r"\bother\s+engineers\b|\bengineers'|\bhard\s+deadline\b|\bdevice\s+tool\b",
@@ -139,6 +140,7 @@ def test_worklog_patterns_catch_what_they_should():
         "# cal" + "l 5 of the second one",
         "// the default before ru" + "n 14",
         "// ru" + "n 13F's A/B",
+        "(ru" + "ns 4 and 5 of the results)",
         "# 2026" + "-11-22: the kernel replaced",
         "see /wor" + "k/shared/docs",
         "Other engin" + "eers edit the same tree",
@@ -149,7 +151,7 @@ def test_worklog_patterns_catch_what_they_should():
         "session = rlx_jax.Session('cpu')  # compiles once",
         "for run in range(3):",
         "// one block per tile: the last wave leaves half the SMs idle",
-        "fwd+bwd runs 1.07x XLA; the kernel runs 3x faster",
+        "fwd+bwd runs 1.07x XLA; the kernel runs 3x faster; mode 7 runs 6's kernel",
     ]
     assert all(_worklog_hits(line) for line in caught), [line for line in caught if not _worklog_hits(line)]
     assert not any(_worklog_hits(line) for line in clean)

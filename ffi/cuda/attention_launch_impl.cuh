@@ -52,15 +52,13 @@ bool attn_fwd_mt2() {
 // causal (modes 3 and 4 below, the warp-specialised kernel, also with a softcap, a key mask and / or
 // a sliding window: its CAP / MASK forms). RLX_ATTENTION_CUDA_WGMMA (read once per process; the A/B and the tests set it):
 // 0 = the mma.sync forward; 2 = the 2-warpgroup wgmma forward (2 warpgroups x 128 keys) at both head
-// dims (run 10 of benchmarks/results/attention_h200_2026-11-22.txt, 12 alternating rounds, B4 S4096
-// H16 bf16 forward: D 128 1.34x / 1.28x the mma.sync forward, none / causal; D 64 0.99x / 0.99x,
+// dims (H200, 12 alternating rounds, B4 S4096 H16 bf16 forward: D 128 1.34x / 1.28x the mma.sync forward, none / causal; D 64 0.99x / 0.99x,
 // within the noise, so D 64 stays on mma.sync).
 // RLX_ATTENTION_CUDA_WGMMA_REQUIRE=1 (tests): a case the wgmma forward serves is an error when
 // the loaded image has no wgmma code (instead of the mma.sync fallback).
 // 3: at D 128 the warp-specialised kernel (attention_wgmma_ws.cuh: a producer warpgroup, 2 consumer
 // warpgroups, mbarrier ring, persistent grid), at D 64 the mma.sync forward.
-// 4, unset or another value (the default since run 13F of
-// benchmarks/results/attention_fwd_h200_2026-11-22.txt): the warp-specialised kernel at both head
+// 4, unset or another value (the default): the warp-specialised kernel at both head
 // dims. B4 S4096 H16 bf16, 6 alternating rounds each, every round won: forward 1.30x / 1.31x the
 // 2-warpgroup wgmma kernel at D 128 (none / causal; fwd+bwd 1.05x / 1.06x), 1.07x / 1.15x the
 // mma.sync forward at D 64 (fwd+bwd 1.015x / 1.03x).
@@ -76,7 +74,7 @@ int attn_wgmma_mode(int64_t d) {
 // query tiles heaviest first across a chunk's heads. Default hc = 1 (one head's tiles after
 // another's, heaviest first: the order before). RLX_ATTENTION_CUDA_FWD_HC=<n> (read once per
 // process; n >= 1; 0 or unset: 1) chunks of n heads, longest-processing-time-first across them;
-// measured (run 13F, benchmarks/results/attention_fwd_h200_2026-11-22.txt, 6 alternating rounds,
+// measured (H200, 6 alternating rounds,
 // B4 S4096 H16 bf16 forward) with n = ceil(2 SMs / query tiles) = 9: causal D 128 0.972x (0/6
 // rounds faster), causal D 64 0.985x (2/6) against n = 1, so it is not the default. Mask kind
 // none: always 1 (every tile has the same work).
@@ -175,33 +173,27 @@ bool attn_ws_dq_pipe() {
 // > 0, no softcap, bias or key mask, mask kind none or causal).
 // RLX_ATTENTION_CUDA_WGMMA_BWD (read once per process; the A/B and the tests set it): 0 = the
 // mma.sync dkdv + dq; 4 = at D 128 the wgmma dkdv without the overlap (OVL false: one wait for S^T
-// and dP^T, one for dV and dK) + the wgmma dq (wgmma_dq_kernel), at D 64 the default; 5 (the default
-// until run 14): per head dim the fastest of run 11's A/B (benchmarks/results/attention_h200_2026-11-22.txt):
-// D 128 the OVL dkdv and the wgmma dq, D 64 the plain dkdv and the mma.sync dq. (Run 11's values 2
-// = OVL dkdv + mma.sync dq and 3 = plain dkdv + mma.sync dq at both head dims, and 4's D 64 wgmma dq,
-// lost to the default in every call of run 11 and were removed with the D 64 OVL dkdv and D 64 wgmma
-// dq instantiations (run 12); OVL vs plain at D 128 is undecided, so 4 stays as the alternative.)
+// and dP^T, one for dV and dK) + the wgmma dq (wgmma_dq_kernel), at D 64 the default; 5: per head dim the fastest two-kernel pair measured
+// (H200): D 128 the OVL dkdv and the wgmma dq, D 64 the plain dkdv and the mma.sync dq. (OVL dkdv or
+// plain dkdv with the mma.sync dq at both head dims, and a D 64 wgmma dq, lost to these in every
+// round; OVL vs plain at D 128 is undecided, so 4 stays as the alternative.)
 // 6 = at D 64 and 128 the fused backward (attention_fused_bwd.cuh: one kernel for dk, dv and dq, dQ
 // summed in f32 scratch in a fixed order per query tile) where the scratch result is large enough
 // (fused_bwd_scratch) and a (batch, kv head)'s key blocks fit on the device at once; else as 9.
 // 9 = at D 128 the OVL dkdv + the warp-specialised dq (attention_wgmma_bwd_ws.cuh: producer
 // warpgroup, K / V ring of 4 stages of 64 keys, persistent grid as the forward's, attn_ws_grid) for
-// both mask kinds (the default from run 14 of benchmarks/results/attention_bwd_h200_2026-11-22.txt,
-// 1.01x / 1.02x mode 5's backward, to session 22); at D 64 as 5. (Run 14's ring of 2 stages, value 7
-// then, ran level with mode 5 and was removed.)
+// both mask kinds (1.01x / 1.02x mode 5's backward; a ring of 2 stages ran level with mode 5); at
+// D 64 as 5.
 // 8 = the fused backward for mask kind none only (as 6 where it serves), the two kernels for causal
-// (mode 9's at D 128, 5's at D 64): the default from session 22 to 23, when the fused kernel's causal
-// backward ran 0.89-0.93x / 0.71x theirs.
+// (mode 9's at D 128, 5's at D 64).
 // 7 = 6 with, at D 128, the warp-specialised fused kernel (attention_fused_bwd_ws.cuh: a producer
 // warpgroup loads Q / dO / lse / delta and sends the dQ partials; no block-wide barrier in the loop;
 // bitwise 6's results): the backward alone 1.03-1.045x mode 6 without a mask, 1.03-1.065x causal (H100,
-// B4 S4096 H16 bf16, 3 alternating rounds: benchmarks/results/h100_2026-11-27.txt section 13).
-// Unset or another value (the default since session 26) = 7. (Session 24 made 6 the default: once
-// the backward's unmasked tiles skipped the per-score mask work (bwd_probs / bwd_dscores,
-// attention_wgmma_bwd.cuh), the fused causal backward ran 1.24-1.26x (D 128) and 1.06-1.08x (D 64)
-// the two kernels' (H100, B4 S4096 H16 bf16, backward alone, one build:
-// benchmarks/results/h100_2026-11-26.txt section 11); without a mask 1.18-1.20x mode 9's fwd+bwd at D
-// 128 (section 9) and the backward 1.09x the two kernels at D 64 (section 10).)
+// B4 S4096 H16 bf16, 3 alternating rounds).
+// Unset or another value (the default) = 7. (The fused kernel of 6 runs the causal backward 1.24-1.26x
+// (D 128) and 1.06-1.08x (D 64) the two kernels' since its unmasked tiles skip the per-score mask work
+// (bwd_probs / bwd_dscores, attention_wgmma_bwd.cuh); without a mask 1.18-1.20x mode 9's fwd+bwd at
+// D 128 and the backward 1.09x the two kernels at D 64; H100, B4 S4096 H16 bf16.)
 int attn_wgmma_bwd_mode() {
   static const int env = env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '0')   ? 0
                          : env_starts_with("RLX_ATTENTION_CUDA_WGMMA_BWD", '4') ? 4
@@ -258,7 +250,7 @@ constexpr int64_t kMaxGrid = 2147483647;
 // The MASK form a call takes (the wgmma kernels' MASK template value): 0 none (mask kind none or
 // causal, no key mask), 1 a key mask (mask kind none or causal), 2 mask kind sliding (a window, with
 // or without a key mask). The window's code stays out of the key-mask-only kernels: compiled into them
-// (session 29) it raised the fused backward's spills at D 64 from 96 / 88 to 224 / 344 bytes and
+// it raised the fused backward's spills at D 64 from 96 / 88 to 224 / 344 bytes and
 // ran the key-masked backward at ~0.75x.
 int mask_level(const AttnArgs& a) { return a.kind == 2 ? 2 : a.mask != nullptr ? 1 : 0; }
 
@@ -386,7 +378,7 @@ ffi::Error AttentionFwd<T>::launch(cudaStream_t stream, const AttnArgs& a, const
             });
           // <T, D, BC (keys per tile), NWG (warpgroups of 64 rows)>; ptxas sm_90a (bf16, f16):
           // <64, 128, 2> 221 registers, no spill; <128, 128, 2> 255 registers, 40 B of spills
-          // (-lineinfo; run 10 of the H200 results). 1 block of 8 warps per SM (registers).
+          // (-lineinfo). 1 block of 8 warps per SM (registers).
           if (a.D == 64) return run_wg(attn::wgmma_fwd_kernel<T, 64, 128, 2>, 64, 128, 2, attn::wg_fwd_smem<64, 128, 2>());
           return run_wg(attn::wgmma_fwd_kernel<T, 128, 128, 2>, 128, 128, 2, attn::wg_fwd_smem<128, 128, 2>());
         }
@@ -409,10 +401,9 @@ ffi::Error AttentionFwd<T>::launch(cudaStream_t stream, const AttnArgs& a, const
       // 64 query rows x 64 keys per step. (Tried on the H200, bf16 B4 S4096 H16 non-causal:
       // 128 rows per block, two m-tiles per warp, 64 keys per step at D 64 and 32 at D 128,
       // took 5.47 ms at D 64 and 5.44 ms at D 128, against 3.69 ms and 5.45 ms for this tiling
-      // in a later run on another machine; the template keeps MT / NK as parameters. Run 8
-      // re-measured MT 2 on today's kernels: taken for the PLAIN D 64 kernel without a key mask.)
-      // Pipeline per head dim, the faster one measured (runs 4 and 5 of
-      // benchmarks/results/attention_h200_2026-11-22.txt): without a key mask K / V double
+      // on another machine; the template keeps MT / NK as parameters. MT 2 measured faster
+      // for the PLAIN D 64 kernel without a key mask and is taken there.)
+      // Pipeline per head dim, the faster one measured (H200): without a key mask K / V double
       // buffered at D 64 (__launch_bounds__ for 3 blocks per SM: 168 registers; the unrolled
       // tile loads took 179 without, i.e. 2 blocks); staggered (one K and one V buffer) with
       // __launch_bounds__ asking for 3 blocks per SM at D 128; with a key mask staggered at
@@ -432,8 +423,8 @@ ffi::Error AttentionFwd<T>::launch(cudaStream_t stream, const AttnArgs& a, const
         // fragment read from shared memory feeds two mma; K / V double buffered (48 KB of shared
         // memory with the swizzled tiles, 55 KB padded), no register cap: ptxas sm_90 248
         // registers (250 padded), no spill, 2 blocks per SM (8 warps, 256 rows) against 3 blocks
-        // of 64 rows (161 registers) for MT 1. Measured on the H200
-        // (run 8 of benchmarks/results/attention_h200_2026-11-22.txt): shared wavefronts per
+        // of 64 rows (161 registers) for MT 1. Measured on the H200:
+        // shared wavefronts per
         // forward -46 %, ncu kernel time -10 % (B1 S4096 H16), B4 fwd 1-2 % faster by the median
         // of 10 alternating rounds. Not taken: MT 2 for the general kernel (softcap 3 % slower:
         // 254 registers) and MT 2 capped at 168 registers for 3 blocks (128 B of spills; slower).
@@ -504,8 +495,7 @@ ffi::Error AttentionBwd<T>::launch(cudaStream_t stream, const AttnArgs& a, const
       // dkdv D 64 both (2 blocks as before; D 128 has no registers left), dq D 64 Q (and dO with a
       // key mask, PLAIN), capped at 168 registers for 3 blocks (the mask + general kernel
       // spilled: none), dq D 128 Q (255 registers, 2 blocks as before: shared memory limits).
-      // (Run 7 of benchmarks/results/attention_h200_2026-11-22.txt: 1-4 % faster than AR = 0 in
-      // all 8 cases of its A/B.)
+      // (H200: 1-4 % faster than AR = 0 in all 8 cases of the A/B.)
       const bool km = a.mask != nullptr, plain = a.softcap == 0.f && bias == nullptr;
       // wgmma dk / dv (attention_wgmma_bwd.cuh) for the PLAIN cases without a key mask, mask kind
       // none or causal; dq on the wgmma kernel or on the PLAIN mma.sync one (MASK false, the AR of
@@ -574,13 +564,12 @@ ffi::Error AttentionBwd<T>::launch(cudaStream_t stream, const AttnArgs& a, const
                                                                 attn_ws_zig(a, nqt, hc, blocks, 128, attn::kWsDqKeys));
             return check_launch("attention backward (wgmma ws dq)");
           };
-          // ptxas sm_90a: see the results file (run 11). Modes at D 128: 4 plain dkdv + wgmma dq; 5 OVL
+          // Modes at D 128: 4 plain dkdv + wgmma dq; 5 OVL
           // dkdv + wgmma dq; 7 (default) the warp-specialised fused kernel, 6 the fused kernel, else as 9;
           // 9 OVL dkdv + the warp-specialised dq (pipelined unless RLX_ATTENTION_CUDA_WS_DQ_PIPE=0); 8
           // the fused kernel for mask none, else as 9. D 64: 6 and 7 (default) the fused kernel, 8 the
           // fused kernel for mask none; otherwise plain dkdv + mma.sync dq
-          // (the warp-specialised dq at D 64 ran 6-9 % slower causal, level without a mask: H100,
-          // benchmarks/results/h100_2026-11-26.txt, session 22).
+          // (the warp-specialised dq at D 64 ran 6-9 % slower causal, level without a mask: H100).
           // fused dk / dv / dq (attention_fused_bwd.cuh) where the switch asks for it and the scratch
           // holds its dQ accumulator; its deadlock-freedom argument needs the nkt key blocks of one
           // (batch, kv head) resident at once: *served false (nothing launched) otherwise
@@ -628,7 +617,7 @@ ffi::Error AttentionBwd<T>::launch(cudaStream_t stream, const AttnArgs& a, const
             constexpr int MASK = decltype(mask_tag)::value;
             // (the WS kernel loads Q and dO with cp.async: TMA copies of them, as the forward's, ran
             // 0.965x without a mask and level causal, perhaps because the SM's TMA unit also carries
-            // the dQ partials' bulk adds; benchmarks/results/h100_2026-11-27.txt section 14)
+            // the dQ partials' bulk adds)
             // (at D 64 the warp-specialised kernel without a softcap only: its consumers' 224 registers
             // hold the softcap's P^T and P^T (1 - tanh^2) only with spills that serialise every wgmma)
             if (wg_bwd == 7) {
@@ -662,7 +651,7 @@ ffi::Error AttentionBwd<T>::launch(cudaStream_t stream, const AttnArgs& a, const
                             attn::mma_dq_kernel<T, 64, false, true, 1>, false, attn::mma_dq_smem<64>());
             if (wg_bwd == 6 || wg_bwd == 7 || wg_bwd == 8 || wg_bwd == 9) {
               // OVL dk / dv (run_wg with no dq launch: qb of the mma path is not used there), then the
-              // warp-specialised dq; ptxas sm_90a: run 14 of the backward results file
+              // warp-specialised dq
               if (auto e = run_wg(attn::wgmma_dkdv_kernel<T, 128, true>, 1, attn::wg_dkdv_smem<128>(),
                                   attn::wgmma_dq_kernel<T, 128>, true, attn::wg_dq_smem<128>(), false);
                   e.failure())

@@ -24,8 +24,8 @@
 // Each wgmma batch is committed and waited (wait_group 0) before its accumulator is read: the
 // overlap of MMA and softmax comes from the other warpgroups of the block and SM. The launcher
 // uses 2 warpgroups x 128 keys at both head dims where RLX_ATTENTION_CUDA_WGMMA=2 (attention_launch_impl.cuh; the
-// default at both head dims is the warp-specialised kernel of attention_wgmma_ws.cuh since run 13F). Measured and dropped (run 10 of
-// benchmarks/results/attention_h200_2026-11-22.txt; the code is in commit 2f89835): 3 warpgroups x
+// default at both head dims is the warp-specialised kernel of attention_wgmma_ws.cuh). Measured and dropped
+// (H200; the code is in commit 2f89835): 3 warpgroups x
 // 64 keys (D 64) and 2 x 64 (D 128), and a software-pipelined kernel that issued S_j = Q K_j^T and
 // O += P_{j-1} V_{j-1} together and ran the softmax of S_j while the P V product ran (wait_group
 // 1), V one step behind K: slower than this kernel at D 128 (B4 S4096 forward 1.22 / 1.07x the

@@ -2,9 +2,9 @@
 // 128, the PLAIN cases (scale > 0, no softcap, bias or key mask), mask kind none or causal:
 // wgmma_dkdv_kernel (dk, dv) and wgmma_dq_kernel (dq, below). Every other case keeps the mma.sync
 // kernels (attention_mma.cuh), which are also the fallback when the loaded image has no sm_90a code
-// (wgmma_available, attention_launch_impl.cuh) or RLX_ATTENTION_CUDA_WGMMA_BWD=0. The launcher's default (run 11
-// of benchmarks/results/attention_h200_2026-11-22.txt): D 128 wgmma dkdv (OVL) + wgmma dq, D 64
-// wgmma dkdv (plain) + the mma.sync dq.
+// (wgmma_available, attention_launch_impl.cuh) or RLX_ATTENTION_CUDA_WGMMA_BWD=0. Where the fused backward does not
+// serve, the launcher uses at D 128 wgmma dkdv (OVL) + wgmma dq, at D 64 wgmma dkdv (plain) + the
+// mma.sync dq (the fastest pairs measured on an H200).
 //
 // Block = 2 warpgroups (256 threads) over 128 keys of one kv head; warpgroup w owns keys
 // [64 w, 64 w + 64) of the block, warp i of it 16 keys (the accumulator rows). K and V of the
@@ -96,7 +96,7 @@ __device__ __forceinline__ uint32_t bwd_kept_keys(const float* mrow, int j0, int
 // fragment of k-step kk. The callers branch on a warp-uniform "the tile needs a mask" and take
 // HIDE = kHideNone on every other tile: a per-score select there compiled (nvcc 13) into a path that
 // tested every score of every causal tile, 1.25x the instructions per item of the unmasked run
-// (ncu source counters, session 24).
+// (ncu source counters).
 // NQ: the query tile's n8 blocks (8: 64 queries, 16: the fused kernel's 128-query tiles at D 64).
 // CAP (a softcap c > 0; the fused kernels only): the score in log2 units is c2 tanh(S^T carg) (c2 =
 // c log2 e, carg = scale / c), and st keeps P^T (1 - tanh^2), the softcap's derivative folded in,

@@ -1,10 +1,10 @@
 // Warp-specialised wgmma dq kernel (sm_90a), bf16 / f16, head dim 128 (the template serves 64 too: it
 // ran 6-9 % slower than the mma.sync dq causal there, so D 64 keeps that), the cases of wgmma_dq_kernel
-// (attention_wgmma_bwd.cuh: PLAIN, mask kind none or causal). Engineer F's structure of the forward
+// (attention_wgmma_bwd.cuh: PLAIN, mask kind none or causal). The structure of the forward
 // (attention_wgmma_ws.cuh) applied to the dq loop, which streams K / V tiles past a resident Q / dO
 // tile just as the forward streams K / V past Q. The default at D 128 (RLX_ATTENTION_CUDA_WGMMA_BWD
-// unset or 8, NST 4; attention.cu); run 14 of benchmarks/results/attention_bwd_h200_2026-11-22.txt has
-// the A/B (1.01x / 1.02x the 2-warpgroup dq's backward, none / causal; a ring of 2 stages ran level).
+// 8 or 9, NST 4; attention.cu); measured 1.01x / 1.02x the 2-warpgroup dq's backward (none / causal;
+// a ring of 2 stages ran level).
 //
 // Block = 3 warpgroups (384 threads), one block per SM, persistent grid (attn_ws_grid):
 //   warpgroup 0 (producer, setmaxnreg.dec to kWsDqProdRegs): per tile (fwd_tile's order, heaviest
@@ -20,15 +20,15 @@
 //     PIPE false (RLX_ATTENTION_CUDA_WS_DQ_PIPE=0): dQ += dS K is waited (wait_group 0) before the
 //     stage is released (lane 0 of each warp) and the next key tile starts; the other consumer
 //     warpgroup's products fill the tensor pipe meanwhile.
-//     PIPE true (the default since session 22): tile j's S and dP are issued before tile j - 1's
+//     PIPE true (the default): tile j's S and dP are issued before tile j - 1's
 //     dQ += dS K, and tile j's dS is formed while that product runs (as the forward's PIPE); the
-//     stage of tile j - 1 is released after its dQ product. The first try of such an overlap (run
-//     14, dQ kept in flight across the next tile's barrier waits) hit C7518 (wgmma serialised);
+//     stage of tile j - 1 is released after its dQ product. Keeping dQ's product in flight across the
+//     next tile's barrier waits instead hits C7518 (wgmma serialised);
 //     here, as in the forward, no non-wgmma instruction writes a register of an in-flight wgmma (dS
 //     alternates between two buffers, the loop unrolled by two; S and dP are only read) and ptxas
 //     reports no serialisation. ptxas: 168 registers at launch, 52 bytes of spill stores at D 128
 //     (the consumer at 216 registers; 64 / 216 is the split without producer spills). H100, B4
-//     S4096 H16 bf16, 3 alternating rounds (benchmarks/results/h100_2026-11-26.txt, session 22):
+//     S4096 H16 bf16, 3 alternating rounds:
 //     fwd+bwd 1.02-1.04x (D 128 none and causal). Bitwise the dq of PIPE false (tested).
 //   No CTA-wide barrier after the prologue; barrier phases as in attention_wgmma_ws.cuh (consumers
 //   wait full barriers with the ring's parity, the producer empty ones with the opposite bit). A

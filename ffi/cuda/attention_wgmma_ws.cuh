@@ -2,7 +2,7 @@
 // PLAIN cases of wgmma_fwd_kernel (attention_wgmma.cuh: scale > 0, no softcap, bias or key mask, mask
 // kind none or causal) and, in its CAP / MASK forms (ws_softmax_tile), the same cases with a softcap, a key
 // mask and / or a sliding window. The default at both head dims (RLX_ATTENTION_CUDA_WGMMA unset or 4; 3 = D 128
-// only; attention_launch_impl.cuh): run 13F of benchmarks/results/attention_fwd_h200_2026-11-22.txt measured 1.30x
+// only; attention_launch_impl.cuh): measured (H200) 1.30x
 // the 2-warpgroup kernel's forward at D 128 and 1.07x / 1.15x the mma.sync forward at D 64.
 //
 // Block = 3 warpgroups (384 threads), one block per SM:
@@ -10,7 +10,7 @@
 //     default with PIPE; RLX_ATTENTION_CUDA_TMA=0 selects the cp.async producer below) one thread of it
 //     issues each tile as TMA copies (tma.cuh), announced to the tile's full barrier (count 1) with
 //     its bytes, in the same layout with the same zero fill, and the other 127 exit: 1.08-1.15x the
-//     forward (H100, benchmarks/results/h100_2026-11-27.txt section 14). Without TMA it
+//     forward (H100). Without TMA it
 //     loads the 128-row Q tile and the K / V
 //     tiles of BC keys with cp.async (16 bytes, zero-filled past the sequence end) into the
 //     128-byte-swizzle K-major layout of attention_wgmma.cuh (wg_load_tile), into a ring of NST
@@ -36,7 +36,7 @@
 //   O is rescaled); the stage of tile j - 1 is released after its product, one step later than
 //   above, so the ring has 3 stages (the producer keeps a whole step per load). Same arithmetic in
 //   the same order: bitwise the outputs of the loop above. H100, B4 S4096 H16 bf16, 3 alternating
-//   rounds (benchmarks/results/h100_2026-11-26.txt): forward 1.06-1.08x (D 128 none), 1.05-1.06x
+//   rounds: forward 1.06-1.08x (D 128 none), 1.05-1.06x
 //   (D 128 causal), 1.06-1.08x (D 64 none), 1.01-1.03x (D 64 causal); fwd+bwd 1.00-1.02x.
 // Barrier phases: a consumer waits on a full barrier with the ring's parity bit (first pass 0), the
 // producer on an empty barrier with the opposite bit (the first pass returns at once: the phase
@@ -99,8 +99,7 @@ __device__ __forceinline__ void ws_turn_pass(int cw) {
 }
 // The block's warpgroup index (threadIdx.x / 128), taken through a shuffle from lane 0 so the compiler
 // knows it is warp-uniform and keeps what derives from it (wgmma descriptors, shared-memory bases) in
-// uniform registers: the D 128 WS fused backward's consumer loop R2UR 48 -> 3, IMAD 151 -> 90 (sm_90a;
-// benchmarks/results/h100_2026-11-27.txt section 63). Every lane of the warp must be active.
+// uniform registers: the D 128 WS fused backward's consumer loop R2UR 48 -> 3, IMAD 151 -> 90 (sm_90a SASS). Every lane of the warp must be active.
 __device__ __forceinline__ int ws_warpgroup() { return __shfl_sync(0xffffffffu, int(threadIdx.x >> 7), 0); }
 template <int N>
 __device__ __forceinline__ void ws_setmaxnreg_dec() {
@@ -448,7 +447,7 @@ __global__ void __launch_bounds__(384, 1)
   // passes the first turn; the turns continue across the block's query tiles (both warpgroups take
   // the same number a tile); the last pass is left unconsumed when the block exits (synccheck: 0
   // errors). H100, B4 S4096 H16 bf16, forward alone, 3 alternating rounds against the free-running
-  // warpgroups (benchmarks/results/h100_2026-11-26.txt section 12): D 64 1.06-1.13x none, 1.04-1.06x
+  // warpgroups: D 64 1.06-1.13x none, 1.04-1.06x
   // causal; D 128 0.96-1.00x none, 0.98-1.01x causal, so D 128 keeps them free-running.
   constexpr bool kTurns = PIPE && D == 64;
   if (kTurns && cw == 1) ws_turn_pass(cw);
@@ -480,7 +479,7 @@ __global__ void __launch_bounds__(384, 1)
     zero(o);
     // O *= alpha (per row). At D 128 skipped when no row of the warp changed its max (every alpha is
     // then exactly 1: the same O, except that FTZ multiplication would have flushed denormal entries).
-    // H100, forward alone, 3 alternating rounds (benchmarks/results/h100_2026-11-27.txt section 15a):
+    // H100, forward alone, 3 alternating rounds:
     // D 128 1.00-1.035x none, 1.00-1.04x causal; D 64 (32 products a row instead of 64) 0.98-1.00x,
     // so D 64 always scales.
     auto rescale = [&](const float (&alpha)[2]) {
