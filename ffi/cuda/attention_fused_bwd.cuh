@@ -3,7 +3,7 @@
 // CAP / MASK forms (bwd_probs, bwd_kept_keys: attention_wgmma_bwd.cuh; FusedSchedule's window bound) the
 // same cases with a softcap, a key mask and / or a sliding window: one kernel
 // computes dk, dv AND dq, so S and dP are formed once (5 S x S x D products instead of the 7 of
-// wgmma_dkdv_kernel + wgmma_dq_kernel). Selection: attention_launch_impl.cuh (attn_wgmma_bwd_mode), below.
+// wgmma_dkdv_kernel + a dq kernel). Selection: attention_launch_impl.cuh.
 //
 // Block = 2 warpgroups over 128 keys of one kv head, exactly wgmma_dkdv_kernel's OVL schedule
 // (attention_wgmma_bwd.cuh) for S^T, dP^T, P^T, dS^T, dV += P^T dO, dK += dS^T Q; in addition, per
@@ -54,9 +54,8 @@
 //     whose groups (nkt blocks) fit on the device at once (nkt <= SMs x resident blocks per SM), so
 //     when the whole groups have finished, a partly started group's blocks leave room to start the
 //     rest of it. Otherwise the launcher runs the two-kernel backward.
-// The default at D 64 with a softcap (RLX_ATTENTION_CUDA_WGMMA_BWD unset, 6 or 7; 8 keeps it for mask
-// kind none only, 9 = the two kernels for both); otherwise only with 6 (8: none): the default is its
-// warp-specialised form, attention_fused_bwd_ws.cuh (1.03-1.07x at D 128; 1.14-1.16x at D 64).
+// This kernel runs at D 64 with a softcap; everywhere else its warp-specialised form,
+// attention_fused_bwd_ws.cuh, runs (1.03-1.07x this kernel at D 128; 1.14-1.16x at D 64).
 // Measured choices (B4 S4096 H16 bf16, H100 unless noted; 3 alternating rounds each):
 //   - the dQ sums: the math threads reading, adding and storing the dQacc tile ran 0.77x / 0.73x the
 //     two-kernel fwd+bwd (H200); bulk ops row by row with a __threadfence before the release 0.73x; one

@@ -1,7 +1,7 @@
 // Warp-specialised fused attention backward (sm_90a), bf16 / f16, head dim 128, and 64 without a
 // softcap (the same products, P^T and dS^T formed before dV's product: LATE): the maths, the item
 // schedule and the ordered dQ sums of wgmma_fused_bwd_kernel (attention_fused_bwd.cuh), with the
-// loads and the sums taken off the math warps. Selection: RLX_ATTENTION_CUDA_WGMMA_BWD (attention_launch_impl.cuh).
+// loads and the sums taken off the math warps. Selection: attention_launch_impl.cuh.
 //
 // Why: in wgmma_fused_bwd_kernel every item costs the math warps two block-wide barriers (the Q / dO
 // tiles landed, then the dS^T exchange), the cp.async issue of the next item's tiles, and, on warp

@@ -427,7 +427,7 @@ __host__ __device__ __forceinline__ void key_range(const AttnArgs& a, int64_t q0
 // (causal: the last query tiles see the most keys) first across the chunk's heads, so the hardware
 // block scheduler (or the persistent grid's stride) starts the longest tiles first and ends on the
 // shortest (longest-processing-time-first), while the heads in flight stay few enough that their
-// K / V stay in L2. hc = 1 is the order before (one head's tiles after another's, heaviest first).
+// K / V stay in L2. The launchers use hc = 1 (one head's tiles after another's, heaviest first).
 // (Host too: the launcher's model of the persistent grid's balance, attn_ws_zig.)
 __host__ __device__ __forceinline__ void fwd_tile(int64_t t, int64_t nqt, int64_t nbh, int64_t hc, int64_t* qt,
                                                   int64_t* bh) {
