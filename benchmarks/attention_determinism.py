@@ -1,7 +1,7 @@
 """Attention fwd+bwd against cuDNN with the determinism guarantee matched.
 
 Our attention backward is deterministic (dq, dk, dv bitwise equal for equal inputs: each key
-block's dQ partial is added in a fixed order, no float atomics; README "Reliability").
+block's dQ partial is added in a fixed order, no float atomics; docs/RELIABILITY.md).
 cuDNN's backward, as XLA calls it, is deterministic only when XLA is told to exclude
 non-deterministic ops (``--xla_gpu_exclude_nondeterministic_ops=true``: XLA then sets the fMHA
 backward's ``force_deterministic``); by default it may sum dQ with atomics. XLA reads its flags

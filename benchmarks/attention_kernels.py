@@ -1,8 +1,8 @@
 """Where an attention fwd+bwd step's GPU time goes, kernel by kernel, in the back-to-back regime.
 
-ncu times each kernel alone with the caches flushed and the clocks free (section 53 of
-benchmarks/results/h100_2026-11-27.txt); the attention table times calls back to back, where an
-H100 runs at its power cap (section 55 there). This script reads the kernels' own durations in the
+ncu times each kernel alone with the caches flushed and the clocks free; the attention table
+times calls back to back, where an H100 runs at its power cap (``benchmarks.attention_power``).
+This script reads the kernels' own durations in the
 table's regime: it dispatches ``--steps`` jitted fwd+bwd calls back to back under the JAX profiler
 (CUPTI activity records) and prints, for ours and cuDNN, each kernel's launches per step and its
 mean time per step, then the step's kernel time, its span (first kernel start to last kernel end,

@@ -1,10 +1,10 @@
 """Each attention pass alone: the ``attention_fwd`` primitive, and the ``attention_bwd`` primitive
 (the kernel the VJP calls) on the forward's saved out and lse, so a kernel A/B sees one pass without
-the other's share. Run one process per setting of a kernel switch (RLX_ATTENTION_CUDA_* variables
-are read once per process), alternating, e.g. on the GPU machine:
+the other's share. To compare two builds or settings, run one process per setting, alternating
+(RLX_ATTENTION_CUDA_WGMMA is read once per process), e.g. on the GPU machine:
 
     python3 -m benchmarks.attention_passes --passes fwd,bwd --kinds none,causal --batch 4 --head-dims 128
-    RLX_ATTENTION_CUDA_WGMMA_BWD=6 python3 -m benchmarks.attention_passes ...
+    RLX_ATTENTION_CUDA_WGMMA=0 python3 -m benchmarks.attention_passes ...   # the mma.sync kernels
 
 Prints one row per case: ``<pass> D<d> <kind> B<b>: <ms> ms <TF/s> TF/s``; the time is the
 runner's (benchmarks.harness.time_fn: median of --reps samples, each of default_batch calls back

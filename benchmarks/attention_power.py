@@ -2,7 +2,7 @@
 
 The attention table (benchmarks.cases_attention) times calls back to back; on an H100 that
 regime runs at the board's power limit, so the clocks it sees depend on how much power each
-kernel draws per cycle (benchmarks/results/h100_2026-11-27.txt section 55). This script makes
+kernel draws per cycle. This script makes
 that visible: for each case it runs ours and cuDNN's fwd+bwd for ``--seconds`` each, alternating,
 while ``nvidia-smi`` samples power.draw, clocks.sm and the power-cap event flag every 100 ms, and
 prints per phase the TFLOP/s, the mean power and SM clock over the phase's samples (the first

@@ -4,8 +4,7 @@ the record (its backward is XLA's own convolution in both columns).
 Floors (bytes each op must move):
 - max_pool2d fwd+bwd: x read, dy read, dx written (y and the argmax the forward saves for
   the backward are written and read on top: the kernels move 2 x + 2 y + 2 argmax; the
-  argmax is one int8 per output for these windows, its place in its window, since
-  2026-11-22 evening, four bytes before);
+  argmax is one int8 per output for these windows, its place in its window);
 - avg_pool2d bwd: dy read, dx written;
 - embedding bwd: dy [K, D] read, d_table [V, D] written (the indices are O(K));
 - fake-quantize bwd: x, dy read, dx written (LSQ: plus the O(C) dscale);
@@ -224,9 +223,9 @@ def _pool_gather_gpu_cases() -> list[Case]:
 
 def cases(device_kind: str) -> list[Case]:
     if device_kind == "gpu":  # the CUDA LSQ kernel (ffi/cuda/quantize.cu)
-        # 1 GiB per f32 tensor (chosen when the harness still waited for every call, ~0.18 ms). The STE
+        # 1 GiB per f32 tensor, so a call's fixed cost is small against its time. The STE
         # backward has no CUDA kernel in default builds (XLA's fusion is at the floor; the
-        # opt-in kernel's figures are in benchmarks/results/quantize_bn_h200_2026-11-22.txt):
+        # opt-in kernel measured 0.68-0.90x XLA, docs/PERFORMANCE.md):
         # _fake_quantize_case(big, 0, "clipped_identity", jnp.float32, fixed_scale=0.3) times it.
         big = (65536, 4096)
         return [

@@ -9,9 +9,9 @@ Two kinds of case per op:
   ``vjp(dy)``, returning y and every gradient. Floor: x and dy read, y and dx written,
   4 * N * H elements.
 
-Measured 2026-11-22 (``python -m benchmarks.run --cases norms,rms_norm --device cpu``,
+Measured with ``python -m benchmarks.run --cases norms,rms_norm --device cpu``
 2 cores via ``taskset -c 0,1`` on an otherwise idle 16-core Xeon host, jax 0.11.2;
-XLA/ours = speed-up, ours/copy = time over the copy floor):
+(XLA/ours = speed-up, ours/copy = time over the copy floor):
 
     case                                        ours ms  XLA ms  XLA/ours  ours/copy
     layer_norm f32 8192x1024 bwd                  11.98   14.74      1.23       1.01

@@ -4,7 +4,7 @@
 #   tools/ab_env.sh ROUNDS "A_ENV" "B_ENV" [benchmarks.run args...]
 # e.g. tools/ab_env.sh 4 "" "RLX_LAYER_NORM_CUDA_BWD_NV=1" --cases norms --filter "layer_norm bfloat16"
 # AB_CMD replaces the timed command (default "python3 -m benchmarks.run --device gpu"), e.g.
-#   AB_CMD="python3 -m benchmarks.cases_attention" tools/ab_env.sh 3 "" "RLX_ATTENTION_CUDA_WS_PIPE=0" --reps 5 --quick
+#   AB_CMD="python3 -m benchmarks.cases_attention" tools/ab_env.sh 3 "" "RLX_ATTENTION_CUDA_WGMMA=0" --reps 5 --quick
 # (any command whose rows are a name, then numbers, the first of them a time).
 # A_ENV / B_ENV: space-separated NAME=VALUE assignments ("" for the defaults). The kernels come
 # from RLX_JAX_KERNEL_DIR (default build/gpu: tools/gpu_suite.sh build). Each round runs A then

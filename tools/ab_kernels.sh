@@ -3,9 +3,9 @@
 # machine, in alternating processes on the same warm GPU (the Python side is the working
 # tree's in both, so the old kernels must keep the same call contract).
 #
-# Here (development machine), once:   tools/ab_kernels.sh prepare REV
+# On the development machine, once:   tools/ab_kernels.sh prepare REV
 #   extracts REV's CMakeLists.txt, pyproject.toml and ffi/ into build/ab/tree (git-ignored:
-#   pass carry=["build/ab"] to the device call).
+#   copy build/ab to the GPU machine with the working tree).
 # On the GPU machine:                 tools/ab_kernels.sh run ROUNDS [benchmarks.run args...]
 #   builds the old tree's modules into build/ab/tree/b (the new ones must already be in
 #   build/gpu: tools/gpu_suite.sh build), then ROUNDS x (new, old) runs of

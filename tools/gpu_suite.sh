@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The whole GPU check in one call on the GPU machine (device tool), from the repository root:
+# The whole GPU check in one go on a GPU machine, from the repository root:
 #   tools/gpu_suite.sh [stages...]     stages: build tests sanitize bench   (default: all)
-# Builds both kernel modules for sm_90a into build/gpu (kept between calls while the machine is warm), runs every tests/*_gpu.py file
+# Builds both kernel modules for sm_90a into build/gpu (reused by later runs on the same machine), runs every tests/*_gpu.py file
 # (several pytest processes share the GPU; the tests do not time anything), a
 # compute-sanitizer memcheck pass over the small cases of each CUDA family (and memcheck +
 # racecheck of each attention pipeline through tools/attention_sanitize.py),
@@ -37,7 +37,7 @@ if has tests; then
   # one pytest process per file; the attention file runs as processes split by -k, one log each
   # ($n.partK.txt): five parts, then each wgmma switch-pair child in its own part, the pairs read
   # from the test's own parametrisation (so a new pair gets a part). The 15 pairs (about 35 cases
-  # each) took 210-230 s each with all 20 parts side by side on 16 cores (session 30).
+  # each) take 210-230 s each with all 20 parts side by side on 16 cores.
   att_parts=("tensor_core_path" "kernel_specialisations" "deterministic" "ws_pipelined"
              "not tensor_core_path and not kernel_specialisations and not wgmma and not deterministic and not ws_pipelined")
   while read -r v; do
@@ -73,7 +73,7 @@ fi
 if has sanitize; then
   step sanitize
   # memcheck over the small cases of every CUDA family, one sanitizer process per test file
-  # (one process over all files crashed compute-sanitizer itself after ~36 tests on 2026-11-22,
+  # (one process over all files can crash compute-sanitizer itself after a few dozen tests,
   # with no error reported), side by side; the -k selection names those tests' small shapes.
   export XLA_PYTHON_CLIENT_ALLOCATOR=platform
   memcheck() {  # memcheck LOG PYTEST_ARGS...: one sanitizer process, its rc appended to LOG
@@ -88,7 +88,7 @@ if has sanitize; then
     n=$(basename "$f" .py); [ "$n" = test_reliability_gpu ] && continue
     ( memcheck "$OUT/memcheck_$n.txt" "$f" -k "$K"
       # compute-sanitizer itself sometimes segfaults in a long process (GroupNorm's cluster
-      # kernels, 2026-11-22) without reporting an error: then each selected test runs under
+      # kernels) without reporting an error: then each selected test runs under
       # memcheck in its own process, and the file's line sums those runs
       if ! grep -q "ERROR SUMMARY" "$OUT/memcheck_$n.txt"; then
         python3 -m pytest -q --collect-only -p no:cacheprovider --import-mode=importlib -m "not slow" "$f" -k "$K" \

@@ -13,14 +13,13 @@
 //
 // Path: bf16 / f16 with head dim 64 or 128 on sm_80+ run the mma.sync kernels, except where the
 // module carries sm_90a code and runs on a compute capability 9.0 device, for the cases without a
-// bias, scale > 0: there the forward is the warp-specialised wgmma kernel
-// (attention_wgmma_ws.cuh; RLX_ATTENTION_CUDA_WGMMA below) and the backward the fused wgmma kernel
-// (attention_fused_bwd.cuh, at D 128 its warp-specialised form attention_fused_bwd_ws.cuh;
-// RLX_ATTENTION_CUDA_WGMMA_BWD below), each plain (mask kind none or causal) or, in their CAP / MASK
-// forms, with a softcap, a key mask and / or a sliding window; the switches select the older wgmma
-// kernels (attention_wgmma.cuh, attention_wgmma_bwd.cuh, attention_wgmma_bwd_ws.cuh), which take
-// only the plain cases. Everything else (f32, other head dims up to 256, bias) runs the mma.sync or
-// generic kernels. All are deterministic.
+// bias, scale > 0: there the forward is the warp-specialised wgmma kernel (attention_wgmma_ws.cuh)
+// and the backward the fused wgmma kernel (attention_fused_bwd_ws.cuh; attention_fused_bwd.cuh at
+// D 64 with a softcap), each plain (mask kind none or causal) or, in their CAP / MASK forms, with a
+// softcap, a key mask and / or a sliding window; where the fused kernel cannot serve, the two-kernel
+// wgmma backward (attention_wgmma_bwd.cuh, attention_wgmma_bwd_ws.cuh). Everything else (f32, other
+// head dims up to 256, bias) runs the mma.sync or generic kernels. All are deterministic. The
+// routing and its one debugging switch, RLX_ATTENTION_CUDA_WGMMA: attention_launch_impl.cuh.
 //
 // Files: this one holds the handlers (argument checks, dtype dispatch); attention_launch.cuh the
 // launchers they call, instantiated per pass and dtype in attention_{fwd,bwd}_{bf16,f16}.cu and

@@ -3,7 +3,7 @@
 // CAP / MASK forms (bwd_probs, bwd_kept_keys: attention_wgmma_bwd.cuh; FusedSchedule's window bound) the
 // same cases with a softcap, a key mask and / or a sliding window: one kernel
 // computes dk, dv AND dq, so S and dP are formed once (5 S x S x D products instead of the 7 of
-// wgmma_dkdv_kernel + wgmma_dq_kernel). Selection: attention_launch_impl.cuh (attn_wgmma_bwd_mode), below.
+// wgmma_dkdv_kernel + a dq kernel). Selection: attention_launch_impl.cuh.
 //
 // Block = 2 warpgroups over 128 keys of one kv head, exactly wgmma_dkdv_kernel's OVL schedule
 // (attention_wgmma_bwd.cuh) for S^T, dP^T, P^T, dS^T, dV += P^T dO, dK += dS^T Q; in addition, per
@@ -40,9 +40,9 @@
 //     The f32 sum of a dQacc element is therefore ((p_0 + p_1) + p_2) + ... in the fixed rank order:
 //     dq is bitwise reproducible. The grid's last blocks (tickets kbw and up) are converters,
 //     fused_convert_tiles: they write dq = scale * dQacc in T tile by tile as the tiles' sums complete
-//     (until session 34 a separate kernel after this one). The first version (run 13) read the dQacc tile into shared
-//     memory with cp.async, added and stored it with the math threads (64 KB through L2 a block and
-//     tile on the math warps' path); the bulk ops take the sum off their path.
+//     (instead of a separate kernel after this one). Reading the dQacc tile into shared memory with
+//     cp.async and adding and storing it with the math threads would put 64 KB through L2 a block and
+//     tile on the math warps' path; the bulk ops take the sum off their path.
 //     dq rows of tiles no key block visits (causal rows that see no key, Sk = 0) are zeroed by the
 //     converters; the launcher zeroes the semaphores and the ticket and converter counters.
 //   - Deadlock freedom: an item (kt, m) waits only on items of the same (batch, kv head) that are
@@ -54,55 +54,27 @@
 //     whose groups (nkt blocks) fit on the device at once (nkt <= SMs x resident blocks per SM), so
 //     when the whole groups have finished, a partly started group's blocks leave room to start the
 //     rest of it. Otherwise the launcher runs the two-kernel backward.
-// The default at D 64 with a softcap (RLX_ATTENTION_CUDA_WGMMA_BWD unset, 6 or 7; 8 keeps it for mask
-// kind none only, 9 = the two kernels for both); otherwise only with 6 (8: none): the default is its
-// warp-specialised form, attention_fused_bwd_ws.cuh, at D 128 since session 26 (1.03-1.07x), at D 64
-// without a softcap since session 31 (the backward alone: level with this kernel at first; then 56
-// registers for its loader warps ran it 1.14-1.16x that first form without a mask, 1.10x with a key
-// mask, 1.15x with a window: results sections 33 and 36).
-// History, all B4 S4096 H16 D128 bf16 (benchmarks/results/attention_bwd_h200_2026-11-22.txt run 13,
-// h100_2026-11-26.txt session 22):
-//   - run 13 (H200): the math threads read the dQacc tile with cp.async, added, stored: 0.77x / 0.73x
-//     the two-kernel fwd+bwd (none / causal). A build without the ordered adds (dq wrong) ran 1.28x.
-//   - session 22 (H100), fwd+bwd against the two kernels (mode 9, with the pipelined dq):
-//     bulk ops row by row (64 a tile), __threadfence before the release: 0.73x none; one bulk op a
-//     tile (chunks permuted): 1.00x; without the __threadfence: 1.08-1.09x none (3 alternating
-//     rounds). Then, backward alone (3 alternating rounds each, one build with a temporary switch):
-//     the per-tile rank (a loop over the head's key blocks) moved from warp 0, before warpgroup 0's
-//     first MMAs, to warp 4 after warpgroup 1's: 1.05-1.06x none, 1.03x causal; the sends moved
-//     from thread 0 to thread 160 (kFusedSender): 1.01-1.04x none, 1.015x causal.
-//     Causal it stays slower than the two kernels (0.83x the backward before the last two steps;
-//     0.84x before that without any dQ sum: the structure, not the sums: ncu shows the SMs 93 %
-//     active but 1.4x the cycles per iteration of the non-causal run, cause not found), so causal
-//     keeps the two kernels. Diagnosis builds (not kept): without the semaphore wait 1.02x faster,
-//     without the bulk ops as well 1.07x: the ordered sums cost about 7 % of fwd+bwd. Staging lse /
-//     delta by cp.async (no thread waits on their loads before the MMAs) ran level here and 0.98x in
-//     the dk / dv kernel: not kept.
-//   - session 23: D 64 (the same kernel, dQ as m64n32k16 products): backward alone 1.09x the two
-//     kernels (plain dk / dv + mma.sync dq) without a mask, 0.71x causal (H100): the default for
-//     mask kind none at D 64 as at 128. The ranks computed 64 items at a time by all warps
-//     (fill_ranks) instead of one item an iteration by warp 4: 1.01-1.04x (both head dims, none;
-//     causal level); computing the next item's rank on warp 4 during the dQ product instead ran
-//     0.97x. Causal, per item 1.5x the cost of none (H200) with no semaphore wait, no bulk op and no
-//     rank work at all (diagnosis builds), DRAM traffic 0.27 GB (L2 hit 93 %), and with the
-//     rotation rules swapped (none unrotated 1.08x slower, causal rotated 1.11x slower): the cause
-//     is still not found. A pipelined D 64 loop (the next item's S^T and dP^T issued behind this
-//     item's dQ product; one barrier an iteration, two dS^T buffers, bitwise equal) ran 0.95x; kept
-//     in flight across the loop's back edge instead, ptxas serialised every wgmma (C7514 / C7518).
-//     At D 64 dV's and dK's products were waited for after the middle barrier, with dQ's (every
-//     warpgroup through the products): 1.01-1.03x none, 0.98x causal.
-//   - session 24: the cause of the causal cost: the per-score mask selects had compiled into a path
-//     that tested every score of every causal tile (ncu source counters, B2 D 128: 10.2 k against
-//     8.1 k instructions per item). With the unmasked tiles on mask-free loops (bwd_probs /
-//     bwd_dscores<T, false>, attention_wgmma_bwd.cuh) the fused causal backward ran 1.24-1.26x the
-//     two kernels at D 128 and 1.06-1.08x at D 64: the default for causal too. The late wait for dV
-//     and dK then also at D 128 (no spill now): 1.02-1.04x none, 1.01-1.04x causal (3 alternating
-//     rounds against each build, H100).
-//   - session 25: at D 64 the items had half of D 128's product work for the same per-item barriers,
-//     staging and sends (tensor pipe 30 % busy, 0.72 warps an issue stalled on barriers: ncu). Items
-//     of 128 query rows (fused_rows): backward alone 1.27-1.29x none, 1.24-1.26x causal (3 alternating
-//     rounds, H100; tensor pipe 39 %, barrier stalls 0.46); fwd+bwd at D 64 0.74x -> 0.89x / 0.88x
-//     cuDNN. Waiting for dV's and dK's products before the middle barrier there instead ran level.
+// This kernel runs at D 64 with a softcap; everywhere else its warp-specialised form,
+// attention_fused_bwd_ws.cuh, runs (1.03-1.07x this kernel at D 128; 1.14-1.16x at D 64).
+// Measured choices (B4 S4096 H16 bf16, H100 unless noted; 3 alternating rounds each):
+//   - the dQ sums: the math threads reading, adding and storing the dQacc tile ran 0.77x / 0.73x the
+//     two-kernel fwd+bwd (H200); bulk ops row by row with a __threadfence before the release 0.73x; one
+//     bulk op a tile (chunks permuted) 1.00x; without the __threadfence 1.08-1.09x. The ordered sums
+//     cost about 7 % of fwd+bwd (diagnosis builds without the semaphore wait, then the bulk ops).
+//   - the ranks computed kFusedRankChunk items at a time by all warps (fill_ranks): 1.01-1.04x against
+//     one item an iteration on one warp; computing the next item's rank during the dQ product: 0.97x.
+//   - causal: the per-score mask selects had compiled into a path that tested every score of every
+//     causal tile (ncu source counters, B2 D 128: 10.2 k against 8.1 k instructions per item); with
+//     the unmasked tiles on mask-free loops (bwd_probs / bwd_dscores<T, false>,
+//     attention_wgmma_bwd.cuh) the fused causal backward runs 1.24-1.26x the two kernels at D 128 and
+//     1.06-1.08x at D 64.
+//   - dV's and dK's products waited for after the middle barrier, with dQ's: 1.02-1.04x none,
+//     1.01-1.04x causal at D 128; 1.01-1.03x / 0.98x at D 64.
+//   - D 64 items of 128 query rows (fused_rows): backward alone 1.27-1.29x none, 1.24-1.26x causal
+//     (tensor pipe 30 % -> 39 % busy, barrier stalls 0.72 -> 0.46 warps an issue).
+//   - not kept: staging lse / delta by cp.async (level; 0.98x in the dk / dv kernel); a pipelined D 64
+//     loop issuing the next item's S^T and dP^T behind this item's dQ product (0.95x); a product kept
+//     in flight across the loop's back edge (ptxas serialises every wgmma: C7514 / C7518).
 // ptxas (sm_90a, nvcc 13): D 128 254 registers, no spill; D 64 255, 44 bytes spilled (the prologue and
 // the pending item's bookkeeping at the end of the loop); 1 block of 8 warps per SM.
 #pragma once
@@ -162,7 +134,7 @@ __device__ __forceinline__ void st_release_u32(uint32_t* p, uint32_t v) {
 }
 
 // Query rows of a fused item (BQ): 128 at D 64, 64 at D 128. At D 64 the 64-row items left the
-// tensor pipe about 30 % busy (ncu, session 24): each m64n64 product is half the work of D 128's
+// tensor pipe about 30 % busy (ncu): each m64n64 product is half the work of D 128's
 // m64n64 / n128 ones for the same barriers, staging and sends; 128 rows give each warpgroup
 // m64n128 S^T / dP^T products (64 + 64 registers), 8 k-steps of dV / dK, and split dQ by rows
 // (each warpgroup 64 queries x all 64 columns) instead of by columns. At D 128 the 128-row item
@@ -207,9 +179,8 @@ __device__ __forceinline__ void fence_proxy_async_global() {
 // halves), so the 16 stores cover the 32 banks once. The permutation c ^ (i & 7) puts two rows on each
 // chunk half: 2-way bank conflicts (8.7 M extra shared-memory wavefronts in the D 128 backward at B1
 // S4096 H16, ncu). Against it, backward alone, H100: D 64 1.007-1.017x, D 128 causal 1.01-1.05x
-// (sessions 27-28, benchmarks/results/h100_2026-11-27.txt sections 21-22, where D 128 without a mask
-// ran 0.97-0.99x and kept c ^ (i & 7)); D 128 without a mask 1.02-1.05x since session 32 (the
-// two-sender WS kernel; section 45 there). Either layout gives the same sums: dq is bitwise the same.
+// and D 128 without a mask 1.02-1.05x (in the two-sender WS kernel; with one sender it had run
+// 0.97-0.99x there). Either layout gives the same sums: dq is bitwise the same.
 __host__ __device__ constexpr int fused_chunk(int c, int64_t i) { return c ^ int(2 * (i & 3)); }
 
 // The ranks of a block's items are computed kFusedRankChunk at a time (all 8 warps, every
@@ -253,8 +224,7 @@ __device__ __forceinline__ void fused_store_partial(float* ps, const float (&dqa
 
 // The thread that sends the dQ partials (waits on the semaphores, issues and waits for the bulk ops):
 // lane 0 of warp 5, in warpgroup 1; thread 0 (warpgroup 0, the first to issue each step's MMAs)
-// ran 1.01-1.04x slower (backward alone, none; 1.015x causal; session 22, when warp 4 computed the
-// ranks).
+// ran 1.01-1.04x slower (backward alone, none; 1.015x causal).
 constexpr unsigned kFusedSender = 160;
 
 // The rotation start of key block kt (items of the block: iters).
@@ -351,7 +321,7 @@ struct FusedSchedule {
 // every key block has started (tickets are taken in start order) and no key block waits on a
 // converter, so the deadlock-freedom argument of the header is unchanged; the converters take SMs
 // the key blocks no longer need (the last wave's idle SMs) instead of a separate kernel after them
-// (B4 S4096 H16 D128 bf16: 66 us on an H100, section 53 of the results file).
+// (B4 S4096 H16 D128 bf16: 66 us on an H100).
 template <typename T, int D, int BQ>
 __device__ __forceinline__ void fused_convert_tiles(const AttnArgs& a, int nkt, int nqt, int grp, bool causal, int win,
                                                     const float* __restrict__ dqacc, const uint32_t* sem,
@@ -465,8 +435,7 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
   // registers (row_l, row_d: thread i < BQ holds row i); put_rows(bf) stores those into Ls / Dl.
   // The loop stores them late in the iteration (before its middle barrier), so a warp does not wait
   // for the global loads before it issues the item's first products: H100, D 64 backward alone, 3
-  // alternating rounds against the stores at the top, 1.011-1.017x without a mask, 0.997-1.045x causal
-  // (benchmarks/results/h100_2026-11-27.txt section 14).
+  // alternating rounds against the stores at the top, 1.011-1.017x without a mask, 0.997-1.045x causal.
   float row_l = INFINITY, row_d = 0.f;
   auto stage = [&](int m, int bf) {
     int hl, t;
@@ -523,7 +492,7 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
   //     performed, Ps[m & 1] read), release the tile (st.release rank + 1);
   //   Ps[m & 1] is written again at the end of iteration m + 2, after the barriers that follow.
   // No membar.gl (__threadfence) before the release: a build with one ran 1.13x slower (fwd+bwd,
-  // H100, session 22); wait_group 0 has performed the sums, and the proxy fence orders them before
+  // H100); wait_group 0 has performed the sums, and the proxy fence orders them before
   // the generic-proxy release. After the loop: send the last item, wait, release.
   // dq = scale * dQacc is written by the grid's converter blocks (fused_convert_tiles).
   int p_rank = -1, p_i0 = 0, p_buf = 0;  // the pending item (its partial in Ps[p_buf])
@@ -552,8 +521,8 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
   // tile, ordered by (step, kt)) into Rk: warp w takes items m0 + w, m0 + w + 8, ...; called by
   // every thread at iterations m0 = 0, kFusedRankChunk, ... after the first MMAs are issued (the
   // writes follow the top barrier, the last reads of the previous chunk precede it); read by the
-  // sender after the middle barrier. (Before, warp 4 computed each item's rank in its iteration:
-  // the backward without any rank work ran 1.04x faster, H200, session 23.)
+  // sender after the middle barrier. (With warp 4 computing each item's rank in its iteration,
+  // the backward without any rank work ran 1.04x faster, H200.)
   auto fill_ranks = [&](int m0) {
     for (int j = threadIdx.x >> 5; j < kFusedRankChunk && m0 + j < iters; j += NT / 32) {
       int hl, t;
@@ -577,7 +546,7 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     // (causal, or past Sk): the mask zeroes its P^T and dS^T (such a warp always needs the mask).
     // So no branch separates the products: dV's and dK's stay in flight through the middle
     // barrier and are waited for with dQ's (1.02-1.04x the backward that waited for them before the
-    // barrier at D 128, 1.01-1.03x at D 64, none and causal: H100, sessions 23-24).
+    // barrier at D 128, 1.01-1.03x at D 64, none and causal: H100).
     uint32_t pa[BQ / 16][4], da[BQ / 16][4];
     const uint32_t qaddr = smem_addr(Qs + buf * BQ * D), gaddr = smem_addr(Gs + buf * BQ * D);
     float st[BQ / 8][4], dpt[BQ / 8][4];

@@ -1,12 +1,12 @@
 // Warp-specialised fused attention backward (sm_90a), bf16 / f16, head dim 128, and 64 without a
-// softcap (since session 31; the same products, P^T and dS^T formed before dV's product: LATE): the maths, the item
+// softcap (the same products, P^T and dS^T formed before dV's product: LATE): the maths, the item
 // schedule and the ordered dQ sums of wgmma_fused_bwd_kernel (attention_fused_bwd.cuh), with the
-// loads and the sums taken off the math warps. Selection: RLX_ATTENTION_CUDA_WGMMA_BWD (attention_launch_impl.cuh).
+// loads and the sums taken off the math warps. Selection: attention_launch_impl.cuh.
 //
 // Why: in wgmma_fused_bwd_kernel every item costs the math warps two block-wide barriers (the Q / dO
 // tiles landed, then the dS^T exchange), the cp.async issue of the next item's tiles, and, on warp
 // 5, the wait on the tile semaphore and on the completion of the previous item's bulk add; ncu
-// (session 24) had 0.41 warps an issued instruction stalled on barriers and 0.60 on long scoreboards.
+// showed 0.41 warps an issued instruction stalled on barriers and 0.60 on long scoreboards.
 //
 // Block = 3 warpgroups (384 threads, one block per SM), over 128 keys of one kv head as before:
 //   warpgroup 0 (producer, setmaxnreg.dec to fused_ws_prod_regs):
@@ -16,8 +16,8 @@
 //       dead rows +inf as before) or delta (warp 2) rows, store them into the stage and arrive
 //       again (a plain arrival: release of those stores). Full barrier count: 2 x 64 arrivals.
 //     warps 1 and 3 (the senders: warp 1 the items of partial buffer 0, m even, warp 3 those of buffer
-//       1, m odd, so one item's wait for its sums does not hold up the next item's send; session 31,
-//       where one sender left the consumers waiting for a buffer ~13 % of the samples at D 128): per
+//       1, m odd, so one item's wait for its sums does not hold up the next item's send; with one
+//       sender the consumers waited for a buffer ~13 % of the samples at D 128): per
 //       item m, the rank of the item among its tile's contributors
 //       (FusedSchedule::rank, the whole warp); wait for the partial of item m (Ps[m & 1], its
 //       full barrier, 8 arrivals: lane 0 of each consumer warp after the warp's stores, proxy
@@ -61,7 +61,7 @@ constexpr int kFusedWsThreads = 384;
 // consumers hold 128 dK / dV accumulators; at 232 ptxas spills and serialises their wgmmas). D 64: P = 56,
 // C = 224 (the LATE consumers fit; at 24 the loader warps kept their addresses in local memory and re-read
 // the thread index for every cp.async, and the consumers waited for the Q / dO stage ~15 % of their time:
-// ncu source counters, session 31).
+// ncu source counters).
 template <int D>
 constexpr int fused_ws_prod_regs() { return D == 64 ? 56 : 24; }
 template <int D>
@@ -115,7 +115,7 @@ __device__ __forceinline__ void bulk_wait_read_all() { asm volatile("cp.async.bu
 // further: each lane computes its kPeriod shared addresses once and adds a constant offset for the
 // rest, so a whole tile (no row past n, the common case) costs a copy and a 64-bit add a chunk (the
 // loop that recomputed the swizzle took ~13 instructions a chunk: 11 % of the D 128 backward's
-// instructions, ncu source counters, session 35).
+// instructions, ncu source counters).
 template <typename T, int D, int ROWS>
 __device__ __forceinline__ void warp_load_tile(T* dst, const T* __restrict__ x, int64_t rs, int64_t r0, int64_t n,
                                                int lane) {
@@ -330,8 +330,8 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
     // +1: 4 bytes in 16-byte chunk nt % 8 of query block nt / 8, at chunk position (nt % 8) ^ (row & 7)),
     // by one stmatrix .x4 per pair of column blocks nt = 2 p, 2 p + 1 (matrix e of da[p]: nt = 2 p + e / 2,
     // key rows + 8 (e & 1); lane l addresses row l & 7 of matrix l >> 3): BQ / 16 instructions instead of
-    // BQ / 4 four-byte stores (D 64 backward 1.02-1.04x, session 32; D 128, with the warp-uniform wg above,
-    // median 1.02x: benchmarks/results/h100_2026-11-27.txt section 63)
+    // BQ / 4 four-byte stores (D 64 backward 1.02-1.04x; D 128, with the warp-uniform wg above,
+    // median 1.02x)
     {
       const int e = lane >> 3, j = lane & 7;
       const uint32_t rowb = smem_addr(Ss + s * BK * BQ) + uint32_t((64 * cw + 16 * warp + 8 * (e & 1) + j) * 128);

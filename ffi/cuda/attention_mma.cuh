@@ -56,9 +56,8 @@ constexpr int kBQ = 64, kBK = 64, kMmaThreads = 128;
 // elements, chunks in order. Both put the 8 row addresses of an ldmatrix phase in 8 distinct
 // 16-byte bank groups, but with the padded rows the 8 chunks that a quarter-warp stores with
 // cp.async straddle two 128-byte shared lines, and the copy then fetched 1.5x the ideal global
-// sectors and ran 1.6x (D 64) / 2.0x (D 128) slower in a copy-only microbenchmark (H200, run 9 of
-// benchmarks/results/attention_h200_2026-11-22.txt); swizzled rows are 128-byte aligned, so the
-// quarter-warp fills one aligned line. The layout is chosen per kernel by measurement (run 9):
+// sectors and ran 1.6x (D 64) / 2.0x (D 128) slower in a copy-only microbenchmark (H200); swizzled rows are 128-byte aligned, so the
+// quarter-warp fills one aligned line. The layout is chosen per kernel by measurement:
 // swizzled for the forward and the D 128 backward; padded for the D 64 backward (swizzled, B4
 // fwd+bwd moved +0.6 / -1.2 % (none / causal) while the forward alone gained 6-10 %: the D 64
 // backward lost it) and for the D 128 forward with a key mask (swizzled: 1.2 % slower on the
@@ -428,7 +427,7 @@ __host__ __device__ __forceinline__ void key_range(const AttnArgs& a, int64_t q0
 // (causal: the last query tiles see the most keys) first across the chunk's heads, so the hardware
 // block scheduler (or the persistent grid's stride) starts the longest tiles first and ends on the
 // shortest (longest-processing-time-first), while the heads in flight stay few enough that their
-// K / V stay in L2. hc = 1 is the order before (one head's tiles after another's, heaviest first).
+// K / V stay in L2. The launchers use hc = 1 (one head's tiles after another's, heaviest first).
 // (Host too: the launcher's model of the persistent grid's balance, attn_ws_zig.)
 __host__ __device__ __forceinline__ void fwd_tile(int64_t t, int64_t nqt, int64_t nbh, int64_t hc, int64_t* qt,
                                                   int64_t* bh) {
@@ -442,7 +441,7 @@ __host__ __device__ __forceinline__ void fwd_tile(int64_t t, int64_t nqt, int64_
 
 // Template: MT m-tiles of 16 rows per warp (block rows 16 MT * 4; warp w owns rows
 // [16 MT w, 16 MT (w + 1))), NK keys per step. The launcher uses NK = 64 and MT = 1, except for
-// the PLAIN D 64 kernel without a key mask: MT = 2 (run 8 of the H200 results; see attention_launch_impl.cuh).
+// the PLAIN D 64 kernel without a key mask: MT = 2 (measured faster there; see attention_launch_impl.cuh).
 // STAGGER false: K and V double buffered (both tiles of step t + 1 load during step t).
 // STAGGER true: one K and one V buffer (less shared memory: more blocks per SM); V of step t
 // loads while S = Q K^T and the softmax run, K of step t + 1 while O += P V runs.

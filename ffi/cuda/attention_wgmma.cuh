@@ -1,35 +1,20 @@
-// Attention forward on Hopper warpgroup MMA (wgmma, sm_90a only), bf16 / f16, head dims 64 and
-// 128, no key mask, no bias, no softcap, scale > 0, mask kind none or causal: the PLAIN cases of
-// the mma.sync forward (attention_mma.cuh), which keeps every other case and is the fallback
-// when the loaded image has no sm_90a code (wgmma_available, attention_launch_impl.cuh) or
-// RLX_ATTENTION_CUDA_WGMMA=0.
+// Hopper warpgroup MMA (wgmma, sm_90a only) building blocks of the attention kernels
+// (attention_wgmma_ws.cuh, attention_wgmma_bwd.cuh, attention_fused_bwd*.cuh): the probe that tells
+// whether the loaded image carries sm_90a code, shared-memory descriptors, fences, the m64nNk16
+// products (A from shared memory or registers), online-softmax steps and the tile loader.
 //
-// Block = NWG warpgroups (128 threads each) over 64 * NWG query rows; warpgroup w owns rows
-// [64 w, 64 w + 64) of the tile, warp i of it 16 rows. Keys in tiles of BC rows, K and V double
-// buffered. Shared tiles are in the canonical 128-byte-swizzle K-major layout of wgmma: a tile of
-// R rows x D columns is stored as D / 64 column halves [R][64] (128-byte rows), the 16-byte
-// chunk c of row r at chunk position c ^ (r & 7), 8-row atoms of 1024 bytes (1024-byte aligned:
-// the hardware swizzle acts on address bits 4-6 with bits 7-9). Filled with cp.async (16 bytes,
-// zero-filled past the sequence end), then fence.proxy.async before the barrier so the async
-// proxy (wgmma) sees the data.
-//   S = Q K^T: wgmma m64n<BC>k16, A = Q (shared, K-major descriptor), B = K tile (K-major),
-//       D / 16 k-steps; the k-step advances the start address by 32 bytes inside the 128-byte
-//       swizzle row (the hardware applies the XOR to the final address).
-//   online softmax on the f32 accumulator (per thread: rows g and g + 8 of the warp's 16, the
-//       mma.sync m16n8 C layout repeated along N), as the PLAIN mma.sync forward: raw max,
-//       p = ex2(fma(s, c2, -mu)).
-//   O += P V: wgmma m64n<D>k16 with A = P (registers, bf16 / f16: the C layout of two adjacent
-//       n8 blocks is the A fragment of one k16 step) and B = V tile, MN-major (transpose bit),
-//       BC / 16 k-steps of 16 keys (2048 bytes each); the D / 64 column halves are LBO apart.
-// Each wgmma batch is committed and waited (wait_group 0) before its accumulator is read: the
-// overlap of MMA and softmax comes from the other warpgroups of the block and SM. The launcher
-// uses 2 warpgroups x 128 keys at both head dims where RLX_ATTENTION_CUDA_WGMMA=2 (attention_launch_impl.cuh; the
-// default at both head dims is the warp-specialised kernel of attention_wgmma_ws.cuh since run 13F). Measured and dropped (run 10 of
-// benchmarks/results/attention_h200_2026-11-22.txt; the code is in commit 2f89835): 3 warpgroups x
-// 64 keys (D 64) and 2 x 64 (D 128), and a software-pipelined kernel that issued S_j = Q K_j^T and
-// O += P_{j-1} V_{j-1} together and ran the softmax of S_j while the P V product ran (wait_group
-// 1), V one step behind K: slower than this kernel at D 128 (B4 S4096 forward 1.22 / 1.07x the
-// mma.sync forward against 1.34 / 1.28x, none / causal) and no faster than mma.sync at D 64.
+// Shared tiles are in the canonical 128-byte-swizzle K-major layout of wgmma: a tile of R rows x D
+// columns is stored as D / 64 column halves [R][64] (128-byte rows), the 16-byte chunk c of row r at
+// chunk position c ^ (r & 7), 8-row atoms of 1024 bytes (1024-byte aligned: the hardware swizzle
+// acts on address bits 4-6 with bits 7-9). Filled with cp.async (16 bytes, zero-filled past the
+// sequence end), then fence.proxy.async before the barrier so the async proxy (wgmma) sees the
+// data. The k-step of a K-major operand advances the start address by 32 bytes inside the 128-byte
+// swizzle row (the hardware applies the XOR to the final address); an MN-major operand (V in
+// O += P V) sets the transpose bit, its D / 64 column halves LBO apart. With A = P from registers
+// (bf16 / f16), the C layout of two adjacent n8 blocks is the A fragment of one k16 step.
+// Measured and dropped (H200; the code is in commit 2f89835): a forward of 2 (or 3) warpgroups
+// without a producer / consumer split, 1.30x slower than the warp-specialised kernel at D 128 and
+// no faster than mma.sync at D 64, and a software-pipelined variant of it.
 #pragma once
 
 #include <cstdint>
@@ -292,145 +277,6 @@ __device__ __forceinline__ void wg_load_tile(T* dst, const T* __restrict__ x, in
       cp_async16(d + it * kStep * 64, ok ? src + it * kStep * rs : x, ok);
     }
   }
-}
-
-// Shared memory of wgmma_fwd_kernel: Q [64 NWG x D], K and V double buffered [2][BC x D], plus
-// 1024 bytes to align the swizzle atoms.
-template <int D, int BC, int NWG>
-constexpr size_t wg_fwd_smem() { return size_t(2) * D * (64 * NWG + 4 * BC) + 1024; }
-
-// Forward, PLAIN (scale > 0, no softcap / bias / key mask), mask kind none or causal (a.kind 0 / 1).
-// Grid and outputs as mma_fwd_kernel: block = (64 NWG-row query tile, head, batch) in fwd_tile's
-// order (hc heads per chunk), heaviest (causal) tiles first; out and lse (log2-scaled max converted back with ln 2).
-template <typename T, int D, int BC, int NWG>
-__global__ void __launch_bounds__(NWG * 128, 1)
-    wgmma_fwd_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                     T* __restrict__ out, float* __restrict__ lse, int hc) {
-#if RLX_ATTN_WGMMA
-  static_assert(D % 64 == 0 && BC % 16 == 0 && (BC == 64 || BC == 128), "wgmma_fwd_kernel: tile shapes");
-  constexpr int BM = 64 * NWG, NT = 128 * NWG;
-  extern __shared__ __align__(1024) uint8_t wg_smem[];
-  const uint32_t pad = (1024u - (smem_addr(wg_smem) & 1023u)) & 1023u;
-  T* Qs = reinterpret_cast<T*>(wg_smem + pad);  // [D / 64][BM][64]
-  T* Ks = Qs + BM * D;                            // [2][D / 64][BC][64]
-  T* Vs = Ks + 2 * BC * D;                        // [2][D / 64][BC][64]
-  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-  const int g = lane >> 2, tq = lane & 3;
-  const int64_t nqt = (a.Sq + BM - 1) / BM;
-  int64_t qt, blk;
-  fwd_tile(blockIdx.x, nqt, a.B * a.H, hc, &qt, &blk);  // heaviest (causal) tiles first
-  const int64_t h = blk % a.H, b = blk / a.H, hk = h / a.group;
-  const int64_t q0 = qt * BM;
-  const int64_t q_rs = a.H * D, kv_rs = a.Hkv * D;
-  const T* qb = q + (b * a.Sq * a.H + h) * D;
-  const T* kb = k + (b * a.Sk * a.Hkv + hk) * D;
-  const T* vb = v + (b * a.Sk * a.Hkv + hk) * D;
-  int64_t kbeg, kend;
-  key_range(a, q0, min(a.Sq - 1, q0 + BM - 1), &kbeg, &kend, BC);
-  wg_load_tile<T, D, BM, NT>(Qs, qb, q_rs, q0, a.Sq);
-  if (kbeg < kend) {
-    wg_load_tile<T, D, BC, NT>(Ks, kb, kv_rs, kbeg, a.Sk);
-    wg_load_tile<T, D, BC, NT>(Vs, vb, kv_rs, kbeg, a.Sk);
-  }
-  cp_async_commit();
-  const int64_t r0 = q0 + 64 * wg;       // this warpgroup's rows [r0, r0 + 64)
-  const int64_t wrow0 = r0 + 16 * warp;  // this warp's; thread rows wrow0 + 8 r + g
-  // the warpgroup's rows see no key at or past wg_kend (causal); rows past Sq compute nothing
-  int64_t wg_kend = kend;
-  if (a.kind != 0) wg_kend = min(a.Sk, min(a.Sq - 1, r0 + 63) + a.off + 1);
-  if (r0 >= a.Sq) wg_kend = kbeg;
-  const float c2 = a.scale * kLog2e;  // raw score -> log2 units
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  float o[D / 8][4];
-  zero(o);
-  const uint64_t qd = wg_desc(smem_addr(Qs) + uint32_t(wg * 64 * 128), 16, 1024);  // this warpgroup's 64 rows
-  int buf = 0;
-  for (int64_t k0 = kbeg; k0 < kend; k0 += BC) {
-    cp_async_wait_all();
-    fence_proxy_async();  // this thread's cp.async data -> the async proxy (wgmma)
-    __syncthreads();      // every thread's tile landed; every warpgroup done with buf ^ 1
-    if (k0 + BC < kend) {
-      wg_load_tile<T, D, BC, NT>(Ks + (buf ^ 1) * BC * D, kb, kv_rs, k0 + BC, a.Sk);
-      wg_load_tile<T, D, BC, NT>(Vs + (buf ^ 1) * BC * D, vb, kv_rs, k0 + BC, a.Sk);
-    }
-    cp_async_commit();
-    if (k0 < wg_kend) {  // warpgroup-uniform
-      float s[BC / 8][4];
-      const uint64_t kd = wg_desc(smem_addr(Ks + buf * BC * D), 16, 1024);
-      wg_fence();
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        // k-step kk: column half kk / 4 (its own [rows][64] block), 16 columns = 32 bytes in
-        wgmma_ss<T, BC>(s, qd, kd, uint64_t(((kk >> 2) * BM * 128 + (kk & 3) * 32) >> 4),
-                        uint64_t(((kk >> 2) * BC * 128 + (kk & 3) * 32) >> 4), kk > 0);
-      }
-      wg_commit();
-      wg_wait0();
-      wg_fence_regs(s);
-      const bool need = tile_needs_mask(a, wrow0, k0, 16, BC);  // warp-uniform
-      float mx[2] = {-INFINITY, -INFINITY};
-      if (!need) {
-#pragma unroll
-        for (int nt = 0; nt < BC / 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
-      } else {
-#pragma unroll
-        for (int nt = 0; nt < BC / 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int64_t i = wrow0 + (e >> 1) * 8 + g, j = k0 + nt * 8 + 2 * tq + (e & 1);
-            const float x = i < a.Sq && j < a.Sk && kind_visible(a, i, j) ? s[nt][e] : -INFINITY;
-            s[nt][e] = x;
-            mx[e >> 1] = fmaxf(mx[e >> 1], x);
-          }
-      }
-      float mu[2], alpha[2];
-      online_max_step(mx, c2, m, mu, alpha);
-      float ls[2] = {0.f, 0.f};
-      uint32_t p[BC / 16][4];
-#pragma unroll
-      for (int nt = 0; nt < BC / 8; ++nt) {
-        float pe[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          pe[e] = ex2(fmaf(s[nt][e], c2, -mu[e >> 1]));
-          ls[e >> 1] += pe[e];
-        }
-        pack_a_n8<T>(p, nt, pe);
-      }
-#pragma unroll
-      for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + ls[r];
-      scale_rows(o, alpha);
-      // V: MN-major (keys are the K dimension), 8-key groups 1024 bytes apart (SBO), the D / 64
-      // column halves BC * 128 bytes apart (LBO); k-step kk = keys [16 kk, 16 kk + 16)
-      const uint64_t vd = wg_desc(smem_addr(Vs + buf * BC * D), BC * 128, 1024);
-      wg_fence();
-#pragma unroll
-      for (int kk = 0; kk < BC / 16; ++kk) wgmma_rs<T, D>(o, p[kk], vd, uint64_t(kk * 16 * 128 >> 4), 1);
-      wg_commit();
-      wg_wait0();
-      wg_fence_regs(o);
-    }
-    buf ^= 1;
-  }
-  cp_async_wait_all();
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float lr = l[r];
-    lr += __shfl_xor_sync(0xffffffffu, lr, 1);
-    lr += __shfl_xor_sync(0xffffffffu, lr, 2);
-    const int64_t i = wrow0 + r * 8 + g;
-    if (i >= a.Sq) continue;
-    const bool live = !(lr <= 0.f);  // NaN rows are live: NaN out and lse, as the CPU kernel
-    const float inv = live ? 1.f / lr : 0.f;
-    T* orow = out + ((b * a.Sq + i) * a.H + h) * D;
-#pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt)
-      *reinterpret_cast<uint32_t*>(orow + nt * 8 + 2 * tq) = pack2<T>(o[nt][2 * r] * inv, o[nt][2 * r + 1] * inv);
-    if (tq == 0) lse[(b * a.H + h) * a.Sq + i] = live ? m[r] * kLn2 + logf(lr) : -INFINITY;
-  }
-#endif
 }
 
 }  // namespace attn

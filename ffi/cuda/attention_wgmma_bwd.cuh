@@ -1,10 +1,12 @@
 // Attention backward on Hopper warpgroup MMA (wgmma, sm_90a only), bf16 / f16, head dims 64 and
 // 128, the PLAIN cases (scale > 0, no softcap, bias or key mask), mask kind none or causal:
-// wgmma_dkdv_kernel (dk, dv) and wgmma_dq_kernel (dq, below). Every other case keeps the mma.sync
-// kernels (attention_mma.cuh), which are also the fallback when the loaded image has no sm_90a code
-// (wgmma_available, attention_launch_impl.cuh) or RLX_ATTENTION_CUDA_WGMMA_BWD=0. The launcher's default (run 11
-// of benchmarks/results/attention_h200_2026-11-22.txt): D 128 wgmma dkdv (OVL) + wgmma dq, D 64
-// wgmma dkdv (plain) + the mma.sync dq.
+// wgmma_dkdv_kernel (dk, dv), the dk / dv half of the two-kernel backward that runs where the fused
+// kernel does not serve (attention_launch_impl.cuh): at D 128 with OVL and the warp-specialised dq
+// (attention_wgmma_bwd_ws.cuh), at D 64 without OVL and the mma.sync dq. Every other case keeps the
+// mma.sync kernels (attention_mma.cuh), which are also the fallback when the loaded image has no
+// sm_90a code (wgmma_available) or RLX_ATTENTION_CUDA_WGMMA=0. Shared with the fused kernels: the
+// score / probability / dS helpers below. (A 2-warpgroup wgmma dq kernel measured slower than the
+// warp-specialised one and was removed.)
 //
 // Block = 2 warpgroups (256 threads) over 128 keys of one kv head; warpgroup w owns keys
 // [64 w, 64 w + 64) of the block, warp i of it 16 keys (the accumulator rows). K and V of the
@@ -96,7 +98,7 @@ __device__ __forceinline__ uint32_t bwd_kept_keys(const float* mrow, int j0, int
 // fragment of k-step kk. The callers branch on a warp-uniform "the tile needs a mask" and take
 // HIDE = kHideNone on every other tile: a per-score select there compiled (nvcc 13) into a path that
 // tested every score of every causal tile, 1.25x the instructions per item of the unmasked run
-// (ncu source counters, session 24).
+// (ncu source counters).
 // NQ: the query tile's n8 blocks (8: 64 queries, 16: the fused kernel's 128-query tiles at D 64).
 // CAP (a softcap c > 0; the fused kernels only): the score in log2 units is c2 tanh(S^T carg) (c2 =
 // c log2 e, carg = scale / c), and st keeps P^T (1 - tanh^2), the softcap's derivative folded in,
@@ -355,12 +357,7 @@ namespace attn {
 
 constexpr int kWgDqRows = 128, kWgDqKeys = 64;
 
-// Shared memory of wgmma_dq_kernel: Q and dO [128 x D], K and V double buffered [2][64 x D], plus
-// 1024 bytes to align the swizzle atoms.
-template <int D>
-constexpr size_t wg_dq_smem() { return size_t(2) * D * (2 * kWgDqRows + 4 * kWgDqKeys) + 1024; }
-
-// One 64-key tile's dS for a warpgroup of the dq kernels (wgmma_dq_kernel, and wgmma_dq_ws_kernel's consumers) (this thread: rows wrow0 + 8 r + g, r < 2; keys k0 +
+// One 64-key tile's dS for a consumer warpgroup of the dq kernel (wgmma_dq_ws_kernel) (this thread: rows wrow0 + 8 r + g, r < 2; keys k0 +
 // 8 nt + 2 tq + (e & 1) of s[nt][e], dp[nt][e]): dS = P (dP - delta) with P = 2^(s c2 - L) (L =
 // lse log2 e, c2 = scale log2 e), 0 where the tile needs a mask and the (row, key) is masked or out
 // of bounds; packed as the A fragments of dQ += dS K (n8 block nt is half of k-step nt / 2's
@@ -387,127 +384,6 @@ __device__ __forceinline__ void wg_dq_ds_tile(const AttnArgs& a, const float (&s
     }
     pack_a_n8<T>(da, nt, de);
   }
-}
-
-// dq on wgmma, same cases as wgmma_dkdv_kernel. Block = 2 warpgroups over 128 query rows of one
-// head (warpgroup w: rows [64 w, 64 w + 64), warp i of it 16 rows), heaviest (causal) tiles first;
-// loop over key tiles of 64, K / V double buffered (cp.async, 128-byte swizzle), as the forward:
-//   S  = Q_w K^T, dP = dO_w V^T   wgmma m64n64k16, A = Q / dO rows (smem), B = K / V (K-major)
-//   dS = P (dP - delta), P = ex2(S * scale * log2 e - lse log2 e) (the thread's rows' lse / delta
-//        in registers); masked (causal diagonal, sequence ends) only in the warps that need it
-//   dQ += dS K                    wgmma m64n<D>k16, A = dS from registers, B = K MN-major
-// dq = scale * dQ. No atomics: each block writes its own dq rows.
-template <typename T, int D>
-__global__ void __launch_bounds__(kWgBwdThreads, 1)
-    wgmma_dq_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                    const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
-                    T* __restrict__ dq) {
-#if RLX_ATTN_WGMMA
-  static_assert(D % 64 == 0, "wgmma_dq_kernel: head dim");
-  constexpr int BM = kWgDqRows, BC = kWgDqKeys, NT = kWgBwdThreads;
-  extern __shared__ __align__(1024) uint8_t wg_smem[];
-  const uint32_t pad = (1024u - (smem_addr(wg_smem) & 1023u)) & 1023u;
-  T* Qs = reinterpret_cast<T*>(wg_smem + pad);  // [D / 64][BM][64]
-  T* Gs = Qs + BM * D;                            // dO, [D / 64][BM][64]
-  T* Ks = Gs + BM * D;                            // [2][D / 64][BC][64]
-  T* Vs = Ks + 2 * BC * D;                        // [2][D / 64][BC][64]
-  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-  const int g = lane >> 2, tq = lane & 3;
-  const int64_t nqt = (a.Sq + BM - 1) / BM;
-  int64_t blk = blockIdx.x;
-  const int64_t qt = nqt - 1 - blk % nqt;  // heaviest (causal) tiles first
-  blk /= nqt;
-  const int64_t h = blk % a.H, b = blk / a.H, hk = h / a.group;
-  const int64_t q0 = qt * BM;
-  const int64_t q_rs = a.H * D, kv_rs = a.Hkv * D;
-  const T* kb = k + (b * a.Sk * a.Hkv + hk) * D;
-  const T* vb = v + (b * a.Sk * a.Hkv + hk) * D;
-  int64_t kbeg, kend;
-  key_range(a, q0, min(a.Sq - 1, q0 + BM - 1), &kbeg, &kend, BC);
-  wg_load_tile<T, D, BM, NT>(Qs, q + (b * a.Sq * a.H + h) * D, q_rs, q0, a.Sq);
-  wg_load_tile<T, D, BM, NT>(Gs, dout + (b * a.Sq * a.H + h) * D, q_rs, q0, a.Sq);
-  if (kbeg < kend) {
-    wg_load_tile<T, D, BC, NT>(Ks, kb, kv_rs, kbeg, a.Sk);
-    wg_load_tile<T, D, BC, NT>(Vs, vb, kv_rs, kbeg, a.Sk);
-  }
-  cp_async_commit();
-  const int64_t r0 = q0 + 64 * wg;       // this warpgroup's rows [r0, r0 + 64)
-  const int64_t wrow0 = r0 + 16 * warp;  // this warp's; thread rows wrow0 + 8 r + g
-  int64_t wg_kend = kend;                // the warpgroup's rows see no key at or past it (causal)
-  if (a.kind != 0) wg_kend = min(a.Sk, min(a.Sq - 1, r0 + 63) + a.off + 1);
-  if (r0 >= a.Sq) wg_kend = kbeg;
-  const float c2 = a.scale * kLog2e;  // raw score -> log2 units
-  float L[2], dl[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t i = wrow0 + 8 * r + g;
-    L[r] = INFINITY;
-    dl[r] = 0.f;
-    if (i < a.Sq) {
-      L[r] = lse[(b * a.H + h) * a.Sq + i];
-      if (L[r] == -INFINITY) L[r] = INFINITY;  // dead row: P = 0
-      dl[r] = delta[(b * a.H + h) * a.Sq + i];
-    }
-    L[r] *= kLog2e;
-  }
-  float dqa[D / 8][4];
-  zero(dqa);
-  const uint64_t qd = wg_desc(smem_addr(Qs) + uint32_t(wg * 64 * 128), 16, 1024);  // this warpgroup's rows
-  const uint64_t gd = wg_desc(smem_addr(Gs) + uint32_t(wg * 64 * 128), 16, 1024);
-  int buf = 0;
-  for (int64_t k0 = kbeg; k0 < kend; k0 += BC, buf ^= 1) {
-    cp_async_wait_all();
-    fence_proxy_async();  // this thread's cp.async data -> the async proxy (wgmma)
-    __syncthreads();      // every thread's tiles landed; both warpgroups done with buf ^ 1
-    if (k0 + BC < kend) {
-      wg_load_tile<T, D, BC, NT>(Ks + (buf ^ 1) * BC * D, kb, kv_rs, k0 + BC, a.Sk);
-      wg_load_tile<T, D, BC, NT>(Vs + (buf ^ 1) * BC * D, vb, kv_rs, k0 + BC, a.Sk);
-    }
-    cp_async_commit();
-    if (k0 >= wg_kend) continue;  // warpgroup-uniform
-    const uint32_t kaddr = smem_addr(Ks + buf * BC * D), vaddr = smem_addr(Vs + buf * BC * D);
-    float s[8][4], dp[8][4];
-    {
-      const uint64_t kd = wg_desc(kaddr, 16, 1024), vd = wg_desc(vaddr, 16, 1024);
-      wg_fence();
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk)  // k-step kk: column half kk / 4, 16 columns = 32 bytes in
-        wgmma_ss<T, 64>(s, qd, kd, uint64_t(((kk >> 2) * BM * 128 + (kk & 3) * 32) >> 4),
-                        uint64_t(((kk >> 2) * BC * 128 + (kk & 3) * 32) >> 4), kk > 0);
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk)
-        wgmma_ss<T, 64>(dp, gd, vd, uint64_t(((kk >> 2) * BM * 128 + (kk & 3) * 32) >> 4),
-                        uint64_t(((kk >> 2) * BC * 128 + (kk & 3) * 32) >> 4), kk > 0);
-      wg_commit();
-      wg_wait0();
-      wg_fence_regs(s);
-      wg_fence_regs(dp);
-    }
-    uint32_t da[4][4];  // dS as the A fragments of dQ += dS K
-    wg_dq_ds_tile<T>(a, s, dp, wrow0, k0, g, tq, c2, L, dl, da);
-    // K as MN-major B (keys are the K dimension): 8-key groups 1024 bytes apart (SBO), the D / 64
-    // column halves BC * 128 bytes apart (LBO); k-step kk = keys [16 kk, 16 kk + 16)
-    const uint64_t kdt = wg_desc(kaddr, BC * 128, 1024);
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < BC / 16; ++kk) wgmma_rs<T, D>(dqa, da[kk], kdt, uint64_t(kk * 16 * 128 >> 4), 1);
-    wg_commit();
-    wg_wait0();
-    wg_fence_regs(dqa);
-    wg_fence_afrag(da);
-  }
-  cp_async_wait_all();
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t i = wrow0 + 8 * r + g;
-    if (i >= a.Sq) continue;
-    T* dqr = dq + ((b * a.Sq + i) * a.H + h) * D;
-#pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt)
-      *reinterpret_cast<uint32_t*>(dqr + nt * 8 + 2 * tq) =
-          pack2<T>(dqa[nt][2 * r] * a.scale, dqa[nt][2 * r + 1] * a.scale);
-  }
-#endif
 }
 
 }  // namespace attn

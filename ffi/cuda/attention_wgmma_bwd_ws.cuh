@@ -1,10 +1,10 @@
 // Warp-specialised wgmma dq kernel (sm_90a), bf16 / f16, head dim 128 (the template serves 64 too: it
-// ran 6-9 % slower than the mma.sync dq causal there, so D 64 keeps that), the cases of wgmma_dq_kernel
-// (attention_wgmma_bwd.cuh: PLAIN, mask kind none or causal). Engineer F's structure of the forward
-// (attention_wgmma_ws.cuh) applied to the dq loop, which streams K / V tiles past a resident Q / dO
-// tile just as the forward streams K / V past Q. The default at D 128 (RLX_ATTENTION_CUDA_WGMMA_BWD
-// unset or 8, NST 4; attention.cu); run 14 of benchmarks/results/attention_bwd_h200_2026-11-22.txt has
-// the A/B (1.01x / 1.02x the 2-warpgroup dq's backward, none / causal; a ring of 2 stages ran level).
+// ran 6-9 % slower than the mma.sync dq causal there, so D 64 keeps that), the PLAIN cases (scale > 0,
+// no softcap, bias or key mask), mask kind none or causal: the dq half of the two-kernel backward
+// that runs where the fused kernel does not serve (attention_launch_impl.cuh). The structure of the
+// forward (attention_wgmma_ws.cuh) applied to the dq loop, which streams K / V tiles past a resident
+// Q / dO tile just as the forward streams K / V past Q. NST 4; measured 1.01x / 1.02x the backward of
+// a 2-warpgroup dq kernel without the split (none / causal; a ring of 2 stages ran level).
 //
 // Block = 3 warpgroups (384 threads), one block per SM, persistent grid (attn_ws_grid):
 //   warpgroup 0 (producer, setmaxnreg.dec to kWsDqProdRegs): per tile (fwd_tile's order, heaviest
@@ -13,23 +13,20 @@
 //     barrier (cp.async.mbarrier.arrive.noinc, count 128), then streams the tile's key tiles of BC
 //     = 64 keys through a ring of NST stages: K and V have their own full barriers (count 128), the
 //     stage's empty barrier (count 8: one arrival per consumer warp) gates its reuse.
-//   warpgroups 1, 2 (consumers, setmaxnreg.inc to kWsDqConsRegs): 64 query rows each, the loop body
-//     of wgmma_dq_kernel: S = Q_w K^T and dP = dO_w V^T (smem x smem), dS = P (dP - delta), dQ +=
+//   warpgroups 1, 2 (consumers, setmaxnreg.inc to kWsDqConsRegs): 64 query rows each:
+//     S = Q_w K^T and dP = dO_w V^T (smem x smem), dS = P (dP - delta), dQ +=
 //     dS K (A = dS from registers, B = K MN-major from the stage). The stage is released (empty
 //     arrival) once dQ += dS K, its last reader, has completed.
-//     PIPE false (RLX_ATTENTION_CUDA_WS_DQ_PIPE=0): dQ += dS K is waited (wait_group 0) before the
-//     stage is released (lane 0 of each warp) and the next key tile starts; the other consumer
-//     warpgroup's products fill the tensor pipe meanwhile.
-//     PIPE true (the default since session 22): tile j's S and dP are issued before tile j - 1's
-//     dQ += dS K, and tile j's dS is formed while that product runs (as the forward's PIPE); the
-//     stage of tile j - 1 is released after its dQ product. The first try of such an overlap (run
-//     14, dQ kept in flight across the next tile's barrier waits) hit C7518 (wgmma serialised);
+//     Pipelined: tile j's S and dP are issued before tile j - 1's dQ += dS K, and tile j's dS is
+//     formed while that product runs (as the forward's loop); the stage of tile j - 1 is released
+//     after its dQ product. Keeping dQ's product in flight across the
+//     next tile's barrier waits instead hits C7518 (wgmma serialised);
 //     here, as in the forward, no non-wgmma instruction writes a register of an in-flight wgmma (dS
 //     alternates between two buffers, the loop unrolled by two; S and dP are only read) and ptxas
 //     reports no serialisation. ptxas: 168 registers at launch, 52 bytes of spill stores at D 128
 //     (the consumer at 216 registers; 64 / 216 is the split without producer spills). H100, B4
-//     S4096 H16 bf16, 3 alternating rounds (benchmarks/results/h100_2026-11-26.txt, session 22):
-//     fwd+bwd 1.02-1.04x (D 128 none and causal). Bitwise the dq of PIPE false (tested).
+//     S4096 H16 bf16, 3 alternating rounds against the loop that waits for each product (the same dq,
+//     bitwise): fwd+bwd 1.02-1.04x (D 128 none and causal).
 //   No CTA-wide barrier after the prologue; barrier phases as in attention_wgmma_ws.cuh (consumers
 //   wait full barriers with the ring's parity, the producer empty ones with the opposite bit). A
 //   consumer warpgroup that skips a key tile (causal: past its last row) still waits on both full
@@ -59,19 +56,18 @@ constexpr size_t wg_dq_ws_smem() {
   return size_t(2) * D * (2 * 128 + 2 * NST * kWsDqKeys) + 1024 + 8 * (3 * NST + 2);
 }
 
-// PIPE false: per key tile S = Q_w K^T and dP = dO_w V^T, dS, dQ += dS K, each product waited for.
-// PIPE true (intra-warpgroup pipelining, as the forward's PIPE): tile j's S and dP are issued
+// Consumer loop, pipelined within each warpgroup (as the forward's): tile j's S and dP are issued
 // before tile j - 1's dQ += dS K, and tile j's dS is formed while that product is in flight (dS
 // alternates between two register buffers, the loop unrolled by two); the stage of tile j - 1 is
-// released once its dQ product has completed, one step later than PIPE false (so NST >= 3). Same
-// products in the same order: dq is bitwise the one of PIPE false.
-template <typename T, int D, int NST, bool PIPE>
+// released once its dQ product has completed, one step later than a loop waiting for each product
+// (so NST >= 3).
+template <typename T, int D, int NST>
 __global__ void __launch_bounds__(384, 1)
     wgmma_dq_ws_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                        const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
                        T* __restrict__ dq, int hc, int zig) {
 #if RLX_ATTN_WGMMA
-  static_assert(D % 64 == 0 && NST >= (PIPE ? 3 : 2) && kWsDqKeys == kWgDqKeys, "wgmma_dq_ws_kernel: tile shapes");
+  static_assert(D % 64 == 0 && NST >= 3 && kWsDqKeys == kWgDqKeys, "wgmma_dq_ws_kernel: tile shapes");
   constexpr int BM = 128, BC = kWsDqKeys;
   extern __shared__ __align__(1024) uint8_t wg_smem[];
   const uint32_t pad = (1024u - (smem_addr(wg_smem) & 1023u)) & 1023u;
@@ -128,7 +124,7 @@ __global__ void __launch_bounds__(384, 1)
     qph ^= 1;
     fence_proxy_async();
     int64_t k0 = kbeg;
-    if constexpr (PIPE) {
+    {
       // the key tiles this warpgroup computes are [kbeg, kstop) (a prefix of the block's)
       const int64_t kstop = min(kend, wg_kend);
       if (k0 < kstop) {
@@ -190,26 +186,11 @@ __global__ void __launch_bounds__(384, 1)
         }
       }
     }
-    // PIPE false: every key tile; PIPE true: the tiles past this warpgroup's last visible key, only
-    // paced with the ring (a skipped tile still waits both full barriers and arrives on the empty one)
+    // the tiles past this warpgroup's last visible key: only paced with the ring (a skipped tile still
+    // waits both full barriers and arrives on the empty one)
     for (; k0 < kend; k0 += BC) {
       ws_wait(kfull + st, ph);
       ws_wait(vfull + st, ph);
-      if (!PIPE && k0 < wg_kend) {  // warpgroup-uniform
-        fence_proxy_async();
-        float s[8][4], dp[8][4];
-        uint32_t da[4][4];  // dS as the A fragments of dQ += dS K
-        ws_issue_qk<T, D, BC>(s, qd, Ks + st * BC * D);
-        ws_issue_qk<T, D, BC>(dp, gd, Vs + st * BC * D);
-        wg_wait0();
-        wg_fence_regs(s);
-        wg_fence_regs(dp);
-        wg_dq_ds_tile<T>(a, s, dp, wrow0, k0, g, tq, c2, L, dl, da);
-        ws_issue_pv<T, D, BC>(dqa, da, Ks + st * BC * D);
-        wg_wait0();
-        wg_fence_regs(dqa);
-        wg_fence_afrag(da);
-      }
       __syncwarp();
       if (lane == 0) ws_arrive(empty + st);  // the stage's last reader (dQ += dS K) has completed
       ws_ring_next(st, ph, NST);

@@ -1,43 +1,38 @@
-// Warp-specialised attention forward on Hopper wgmma (sm_90a), bf16 / f16, head dims 64 and 128, the
-// PLAIN cases of wgmma_fwd_kernel (attention_wgmma.cuh: scale > 0, no softcap, bias or key mask, mask
-// kind none or causal) and, in its CAP / MASK forms (ws_softmax_tile), the same cases with a softcap, a key
-// mask and / or a sliding window. The default at both head dims (RLX_ATTENTION_CUDA_WGMMA unset or 4; 3 = D 128
-// only; attention_launch_impl.cuh): run 13F of benchmarks/results/attention_fwd_h200_2026-11-22.txt measured 1.30x
-// the 2-warpgroup kernel's forward at D 128 and 1.07x / 1.15x the mma.sync forward at D 64.
+// Warp-specialised attention forward on Hopper wgmma (sm_90a), bf16 / f16, head dims 64 and 128,
+// scale > 0, no bias, mask kind none or causal and, in its CAP / MASK forms (ws_softmax_tile), with a
+// softcap, a key mask and / or a sliding window (attention_launch_impl.cuh routes these cases here).
+// Measured (H200): 1.30x the forward of a 2-warpgroup kernel without the producer / consumer split at
+// D 128, 1.07x / 1.15x the mma.sync forward at D 64 (none / causal).
 //
 // Block = 3 warpgroups (384 threads), one block per SM:
-//   warpgroup 0 (producer, setmaxnreg.dec to kWsProdRegs; kWsPipeProdRegs with PIPE). With TMA (the
-//     default with PIPE; RLX_ATTENTION_CUDA_TMA=0 selects the cp.async producer below) one thread of it
-//     issues each tile as TMA copies (tma.cuh), announced to the tile's full barrier (count 1) with
-//     its bytes, in the same layout with the same zero fill, and the other 127 exit: 1.08-1.15x the
-//     forward (H100, benchmarks/results/h100_2026-11-27.txt section 14). Without TMA it
-//     loads the 128-row Q tile and the K / V
-//     tiles of BC keys with cp.async (16 bytes, zero-filled past the sequence end) into the
-//     128-byte-swizzle K-major layout of attention_wgmma.cuh (wg_load_tile), into a ring of NST
-//     stages. Each thread's copies of a tile complete on the stage's full barrier through
-//     cp.async.mbarrier.arrive.noinc (count 128: one arrival per producer thread, made when that
-//     thread's earlier cp.async have landed); K and V have their own full barriers, so S = Q K^T
-//     starts before V has landed. The producer waits on the stage's empty barrier before it
-//     overwrites the stage, and on the Q empty barrier before the next tile's Q.
-//   warpgroups 1, 2 (consumers, setmaxnreg.inc to kWsConsRegs; kWsPipeConsRegs): 64 query rows each, the loop body of
-//     wgmma_fwd_kernel (S = Q K^T smem x smem, online softmax in registers, O += P V with P from
-//     registers); each waits on the full barriers (then, cp.async producer only, fence.proxy.async: the data,
-//     written through the generic proxy, is read by wgmma through the async proxy), and after its
-//     P V product has completed (wait_group 0) lane 0 of each warp arrives on the stage's empty
-//     barrier (count 8). No CTA-wide barrier after the prologue.
+//   warpgroup 0 (producer, setmaxnreg.dec to kWsProdRegs). With TMA one thread of it issues each tile
+//     as TMA copies (tma.cuh), announced to the tile's full barrier (count 1) with its bytes, in the
+//     same layout with the same zero fill, and the other 127 exit: 1.08-1.15x the forward (H100).
+//     Without TMA (the driver refused a tensor map) it loads the 128-row Q tile and the K / V tiles of
+//     BC keys with cp.async (16 bytes, zero-filled past the sequence end) into the 128-byte-swizzle
+//     K-major layout of attention_wgmma.cuh (wg_load_tile), into a ring of NST stages. Each thread's
+//     copies of a tile complete on the stage's full barrier through cp.async.mbarrier.arrive.noinc
+//     (count 128: one arrival per producer thread, made when that thread's earlier cp.async have
+//     landed); K and V have their own full barriers, so S = Q K^T starts before V has landed. The
+//     producer waits on the stage's empty barrier before it overwrites the stage, and on the Q empty
+//     barrier before the next tile's Q.
+//   warpgroups 1, 2 (consumers, setmaxnreg.inc to kWsConsRegs): 64 query rows each: S = Q K^T (smem x
+//     smem), online softmax in registers, O += P V with P from registers; each waits on the full
+//     barriers (then, cp.async producer only, fence.proxy.async: the data, written through the
+//     generic proxy, is read by wgmma through the async proxy), and after its P V product has
+//     completed lane 0 of each warp arrives on the stage's empty barrier (count 8). No CTA-wide
+//     barrier after the prologue.
 //   Persistent grid: block i serves tiles i, G + i, 2 G + i, ... or i, 2 G - 1 - i, 2 G + i, ... (zig) of
-//     fwd_tile's order (ws_tile, G = gridDim.x); the launcher picks G = min(tiles, SMs) or one block per
-//     tile, and zig (attn_ws_zig). The ring's stage and
-//     phase continue across tiles, so the producer loads the next tile's K / V while the consumers
-//     finish the previous one and write its output.
-// Consumer loop, PIPE (the default; RLX_ATTENTION_CUDA_WS_PIPE=0 selects the loop above, attention_launch_impl.cuh):
-//   pipelined within each consumer warpgroup: tile j's S = Q K^T is issued, then tile j - 1's
-//   O += P V, and tile j's softmax runs while that product is in flight (wait_group 1, then 0 before
-//   O is rescaled); the stage of tile j - 1 is released after its product, one step later than
-//   above, so the ring has 3 stages (the producer keeps a whole step per load). Same arithmetic in
-//   the same order: bitwise the outputs of the loop above. H100, B4 S4096 H16 bf16, 3 alternating
-//   rounds (benchmarks/results/h100_2026-11-26.txt): forward 1.06-1.08x (D 128 none), 1.05-1.06x
-//   (D 128 causal), 1.06-1.08x (D 64 none), 1.01-1.03x (D 64 causal); fwd+bwd 1.00-1.02x.
+//     fwd_tile's order (ws_tile, G = gridDim.x = min(tiles, SMs)); the launcher picks zig
+//     (attn_ws_zig). The ring's stage and phase continue across tiles, so the producer loads the next
+//     tile's K / V while the consumers finish the previous one and write its output.
+// Consumer loop: pipelined within each consumer warpgroup: tile j's S = Q K^T is issued, then tile
+//   j - 1's O += P V, and tile j's softmax runs while that product is in flight (wait_group 1, then 0
+//   before O is rescaled); the stage of tile j - 1 is released after its product, so the ring has 3
+//   stages (the producer keeps a whole step per load). Against a loop that waits for each product in
+//   turn (2 stages; the same arithmetic in the same order, bitwise the same outputs), H100, B4 S4096
+//   H16 bf16: forward 1.06-1.08x (D 128 none), 1.05-1.06x (D 128 causal), 1.06-1.08x (D 64 none),
+//   1.01-1.03x (D 64 causal).
 // Barrier phases: a consumer waits on a full barrier with the ring's parity bit (first pass 0), the
 // producer on an empty barrier with the opposite bit (the first pass returns at once: the phase
 // before the first is complete). A consumer warpgroup that skips a key tile (causal: past its last
@@ -55,10 +50,9 @@ namespace rlx {
 namespace cuda {
 namespace attn {
 
-constexpr int kWsProdRegs = 56, kWsConsRegs = 224;  // 128 * 56 + 256 * 224 = 64512 = 384 * 168
-// The pipelined forward's consumers hold O, S and two P buffers (D 128: 64 + 64 + 2 x 32 registers):
-// its producer gives up more registers. 128 * 24 + 256 * 240 = 64512.
-constexpr int kWsPipeProdRegs = 24, kWsPipeConsRegs = 240;
+// The consumers hold O, S and two P buffers (D 128: 64 + 64 + 2 x 32 registers): the producer gives
+// up registers. 128 * 24 + 256 * 240 = 64512 = 384 * 168.
+constexpr int kWsProdRegs = 24, kWsConsRegs = 240;
 
 __device__ __forceinline__ void ws_arrive(uint64_t* bar) {
 #if RLX_ATTN_WGMMA
@@ -99,8 +93,7 @@ __device__ __forceinline__ void ws_turn_pass(int cw) {
 }
 // The block's warpgroup index (threadIdx.x / 128), taken through a shuffle from lane 0 so the compiler
 // knows it is warp-uniform and keeps what derives from it (wgmma descriptors, shared-memory bases) in
-// uniform registers: the D 128 WS fused backward's consumer loop R2UR 48 -> 3, IMAD 151 -> 90 (sm_90a;
-// benchmarks/results/h100_2026-11-27.txt section 63). Every lane of the warp must be active.
+// uniform registers: the D 128 WS fused backward's consumer loop R2UR 48 -> 3, IMAD 151 -> 90 (sm_90a SASS). Every lane of the warp must be active.
 __device__ __forceinline__ int ws_warpgroup() { return __shfl_sync(0xffffffffu, int(threadIdx.x >> 7), 0); }
 template <int N>
 __device__ __forceinline__ void ws_setmaxnreg_dec() {
@@ -392,8 +385,7 @@ __device__ __forceinline__ void ws_ring_next(int& st, uint32_t& ph, int nst) {
   }
 }
 
-// PIPE false: each key tile's S = Q K^T, softmax and O += P V in turn (each product waited for).
-// PIPE true (intra-warpgroup pipelining): tile j's S = Q K^T is issued before tile j - 1's
+// Consumer loop, pipelined within each warpgroup: tile j's S = Q K^T is issued before tile j - 1's
 // O += P V, and the softmax of tile j runs while that P V product is in flight; O is scaled by
 // tile j's alpha once the product has completed (wait_group 0), before tile j's P V is issued in
 // the next step. Per tile the tensor pipe then has the next product queued while the softmax runs.
@@ -405,13 +397,13 @@ __device__ __forceinline__ void ws_ring_next(int& st, uint32_t& ph, int nst) {
 // MASK 1: a key mask [B, Sk] (a.mask); 2: a sliding window (mask kind 2), a key mask optional
 // (ws_softmax_tile); with a key mask each consumer warp loads a tile's mask values (4 per lane at BC
 // 128) before it waits for the tile's products.
-template <typename T, int D, int BC, int NST, bool PIPE, bool TMA, bool CAP = false, int MASK = 0>
+template <typename T, int D, int BC, int NST, bool TMA, bool CAP = false, int MASK = 0>
 __global__ void __launch_bounds__(384, 1)
     wgmma_fwd_ws_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                         T* __restrict__ out, float* __restrict__ lse, int hc, int zig,
                         const __grid_constant__ TileMaps maps) {
 #if RLX_ATTN_WGMMA
-  static_assert(D % 64 == 0 && (BC == 64 || BC == 128) && NST >= 2, "wgmma_fwd_ws_kernel: tile shapes");
+  static_assert(D % 64 == 0 && (BC == 64 || BC == 128) && NST >= 3, "wgmma_fwd_ws_kernel: tile shapes");
   constexpr int BM = 128;
   extern __shared__ __align__(1024) uint8_t wg_smem[];
   const uint32_t pad = (1024u - (smem_addr(wg_smem) & 1023u)) & 1023u;
@@ -426,7 +418,7 @@ __global__ void __launch_bounds__(384, 1)
   int st = 0;
   uint32_t ph = 0, qph = 0;
   if (wg == 0) {
-    ws_setmaxnreg_dec<PIPE ? kWsPipeProdRegs : kWsProdRegs>();
+    ws_setmaxnreg_dec<kWsProdRegs>();
     if (!TMA || threadIdx.x == 0)
       ws_produce<T, D, BM, BC, NST, false, TMA>(a, q, nullptr, k, v, Qs, nullptr, Ks, Vs, ring, hc, zig != 0, &maps);
     return;
@@ -436,21 +428,21 @@ __global__ void __launch_bounds__(384, 1)
     if constexpr (!TMA) fence_proxy_async();
   };
   // ---- consumers ----
-  ws_setmaxnreg_inc<PIPE ? kWsPipeConsRegs : kWsConsRegs>();
+  ws_setmaxnreg_inc<kWsConsRegs>();
   const int cw = wg - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
   const int g = lane >> 2, tq = lane & 3;
   // raw score -> log2 units: s c2, or with CAP c2 tanh(s carg)
   const float c2 = CAP ? a.softcap * kLog2e : a.scale * kLog2e, carg = CAP ? a.scale / a.softcap : 0.f;
   const uint64_t qd = wg_desc(smem_addr(Qs) + uint32_t(cw * 64 * 128), 16, 1024);  // this warpgroup's 64 rows
-  // kTurns (PIPE at D 64): on the key tiles both consumer warpgroups compute, they take turns to issue
+  // kTurns (at D 64): on the key tiles both consumer warpgroups compute, they take turns to issue
   // their step's two products (named barrier 1 + w: warpgroup w's turn), so one's softmax runs while
   // the other's products keep the tensor pipe busy (FlashAttention-3's ping-pong). Warpgroup 1
   // passes the first turn; the turns continue across the block's query tiles (both warpgroups take
   // the same number a tile); the last pass is left unconsumed when the block exits (synccheck: 0
   // errors). H100, B4 S4096 H16 bf16, forward alone, 3 alternating rounds against the free-running
-  // warpgroups (benchmarks/results/h100_2026-11-26.txt section 12): D 64 1.06-1.13x none, 1.04-1.06x
+  // warpgroups: D 64 1.06-1.13x none, 1.04-1.06x
   // causal; D 128 0.96-1.00x none, 0.98-1.01x causal, so D 128 keeps them free-running.
-  constexpr bool kTurns = PIPE && D == 64;
+  constexpr bool kTurns = D == 64;
   if (kTurns && cw == 1) ws_turn_pass(cw);
   for (int64_t n = 0, t = ws_tile(0, zig); t < ntiles; t = ws_tile(++n, zig)) {
     int64_t qt, bh;
@@ -480,7 +472,7 @@ __global__ void __launch_bounds__(384, 1)
     zero(o);
     // O *= alpha (per row). At D 128 skipped when no row of the warp changed its max (every alpha is
     // then exactly 1: the same O, except that FTZ multiplication would have flushed denormal entries).
-    // H100, forward alone, 3 alternating rounds (benchmarks/results/h100_2026-11-27.txt section 15a):
+    // H100, forward alone, 3 alternating rounds:
     // D 128 1.00-1.035x none, 1.00-1.04x causal; D 64 (32 products a row instead of 64) 0.98-1.00x,
     // so D 64 always scales.
     auto rescale = [&](const float (&alpha)[2]) {
@@ -490,7 +482,7 @@ __global__ void __launch_bounds__(384, 1)
     qph ^= 1;
     landed();
     int64_t k0 = kbeg;
-    if constexpr (PIPE) {
+    {
       // the key tiles this warpgroup computes are [kbeg, kstop) (a prefix of the block's), pipelined.
       // P alternates between two register buffers (the loop is unrolled by two): copying the next
       // tile's P into the buffer of the product in flight made ptxas serialise every wgmma (C7513).
@@ -566,26 +558,11 @@ __global__ void __launch_bounds__(384, 1)
         }
       }
     }
+    // the key tiles past this warpgroup's last visible key: only paced with the ring (a skipped tile
+    // still waits both full barriers and arrives on the empty one; see the header)
     for (; k0 < kend; k0 += BC) {
       ws_wait(kfull + st, ph);
-      if (!PIPE && k0 < wg_kend) {  // warpgroup-uniform
-        load_mask(k0);
-        landed();
-        float s[BC / 8][4], alpha[2];
-        uint32_t p[BC / 16][4];
-        ws_issue_qk<T, D, BC>(s, qd, Ks + st * BC * D);
-        wg_wait0();
-        wg_fence_regs(s);
-        ws_softmax_tile<T, BC, false, CAP, MASK>(a, s, wrow0, k0, g, tq, c2, carg, m, l, p, alpha, mv);
-        rescale(alpha);
-        ws_wait(vfull + st, ph);
-        landed();
-        ws_issue_pv<T, D, BC>(o, p, Vs + st * BC * D);
-        wg_wait0();
-        wg_fence_regs(o);
-      } else {
-        ws_wait(vfull + st, ph);  // keeps this warpgroup paced with the ring (see the header)
-      }
+      ws_wait(vfull + st, ph);
       __syncwarp();
       if (lane == 0) ws_arrive(empty + st);
       ws_ring_next(st, ph, NST);

@@ -158,14 +158,14 @@ __device__ __forceinline__ void group_scan_n(const A (&s)[N], int tpr, A* red, i
 // block. trips: sub-tile groups per unit (the same for every group of a block: with
 // several groups a block, there is one chunk per row of length L). The trip's NV sub-tiles
 // are kept as packs of T (16-bit data takes half the registers of f32 copies) and scanned
-// by one group_scan_n (one barrier a trip; engineer I's A/B against a kernel with one
-// barrier a sub-tile and f32 copies, 2026-11-22: benchmarks/results/rope_cumsum_h200_2026-11-22.txt).
+// by one group_scan_n (one barrier a trip: faster than one barrier a sub-tile with f32 copies
+// in an H200 A/B).
 // The scan direction is a template parameter (REV; the last argument is ignored). Capped at
 // 64 registers (4 blocks of 256 threads an SM). 16-bit packs (VEC >= 2) pass through an empty
 // asm after the group scan, so that the f32 values taken for the sums die there and the
 // output step converts again from the packs: without it the compiler kept the 8 * NV f32
-// copies live across the scan and needed 80 registers (3 blocks an SM; engineer B's A/B,
-// 2026-11-22 evening: bf16 exclusive rows 1.84x -> 1.16x the copy floor). 16-bit scalar
+// copies live across the scan and needed 80 registers (3 blocks an SM; bf16 exclusive rows
+// 1.84x the copy floor that way, 1.16x with the empty asm). 16-bit scalar
 // rows (VEC 1) keep the bound of 3 blocks they were tested with (at most 63 registers).
 template <typename T, int VEC, int NV, int MODE, bool REV>
 __global__ void __launch_bounds__(256, sizeof(T) == 2 && VEC == 1 ? 3 : 4) row_scan_k(const T* __restrict__ x, T* __restrict__ y,
@@ -742,8 +742,7 @@ ffi::Error launch_rows_nv(cudaStream_t stream, const T* x, T* y, acc_t<T>* scr, 
 template <typename T, int VEC>
 ffi::Error launch_rows(cudaStream_t stream, const T* x, T* y, acc_t<T>* scr, int64_t O, int64_t L,
                        Chunks ch, bool exclusive, bool reverse) {
-  // 4 sub-tiles a trip (2 lost the A/B for bf16 exclusive rows, 2026-11-22 evening: 1.57x vs
-  // 1.16x the copy floor)
+  // 4 sub-tiles a trip (2 measured 1.57x the copy floor against 1.16x for bf16 exclusive rows)
   return launch_rows_nv<T, VEC, 4>(stream, x, y, scr, O, L, ch, exclusive, reverse);
 }
 

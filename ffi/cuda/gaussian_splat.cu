@@ -5,8 +5,8 @@
 // agree with scratch_needed below). No host synchronisation: the camera is built from
 // meta on the device, and every list is sized by the static max_list_entries bound, so
 // a call only enqueues kernels and a memset on XLA's stream (the handlers are marked
-// command-buffer compatible; capture into a CUDA graph by XLA was not observed in the
-// 2026-11-22 H200 run, see benchmarks/results/splat_gpu_h200_2026-11-22.txt).
+// command-buffer compatible; XLA was not observed capturing them into a CUDA graph,
+// only that nothing breaks with command buffers enabled).
 //
 // Pipeline: camera (one thread) -> anisotropy limit and preprocess (thread per Gaussian)
 // -> pair numbers (block scan) -> per-tile counts (pairs numbered >= max_list_entries

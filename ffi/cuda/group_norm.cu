@@ -30,14 +30,12 @@
 // every CTA's shared memory (st.async completing on the receiver's mbarrier) and each CTA adds
 // the cs slots in rank order (the same bits everywhere; no atomics), with no cluster barrier or
 // release fence on the way; the forward exchanges once (sum, M2 about the CTA's own mean,
-// count: Chan's merge). It replaced (2026-11-22 night) a kernel that exchanged through
-// cluster.sync and remote reads (two exchanges in the forward), measured 1.05-1.31x slower on
-// an H200 at 32x512x64x64 G32 (benchmarks/results/norms_h200_2026-11-22.txt; that kernel is
-// gn_cluster in commit 4b0c255). Bytes: x read once, y written (forward: the centred variance
+// count: Chan's merge). A kernel that exchanged through cluster.sync and remote reads (two
+// exchanges in the forward) measured 1.05-1.31x slower on an H200 at 32x512x64x64 G32 (that
+// kernel is gn_cluster in commit 4b0c255). Bytes: x read once, y written (forward: the centred variance
 // is a second pass over shared memory, not over HBM); x, dy read once, dx written (backward).
 // Backward dx = dy da + (x - mu) db + dc with per-segment constants (3 operations an element; the
-// unfactored formula, 7, was 1.06x slower for bf16 in the A/B of 2026-11-22 late night and was
-// removed: commit cedff97 has it behind RLX_GROUP_NORM_CUDA_DX3=0). Backward per-channel sums A, B: the CTA holding a channel's first segment adds the
+// unfactored formula, 7, was 1.06x slower for bf16; commit cedff97 has it). Backward per-channel sums A, B: the CTA holding a channel's first segment adds the
 // channel's segment sums in segment order (pushed to it) and writes A[n,c], B[n,c] to the
 // scratch; gn_param_grads then reduces over n as in the two-pass path.
 // Size limit: a CTA's slice (spc segments of x, and of dy in the backward) must fit the
@@ -48,7 +46,7 @@
 // multiple of 16 bytes (bulk copies), at most 16 segments per CTA, and the device must be
 // able to schedule the cluster (cudaOccupancyMaxActiveClusters > 0). Anything else takes
 // the two-pass path below. RLX_GROUP_NORM_CUDA_CTA_KB=0 turns the single-pass path off.
-// Measured and not taken (H200, 2026-11-22, benchmarks/results/norms_h200_2026-11-22.txt):
+// Measured and not taken (H200):
 // a pipelined variant (persistent clusters looping over blocks, two shared-memory stages,
 // the next block's copies in flight during the exchange and writes; one exchange in the
 // forward) was 3-5% slower for f32/bf16 backward and f32 forward and 19% slower for the
@@ -390,7 +388,7 @@ __device__ __forceinline__ void mbar_wait_cluster(uint64_t* bar, uint32_t parity
 
 // CTAs an SM: 6 (shared memory allows 6 of 34 KB at the default budget). The f32 backward needs
 // 48 registers on its own (5 CTAs an SM); held to 40 for 6 it was 1-4 % faster in all 5 rounds of
-// engineer G's A/B (ncu 189 vs 198 us, 86 % DRAM; norms_h200 results, night), so 6 is the
+// an A/B (ncu 189 vs 198 us, 86 % DRAM), so 6 is the
 // default and RLX_GROUP_NORM_CUDA_OCC6=0 keeps the 5-CTA build. The others take 39-40 registers.
 constexpr int kXMinBlocks = 6;
 

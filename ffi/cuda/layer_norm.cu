@@ -37,8 +37,7 @@
 // memory-bound: 8 bf16 values a thread a row, and LayerNorm's two-value row reduction had
 // every thread read and add all 2 x 16 warp sums (64 instructions a thread a row, as many
 // as the row's arithmetic). The staged kernel now adds them lane-parallel
-// (rw::group_sum2_tree): bf16 bwd through JAX 0.498 -> 0.430 ms in one run
-// (benchmarks/results/norms_h200_2026-11-22.txt).
+// (rw::group_sum2_tree): bf16 bwd through JAX 0.498 -> 0.430 ms in one run (H200).
 #include <cstdlib>
 
 #include "cuda/rms_norm_kernels.cuh"
@@ -185,7 +184,7 @@ ln_fwd_rows_tma(const T* __restrict__ x, const T* __restrict__ gamma, const T* _
 // two 16-byte vectors a thread (half the threads a row, so half the reductions' and
 // barriers' instructions a row element) and group_sum_tree, f32 rows on the register kernel.
 // Rows the staged path does not take (under 2 KB, wider than one pass): the register kernel.
-// Measured on an H200 (benchmarks/results/norms_h200_2026-11-22.txt), bf16 32768x4096: 3
+// Measured on an H200, bf16 32768x4096: 3
 // rounds of alternating processes each, staged two vectors 0.166 ms, staged one vector
 // (tree) 0.185, the same capped at 64 registers (4 blocks an SM, spills) 0.172, register
 // kernel 0.265; f32: staged (tree) and register kernel within 1% (one call each way), so

@@ -1312,7 +1312,7 @@ ffi::Error AvgPoolBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::Result<ff
     const T* dyp = static_cast<const T*>(dy.untyped_data());
     T* dxp = static_cast<T*>(dx->untyped_data());
     // the direct average backward for 16-bit types only: in f32 it did not beat the tiled
-    // kernel in the H200 A/B (benchmarks/results/gather_pool_h200_2026-11-22.txt)
+    // kernel in an H200 A/B
     if constexpr (sizeof(T) == 2) {
       const DirectGrid dg =
           direct_plan<T>(dk, aligned, v.w, v.planes, v.h, kDirectRows * 2, v.w, Direct<T, 3, 2, 1>::CW);

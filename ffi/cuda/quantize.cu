@@ -17,9 +17,8 @@
 // rlx_fake_quantize_bwd is compiled and registered only with -DRLX_CUDA_FAKE_QUANTIZE_STE
 // (e.g. CMAKE_CUDA_FLAGS): it is elementwise, and XLA's own fusion of the reference runs at
 // the copy floor (below the 1:1 copy for this 2-read / 1-write mix) and fuses the per-batch
-// max-abs scale into the same pass; this kernel measured 0.68-0.90x XLA on an H200
-// (benchmarks/results/quantize_bn_h200_2026-11-22.txt), so by default the STE gradient stays
-// on XLA on GPUs. The code is the version that passed the GPU tests there.
+// max-abs scale into the same pass; this kernel measured 0.68-0.90x XLA on an H200,
+// so by default the STE gradient stays on XLA on GPUs. The code passed the GPU tests.
 // Divisions are IEEE (__fdiv_rn) although the module builds with --use_fast_math: the
 // rounding of z at halves and the |z| <= q edge must agree with the CPU kernel and XLA.
 // x, dy, dx in f32, bf16 or f16 (f64 stays on the CPU / XLA); arithmetic in f32.

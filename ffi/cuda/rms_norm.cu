@@ -1,5 +1,4 @@
-// XLA FFI handlers for RMSNorm on CUDA: targets rlx_rms_norm_fwd, rlx_rms_norm_bwd and
-// rlx_rms_norm_bwd_x (the backward recomputing rstd; see below).
+// XLA FFI handlers for RMSNorm on CUDA: targets rlx_rms_norm_fwd and rlx_rms_norm_bwd.
 // The maths, the work layout and the wide-row path are described in rms_norm_kernels.cuh.
 //
 // rlx_rms_norm_fwd: x [R.., W], gamma [W], beta [W] (one dtype: f32, bf16, f16), attr eps
@@ -84,36 +83,6 @@ ffi::Error RmsNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
   return result;
 }
 
-// rlx_rms_norm_bwd_x: as rlx_rms_norm_bwd without the rstd operand: rstd is recomputed
-// from x (attr eps) inside the backward's row reduction, so a pullback needs only x and
-// gamma as residuals and the forward can be dropped when its y is unused. Scratch:
-// S >= 2 R + 2 W.
-ffi::Error RmsNormBwdXImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer gamma, ffi::AnyBuffer dy,
-                           ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dgamma,
-                           ffi::Result<ffi::AnyBuffer> dbeta, ffi::Result<ffi::AnyBuffer> scratch, float eps) {
-  if (auto e = check_bwd(x, gamma, dy, *dx, *dgamma, *dbeta); e.failure()) return e;
-  if (!(eps >= 0.0f)) return invalid("rms_norm: eps must be >= 0");
-  const auto rv_ = rows_view(x);
-  const int64_t rows = rv_.rows, width = rv_.width;
-  if (width == 0) return ffi::Error::Success();
-  const int64_t scratch_len = int64_t(scratch->element_count());
-  if (scratch->element_type() != ffi::DataType::F32 || scratch_len < 2 * rows + 2 * width)
-    return invalid("rms_norm backward (cuda): scratch must be f32 with at least 2 * rows + 2 * width (" +
-                   std::to_string(2 * rows + 2 * width) + ") elements, got " + std::to_string(scratch_len));
-  ffi::Error result = ffi::Error::Success();
-  bool ok = dispatch(x.element_type(), [&](auto tag) {
-    using T = decltype(tag);
-    result = rms::launch_bwd<T>(stream, static_cast<const T*>(x.untyped_data()),
-                                static_cast<const T*>(gamma.untyped_data()), nullptr,
-                                static_cast<const T*>(dy.untyped_data()), static_cast<T*>(dx->untyped_data()),
-                                static_cast<T*>(dgamma->untyped_data()), static_cast<T*>(dbeta->untyped_data()),
-                                static_cast<float*>(scratch->untyped_data()), scratch_len, rows, width, {},
-                                nullptr, eps);
-  });
-  if (!ok) return invalid("rms_norm backward (cuda): unsupported dtype " + dtype_name(x.element_type()));
-  return result;
-}
-
 }  // namespace
 
 // Command-buffer compatible: the handlers only launch kernels on XLA's stream, with
@@ -142,21 +111,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxRmsNormBwdCuda, RmsNormBwdImpl,
                                   .Ret<ffi::AnyBuffer>(),  // scratch
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxRmsNormBwdXCuda, RmsNormBwdXImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // gamma
-                                  .Arg<ffi::AnyBuffer>()  // dy
-                                  .Ret<ffi::AnyBuffer>()  // dx
-                                  .Ret<ffi::AnyBuffer>()  // dgamma
-                                  .Ret<ffi::AnyBuffer>()  // dbeta
-                                  .Ret<ffi::AnyBuffer>()  // scratch
-                                  .Attr<float>("eps"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
 RLX_CUDA_REGISTER_HANDLER("rlx_rms_norm_fwd", RlxRmsNormFwdCuda);
-RLX_CUDA_REGISTER_HANDLER("rlx_rms_norm_bwd_x", RlxRmsNormBwdXCuda);
 RLX_CUDA_REGISTER_HANDLER("rlx_rms_norm_bwd", RlxRmsNormBwdCuda);
 
 }  // namespace cuda

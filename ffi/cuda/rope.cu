@@ -9,8 +9,8 @@
 //
 // Work layout: a row (b, s) of W values splits into "items" of VEC consecutive elements: per head,
 // half / VEC pair items (item k reads x[kV..], x[half + kV..] and writes both) followed by the copy
-// items of the pass-through part, two vectors each (rope_k; engineer I's A/B against one vector per
-// copy item, 2026-11-22: benchmarks/results/rope_cumsum_h200_2026-11-22.txt). VEC is the widest
+// items of the pass-through part, two vectors each (rope_k; faster than one vector per copy item in an
+// H200 A/B). VEC is the widest
 // power of two (at most 16 bytes) dividing half, head_dim and the table width with all four buffers
 // 16-byte aligned; else narrower, down to scalars. A block is TX x TY threads: threadIdx.y picks a
 // row of the block's TY rows, threadIdx.x strides over the row's items; blocks stride over row

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# One call on the GPU machine (device tool), from the repository root:
-#   ffi/cuda/tools/device_run.sh [stages...]   stages: build sweep test bench jaxtime proto sanitize
-# Logs go to $OUT (the device tool's output folder), or /tmp/rlx-out.
+# The RMSNorm CUDA kernels' development check on a GPU machine, from the repository root:
+#   ffi/cuda/tools/device_run.sh [stages...]   stages: build sweep test bench sanitize
+# build: the stand-alone harness (rms_norm_sweep.cu, every variant) and the modules; sweep: its
+# correctness checks and timings; test / bench: the RMSNorm tests and benchmark; sanitize:
+# memcheck and racecheck of the harness, memcheck of the kernels through JAX. Logs go to $OUT
+# (default /tmp/rlx-out).
 set -u
 OUT=${OUT:-/tmp/rlx-out}
 mkdir -p "$OUT"
@@ -48,15 +51,6 @@ if has bench; then
   timeout 300 python3 -m benchmarks.run --cases rms_norm --device gpu --json "$OUT/bench.json" >"$OUT/bench.txt" 2>&1
   echo "bench rc=$?"
   tail -12 "$OUT/bench.txt"
-fi
-if has jaxtime; then
-  step jax-timing
-  timeout 200 python3 ffi/cuda/tools/jax_timing.py 2>&1 | grep -v Warning | tee "$OUT/jax_timing.txt"
-  XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 200 python3 ffi/cuda/tools/jax_timing.py 2>&1 | grep -v Warning | tee -a "$OUT/jax_timing.txt"
-fi
-if has proto; then
-  step recompute-proto
-  timeout 200 python3 ffi/cuda/tools/recompute_proto.py 2>&1 | grep -v Warning | tee "$OUT/recompute_proto.txt"
 fi
 if has sanitize; then
   step memcheck-harness
