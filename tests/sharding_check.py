@@ -66,6 +66,10 @@ CASES = {
                              (randn(8, 12, 8, 8), randn(8, 12, 2, 8), randn(8, 12, 2, 8)),
                              (P("data", None, "model"), P("data", None, "model"), P("data", None, "model")),
                              (0, 1, 2)),
+    # multi-query (one kv head): query heads split, k / v whole, their gradients summed
+    "attention_mqa": (lambda q, k, v: ops.attention(q, k, v, mask_kind="causal"),
+                      (randn(8, 12, 4, 8), randn(8, 12, 1, 8), randn(8, 12, 1, 8)),
+                      (P("data", None, "model"), P("data"), P("data")), (0, 1, 2)),
     "gather": (lambda t, idx: ops.gather(t, idx, axis=0),
                (randn(20, 16), rng.integers(0, 20, (8, 6)).astype(np.int32)), (P(), P("data")), (0,)),
     "max_pool2d": (lambda x: ops.max_pool2d(x, kernel_size=(2, 2), stride=(2, 2)), (randn(8, 4, 6, 6),),

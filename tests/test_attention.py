@@ -496,7 +496,7 @@ def test_traced_scale_vmapped_per_example():
         assert_close(got[i], dense_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], scale=float(scales[i]))[0])
 
 
-def test_traced_softcap_and_eps_like_errors_name_the_argument():
+def test_traced_softcap_and_bad_scale_errors_name_the_argument():
     q, k, v, _, _, _ = _inputs(1, 4, 4, 2, 2, 8)
     with pytest.raises(TypeError, match="softcap must be a static number"):
         jax.jit(lambda c: attention(q, k, v, softcap=c))(2.0)

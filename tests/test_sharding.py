@@ -30,7 +30,7 @@ def results():
 
 
 OPS = ["rms_norm", "layer_norm", "group_norm", "softmax", "softmax_cross_entropy", "rope", "rope_heads",
-       "rope_merged_heads", "rope_seq", "cumsum", "attention", "attention_gqa", "attention_gqa_causal", "gather",
+       "rope_merged_heads", "rope_seq", "cumsum", "attention", "attention_gqa", "attention_gqa_causal", "attention_mqa", "gather",
        "max_pool2d", "train_step", "gpt_step"]
 
 

@@ -247,27 +247,34 @@ class Partition:
         return norm(f_in), norm(f_out), sizes
 
     @staticmethod
-    def _major_dim(axis, d, sizes):
-        """The size of an axis' major factor (the axis' size over its minor factors')."""
-        minor = math.prod(sizes[f] for f in axis[1:])
-        return d // minor if minor else 0
+    def _carriers(fss, avals, sizes):
+        """Per axis, (the factor a sharding of the axis falls on, its size): a plain axis'
+        own factor; a compound axis' major factor (a contiguous split of the axis into
+        shards that the major factor's size divides is a split of that factor)."""
+        out = []
+        for fs, a in zip(fss, avals):
+            row = []
+            for axis, d in zip(fs, a.shape):
+                minor = math.prod(sizes[f] for f in axis[1:])
+                row.append((axis[0], d // minor if minor else 0))
+            out.append(tuple(row))
+        return out
 
-    def _assign(self, mesh, arg_shapes, f_in, f_out, sizes) -> dict:
+    def _assign(self, mesh, arg_shapes, c_in) -> dict:
         """factor -> tuple of mesh axis names (only sharded, divisible factors)."""
         assign: dict = {}
-        for a, fs in zip(arg_shapes, f_in):
+        for a, cs in zip(arg_shapes, c_in):
             sharding = a.sharding
             spec = tuple(getattr(sharding, "spec", ())) if sharding is not None else ()
-            spec = spec + (None,) * (len(fs) - len(spec))
-            for axis, entry in zip(fs, spec):
-                f = axis[0]
+            spec = spec + (None,) * (len(cs) - len(spec))
+            for (f, _), entry in zip(cs, spec):
                 if f in self.shardable and f not in assign and entry is not None:
                     assign[f] = entry if isinstance(entry, tuple) else (entry,)
         mesh_sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
         dims: dict = {}
-        for a, fs in zip(arg_shapes, f_in):
-            for axis, d in zip(fs, a.shape):
-                dims.setdefault(axis[0], set()).add(self._major_dim(axis, d, sizes))
+        for cs in c_in:
+            for f, size in cs:
+                dims.setdefault(f, set()).add(size)
         ok = {}
         for f, axes in assign.items():
             n = math.prod(mesh_sizes[ax] for ax in axes)
@@ -276,8 +283,8 @@ class Partition:
         return ok
 
     @staticmethod
-    def _spec(fs, assign):
-        return PartitionSpec(*[assign.get(axis[0]) for axis in fs])
+    def _spec(cs, assign):
+        return PartitionSpec(*[assign.get(f) for f, _ in cs])
 
     def sharding_rule(self, f_in, f_out) -> str:
         name = lambda axis: axis[0] if len(axis) == 1 else "(" + " ".join(axis) + ")"
@@ -286,6 +293,7 @@ class Partition:
 
     def wrap(self, fn: Callable, avals_in, avals_out, params: dict) -> Callable:
         f_in, f_out, sizes = self._factors(avals_in, avals_out, params)
+        c_in, c_out = self._carriers(f_in, avals_in, sizes), self._carriers(f_out, avals_out, sizes)
 
         def kernel_call(*xs):  # custom_partitioning wants a plain positional function
             return tuple(fn(*xs))
@@ -293,14 +301,16 @@ class Partition:
         wrapped = custom_partitioning(kernel_call)
 
         def infer(mesh, arg_shapes, result_shape):
-            assign = self._assign(mesh, arg_shapes, f_in, f_out, sizes)
-            return tuple(NamedSharding(mesh, self._spec(fs, assign)) for fs in f_out)
+            assign = self._assign(mesh, arg_shapes, c_in)
+            return tuple(NamedSharding(mesh, self._spec(cs, assign)) for cs in c_out)
 
         def partition(mesh, arg_shapes, result_shape):
-            assign = self._assign(mesh, arg_shapes, f_in, f_out, sizes)
-            args = tuple(NamedSharding(mesh, self._spec(fs, assign)) for fs in f_in)
-            outs = tuple(NamedSharding(mesh, self._spec(fs, assign)) for fs in f_out)
-            present = [{axis[0] for axis in fs} for fs in f_out]
+            assign = self._assign(mesh, arg_shapes, c_in)
+            args = tuple(NamedSharding(mesh, self._spec(cs, assign)) for cs in c_in)
+            outs = tuple(NamedSharding(mesh, self._spec(cs, assign)) for cs in c_out)
+            # a result lacking a sharded factor (a parameter gradient summed over rows, or
+            # a kv head's gradient summed over its group) adds its shards' partial sums
+            present = [{f for f, _ in cs} for cs in c_out]
             reduce_axes = [tuple(ax for f, axes in assign.items() if f not in have for ax in axes)
                            for have in present]
 

@@ -322,10 +322,11 @@ def _partition_factors(avals_in, avals_out, *, has_mask, has_bias, **params):
     (H = Hkv * G) a query-head axis is the compound (h, g): query head h * G + g reads kv
     head h, so splitting the H axis into contiguous shards on group boundaries (mesh axes
     dividing Hkv) gives each shard the kv heads of its own groups: q, k, v, lse and the
-    gradients all stay local."""
+    gradients all stay local. With one kv head (multi-query) the query heads split over g,
+    k and v are replicated and their gradients are summed over the shards."""
     hq, hkv = avals_in[0].shape[2], avals_in[1].shape[2]
-    grouped = hkv != hq and hkv > 0
-    h = ("h", "g") if grouped else "h"
+    grouped = hkv != hq and hkv > 1
+    h = ("h", "g") if grouped else "g" if hkv == 1 and hq > 1 else "h"
     sizes = {"g": hq // hkv} if grouped else {}
     q, kv, lse = ("b", "s", h, "d"), ("b", "t", "h", "d"), ("b", h, "s")
     bias = ("b", h, "s", "t")
@@ -336,7 +337,7 @@ def _partition_factors(avals_in, avals_out, *, has_mask, has_bias, **params):
     return [q, kv, kv, q, lse, q, lse, *extras], [q, kv, kv] + [bias] * has_bias, sizes
 
 
-_PARTITION = Partition(_partition_factors, shardable=["b", "h"])
+_PARTITION = Partition(_partition_factors, shardable=["b", "h", "g"])
 
 attention_fwd = FusedPrimitive(
     "rlx_attention_fwd", reference_attention, target="rlx_attention_fwd",
