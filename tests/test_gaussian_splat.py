@@ -57,7 +57,7 @@ def kernel_targets():
 
 def require_kernel():
     targets = kernel_targets()
-    for t in ("rlx_gaussian_splat_fwd", "rlx_gaussian_splat_bwd"):
+    for t in ("rlx_gaussian_splat_fwd_v1", "rlx_gaussian_splat_bwd_v1"):
         assert t in targets, f"{t} is not compiled for {platform()}: the op would silently fall back"
 
 

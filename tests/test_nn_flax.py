@@ -139,6 +139,7 @@ def test_self_attention_matches_flax(kw):
     _compare(_mha(rnn.MultiHeadAttention, **kw), _mha(nnx.MultiHeadAttention, **kw), (x,))
 
 
+@pytest.mark.slow
 def test_causal_is_top_left_as_flax_also_for_cross_attention():
     xq, xkv = _rand((2, 3, 16), 0), _rand((2, 7, 16), 1)
     ours, theirs = _mha(rnn.MultiHeadAttention, num_kv_heads=2), _mha(nnx.MultiHeadAttention, num_kv_heads=2)
@@ -147,12 +148,15 @@ def test_causal_is_top_left_as_flax_also_for_cross_attention():
     assert "rlx_attention_bwd" in hlo_text(jax.grad(lambda x: jnp.sum(ours(x, is_causal=True))), x)
 
 
-def test_boolean_mask_matches_flax():
+def test_boolean_mask_and_top_left_causal_match_flax():
+    """Cross-attention (Sq = 4 < Sk = 6) with a random mask and flax's is_causal."""
     xq, xkv = _rand((2, 4, 16), 0), _rand((2, 6, 16), 1)
     mask = jax.random.bernoulli(jax.random.PRNGKey(3), 0.6, (2, 1, 4, 6))
     mask = mask.at[:, :, :, 0].set(True)  # every query sees a key
     ours, theirs = _mha(rnn.MultiHeadAttention, num_kv_heads=2), _mha(nnx.MultiHeadAttention, num_kv_heads=2)
     _compare(ours, theirs, (xq, xkv), mask=mask, is_causal=True)
+    x = _rand((2, 5, 16), 2)
+    assert "rlx_attention_bwd" in hlo_text(jax.grad(lambda x: jnp.sum(ours(x, is_causal=True))), x)
 
 
 def _neox_rope(x, theta, n_rot):

@@ -32,7 +32,7 @@ def test_kernels_registered_and_used():
     x = _x((4, 8), jnp.float32)
     # reverse mode runs the backward from x (exact target names: rlx_softmax_bwd is a prefix)
     assert _targets(hlo_text(jax.grad(lambda x: jnp.sum(softmax(x) ** 2)), x)) == {
-        "rlx_softmax_fwd", "rlx_softmax_bwd_x"}
+        "rlx_softmax_fwd_v1", "rlx_softmax_bwd_x_v1"}
     # forward mode runs it as the tangent map
     assert "rlx_softmax_bwd_x_v1" in _targets(hlo_text(lambda x: jax.jvp(softmax, (x,), (x,))[1], x))
     # the RLX SoftmaxBackward op's wrapper, which receives y, keeps rlx_softmax_bwd
