@@ -14,6 +14,7 @@ Variants:
   rlx              rlx_jax.ops: gather (embedding), rms_norm, rope, attention,
                    fused_linear_cross_entropy (mean reduction)
   rlx-plain-ce     rlx with the plain logits + cross-entropy head
+  rlx-<base>-attn  rlx with the best plain attention (cudnn on the GPU, xla elsewhere)
   +<op>            the best plain baseline (cudnn on the GPU, xla elsewhere) with one op
                    swapped for rlx_jax's (embed, norm, rope, attn, loss)
   train-fused / train-nofused
@@ -267,6 +268,7 @@ def variants(platform: str) -> list[Variant]:
         out.append(Variant("plain-cudnn", attn="cudnn"))
     out.append(Variant("rlx", embed="rlx", norm="rlx", rope="rlx", attn="rlx", loss="rlx"))
     out.append(Variant("rlx-plain-ce", embed="rlx", norm="rlx", rope="rlx", attn="rlx"))
+    out.append(Variant(f"rlx-{base}-attn", embed="rlx", norm="rlx", rope="rlx", attn=base, loss="rlx"))
     for op in OPS:
         out.append(dataclasses.replace(Variant(f"plain-{base}+{op}", attn=base),
                                        **{op: "rlx"}))
