@@ -156,15 +156,6 @@ def model_flops(s: Shape) -> float:
     return 6.0 * n * s.tokens + 6.0 * s.layers * s.heads * s.head_dim * s.seq * s.tokens
 
 
-def rope_tables(seq: int, head_dim: int, base: float):
-    """cos, sin [seq, head_dim / 2] (f32): angle(p, i) = p * base^(-2i / head_dim)."""
-    import numpy as np
-
-    inv = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    ang = np.arange(seq, dtype=np.float64)[:, None] * inv[None, :]
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
-
-
 def _jax_rms_norm(x, gamma, eps):
     import jax
     import jax.numpy as jnp
@@ -223,6 +214,8 @@ def make_loss(s: Shape, v: Variant):
     import jax
     import jax.numpy as jnp
     import rlx_jax.ops as rops
+
+    from rlx_jax.models.transformer import rope_tables
 
     cos_np, sin_np = rope_tables(s.seq, s.head_dim, s.rope_base)
 
