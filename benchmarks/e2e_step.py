@@ -15,6 +15,7 @@ Variants:
                    fused_linear_cross_entropy (mean reduction)
   rlx-plain-ce     rlx with the plain logits + cross-entropy head
   rlx-xla-rows     rlx with the plain RMSNorm and RoPE (XLA fuses them into their neighbours)
+  rlx-<base>-attn  rlx with the best plain attention (cudnn on the GPU, xla elsewhere)
   +<op>            the best plain baseline (cudnn on the GPU, xla elsewhere) with one op
                    swapped for rlx_jax's (embed, norm, rope, attn, loss)
   train-fused / train-nofused
@@ -156,15 +157,6 @@ def model_flops(s: Shape) -> float:
     return 6.0 * n * s.tokens + 6.0 * s.layers * s.heads * s.head_dim * s.seq * s.tokens
 
 
-def rope_tables(seq: int, head_dim: int, base: float):
-    """cos, sin [seq, head_dim / 2] (f32): angle(p, i) = p * base^(-2i / head_dim)."""
-    import numpy as np
-
-    inv = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    ang = np.arange(seq, dtype=np.float64)[:, None] * inv[None, :]
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
-
-
 def _jax_rms_norm(x, gamma, eps):
     import jax
     import jax.numpy as jnp
@@ -224,6 +216,8 @@ def make_loss(s: Shape, v: Variant):
     import jax.numpy as jnp
     import rlx_jax.ops as rops
 
+    from rlx_jax.models.transformer import rope_tables
+
     cos_np, sin_np = rope_tables(s.seq, s.head_dim, s.rope_base)
 
     def norm(x, g):
@@ -269,6 +263,7 @@ def variants(platform: str) -> list[Variant]:
     out.append(Variant("rlx", embed="rlx", norm="rlx", rope="rlx", attn="rlx", loss="rlx"))
     out.append(Variant("rlx-plain-ce", embed="rlx", norm="rlx", rope="rlx", attn="rlx"))
     out.append(Variant("rlx-xla-rows", embed="rlx", attn="rlx", loss="rlx"))
+    out.append(Variant(f"rlx-{base}-attn", embed="rlx", norm="rlx", rope="rlx", attn=base, loss="rlx"))
     for op in OPS:
         out.append(dataclasses.replace(Variant(f"plain-{base}+{op}", attn=base),
                                        **{op: "rlx"}))

@@ -46,7 +46,9 @@ def test_agreement_reports_a_wrong_gradient():
 def test_rlx_rope_and_loss_wrappers_match_the_plain_forms():
     kx, kh, kw = jax.random.split(jax.random.PRNGKey(1), 3)
     x = jax.random.normal(kx, (2, 7, 3, 10))
-    cos, sin = (jnp.asarray(t) for t in _e2e.rope_tables(7, 10, 10000.0))
+    from rlx_jax.models.transformer import rope_tables
+
+    cos, sin = (jnp.asarray(t) for t in rope_tables(7, 10, 10000.0))
     np.testing.assert_allclose(_e2e._rlx_rope(x, cos, sin), _e2e._jax_rope(x, cos, sin), rtol=1e-5, atol=1e-6)
     h, w = jax.random.normal(kh, (9, 6)), jax.random.normal(kw, (6, 13))
     labels = jnp.arange(9, dtype=jnp.int32) % 13
