@@ -337,7 +337,7 @@ def test_fused_linear_bf16_and_mixed_precision():
     assert gh.dtype == jnp.bfloat16 and gw.dtype == jnp.float32
 
 
-@pytest.mark.parametrize("reduction", ["none", "mean"])
+@pytest.mark.parametrize("reduction", [pytest.param("none", marks=pytest.mark.slow), "mean"])
 def test_fused_linear_check_grads_f64(x64, reduction):
     """First and second order in both modes (jitted: each derivative compiles once), and
     the Hessian (forward over reverse) against the oracle's."""
