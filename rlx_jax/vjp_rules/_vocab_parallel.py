@@ -120,6 +120,20 @@ class VocabPartition(Partition):
         self.local = local
         self.vocab_operand, self.vocab_dim = vocab_operand, vocab_dim
 
+    def _assign(self, mesh, arg_shapes, f_in, f_out) -> dict:
+        """As the base class; a mesh axis carrying the vocabulary is taken off the other
+        factors (rows sharded over the same axis as the vocabulary, as sequence
+        parallelism leaves them, are gathered: [rows, D] activations, never [rows, V])."""
+        assign = super()._assign(mesh, arg_shapes, f_in, f_out)
+        vocab = set(assign.get("v", ()))
+        for f in [f for f in assign if f != "v"]:
+            kept = tuple(ax for ax in assign[f] if ax not in vocab)
+            if kept:
+                assign[f] = kept
+            else:
+                del assign[f]
+        return assign
+
     def wrap(self, fn: Callable, avals_in, avals_out, params: dict) -> Callable:
         f_in, f_out = self.factors(avals_in, avals_out, **params)
         vocab_total = avals_in[self.vocab_operand].shape[self.vocab_dim]
