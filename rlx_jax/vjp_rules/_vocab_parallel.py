@@ -18,10 +18,8 @@ shards combine them with a ``pmax`` and one ``psum`` of ``[2, rows]`` over M. No
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
@@ -77,15 +75,6 @@ def shard_index(axes, sizes: dict):
     for ax in axes:
         idx = idx * sizes[ax] + lax.axis_index(ax).astype(jnp.int32)
     return idx
-
-
-def combine_lse(local_max, local_sumexp_at_max, vocab_axes):
-    """Global logsumexp from each shard's (max, sum exp(x - max)): pmax then psum."""
-    if not vocab_axes:
-        return local_max + jnp.log(local_sumexp_at_max)
-    m = lax.pmax(local_max, vocab_axes)
-    s = lax.psum(local_sumexp_at_max * jnp.exp(local_max - m), vocab_axes)
-    return m + jnp.log(s)
 
 
 def block_lse_and_picked(z, local_labels, vocab_axes):
@@ -161,6 +150,3 @@ class VocabPartition(Partition):
                               sharding_rule=self.sharding_rule(f_in, f_out))
         return wrapped
 
-
-def shard_size(sizes: dict, axes) -> int:
-    return math.prod(sizes[ax] for ax in axes)
