@@ -59,7 +59,19 @@ CASES = {
     "linear_ce_mean_rank3": (lambda h, w: ops.fused_linear_cross_entropy(h.reshape(4, 4, D), w, LABELS3,
                                                                         reduction="mean", chunk_size=2),
                              (randn(N, D), randn(D, V)), (P("data"), P(None, "model")), (0, 1)),
+    # rows and vocabulary over the same mesh axis (sequence parallelism): the rows are
+    # gathered ([N, D] hidden, as plain JAX does), the vocabulary stays split
+    "linear_ce_rows_and_vocab_same_axis": (
+        lambda h, w: ops.fused_linear_cross_entropy(h, w, LABELS, reduction="mean", chunk_size=4),
+        (randn(N, D), randn(D, V)), (P("model"), P(None, "model")), (0, 1)),
 }
+
+
+def vocab_sized(line):
+    """An all-gather whose result has a vocabulary-sized axis (V or a shard of it)."""
+    shape = re.search(r"= \w+\[([0-9,]*)\]", line)
+    dims = [int(x) for x in shape.group(1).split(",") if x] if shape else []
+    return any(d in (V, V // 2, V // 4, V // 8) for d in dims)
 
 
 def check(name):
@@ -75,6 +87,7 @@ def check(name):
     gathers = [line.strip()[:200] for line in hlo.splitlines() if re.search(r"= \S+ all-gather\(", line)]
     reduces = [line.strip()[:200] for line in hlo.splitlines() if re.search(r"= \S+ all-reduce(-start)?\(", line)]
     return {"op": name, "max_err": err, "all_gathers": gathers, "all_reduces": len(reduces),
+            "vocab_gathers": [g for g in gathers if vocab_sized(g)],
             "finite": bool(np.isfinite(float(got_v)))}
 
 

@@ -337,7 +337,7 @@ def test_fused_linear_bf16_and_mixed_precision():
     assert gh.dtype == jnp.bfloat16 and gw.dtype == jnp.float32
 
 
-@pytest.mark.parametrize("reduction", ["none", "mean"])
+@pytest.mark.parametrize("reduction", [pytest.param("none", marks=pytest.mark.slow), "mean"])
 def test_fused_linear_check_grads_f64(x64, reduction):
     """First and second order in both modes (jitted: each derivative compiles once), and
     the Hessian (forward over reverse) against the oracle's."""
@@ -449,7 +449,9 @@ def _run_sharding_check(cases):
         assert r["max_err"] < 1e-5, r
         assert r["finite"], r
         # vocab-parallel: all-reduces of row statistics only, never a gathered [N, V]
-        assert r["all_gathers"] == [], r
+        assert r["vocab_gathers"] == [], r
+        if r["op"] != "linear_ce_rows_and_vocab_same_axis":  # that one gathers [N, D] rows
+            assert r["all_gathers"] == [], r
         assert r["all_reduces"] >= 1, r
     return rows
 
@@ -460,4 +462,4 @@ def test_vocab_parallel_sharding_quick():
 
 @pytest.mark.slow
 def test_vocab_parallel_sharding_all_cases():
-    assert len(_run_sharding_check([])) >= 8
+    assert len(_run_sharding_check([])) >= 9

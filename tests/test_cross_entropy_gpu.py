@@ -91,7 +91,7 @@ def test_grad_and_rlx_backward_op():
     assert loss[1] == 0 and np.isnan(loss[3])
 
 
-def test_vocab_chunked_linear_cross_entropy_on_gpu():
+def test_fused_linear_cross_entropy_on_gpu():
     """fused_linear_cross_entropy (XLA matmuls, row blocks) on the GPU, bf16 and f32,
     every reduction, against the unfused f32 reference."""
     from rlx_jax.ops import fused_linear_cross_entropy

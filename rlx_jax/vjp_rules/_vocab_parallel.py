@@ -18,10 +18,8 @@ shards combine them with a ``pmax`` and one ``psum`` of ``[2, rows]`` over M. No
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
@@ -79,15 +77,6 @@ def shard_index(axes, sizes: dict):
     return idx
 
 
-def combine_lse(local_max, local_sumexp_at_max, vocab_axes):
-    """Global logsumexp from each shard's (max, sum exp(x - max)): pmax then psum."""
-    if not vocab_axes:
-        return local_max + jnp.log(local_sumexp_at_max)
-    m = lax.pmax(local_max, vocab_axes)
-    s = lax.psum(local_sumexp_at_max * jnp.exp(local_max - m), vocab_axes)
-    return m + jnp.log(s)
-
-
 def block_lse_and_picked(z, local_labels, vocab_axes):
     """For logits z [n, V_local] (f32/f64) and labels relative to this shard's first
     column: (lse [n], picked [n]) over the whole vocabulary, with one pmax and one
@@ -120,6 +109,20 @@ class VocabPartition(Partition):
         self.local = local
         self.vocab_operand, self.vocab_dim = vocab_operand, vocab_dim
 
+    def _assign(self, mesh, arg_shapes, f_in, f_out) -> dict:
+        """As the base class; a mesh axis carrying the vocabulary is taken off the other
+        factors (rows sharded over the same axis as the vocabulary, as sequence
+        parallelism leaves them, are gathered: [rows, D] activations, never [rows, V])."""
+        assign = super()._assign(mesh, arg_shapes, f_in, f_out)
+        vocab = set(assign.get("v", ()))
+        for f in [f for f in assign if f != "v"]:
+            kept = tuple(ax for ax in assign[f] if ax not in vocab)
+            if kept:
+                assign[f] = kept
+            else:
+                del assign[f]
+        return assign
+
     def wrap(self, fn: Callable, avals_in, avals_out, params: dict) -> Callable:
         f_in, f_out, sizes_of = self._factors(avals_in, avals_out, params)
         vocab_total = avals_in[self.vocab_operand].shape[self.vocab_dim]
@@ -147,6 +150,3 @@ class VocabPartition(Partition):
                               sharding_rule=self.sharding_rule(f_in, f_out), **sizes_of)
         return wrapped
 
-
-def shard_size(sizes: dict, axes) -> int:
-    return math.prod(sizes[ax] for ax in axes)
