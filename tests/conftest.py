@@ -16,3 +16,13 @@ def x64():
     finally:
         jax.config.update("jax_enable_x64", previous)
 
+
+
+@pytest.fixture(autouse=True)
+def attention_cpu_kernel(monkeypatch):
+    """On the CPU, attention lowers to XLA's code below a score-size threshold (it is faster
+    there); the tests run the kernel at every size so that it stays covered. Tests of the
+    routing itself restore the threshold with ``monkeypatch.setattr``."""
+    from rlx_jax.vjp_rules import attention
+
+    monkeypatch.setattr(attention, "CPU_KERNEL_MIN_SCORE_BYTES", 0)

@@ -560,3 +560,20 @@ def test_f32_routes_to_xla_on_cuda(x64):
     assert not A._cuda_ok(jnp.zeros((1, 4, 2, 64), jnp.float32))
     assert not A._cuda_ok(jnp.zeros((1, 4, 2, 64), jnp.float64))
     assert not A._cuda_ok(jnp.zeros((1, 4, 2, 512), jnp.bfloat16))
+
+
+def test_cpu_routes_to_xla_below_the_score_size_threshold(monkeypatch):
+    """Below CPU_KERNEL_MIN_SCORE_BYTES of [B, H, Sq, Sk] f32 scores the CPU lowering is XLA's
+    attention (faster there); at or above it, the kernel (O(S) memory). Lowered only."""
+    from rlx_jax.vjp_rules import attention as A
+
+    monkeypatch.setattr(A, "CPU_KERNEL_MIN_SCORE_BYTES", 1 << 30)
+
+    def lowered(s):
+        spec = jax.ShapeDtypeStruct((1, s, 1, 16), jnp.float32)
+        loss = lambda q, k, v: jnp.sum(attention(q, k, v, mask_kind="causal"))
+        return jax.jit(jax.grad(loss, (0, 1, 2))).lower(spec, spec, spec).as_text()
+
+    small, large = lowered(256), lowered(16384)  # 256 KiB and 1 GiB of scores
+    assert "rlx_attention" not in small
+    assert "rlx_attention_fwd" in large and "rlx_attention_bwd" in large
