@@ -321,3 +321,16 @@ def test_fused_transformer_layer_input_count_and_mask_size_errors():
         g.fused_transformer_layer([h, *ws, small], 2, 2, 8, has_bias=False)
     with pytest.raises(GraphError, match="got 7"):
         g.fused_transformer_layer([h, *ws], 2, 2, 8, has_bias=False)
+
+
+def test_complex_loss_seed_in_rlx_convention():
+    """A holomorphic c64 loss L(z) = sum(z^2) with d_output = d: RLX's rule chain gives
+    d * conj(dL/dz) = 2 d conj(z)."""
+    g = Graph("c_loss")
+    z = g.param("z", [2], "c64")
+    g.set_outputs([g.sum(g.mul(z, z), [0])])
+    gg = rlx_jax.grad_with_loss(g, ["z"])
+    zv = np.array([1 + 2j, 0.5 - 1j], np.complex64)
+    d = np.complex64(0.5 + 1j)
+    got = np.asarray(rlx_jax.to_jax(gg)({"z": zv}, {"d_output": d})[1])
+    np.testing.assert_allclose(got, 2 * d * np.conj(zv), rtol=1e-6)
