@@ -94,7 +94,11 @@ GRAPHS = {f.__name__[1:]: f for f in (_two_layer_norms, _two_layer_norms_other_a
                                       _group_norms_other_groups, _two_batch_norms, _two_rms_norms)}
 
 
-@pytest.mark.parametrize("name", sorted(GRAPHS))
+DEFAULT = {"two_layer_norms", "two_group_norms", "two_batch_norms"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in DEFAULT else pytest.mark.slow)
+                                  for n in sorted(GRAPHS)])
 def test_shared_x_different_gamma(x64, name):
     rng = np.random.RandomState(0)
     g = GRAPHS[name](rng)

@@ -338,8 +338,9 @@ CONTROL_FLOW = {
                                      "predicate"),
     "if branch input": (lambda g, x, p: g.if_(p, _cf_body([3, 2]), _cf_body([2, 3]), captures=(x,)), "input 0"),
     "while ok": (lambda g, x, p: g.while_(x, _cf_body([2, 3], out="bool"), _cf_body([2, 3]), 5), None),
+    # RLX's While runs while every element of a multi-element cond is non-zero
     "while cond elementwise": (lambda g, x, p: g.while_(x, _cf_body([2, 3], out="elementwise_bool"), _cf_body([2, 3]), 5),
-                               "cond output"),
+                               None),
     "while body changes the carry": (lambda g, x, p: g.while_(x, _cf_body([2, 3], out="bool"),
                                                               _cf_body([2, 3], out="reduced"), 5), "body|carry|output"),
     "while negative iterations": (lambda g, x, p: g.while_(x, _cf_body([2, 3], out="bool"), _cf_body([2, 3]), -1),

@@ -240,10 +240,15 @@ def test_unfuse_decomposes_selective_scan():
     assert _count(unfused, "Activation", _act("Exp")) == 2
 
 
-def test_grad_through_selective_scan_propagates(x64):
-    g, _, params = _ssm_graph("f64")
+def test_grad_through_selective_scan_propagates():
+    g, _, params = _ssm_graph()
     bwd = rlx_jax.grad_with_loss(g, params)
     assert len(bwd.outputs) == 1 + len(params)
+
+
+@pytest.mark.slow
+def test_grad_through_selective_scan_values(x64):
+    g, _, params = _ssm_graph("f64")
     rng = np.random.RandomState(1)
     inputs = {"x": rng.randn(1, 3, 2), "delta": rng.uniform(0.1, 0.5, (1, 3, 2)),
               "b": rng.randn(1, 3, 4), "c": rng.randn(1, 3, 4)}
@@ -274,10 +279,15 @@ def test_unfuse_decomposes_gated_delta_net():
     assert _count(unfused, "Activation", _act("Exp")) == 2
 
 
-def test_grad_through_gated_delta_net_propagates(x64):
-    g, params = _gdn_graph("f64", as_params=True)
+def test_grad_through_gated_delta_net_propagates():
+    g, params = _gdn_graph()
     bwd = rlx_jax.grad_with_loss(g, params)
     assert len(bwd.outputs) == 1 + len(params)
+
+
+@pytest.mark.slow
+def test_grad_through_gated_delta_net_values(x64):
+    g, params = _gdn_graph("f64", as_params=True)
     rng = np.random.RandomState(2)
     pv = {"q": rng.randn(1, 3, 2, 4), "k": 0.5 * rng.randn(1, 3, 2, 4), "v": rng.randn(1, 3, 2, 4),
           "g": -rng.uniform(0.1, 1.0, (1, 3, 2)), "beta": rng.uniform(0.1, 0.9, (1, 3, 2))}
