@@ -1,7 +1,7 @@
 """Hostile graphs: property-based fuzzing of the builders, the verifier and
 ``Graph.from_json``.
 
-The contract (README "Reliability"): bad input raises ``GraphError`` (a ``ValueError``),
+The contract (docs/RELIABILITY.md): bad input raises ``GraphError`` (a ``ValueError``),
 ``ValueError`` or ``TypeError`` whose message names the fault; never another
 exception, a hang or a crash. Whatever a builder or the loader accepts passes the
 verifier and round-trips through JSON. Declared sizes are checked before anything is

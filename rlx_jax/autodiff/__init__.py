@@ -1,4 +1,4 @@
-"""Graph-level autodiff (API.md section 3): every transform returns an ordinary RLX
+"""Graph-level autodiff (docs/API.md, "Autodiff on graphs"): every transform returns an ordinary RLX
 graph (printable, serialisable, runnable with ``to_jax`` / ``Session``, differentiable
 again).
 

@@ -1,7 +1,7 @@
 """The RLX IR in Python: dtypes, shapes, every RLX op, Graph with builders, verifier,
 text form and RLX serde JSON.
 
-Contracts (docs/INTERNALS.md): op class name = RLX variant name, fields = RLX
+Contracts (docs/ARCHITECTURE.md): op class name = RLX variant name, fields = RLX
 ``op.rs`` field names; ``OP_CLASSES`` maps variant name -> class; ``Graph.add(op,
 inputs, shape=None, name=None)`` appends a verified node (``Graph.add(a, b)`` with two
 node ids is pyrlx's elementwise add).

@@ -1,4 +1,4 @@
-"""Fused, differentiable ops for JAX code (API.md section 4).
+"""Fused, differentiable ops for JAX code (docs/API.md, "rlx_jax.ops").
 
 Each works under jit, grad, jvp, vmap and higher orders; reverse mode runs the op's
 fused backward kernel (C++ on CPU, CUDA on NVIDIA GPUs) where one is compiled.

@@ -202,7 +202,7 @@ def _kernel_avg_bwd_cuda(dy, *, kernel_size, stride, padding, in_hw):
     fusion of the reference is already near the copy floor and beat the kernel on an H200
     (f32 k2s2 128x64x112x112: kernel 0.370 ms, XLA 0.252, copy 0.236), so that case lowers
     the reference. For 16-bit dy the direct kernel won every A/B round at k2s2 (bf16: kernel
-    0.151 ms, XLA 0.209, copy 0.149; benchmarks/results/gather_pool_h200_2026-11-22.txt)."""
+    0.151 ms, XLA 0.209, copy 0.149)."""
     non_overlapping = all(k <= s for k, s in zip(kernel_size, stride))
     if non_overlapping and jnp.dtype(dy.dtype).itemsize > 2:
         return reference_avg_pool2d_bwd(dy, kernel_size=kernel_size, stride=stride, padding=padding, in_hw=in_hw)

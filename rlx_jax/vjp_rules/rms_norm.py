@@ -83,8 +83,8 @@ def _kernel_bwd(x, gamma, rstd, dy, *, eps):
 def cuda_bwd_scratch_size(rows: int, width: int) -> int:
     """f32 elements of the CUDA backward's scratch result: per-block partial sums of
     dgamma and dbeta ([P, 2, width], P at most 1024 blocks, rows and 2^23 / (2 width))
-    followed by two f32 per row (the wide-row path's row dot products, and rstd when the
-    backward recomputes it: target rlx_rms_norm_bwd_x)."""
+    followed by two f32 per row (the wide-row path's row dot products, and a per-row slot
+    the scratch layout shared with the kernels reserves)."""
     if width == 0:
         return 2 * rows
     parts = max(1, min(rows, 1024, (1 << 23) // (2 * width)))
