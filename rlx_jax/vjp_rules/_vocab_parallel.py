@@ -109,11 +109,11 @@ class VocabPartition(Partition):
         self.local = local
         self.vocab_operand, self.vocab_dim = vocab_operand, vocab_dim
 
-    def _assign(self, mesh, arg_shapes, f_in, f_out) -> dict:
+    def _assign(self, mesh, arg_shapes, f_in, f_out, sizes) -> dict:
         """As the base class; a mesh axis carrying the vocabulary is taken off the other
         factors (rows sharded over the same axis as the vocabulary, as sequence
         parallelism leaves them, are gathered: [rows, D] activations, never [rows, V])."""
-        assign = super()._assign(mesh, arg_shapes, f_in, f_out)
+        assign = super()._assign(mesh, arg_shapes, f_in, f_out, sizes)
         vocab = set(assign.get("v", ()))
         for f in [f for f in assign if f != "v"]:
             kept = tuple(ax for ax in assign[f] if ax not in vocab)
