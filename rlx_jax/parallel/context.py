@@ -317,11 +317,17 @@ def context_parallel_attention(q, k, v, *, mesh: Mesh, axis_name: str, mask_kind
         raise TypeError(f"{who}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     if axis_name not in mesh.shape:
         raise ValueError(f"{who}: axis_name {axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")
-    q, k, v = _check_qkv(q, k, v, who)
+    if jnp.ndim(q) != 4:
+        raise ValueError(f"{who}: q must be [B, S, H, D], got shape {jnp.shape(q)}")
+    q, k, v, lead = _check_qkv(q, k, v, who)
     if k.shape[1] != q.shape[1]:
         raise ValueError(f"{who}: q and k must share the sequence length (self-attention), "
                          f"got {q.shape[1]} and {k.shape[1]}")
-    params, _ = _check_options(q, k, mask_kind, window, None, None, scale, softcap, who)
+    # self-attention (Sq = Sk): both causal alignments agree
+    params, _, _, traced_scale = _check_options(q, k, lead, mask_kind, window, None, None, scale, softcap,
+                                                "bottom_right", who)
+    if traced_scale is not None:
+        raise TypeError(f"{who}: scale must be a static number under context parallelism, got a traced value")
     n = int(mesh.shape[axis_name])
     s = q.shape[1]
     if n == 1:  # nothing to ring: the plain kernel (zig-zag order of one device is natural)
