@@ -97,9 +97,10 @@ def _pv(p, v):
     return o.reshape(b, sq, h, v.shape[3])
 
 
-def _scores(q, k, bias, mask, *, kind, window, scale, softcap):
+def _scores(q, k, bias, mask, *, kind, window, scale, softcap, visible=None):
     """(s, th, visible): scores after softcap and bias, tanh(r / c) (None without a
-    softcap), and the visibility mask; all in the accumulation dtype."""
+    softcap), and the visibility mask (ANDed with ``visible`` [B or 1, 1, Sq, Sk] when
+    given: the segment ids of ``attention_segments``); all in the accumulation dtype."""
     acc = _acc_dtype(q.dtype)
     r = _qk(q.astype(acc), k.astype(acc)) * scale
     th = None
@@ -111,6 +112,8 @@ def _scores(q, k, bias, mask, *, kind, window, scale, softcap):
     if bias is not None:
         s = s + bias.astype(acc)
     vis = _visible(q.shape[1], k.shape[1], kind, window, mask)
+    if visible is not None:
+        vis = vis & visible
     return s, th, vis
 
 
@@ -121,11 +124,14 @@ def _probs_from_lse(s, vis, lse):
     return jnp.where(live, jnp.exp(jnp.where(live, s, lse_safe) - lse_safe), 0.0)
 
 
-def reference_attention(q, k, v, *extras, kind, window, scale, softcap, has_mask, has_bias):
-    """Plain JAX, O(Sq * Sk) memory; returns (out, lse)."""
+def reference_attention(q, k, v, *extras, kind, window, scale, softcap, has_mask, has_bias,
+                        visible=None):
+    """Plain JAX, O(Sq * Sk) memory; returns (out, lse). ``visible``: an extra boolean
+    visibility [B or 1, 1, Sq, Sk] (segment ids), used only when called directly."""
     mask, bias, _ = _split(extras, has_mask, has_bias)
     acc = _acc_dtype(q.dtype)
-    s, _, vis = _scores(q, k, bias, mask, kind=kind, window=window, scale=scale, softcap=softcap)
+    s, _, vis = _scores(q, k, bias, mask, kind=kind, window=window, scale=scale, softcap=softcap,
+                        visible=visible)
     m = jnp.max(jnp.where(vis, s, -jnp.inf), axis=-1, initial=-jnp.inf)
     m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))[..., None]
     e = jnp.where(vis, jnp.exp(jnp.where(vis, s, m) - m), 0.0)
@@ -466,7 +472,7 @@ def _check_options(q, k, mask_kind, window, mask, bias, scale, softcap, who):
 
 
 def attention(q, k, v, *, mask_kind="none", window=None, mask=None, bias=None, scale=None,
-              softcap=None):
+              softcap=None, q_segment_ids=None, kv_segment_ids=None, sinks=None):
     """softmax(mask(softcap(scale * q k^T) + bias)) v, per head.
 
     q: [B, Sq, H, D]; k, v: [B, Sk, Hkv, D] with Hkv dividing H (grouped-query);
@@ -476,11 +482,26 @@ def attention(q, k, v, *, mask_kind="none", window=None, mask=None, bias=None, s
     c * tanh(s / c). Returns [B, Sq, H, D] in q's dtype (f32 accumulation). Rows with no
     visible key are 0. Differentiable in every mode; reverse mode runs the fused
     backward kernel, and memory is O(S) on the kernel path.
+
+    q_segment_ids [B, Sq], kv_segment_ids [B, Sk] (integers, given together): packed
+    documents; query i sees key j only where the ids are equal (ANDed with the mask kind,
+    window and key mask). These run the pure-JAX reference on every platform (O(Sq * Sk)
+    memory; the kernels take no segment ids). sinks [H]: a per-head logit joining each
+    row's softmax denominator with no value, out_i = sum_j exp(s_ij) v_j / (exp(sink_h) +
+    sum_j exp(s_ij)); differentiable in the sinks too, and computed from the kernel's
+    (out, lse) (see ``attention_segments``).
     """
+    from .attention_segments import apply_sinks, check_segments_and_sinks, segment_attention
+
     q, k, v = _check_qkv(q, k, v, "attention")
     params, extras = _check_options(q, k, mask_kind, window, mask, bias, scale, softcap, "attention")
-    out, _ = attention_fwd(q, k, v, *extras, **params)
-    return out
+    q_seg, kv_seg, sinks = check_segments_and_sinks(q, k, q_segment_ids, kv_segment_ids, sinks,
+                                                    "attention")
+    if q_seg is not None:
+        out, lse = segment_attention(q, k, v, q_seg, kv_seg, *extras, **params)
+    else:
+        out, lse = attention_fwd(q, k, v, *extras, **params)
+    return out if sinks is None else apply_sinks(out, lse, sinks)
 
 
 def attention_backward(q, k, v, dy, mask=None, bias=None, *, mask_kind="none", window=None,

@@ -1,0 +1,301 @@
+"""Packed documents (segment ids) and attention sinks: values and gradients against an
+independent dense oracle (a dense visibility matrix and an explicit sink column in the
+softmax), f64 finite-difference gradients (first and second order), forward mode, vmap,
+rows with no visible key, input errors, an RLX graph round trip and SPMD sharding."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from rlx_jax.ops import attention
+
+
+
+def close(got, want, rtol, atol):
+    np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64), rtol=rtol, atol=atol)
+
+
+def dense_oracle(q, k, v, *, mask_kind="none", window=None, mask=None, bias=None, scale=None,
+                 softcap=None, q_segment_ids=None, kv_segment_ids=None, sinks=None):
+    """Textbook attention from a dense [B, H, Sq, Sk] visibility (mask kind AND key mask
+    AND equal segment ids); sinks as one more softmax column whose value is 0."""
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    acc = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+    q, k, v = (x.astype(acc) for x in (q, k, v))
+    k, v = jnp.repeat(k, h // hkv, axis=2), jnp.repeat(v, h // hkv, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (scale if scale is not None else d ** -0.5)
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+    if bias is not None:
+        s = s + bias.astype(acc)
+    pos = np.arange(sq)[:, None] + max(sk - sq, 0)
+    j = np.arange(sk)[None, :]
+    vis = np.ones((sq, sk), bool)
+    if mask_kind in ("causal", "sliding"):
+        vis &= j <= pos
+    if mask_kind == "sliding":
+        vis &= j >= pos - window
+    vis = jnp.broadcast_to(jnp.asarray(vis), (b, 1, sq, sk))
+    if mask is not None:
+        vis = vis & (jnp.asarray(mask)[:, None, None, :] >= 0.5)
+    if q_segment_ids is not None:
+        vis = vis & (q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :])
+    vis = jnp.broadcast_to(vis, s.shape)
+    if sinks is not None:  # a sink column: always visible, value 0
+        s = jnp.concatenate([s, jnp.broadcast_to(sinks.astype(acc)[None, :, None, None], (b, h, sq, 1))], -1)
+        vis = jnp.concatenate([vis, jnp.ones((b, h, sq, 1), bool)], -1)
+        v = jnp.concatenate([v, jnp.zeros((b, 1, h, d), acc)], 1)
+    s = jnp.where(vis, s, 0.0)
+    m = jax.lax.stop_gradient(jnp.max(jnp.where(vis, s, -1e30), axis=-1, keepdims=True))
+    e = jnp.where(vis, jnp.exp(s - jnp.where(m > -1e29, m, 0.0)), 0.0)
+    den = jnp.sum(e, axis=-1, keepdims=True)
+    p = e / jnp.where(den > 0, den, 1.0)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def packed_ids(b, s, lengths_seed, *, max_len=4):
+    """[B, S] int32 segment ids of documents with random lengths 1..max_len (non-decreasing)."""
+    rng = np.random.default_rng(lengths_seed)
+    rows = []
+    for _ in range(b):
+        ids, doc = [], 0
+        while len(ids) < s:
+            ids += [doc] * int(rng.integers(1, max_len + 1))
+            doc += 1
+        rows.append(ids[:s])
+    return jnp.asarray(np.array(rows, np.int32))
+
+
+def inputs(b, sq, sk, h, hkv, d, dtype=jnp.float32, seed=0):
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape, std=1.0):
+        return jnp.asarray((std * rng.standard_normal(shape)).astype(np.float64)).astype(dtype)
+
+    return dict(q=normal(b, sq, h, d), k=normal(b, sk, hkv, d), v=normal(b, sk, hkv, d),
+                mask=jnp.asarray((rng.uniform(size=(b, sk)) > 0.3).astype(np.float32)),
+                bias=normal(b, h, sq, sk, std=0.5), sinks=normal(h), dy=normal(b, sq, h, d))
+
+
+# (B, Sq, Sk, H, Hkv, D): odd lengths, GQA, Sq != Sk
+SHAPES = [(2, 7, 7, 4, 2, 3), (1, 9, 11, 2, 1, 5)]
+OPTIONS = [
+    dict(),
+    dict(mask_kind="causal"),
+    dict(mask_kind="sliding", window=2),
+    dict(mask_kind="causal", softcap=1.5, scale=0.4),
+    dict(use_mask=True, use_bias=True),
+]
+
+
+def _case(shape, opts, *, segments, sinks, dtype=jnp.float32, seed=0):
+    b, sq, sk = shape[:3]
+    x = inputs(*shape, dtype=dtype, seed=seed)
+    kw = {k: v for k, v in opts.items() if not k.startswith("use_")}
+    if opts.get("use_mask"):
+        kw["mask"] = x["mask"]
+    if opts.get("use_bias"):
+        kw["bias"] = x["bias"]
+    if segments:
+        qs = packed_ids(b, sq, seed + 1)
+        # keys right-aligned with queries (bottom-right, as the mask kinds) when Sk > Sq
+        ks = jnp.concatenate([jnp.full((b, sk - sq), -1, jnp.int32), qs], 1) if sk > sq else qs
+        kw.update(q_segment_ids=qs, kv_segment_ids=ks)
+    if sinks:
+        kw["sinks"] = x["sinks"]
+    return x, kw
+
+
+def _grads(fn, x, kw, dy):
+    diff = {"q": x["q"], "k": x["k"], "v": x["v"]}
+    for name in ("bias", "sinks"):
+        if name in kw:
+            diff[name] = kw[name]
+    rest = {k: v for k, v in kw.items() if k not in diff}
+
+    @jax.jit
+    def run(diff, dy):
+        f = lambda d: fn(d["q"], d["k"], d["v"], **{kk: vv for kk, vv in d.items() if kk not in "qkv"},
+                         **rest)
+        y, vjp = jax.vjp(f, diff)
+        return y, vjp(dy)[0]
+
+    return run(diff, dy)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "plain")
+@pytest.mark.parametrize("segments,sinks", [(True, False), (False, True), (True, True)],
+                         ids=["segments", "sinks", "both"])
+def test_values_and_gradients_match_dense_oracle(shape, opts, segments, sinks):
+    x, kw = _case(shape, opts, segments=segments, sinks=sinks)
+    y, g = _grads(attention, x, kw, x["dy"])
+    y_ref, g_ref = _grads(dense_oracle, x, kw, x["dy"])
+    close(y, y_ref, rtol=2e-5, atol=2e-5)
+    assert set(g) == set(g_ref)
+    for name in g:
+        close(g[name], g_ref[name], rtol=5e-5, atol=5e-5)
+
+
+def test_segments_really_separate_documents():
+    """Each document's output equals attention over that document alone (causal)."""
+    x = inputs(1, 10, 10, 2, 2, 4)
+    ids = jnp.asarray([[0, 0, 0, 1, 2, 2, 2, 2, 3, 3]], jnp.int32)
+    y = attention(x["q"], x["k"], x["v"], mask_kind="causal", q_segment_ids=ids, kv_segment_ids=ids)
+    for lo, hi in ((0, 3), (3, 4), (4, 8), (8, 10)):
+        alone = attention(x["q"][:, lo:hi], x["k"][:, lo:hi], x["v"][:, lo:hi], mask_kind="causal")
+        close(y[:, lo:hi], alone, rtol=1e-6, atol=1e-6)
+    # a document of length 1 attends to itself only: out = v of that token
+    close(y[0, 3], x["v"][0, 3], rtol=1e-6, atol=1e-6)
+
+
+def test_rows_with_no_visible_key_are_zero_with_zero_gradients():
+    """Query ids absent from the keys (and a key mask hiding a whole document): output 0,
+    finite zero gradients, as rows with no visible key without segment ids."""
+    x = inputs(1, 6, 6, 2, 1, 3)
+    qs = jnp.asarray([[0, 0, 5, 1, 1, 2]], jnp.int32)
+    ks = jnp.asarray([[0, 0, 1, 1, 1, 2]], jnp.int32)
+    mask = jnp.asarray([[1, 1, 1, 1, 1, 0]], jnp.float32)
+    for sinks in (None, x["sinks"]):
+        def f(q, k, v):
+            return attention(q, k, v, q_segment_ids=qs, kv_segment_ids=ks, mask=mask, sinks=sinks)
+        y = f(x["q"], x["k"], x["v"])
+        assert np.all(np.asarray(y[0, 2]) == 0) and np.all(np.asarray(y[0, 5]) == 0)
+        gq = jax.grad(lambda q: jnp.sum(f(q, x["k"], x["v"]) ** 2))(x["q"])
+        assert np.all(np.isfinite(np.asarray(gq)))
+        assert np.all(np.asarray(gq[0, 2]) == 0) and np.all(np.asarray(gq[0, 5]) == 0)
+        close(y, dense_oracle(x["q"], x["k"], x["v"], q_segment_ids=qs, kv_segment_ids=ks,
+                                     mask=mask, sinks=sinks), rtol=1e-5, atol=1e-6)
+
+
+def test_sinks_match_closed_form_and_d_sinks():
+    """out = out0 * sigma(lse - sink) and d sink_h = -sum_i p_sink,i (dout_i . out_i)."""
+    x = inputs(2, 5, 5, 3, 3, 4, dtype=jnp.float64) if jax.config.jax_enable_x64 else inputs(2, 5, 5, 3, 3, 4)
+    q, k, v, s, dy = x["q"], x["k"], x["v"], x["sinks"], x["dy"]
+    y, vjp = jax.vjp(lambda s: attention(q, k, v, mask_kind="causal", sinks=s), s)
+    (ds,) = vjp(dy)
+    sc = jnp.einsum("bqhd,bkhd->bhqk", q, k) / 2.0
+    sc = jnp.where(np.tril(np.ones((5, 5), bool)), sc, -jnp.inf)
+    lse = jax.scipy.special.logsumexp(sc, axis=-1)                     # [B, H, Sq]
+    p_sink = jnp.exp(s[None, :, None] - jnp.logaddexp(lse, s[None, :, None]))
+    want = -jnp.sum(p_sink * jnp.einsum("bqhd,bqhd->bhq", dy, y), axis=(0, 2))
+    close(ds, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("opts,segments,sinks", [
+    (dict(mask_kind="causal", softcap=1.3), True, True),
+    (dict(mask_kind="sliding", window=1, use_mask=True, use_bias=True), True, False),
+    (dict(mask_kind="causal"), False, True),
+], ids=["causal-softcap-both", "sliding-mask-bias-segments", "causal-sinks-kernel"])
+def test_f64_check_grads_first_and_second_order(x64, opts, segments, sinks):
+    x, kw = _case((1, 5, 5, 2, 1, 3), opts, segments=segments, sinks=sinks, dtype=jnp.float64)
+    names = ["q", "k", "v"] + [n for n in ("bias", "sinks") if n in kw]
+    rest = {k: v for k, v in kw.items() if k not in names}
+
+    def f(*args):
+        named = dict(zip(names, args))
+        return attention(named.pop("q"), named.pop("k"), named.pop("v"), **named, **rest)
+
+    args = [x[n] if n in "qkv" else kw[n] for n in names]
+    check_grads(f, args, order=2, modes=("fwd", "rev"), atol=1e-6, rtol=1e-6)
+
+
+def test_jvp_and_vmap():
+    x, kw = _case((2, 6, 6, 2, 2, 3), dict(mask_kind="causal"), segments=True, sinks=True)
+    q, k, v = x["q"], x["k"], x["v"]
+    f = lambda q, k, v, s: attention(q, k, v, mask_kind="causal", q_segment_ids=kw["q_segment_ids"],
+                                     kv_segment_ids=kw["kv_segment_ids"], sinks=s)
+    fo = lambda q, k, v, s: dense_oracle(q, k, v, mask_kind="causal", q_segment_ids=kw["q_segment_ids"],
+                                         kv_segment_ids=kw["kv_segment_ids"], sinks=s)
+    t = [x["dy"], 0.5 * k, -v, jnp.arange(2.0)]
+    _, tout = jax.jvp(f, (q, k, v, x["sinks"]), tuple(t))
+    _, tref = jax.jvp(fo, (q, k, v, x["sinks"]), tuple(t))
+    close(tout, tref, rtol=5e-5, atol=5e-5)
+    # vmap over a leading axis of every operand, segment ids and sinks included
+    qs = jnp.stack([kw["q_segment_ids"], packed_ids(2, 6, 9)])
+    sk = jnp.stack([x["sinks"], -x["sinks"]])
+    g = lambda q, k, v, ids, s: attention(q, k, v, q_segment_ids=ids, kv_segment_ids=ids, sinks=s)
+    go = lambda q, k, v, ids, s: dense_oracle(q, k, v, q_segment_ids=ids, kv_segment_ids=ids, sinks=s)
+    qq, kk, vv = (jnp.stack([a, 2 * a]) for a in (q, k, v))
+    close(jax.vmap(g)(qq, kk, vv, qs, sk), jax.vmap(go)(qq, kk, vv, qs, sk), rtol=2e-5, atol=2e-5)
+    # vmap of the sinks alone (kernel path, lse batched through the primitive)
+    ys = jax.vmap(lambda s: attention(q, k, v, sinks=s))(sk)
+    for i in range(2):
+        close(ys[i], dense_oracle(q, k, v, sinks=sk[i]), rtol=2e-5, atol=2e-5)
+
+
+def test_bf16_sinks_and_segments_run_and_agree():
+    x, kw = _case((1, 9, 9, 4, 2, 8), dict(mask_kind="causal"), segments=True, sinks=True, dtype=jnp.bfloat16)
+    y = attention(x["q"], x["k"], x["v"], **kw)
+    assert y.dtype == jnp.bfloat16
+    want = dense_oracle(x["q"], x["k"], x["v"], **kw)
+    close(y.astype(jnp.float32), want, rtol=0, atol=3e-2 * float(jnp.max(jnp.abs(want))))
+
+
+def test_segment_ids_never_reach_a_kernel_and_sinks_keep_it():
+    """Segment ids compute in plain XLA ops; sinks alone keep the fused kernel call."""
+    x, kw = _case((1, 5, 5, 2, 2, 4), dict(mask_kind="causal"), segments=True, sinks=True)
+    seg = jax.jit(lambda q, k, v: attention(q, k, v, **kw)).lower(x["q"], x["k"], x["v"]).as_text()
+    assert "rlx_attention" not in seg
+    snk = jax.jit(lambda q, k, v: attention(q, k, v, sinks=kw["sinks"])).lower(x["q"], x["k"], x["v"]).as_text()
+    assert "rlx_attention_fwd" in snk
+
+
+def test_errors_name_the_argument():
+    x = inputs(2, 4, 5, 2, 2, 3)
+    q, k, v = x["q"], x["k"], x["v"]
+    ids_q, ids_k = jnp.zeros((2, 4), jnp.int32), jnp.zeros((2, 5), jnp.int32)
+    with pytest.raises(ValueError, match="kv_segment_ids"):
+        attention(q, k, v, q_segment_ids=ids_q)
+    with pytest.raises(ValueError, match="q_segment_ids"):
+        attention(q, k, v, kv_segment_ids=ids_k)
+    with pytest.raises(TypeError, match="q_segment_ids must be an integer"):
+        attention(q, k, v, q_segment_ids=ids_q.astype(jnp.float32), kv_segment_ids=ids_k)
+    with pytest.raises(ValueError, match=r"kv_segment_ids must have shape \(2, 5\)"):
+        attention(q, k, v, q_segment_ids=ids_q, kv_segment_ids=ids_q)
+    with pytest.raises(ValueError, match=r"sinks must have shape \(H,\)"):
+        attention(q, k, v, sinks=jnp.zeros((3,)))
+    with pytest.raises(TypeError, match="sinks must be floating"):
+        attention(q, k, v, sinks=jnp.zeros((2,), jnp.int32))
+
+
+_SHARD_CHILD = r"""
+import os
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from rlx_jax.ops import attention
+mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("b", "s"))
+r = np.random.default_rng(0)
+q, k, v = (jnp.asarray(r.standard_normal((4, 16, 2, 8)), jnp.float32) for _ in range(3))
+ids = jnp.asarray(np.repeat(np.arange(8), 2)[None].repeat(4, 0), jnp.int32)
+sinks = jnp.asarray(r.standard_normal(2), jnp.float32)
+f = lambda q, k, v, ids, s: jnp.sum(attention(q, k, v, mask_kind="causal", q_segment_ids=ids,
+                                              kv_segment_ids=ids, sinks=s) ** 2)
+g = jax.jit(jax.value_and_grad(f, (0, 1, 2, 4)))
+want = g(q, k, v, ids, sinks)
+put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+got = g(put(q, P("b", "s")), put(k, P("b", "s")), put(v, P("b", "s")), put(ids, P("b", "s")), put(sinks, P()))
+for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
+print("OK", got[1][0].sharding)
+"""
+
+
+def test_sharded_batch_and_sequence_match_unsharded():
+    """On 8 host devices: segment ids sharded with q over (batch, sequence) give the
+    unsharded values and gradients (sinks replicated)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", _SHARD_CHILD], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
