@@ -116,7 +116,8 @@ def _case(shape, opts, *, segments, sinks, dtype=jnp.float32, seed=0):
     return x, kw
 
 
-def _grads(fn, x, kw, dy):
+def _both_grads(x, kw, dy):
+    """(value, grads) of ``attention`` and of the oracle, in one compile."""
     diff = {"q": x["q"], "k": x["k"], "v": x["v"]}
     for name in ("bias", "sinks"):
         if name in kw:
@@ -125,26 +126,49 @@ def _grads(fn, x, kw, dy):
 
     @jax.jit
     def run(diff, dy):
-        f = lambda d: fn(d["q"], d["k"], d["v"], **{kk: vv for kk, vv in d.items() if kk not in "qkv"},
-                         **rest)
-        y, vjp = jax.vjp(f, diff)
-        return y, vjp(dy)[0]
+        outs = []
+        for fn in (attention, dense_oracle):
+            f = lambda d, fn=fn: fn(d["q"], d["k"], d["v"], **{kk: vv for kk, vv in d.items()
+                                                              if kk not in "qkv"}, **rest)
+            y, vjp = jax.vjp(f, diff)
+            outs.append((y, vjp(dy)[0]))
+        return outs
 
     return run(diff, dy)
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "plain")
-@pytest.mark.parametrize("segments,sinks", [(True, False), (False, True), (True, True)],
-                         ids=["segments", "sinks", "both"])
-def test_values_and_gradients_match_dense_oracle(shape, opts, segments, sinks):
+_KINDS = {"segments": (True, False), "sinks": (False, True), "both": (True, True)}
+# the default run: every option with both features, each feature alone on the other shape
+DEFAULT_CASES = ([(SHAPES[0], o, "both") for o in OPTIONS]
+                 + [(SHAPES[1], OPTIONS[1], "sinks"), (SHAPES[1], OPTIONS[2], "segments"),
+                    (SHAPES[1], OPTIONS[4], "both")])
+FULL_CASES = [(sh, o, kind) for sh in SHAPES for o in OPTIONS for kind in _KINDS]
+
+
+def _cid(case):
+    shape, o, kind = case
+    return f"{kind}-{shape}-" + ("-".join(f"{k}={v}" for k, v in o.items()) or "plain")
+
+
+def _check_case(shape, opts, kind):
+    segments, sinks = _KINDS[kind]
     x, kw = _case(shape, opts, segments=segments, sinks=sinks)
-    y, g = _grads(attention, x, kw, x["dy"])
-    y_ref, g_ref = _grads(dense_oracle, x, kw, x["dy"])
+    (y, g), (y_ref, g_ref) = _both_grads(x, kw, x["dy"])
     close(y, y_ref, rtol=2e-5, atol=2e-5)
     assert set(g) == set(g_ref)
     for name in g:
         close(g[name], g_ref[name], rtol=5e-5, atol=5e-5)
+
+
+@pytest.mark.parametrize("case", DEFAULT_CASES, ids=_cid)
+def test_values_and_gradients_match_dense_oracle(case):
+    _check_case(*case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", FULL_CASES, ids=_cid)
+def test_values_and_gradients_match_dense_oracle_full_product(case):
+    _check_case(*case)
 
 
 def test_segments_really_separate_documents():
@@ -169,9 +193,9 @@ def test_rows_with_no_visible_key_are_zero_with_zero_gradients():
     for sinks in (None, x["sinks"]):
         def f(q, k, v):
             return attention(q, k, v, q_segment_ids=qs, kv_segment_ids=ks, mask=mask, sinks=sinks)
-        y = f(x["q"], x["k"], x["v"])
+        y = jax.jit(f)(x["q"], x["k"], x["v"])
         assert np.all(np.asarray(y[0, 2]) == 0) and np.all(np.asarray(y[0, 5]) == 0)
-        gq = jax.grad(lambda q: jnp.sum(f(q, x["k"], x["v"]) ** 2))(x["q"])
+        gq = jax.jit(jax.grad(lambda q: jnp.sum(f(q, x["k"], x["v"]) ** 2)))(x["q"])
         assert np.all(np.isfinite(np.asarray(gq)))
         assert np.all(np.asarray(gq[0, 2]) == 0) and np.all(np.asarray(gq[0, 5]) == 0)
         close(y, dense_oracle(x["q"], x["k"], x["v"], q_segment_ids=qs, kv_segment_ids=ks,
@@ -192,22 +216,23 @@ def test_sinks_match_closed_form_and_d_sinks():
     close(ds, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("opts,segments,sinks", [
-    (dict(mask_kind="causal", softcap=1.3), True, True),
-    (dict(mask_kind="sliding", window=1, use_mask=True, use_bias=True), True, False),
-    (dict(mask_kind="causal"), False, True),
+@pytest.mark.parametrize("opts,segments,sinks,order", [
+    (dict(mask_kind="causal", softcap=1.3), True, True, 2),
+    (dict(mask_kind="sliding", window=1, use_mask=True, use_bias=True), True, False, 1),
+    (dict(mask_kind="causal"), False, True, 2),
 ], ids=["causal-softcap-both", "sliding-mask-bias-segments", "causal-sinks-kernel"])
-def test_f64_check_grads_first_and_second_order(x64, opts, segments, sinks):
+def test_f64_check_grads(x64, opts, segments, sinks, order):
     x, kw = _case((1, 5, 5, 2, 1, 3), opts, segments=segments, sinks=sinks, dtype=jnp.float64)
     names = ["q", "k", "v"] + [n for n in ("bias", "sinks") if n in kw]
     rest = {k: v for k, v in kw.items() if k not in names}
 
+    @jax.jit
     def f(*args):
         named = dict(zip(names, args))
         return attention(named.pop("q"), named.pop("k"), named.pop("v"), **named, **rest)
 
     args = [x[n] if n in "qkv" else kw[n] for n in names]
-    check_grads(f, args, order=2, modes=("fwd", "rev"), atol=1e-6, rtol=1e-6)
+    check_grads(f, args, order=order, modes=("fwd", "rev"), atol=1e-6, rtol=1e-6)
 
 
 def test_jvp_and_vmap():
@@ -218,8 +243,9 @@ def test_jvp_and_vmap():
     fo = lambda q, k, v, s: dense_oracle(q, k, v, mask_kind="causal", q_segment_ids=kw["q_segment_ids"],
                                          kv_segment_ids=kw["kv_segment_ids"], sinks=s)
     t = [x["dy"], 0.5 * k, -v, jnp.arange(2.0)]
-    _, tout = jax.jvp(f, (q, k, v, x["sinks"]), tuple(t))
-    _, tref = jax.jvp(fo, (q, k, v, x["sinks"]), tuple(t))
+    jvp = jax.jit(lambda fn, p, t: jax.jvp(fn, p, t)[1], static_argnums=0)
+    tout = jvp(f, (q, k, v, x["sinks"]), tuple(t))
+    tref = jvp(fo, (q, k, v, x["sinks"]), tuple(t))
     close(tout, tref, rtol=5e-5, atol=5e-5)
     # vmap over a leading axis of every operand, segment ids and sinks included
     qs = jnp.stack([kw["q_segment_ids"], packed_ids(2, 6, 9)])
@@ -227,9 +253,10 @@ def test_jvp_and_vmap():
     g = lambda q, k, v, ids, s: attention(q, k, v, q_segment_ids=ids, kv_segment_ids=ids, sinks=s)
     go = lambda q, k, v, ids, s: dense_oracle(q, k, v, q_segment_ids=ids, kv_segment_ids=ids, sinks=s)
     qq, kk, vv = (jnp.stack([a, 2 * a]) for a in (q, k, v))
-    close(jax.vmap(g)(qq, kk, vv, qs, sk), jax.vmap(go)(qq, kk, vv, qs, sk), rtol=2e-5, atol=2e-5)
+    close(jax.jit(jax.vmap(g))(qq, kk, vv, qs, sk), jax.jit(jax.vmap(go))(qq, kk, vv, qs, sk),
+          rtol=2e-5, atol=2e-5)
     # vmap of the sinks alone (kernel path, lse batched through the primitive)
-    ys = jax.vmap(lambda s: attention(q, k, v, sinks=s))(sk)
+    ys = jax.jit(jax.vmap(lambda s: attention(q, k, v, sinks=s)))(sk)
     for i in range(2):
         close(ys[i], dense_oracle(q, k, v, sinks=sk[i]), rtol=2e-5, atol=2e-5)
 
@@ -299,3 +326,82 @@ def test_sharded_batch_and_sequence_match_unsharded():
     r = subprocess.run([sys.executable, "-c", _SHARD_CHILD], env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+
+
+# ---- RLX graphs ----------------------------------------------------------------------------
+
+
+def _graph(segments, sinks, mask_kind="causal"):
+    from rlx_jax.ir import Graph
+
+    g = Graph("packed")
+    q, k, v = (g.param(n, [2, 5, 4 * 3]) if n == "q" else g.param(n, [2, 5, 2 * 3]) for n in "qkv")
+    kw = {}
+    if segments:
+        kw.update(q_segment_ids=g.input("qs", [2, 5], "i32"), kv_segment_ids=g.input("ks", [2, 5], "i32"))
+    if sinks:
+        kw["sinks"] = g.param("sinks", [4])
+    y = g.attention_opts(q, k, v, 4, 3, mask_kind, softcap=2.0 if not (segments or sinks) else None, **kw)
+    w = np.random.RandomState(3).randn(2, 5, 12).astype(np.float32)
+    g.set_outputs([g.sum(g.mul(y, g.constant(w)), [0, 1, 2])])
+    return g, w
+
+
+@pytest.mark.parametrize("segments,sinks", [(True, True), (True, False), (False, True)],
+                         ids=["both", "segments", "sinks"])
+def test_graph_round_trip_lowering_and_graph_gradients(segments, sinks):
+    import rlx_jax
+    from rlx_jax.ir import Graph
+
+    g, w = _graph(segments, sinks)
+    text = g.to_json()
+    back = Graph.from_json(text)
+    assert back.to_json() == text
+    node = json.loads(text)
+    attn = [n for n in json.dumps(node).split('"Attention"')[1:]]
+    assert attn and (('"segment_ids": true' in attn[0]) == segments) and (('"sinks": true' in attn[0]) == sinks)
+    x = inputs(2, 5, 5, 4, 2, 3, seed=4)
+    ids = packed_ids(2, 5, 7, max_len=3)
+    params = {"q": x["q"].reshape(2, 5, 12), "k": x["k"].reshape(2, 5, 6), "v": x["v"].reshape(2, 5, 6)}
+    feeds = {}
+    if segments:
+        feeds = {"qs": ids, "ks": ids}
+    if sinks:
+        params["sinks"] = x["sinks"]
+    wrt = list(params)
+    gg = rlx_jax.grad_with_loss(back, wrt)
+    outs = rlx_jax.to_jax(gg)(params, dict(feeds, d_output=np.float32(1)))
+
+    def loss(p):
+        kw = dict(q_segment_ids=ids, kv_segment_ids=ids) if segments else {}
+        if sinks:
+            kw["sinks"] = p["sinks"]
+        y = dense_oracle(p["q"].reshape(2, 5, 4, 3), p["k"].reshape(2, 5, 2, 3), p["v"].reshape(2, 5, 2, 3),
+                         mask_kind="causal", **kw)
+        return jnp.sum(y.reshape(2, 5, 12) * w)
+
+    want, gwant = jax.value_and_grad(loss)(params)
+    close(outs[0], want, rtol=1e-5, atol=1e-5)
+    for name, got in zip(wrt, outs[1:]):
+        close(got, gwant[name], rtol=1e-4, atol=1e-5)
+
+
+def test_graph_without_the_new_inputs_keeps_rlx_json():
+    g, _ = _graph(False, False)
+    assert "segment_ids" not in g.to_json() and "sinks" not in g.to_json()
+
+
+def test_graph_rejects_bad_segment_ids_and_sinks():
+    from rlx_jax.ir import Graph
+
+    g = Graph("bad")
+    q, k, v = g.param("q", [1, 4, 6]), g.param("k", [1, 4, 6]), g.param("v", [1, 4, 6])
+    with pytest.raises(Exception, match="q_segment_ids must have an integer dtype"):
+        g.attention_opts(q, k, v, 2, 3, q_segment_ids=g.input("a", [1, 4]), kv_segment_ids=g.input("b", [1, 4], "i32"))
+    with pytest.raises(Exception, match="kv_segment_ids must be"):
+        g.attention_opts(q, k, v, 2, 3, q_segment_ids=g.input("c", [1, 4], "i32"),
+                         kv_segment_ids=g.input("d", [1, 3], "i32"))
+    with pytest.raises(Exception, match="sinks must be"):
+        g.attention_opts(q, k, v, 2, 3, sinks=g.param("s", [3]))
+    with pytest.raises(Exception, match="go together"):
+        g.attention_opts(q, k, v, 2, 3, q_segment_ids=g.input("e", [1, 4], "i32"))
