@@ -413,3 +413,18 @@ def test_graph_rejects_bad_segment_ids_and_sinks():
         g.attention_opts(q, k, v, 2, 3, sinks=g.param("s", [3]))
     with pytest.raises(Exception, match="go together"):
         g.attention_opts(q, k, v, 2, 3, q_segment_ids=g.input("e", [1, 4], "i32"))
+
+
+@pytest.mark.parametrize("sq,sk", [(0, 3), (3, 0), (0, 0)])
+def test_zero_sized_lengths(sq, sk):
+    """Empty query or key sequences: empty outputs, or rows with no key (0, zero grads)."""
+    r = np.random.default_rng(1)
+    q, k = jnp.asarray(r.standard_normal((2, sq, 2, 4)), jnp.float32), jnp.asarray(r.standard_normal((2, sk, 1, 4)), jnp.float32)
+    kw = dict(q_segment_ids=jnp.zeros((2, sq), jnp.int32), kv_segment_ids=jnp.zeros((2, sk), jnp.int32))
+    sinks = jnp.asarray([0.5, -1.0], jnp.float32)
+    f = jax.jit(jax.value_and_grad(lambda q, k, s: jnp.sum(attention(q, k, k, sinks=s, **kw) ** 2), (0, 1, 2)))
+    val, grads = f(q, k, sinks)
+    assert float(val) == 0.0
+    assert [g.shape for g in grads] == [q.shape, k.shape, (2,)]
+    assert all(np.all(np.asarray(g) == 0) for g in grads)
+    assert np.all(np.asarray(attention(q, k, k, sinks=sinks)) == 0)

@@ -536,13 +536,16 @@ def _from_rlx(x, heads, head_dim, name):
 
 
 def attention_rlx(q, k, v, *, num_heads, head_dim, mask_kind="none", window=None, mask=None,
-                  bias=None, scale=None, softcap=None):
+                  bias=None, scale=None, softcap=None, q_segment_ids=None, kv_segment_ids=None,
+                  sinks=None):
     """``attention`` on RLX's layout: q [B, Sq, num_heads * head_dim], k, v
-    [B, Sk, Hkv * head_dim] (rank 2 means B = 1); returns q's layout."""
+    [B, Sk, Hkv * head_dim] (rank 2 means B = 1); returns q's layout. Segment ids
+    [B, Sq] / [B, Sk] and sinks [num_heads] as in ``attention``."""
     q = jnp.asarray(q)
     q4 = _from_rlx(q, num_heads, head_dim, "q")
     k4 = _from_rlx(k, None, head_dim, "k")
     v4 = _from_rlx(v, None, head_dim, "v")
     out = attention(q4, k4, v4, mask_kind=mask_kind, window=window, mask=mask, bias=bias,
-                    scale=scale, softcap=softcap)
+                    scale=scale, softcap=softcap, q_segment_ids=q_segment_ids,
+                    kv_segment_ids=kv_segment_ids, sinks=sinks)
     return out.reshape(q.shape)
