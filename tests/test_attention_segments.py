@@ -428,3 +428,35 @@ def test_zero_sized_lengths(sq, sk):
     assert [g.shape for g in grads] == [q.shape, k.shape, (2,)]
     assert all(np.all(np.asarray(g) == 0) for g in grads)
     assert np.all(np.asarray(attention(q, k, k, sinks=sinks)) == 0)
+
+
+def test_graph_gradients_with_bias_softcap_scale_segments_and_sinks():
+    """Mask kind Bias (its input precedes the segment ids) with a softcap and a score scale:
+    graph gradients of q, k, v, bias and sinks against the oracle."""
+    import rlx_jax
+    from rlx_jax.ir import Graph
+
+    x = inputs(2, 5, 5, 4, 2, 3, seed=4)
+    ids = packed_ids(2, 5, 7, max_len=3)
+    g = Graph("packed_bias")
+    q, k, v = g.param("q", [2, 5, 12]), g.param("k", [2, 5, 6]), g.param("v", [2, 5, 6])
+    y = g.attention_opts(q, k, v, 4, 3, "bias", g.param("bias", [2, 4, 5, 5]), softcap=1.7, score_scale=0.3,
+                         q_segment_ids=g.input("qs", [2, 5], "i32"), kv_segment_ids=g.input("ks", [2, 5], "i32"),
+                         sinks=g.param("sinks", [4]))
+    w = np.random.RandomState(3).randn(2, 5, 12).astype(np.float32)
+    g.set_outputs([g.sum(g.mul(y, g.constant(w)), [0, 1, 2])])
+    params = {"q": x["q"].reshape(2, 5, 12), "k": x["k"].reshape(2, 5, 6), "v": x["v"].reshape(2, 5, 6),
+              "bias": x["bias"], "sinks": x["sinks"]}
+    outs = rlx_jax.to_jax(rlx_jax.grad_with_loss(g, list(params)))(params, {"qs": ids, "ks": ids,
+                                                                          "d_output": np.float32(1)})
+
+    def loss(p):
+        y = dense_oracle(p["q"].reshape(2, 5, 4, 3), p["k"].reshape(2, 5, 2, 3), p["v"].reshape(2, 5, 2, 3),
+                         bias=p["bias"], softcap=1.7, scale=0.3, q_segment_ids=ids, kv_segment_ids=ids,
+                         sinks=p["sinks"])
+        return jnp.sum(y.reshape(2, 5, 12) * w)
+
+    want, gwant = jax.value_and_grad(loss)(params)
+    close(outs[0], want, rtol=1e-5, atol=1e-5)
+    for name, got in zip(params, outs[1:]):
+        close(got, gwant[name], rtol=1e-4, atol=1e-5)
