@@ -57,8 +57,11 @@ def _repeat_heads(t, x, h, hkv):
     return E.reshape(t, y, (b, h, s, d))
 
 
-def emit_attention(t, op, q, k, v, extra=None):
-    """Attention output in primitive ops (same layout as q)."""
+def emit_attention(t, op, q, k, v, extra=None, segment_ids=None, sinks=None):
+    """Attention output in primitive ops (same layout as q). ``segment_ids``: (q ids
+    [B, Sq], kv ids [B, Sk]) hide keys of other segments; ``sinks`` [H]: the output is
+    scaled by sigmoid(lse - sink_h) (the sink's extra softmax term, with no value). Rows
+    with no visible key give 0 (probabilities zeroed where hidden)."""
     qd = E.dims(t, q)
     if not all(isinstance(d, int) for d in qd + E.dims(t, k)):
         raise GraphError("primitive attention needs static shapes")
@@ -90,12 +93,27 @@ def emit_attention(t, op, q, k, v, extra=None):
     elif kind == "Custom":
         m = E.reshape(t, extra, (E.dims(t, extra)[0], 1, 1, sk))
         vis = E.cmp(t, "Ge", m, E.scalar(t, 0.5, E.dtype(t, extra)))
-    if vis is not None:
-        s = E.where(t, vis, s, E.scalar(t, _NEG, dt))
+    hidden = [vis] if vis is not None else []
+    if segment_ids is not None:
+        qs, ks = segment_ids
+        qs = E.reshape(t, qs, (b, 1, sq, 1))
+        ks = E.reshape(t, ks, (b, 1, 1, sk))
+        hidden.append(E.cmp(t, "Eq", qs, ks))
+    for keep in hidden:
+        s = E.where(t, keep, s, E.scalar(t, _NEG, dt))
     from rlx_jax.ir.ops_reduce import Softmax
 
     p = t._add_node(Softmax(axis=-1), (s,))
+    if segment_ids is not None or sinks is not None:
+        zero = E.scalar(t, 0.0, dt)
+        for keep in hidden:  # rows with no visible key: 0, not a uniform softmax
+            p = E.where(t, keep, p, zero)
     o = matmul(t, p, v4)                                     # [B, H, Sq, D]
+    if sinks is not None:
+        m = E.reduce(t, s, "Max", (3,), keep_dim=True)        # [B, H, Sq, 1]
+        lse = E.add(t, m, E.act(t, "Log", E.sum_(t, E.act(t, "Exp", E.sub(t, s, m)), (3,), keep_dim=True)))
+        sk_h = E.reshape(t, E.cast(t, sinks, dt), (1, nh, 1, 1))
+        o = E.mul(t, o, E.act(t, "Sigmoid", E.sub(t, lse, sk_h)))
     if len(qd) == 3:
         return E.reshape(t, E.transpose(t, o, (0, 2, 1, 3)), qd)
     if bhsd:
@@ -105,16 +123,20 @@ def emit_attention(t, op, q, k, v, extra=None):
 
 def _build(node):
     def build(t, ins):
-        return emit_attention(t, node.op, *ins[:3], ins[3] if len(ins) > 3 else None)
+        q, k, v, extra, seg, sinks = node.op.split_inputs(ins)
+        return emit_attention(t, node.op, q, k, v, extra, seg, sinks)
     return build
 
 
 def attention_softcap_vjp(g, node, dy):
-    """dq, dk, dv (and d bias) of attention with a logit softcap, in primitives: the
-    reverse sweep over :func:`emit_attention` (RLX's AttentionBackward has no softcap
-    field, see the module doc); the forward value still comes from the Attention node."""
+    """dq, dk, dv (and d bias, d sinks) of attention with a logit softcap, segment ids or
+    sinks, in primitives: the reverse sweep over :func:`emit_attention` (RLX's
+    AttentionBackward has none of these fields, see the module doc); the forward value
+    still comes from the Attention node. Segment ids get no gradient."""
     n = len(node.inputs)
     wrt = [0, 1, 2] + ([3] if node.op.mask_kind.kind == "Bias" else [])
+    if getattr(node.op, "sinks", None):
+        wrt.append(n - 1)
     return vjp_via_expansion(g, node, dy, _build(node), wrt_inputs=wrt)[:n]
 
 

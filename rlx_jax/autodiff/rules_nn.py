@@ -105,7 +105,8 @@ def _attention(g, node, dy):
     op = node.op
     q, k, v = node.inputs[:3]
     mask = tuple(node.inputs[3:])
-    if op.attn_logit_softcap is not None:
+    if op.attn_logit_softcap is not None or getattr(op, "segment_ids", None) or getattr(op, "sinks", None):
+        # softcap, segment ids and sinks have no AttentionBackward field: expanded
         from .rules_attention import attention_softcap_vjp
 
         return attention_softcap_vjp(g, node, dy)

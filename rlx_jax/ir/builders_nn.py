@@ -57,8 +57,11 @@ class NNBuilders(BuilderBase):
 
     def attention_opts(self, q: int, k: int, v: int, num_heads: int, head_dim: int, mask_kind="none",
                        mask: Optional[int] = None, score_scale: Optional[float] = None,
-                       softcap: Optional[float] = None) -> int:
-        """Attention with every option (mask kinds custom/bias take ``mask``)."""
+                       softcap: Optional[float] = None, q_segment_ids: Optional[int] = None,
+                       kv_segment_ids: Optional[int] = None, sinks: Optional[int] = None) -> int:
+        """Attention with every option (mask kinds custom/bias take ``mask``); packed
+        documents through ``q_segment_ids`` [B, Sq] / ``kv_segment_ids`` [B, Sk] (integer,
+        given together) and per-head ``sinks`` [num_heads]."""
         from .ops_attention import Attention
 
         mk = self._enum(MaskKind, "Attention", mask_kind)
@@ -69,8 +72,16 @@ class NNBuilders(BuilderBase):
             ins += (mask,)
         elif mask is not None:
             raise self._fault("Attention", f"mask kind {mk.kind} takes no mask input")
+        if (q_segment_ids is None) != (kv_segment_ids is None):
+            raise self._fault("Attention", "q_segment_ids and kv_segment_ids go together")
+        if q_segment_ids is not None:
+            ins += (q_segment_ids, kv_segment_ids)
+        if sinks is not None:
+            ins += (sinks,)
         return self._build(Attention, ins, num_heads=num_heads, head_dim=head_dim, mask_kind=mk,
-                           score_scale=score_scale, attn_logit_softcap=softcap)
+                           score_scale=score_scale, attn_logit_softcap=softcap,
+                           segment_ids=True if q_segment_ids is not None else None,
+                           sinks=True if sinks is not None else None)
 
     def rope(self, x: int, cos: int, sin: int, head_dim: int) -> int:
         """NeoX RoPE over whole heads (pyrlx)."""

@@ -7,7 +7,7 @@ q's dim 1 equals num_heads). The output has q's shape.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import ClassVar, Optional
 
 from .errors import OpFault
 from .op import MaskKind, Op, need_float, need_min_rank, need_rank, need_same_dtype, op_class
@@ -75,6 +75,28 @@ def check_attention(num_heads: int, head_dim: int, mask_kind: MaskKind, q, k, v,
             )
 
 
+def check_segments_and_sinks(num_heads: int, head_dim: int, q, k, q_segment_ids=None,
+                             kv_segment_ids=None, sinks=None):
+    """Segment ids ``[B, Sq]`` / ``[B, Sk]`` with an integer dtype (logical batch and
+    lengths of q and k); sinks ``[num_heads]`` floating."""
+    bhsd = attention_bhsd(q, num_heads)
+    qb, qs, _, _ = _logical("q", q, head_dim, bhsd)
+    _, ks, _, _ = _logical("k", k, head_dim, bhsd)
+    for what, ids, length in (("q_segment_ids", q_segment_ids, qs), ("kv_segment_ids", kv_segment_ids, ks)):
+        if ids is None:
+            continue
+        need_rank(f"attention {what}", ids, 2)
+        if not ids.dtype.is_int:
+            raise OpFault(f"attention {what} must have an integer dtype, got {ids.dtype.short}")
+        if not (dims_compatible(ids.dims[0], qb) and dims_compatible(ids.dims[1], length)):
+            raise OpFault(f"attention {what} must be [batch, len] = [{qb}, {length}], got {ids}")
+    if sinks is not None:
+        need_rank("attention sinks", sinks, 1)
+        need_float("attention sinks", sinks)
+        if not dims_compatible(sinks.dims[0], num_heads):
+            raise OpFault(f"attention sinks must be [num_heads] = [{num_heads}], got {sinks}")
+
+
 def _bcast_ok(d, want) -> bool:
     return d == 1 or dims_compatible(d, want)
 
@@ -83,13 +105,23 @@ def _bcast_ok(d, want) -> bool:
 class Attention(Op):
     """Scaled dot-product attention: scores ``q.k * (score_scale or 1/sqrt(head_dim))``,
     then ``c*tanh(s/c)`` when ``attn_logit_softcap`` is set, then the mask, softmax over
-    keys, times v. Inputs ``[q, k, v]`` plus the mask for Custom/Bias."""
+    keys, times v. Inputs ``[q, k, v]`` plus the mask for Custom/Bias, then
+    ``q_segment_ids [B, Sq], kv_segment_ids [B, Sk]`` (integer) when ``segment_ids``
+    (query i sees key j only where the ids are equal, on top of the mask), then
+    ``sinks [num_heads]`` when ``sinks`` (a per-head logit joining each row's softmax
+    denominator, with no value). The two flags are rlx_jax extensions: serde writes them
+    only when set, so graphs without them stay RLX's JSON."""
 
     num_heads: int
     head_dim: int
     mask_kind: MaskKind
     score_scale: Optional[float] = None
     attn_logit_softcap: Optional[float] = None
+    segment_ids: Optional[bool] = None
+    sinks: Optional[bool] = None
+
+    #: fields serde omits when None (rlx_jax extensions RLX does not know)
+    _omit_if_none: ClassVar[tuple] = ("segment_ids", "sinks")
 
     def validate(self):
         if self.num_heads == 0 or self.head_dim == 0:
@@ -98,11 +130,23 @@ class Attention(Op):
             raise OpFault(f"attn_logit_softcap must be > 0, got {self.attn_logit_softcap}")
 
     def arity(self):
-        return 4 if self.mask_kind.needs_mask_input else 3
+        return 3 + bool(self.mask_kind.needs_mask_input) + 2 * bool(self.segment_ids) + bool(self.sinks)
+
+    def split_inputs(self, ins):
+        """(q, k, v, mask or None, (q_segment_ids, kv_segment_ids) or None, sinks or None)."""
+        ins = list(ins)
+        q, k, v = ins[:3]
+        rest = ins[3:]
+        mask = rest.pop(0) if self.mask_kind.needs_mask_input else None
+        seg = (rest.pop(0), rest.pop(0)) if self.segment_ids else None
+        sinks = rest.pop(0) if self.sinks else None
+        return q, k, v, mask, seg, sinks
 
     def infer(self, ins):
-        check_attention(self.num_heads, self.head_dim, self.mask_kind, *ins)
-        return ins[0]
+        q, k, v, mask, seg, sinks = self.split_inputs(ins)
+        check_attention(self.num_heads, self.head_dim, self.mask_kind, q, k, v, mask)
+        check_segments_and_sinks(self.num_heads, self.head_dim, q, k, *(seg or (None, None)), sinks)
+        return q
 
 
 def check_rope(head_dim: int, n_rot: int, x, cos, sin):

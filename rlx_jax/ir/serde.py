@@ -99,7 +99,9 @@ def op_to_json_value(op, names: dict | None = None):
         return cls.__name__
     if cls._serde == "newtype":
         return {cls.__name__: _enc(getattr(op, fields[0].name), names)}
-    return {cls.__name__: {f.name: _enc(getattr(op, f.name), names) for f in fields}}
+    omit = getattr(cls, "_omit_if_none", ())
+    return {cls.__name__: {f.name: _enc(getattr(op, f.name), names) for f in fields
+                           if not (f.name in omit and getattr(op, f.name) is None)}}
 
 
 def _shape_dict(s: Shape, names: dict) -> dict:

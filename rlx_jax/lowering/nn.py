@@ -142,13 +142,18 @@ def attention_kwargs(mask_kind, extra, score_scale, softcap):
 
 
 def attention(q, k, v, extra, *, num_heads, head_dim, mask_kind, score_scale=None,
-              softcap=None):
-    """RLX Attention in any of its layouts through ``rlx_jax.ops.attention``."""
+              softcap=None, segment_ids=None, sinks=None):
+    """RLX Attention in any of its layouts through ``rlx_jax.ops.attention``;
+    ``segment_ids``: (q ids [B, Sq], kv ids [B, Sk]) or None; ``sinks``: [H] or None."""
     bhsd = attention_layout(q, num_heads)
     q4, back = _to_bshd(q, num_heads, head_dim, bhsd)
     k4, _ = _to_bshd(k, num_heads, head_dim, bhsd)
     v4, _ = _to_bshd(v, num_heads, head_dim, bhsd)
     kw = attention_kwargs(mask_kind, extra, score_scale, softcap)
+    if segment_ids is not None:
+        kw.update(q_segment_ids=segment_ids[0], kv_segment_ids=segment_ids[1])
+    if sinks is not None:
+        kw["sinks"] = sinks
     return back(fused("attention")(q4, k4, v4, **kw))
 
 
@@ -156,11 +161,11 @@ def attention(q, k, v, extra, *, num_heads, head_dim, mask_kind, score_scale=Non
 def _attention(op, args, ctx):
     # softmax(mask(softcap(q.k * scale))) . v per head; scale = score_scale or
     # 1/sqrt(head_dim); Custom: [B, Sk] keep mask; Bias: additive [B, H, Sq, Sk].
-    q, k, v = args[:3]
-    extra = args[3] if len(args) > 3 else None
+    # Optional segment ids (q [B, Sq], kv [B, Sk]) and sinks [H] follow the mask.
+    q, k, v, extra, seg, sinks = op.split_inputs(args)
     out = attention(q, k, v, extra, num_heads=int(op.num_heads), head_dim=int(op.head_dim),
                     mask_kind=op.mask_kind, score_scale=getattr(op, "score_scale", None),
-                    softcap=getattr(op, "attn_logit_softcap", None))
+                    softcap=getattr(op, "attn_logit_softcap", None), segment_ids=seg, sinks=sinks)
     return ctx.cast_out(out)
 
 

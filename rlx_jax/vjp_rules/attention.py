@@ -99,9 +99,10 @@ def _pv(p, v):
     return o.reshape(b, sq, h, v.shape[3])
 
 
-def _scores(q, k, bias, mask, *, kind, window, scale, softcap):
+def _scores(q, k, bias, mask, *, kind, window, scale, softcap, visible=None):
     """(s, th, visible): scores after softcap and bias, tanh(r / c) (None without a
-    softcap), and the visibility mask; all in the accumulation dtype."""
+    softcap), and the visibility mask (ANDed with ``visible`` [B or 1, 1, Sq, Sk] when
+    given: the segment ids of ``attention_segments``); all in the accumulation dtype."""
     acc = _acc_dtype(q.dtype)
     r = _qk(q.astype(acc), k.astype(acc)) * scale
     th = None
@@ -113,6 +114,8 @@ def _scores(q, k, bias, mask, *, kind, window, scale, softcap):
     if bias is not None:
         s = s + bias.astype(acc)
     vis = _visible(q.shape[1], k.shape[1], kind, window, mask)
+    if visible is not None:
+        vis = vis & visible
     return s, th, vis
 
 
@@ -123,11 +126,14 @@ def _probs_from_lse(s, vis, lse):
     return jnp.where(live, jnp.exp(jnp.where(live, s, lse_safe) - lse_safe), 0.0)
 
 
-def reference_attention(q, k, v, *extras, kind, window, scale, softcap, has_mask, has_bias):
-    """Plain JAX, O(Sq * Sk) memory; returns (out, lse)."""
+def reference_attention(q, k, v, *extras, kind, window, scale, softcap, has_mask, has_bias,
+                        visible=None):
+    """Plain JAX, O(Sq * Sk) memory; returns (out, lse). ``visible``: an extra boolean
+    visibility [B or 1, 1, Sq, Sk] (segment ids), used only when called directly."""
     mask, bias, _ = _split(extras, has_mask, has_bias)
     acc = _acc_dtype(q.dtype)
-    s, _, vis = _scores(q, k, bias, mask, kind=kind, window=window, scale=scale, softcap=softcap)
+    s, _, vis = _scores(q, k, bias, mask, kind=kind, window=window, scale=scale, softcap=softcap,
+                        visible=visible)
     m = jnp.max(jnp.where(vis, s, -jnp.inf), axis=-1, initial=-jnp.inf)
     m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))[..., None]
     e = jnp.where(vis, jnp.exp(jnp.where(vis, s, m) - m), 0.0)
@@ -559,7 +565,8 @@ def _fold_scale(q, scale):
 
 
 def attention(q, k, v, *, mask_kind="none", window=None, mask=None, bias=None, scale=None,
-              softcap=None, causal_alignment="bottom_right"):
+              softcap=None, causal_alignment="bottom_right", q_segment_ids=None, kv_segment_ids=None,
+              sinks=None):
     """softmax(mask(softcap(scale * q k^T) + bias)) v, per head.
 
     q: [..., Sq, H, D]; k, v: [..., Sk, Hkv, D] with the same leading (batch) axes, any
@@ -578,20 +585,42 @@ def attention(q, k, v, *, mask_kind="none", window=None, mask=None, bias=None, s
     bottom-right lets query 0 see keys 0..4 and query 1 keys 0..5; top-left, query 0 key 0
     and query 1 keys 0..1. When Sq >= Sk both agree.
 
+    q_segment_ids [..., Sq], kv_segment_ids [..., Sk] (integers, given together): packed
+    documents; query i sees key j only where the ids are equal (ANDed with the mask kind,
+    window and key mask). These run the pure-JAX reference on every platform (O(Sq * Sk)
+    memory; the kernels take no segment ids). sinks [H]: a per-head logit joining each
+    row's softmax denominator with no value, out_i = sum_j exp(s_ij) v_j / (exp(sink_h) +
+    sum_j exp(s_ij)); differentiable in the sinks too, and computed from the kernel's
+    (out, lse) (see ``attention_segments``).
+
     Returns [..., Sq, H, D] in q's dtype (f32 accumulation). Rows with no visible key are
     0. Differentiable in every mode; reverse mode runs the fused backward kernel, and
     memory is O(S) on the kernel path. On CUDA the kernels serve bf16 and f16 (head dim
     <= 256); f32 and f64 run XLA's code (the pure-JAX reference, O(Sq * Sk) memory), whose
     f32 matmuls use TF32 tensor cores under JAX's default matmul precision and beat the
-    f32 SIMT kernel. Under SPMD sharding it runs shard-local over the batch and over heads
-    (under grouped-query attention: over kv-head groups, the query heads split on group
+    f32 SIMT kernel. On the CPU, XLA's code below ``CPU_KERNEL_MIN_SCORE_BYTES`` of scores.
+    Under SPMD sharding it runs shard-local over the batch and over heads (under
+    grouped-query attention: over kv-head groups, the query heads split on group
     boundaries).
     """
+    from .attention_segments import apply_sinks, check_segments_and_sinks, segment_attention
+
+    sk = jnp.shape(k)[-3] if jnp.ndim(k) >= 3 else 0
     q, k, v, extras, params, traced_scale, lead = _prepare(q, k, v, mask, bias, mask_kind, window, scale,
                                                            softcap, causal_alignment, "attention")
     if traced_scale is not None:
         q = _fold_scale(q, traced_scale)
-    out, _ = attention_fwd(q, k, v, *extras, **params)
+    b, sq = q.shape[:2]
+    flat_ids = lambda ids, n: ids if ids is None or jnp.shape(ids) != (*lead, n) else jnp.reshape(ids, (b, n))
+    full_k = jax.ShapeDtypeStruct((b, sk, *k.shape[2:]), k.dtype)  # before a top-left slice
+    q_seg, kv_seg, sinks = check_segments_and_sinks(q, full_k, flat_ids(q_segment_ids, sq),
+                                                    flat_ids(kv_segment_ids, sk), sinks, "attention")
+    if q_seg is not None:
+        out, lse = segment_attention(q, k, v, q_seg, kv_seg[:, :k.shape[1]], *extras, **params)
+    else:
+        out, lse = attention_fwd(q, k, v, *extras, **params)
+    if sinks is not None:
+        out = apply_sinks(out, lse, sinks)
     return out.reshape(*lead, *out.shape[1:])
 
 
@@ -636,13 +665,16 @@ def _from_rlx(x, heads, head_dim, name):
 
 
 def attention_rlx(q, k, v, *, num_heads, head_dim, mask_kind="none", window=None, mask=None,
-                  bias=None, scale=None, softcap=None):
+                  bias=None, scale=None, softcap=None, q_segment_ids=None, kv_segment_ids=None,
+                  sinks=None):
     """``attention`` on RLX's layout: q [B, Sq, num_heads * head_dim], k, v
-    [B, Sk, Hkv * head_dim] (rank 2 means B = 1); returns q's layout."""
+    [B, Sk, Hkv * head_dim] (rank 2 means B = 1); returns q's layout. Segment ids
+    [B, Sq] / [B, Sk] and sinks [num_heads] as in ``attention``."""
     q = jnp.asarray(q)
     q4 = _from_rlx(q, num_heads, head_dim, "q")
     k4 = _from_rlx(k, None, head_dim, "k")
     v4 = _from_rlx(v, None, head_dim, "v")
     out = attention(q4, k4, v4, mask_kind=mask_kind, window=window, mask=mask, bias=bias,
-                    scale=scale, softcap=softcap)
+                    scale=scale, softcap=softcap, q_segment_ids=q_segment_ids,
+                    kv_segment_ids=kv_segment_ids, sinks=sinks)
     return out.reshape(q.shape)

@@ -1,0 +1,92 @@
+"""Packed documents (segment ids) and attention sinks for ``rlx_jax.ops.attention``.
+
+Segment ids: ``q_segment_ids`` [B, Sq] and ``kv_segment_ids`` [B, Sk] (integers); query i
+sees key j only where ``q_segment_ids[b, i] == kv_segment_ids[b, j]``, on top of the mask
+kind, window and key mask (a logical AND of the visibility sets; the bias is still added
+to the visible scores).
+
+Sinks: ``sinks`` [H], one logit per query head that joins every row's softmax
+denominator and carries no value. With s_ij the visible scores and
+lse_i = log sum_j exp(s_ij) (the attention without sinks):
+
+    p_ij = exp(s_ij) / (exp(sink_h) + sum_j exp(s_ij)),    out_i = sum_j p_ij v_j
+         = out0_i * sigma(lse_i - sink_h),
+
+with out0 the attention without sinks and sigma the logistic function; the sink's own
+probability is p_sink,i = 1 - sigma(lse_i - sink_h) = exp(sink_h - logaddexp(lse_i, sink_h)).
+Its gradient is d sink_h = -sum_{b,i} p_sink,i (dout_i . out_i). Because the sink only
+rescales each row by a function of lse, the sinks run on top of the fused primitive
+(``attention_fwd`` returns lse and differentiates through it), so they use whatever
+kernel the platform has (CPU and CUDA), with no extra kernel operand. A row that sees no
+key has lse = -inf, sigma = 0 and output 0, as without sinks.
+
+Routing: segment ids need a per-(query, key) visibility that the FFI kernels (CPU and
+CUDA) do not take, so calls with segment ids compute with the pure-JAX reference
+(``reference_attention`` with the extra visibility, O(B H Sq Sk) memory, under
+``jax.checkpoint`` so reverse mode stores only the inputs) on every platform, and are
+differentiated by JAX itself (reverse, forward mode, vmap, any order). The kernels never
+see the segment ids. Under SPMD sharding these are plain XLA ops: the segment ids shard
+with q's batch / sequence axes (kv ids with k's) and the compiler partitions the rest.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def check_segments_and_sinks(q, k, q_segment_ids, kv_segment_ids, sinks, who):
+    """Validated (q_segment_ids, kv_segment_ids, sinks) as int32, int32 and floating
+    arrays (None where absent). Segment ids come in pairs."""
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        missing = "kv_segment_ids" if kv_segment_ids is None else "q_segment_ids"
+        raise ValueError(f"{who}: q_segment_ids and kv_segment_ids go together; {missing} is missing")
+    b, sq, h, _ = q.shape
+    sk = k.shape[1]
+    ids = []
+    for name, x, want in (("q_segment_ids", q_segment_ids, (b, sq)),
+                          ("kv_segment_ids", kv_segment_ids, (b, sk))):
+        if x is None:
+            ids.append(None)
+            continue
+        x = jnp.asarray(x)
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise TypeError(f"{who}: {name} must be an integer array, got {x.dtype}")
+        if x.shape != want:
+            raise ValueError(f"{who}: {name} must have shape {want}, got {x.shape}")
+        ids.append(x.astype(jnp.int32))
+    if sinks is not None:
+        sinks = jnp.asarray(sinks)
+        if not jnp.issubdtype(sinks.dtype, jnp.floating):
+            raise TypeError(f"{who}: sinks must be floating point, got {sinks.dtype}")
+        if sinks.shape != (h,):
+            raise ValueError(f"{who}: sinks must have shape (H,) = {(h,)}, got {sinks.shape}")
+    return ids[0], ids[1], sinks
+
+
+def segment_visible(q_segment_ids, kv_segment_ids):
+    """Boolean [B, 1, Sq, Sk]: query i and key j lie in the same segment."""
+    return (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])[:, None]
+
+
+def segment_attention(q, k, v, q_segment_ids, kv_segment_ids, *extras, **params):
+    """(out, lse) of attention restricted to equal segment ids, in pure JAX (the
+    reference with the extra visibility; ``params`` as ``reference_attention``'s)."""
+    from .attention import reference_attention
+
+    def run(q, k, v, qs, ks, *extras):
+        return reference_attention(q, k, v, *extras, visible=segment_visible(qs, ks), **params)
+
+    return jax.checkpoint(run)(q, k, v, q_segment_ids, kv_segment_ids, *extras)
+
+
+def apply_sinks(out, lse, sinks):
+    """out [B, Sq, H, D] (without sinks) and lse [B, H, Sq] -> out * sigma(lse - sink_h).
+    Rows with lse = -inf stay 0 with zero gradients."""
+    acc = lse.dtype
+    live = jnp.isfinite(lse)
+    x = jnp.where(live, lse, 0.0) - sinks.astype(acc)[None, :, None]
+    w = jnp.where(live, jax.nn.sigmoid(x), 0.0)                  # [B, H, Sq]
+    w = jnp.swapaxes(w, 1, 2)[..., None]                         # [B, Sq, H, 1]
+    return (out.astype(acc) * w).astype(out.dtype)
+
