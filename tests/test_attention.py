@@ -431,19 +431,19 @@ def test_kernel_rejects_bad_buffers_with_an_error():
         jax.block_until_ready(jax.jit(lambda *a: call(*a, **attrs))(q, k3, k3, empty_mask, empty_bias))
 
 
-@pytest.mark.parametrize("mode", [None, "0", "4", "5", "6", "7", "8", "9", "x"])
+@pytest.mark.parametrize("mode", [None, "0", "1"])
 @pytest.mark.parametrize("kind", ["none", "causal", "sliding"])
 def test_cuda_backward_scratch_depends_on_shapes_only(monkeypatch, mode, kind):
     """The CUDA backward's scratch holds the fused kernel's f32 dQ accumulator wherever the
     fused kernel can serve the call (bf16 / f16, head dims 64 and 128, scale > 0, with or
-    without a softcap or a key mask, no bias), whatever the kernel's run-time switch
-    RLX_ATTENTION_CUDA_WGMMA_BWD says: the traced program must not depend on the environment
-    (the kernel takes the fused path only where the switch asks and the scratch is large
-    enough; the other backwards read the scratch's first B * H * Sq elements)."""
+    without a softcap or a key mask, no bias), whatever the kernel's debugging switch
+    RLX_ATTENTION_CUDA_WGMMA says: the traced program must not depend on the environment
+    (the kernel takes the fused path only where the scratch is large enough and the device
+    serves it; the other backwards read the scratch's first B * H * Sq elements)."""
     if mode is None:
-        monkeypatch.delenv("RLX_ATTENTION_CUDA_WGMMA_BWD", raising=False)
+        monkeypatch.delenv("RLX_ATTENTION_CUDA_WGMMA", raising=False)
     else:
-        monkeypatch.setenv("RLX_ATTENTION_CUDA_WGMMA_BWD", mode)
+        monkeypatch.setenv("RLX_ATTENTION_CUDA_WGMMA", mode)
     fused = True
     q = jnp.zeros((2, 130, 4, 128), jnp.bfloat16)
     assert A._cuda_fused_bwd(q, kind, 0.1, 0.0, False, False) is fused

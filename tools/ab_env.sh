@@ -2,10 +2,12 @@
 # A/B timing of two settings of a kernel switch (environment variables read once per process)
 # on the GPU machine, in alternating processes on the same warm GPU and the same build:
 #   tools/ab_env.sh ROUNDS "A_ENV" "B_ENV" [benchmarks.run args...]
-# e.g. tools/ab_env.sh 4 "" "RLX_LAYER_NORM_CUDA_BWD_NV=1" --cases norms --filter "layer_norm bfloat16"
-# AB_CMD replaces the timed command (default "python3 -m benchmarks.run --device gpu"), e.g.
+# AB_CMD replaces the timed command (default "python3 -m benchmarks.run --device gpu"; any
+# command whose rows are a name, then numbers, the first of them a time), e.g. the wgmma
+# attention kernels against the mma.sync ones:
 #   AB_CMD="python3 -m benchmarks.cases_attention" tools/ab_env.sh 3 "" "RLX_ATTENTION_CUDA_WGMMA=0" --reps 5 --quick
-# (any command whose rows are a name, then numbers, the first of them a time).
+# A kernel variant under trial is built in beside the default behind a temporary switch and
+# measured the same way (tools/ab_kernels.sh compares two commits' builds instead).
 # A_ENV / B_ENV: space-separated NAME=VALUE assignments ("" for the defaults). The kernels come
 # from RLX_JAX_KERNEL_DIR (default build/gpu: tools/gpu_suite.sh build). Each round runs A then
 # B ($AB_CMD <args>); rows go to $OUT/ab_env_A.txt / ab_env_B.txt,

@@ -2,7 +2,8 @@
 
     compute-sanitizer --tool memcheck python3 tools/attention_sanitize.py D DTYPE KIND PHASE [MASK [EXTRA]]
 
-D: head dim; DTYPE: bfloat16 | float16 | float32; KIND: none | causal | sliding;
+D: head dim; DTYPE: bfloat16 | float16 | float32 (f32 runs the generic f32 kernel, which the op
+otherwise leaves to XLA on CUDA: rlx_jax.vjp_rules.attention.CUDA_KERNEL_DTYPES); KIND: none | causal | sliding;
 PHASE: fwd (forward only) | bwd (forward and the fused backward); MASK: 1 adds a key mask;
 EXTRA: softcap | bias (the general score path of the mma.sync kernels; without either they run
 their PLAIN specialisation. On sm_90a a softcap, a key mask or mask kind sliding without a bias
@@ -20,9 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlx_jax.ops import attention
+from rlx_jax.vjp_rules import attention as attention_rules
 
 
 def main(d: int, dtype: str, kind: str, phase: str, mask: bool, extra: str = "") -> None:
+    if jnp.dtype(dtype) == jnp.float32 and jnp.float32 not in attention_rules.CUDA_KERNEL_DTYPES:
+        attention_rules.CUDA_KERNEL_DTYPES = attention_rules.CUDA_KERNEL_DTYPES + (jnp.float32,)
     b, s, h = 1, int(os.environ.get("RLX_ATTN_SANITIZE_S", "96")), 2
     keys = jax.random.split(jax.random.PRNGKey(0), 5)
     q, k, v, dy = (jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(dtype) for kk in keys[:4])

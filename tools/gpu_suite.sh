@@ -35,11 +35,11 @@ if has tests; then
   step tests
   pids=()
   # one pytest process per file; the attention file runs as processes split by -k, one log each
-  # ($n.partK.txt): five parts, then each wgmma switch-pair child in its own part, the pairs read
-  # from the test's own parametrisation (so a new pair gets a part). The 15 pairs (about 35 cases
-  # each) take 210-230 s each with all 20 parts side by side on 16 cores.
-  att_parts=("tensor_core_path" "kernel_specialisations" "deterministic" "ws_pipelined"
-             "not tensor_core_path and not kernel_specialisations and not wgmma and not deterministic and not ws_pipelined")
+  # ($n.partK.txt): five parts, then each RLX_ATTENTION_CUDA_WGMMA setting's child of
+  # test_wgmma_forward in its own part, the settings read from the test's own parametrisation (so
+  # a new setting gets a part).
+  att_parts=("tensor_core_path" "kernel_specialisations" "deterministic" "ws_persistent"
+             "not tensor_core_path and not kernel_specialisations and not wgmma and not deterministic and not ws_persistent")
   while read -r v; do
     att_parts+=("test_wgmma_forward and $v")
   done < <(python3 -m pytest -q --collect-only -p no:cacheprovider --import-mode=importlib -m "not slow" \

@@ -694,13 +694,6 @@ __global__ void __launch_bounds__(256) chunk_prefix_k(A* __restrict__ scr, int64
 }
 
 
-// RLX_CUMSUM_CUDA_STRIP=0 (read once per process) keeps the chunked column passes where the
-// single-pass strip kernel would run: an A/B switch.
-inline bool col_strip_off() {
-  static const bool off = env_starts_with("RLX_CUMSUM_CUDA_STRIP", '0');
-  return off;
-}
-
 inline int rw_num_sms() {
   static const int sms = [] {
     DeviceInfo dev;
@@ -746,13 +739,6 @@ ffi::Error launch_rows(cudaStream_t stream, const T* x, T* y, acc_t<T>* scr, int
   return launch_rows_nv<T, VEC, 4>(stream, x, y, scr, O, L, ch, exclusive, reverse);
 }
 
-// RLX_CUMSUM_CUDA_CHAIN=0 (read once per process) keeps the chunked two-pass row scan where
-// the chained scan would run: an A/B switch.
-inline bool chain_off() {
-  static const bool off = env_starts_with("RLX_CUMSUM_CUDA_CHAIN", '0');
-  return off;
-}
-
 template <typename T>
 ffi::Error launch_chain(cudaStream_t stream, const T* x, T* y, void* scr, int64_t O, int64_t L, bool exclusive,
                         bool reverse) {
@@ -767,13 +753,6 @@ ffi::Error launch_chain(cudaStream_t stream, const T* x, T* y, void* scr, int64_
     return cuda_error("cumsum (cuda): shared memory limit of the chained row scan", e);
   kernel<<<unsigned(tiles), 256, kChainTileBytes, stream>>>(x, y, slots, counter, O, L, exclusive);
   return check_launch("cumsum (cuda): chained row scan launch");
-}
-
-// RLX_CUMSUM_CUDA_COLCHAIN=0 (read once per process) keeps the column strips / chunked
-// passes where the chained column scan would run: an A/B switch.
-inline bool col_chain_off() {
-  static const bool off = env_starts_with("RLX_CUMSUM_CUDA_COLCHAIN", '0');
-  return off;
 }
 
 template <typename T>
@@ -824,7 +803,7 @@ ffi::Error launch_cols(cudaStream_t stream, const T* x, T* y, acc_t<T>* scr, int
   // 16-byte vectors and at least one strip a multiprocessor
   if constexpr (VEC * sizeof(T) == 16 && sizeof(T) == 4) {  // f32 (measured); 16-bit: 162 registers
     const int64_t strip_cols = int64_t(kStripCV) * VEC;
-    if (ch.n > 1 && I % strip_cols == 0 && O * (I / strip_cols) >= rw_num_sms() && !col_strip_off()) {
+    if (ch.n > 1 && I % strip_cols == 0 && O * (I / strip_cols) >= rw_num_sms()) {
       const int64_t strips = I / strip_cols, blocks = O * strips;
       if (blocks > INT32_MAX) return invalid("cumsum (cuda): input too large");
       constexpr int J = 8;
@@ -851,7 +830,7 @@ ffi::Error launch(cudaStream_t stream, const T* x, T* y, acc_t<T>* scr, int64_t 
   };
   if (I == 1) {
     if constexpr (sizeof(T) <= 4) {
-      if (ch.n > 1 && fits(kMax) && !chain_off()) return launch_chain<T>(stream, x, y, scr, O, L, exclusive, reverse);
+      if (ch.n > 1 && fits(kMax)) return launch_chain<T>(stream, x, y, scr, O, L, exclusive, reverse);
     }
     if constexpr (kMax >= 8) if (fits(8)) return launch_rows<T, 8>(stream, x, y, scr, O, L, ch, exclusive, reverse);
     if constexpr (kMax >= 4) if (fits(4)) return launch_rows<T, 4>(stream, x, y, scr, O, L, ch, exclusive, reverse);
@@ -859,7 +838,7 @@ ffi::Error launch(cudaStream_t stream, const T* x, T* y, acc_t<T>* scr, int64_t 
     return launch_rows<T, 1>(stream, x, y, scr, O, L, ch, exclusive, reverse);
   }
   if constexpr (sizeof(T) <= 4) {
-    if (ch.n > 1 && fits(kMax) && col_chain_fits(O, I, sizeof(T)) && !col_chain_off())
+    if (ch.n > 1 && fits(kMax) && col_chain_fits(O, I, sizeof(T)))
       return launch_col_chain<T>(stream, x, y, scr, O, L, I, exclusive, reverse);
   }
   if constexpr (kMax >= 8) if (fits(8)) return launch_cols<T, 8>(stream, x, y, scr, O, L, I, ch, exclusive, reverse);

@@ -31,21 +31,20 @@
 // the cs slots in rank order (the same bits everywhere; no atomics), with no cluster barrier or
 // release fence on the way; the forward exchanges once (sum, M2 about the CTA's own mean,
 // count: Chan's merge). A kernel that exchanged through cluster.sync and remote reads (two
-// exchanges in the forward) measured 1.05-1.31x slower on an H200 at 32x512x64x64 G32 (that
-// kernel is gn_cluster in commit 4b0c255). Bytes: x read once, y written (forward: the centred variance
+// exchanges in the forward) measured 1.05-1.31x slower on an H200 at 32x512x64x64 G32. Bytes: x read once, y written (forward: the centred variance
 // is a second pass over shared memory, not over HBM); x, dy read once, dx written (backward).
 // Backward dx = dy da + (x - mu) db + dc with per-segment constants (3 operations an element; the
-// unfactored formula, 7, was 1.06x slower for bf16; commit cedff97 has it). Backward per-channel sums A, B: the CTA holding a channel's first segment adds the
-// channel's segment sums in segment order (pushed to it) and writes A[n,c], B[n,c] to the
+// unfactored formula, 7, was 1.06x slower for bf16). Backward per-channel sums A, B: the CTA
+// holding a channel's first segment adds the channel's segment sums in segment order (pushed to it) and writes A[n,c], B[n,c] to the
 // scratch; gn_param_grads then reduces over n as in the two-pass path.
 // Size limit: a CTA's slice (spc segments of x, and of dy in the backward) must fit the
-// per-CTA shared-memory budget (RLX_GROUP_NORM_CUDA_CTA_KB, default 32 KB: measured on an
-// H200 faster than 64 KB for bf16 and level for f32) with cs <= 16 CTAs per cluster, i.e.
-// M * sizeof(T) * (1 forward, 2 backward) <= 16 * budget (512 KiB at the default: f32 groups
+// per-CTA shared-memory budget (kClBudget, 32 KB: measured on an H200 faster than 64 KB for
+// bf16 and level for f32) with cs <= 16 CTAs per cluster, i.e.
+// M * sizeof(T) * (1 forward, 2 backward) <= 16 * budget (512 KiB: f32 groups
 // up to 64 Ki values in the backward, 128 Ki in the forward); the spatial size S must be a
 // multiple of 16 bytes (bulk copies), at most 16 segments per CTA, and the device must be
 // able to schedule the cluster (cudaOccupancyMaxActiveClusters > 0). Anything else takes
-// the two-pass path below. RLX_GROUP_NORM_CUDA_CTA_KB=0 turns the single-pass path off.
+// the two-pass path below.
 // Measured and not taken (H200):
 // a pipelined variant (persistent clusters looping over blocks, two shared-memory stages,
 // the next block's copies in flight during the exchange and writes; one exchange in the
@@ -386,14 +385,13 @@ __device__ __forceinline__ void mbar_wait_cluster(uint64_t* bar, uint32_t parity
 }
 #endif
 
-// CTAs an SM: 6 (shared memory allows 6 of 34 KB at the default budget). The f32 backward needs
+// CTAs an SM: 6 (shared memory allows 6 of 34 KB at the 32 KB budget). The f32 backward needs
 // 48 registers on its own (5 CTAs an SM); held to 40 for 6 it was 1-4 % faster in all 5 rounds of
-// an A/B (ncu 189 vs 198 us, 86 % DRAM), so 6 is the
-// default and RLX_GROUP_NORM_CUDA_OCC6=0 keeps the 5-CTA build. The others take 39-40 registers.
+// an A/B (ncu 189 vs 198 us, 86 % DRAM). The others take 39-40 registers.
 constexpr int kXMinBlocks = 6;
 
-template <typename T, bool BWD, int MINB = kXMinBlocks>
-__global__ void __launch_bounds__(kClThreads, MINB)
+template <typename T, bool BWD>
+__global__ void __launch_bounds__(kClThreads, kXMinBlocks)
 gn_cluster_x(const T* __restrict__ x, const T* __restrict__ dy, const T* __restrict__ gamma,
              const T* __restrict__ beta, const float* __restrict__ mean_in, const float* __restrict__ rstd_in,
              T* __restrict__ out, float* __restrict__ mean_out, float* __restrict__ rstd_out, float* __restrict__ A,
@@ -611,31 +609,8 @@ gn_cluster_x(const T* __restrict__ x, const T* __restrict__ dy, const T* __restr
 #endif
 }
 
-// Per-CTA shared-memory budget of the single-pass path in bytes (0: path off), read once.
-inline int64_t cluster_budget() {
-  static const int64_t kb = [] {
-    const char* v = std::getenv("RLX_GROUP_NORM_CUDA_CTA_KB");
-    return v != nullptr ? int64_t(std::atoll(v)) : int64_t(32);
-  }();
-  return kb * 1024;
-}
-
-// RLX_GROUP_NORM_CUDA_OCC6=0: the f32 backward's push kernel compiled for 5 CTAs an SM (48
-// registers) instead of 6 (at most 40); read once.
-inline bool occ5() {
-  static const bool on = env_starts_with("RLX_GROUP_NORM_CUDA_OCC6", '0');
-  return on;
-}
-template <typename T, bool BWD>
-auto cluster_kernel() {
-  using Kernel = decltype(&gn_cluster_x<T, BWD>);
-  if constexpr (BWD) {
-    if constexpr (std::is_same_v<T, float>) {
-      if (occ5()) return Kernel(gn_cluster_x<T, BWD, 5>);
-    }
-  }
-  return Kernel(gn_cluster_x<T, BWD>);
-}
+// Per-CTA shared-memory budget of the single-pass path in bytes.
+constexpr int64_t kClBudget = int64_t(32) << 10;
 
 inline int64_t gcd64(int64_t a, int64_t b) {
   while (b != 0) {
@@ -648,9 +623,9 @@ inline int64_t gcd64(int64_t a, int64_t b) {
 
 // The smallest cluster (1, 2, 4, 8, 16 CTAs) whose per-CTA slice fits the budget.
 inline bool cluster_plan(const Layout& L, int64_t esz, int tensors, ClPlan& p) {
-  const int64_t budget = cluster_budget();
+  const int64_t budget = kClBudget;
   const int64_t vec = 16 / esz;
-  if (budget <= 0 || L.s % vec != 0 || L.m == 0) return false;
+  if (L.s % vec != 0 || L.m == 0) return false;
   for (int cs = 1; cs <= kClMaxCluster; cs *= 2) {
     const int64_t P = cs / gcd64(L.k, cs);
     const int64_t spc = L.k * P / cs;
@@ -727,7 +702,7 @@ ffi::Error try_cluster(cudaStream_t stream, const Layout& L, bool aligned, const
   constexpr int tensors = BWD ? 2 : 1;
   ClPlan p;
   if (!aligned || !cluster_plan(L, int64_t(sizeof(T)), tensors, p)) return ffi::Error::Success();
-  auto kernel = cluster_kernel<T, BWD>();
+  auto kernel = gn_cluster_x<T, BWD>;
   const size_t smem = cluster_smem(p, int64_t(sizeof(T)), tensors);
   const unsigned grid = unsigned(L.n * L.groups * p.cs);
   cudaLaunchConfig_t cfg;

@@ -27,7 +27,7 @@
 // split into column slabs and take their row statistics from ln_row_stats (LnStats on
 // rms::row_stats_body), which reads the row once more (the documented slower path).
 // On sm_90 16-bit rows of at least 2 KB take the staged forward (rows bulk-copied into shared
-// memory, 3 in flight a block, two 16-byte vectors a thread; see fwd_staged_mode): ncu, H200,
+// memory, 3 in flight a block, two 16-byte vectors a thread; see launch_fwd): ncu, H200,
 // bf16 32768x4096: the register kernel 243.7 us at 43.9% of DRAM bandwidth (one vector a
 // thread in flight, two block reductions a row), staged one vector a thread 173.7 us at 61.5%.
 // Why bf16 rows were slower than RMSNorm's on the same machinery (H200, ncu, 32768x4096 bf16,
@@ -69,7 +69,8 @@ __device__ __forceinline__ float group_sum_tree(float v, int tpr, float* red, in
   return v;
 }
 
-// TREE: the row's two sums by group_sum_tree (the staged forward's default), else group_sum.
+// TREE: the row's two sums by group_sum_tree (the staged forward), else group_sum (the
+// register forward).
 template <bool TREE>
 struct LnFwdT {
   float* __restrict__ mean;
@@ -169,36 +170,23 @@ ln_fwd_rows(const T* __restrict__ x, const T* __restrict__ gamma, const T* __res
 
 // sm_90 staged forward (rms::fwd_rows_tma_body): thread 0 keeps pl.stages rows of x in flight
 // by cp.async.bulk (the register kernel has one 16-byte vector a thread in flight for 16-bit
-// rows), the row's two sums by group_sum_tree (TREE) or group_sum.
-template <typename T, int NV, bool TREE>
+// rows), the row's two sums by group_sum_tree.
+template <typename T, int NV>
 __global__ void __launch_bounds__(max_threads_for(NV * kVec16<T>, false), 1)
 ln_fwd_rows_tma(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta, T* __restrict__ y,
                 float* __restrict__ mean, float* __restrict__ rstd, float eps, RowPlan pl) {
-  rms::fwd_rows_tma_body<T, NV>(x, gamma, beta, y, pl, LnFwdT<TREE>{mean, rstd, eps});
+  rms::fwd_rows_tma_body<T, NV>(x, gamma, beta, y, pl, LnFwdT<true>{mean, rstd, eps});
 }
 
-// Forward variant, read once per process from RLX_LAYER_NORM_CUDA_FWD_STAGED (the others are
-// kept for A/B timing): 0 = the register kernel everywhere (the forward before the staged
-// one), 1 = staged with group_sum, 2 = staged with group_sum_tree (1 and 2: one 16-byte
-// vector a 16-bit thread, every dtype), anything else (default, 3) = 16-bit rows staged with
-// two 16-byte vectors a thread (half the threads a row, so half the reductions' and
-// barriers' instructions a row element) and group_sum_tree, f32 rows on the register kernel.
-// Rows the staged path does not take (under 2 KB, wider than one pass): the register kernel.
-// Measured on an H200, bf16 32768x4096: 3
-// rounds of alternating processes each, staged two vectors 0.166 ms, staged one vector
-// (tree) 0.185, the same capped at 64 registers (4 blocks an SM, spills) 0.172, register
-// kernel 0.265; f32: staged (tree) and register kernel within 1% (one call each way), so
-// f32 keeps the register kernel.
-inline int fwd_staged_mode() {
-  static const int mode = [] {
-    const char* v = std::getenv("RLX_LAYER_NORM_CUDA_FWD_STAGED");
-    if (v != nullptr && v[0] >= '0' && v[0] <= '2' && v[1] == 0) return v[0] - '0';
-    return 3;
-  }();
-  return mode;
-}
-
-// The default's plan for 16-bit rows: two vectors a thread (NV 2) where that leaves more than one
+// Forward: 16-bit rows staged with two 16-byte vectors a thread (half the threads a row, so
+// half the reductions' and barriers' instructions a row element) and group_sum_tree; f32 rows
+// on the register kernel. Rows the staged path does not take (under 2 KB, wider than one
+// pass, no sm_90): the register kernel. Measured on an H200, bf16 32768x4096 (3 rounds of
+// alternating processes each): staged two vectors 0.166 ms, staged one vector (tree) 0.185,
+// the same capped at 64 registers (4 blocks an SM, spills) 0.172, staged with group_sum
+// slower than the tree, register kernel 0.265; f32: staged (tree) and register kernel within
+// 1 %, so f32 keeps the register kernel.
+// The staged forward's plan for 16-bit rows: two vectors a thread (NV 2) where that leaves more than one
 // warp a row; false (keep pl) otherwise.
 template <typename T>
 bool two_vectors_a_thread(RowPlan& pl) {
@@ -224,21 +212,13 @@ ln_bwd_rows(const T* __restrict__ x, const T* __restrict__ gamma, const float* _
 
 // sm_90 staged backward (rms::bwd_rows_tma_body): thread 0 keeps pl.stages rows of x and dy
 // in flight by cp.async.bulk; bytes in flight then no longer depend on registers (what
-// the 16-bit register path lacks). TREE: see LnBwdT (the default; the other variant is kept
-// for A/B timing, RLX_LAYER_NORM_CUDA_TREE=0).
-template <typename T, int NV, bool TREE>
+// the 16-bit register path lacks). The row's two sums by rw::group_sum2_tree (LnBwdT).
+template <typename T, int NV>
 __global__ void __launch_bounds__(max_threads_for(NV * kVec16<T>, false))
 ln_bwd_rows_tma(const T* __restrict__ x, const T* __restrict__ gamma, const float* __restrict__ mean,
                 const float* __restrict__ rstd, const T* __restrict__ dy, T* __restrict__ dx,
                 float* __restrict__ partial, RowPlan pl) {
-  rms::bwd_rows_tma_body<T, NV>(x, gamma, dy, dx, partial, pl, LnBwdT<TREE>{mean, rstd, nullptr, pl.rows});
-}
-
-// Whether the staged backward reduces with group_sum2_tree (default) or group_sum2
-// (RLX_LAYER_NORM_CUDA_TREE=0), read once per process.
-inline bool tree_reduce() {
-  static const bool on = !env_starts_with("RLX_LAYER_NORM_CUDA_TREE", '0');
-  return on;
+  rms::bwd_rows_tma_body<T, NV>(x, gamma, dy, dx, partial, pl, LnBwdT<true>{mean, rstd, nullptr, pl.rows});
 }
 
 // Row statistics of the slabbed (wide-row) path (rms::row_stats_body: one block per row,
@@ -293,15 +273,6 @@ ln_row_stats(const T* __restrict__ x, const T* __restrict__ dy, const T* __restr
   rms::row_stats_body<T, VEC>(x, dy, gamma, rows, W, LnStats<BWD>{mean, rstd, sums, eps, rows});
 }
 
-// The staged backward is on by default where it applies; RLX_LAYER_NORM_CUDA_STAGED=0 turns
-// it off (the register path everywhere), read once per process.
-inline rms::Tuning staged_tuning() {
-  static const int tma = env_starts_with("RLX_LAYER_NORM_CUDA_STAGED", '0') ? 0 : -1;
-  rms::Tuning tu;
-  tu.tma = tma;
-  return tu;
-}
-
 // Fills n floats with value (grid-stride).
 __global__ void fill_f32(float* __restrict__ p, int64_t n, float value) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
@@ -314,11 +285,10 @@ ffi::Error launch_fwd(cudaStream_t stream, const T* x, const T* gamma, const T* 
   const bool aligned = aligned16(x) && aligned16(gamma) && aligned16(beta) && aligned16(y);
   RowPlan pl = rms::column_plan<T>(rows, W, aligned, {});
   cudaError_t err = cudaSuccess;
-  const int mode = fwd_staged_mode();
   if constexpr (sizeof(T) == 2) {
     RowPlan p2 = pl;
-    if (mode == 3 && two_vectors_a_thread<T>(p2)) {
-      auto staged = ln_fwd_rows_tma<T, 2, true>;
+    if (two_vectors_a_thread<T>(p2)) {
+      auto staged = ln_fwd_rows_tma<T, 2>;
       if (rms::plan_staged(p2, staged, W * int64_t(sizeof(T)), W * int64_t(sizeof(T)), 3, rms::Tuning{})) {
         err = rms::set_parts(p2, staged, rows);
         if (err != cudaSuccess) return cuda_error("layer_norm forward (cuda) setup", err);
@@ -332,10 +302,11 @@ ffi::Error launch_fwd(cudaStream_t stream, const T* x, const T* gamma, const T* 
     constexpr int VEC = decltype(vec)::value, NV = decltype(nv)::value;
     constexpr bool PF = decltype(pf)::value;
     if constexpr (VEC != 1) {
-      // sm_90, one pass, rows of at least 2 KB (RMSNorm's threshold), 3 stages as RMSNorm's
-      auto staged = mode == 1 ? ln_fwd_rows_tma<T, NV, false> : ln_fwd_rows_tma<T, NV, true>;
+      // 16-bit rows on sm_90, one pass, rows of at least 2 KB (RMSNorm's threshold), 3 stages as
+      // RMSNorm's
+      auto staged = ln_fwd_rows_tma<T, NV>;
       rms::Tuning tu;
-      tu.tma = (mode == 0 || (mode == 3 && sizeof(T) == 4)) ? 0 : -1;
+      tu.tma = sizeof(T) == 4 ? 0 : -1;
       if (rms::plan_staged(pl, staged, W * int64_t(sizeof(T)), W * int64_t(sizeof(T)), 3, tu)) {
         err = rms::set_parts(pl, staged, rows);
         if (err != cudaSuccess) return;
@@ -369,7 +340,7 @@ ffi::Error launch_bwd(cudaStream_t stream, const T* x, const T* gamma, const flo
   if (rows > 0) {
     const bool aligned =
         aligned16(x) && aligned16(gamma) && aligned16(dy) && aligned16(dx) && aligned16(scratch);
-    const rms::Tuning tu = staged_tuning();
+    const rms::Tuning tu{};
     RowPlan pl = rms::column_plan<T>(rows, W, aligned, tu);
     cudaError_t err = cudaSuccess;
     const bool ok = rms::with_variant<T>(pl, [&](auto vec, auto nv, auto pf) {
@@ -377,7 +348,7 @@ ffi::Error launch_bwd(cudaStream_t stream, const T* x, const T* gamma, const flo
       constexpr bool PF = decltype(pf)::value;
       if constexpr (VEC != 1) {
         // sm_90, one pass, rows of at least 2 KB (RMSNorm's measured threshold): staged
-        auto staged = tree_reduce() ? ln_bwd_rows_tma<T, NV, true> : ln_bwd_rows_tma<T, NV, false>;
+        auto staged = ln_bwd_rows_tma<T, NV>;
         if (rms::plan_staged(pl, staged, W * int64_t(sizeof(T)), 2 * W * int64_t(sizeof(T)), 2, tu)) {
           err = rms::set_parts(pl, staged, max_parts);
           if (err != cudaSuccess) return;

@@ -28,7 +28,7 @@
 // buffers; int8 argmax): max forward and backward in every dtype, average backward in bf16 / f16; no
 // shared memory, a thread walks 4 outputs (or the 8 input columns under them) down 4
 // output rows of a plane, window loops unrolled at compile time (see "direct kernels"
-// below). RLX_POOL_CUDA_DIRECT=0 turns them off (A/B timing).
+// below).
 //
 // Tiled kernels (every other geometry whose staged rows fit in shared memory). A block owns a
 // contiguous run of output rows (whole planes, or a band of rows of one plane); it first
@@ -663,7 +663,6 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 
 // column from L1), every window loop unrolled at compile time: no shared memory, no
 // barriers, no per-element index arithmetic. Same comparisons and the same order of
 // additions as the tiled kernels (and the CPU kernels), so the same bits.
-// RLX_POOL_CUDA_DIRECT=0 (read once per process) keeps the tiled kernels, for A/B timing.
 
 constexpr int floordiv_c(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 constexpr int ceildiv_c(int a, int b) { return -floordiv_c(-a, b); }
@@ -937,14 +936,9 @@ __global__ void __launch_bounds__(kThreads) bwd_direct(const T* __restrict__ dy,
 }
 
 // Host side of the direct kernels.
-bool direct_enabled() {
-  static const bool on = !env_starts_with("RLX_POOL_CUDA_DIRECT", '0');
-  return on;
-}
-
 // 1: k3s2p1, 2: k2s2p0 (square windows and strides), else 0.
 int direct_kind(const Geom& g) {
-  if (!direct_enabled() || g.kh != g.kw || g.sh != 2 || g.sw != 2 || g.ph != g.pw) return 0;
+  if (g.kh != g.kw || g.sh != 2 || g.sw != 2 || g.ph != g.pw) return 0;
   if (g.kh == 3 && g.ph == 1) return 1;
   if (g.kh == 2 && g.ph == 0) return 2;
   return 0;
@@ -1173,13 +1167,6 @@ Geom32 geom32(const Geom& g) {
   return {int(g.kh), int(g.kw), int(g.sh), int(g.sw), int(g.ph), int(g.pw)};
 }
 
-// RLX_POOL_CUDA_UNTILED=1 forces the untiled kernels (for A/B timing and profiling); read
-// once per process like the other switches (it was read on every call).
-bool force_untiled() {
-  static const bool on = env_starts_with("RLX_POOL_CUDA_UNTILED", '1');
-  return on;
-}
-
 // Backward plans: output dx rows (in_h = ho dy rows staged), cover maps.
 TilePlan plan_backward(const PlaneView& v, int64_t ho, int64_t wo, const Geom& g, int per, int aux) {
   const AxisMap rm{int(g.kh), int(g.sh), int(g.ph), int(ho), true};
@@ -1206,8 +1193,8 @@ ffi::Error MaxPoolFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi
   });
   const bool aligned = aligned16(x.untyped_data()) && aligned16(y->untyped_data()) &&
                        aligned16(argmax->untyped_data());
-  const bool tiled = plan.ok && !force_untiled() && aligned;
-  const int dk = force_untiled() ? 0 : direct_kind(g);
+  const bool tiled = plan.ok && aligned;
+  const int dk = direct_kind(g);
   const bool local = pool::local_argmax(g);  // the direct geometries (k <= 3) are always local
   bool ok = dispatch(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
@@ -1256,8 +1243,8 @@ ffi::Error MaxPoolBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer
   const TilePlan plan = plan_backward(v, ho, wo, g, 8, 0);
   const bool aligned = aligned16(dy.untyped_data()) && aligned16(argmax.untyped_data()) &&
                        aligned16(dx->untyped_data());
-  const bool tiled = plan.ok && !force_untiled() && aligned;
-  const int dk = force_untiled() ? 0 : direct_kind(g);
+  const bool tiled = plan.ok && aligned;
+  const int dk = direct_kind(g);
   const bool local = pool::local_argmax(g);
   bool ok = dispatch(dy.element_type(), [&](auto tag) {
     using T = decltype(tag);
@@ -1305,8 +1292,8 @@ ffi::Error AvgPoolBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::Result<ff
   const float inv = 1.0f / float(kh * kw);  // as the CPU kernel: A(1) / A(kh * kw)
   const TilePlan plan = plan_backward(v, ho, wo, g, 4, 4);
   const bool aligned = aligned16(dy.untyped_data()) && aligned16(dx->untyped_data());
-  const bool tiled = plan.ok && !force_untiled() && aligned;
-  const int dk = force_untiled() ? 0 : direct_kind(g);
+  const bool tiled = plan.ok && aligned;
+  const int dk = direct_kind(g);
   bool ok = dispatch(dy.element_type(), [&](auto tag) {
     using T = decltype(tag);
     const T* dyp = static_cast<const T*>(dy.untyped_data());
