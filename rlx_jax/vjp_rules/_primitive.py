@@ -291,6 +291,24 @@ class Partition:
         side = lambda fss: ", ".join(" ".join(name(ax) for ax in fs) for fs in fss)
         return side(f_in) + " -> " + side(f_out)
 
+    def _local_body(self, fn: Callable, mesh, assign: dict, c_out, avals_in, params: dict) -> Callable:
+        """The per-shard computation: ``fn`` on the local blocks, then a psum of each
+        result lacking a sharded factor (a parameter gradient summed over rows, or a kv
+        head's gradient summed over its group) over that factor's mesh axes. Subclasses
+        whose shards need other collectives override this."""
+        present = [{f for f, _ in cs} for cs in c_out]
+        reduce_axes = [tuple(ax for f, axes in assign.items() if f not in have for ax in axes)
+                       for have in present]
+
+        def local(*xs):
+            results = list(fn(*xs))
+            for j, axes in enumerate(reduce_axes):
+                if axes:
+                    results[j] = jax.lax.psum(results[j], axes)
+            return tuple(results)
+
+        return local
+
     def wrap(self, fn: Callable, avals_in, avals_out, params: dict) -> Callable:
         f_in, f_out, sizes = self._factors(avals_in, avals_out, params)
         c_in, c_out = self._carriers(f_in, avals_in, sizes), self._carriers(f_out, avals_out, sizes)
@@ -308,20 +326,7 @@ class Partition:
             assign = self._assign(mesh, arg_shapes, c_in)
             args = tuple(NamedSharding(mesh, self._spec(cs, assign)) for cs in c_in)
             outs = tuple(NamedSharding(mesh, self._spec(cs, assign)) for cs in c_out)
-            # a result lacking a sharded factor (a parameter gradient summed over rows, or
-            # a kv head's gradient summed over its group) adds its shards' partial sums
-            present = [{f for f, _ in cs} for cs in c_out]
-            reduce_axes = [tuple(ax for f, axes in assign.items() if f not in have for ax in axes)
-                           for have in present]
-
-            def local(*xs):
-                results = list(fn(*xs))
-                for j, axes in enumerate(reduce_axes):
-                    if axes:
-                        results[j] = jax.lax.psum(results[j], axes)
-                return tuple(results)
-
-            return mesh, local, outs, args
+            return mesh, self._local_body(fn, mesh, assign, c_out, avals_in, params), outs, args
 
         wrapped.def_partition(infer_sharding_from_operands=infer, partition=partition,
                               sharding_rule=self.sharding_rule(f_in, f_out), **sizes)

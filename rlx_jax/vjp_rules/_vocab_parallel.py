@@ -22,8 +22,6 @@ from typing import Callable
 
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding
 
 from rlx_jax.vjp_rules._primitive import Partition
 
@@ -109,11 +107,11 @@ class VocabPartition(Partition):
         self.local = local
         self.vocab_operand, self.vocab_dim = vocab_operand, vocab_dim
 
-    def _assign(self, mesh, arg_shapes, f_in, f_out, sizes) -> dict:
+    def _assign(self, mesh, arg_shapes, c_in) -> dict:
         """As the base class; a mesh axis carrying the vocabulary is taken off the other
         factors (rows sharded over the same axis as the vocabulary, as sequence
         parallelism leaves them, are gathered: [rows, D] activations, never [rows, V])."""
-        assign = super()._assign(mesh, arg_shapes, f_in, f_out, sizes)
+        assign = super()._assign(mesh, arg_shapes, c_in)
         vocab = set(assign.get("v", ()))
         for f in [f for f in assign if f != "v"]:
             kept = tuple(ax for ax in assign[f] if ax not in vocab)
@@ -123,30 +121,11 @@ class VocabPartition(Partition):
                 del assign[f]
         return assign
 
-    def wrap(self, fn: Callable, avals_in, avals_out, params: dict) -> Callable:
-        f_in, f_out, sizes_of = self._factors(avals_in, avals_out, params)
+    def _local_body(self, fn: Callable, mesh, assign: dict, c_out, avals_in, params: dict) -> Callable:
         vocab_total = avals_in[self.vocab_operand].shape[self.vocab_dim]
-
-        def call(*xs):
-            return tuple(fn(*xs))
-
-        wrapped = custom_partitioning(call)
-
-        def infer(mesh, arg_shapes, result_shape):
-            assign = self._assign(mesh, arg_shapes, f_in, f_out, sizes_of)
-            return tuple(NamedSharding(mesh, self._spec(fs, assign)) for fs in f_out)
-
-        def partition(mesh, arg_shapes, result_shape):
-            assign = self._assign(mesh, arg_shapes, f_in, f_out, sizes_of)
-            args = tuple(NamedSharding(mesh, self._spec(fs, assign)) for fs in f_in)
-            outs = tuple(NamedSharding(mesh, self._spec(fs, assign)) for fs in f_out)
-            vocab_axes = tuple(assign.get("v", ()))
-            row_axes = tuple(ax for f, axes in assign.items() if f != "v" for ax in axes)
-            sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
-            body = self.local(fn, vocab_axes, row_axes, sizes, vocab_total, **params)
-            return mesh, (lambda *xs: tuple(body(*xs))), outs, args
-
-        wrapped.def_partition(infer_sharding_from_operands=infer, partition=partition,
-                              sharding_rule=self.sharding_rule(f_in, f_out), **sizes_of)
-        return wrapped
+        vocab_axes = tuple(assign.get("v", ()))
+        row_axes = tuple(ax for f, axes in assign.items() if f != "v" for ax in axes)
+        sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+        body = self.local(fn, vocab_axes, row_axes, sizes, vocab_total, **params)
+        return lambda *xs: tuple(body(*xs))
 
