@@ -61,7 +61,15 @@ def test_strategy_matches_single_device(strategies, name):
         assert k in kernels, f"{k} not in the compiled step: {kernels}"
 
 
-@pytest.mark.parametrize("name", STRATEGIES)
+# Under sequence parallelism the fused attention kernel cannot take a query block at an
+# offset (its causal mask is aligned to the whole key axis), so with q's sequence split it
+# gathers q and its lse as well as K and V, where plain JAX gathers K and V only: a known
+# limit (docs/MULTI_DEVICE.md); for attention over a split sequence use
+# rlx_jax.parallel.context_parallel_attention. strict: the day it passes, this must go.
+_GATHER_LIMITS = {"dp_sp": pytest.mark.xfail(strict=True, reason="attention with q's sequence split gathers q")}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_GATHER_LIMITS.get(n, ())) for n in STRATEGIES])
 def test_strategy_gathers_no_more_than_plain_jax(strategies, name):
     rlx, plain = strategies[name]["rlx"], strategies[name]["plain"]
     assert "error" not in rlx and "error" not in plain
