@@ -18,11 +18,15 @@ def x64():
 
 
 
-@pytest.fixture(autouse=True)
-def attention_cpu_kernel(monkeypatch):
+@pytest.fixture(autouse=True, scope="session")
+def attention_cpu_kernel():
     """On the CPU, attention lowers to XLA's code below a score-size threshold (it is faster
-    there); the tests run the kernel at every size so that it stays covered. Tests of the
-    routing itself restore the threshold with ``monkeypatch.setattr``."""
+    there); the tests run the kernel at every size so that it stays covered (session scope:
+    module-scoped fixtures that compile attention see it too). Tests of the routing itself
+    restore the threshold with ``monkeypatch.setattr``."""
     from rlx_jax.vjp_rules import attention
 
-    monkeypatch.setattr(attention, "CPU_KERNEL_MIN_SCORE_BYTES", 0)
+    patch = pytest.MonkeyPatch()
+    patch.setattr(attention, "CPU_KERNEL_MIN_SCORE_BYTES", 0)
+    yield
+    patch.undo()

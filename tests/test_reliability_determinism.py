@@ -176,6 +176,7 @@ def _fresh_process(names):
     env = dict(os.environ)
     env.setdefault("JAX_PLATFORMS", "cpu")
     code = ("import json, sys; sys.path.insert(0, %r); import test_reliability_determinism as t; "
+            "import rlx_jax.vjp_rules.attention as a; a.CPU_KERNEL_MIN_SCORE_BYTES = 0; "
             "print('DIGESTS' + json.dumps(t.digests(%r)))" % (os.path.dirname(os.path.abspath(__file__)), names))
     # run from tests/ (not the repository root, whose rlx_jax/ has no compiled kernels and
     # would shadow the installed package through `python -c`'s sys.path[0])

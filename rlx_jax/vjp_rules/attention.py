@@ -326,6 +326,9 @@ CPU_KERNEL_MIN_SCORE_BYTES = 1 << 30
 
 def _cpu_kernel_serves(q, k) -> bool:
     b, sq, h, _ = q.shape
+    dims = (b, h, sq, k.shape[1])
+    if not all(isinstance(d, (int, np.integer)) for d in dims):
+        return True  # symbolic shapes (jax.export): any size may come, the kernel's memory is O(S)
     return b * h * sq * k.shape[1] * 4 >= CPU_KERNEL_MIN_SCORE_BYTES
 
 
