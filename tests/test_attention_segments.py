@@ -331,7 +331,7 @@ def test_sharded_batch_and_sequence_match_unsharded():
     unsharded values and gradients (sinks replicated)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-c", _SHARD_CHILD], env=env, capture_output=True, text=True,
-                       timeout=300)
+                       timeout=300, cwd=os.path.dirname(os.path.abspath(__file__)))
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
 
 

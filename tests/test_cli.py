@@ -8,6 +8,7 @@ refuses to import them, so the tests run where the packages are installed."""
 from __future__ import annotations
 
 import json
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -38,11 +39,15 @@ def _run_cli(args, blocked=(), cwd=None, timeout=300):
         from rlx_jax.__main__ import main
         sys.exit(main({list(args)!r}))
     """)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, timeout=timeout)
+    # cwd defaults to tests/: from the repository root `python -c` would import the source
+    # tree instead of the installed package (whose compiled kernels the source tree lacks).
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=cwd or pathlib.Path(__file__).parent, timeout=timeout)
 
 
 def test_version_prints_rlx_and_jax_versions():
-    proc = subprocess.run([sys.executable, "-m", "rlx_jax", "--version"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "rlx_jax", "--version"], capture_output=True, text=True, timeout=120,
+                          cwd=pathlib.Path(__file__).parent)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"rlx-jax {rlx_jax.__version__} (jax {metadata.version('jax')})"
 

@@ -132,7 +132,7 @@ def test_export_round_trip_in_a_fresh_process(exported_step, tmp_path):
         np.savez(d / "out.npz", **out)
     """)
     proc = subprocess.run([sys.executable, "-c", "import pathlib\n" + code], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, cwd=tmp_path)  # not the repository root: the installed package must load
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = np.load(tmp_path / "out.npz")
     step = jax.jit(train_step)
