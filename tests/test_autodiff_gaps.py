@@ -293,7 +293,7 @@ def test_splat_pair_is_fused_and_refused_when_it_cannot_be():
     y2 = build(g2)
     other = g2.input("meta2", [23])
     rast = g2.node(y2)
-    y3 = g2._add_node(rast.op, (rast.inputs[0], other))
+    y3 = g2.add_node(rast.op, (rast.inputs[0], other))
     g2.set_outputs([g2.sum(y3, [0])])
     with pytest.raises(GraphError, match="meta"):
         rlx_jax.grad_with_loss(g2, ["positions"])

@@ -75,6 +75,34 @@ def test_graph_add_contract():
     assert ir.ActivationKind.Gelu == "Gelu"
 
 
+def test_graph_add_node_is_the_one_append():
+    g = Graph("append")
+    x = g.add_node(ir.Input(name="x"), (), Shape.of([2, "batch"], "f32"), name="x")
+    w = g.add_node(ir.Param(name="w"), shape=Shape.of(["batch", 5], "f32"))
+    y = g.add_node(ir.MatMul(), [x, np.int64(w)], origin={"file": "m.py", "line": 3})
+    assert (x, w, y) == (0, 1, 2)
+    assert g.shape_of(y) == ([2, 5], "f32")  # inferred by MatMul's shape rule
+    assert g.node(y).inputs == (0, 1) and type(g.node(y).inputs[1]) is int
+    assert g.node(y).origin == {"file": "m.py", "line": 3}
+    assert g.leaf_id("x") == x and g.leaf_id("w") == w
+    # a builder and add_node make the same node
+    h = Graph("append")
+    hx = h.input("x", [2, "batch"])
+    hw = h.param("w", ["batch", 5])
+    assert h.node(h.matmul(hx, hw)).shape == g.node(y).shape
+    assert not hasattr(Graph, "_add_node")
+    n = len(g.nodes)
+    with pytest.raises(ir.GraphError, match=r"node %3 MatMul"):  # declared shape disagrees
+        g.add_node(ir.MatMul(), (x, w), Shape.of([2, 6], "f32"))
+    with pytest.raises(ir.GraphError, match=r"node %3 Input.*duplicate input/param name 'x'"):
+        g.add_node(ir.Input(name="x"), (), Shape.of([1], "f32"))
+    with pytest.raises(ir.GraphError, match=r"node %3 .*inputs must be node ids"):
+        g.add_node(ir.Activation(kind="silu"), ("x",))
+    with pytest.raises(ir.GraphError, match=r"op must be an rlx_jax.ir.Op"):
+        g.add_node("MatMul", (x, w))
+    assert len(g.nodes) == n  # a rejected node is not appended
+
+
 def test_ops_are_frozen_and_hashable():
     op = ir.LayerNorm(axis=-1, eps=1e-5)
     with pytest.raises(Exception):

@@ -60,15 +60,15 @@ def vmap(graph: Graph, batched_input_names, batch_size: int) -> Graph:
         if kind in ("Input", "Param"):
             if n.op.name in names:
                 s = Shape((bsz,) + tuple(n.shape.dims), n.shape.dtype)
-                m[n.id] = g._add_node(n.op, (), s, n.name)
+                m[n.id] = g.add_node(n.op, (), s, n.name)
                 batched.add(n.id)
             else:
-                m[n.id] = g._add_node(n.op, (), n.shape, n.name)
+                m[n.id] = g.add_node(n.op, (), n.shape, n.name)
             continue
         ins = [m[i] for i in n.inputs]
         flags = [i in batched for i in n.inputs]
         if not any(flags) or kind == "Constant":
-            m[n.id] = g._add_node(n.op, tuple(ins), n.shape, n.name)
+            m[n.id] = g.add_node(n.op, tuple(ins), n.shape, n.name)
             continue
         m[n.id] = _batch_node(g, n, ins, flags, bsz, graph)
         batched.add(n.id)
@@ -106,28 +106,28 @@ def _batch_node(g, n, ins, flags, bsz, src):
         if kind in _ELEMENTWISE or kind == "MatMul":
             rank = max(src.node(i).shape.rank for i in n.inputs)
             ins2 = [_lift(g, x, rank, bsz) if f else x for x, f in zip(ins, flags)]
-            return g._add_node(op, tuple(ins2))
+            return g.add_node(op, tuple(ins2))
         if kind == "Reduce" and flags[0]:
-            return g._add_node(type(op)(op=op.op, axes=tuple(a + 1 for a in op.axes), keep_dim=op.keep_dim),
+            return g.add_node(type(op)(op=op.op, axes=tuple(a + 1 for a in op.axes), keep_dim=op.keep_dim),
                                (ins[0],))
         if kind in _AXIS_OPS and flags[0]:
             ax = op.axis if op.axis < 0 else op.axis + 1
-            return g._add_node(_replace(op, axis=ax), (ins[0],))
+            return g.add_node(_replace(op, axis=ax), (ins[0],))
         if kind in ("LayerNorm", "RmsNorm") and flags[0] and not any(flags[1:]):
             ax = op.axis if op.axis < 0 else op.axis + 1
-            return g._add_node(_replace(op, axis=ax), tuple(ins))
+            return g.add_node(_replace(op, axis=ax), tuple(ins))
         if kind == "Reshape" and flags[0]:
-            return g._add_node(_replace(op, new_shape=(bsz,) + tuple(op.new_shape)), (ins[0],))
+            return g.add_node(_replace(op, new_shape=(bsz,) + tuple(op.new_shape)), (ins[0],))
         if kind == "Transpose" and flags[0]:
-            return g._add_node(_replace(op, perm=(0,) + tuple(p + 1 for p in op.perm)), (ins[0],))
+            return g.add_node(_replace(op, perm=(0,) + tuple(p + 1 for p in op.perm)), (ins[0],))
         if kind == "Narrow" and flags[0]:
-            return g._add_node(_replace(op, axis=op.axis + 1), (ins[0],))
+            return g.add_node(_replace(op, axis=op.axis + 1), (ins[0],))
         if kind == "Concat":
             ins2 = [x if f else _bcast(g, x, bsz) for x, f in zip(ins, flags)]
-            return g._add_node(_replace(op, axis=op.axis + 1), tuple(ins2))
+            return g.add_node(_replace(op, axis=op.axis + 1), tuple(ins2))
         if kind == "Expand" and flags[0]:
             x = _lift(g, ins[0], len(op.target_shape), bsz)
-            return g._add_node(_replace(op, target_shape=(bsz,) + tuple(op.target_shape)), (x,))
+            return g.add_node(_replace(op, target_shape=(bsz,) + tuple(op.target_shape)), (x,))
         if kind == "Gather" and flags[0] and not flags[1] and op.axis == 0:
             return g.take(ins[0], ins[1], 1)  # per-sample embedding lookup
         if kind in _ROWS or kind == "Attention":
@@ -169,7 +169,7 @@ def _merge_rows(g, n, ins, flags, bsz, src):
     if kind == "Conv2dBackwardInput":
         s = n.shape
         shape = Shape((bsz * s.dims[0],) + tuple(s.dims[1:]), s.dtype)
-    y = g._add_node(n.op, tuple(ins2), shape)
+    y = g.add_node(n.op, tuple(ins2), shape)
     s = n.shape
     return E.reshape(g, y, (bsz,) + tuple(s.dims))
 
@@ -182,10 +182,10 @@ def _unroll(g, n, ins, flags, bsz):
         for x, f in zip(ins, flags):
             if f:
                 ds = E.dims(g, x)
-                sl = g._add_node(Narrow(axis=0, start=b, len=1), (x,))
+                sl = g.add_node(Narrow(axis=0, start=b, len=1), (x,))
                 args.append(E.reshape(g, sl, tuple(ds[1:])))
             else:
                 args.append(x)
-        y = g._add_node(n.op, tuple(args), n.shape)
+        y = g.add_node(n.op, tuple(args), n.shape)
         parts.append(E.reshape(g, y, (1,) + tuple(n.shape.dims)))
-    return g._add_node(Concat(axis=0), tuple(parts))
+    return g.add_node(Concat(axis=0), tuple(parts))

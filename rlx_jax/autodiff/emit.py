@@ -46,13 +46,13 @@ def target(ds) -> tuple:
 def scalar(g, value, dt: DType) -> int:
     """A rank-0 constant of dtype ``dt``."""
     arr = np.asarray(value, dtype=dt.to_numpy())
-    return g._add_node(Constant(data=np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<")).tobytes()),
+    return g.add_node(Constant(data=np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<")).tobytes()),
                        (), Shape((), dt))
 
 
 def const(g, array, dt: DType) -> int:
     arr = np.asarray(array, dtype=dt.to_numpy())
-    return g._add_node(Constant(data=np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<")).tobytes()),
+    return g.add_node(Constant(data=np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<")).tobytes()),
                        (), Shape(arr.shape, dt))
 
 
@@ -72,7 +72,7 @@ def zeros_like(g, x) -> int:
 
 
 def binary(g, op: BinaryOp, a, b) -> int:
-    return g._add_node(Binary(op=op), (a, b))
+    return g.add_node(Binary(op=op), (a, b))
 
 
 def add(g, a, b):
@@ -104,7 +104,7 @@ def add_s(g, a, value: float) -> int:
 
 
 def act(g, kind, x) -> int:
-    return g._add_node(Activation(kind=ActivationKind.parse(kind)), (x,))
+    return g.add_node(Activation(kind=ActivationKind.parse(kind)), (x,))
 
 
 def neg(g, x):
@@ -112,24 +112,24 @@ def neg(g, x):
 
 
 def cmp(g, op, a, b) -> int:
-    return g._add_node(Compare(op=CmpOp.parse(op)), (a, b))
+    return g.add_node(Compare(op=CmpOp.parse(op)), (a, b))
 
 
 def where(g, c, a, b) -> int:
-    return g._add_node(Where(), (c, a, b))
+    return g.add_node(Where(), (c, a, b))
 
 
 def cast(g, x, to: DType) -> int:
     if dtype(g, x) == to:
         return x
-    return g._add_node(Cast(to=to), (x,))
+    return g.add_node(Cast(to=to), (x,))
 
 
 def reduce(g, x, op, axes, keep_dim=False) -> int:
     axes = tuple(sorted(int(a) for a in axes))
     if not axes:
         return x
-    return g._add_node(Reduce(op=ReduceOp.parse(op), axes=axes, keep_dim=keep_dim), (x,))
+    return g.add_node(Reduce(op=ReduceOp.parse(op), axes=axes, keep_dim=keep_dim), (x,))
 
 
 def sum_(g, x, axes, keep_dim=False):
@@ -144,7 +144,7 @@ def reshape(g, x, ds) -> int:
         x = src.inputs[0]
         if dims(g, x) == tuple(ds):
             return x
-    return g._add_node(Reshape(new_shape=target(ds)), (x,))
+    return g.add_node(Reshape(new_shape=target(ds)), (x,))
 
 
 def transpose(g, x, perm) -> int:
@@ -155,7 +155,7 @@ def transpose(g, x, perm) -> int:
         x = src.inputs[0]
     if perm == tuple(range(len(perm))):
         return x
-    return g._add_node(Transpose(perm=perm), (x,))
+    return g.add_node(Transpose(perm=perm), (x,))
 
 
 def inverse_perm(perm) -> tuple:
@@ -168,7 +168,7 @@ def inverse_perm(perm) -> tuple:
 def expand(g, x, ds) -> int:
     if dims(g, x) == tuple(ds):
         return x
-    return g._add_node(Expand(target_shape=target(ds)), (x,))
+    return g.add_node(Expand(target_shape=target(ds)), (x,))
 
 
 def expand_like(g, a, ref) -> int:
@@ -250,9 +250,9 @@ def prune(g, keep_leaves=True, replace=None):
         if n.id in replace:
             if n.id in need:
                 op, shape = replace[n.id]
-                m[n.id] = out._add_node(op, (), shape)
+                m[n.id] = out.add_node(op, (), shape)
             continue
         if n.id in need or (keep_leaves and leaf):
-            m[n.id] = out._add_node(n.op, tuple(m[i] for i in n.inputs), n.shape, n.name)
+            m[n.id] = out.add_node(n.op, tuple(m[i] for i in n.inputs), n.shape, n.name)
     out.set_outputs([m[o] for o in g.outputs])
     return out

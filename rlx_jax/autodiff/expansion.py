@@ -23,12 +23,12 @@ def vjp_via_expansion(g, node, dy, build, wrt_inputs=None):
     Input ids ``ins`` (shaped like ``node``'s inputs); returns one gradient id (in
     ``g``) or None per input of ``node``."""
     t = Graph("expansion")
-    ins = [t._add_node(Input(name=f"x{i}"), (), g.node(j).shape) for i, j in enumerate(node.inputs)]
+    ins = [t.add_node(Input(name=f"x{i}"), (), g.node(j).shape) for i, j in enumerate(node.inputs)]
     out = build(t, ins)
     if tuple(t.node(out).shape.dims) != tuple(node.shape.dims) or t.node(out).shape.dtype != node.shape.dtype:
         raise GraphError(f"expansion of {type(node.op).__name__} gives {t.node(out).shape}, node has {node.shape}")
     upto = len(t.nodes)
-    d = t._add_node(Input(name="d"), (), node.shape)
+    d = t.add_node(Input(name="d"), (), node.shape)
     if wrt_inputs is None:
         wrt_inputs = range(len(ins))
     wrt = [ins[i] for i in wrt_inputs if E.is_float(t.node(ins[i]).shape.dtype)]
@@ -50,5 +50,5 @@ def vjp_via_expansion(g, node, dy, build, wrt_inputs=None):
         mapping[i] = j
     for n in t.nodes:
         if n.id in need and n.id not in mapping:
-            mapping[n.id] = g._add_node(n.op, tuple(mapping[i] for i in n.inputs), n.shape)
+            mapping[n.id] = g.add_node(n.op, tuple(mapping[i] for i in n.inputs), n.shape)
     return [None if r is None else mapping[r] for r in results]

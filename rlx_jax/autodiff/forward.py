@@ -52,7 +52,7 @@ def jvp(graph: Graph, tangent_for) -> Graph:
         s = g.node(o).shape
         if not E.is_float(s.dtype) or o in seeds:
             continue
-        u = g._add_node(Input(name=unique_input_name(g, f"__dual_{k}")), (), s)
+        u = g.add_node(Input(name=unique_input_name(g, f"__dual_{k}")), (), s)
         duals[k] = u
         seeds[o] = u
     upto = len(g.nodes)
@@ -62,7 +62,7 @@ def jvp(graph: Graph, tangent_for) -> Graph:
     t_seeds = {}
     for i, x in zip(ids, xs):
         name = getattr(graph.node(i).op, "name", None) or f"n{i}"
-        t = g._add_node(Input(name=unique_input_name(g, f"tangent_{name}")), (), g.node(x).shape)
+        t = g.add_node(Input(name=unique_input_name(g, f"tangent_{name}")), (), g.node(x).shape)
         tangents[x] = t
         if x in r:
             rx = r[x]
@@ -106,9 +106,9 @@ def hvp(graph: Graph, wrt) -> Graph:
     m = {}
     for n in gg.nodes:
         if n.id == d:
-            m[n.id] = fixed._add_node(one, (), s)
+            m[n.id] = fixed.add_node(one, (), s)
         else:
-            m[n.id] = fixed._add_node(n.op, tuple(m[i] for i in n.inputs), n.shape, n.name)
+            m[n.id] = fixed.add_node(n.op, tuple(m[i] for i in n.inputs), n.shape, n.name)
     n_aux = len(graph.outputs) - 1
     fixed.set_outputs([m[gg.outputs[0]]] + [m[o] for o in gg.outputs[1 + n_aux:]])
     names = [getattr(graph.node(i).op, "name", None) for i in ids]

@@ -115,7 +115,7 @@ def emit_vjp(g, name: str, params: dict, wrt: list, inputs, dy) -> list:
     def node(group):
         op = Custom(name=f"{name}_vjp", num_inputs=len(inputs) + 1,
                     attrs=encode_attrs(params, [list(w) for w in wrt] + [list(group)]))
-        return g._add_node(op, tuple(inputs) + (dy,))
+        return g.add_node(op, tuple(inputs) + (dy,))
 
     own = []
     for i, x in enumerate(inputs):
@@ -137,7 +137,7 @@ def emit_vjp(g, name: str, params: dict, wrt: list, inputs, dy) -> list:
             if not ln:
                 out[i] = E.zeros_like(g, inputs[i])
                 continue
-            part = g._add_node(Narrow(axis=0, start=start, len=ln), (packed,))
+            part = g.add_node(Narrow(axis=0, start=start, len=ln), (packed,))
             out[i] = part if tuple(ds) == (ln,) else E.reshape(g, part, ds)
             start += ln
     return out
@@ -175,7 +175,7 @@ def function_node(g, name: str, inputs, params: dict) -> int:
     """A ``name`` Custom node (fn applied to ``inputs``)."""
     if get_custom_op(name) is None:
         raise GraphError(f"custom op {name!r} is not registered (register_jax_function)")
-    return g._add_node(Custom(name=name, num_inputs=len(inputs), attrs=encode_attrs(params)), tuple(inputs))
+    return g.add_node(Custom(name=name, num_inputs=len(inputs), attrs=encode_attrs(params)), tuple(inputs))
 
 
 # -- Gaussian splatting -----------------------------------------------------------------------

@@ -52,9 +52,9 @@ def inline(g, body, args, named=None) -> list:
                 pos += 1
         elif isinstance(n.op, Param):
             pid = g.leaf_id(n.op.name)
-            m[n.id] = pid if pid is not None else g._add_node(n.op, (), n.shape, n.name)
+            m[n.id] = pid if pid is not None else g.add_node(n.op, (), n.shape, n.name)
         else:
-            m[n.id] = g._add_node(n.op, tuple(m[i] for i in n.inputs), n.shape)
+            m[n.id] = g.add_node(n.op, tuple(m[i] for i in n.inputs), n.shape)
     return [m[o] for o in body.outputs]
 
 
@@ -78,20 +78,20 @@ def _residual(g, op, ins):
 
 def _fused_residual_ln(g, op, ins):
     h, gamma, beta = _residual(g, op, ins)
-    return g._add_node(LayerNorm(axis=E.shape(g, h).rank - 1, eps=op.eps), (h, gamma, beta))
+    return g.add_node(LayerNorm(axis=E.shape(g, h).rank - 1, eps=op.eps), (h, gamma, beta))
 
 
 def _fused_residual_rms(g, op, ins):
     h, gamma, beta = _residual(g, op, ins)
-    return g._add_node(RmsNorm(axis=E.shape(g, h).rank - 1, eps=op.eps), (h, gamma, beta))
+    return g.add_node(RmsNorm(axis=E.shape(g, h).rank - 1, eps=op.eps), (h, gamma, beta))
 
 
 def _fused_swiglu(g, op, ins):
     (x,) = ins
     r = E.shape(g, x).rank
     n = E.dims(g, x)[-1] // 2
-    lo = g._add_node(Narrow(axis=r - 1, start=0, len=n), (x,))
-    hi = g._add_node(Narrow(axis=r - 1, start=n, len=n), (x,))
+    lo = g.add_node(Narrow(axis=r - 1, start=0, len=n), (x,))
+    hi = g.add_node(Narrow(axis=r - 1, start=n, len=n), (x,))
     up, gate = (hi, lo) if op.gate_first else (lo, hi)
     y = E.mul(g, E.act(g, ActivationKind.Silu, gate), up)
     return y if op.cast_to is None else E.cast(g, y, op.cast_to)
@@ -103,7 +103,7 @@ def _keep_mask(g, mask, b, s):
     if tuple(E.dims(g, mask)) == (b, s):
         return mask
     flat = E.reshape(g, mask, (E.numel(E.dims(g, mask)),))
-    return E.reshape(g, g._add_node(Narrow(axis=0, start=0, len=b * s), (flat,)), (b, s))
+    return E.reshape(g, g.add_node(Narrow(axis=0, start=0, len=b * s), (flat,)), (b, s))
 
 
 def attention_block(g, hidden, qkv_w, out_w, mask, qkv_b, out_b, cos, sin, nh, hd):
@@ -112,13 +112,13 @@ def attention_block(g, hidden, qkv_w, out_w, mask, qkv_b, out_b, cos, sin, nh, h
     if qkv_b is not None:
         qkv = E.add(g, qkv, qkv_b)
     w = nh * hd
-    parts = [g._add_node(Narrow(axis=2, start=i * w, len=w), (qkv,)) for i in range(3)]
+    parts = [g.add_node(Narrow(axis=2, start=i * w, len=w), (qkv,)) for i in range(3)]
     if cos is not None:
         for i in (0, 1):
             t = E.transpose(g, E.reshape(g, parts[i], (b, s, nh, hd)), (0, 2, 1, 3))
-            t = g._add_node(Rope(head_dim=hd, n_rot=hd), (t, cos, sin))
+            t = g.add_node(Rope(head_dim=hd, n_rot=hd), (t, cos, sin))
             parts[i] = E.reshape(g, E.transpose(g, t, (0, 2, 1, 3)), (b, s, w))
-    o = g._add_node(Attention(num_heads=nh, head_dim=hd, mask_kind=MaskKind("Custom"), score_scale=None,
+    o = g.add_node(Attention(num_heads=nh, head_dim=hd, mask_kind=MaskKind("Custom"), score_scale=None,
                               attn_logit_softcap=None), (parts[0], parts[1], parts[2], _keep_mask(g, mask, b, s)))
     y = matmul(g, o, out_w)
     return y if out_b is None else E.add(g, y, out_b)
@@ -154,14 +154,14 @@ def _fused_transformer_layer(g, op, ins):
 
     attn = attention_block(g, x, p["qkv_w"], p["out_w"], p["mask"], p.get("qkv_b"), p.get("out_b"),
                            None, None, op.num_heads, op.head_dim)
-    h1 = g._add_node(LayerNorm(axis=axis, eps=op.eps1), (E.add(g, attn, x), p["ln1_g"], beta("ln1_b")))
+    h1 = g.add_node(LayerNorm(axis=axis, eps=op.eps1), (E.add(g, attn, x), p["ln1_g"], beta("ln1_b")))
     f = matmul(g, h1, p["fc1_w"])
     if p.get("fc1_b") is not None:
         f = E.add(g, f, p["fc1_b"])
     f = matmul(g, E.act(g, op.activation, f), p["fc2_w"])
     if p.get("fc2_b") is not None:
         f = E.add(g, f, p["fc2_b"])
-    return g._add_node(LayerNorm(axis=axis, eps=op.eps2), (E.add(g, f, h1), p["ln2_g"], beta("ln2_b")))
+    return g.add_node(LayerNorm(axis=axis, eps=op.eps2), (E.add(g, f, h1), p["ln2_g"], beta("ln2_b")))
 
 
 UNFUSE = {
@@ -217,16 +217,16 @@ def _scan(g, node, ins):
               for b in ins[1:1 + nb]]
         ins = [ins[0], *bc, *ins[1 + nb:]]
     if op.save_trajectory and not nb:
-        return g._add_node(op, tuple(ins), node.shape)
+        return g.add_node(op, tuple(ins), node.shape)
     if op.save_trajectory:
-        return g._add_node(Scan(body=op.body, length=op.length, save_trajectory=True, num_bcast=0,
+        return g.add_node(Scan(body=op.body, length=op.length, save_trajectory=True, num_bcast=0,
                                 num_xs=nb + op.num_xs, num_checkpoints=op.num_checkpoints), tuple(ins))
     traj_op = Scan(body=op.body, length=op.length, save_trajectory=True, num_bcast=0,
                    num_xs=nb + op.num_xs, num_checkpoints=0)
-    traj = g._add_node(traj_op, tuple(ins))
+    traj = g.add_node(traj_op, tuple(ins))
     if op.length == 0:
         return ins[0]
-    last = g._add_node(Narrow(axis=0, start=op.length - 1, len=1), (traj,))
+    last = g.add_node(Narrow(axis=0, start=op.length - 1, len=1), (traj,))
     return E.reshape(g, last, node.shape.dims)
 
 
@@ -240,7 +240,7 @@ def _unroll_scan(g, node, ins):
         x_t = []
         for x in xs:
             ds = E.dims(g, x)
-            x_t.append(E.reshape(g, g._add_node(Narrow(axis=0, start=t, len=1), (x,)), tuple(ds[1:])))
+            x_t.append(E.reshape(g, g.add_node(Narrow(axis=0, start=t, len=1), (x,)), tuple(ds[1:])))
         (carry,) = inline(g, op.body, [carry, *bc, *x_t])
         carry = E.cast(g, carry, E.dtype(g, ins[0]))
         if op.save_trajectory:
@@ -253,7 +253,7 @@ def _unroll_scan(g, node, ins):
         return E.zeros(g, node.shape)
     from rlx_jax.ir.ops_shape import Concat
 
-    return rows[0] if len(rows) == 1 else g._add_node(Concat(axis=0), tuple(rows))
+    return rows[0] if len(rows) == 1 else g.add_node(Concat(axis=0), tuple(rows))
 
 
 def prepare(graph, unroll_scans: bool = False):
@@ -284,7 +284,7 @@ def prepare(graph, unroll_scans: bool = False):
         elif name == "GaussianSplatRasterize":
             m[n.id] = _fuse_splat(graph, g, n, m)
         else:
-            m[n.id] = g._add_node(n.op, tuple(ins), n.shape, n.name)
+            m[n.id] = g.add_node(n.op, tuple(ins), n.shape, n.name)
     g.set_outputs([m[o] for o in graph.outputs])
     return g, m
 
@@ -314,7 +314,7 @@ def _fuse_splat(graph, g, n, m):
             raise GraphError(f"node %{n.id} GaussianSplatRasterize: {f}={getattr(n.op, f)!r} differs from its "
                              f"GaussianSplatPrepare's {getattr(prep.op, f)!r}")
     op = GaussianSplatRender(radius_scale=prep.op.radius_scale, **{f: getattr(n.op, f) for f in _SPLAT_RENDER_FIELDS})
-    out = g._add_node(op, tuple(m[i] for i in prep.inputs))
+    out = g.add_node(op, tuple(m[i] for i in prep.inputs))
     return _prep_body_result(g, out, n)
 
 

@@ -81,14 +81,14 @@ def to_jax_cotangent(g, c):
     """RLX's cotangent of a node -> JAX's (``2 conj(c)`` for c64, ``c`` for reals)."""
     if E.dtype(g, c) != DType.C64:
         return c
-    return E.mul_s(g, g._add_node(Conjugate(), (c,)), 2.0)
+    return E.mul_s(g, g.add_node(Conjugate(), (c,)), 2.0)
 
 
 def to_rlx_cotangent(g, c):
     """JAX's cotangent of a node -> RLX's (``conj(c) / 2`` for c64, ``c`` for reals)."""
     if E.dtype(g, c) != DType.C64:
         return c
-    return E.mul_s(g, g._add_node(Conjugate(), (c,)), 0.5)
+    return E.mul_s(g, g.add_node(Conjugate(), (c,)), 0.5)
 
 
 def grad_with_loss(forward: Graph, wrt, options: GradWithLossOptions = GradWithLossOptions.STRICT,
@@ -106,7 +106,7 @@ def grad_with_loss(forward: Graph, wrt, options: GradWithLossOptions = GradWithL
     g.name = f"{forward.name}_grad"
     upto = len(g.nodes)
     loss = g.outputs[0]
-    d = g._add_node(Input(name=unique_input_name(g, d_output_name)), (), g.node(loss).shape,
+    d = g.add_node(Input(name=unique_input_name(g, d_output_name)), (), g.node(loss).shape,
                     unique_input_name(g, d_output_name))
     new_wrt = [idmap[i] for i in wrt_ids]
     grads = backprop(g, {loss: to_jax_cotangent(g, d)}, new_wrt, upto)

@@ -103,7 +103,7 @@ def emit_attention(t, op, q, k, v, extra=None, segment_ids=None, sinks=None):
         s = E.where(t, keep, s, E.scalar(t, _NEG, dt))
     from rlx_jax.ir.ops_reduce import Softmax
 
-    p = t._add_node(Softmax(axis=-1), (s,))
+    p = t.add_node(Softmax(axis=-1), (s,))
     if segment_ids is not None or sinks is not None:
         zero = E.scalar(t, 0.0, dt)
         for keep in hidden:  # rows with no visible key: 0, not a uniform softmax

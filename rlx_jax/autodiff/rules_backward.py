@@ -271,13 +271,13 @@ def _rope_bwd(g, node, dy):
     d, cos, sin = node.inputs
     # RopeBackward(d, cos, sin) = rope(d, cos, -sin): the sin gradient changes sign
     dc, dsn = rope_table_grads(g, d, dy, E.shape(g, cos), node.op.head_dim, node.op.n_rot)
-    return [g._add_node(Rope(head_dim=node.op.head_dim, n_rot=node.op.n_rot), (dy, cos, sin)), dc, E.neg(g, dsn)]
+    return [g.add_node(Rope(head_dim=node.op.head_dim, n_rot=node.op.n_rot), (dy, cos, sin)), dc, E.neg(g, dsn)]
 
 
 @vjp_rule("CumsumBackward")
 def _cumsum_bwd(g, node, dy):
     # the transpose of the reverse cumulative sum is the forward cumulative sum
-    return [g._add_node(Cumsum(axis=node.op.axis, exclusive=node.op.exclusive), (dy,))]
+    return [g.add_node(Cumsum(axis=node.op.axis, exclusive=node.op.exclusive), (dy,))]
 
 
 @vjp_rule("GatherBackward")
@@ -286,7 +286,7 @@ def _gather_bwd(g, node, dy):
     axis = E.norm_axis(node.op.axis, node.shape.rank)
     if E.shape(g, d).rank == node.shape.rank - 1 + E.shape(g, idx).rank:
         return [g.take(dy, idx, axis), None]            # d in np.take's layout
-    return [g._add_node(Gather(axis=axis), (dy, idx)), None]  # d in Gather's output layout
+    return [g.add_node(Gather(axis=axis), (dy, idx)), None]  # d in Gather's output layout
 
 
 # -- conv / pool ------------------------------------------------------------------------
@@ -301,7 +301,7 @@ def _conv_bwd_input(g, node, dy):
     # dx = conv^T(d, w) is bilinear: <G, dx> = <conv(G, w), d>
     d, w = node.inputs
     kw = _conv_kw(node.op)
-    return [g._add_node(Conv(**kw), (dy, w)), g._add_node(Conv2dBackwardWeight(**kw), (dy, d))]
+    return [g.add_node(Conv(**kw), (dy, w)), g.add_node(Conv2dBackwardWeight(**kw), (dy, d))]
 
 
 @vjp_rule("Conv2dBackwardWeight")
@@ -309,7 +309,7 @@ def _conv_bwd_weight(g, node, dy):
     # dw = W^T(x, d): <G, dw> = <conv(x, G), d>
     x, d = node.inputs
     kw = _conv_kw(node.op)
-    return [g._add_node(Conv2dBackwardInput(**kw), (d, dy), E.shape(g, x)), g._add_node(Conv(**kw), (x, dy))]
+    return [g.add_node(Conv2dBackwardInput(**kw), (d, dy), E.shape(g, x)), g.add_node(Conv(**kw), (x, dy))]
 
 
 @vjp_rule("MaxPool2dBackward")
@@ -338,7 +338,7 @@ def _maxpool_bwd(g, node, dy):
         return [None, E.zeros_like(g, d)]
     flat = lambda v, n: E.reshape(g, v, lead + (n,))                  # noqa: E731
     xf, gf = flat(x, h * w), flat(dy, h * w)
-    y = flat(g._add_node(Pool(kind=ReduceOp.Max, kernel_size=(kh, kw), stride=(sh, sw), padding=(ph, pw)), (x,)),
+    y = flat(g.add_node(Pool(kind=ReduceOp.Max, kernel_size=(kh, kw), stride=(sh, sw), padding=(ph, pw)), (x,)),
              ho * wo)
     live = E.cmp(g, "Gt", y, E.scalar(g, -np.inf, E.dtype(g, y)))
     rows = np.arange(ho)[:, None] * sh - ph
@@ -373,7 +373,7 @@ def _xent_bwd(t, op, ins):
     logits, labels, dl = ins
     n, c = E.dims(t, logits)
     dt = E.dtype(t, logits)
-    p = t._add_node(Softmax(axis=-1), (logits,))
+    p = t.add_node(Softmax(axis=-1), (logits,))
     ldt = E.dtype(t, labels)
     iota = E.const(t, np.arange(c).reshape(1, c), ldt)
     hot = E.cast(t, E.cmp(t, "Eq", E.reshape(t, labels, (n, 1)), iota), dt)
@@ -427,7 +427,7 @@ def _fq_bwd_expansion(t, op, ins):
     r = E.shape(t, x).rank
     axes = tuple(i for i in range(r) if op.axis is None or i != E.norm_axis(op.axis, r))
     amax = E.reduce(t, E.act(t, "Abs", x), "Max", axes, True)
-    sc = t._add_node(StopGradient(), (E.binary(t, BinaryOp.Max, E.mul_s(t, amax, 1.0 / q),
+    sc = t.add_node(StopGradient(), (E.binary(t, BinaryOp.Max, E.mul_s(t, amax, 1.0 / q),
                                                 E.scalar(t, 1e-12, dt)),))
     if op.ste is SteKind.Tanh:
         th = E.act(t, "Tanh", E.div(t, x, sc))
@@ -449,7 +449,7 @@ def _fq_bwd(g, node, dy):
     if op.ste in (SteKind.Tanh, SteKind.HardTanh):
         return vjp_via_expansion(g, node, dy, lambda t, ins: _fq_bwd_expansion(t, op, ins))
     x, d = node.inputs
-    return [None, g._add_node(FakeQuantizeBackward(bits=op.bits, axis=op.axis, ste=op.ste), (x, dy))]
+    return [None, g.add_node(FakeQuantizeBackward(bits=op.bits, axis=op.axis, ste=op.ste), (x, dy))]
 
 
 @vjp_rule("FakeQuantizeLSQBackwardX")
@@ -459,7 +459,7 @@ def _lsq_bwd_x(g, node, dy):
 
     x, s, d = node.inputs
     op = node.op
-    return [None, None, g._add_node(FakeQuantizeLSQBackwardX(bits=op.bits, axis=op.axis), (x, s, dy))]
+    return [None, None, g.add_node(FakeQuantizeLSQBackwardX(bits=op.bits, axis=op.axis), (x, s, dy))]
 
 
 def _lsq_bwd_scale_expansion(t, op, ins):
@@ -484,7 +484,7 @@ def _lsq_bwd_scale_expansion(t, op, ins):
     z = E.div(t, x, E.cast(t, s_eff, dt))
 
     def const(v):
-        return t._add_node(StopGradient(), (v,))
+        return t.add_node(StopGradient(), (v,))
 
     inside = E.cmp(t, "Le", E.act(t, "Abs", z), E.scalar(t, q, dt))
     sign = E.where(t, E.cmp(t, "Gt", z, E.scalar(t, 0, dt)), E.scalar(t, q, dt),
@@ -546,7 +546,7 @@ def _scan_bwd_unrolled(t, op, ins, which):
 
     def row(a, s):
         ds = E.dims(t, a)
-        return E.reshape(t, t._add_node(Narrow(axis=0, start=s, len=1), (a,)), tuple(ds[1:]))
+        return E.reshape(t, t.add_node(Narrow(axis=0, start=s, len=1), (a,)), tuple(ds[1:]))
 
     if checkpointed:
         carries = [init]
@@ -576,7 +576,7 @@ def _scan_bwd_unrolled(t, op, ins, which):
     if which is None:
         return dc if dc is not None else E.zeros(t, E.shape(t, init))
     parts = dx_rows[which]
-    return parts[0] if len(parts) == 1 else t._add_node(Concat(axis=0), tuple(parts))
+    return parts[0] if len(parts) == 1 else t.add_node(Concat(axis=0), tuple(parts))
 
 
 vjp_rule("ScanBackward")(_expanding(lambda t, op, ins: _scan_bwd_unrolled(t, op, ins, None)))

@@ -35,7 +35,7 @@ def body_vjp_graph(body: Graph, n_diff: int) -> Graph:
     t.name = f"{body.name}_vjp"
     upto = len(t.nodes)
     out = body.outputs[0]
-    d = t._add_node(Input(name="d_output"), (), t.node(out).shape)
+    d = t.add_node(Input(name="d_output"), (), t.node(out).shape)
     ins = [n.id for n in body_inputs(body)][:n_diff]
     grads = backprop(t, {out: d}, ins, upto)
     outs = []
@@ -59,7 +59,7 @@ def _scan(g, node, dy):
     xs = tuple(node.inputs[1:])
     common = dict(body_vjp=bv, length=op.length, save_trajectory=True, num_xs=op.num_xs,
                   num_checkpoints=op.num_checkpoints, forward_body=op.body)
-    dinit = g._add_node(ScanBackward(**common), (init, node.id, dy) + xs, E.shape(g, init))
-    dxs = [g._add_node(ScanBackwardXs(xs_idx=i, **common), (init, node.id, dy) + xs, E.shape(g, x))
+    dinit = g.add_node(ScanBackward(**common), (init, node.id, dy) + xs, E.shape(g, init))
+    dxs = [g.add_node(ScanBackwardXs(xs_idx=i, **common), (init, node.id, dy) + xs, E.shape(g, x))
            for i, x in enumerate(xs)]
     return [dinit] + dxs

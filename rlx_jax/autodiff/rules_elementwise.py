@@ -22,8 +22,8 @@ from .table import vjp_rule
 def _activation(g, node, dy):
     (x,) = node.inputs
     if node.op.kind is ActivationKind.Relu:
-        return [g._add_node(ReluBackward(), (x, dy))]
-    return [g._add_node(ActivationBackward(kind=node.op.kind), (x, dy))]
+        return [g.add_node(ReluBackward(), (x, dy))]
+    return [g.add_node(ActivationBackward(kind=node.op.kind), (x, dy))]
 
 
 @vjp_rule("Binary")
@@ -75,13 +75,13 @@ def _complex_norm_sq(g, node, dy):
     # RLX's ComplexNormSqBackward gives the Wirtinger g * z; JAX's cotangent is its
     # conjugate times two: 2 g conj(z).
     (z,) = node.inputs
-    w = g._add_node(ComplexNormSqBackward(), (z, E.mul_s(g, dy, 2.0)))
-    return [g._add_node(Conjugate(), (w,))]
+    w = g.add_node(ComplexNormSqBackward(), (z, E.mul_s(g, dy, 2.0)))
+    return [g.add_node(Conjugate(), (w,))]
 
 
 @vjp_rule("Conjugate")
 def _conjugate(g, node, dy):
-    return [g._add_node(Conjugate(), (dy,))]
+    return [g.add_node(Conjugate(), (dy,))]
 
 
 def emit_region(t, op, ins):

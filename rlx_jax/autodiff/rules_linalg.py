@@ -14,7 +14,7 @@ from .table import vjp_rule
 
 
 def matmul(g, a, b):
-    return g._add_node(MatMul(), (a, b))
+    return g.add_node(MatMul(), (a, b))
 
 
 def t_last(g, x):
@@ -36,7 +36,7 @@ def _dot_transpose(g, dy, other, nb, self_batch, self_contract, other_batch, oth
     other operand's free dims start in dy and ``free_count`` how many."""
     other_free = [i for i in range(other_rank) if i not in other_batch and i not in other_contract]
     dy_free = list(range(free_pos, free_pos + free_count))
-    res = g._add_node(DotGeneral(lhs_contracting=tuple(dy_free), rhs_contracting=tuple(other_free),
+    res = g.add_node(DotGeneral(lhs_contracting=tuple(dy_free), rhs_contracting=tuple(other_free),
                                  lhs_batch=tuple(range(nb)), rhs_batch=tuple(other_batch)), (dy, other))
     # result dims: batch, dy's remaining (self free) dims, other's contracting dims
     # (ascending in other) -> self dims
@@ -59,7 +59,7 @@ def _dot_general(g, node, dy):
     da = _dot_transpose(g, dy, b, nb, op.lhs_batch, op.lhs_contracting, op.rhs_batch, op.rhs_contracting,
                         ra, rb, nb + nfa, nfb)
     # for rhs: dy's self-free dims come after lhs free ones; contract dy's lhs-free dims
-    db_res = g._add_node(DotGeneral(
+    db_res = g.add_node(DotGeneral(
         lhs_contracting=tuple(range(nb, nb + nfa)),
         rhs_contracting=tuple(i for i in range(ra) if i not in op.lhs_batch and i not in op.lhs_contracting),
         lhs_batch=tuple(range(nb)), rhs_batch=tuple(op.lhs_batch)), (dy, a))
@@ -75,7 +75,7 @@ def _dot_general(g, node, dy):
 def _dense_solve(g, node, dy):
     a, b = node.inputs
     x = node.id
-    db = g._add_node(DenseSolve(), (E.transpose(g, a, (1, 0)), dy))
+    db = g.add_node(DenseSolve(), (E.transpose(g, a, (1, 0)), dy))
     if E.shape(g, b).rank == 1:
         n = E.dims(g, b)[0]
         da = matmul(g, E.reshape(g, db, (n, 1)), E.reshape(g, x, (1, n)))
@@ -88,7 +88,7 @@ def _dense_solve(g, node, dy):
 def _batched_dense_solve(g, node, dy):
     a, b = node.inputs
     x = node.id
-    db = g._add_node(BatchedDenseSolve(), (E.transpose(g, a, (0, 2, 1)), dy))
+    db = g.add_node(BatchedDenseSolve(), (E.transpose(g, a, (0, 2, 1)), dy))
     if E.shape(g, b).rank == 2:
         bb, n = E.dims(g, b)
         da = matmul(g, E.reshape(g, db, (bb, n, 1)), E.reshape(g, x, (bb, 1, n)))
@@ -126,16 +126,16 @@ def _grouped(g, node, dy):
     x, w, idx = node.inputs
     m, k = E.dims(g, x)
     e, _, n = E.dims(g, w)
-    dx = g._add_node(GroupedMatMul(), (dy, E.transpose(g, w, (0, 2, 1)), idx))
+    dx = g.add_node(GroupedMatMul(), (dy, E.transpose(g, w, (0, 2, 1)), idx))
     outer = matmul(g, E.reshape(g, x, (m, k, 1)), E.reshape(g, dy, (m, 1, n)))
-    dw = g._add_node(ScatterAdd(), (outer, idx), Shape((e, k, n), E.dtype(g, w)))
+    dw = g.add_node(ScatterAdd(), (outer, idx), Shape((e, k, n), E.dtype(g, w)))
     return [dx, dw, None]
 
 
 @vjp_rule("ScatterAdd")
 def _scatter_add(g, node, dy):
     upd, idx = node.inputs
-    return [g._add_node(Gather(axis=0), (dy, idx)), None]
+    return [g.add_node(Gather(axis=0), (dy, idx)), None]
 
 
 # -- weight-only quantised matmuls ------------------------------------------------------
@@ -160,10 +160,10 @@ def dequant_weight_node(g, node, k: int, n: int):
 
     op = node.op
     if op.scheme.is_gguf:
-        w3 = g._add_node(DequantMoEWeights(scheme=op.scheme), (node.inputs[1],), Shape((1, k, n), DType.F32))
+        w3 = g.add_node(DequantMoEWeights(scheme=op.scheme), (node.inputs[1],), Shape((1, k, n), DType.F32))
         return E.reshape(g, w3, (k, n))
     eye = E.const(g, np.eye(k, dtype=np.float32), DType.F32)
-    return g._add_node(DequantMatMul(scheme=op.scheme), (eye,) + tuple(node.inputs[1:]), Shape((k, n), DType.F32))
+    return g.add_node(DequantMatMul(scheme=op.scheme), (eye,) + tuple(node.inputs[1:]), Shape((k, n), DType.F32))
 
 
 def _static_kn(node, x_dims, what):
@@ -207,7 +207,7 @@ def _dequant_grouped(g, node, dy):
     if total is None or slab == 0 or total % slab:
         raise GraphError(f"node %{node.id} DequantGroupedMatMul: packed weight of {total} bytes is not a whole "
                          f"number of {slab}-byte [{k}, {n}] expert slabs")
-    w = g._add_node(DequantMoEWeights(scheme=op.scheme), (packed,), Shape((total // slab, k, n), DType.F32))
+    w = g.add_node(DequantMoEWeights(scheme=op.scheme), (packed,), Shape((total // slab, k, n), DType.F32))
     w = E.cast(g, w, E.dtype(g, dy))
-    dx = g._add_node(GroupedMatMul(), (dy, E.transpose(g, w, (0, 2, 1)), idx))
+    dx = g.add_node(GroupedMatMul(), (dy, E.transpose(g, w, (0, 2, 1)), idx))
     return [dx, None, None]

@@ -33,8 +33,8 @@ def _layer_norm(g, node, dy):
     ax, eps = node.op.axis, node.op.eps
     xs = E.shape(g, x)
     a = E.norm_axis(ax, xs.rank)
-    dx = g._add_node(LayerNormBackwardInput(axis=ax, eps=eps), (x, gamma, dy))
-    dg = g._add_node(LayerNormBackwardGamma(axis=ax, eps=eps), (x, dy))
+    dx = g.add_node(LayerNormBackwardInput(axis=ax, eps=eps), (x, gamma, dy))
+    dg = g.add_node(LayerNormBackwardGamma(axis=ax, eps=eps), (x, dy))
     db = E.sum_(g, dy, tuple(i for i in range(xs.rank) if i != a))   # gamma/beta: [x.shape[axis]]
     return [dx, dg, db]
 
@@ -43,17 +43,17 @@ def _layer_norm(g, node, dy):
 def _rms_norm(g, node, dy):
     ins = tuple(node.inputs) + (dy,)
     kw = dict(axis=node.op.axis, eps=node.op.eps)
-    return [g._add_node(RmsNormBackwardInput(**kw), ins), g._add_node(RmsNormBackwardGamma(**kw), ins),
-            g._add_node(RmsNormBackwardBeta(**kw), ins)]
+    return [g.add_node(RmsNormBackwardInput(**kw), ins), g.add_node(RmsNormBackwardGamma(**kw), ins),
+            g.add_node(RmsNormBackwardBeta(**kw), ins)]
 
 
 @vjp_rule("GroupNorm")
 def _group_norm(g, node, dy):
     x, gamma, beta = node.inputs
     kw = dict(num_groups=node.op.num_groups, eps=node.op.eps)
-    return [g._add_node(GroupNormBackwardInput(**kw), (x, gamma, beta, dy)),
-            g._add_node(GroupNormBackwardGamma(**kw), (x, dy)),
-            g._add_node(GroupNormBackwardBeta(**kw), (x, dy))]
+    return [g.add_node(GroupNormBackwardInput(**kw), (x, gamma, beta, dy)),
+            g.add_node(GroupNormBackwardGamma(**kw), (x, dy)),
+            g.add_node(GroupNormBackwardBeta(**kw), (x, dy))]
 
 
 def _per_channel(g, p, rank):
@@ -67,9 +67,9 @@ def _batch_norm(g, node, dy):
     x, gamma, beta, mean, var = node.inputs
     eps = node.op.eps
     r = E.shape(g, x).rank
-    dx = g._add_node(BatchNormInferenceBackwardInput(eps=eps), (x, gamma, mean, var, dy))
-    dg = g._add_node(BatchNormInferenceBackwardGamma(eps=eps), (x, mean, var, dy))
-    db = g._add_node(BatchNormInferenceBackwardBeta(), (dy,))
+    dx = g.add_node(BatchNormInferenceBackwardInput(eps=eps), (x, gamma, mean, var, dy))
+    dg = g.add_node(BatchNormInferenceBackwardGamma(eps=eps), (x, mean, var, dy))
+    db = g.add_node(BatchNormInferenceBackwardBeta(), (dy,))
     # running statistics: y = (x - m) * gamma * (v + eps)^-1/2 + beta
     axes = (0,) + tuple(range(2, r))
     rstd = E.act(g, "Rsqrt", E.add_s(g, var, eps))               # [C]
@@ -89,8 +89,8 @@ def _layer_norm_2d(g, node, dy):
     eps = node.op.eps
     xt = E.transpose(g, x, (0, 2, 3, 1))
     dyt = E.transpose(g, dy, (0, 2, 3, 1))
-    dxt = g._add_node(LayerNormBackwardInput(axis=3, eps=eps), (xt, gamma, dyt))
-    dg = g._add_node(LayerNormBackwardGamma(axis=3, eps=eps), (xt, dyt))
+    dxt = g.add_node(LayerNormBackwardInput(axis=3, eps=eps), (xt, gamma, dyt))
+    dg = g.add_node(LayerNormBackwardGamma(axis=3, eps=eps), (xt, dyt))
     return [E.transpose(g, dxt, (0, 3, 1, 2)), dg, E.sum_(g, dy, (0, 2, 3))]
 
 
@@ -119,7 +119,7 @@ def _attention(g, node, dy):
             c = None
     qq = q if c is None else E.mul_s(g, q, c)
     kw = dict(num_heads=op.num_heads, head_dim=op.head_dim, mask_kind=op.mask_kind)
-    grads = [g._add_node(AttentionBackward(wrt=w, **kw), (qq, k, v, dy) + mask)
+    grads = [g.add_node(AttentionBackward(wrt=w, **kw), (qq, k, v, dy) + mask)
              for w in (AttentionBwdWrt.Query, AttentionBwdWrt.Key, AttentionBwdWrt.Value)]
     if c is not None:
         grads[0] = E.mul_s(g, grads[0], c)
@@ -134,7 +134,7 @@ def _attention(g, node, dy):
 def _rope(g, node, dy):
     x, cos, sin = node.inputs
     dc, ds = rope_table_grads(g, x, dy, E.shape(g, cos), node.op.head_dim, node.op.n_rot)
-    return [g._add_node(RopeBackward(head_dim=node.op.head_dim, n_rot=node.op.n_rot), (dy, cos, sin)), dc, ds]
+    return [g.add_node(RopeBackward(head_dim=node.op.head_dim, n_rot=node.op.n_rot), (dy, cos, sin)), dc, ds]
 
 
 def rope_table_grads(g, x, dy, table, head_dim, n_rot):
@@ -151,7 +151,7 @@ def rope_table_grads(g, x, dy, table, head_dim, n_rot):
     ax = len(shp) - 1
 
     def part(v, start):
-        return g._add_node(Narrow(axis=ax, start=start, len=half), (v,))
+        return g.add_node(Narrow(axis=ax, start=start, len=half), (v,))
 
     a, b, da, db = part(xh, 0), part(xh, half), part(dh, 0), part(dh, half)
     red = tuple(range(len(lead))) + (len(lead) + 1,)
@@ -160,8 +160,8 @@ def rope_table_grads(g, x, dy, table, head_dim, n_rot):
     t = table.dims[1]
     if t > half:
         z = E.zeros(g, Shape((s, t - half), E.dtype(g, dc)))
-        dc = g._add_node(Concat(axis=1), (dc, z))
-        dsn = g._add_node(Concat(axis=1), (dsn, z))
+        dc = g.add_node(Concat(axis=1), (dc, z))
+        dsn = g.add_node(Concat(axis=1), (dsn, z))
     return dc, dsn
 
 
@@ -178,8 +178,8 @@ def _conv(g, node, dy):
     if len(node.op.kernel_size) != 2:
         raise GraphError(f"node %{node.id} Conv: RLX's backward ops cover 2-D convolution only")
     kw = _conv_kw(node.op)
-    dx = g._add_node(Conv2dBackwardInput(**kw), (dy, w), E.shape(g, x))
-    dw = g._add_node(Conv2dBackwardWeight(**kw), (x, dy))
+    dx = g.add_node(Conv2dBackwardInput(**kw), (dy, w), E.shape(g, x))
+    dw = g.add_node(Conv2dBackwardWeight(**kw), (x, dy))
     return [dx, dw]
 
 
@@ -191,8 +191,8 @@ def _conv_transpose(g, node, dy):
     op = node.op
     kw = dict(kernel_size=tuple(op.kernel_size), stride=tuple(op.stride), padding=tuple(op.padding),
               dilation=tuple(op.dilation), groups=op.groups)
-    dx = g._add_node(Conv(**kw), (dy, w))
-    dw = g._add_node(Conv2dBackwardWeight(**kw), (dy, x))
+    dx = g.add_node(Conv(**kw), (dy, w))
+    dw = g.add_node(Conv2dBackwardWeight(**kw), (dy, x))
     return [dx, dw]
 
 
@@ -201,7 +201,7 @@ def _pool(g, node, dy):
     (x,) = node.inputs
     op = node.op
     if op.kind is ReduceOp.Max:
-        return [g._add_node(MaxPool2dBackward(kernel_size=tuple(op.kernel_size), stride=tuple(op.stride),
+        return [g.add_node(MaxPool2dBackward(kernel_size=tuple(op.kernel_size), stride=tuple(op.stride),
                                               padding=tuple(op.padding)), (x, dy))]
     # Mean (count_include_pad): the input gradient of a depthwise conv with weight 1/(kh kw)
     xs = E.shape(g, x)
@@ -210,7 +210,7 @@ def _pool(g, node, dy):
         raise GraphError(f"node %{node.id} Pool Mean: reverse mode needs a static channel dim")
     kh, kw_ = op.kernel_size
     w = E.const(g, np.full((c, 1, kh, kw_), 1.0 / (kh * kw_)), xs.dtype)
-    return [g._add_node(Conv2dBackwardInput(kernel_size=(kh, kw_), stride=tuple(op.stride),
+    return [g.add_node(Conv2dBackwardInput(kernel_size=(kh, kw_), stride=tuple(op.stride),
                                             padding=tuple(op.padding), dilation=(1, 1), groups=c),
                         (dy, w), xs)]
 
@@ -221,7 +221,7 @@ def _pool(g, node, dy):
 def _fake_quantize(g, node, dy):
     x = node.inputs[0]
     op = node.op
-    dx = g._add_node(FakeQuantizeBackward(bits=op.bits, axis=op.axis, ste=op.ste), (x, dy))
+    dx = g.add_node(FakeQuantizeBackward(bits=op.bits, axis=op.axis, ste=op.ste), (x, dy))
     return [dx] + [None] * (len(node.inputs) - 1)
 
 
@@ -229,8 +229,8 @@ def _fake_quantize(g, node, dy):
 def _fake_quantize_lsq(g, node, dy):
     x, s = node.inputs
     kw = dict(bits=node.op.bits, axis=node.op.axis)
-    return [g._add_node(FakeQuantizeLSQBackwardX(**kw), (x, s, dy)),
-            g._add_node(FakeQuantizeLSQBackwardScale(**kw), (x, s, dy))]
+    return [g.add_node(FakeQuantizeLSQBackwardX(**kw), (x, s, dy)),
+            g.add_node(FakeQuantizeLSQBackwardScale(**kw), (x, s, dy))]
 
 
 # -- signal ------------------------------------------------------------------------------
@@ -253,7 +253,7 @@ def _fft(g, node, dy):
     x = node.inputs[0]
     complex_in = E.dtype(g, x) == DType.C64
     inverse = bool(op.inverse) if complex_in else not bool(op.inverse)
-    dz = g._add_node(Fft(inverse=inverse, norm=op.norm), (dy,))
+    dz = g.add_node(Fft(inverse=inverse, norm=op.norm), (dy,))
     n = E.dims(g, x)[-1] if complex_in else E.dims(g, x)[-1] // 2
     ratio = fft_scale(op.norm, n, bool(op.inverse)) / fft_scale(op.norm, n, inverse)
     return [dz if ratio == 1.0 else E.mul_s(g, dz, ratio)]
@@ -263,7 +263,7 @@ def _fft(g, node, dy):
 def _log_mel(g, node, dy):
     spec, fb = node.inputs
     dfb = vjp_via_expansion(g, node, dy, _log_mel_primitives, wrt_inputs=[1])[1]
-    return [g._add_node(LogMelBackward(), (spec, fb, dy)), dfb]
+    return [g.add_node(LogMelBackward(), (spec, fb, dy)), dfb]
 
 
 def _log_mel_primitives(t, ins):
@@ -285,7 +285,7 @@ def _axial_rope(g, node, dy):
     xs = E.shape(g, x)
     width = xs.dims[-1]
     sign = E.const(g, np.tile(np.array([1.0, -1.0]), width // 2), xs.dtype)
-    return [E.mul(g, g._add_node(node.op, (E.mul(g, dy, sign),)), sign)]
+    return [E.mul(g, g.add_node(node.op, (E.mul(g, dy, sign),)), sign)]
 
 
 # -- Gaussian splatting ---------------------------------------------------------------------
@@ -313,11 +313,11 @@ def _gaussian_splat_render(g, node, dy):
 
     op = node.op
     kw = {f: getattr(op, f) for f in _SPLAT_FIELDS}
-    packed = g._add_node(GaussianSplatRenderBackward(**kw, **SPLAT_EXACT_BACKWARD), tuple(node.inputs) + (dy,))
+    packed = g.add_node(GaussianSplatRenderBackward(**kw, **SPLAT_EXACT_BACKWARD), tuple(node.inputs) + (dy,))
     out, start = [], 0
     for i in node.inputs[:6]:
         ln = E.dims(g, i)[0]
-        out.append(g._add_node(Narrow(axis=0, start=start, len=ln), (packed,)) if ln else E.zeros_like(g, i))
+        out.append(g.add_node(Narrow(axis=0, start=start, len=ln), (packed,)) if ln else E.zeros_like(g, i))
         start += ln
     return out + [E.zeros_like(g, node.inputs[6])]
 

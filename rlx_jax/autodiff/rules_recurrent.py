@@ -17,11 +17,11 @@ from .table import vjp_rule
 
 def _step(t, x, axis, s, keep_shape):
     """Row ``s`` of ``x`` along ``axis``, reshaped to ``keep_shape``."""
-    return E.reshape(t, t._add_node(Narrow(axis=axis, start=s, len=1), (x,)), keep_shape)
+    return E.reshape(t, t.add_node(Narrow(axis=axis, start=s, len=1), (x,)), keep_shape)
 
 
 def _stack(t, rows, axis):
-    return rows[0] if len(rows) == 1 else t._add_node(Concat(axis=axis), tuple(rows))
+    return rows[0] if len(rows) == 1 else t.add_node(Concat(axis=axis), tuple(rows))
 
 
 def emit_selective_scan(t, ins):

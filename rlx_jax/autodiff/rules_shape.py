@@ -47,7 +47,7 @@ def _narrow(g, node, dy):
         parts.append(E.zeros(g, _sh(xs, ax, rest)))
     if len(parts) == 1:
         return [dy]
-    return [g._add_node(Concat(axis=ax), tuple(parts))]
+    return [g.add_node(Concat(axis=ax), tuple(parts))]
 
 
 def _sh(s, ax, n):
@@ -64,7 +64,7 @@ def _concat(g, node, dy):
         n = E.dims(g, i)[ax]
         if not isinstance(n, int):
             raise GraphError(f"node %{node.id} Concat: reverse mode needs static dims on axis {ax}")
-        out.append(g._add_node(Narrow(axis=ax, start=off, len=n), (dy,)))
+        out.append(g.add_node(Narrow(axis=ax, start=off, len=n), (dy,)))
         off += n
     return out
 
@@ -116,7 +116,7 @@ def _softmax(g, node, dy):
 
 @vjp_rule("Cumsum")
 def _cumsum(g, node, dy):
-    return [g._add_node(CumsumBackward(axis=node.op.axis, exclusive=node.op.exclusive), (dy,))]
+    return [g.add_node(CumsumBackward(axis=node.op.axis, exclusive=node.op.exclusive), (dy,))]
 
 
 @vjp_rule("Gather")
@@ -125,11 +125,11 @@ def _gather(g, node, dy):
     ts, ids = E.shape(g, table), E.shape(g, idx)
     ax = node.op.axis
     if ax == 0 and ids.rank == 1:
-        return [g._add_node(ScatterAdd(), (dy, idx), ts), None]
-    return [g._add_node(GatherBackward(axis=ax), (dy, idx), ts), None]
+        return [g.add_node(ScatterAdd(), (dy, idx), ts), None]
+    return [g.add_node(GatherBackward(axis=ax), (dy, idx), ts), None]
 
 
 @vjp_rule("SoftmaxCrossEntropyWithLogits")
 def _xent(g, node, dy):
     logits, labels = node.inputs
-    return [g._add_node(SoftmaxCrossEntropyBackward(), (logits, labels, dy)), None]
+    return [g.add_node(SoftmaxCrossEntropyBackward(), (logits, labels, dy)), None]

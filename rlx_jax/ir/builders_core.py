@@ -32,7 +32,7 @@ class BuilderBase:
             raise self._fault(cls.__name__, f"bad attributes: {exc}") from None
 
     def _build(self, cls, inputs, shape: Optional[Shape] = None, node_name=None, **attrs) -> int:
-        return self._add_node(self._make(cls, **attrs), tuple(inputs), shape, node_name)
+        return self.add_node(self._make(cls, **attrs), tuple(inputs), shape, node_name)
 
     def _shape(self, op_name: str, dims, dtype) -> Shape:
         """Builder ``(dims, dtype)`` -> Shape; strings in dims name dynamic dims."""
@@ -84,13 +84,13 @@ class CoreBuilders(BuilderBase):
         """Graph input ``name`` of ``shape`` (strings name dynamic dims) and ``dtype``."""
         from .ops_leaf import Input
 
-        return self._add_node(self._make(Input, name=name), (), self._shape("Input", shape, dtype), name)
+        return self.add_node(self._make(Input, name=name), (), self._shape("Input", shape, dtype), name)
 
     def param(self, name: str, shape: Sequence, dtype="f32") -> int:
         """Parameter ``name`` of ``shape`` and ``dtype``."""
         from .ops_leaf import Param
 
-        return self._add_node(self._make(Param, name=name), (), self._shape("Param", shape, dtype), name)
+        return self.add_node(self._make(Param, name=name), (), self._shape("Param", shape, dtype), name)
 
     def constant(self, array, dtype=None, name: Optional[str] = None) -> int:
         """A Constant node holding ``array`` (numpy-convertible; ``dtype`` overrides)."""
@@ -106,7 +106,7 @@ class CoreBuilders(BuilderBase):
         if arr.dtype.byteorder == ">":
             arr = arr.astype(arr.dtype.newbyteorder("<"))
         data = np.ascontiguousarray(arr).tobytes()
-        return self._add_node(Constant(data=data), (), Shape(arr.shape, dt), name)
+        return self.add_node(Constant(data=data), (), Shape(arr.shape, dt), name)
 
     def scalar(self, value: float, dtype="f32") -> int:
         """A rank-0 constant."""
@@ -178,9 +178,9 @@ class CoreBuilders(BuilderBase):
         from .op import Op
 
         if args and isinstance(args[0], Op):
-            return self._add_node(*args, **kwargs)
+            return self.add_node(*args, **kwargs)
         if "op" in kwargs:
-            return self._add_node(**kwargs)
+            return self.add_node(**kwargs)
         names = ("a", "b")
         if len(args) > 2 or set(kwargs) - set(names[len(args):]):
             raise TypeError("add(a, b) takes two node ids (or add(op, inputs, shape=None, name=None))")

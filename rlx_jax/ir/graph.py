@@ -66,10 +66,16 @@ class Graph(CoreBuilders, NNBuilders, SignalBuilders, BackwardBuilders, ControlB
     def shape(self, id: int) -> Shape:
         return self.node(id).shape
 
-    def _add_node(self, op: Op, inputs=(), shape: Optional[Shape] = None, name: Optional[str] = None,
+    def add_node(self, op: Op, inputs=(), shape: Optional[Shape] = None, name: Optional[str] = None,
             origin: Optional[dict] = None) -> int:
-        """Append ``op`` reading ``inputs``; infer its shape through the op's shape rule
-        when ``shape`` is None (else check the declared one); verify; return the id."""
+        """Append a node of ``op`` (any :class:`~rlx_jax.ir.Op`) reading ``inputs`` (ids of
+        earlier nodes) and return its id.
+
+        Its shape comes from the op's shape rule when ``shape`` is None; a declared
+        ``shape`` is checked against the rule. ``name`` labels the node (an ``Input`` /
+        ``Param`` is bound by its op's name, which must be unique); ``origin`` is RLX's
+        optional provenance object. A bad op, input id, arity, shape or dtype raises
+        GraphError naming the new node. Every builder method goes through here."""
         new_id = len(self.nodes)
         if not isinstance(op, Op):
             raise GraphError(f"node %{new_id}: op must be an rlx_jax.ir.Op, got {type(op).__name__}")

@@ -386,7 +386,7 @@ def _graph_from(v, where: str, depth: int):
         op = _op_from(nv["op"], f"{gw} node %{pos} op", depth)
         shape = _shape_from(nv["shape"], f"{gw} node %{pos} shape")
         try:
-            g._add_node(op, tuple(ins), shape, name, origin)
+            g.add_node(op, tuple(ins), shape, name, origin)
         except GraphError as exc:
             raise _Bad(f"{gw}: {exc}") from None
     outs = v["outputs"]
