@@ -210,3 +210,65 @@ def test_small_transformer_stack_runs_and_differentiates():
     grads = jax.jit(jax.grad(lambda p: f(p, inputs)[0]))(params)
     assert set(grads) == set(params)
     assert all(np.all(np.isfinite(v)) for v in grads.values())
+
+
+# -- one decomposition for lowering and autodiff ----------------------------------------------
+
+def test_decomposition_holds_only_primitives_and_is_shared_with_prepare():
+    """Lowering evaluates the same decomposition autodiff's prepare splices in: the
+    decomposed graph has no fused node, and it gives the fused node's numbers."""
+    from rlx_jax.autodiff.prepare import prepare
+    from rlx_jax.autodiff.unfuse import DECOMPOSITIONS, decomposition, is_fused
+
+    b, s, nh, hd, inter = 2, 3, 2, 2, 6
+    p = layer_params(b, s, nh, hd, inter, True)
+    g = rlx.Graph("layer")
+    ids = {n: g.input(n, list(p[n].shape), "f32") for n in ORDER_BIAS}
+    # one tensor (hidden) feeds a fused layer and a fused residual norm
+    y = g.fused_transformer_layer([ids[n] for n in ORDER_BIAS], nh, hd, inter, 1e-5, 1e-5, "gelu_approx",
+                                  True)
+    z = g.fused_residual_rms_norm(y, ids["hidden"], ids["ln1_g"], ids["ln1_b"], 1e-6)
+    g.set_outputs([z])
+    node = g.node(y)
+    body = decomposition(node.op, tuple(g.node(i).shape for i in node.inputs), node.shape)
+    assert body.outputs and not any(is_fused(n.op) for n in body.nodes)
+    assert decomposition(node.op, tuple(g.node(i).shape for i in node.inputs), node.shape) is body
+    assert {c.__name__ for c in DECOMPOSITIONS} == {
+        "FusedMatMulBiasAct", "FusedResidualLN", "FusedResidualRmsNorm", "FusedSwiGLU",
+        "FusedAttentionBlock", "FusedTransformerLayer"}
+    unfused, _ = prepare(g)
+    assert not any(is_fused(n.op) for n in unfused.nodes)
+    feed = {n: p[n] for n in ORDER_BIAS}
+    (a,) = rlx.to_jax(g)({}, feed)
+    (r,) = rlx.to_jax(unfused)({}, feed)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
+    h1 = np_layer(p, nh, hd, 1e-5, 1e-5)
+    ref = h1 + p["hidden"]
+    ref = ref / np.sqrt((ref**2).mean(-1, keepdims=True) + 1e-6) * p["ln1_g"] + p["ln1_b"]
+    close(np.asarray(a), ref, 2e-4)
+
+
+def test_fused_ops_with_a_dynamic_batch_lower_under_jit_and_vmap():
+    """Decompositions are built from the graph's declared shapes, dynamic dims included."""
+    nh, hd = 2, 4
+    hid = nh * hd
+    g = rlx.Graph("dyn")
+    h = g.input("hidden", ["batch", 5, hid], "f32")
+    mask = g.input("mask", ["batch", 5], "f32")
+    wq, wo = g.param("qkv_w", [hid, 3 * hid], "f32"), g.param("out_w", [hid, hid], "f32")
+    up = g.param("up", [hid, 2 * hid], "f32")
+    a = g.fused_attention_block([h, wq, wo, mask], nh, hd, False, False)
+    g.set_outputs([g.fused_swiglu(g.matmul(a, up))])
+    f = rlx.to_jax(g)
+    params = {"qkv_w": f32(hid, 3 * hid) * 0.3, "out_w": f32(hid, hid) * 0.3, "up": f32(hid, 2 * hid) * 0.3}
+    for batch in (1, 3):
+        p = block_params(batch, 5, nh, hd, False)
+        p.update(qkv_w=params["qkv_w"], out_w=params["out_w"])
+        (y,) = jax.jit(f)(params, {"hidden": p["hidden"], "mask": p["mask"]})
+        t = np_attention_block(p, nh, hd) @ params["up"]
+        close(np.asarray(y), t[..., hid:] / (1 + np.exp(-t[..., hid:])) * t[..., :hid], 2e-4)
+    hs = f32(4, 2, 5, hid)
+    masks = np.ones((4, 2, 5), np.float32)
+    ys = jax.vmap(lambda x, m: f(params, {"hidden": x, "mask": m})[0])(hs, masks)
+    for i in range(4):
+        close(np.asarray(ys[i]), np.asarray(f(params, {"hidden": hs[i], "mask": masks[i]})[0]), 1e-5)

@@ -147,6 +147,13 @@ def reshape(g, x, ds) -> int:
     return g.add_node(Reshape(new_shape=target(ds)), (x,))
 
 
+def as_shape(g, x, s: Shape) -> int:
+    """``x`` cast to ``s.dtype`` and reshaped to ``s.dims`` (each only when it differs):
+    a spliced sub-graph's result fitted to the node it stands for."""
+    x = cast(g, x, s.dtype)
+    return reshape(g, x, s.dims) if dims(g, x) != tuple(s.dims) else x
+
+
 def transpose(g, x, perm) -> int:
     perm = tuple(int(p) for p in perm)
     src = g.node(x)
