@@ -355,8 +355,23 @@ def test_every_op_has_a_vjp_rule_or_a_reason():
     from rlx_jax.ir import OP_CLASSES
 
     has_vjp_rule("MatMul")                      # loads the rule modules
-    missing = set(OP_CLASSES) - set(VJP_RULES) - NO_GRADIENT - {c.__name__ for c in DECOMPOSITIONS}
+    missing = {c.__name__ for c in set(OP_CLASSES.values()) - set(VJP_RULES) - NO_GRADIENT - set(DECOMPOSITIONS)}
     assert missing == set(NO_RULE), sorted(missing ^ set(NO_RULE))
+
+
+def test_vjp_rules_are_registered_by_op_class():
+    from rlx_jax.autodiff.table import VJP_RULES, get_vjp_rule, has_vjp_rule, vjp_rule
+    from rlx_jax.ir import OP_CLASSES, LayerNorm
+
+    has_vjp_rule("MatMul")                      # loads the rule modules
+    assert all(OP_CLASSES[c.__name__] is c for c in VJP_RULES)
+    assert get_vjp_rule(LayerNorm(axis=-1, eps=1e-5)) is VJP_RULES[LayerNorm]
+    assert has_vjp_rule(LayerNorm) and has_vjp_rule("LayerNorm") and has_vjp_rule(LayerNorm(axis=0, eps=1.0))
+    assert has_vjp_rule("Compare") and not has_vjp_rule("NoSuchOp")
+    with pytest.raises(TypeError, match="Op classes, got 'LayerNorm'"):
+        vjp_rule("LayerNorm")
+    with pytest.raises(ValueError, match="a VJP rule for LayerNorm is already registered"):
+        vjp_rule(LayerNorm)(lambda g, node, dy: [None])
 
 
 # -- a forward graph with a checkpointed trajectory: [K, *carry] ----------------------------

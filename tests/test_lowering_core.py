@@ -151,7 +151,7 @@ def test_op_without_rule_fails_at_to_jax_naming_the_node(monkeypatch):
     from rlx_jax.lowering import registry
 
     registry._load_rules()
-    monkeypatch.delitem(registry._RULES, "Softmax")
+    monkeypatch.delitem(registry._RULES, rlx.ir.Softmax)
     g = rlx.Graph("u")
     x = g.input("x", [2], "f32")
     g.set_outputs([g.softmax(x, -1)])
@@ -162,9 +162,23 @@ def test_op_without_rule_fails_at_to_jax_naming_the_node(monkeypatch):
 def test_registry_rejects_a_second_rule_for_an_op():
     assert "MatMul" in registered_ops()
     with pytest.raises(ValueError, match="already registered"):
-        @lowering_rule("MatMul")
+        @lowering_rule(rlx.ir.MatMul)
         def _other(op, args, ctx):  # pragma: no cover - never runs
             return args[0]
+
+
+def test_registry_is_keyed_by_op_class():
+    from rlx_jax.lowering import get_rule, has_rule
+
+    op = rlx.ir.LayerNorm(axis=-1, eps=1e-5)
+    assert has_rule(op) and has_rule(rlx.ir.LayerNorm) and has_rule("LayerNorm")
+    assert not has_rule("NoSuchOp") and not has_rule(rlx.ir.Input)
+    assert get_rule(op) is get_rule(rlx.ir.LayerNorm(axis=0, eps=0.1))
+    # a name is not a class: registering by string is refused, naming what was given
+    with pytest.raises(TypeError, match="Op classes, got 'LayerNorm'"):
+        lowering_rule("LayerNorm")
+    with pytest.raises(TypeError, match="Op classes"):
+        lowering_rule(int)
 
 
 def test_evaluate_graph_binds_body_inputs_by_position_and_name():

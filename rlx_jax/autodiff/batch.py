@@ -21,22 +21,23 @@ Outputs that do not depend on a batched leaf are broadcast to the batch, as
 
 from __future__ import annotations
 
+from rlx_jax import ir
 from rlx_jax.ir import Graph, GraphError, Shape
 from rlx_jax.ir.ops_shape import Concat, Narrow
 
 from . import emit as E
 
-_ELEMENTWISE = {"Activation", "Binary", "Compare", "Where", "Cast", "ComplexNormSq", "Conjugate",
-                "StopGradient", "ReluBackward", "ActivationBackward", "Quantize", "Dequantize",
-                "ComplexNormSqBackward"}
-_AXIS_OPS = {"Softmax", "Cumsum", "CumsumBackward"}
+_ELEMENTWISE = {ir.Activation, ir.Binary, ir.Compare, ir.Where, ir.Cast, ir.ComplexNormSq, ir.Conjugate,
+                ir.StopGradient, ir.ReluBackward, ir.ActivationBackward, ir.Quantize, ir.Dequantize,
+                ir.ComplexNormSqBackward}
+_AXIS_OPS = {ir.Softmax, ir.Cumsum, ir.CumsumBackward}
 # ops whose axis 0 is a batch of independent rows, with the inputs that carry it
 _ROWS = {
-    "Conv": (0,), "Pool": (0,), "GroupNorm": (0,), "LayerNorm2d": (0,), "ResizeNearest2x": (0,),
-    "BatchNormInference": (0,), "SoftmaxCrossEntropyWithLogits": (0, 1),
-    "SoftmaxCrossEntropyBackward": (0, 1, 2), "MaxPool2dBackward": (0, 1),
-    "Conv2dBackwardInput": (0,), "GroupNormBackwardInput": (0, 3),
-    "BatchNormInferenceBackwardInput": (0, 4), "ConvTranspose2d": (0,),
+    ir.Conv: (0,), ir.Pool: (0,), ir.GroupNorm: (0,), ir.LayerNorm2d: (0,), ir.ResizeNearest2x: (0,),
+    ir.BatchNormInference: (0,), ir.SoftmaxCrossEntropyWithLogits: (0, 1),
+    ir.SoftmaxCrossEntropyBackward: (0, 1, 2), ir.MaxPool2dBackward: (0, 1),
+    ir.Conv2dBackwardInput: (0,), ir.GroupNormBackwardInput: (0, 3),
+    ir.BatchNormInferenceBackwardInput: (0, 4), ir.ConvTranspose2d: (0,),
 }
 
 
@@ -46,7 +47,7 @@ def vmap(graph: Graph, batched_input_names, batch_size: int) -> Graph:
     if isinstance(batched_input_names, str):
         batched_input_names = [batched_input_names]
     names = set(batched_input_names)
-    known = {n.op.name for n in graph.nodes if type(n.op).__name__ in ("Input", "Param")}
+    known = {n.op.name for n in graph.nodes if type(n.op) in (ir.Input, ir.Param)}
     missing = sorted(names - known)
     if missing:
         raise GraphError(f"vmap: graph {graph.name!r} has no input or param named {missing}")
@@ -56,8 +57,8 @@ def vmap(graph: Graph, batched_input_names, batch_size: int) -> Graph:
     g = Graph(f"{graph.name}_vmap")
     m, batched = {}, set()
     for n in graph.nodes:
-        kind = type(n.op).__name__
-        if kind in ("Input", "Param"):
+        kind = type(n.op)
+        if kind in (ir.Input, ir.Param):
             if n.op.name in names:
                 s = Shape((bsz,) + tuple(n.shape.dims), n.shape.dtype)
                 m[n.id] = g.add_node(n.op, (), s, n.name)
@@ -67,7 +68,7 @@ def vmap(graph: Graph, batched_input_names, batch_size: int) -> Graph:
             continue
         ins = [m[i] for i in n.inputs]
         flags = [i in batched for i in n.inputs]
-        if not any(flags) or kind == "Constant":
+        if not any(flags) or kind == ir.Constant:
             m[n.id] = g.add_node(n.op, tuple(ins), n.shape, n.name)
             continue
         m[n.id] = _batch_node(g, n, ins, flags, bsz, graph)
@@ -100,37 +101,37 @@ def _bcast(g, x, bsz):
 
 def _batch_node(g, n, ins, flags, bsz, src):
     op = n.op
-    kind = type(op).__name__
+    kind = type(op)
     out_rank = n.shape.rank
     try:
-        if kind in _ELEMENTWISE or kind == "MatMul":
+        if kind in _ELEMENTWISE or kind == ir.MatMul:
             rank = max(src.node(i).shape.rank for i in n.inputs)
             ins2 = [_lift(g, x, rank, bsz) if f else x for x, f in zip(ins, flags)]
             return g.add_node(op, tuple(ins2))
-        if kind == "Reduce" and flags[0]:
+        if kind == ir.Reduce and flags[0]:
             return g.add_node(type(op)(op=op.op, axes=tuple(a + 1 for a in op.axes), keep_dim=op.keep_dim),
                                (ins[0],))
         if kind in _AXIS_OPS and flags[0]:
             ax = op.axis if op.axis < 0 else op.axis + 1
             return g.add_node(_replace(op, axis=ax), (ins[0],))
-        if kind in ("LayerNorm", "RmsNorm") and flags[0] and not any(flags[1:]):
+        if kind in (ir.LayerNorm, ir.RmsNorm) and flags[0] and not any(flags[1:]):
             ax = op.axis if op.axis < 0 else op.axis + 1
             return g.add_node(_replace(op, axis=ax), tuple(ins))
-        if kind == "Reshape" and flags[0]:
+        if kind == ir.Reshape and flags[0]:
             return g.add_node(_replace(op, new_shape=(bsz,) + tuple(op.new_shape)), (ins[0],))
-        if kind == "Transpose" and flags[0]:
+        if kind == ir.Transpose and flags[0]:
             return g.add_node(_replace(op, perm=(0,) + tuple(p + 1 for p in op.perm)), (ins[0],))
-        if kind == "Narrow" and flags[0]:
+        if kind == ir.Narrow and flags[0]:
             return g.add_node(_replace(op, axis=op.axis + 1), (ins[0],))
-        if kind == "Concat":
+        if kind == ir.Concat:
             ins2 = [x if f else _bcast(g, x, bsz) for x, f in zip(ins, flags)]
             return g.add_node(_replace(op, axis=op.axis + 1), tuple(ins2))
-        if kind == "Expand" and flags[0]:
+        if kind == ir.Expand and flags[0]:
             x = _lift(g, ins[0], len(op.target_shape), bsz)
             return g.add_node(_replace(op, target_shape=(bsz,) + tuple(op.target_shape)), (x,))
-        if kind == "Gather" and flags[0] and not flags[1] and op.axis == 0:
+        if kind == ir.Gather and flags[0] and not flags[1] and op.axis == 0:
             return g.take(ins[0], ins[1], 1)  # per-sample embedding lookup
-        if kind in _ROWS or kind == "Attention":
+        if kind in _ROWS or kind == ir.Attention:
             return _merge_rows(g, n, ins, flags, bsz, src)
     except _Fallback:
         pass
@@ -149,9 +150,9 @@ def _replace(op, **kw):
 
 def _merge_rows(g, n, ins, flags, bsz, src):
     """Merge the batch into axis 0 of the row-carrying operands, run, split again."""
-    kind = type(n.op).__name__
+    kind = type(n.op)
     rows = _ROWS.get(kind)
-    if kind == "Attention":
+    if kind == ir.Attention:
         rows = tuple(range(len(ins)))
         if n.op.mask_kind.kind == "Bias":
             raise _Fallback()
@@ -166,7 +167,7 @@ def _merge_rows(g, n, ins, flags, bsz, src):
             raise _Fallback()
         ins2[i] = E.reshape(g, x, (bsz * ds[1],) + tuple(ds[2:]))
     shape = None
-    if kind == "Conv2dBackwardInput":
+    if kind == ir.Conv2dBackwardInput:
         s = n.shape
         shape = Shape((bsz * s.dims[0],) + tuple(s.dims[1:]), s.dtype)
     y = g.add_node(n.op, tuple(ins2), shape)

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+from rlx_jax import ir
 from rlx_jax.ir import DType, Graph, GraphError
 from rlx_jax.ir.ops_leaf import Input, Param
 from rlx_jax.ir.ops_shape import Narrow
@@ -144,12 +145,12 @@ def prepare(graph, unroll_scans: bool = False):
     g = Graph(graph.name)
     m = {}
     for n in graph.nodes:
-        name = type(n.op).__name__
+        cls = type(n.op)
         ins = [m[i] for i in n.inputs]
-        if name == "CustomFn" and n.op.vjp_body is None:
+        if cls is ir.CustomFn and n.op.vjp_body is None:
             (out,) = inline(g, n.op.fwd_body, ins)
             m[n.id] = E.as_shape(g, out, n.shape)
-        elif name == "If":
+        elif cls is ir.If:
             (t,) = inline(g, n.op.then_branch, ins[1:])
             (e,) = inline(g, n.op.else_branch, ins[1:])
             pred = ins[0]
@@ -157,13 +158,13 @@ def prepare(graph, unroll_scans: bool = False):
                 pred = E.cmp(g, "Ne", pred, E.scalar(g, 0, E.dtype(g, pred)))
             pred = E.reshape(g, pred, ())
             m[n.id] = E.where(g, pred, t, e)
-        elif name == "While":
+        elif cls is ir.While:
             m[n.id] = _while(g, n, ins)
         elif is_fused(n.op):
             m[n.id] = unfuse_node(g, n.op, ins, n.shape)
-        elif name == "Scan":
+        elif cls is ir.Scan:
             m[n.id] = _unroll_scan(g, n, ins) if unroll_scans else _scan(g, n, ins)
-        elif name == "GaussianSplatRasterize":
+        elif cls is ir.GaussianSplatRasterize:
             m[n.id] = _fuse_splat(graph, g, n, m)
         else:
             m[n.id] = g.add_node(n.op, tuple(ins), n.shape, n.name)
@@ -185,7 +186,7 @@ def _fuse_splat(graph, g, n, m):
     from rlx_jax.ir.ops_splat import GaussianSplatRender
 
     prep = graph.node(n.inputs[0])
-    if type(prep.op).__name__ != "GaussianSplatPrepare":
+    if type(prep.op) is not ir.GaussianSplatPrepare:
         raise GraphError(f"node %{n.id} GaussianSplatRasterize: autodiff fuses it with the GaussianSplatPrepare "
                          f"that feeds it, but its input %{prep.id} is {type(prep.op).__name__}")
     if prep.inputs[6] != n.inputs[1]:
@@ -201,5 +202,8 @@ def _fuse_splat(graph, g, n, m):
 
 
 def needs_prepare(graph) -> bool:
-    return any(type(n.op).__name__ in ("CustomFn", "If", "While", "Scan", "GaussianSplatRasterize")
-               or is_fused(n.op) for n in graph.nodes)
+    return any(type(n.op) in _REWRITTEN or is_fused(n.op) for n in graph.nodes)
+
+
+#: op classes the prepare pass rewrites (besides the fused ops)
+_REWRITTEN = (ir.CustomFn, ir.If, ir.While, ir.Scan, ir.GaussianSplatRasterize)

@@ -22,6 +22,7 @@ from rlx_jax.ir.ops_conv import Conv, Pool
 from rlx_jax.ir.ops_reduce import Cumsum, Softmax
 from rlx_jax.ir.ops_shape import Gather
 from rlx_jax.ir.op import ReduceOp
+from rlx_jax import ir
 
 from . import emit as E
 from .expansion import vjp_via_expansion
@@ -98,7 +99,7 @@ def activation_derivative(t, kind, x):
     raise GraphError(f"no derivative for activation {k}")
 
 
-@vjp_rule("ActivationBackward")
+@vjp_rule(ir.ActivationBackward)
 def _act_bwd(g, node, dy):
     def build(t, ins):
         x, d = ins
@@ -106,7 +107,7 @@ def _act_bwd(g, node, dy):
     return vjp_via_expansion(g, node, dy, build)
 
 
-@vjp_rule("ReluBackward")
+@vjp_rule(ir.ReluBackward)
 def _relu_bwd(g, node, dy):
     def build(t, ins):
         x, d = ins
@@ -250,20 +251,20 @@ def _bn_bwd_beta(t, op, ins):
     return E.sum_(t, dy, (0,) + tuple(range(2, r)))
 
 
-for _name, _b in (("LayerNormBackwardInput", _ln_bwd_input), ("LayerNormBackwardGamma", _ln_bwd_gamma),
-                  ("RmsNormBackwardInput", _rms_bwd_input), ("RmsNormBackwardGamma", _rms_bwd_gamma),
-                  ("RmsNormBackwardBeta", _rms_bwd_beta),
-                  ("GroupNormBackwardInput", _gn_bwd_input), ("GroupNormBackwardGamma", _gn_bwd_gamma),
-                  ("GroupNormBackwardBeta", _gn_bwd_beta),
-                  ("BatchNormInferenceBackwardInput", _bn_bwd_input),
-                  ("BatchNormInferenceBackwardGamma", _bn_bwd_gamma),
-                  ("BatchNormInferenceBackwardBeta", _bn_bwd_beta)):
-    vjp_rule(_name)(_expanding(_b))
+for _op_class, _b in ((ir.LayerNormBackwardInput, _ln_bwd_input), (ir.LayerNormBackwardGamma, _ln_bwd_gamma),
+                   (ir.RmsNormBackwardInput, _rms_bwd_input), (ir.RmsNormBackwardGamma, _rms_bwd_gamma),
+                   (ir.RmsNormBackwardBeta, _rms_bwd_beta),
+                   (ir.GroupNormBackwardInput, _gn_bwd_input), (ir.GroupNormBackwardGamma, _gn_bwd_gamma),
+                   (ir.GroupNormBackwardBeta, _gn_bwd_beta),
+                   (ir.BatchNormInferenceBackwardInput, _bn_bwd_input),
+                   (ir.BatchNormInferenceBackwardGamma, _bn_bwd_gamma),
+                   (ir.BatchNormInferenceBackwardBeta, _bn_bwd_beta)):
+    vjp_rule(_op_class)(_expanding(_b))
 
 
 # -- position / scans / indexing ----------------------------------------------------------
 
-@vjp_rule("RopeBackward")
+@vjp_rule(ir.RopeBackward)
 def _rope_bwd(g, node, dy):
     # dx = rope(dy, cos, -sin) is linear in dy: its transpose is rope(., cos, sin).
     from .rules_nn import rope_table_grads
@@ -274,13 +275,13 @@ def _rope_bwd(g, node, dy):
     return [g.add_node(Rope(head_dim=node.op.head_dim, n_rot=node.op.n_rot), (dy, cos, sin)), dc, E.neg(g, dsn)]
 
 
-@vjp_rule("CumsumBackward")
+@vjp_rule(ir.CumsumBackward)
 def _cumsum_bwd(g, node, dy):
     # the transpose of the reverse cumulative sum is the forward cumulative sum
     return [g.add_node(Cumsum(axis=node.op.axis, exclusive=node.op.exclusive), (dy,))]
 
 
-@vjp_rule("GatherBackward")
+@vjp_rule(ir.GatherBackward)
 def _gather_bwd(g, node, dy):
     d, idx = node.inputs
     axis = E.norm_axis(node.op.axis, node.shape.rank)
@@ -296,7 +297,7 @@ def _conv_kw(op):
                 dilation=tuple(op.dilation), groups=op.groups)
 
 
-@vjp_rule("Conv2dBackwardInput")
+@vjp_rule(ir.Conv2dBackwardInput)
 def _conv_bwd_input(g, node, dy):
     # dx = conv^T(d, w) is bilinear: <G, dx> = <conv(G, w), d>
     d, w = node.inputs
@@ -304,7 +305,7 @@ def _conv_bwd_input(g, node, dy):
     return [g.add_node(Conv(**kw), (dy, w)), g.add_node(Conv2dBackwardWeight(**kw), (dy, d))]
 
 
-@vjp_rule("Conv2dBackwardWeight")
+@vjp_rule(ir.Conv2dBackwardWeight)
 def _conv_bwd_weight(g, node, dy):
     # dw = W^T(x, d): <G, dw> = <conv(x, G), d>
     x, d = node.inputs
@@ -312,7 +313,7 @@ def _conv_bwd_weight(g, node, dy):
     return [g.add_node(Conv2dBackwardInput(**kw), (d, dy), E.shape(g, x)), g.add_node(Conv(**kw), (x, dy))]
 
 
-@vjp_rule("MaxPool2dBackward")
+@vjp_rule(ir.MaxPool2dBackward)
 def _maxpool_bwd(g, node, dy):
     """dx = P^T d with P the 0/1 matrix that picks each window's maximum, so the
     cotangent of d is P G: output (i, j) reads G at its window's argmax. x gets none
@@ -380,10 +381,10 @@ def _xent_bwd(t, op, ins):
     return E.mul(t, E.sub(t, p, hot), E.reshape(t, dl, (n, 1)))
 
 
-vjp_rule("SoftmaxCrossEntropyBackward")(_expanding(_xent_bwd))
+vjp_rule(ir.SoftmaxCrossEntropyBackward)(_expanding(_xent_bwd))
 
 
-@vjp_rule("AttentionBackward")
+@vjp_rule(ir.AttentionBackward)
 def _attention_bwd(g, node, dy):
     """The attention VJP written in primitives, differentiated again."""
     from rlx_jax.ir.ops_attention import Attention
@@ -410,7 +411,7 @@ def _cns_bwd(t, op, ins):
     return E.mul(t, E.cast(t, gg, DType.C64), z)
 
 
-vjp_rule("ComplexNormSqBackward")(_expanding(_cns_bwd))
+vjp_rule(ir.ComplexNormSqBackward)(_expanding(_cns_bwd))
 
 
 # -- quantisation / signal ----------------------------------------------------------------
@@ -438,7 +439,7 @@ def _fq_bwd_expansion(t, op, ins):
     return E.mul(t, d, f)
 
 
-@vjp_rule("FakeQuantizeBackward")
+@vjp_rule(ir.FakeQuantizeBackward)
 def _fq_bwd(g, node, dy):
     """dx = m(x) * d: self-adjoint in d. Identity / ClippedIdentity masks are piecewise
     constant (x gets none); Tanh / HardTanh factors are differentiated in primitives."""
@@ -452,7 +453,7 @@ def _fq_bwd(g, node, dy):
     return [None, g.add_node(FakeQuantizeBackward(bits=op.bits, axis=op.axis, ste=op.ste), (x, dy))]
 
 
-@vjp_rule("FakeQuantizeLSQBackwardX")
+@vjp_rule(ir.FakeQuantizeLSQBackwardX)
 def _lsq_bwd_x(g, node, dy):
     """dx = 1[x/s inside the range] * d: self-adjoint in d; x and s get none (a.e.)."""
     from rlx_jax.ir.ops_backward import FakeQuantizeLSQBackwardX
@@ -495,7 +496,7 @@ def _lsq_bwd_scale_expansion(t, op, ins):
     return E.cast(t, E.reshape(t, out, E.dims(t, sc)), E.dtype(t, sc))
 
 
-vjp_rule("FakeQuantizeLSQBackwardScale")(_expanding(_lsq_bwd_scale_expansion))
+vjp_rule(ir.FakeQuantizeLSQBackwardScale)(_expanding(_lsq_bwd_scale_expansion))
 
 
 def _log_mel_bwd(t, op, ins):
@@ -511,7 +512,7 @@ def _log_mel_bwd(t, op, ins):
     return matmul(t, q, t_last_2(t, fb))
 
 
-vjp_rule("LogMelBackward")(_expanding(_log_mel_bwd))
+vjp_rule(ir.LogMelBackward)(_expanding(_log_mel_bwd))
 
 
 # -- scans ----------------------------------------------------------------------------------
@@ -579,5 +580,5 @@ def _scan_bwd_unrolled(t, op, ins, which):
     return parts[0] if len(parts) == 1 else t.add_node(Concat(axis=0), tuple(parts))
 
 
-vjp_rule("ScanBackward")(_expanding(lambda t, op, ins: _scan_bwd_unrolled(t, op, ins, None)))
-vjp_rule("ScanBackwardXs")(_expanding(lambda t, op, ins: _scan_bwd_unrolled(t, op, ins, op.xs_idx)))
+vjp_rule(ir.ScanBackward)(_expanding(lambda t, op, ins: _scan_bwd_unrolled(t, op, ins, None)))
+vjp_rule(ir.ScanBackwardXs)(_expanding(lambda t, op, ins: _scan_bwd_unrolled(t, op, ins, op.xs_idx)))

@@ -5,12 +5,13 @@ from __future__ import annotations
 from rlx_jax.ir import Graph, GraphError, get_custom_op
 from rlx_jax.ir.ops_control import ScanBackward, ScanBackwardXs, body_inputs
 from rlx_jax.ir.ops_leaf import Input
+from rlx_jax import ir
 
 from . import emit as E
 from .table import backprop, vjp_rule
 
 
-@vjp_rule("CustomFn")
+@vjp_rule(ir.CustomFn)
 def _custom_fn(g, node, dy):
     from .prepare import inline
 
@@ -20,7 +21,7 @@ def _custom_fn(g, node, dy):
     return inline(g, op.vjp_body, list(node.inputs), {"primal_output": node.id, "d_output": dy})
 
 
-@vjp_rule("Custom")
+@vjp_rule(ir.Custom)
 def _custom(g, node, dy):
     d = get_custom_op(node.op.name)
     if d is None or d.vjp is None:
@@ -46,7 +47,7 @@ def body_vjp_graph(body: Graph, n_diff: int) -> Graph:
     return t
 
 
-@vjp_rule("Scan")
+@vjp_rule(ir.Scan)
 def _scan(g, node, dy):
     op = node.op
     if not op.save_trajectory:

@@ -12,13 +12,14 @@ from __future__ import annotations
 from rlx_jax.ir.op import ActivationKind, BinaryOp, CmpOp
 from rlx_jax.ir.ops_backward import ActivationBackward, ComplexNormSqBackward, ReluBackward
 from rlx_jax.ir.ops_elementwise import Conjugate
+from rlx_jax import ir
 
 from . import emit as E
 from .expansion import vjp_via_expansion
 from .table import vjp_rule
 
 
-@vjp_rule("Activation")
+@vjp_rule(ir.Activation)
 def _activation(g, node, dy):
     (x,) = node.inputs
     if node.op.kind is ActivationKind.Relu:
@@ -26,7 +27,7 @@ def _activation(g, node, dy):
     return [g.add_node(ActivationBackward(kind=node.op.kind), (x, dy))]
 
 
-@vjp_rule("Binary")
+@vjp_rule(ir.Binary)
 def _binary(g, node, dy):
     a, b = node.inputs
     op = node.op.op
@@ -57,20 +58,20 @@ def _binary(g, node, dy):
     raise NotImplementedError(op)
 
 
-@vjp_rule("Where")
+@vjp_rule(ir.Where)
 def _where(g, node, dy):
     c, a, b = node.inputs
     zero = E.scalar(g, 0, E.dtype(g, dy))
     return [None, E.where(g, c, dy, zero), E.where(g, c, zero, dy)]
 
 
-@vjp_rule("Cast", "Quantize", "Dequantize")
+@vjp_rule(ir.Cast, ir.Quantize, ir.Dequantize)
 def _identity_like(g, node, dy):
     # Cast: the gradient is cast back (by the sweep); Quantize/Dequantize: straight-through.
     return [dy]
 
 
-@vjp_rule("ComplexNormSq")
+@vjp_rule(ir.ComplexNormSq)
 def _complex_norm_sq(g, node, dy):
     # RLX's ComplexNormSqBackward gives the Wirtinger g * z; JAX's cotangent is its
     # conjugate times two: 2 g conj(z).
@@ -79,7 +80,7 @@ def _complex_norm_sq(g, node, dy):
     return [g.add_node(Conjugate(), (w,))]
 
 
-@vjp_rule("Conjugate")
+@vjp_rule(ir.Conjugate)
 def _conjugate(g, node, dy):
     return [g.add_node(Conjugate(), (dy,))]
 
@@ -108,7 +109,7 @@ def emit_region(t, op, ins):
     return steps[-1]
 
 
-@vjp_rule("ElementwiseRegion")
+@vjp_rule(ir.ElementwiseRegion)
 def _region(g, node, dy):
     def build(t, ins):
         y = emit_region(t, node.op, ins)

@@ -8,6 +8,7 @@ from rlx_jax.ir.ops_linalg import (
     BatchedDenseSolve, DenseSolve, DotGeneral, GroupedMatMul, MatMul, ScatterAdd,
 )
 from rlx_jax.ir.ops_shape import Gather
+from rlx_jax import ir
 
 from . import emit as E
 from .table import vjp_rule
@@ -22,7 +23,7 @@ def t_last(g, x):
     return E.transpose(g, x, tuple(range(r - 2)) + (r - 1, r - 2))
 
 
-@vjp_rule("MatMul")
+@vjp_rule(ir.MatMul)
 def _matmul(g, node, dy):
     a, b = node.inputs
     return [matmul(g, dy, t_last(g, b)), matmul(g, t_last(g, a), dy)]
@@ -48,7 +49,7 @@ def _dot_transpose(g, dy, other, nb, self_batch, self_contract, other_batch, oth
     return E.transpose(g, res, perm)
 
 
-@vjp_rule("DotGeneral")
+@vjp_rule(ir.DotGeneral)
 def _dot_general(g, node, dy):
     a, b = node.inputs
     op = node.op
@@ -71,7 +72,7 @@ def _dot_general(g, node, dy):
     return [da, db]
 
 
-@vjp_rule("DenseSolve")
+@vjp_rule(ir.DenseSolve)
 def _dense_solve(g, node, dy):
     a, b = node.inputs
     x = node.id
@@ -84,7 +85,7 @@ def _dense_solve(g, node, dy):
     return [E.neg(g, da), db]
 
 
-@vjp_rule("BatchedDenseSolve")
+@vjp_rule(ir.BatchedDenseSolve)
 def _batched_dense_solve(g, node, dy):
     a, b = node.inputs
     x = node.id
@@ -97,7 +98,7 @@ def _batched_dense_solve(g, node, dy):
     return [E.neg(g, da), db]
 
 
-@vjp_rule("LoraMatMul")
+@vjp_rule(ir.LoraMatMul)
 def _lora(g, node, dy):
     """y = x W + s (x A) B, on x viewed as rows [M, K]."""
     x, w, a, b = node.inputs
@@ -121,7 +122,7 @@ def t_last_2(g, m):
     return E.transpose(g, m, (1, 0))
 
 
-@vjp_rule("GroupedMatMul")
+@vjp_rule(ir.GroupedMatMul)
 def _grouped(g, node, dy):
     x, w, idx = node.inputs
     m, k = E.dims(g, x)
@@ -132,7 +133,7 @@ def _grouped(g, node, dy):
     return [dx, dw, None]
 
 
-@vjp_rule("ScatterAdd")
+@vjp_rule(ir.ScatterAdd)
 def _scatter_add(g, node, dy):
     upd, idx = node.inputs
     return [g.add_node(Gather(axis=0), (dy, idx)), None]
@@ -175,7 +176,7 @@ def _static_kn(node, x_dims, what):
     return k, n
 
 
-@vjp_rule("DequantMatMul")
+@vjp_rule(ir.DequantMatMul)
 def _dequant_matmul(g, node, dy):
     x = node.inputs[0]
     xd = E.dims(g, x)
@@ -189,7 +190,7 @@ def _dequant_matmul(g, node, dy):
     return [dx] + [None] * (len(node.inputs) - 1)
 
 
-@vjp_rule("DequantGroupedMatMul")
+@vjp_rule(ir.DequantGroupedMatMul)
 def _dequant_grouped(g, node, dy):
     """dx[i] = dy[i] @ W[e_i]^T with W = DequantMoEWeights(packed) [E, K, N] (RLX's rule)."""
     from rlx_jax.ir import DType, GraphError

@@ -19,6 +19,7 @@ from rlx_jax.ir.ops_backward import (
 )
 from rlx_jax.ir.ops_conv import Conv
 from rlx_jax.ir.ops_signal import Fft, LogMelBackward
+from rlx_jax import ir
 
 from . import emit as E
 from .expansion import vjp_via_expansion
@@ -27,7 +28,7 @@ from .table import vjp_rule
 
 # -- norms ---------------------------------------------------------------------------
 
-@vjp_rule("LayerNorm")
+@vjp_rule(ir.LayerNorm)
 def _layer_norm(g, node, dy):
     x, gamma, beta = node.inputs
     ax, eps = node.op.axis, node.op.eps
@@ -39,7 +40,7 @@ def _layer_norm(g, node, dy):
     return [dx, dg, db]
 
 
-@vjp_rule("RmsNorm")
+@vjp_rule(ir.RmsNorm)
 def _rms_norm(g, node, dy):
     ins = tuple(node.inputs) + (dy,)
     kw = dict(axis=node.op.axis, eps=node.op.eps)
@@ -47,7 +48,7 @@ def _rms_norm(g, node, dy):
             g.add_node(RmsNormBackwardBeta(**kw), ins)]
 
 
-@vjp_rule("GroupNorm")
+@vjp_rule(ir.GroupNorm)
 def _group_norm(g, node, dy):
     x, gamma, beta = node.inputs
     kw = dict(num_groups=node.op.num_groups, eps=node.op.eps)
@@ -62,7 +63,7 @@ def _per_channel(g, p, rank):
     return E.reshape(g, p, (1, c) + (1,) * (rank - 2))
 
 
-@vjp_rule("BatchNormInference")
+@vjp_rule(ir.BatchNormInference)
 def _batch_norm(g, node, dy):
     x, gamma, beta, mean, var = node.inputs
     eps = node.op.eps
@@ -82,7 +83,7 @@ def _batch_norm(g, node, dy):
     return [dx, dg, db, dmean, dvar]
 
 
-@vjp_rule("LayerNorm2d")
+@vjp_rule(ir.LayerNorm2d)
 def _layer_norm_2d(g, node, dy):
     """NCHW, normalised over C per position: the LayerNorm backward ops on the NHWC view."""
     x, gamma, beta = node.inputs
@@ -96,7 +97,7 @@ def _layer_norm_2d(g, node, dy):
 
 # -- attention / position -------------------------------------------------------------
 
-@vjp_rule("Attention")
+@vjp_rule(ir.Attention)
 def _attention(g, node, dy):
     """AttentionBackward (one per q / k / v) when it can express the op: any mask kind
     and score_scale (through a rescaled q). With a logit softcap it cannot (RLX's
@@ -130,7 +131,7 @@ def _attention(g, node, dy):
     return grads + [None] * len(mask)
 
 
-@vjp_rule("Rope")
+@vjp_rule(ir.Rope)
 def _rope(g, node, dy):
     x, cos, sin = node.inputs
     dc, ds = rope_table_grads(g, x, dy, E.shape(g, cos), node.op.head_dim, node.op.n_rot)
@@ -172,7 +173,7 @@ def _conv_kw(op):
                 dilation=tuple(op.dilation), groups=op.groups)
 
 
-@vjp_rule("Conv")
+@vjp_rule(ir.Conv)
 def _conv(g, node, dy):
     x, w = node.inputs
     if len(node.op.kernel_size) != 2:
@@ -183,7 +184,7 @@ def _conv(g, node, dy):
     return [dx, dw]
 
 
-@vjp_rule("ConvTranspose2d")
+@vjp_rule(ir.ConvTranspose2d)
 def _conv_transpose(g, node, dy):
     """y = conv_transpose(x, w) is the input-gradient of conv(., w): its VJP w.r.t. x is
     the direct conv of dy with w, w.r.t. w the conv weight gradient with x as dy."""
@@ -196,7 +197,7 @@ def _conv_transpose(g, node, dy):
     return [dx, dw]
 
 
-@vjp_rule("Pool")
+@vjp_rule(ir.Pool)
 def _pool(g, node, dy):
     (x,) = node.inputs
     op = node.op
@@ -217,7 +218,7 @@ def _pool(g, node, dy):
 
 # -- quantisation ---------------------------------------------------------------------
 
-@vjp_rule("FakeQuantize")
+@vjp_rule(ir.FakeQuantize)
 def _fake_quantize(g, node, dy):
     x = node.inputs[0]
     op = node.op
@@ -225,7 +226,7 @@ def _fake_quantize(g, node, dy):
     return [dx] + [None] * (len(node.inputs) - 1)
 
 
-@vjp_rule("FakeQuantizeLSQ")
+@vjp_rule(ir.FakeQuantizeLSQ)
 def _fake_quantize_lsq(g, node, dy):
     x, s = node.inputs
     kw = dict(bits=node.op.bits, axis=node.op.axis)
@@ -235,7 +236,7 @@ def _fake_quantize_lsq(g, node, dy):
 
 # -- signal ------------------------------------------------------------------------------
 
-@vjp_rule("Fft")
+@vjp_rule(ir.Fft)
 def _fft(g, node, dy):
     """``y = s W z`` with ``W`` the unscaled DFT (``exp(-+2 pi i jk / N)``), ``s`` the
     norm's scale for this direction, z complex [..., N] or the real block [re | im]
@@ -259,7 +260,7 @@ def _fft(g, node, dy):
     return [dz if ratio == 1.0 else E.mul_s(g, dz, ratio)]
 
 
-@vjp_rule("LogMel")
+@vjp_rule(ir.LogMel)
 def _log_mel(g, node, dy):
     spec, fb = node.inputs
     dfb = vjp_via_expansion(g, node, dy, _log_mel_primitives, wrt_inputs=[1])[1]
@@ -277,7 +278,7 @@ def _log_mel_primitives(t, ins):
     return E.act(t, "Log", E.binary(t, BinaryOp.Max, m, E.scalar(t, 1e-10, E.dtype(t, m))))
 
 
-@vjp_rule("AxialRope2d")
+@vjp_rule(ir.AxialRope2d)
 def _axial_rope(g, node, dy):
     """A rotation of interleaved (even, odd) pairs: R^T = S R S with S negating the odd
     element of each pair, so dx = S * AxialRope2d(S * dy)."""
@@ -302,7 +303,7 @@ _SPLAT_FIELDS = ("width", "height", "tile_size", "radius_scale", "alpha_cutoff",
                  "transmittance_threshold", "max_list_entries")
 
 
-@vjp_rule("GaussianSplatRender")
+@vjp_rule(ir.GaussianSplatRender)
 def _gaussian_splat_render(g, node, dy):
     """One GaussianSplatRenderBackward (the fused backward kernel) gives the packed
     scene gradient ``[positions 3N | scales 3N | rotations 4N | opacities N | colors 3N
@@ -322,7 +323,7 @@ def _gaussian_splat_render(g, node, dy):
     return out + [E.zeros_like(g, node.inputs[6])]
 
 
-@vjp_rule("GaussianSplatRenderBackward")
+@vjp_rule(ir.GaussianSplatRenderBackward)
 def _gaussian_splat_render_backward(g, node, dy):
     """Second order of the render. RLX has no op for the derivative of its splat
     backward, so this emits rlx_jax's own Custom op (``jax_custom.py``):

@@ -9,6 +9,7 @@ import math
 
 from rlx_jax.ir import GraphError
 from rlx_jax.ir.ops_shape import Concat, Narrow
+from rlx_jax import ir
 
 from . import emit as E
 from .expansion import vjp_via_expansion
@@ -45,7 +46,7 @@ def emit_selective_scan(t, ins):
     return _stack(t, ys, 1)
 
 
-@vjp_rule("SelectiveScan")
+@vjp_rule(ir.SelectiveScan)
 def _selective_scan(g, node, dy):
     return vjp_via_expansion(g, node, dy, emit_selective_scan)
 
@@ -75,6 +76,6 @@ def emit_gated_delta_net(t, ins):
     return _stack(t, outs, 1)
 
 
-@vjp_rule("GatedDeltaNet")
+@vjp_rule(ir.GatedDeltaNet)
 def _gated_delta_net(g, node, dy):
     return vjp_via_expansion(g, node, dy, emit_gated_delta_net)

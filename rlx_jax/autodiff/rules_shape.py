@@ -8,28 +8,29 @@ from rlx_jax.ir.op import CmpOp, ReduceOp
 from rlx_jax.ir.ops_backward import CumsumBackward, GatherBackward, SoftmaxCrossEntropyBackward
 from rlx_jax.ir.ops_linalg import ScatterAdd
 from rlx_jax.ir.ops_shape import Concat, Narrow
+from rlx_jax import ir
 
 from . import emit as E
 from .table import vjp_rule
 
 
-@vjp_rule("Reshape")
+@vjp_rule(ir.Reshape)
 def _reshape(g, node, dy):
     (x,) = node.inputs
     return [E.reshape(g, dy, E.dims(g, x))]
 
 
-@vjp_rule("Transpose")
+@vjp_rule(ir.Transpose)
 def _transpose(g, node, dy):
     return [E.transpose(g, dy, E.inverse_perm(node.op.perm))]
 
 
-@vjp_rule("Expand")
+@vjp_rule(ir.Expand)
 def _expand(g, node, dy):
     return [dy]  # the sweep sums over the broadcast axes
 
 
-@vjp_rule("Narrow")
+@vjp_rule(ir.Narrow)
 def _narrow(g, node, dy):
     """Pad dy with zeros back to the input's extent along ``axis``."""
     (x,) = node.inputs
@@ -56,7 +57,7 @@ def _sh(s, ax, n):
     return Shape(s.dims[:ax] + (n,) + s.dims[ax + 1:], s.dtype)
 
 
-@vjp_rule("Concat")
+@vjp_rule(ir.Concat)
 def _concat(g, node, dy):
     ax = node.op.axis
     out, off = [], 0
@@ -69,7 +70,7 @@ def _concat(g, node, dy):
     return out
 
 
-@vjp_rule("ResizeNearest2x")
+@vjp_rule(ir.ResizeNearest2x)
 def _resize(g, node, dy):
     n, c, h, w = E.dims(g, node.inputs[0])
     r = E.reshape(g, dy, (n, c, h, 2, w, 2))
@@ -80,7 +81,7 @@ def _keep_dims(xs, axes):
     return tuple(1 if i in axes else d for i, d in enumerate(xs.dims))
 
 
-@vjp_rule("Reduce")
+@vjp_rule(ir.Reduce)
 def _reduce(g, node, dy):
     (x,) = node.inputs
     xs = E.shape(g, x)
@@ -106,7 +107,7 @@ def _reduce(g, node, dy):
     raise NotImplementedError(op)
 
 
-@vjp_rule("Softmax")
+@vjp_rule(ir.Softmax)
 def _softmax(g, node, dy):
     y = node.id
     ax = E.norm_axis(node.op.axis, E.shape(g, y).rank)
@@ -114,12 +115,12 @@ def _softmax(g, node, dy):
     return [E.mul(g, y, E.sub(g, dy, s))]
 
 
-@vjp_rule("Cumsum")
+@vjp_rule(ir.Cumsum)
 def _cumsum(g, node, dy):
     return [g.add_node(CumsumBackward(axis=node.op.axis, exclusive=node.op.exclusive), (dy,))]
 
 
-@vjp_rule("Gather")
+@vjp_rule(ir.Gather)
 def _gather(g, node, dy):
     table, idx = node.inputs
     ts, ids = E.shape(g, table), E.shape(g, idx)
@@ -129,7 +130,7 @@ def _gather(g, node, dy):
     return [g.add_node(GatherBackward(axis=ax), (dy, idx), ts), None]
 
 
-@vjp_rule("SoftmaxCrossEntropyWithLogits")
+@vjp_rule(ir.SoftmaxCrossEntropyWithLogits)
 def _xent(g, node, dy):
     logits, labels = node.inputs
     return [g.add_node(SoftmaxCrossEntropyBackward(), (logits, labels, dy)), None]

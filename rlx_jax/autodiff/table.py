@@ -10,37 +10,44 @@ from __future__ import annotations
 
 from typing import Callable
 
+from rlx_jax import ir
 from rlx_jax.ir import GraphError
 
 from . import emit as E
 
-VJP_RULES: dict[str, Callable] = {}
+#: op class -> its graph VJP rule
+VJP_RULES: dict[type, Callable] = {}
 
 #: ops through which no gradient flows (RLX: Compare, TopK, Sample, RNG, StopGradient)
-NO_GRADIENT = {"Compare", "TopK", "Sample", "RngUniform", "RngNormal", "StopGradient",
-               "Input", "Param", "Constant", "QMatMul", "QConv2d", "DequantMoEWeights"}
+NO_GRADIENT = frozenset({ir.Compare, ir.TopK, ir.Sample, ir.RngUniform, ir.RngNormal, ir.StopGradient,
+                         ir.Input, ir.Param, ir.Constant, ir.QMatMul, ir.QConv2d, ir.DequantMoEWeights})
 
 
 #: ops with an integer output that still carry a (float) gradient: RLX's straight-through
 #: rule for Quantize -> Dequantize passes dy through the int8 node unchanged
-STRAIGHT_THROUGH = {"Quantize"}
+STRAIGHT_THROUGH = frozenset({ir.Quantize})
 
 
 def carries_gradient(node) -> bool:
     """Whether a gradient may be stored for ``node``: float / c64 results, and the
     integer results of straight-through ops."""
-    return E.is_float(node.shape.dtype) or type(node.op).__name__ in STRAIGHT_THROUGH
+    return E.is_float(node.shape.dtype) or type(node.op) in STRAIGHT_THROUGH
 
 
-def vjp_rule(*names):
-    """Register the decorated function as the graph VJP rule of the named ops."""
+def vjp_rule(*op_classes):
+    """Register the decorated function as the graph VJP rule of each given op class
+    (a subclass of :class:`rlx_jax.ir.Op`); one rule per class."""
+    if not op_classes:
+        raise TypeError("vjp_rule needs at least one op class")
+    for c in op_classes:
+        if not (isinstance(c, type) and issubclass(c, ir.Op)):
+            raise TypeError(f"vjp_rule takes rlx_jax.ir.Op classes, got {c!r}")
 
     def deco(fn):
-        for n in names:
-            key = n if isinstance(n, str) else n.__name__
-            if key in VJP_RULES:
-                raise ValueError(f"a VJP rule for {key} is already registered")
-            VJP_RULES[key] = fn
+        for c in op_classes:
+            if c in VJP_RULES:
+                raise ValueError(f"a VJP rule for {c.__name__} is already registered")
+            VJP_RULES[c] = fn
         return fn
 
     return deco
@@ -54,12 +61,18 @@ def _load():
 
 def get_vjp_rule(op):
     _load()
-    return VJP_RULES.get(type(op).__name__)
+    return VJP_RULES.get(type(op))
 
 
-def has_vjp_rule(name: str) -> bool:
+def has_vjp_rule(op) -> bool:
+    """Whether reverse mode handles ``op`` (an op, op class or RLX variant name): it has
+    a VJP rule or passes no gradient."""
     _load()
-    return name in VJP_RULES or name in NO_GRADIENT
+    if isinstance(op, str):
+        cls = ir.OP_CLASSES.get(op)
+    else:
+        cls = op if isinstance(op, type) else type(op)
+    return cls in VJP_RULES or cls in NO_GRADIENT
 
 
 def depends_on(g, sources, upto=None) -> set:
@@ -69,7 +82,7 @@ def depends_on(g, sources, upto=None) -> set:
     for n in g.nodes[:upto]:
         if n.id in dep:
             continue
-        if type(n.op).__name__ in NO_GRADIENT:
+        if type(n.op) in NO_GRADIENT:
             continue
         if any(i in dep for i in n.inputs) and carries_gradient(n):
             dep.add(n.id)
@@ -90,7 +103,7 @@ def backprop(g, seeds: dict, wrt, upto=None) -> dict:
             continue
         node = g.nodes[nid]
         name = type(node.op).__name__
-        if name in NO_GRADIENT:
+        if type(node.op) in NO_GRADIENT:
             continue
         rule = get_vjp_rule(node.op)
         if rule is None:

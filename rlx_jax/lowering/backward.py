@@ -14,6 +14,8 @@ import importlib
 
 import jax.numpy as jnp
 
+from rlx_jax import ir
+
 from .nn import _to_bshd, attention_kwargs, attention_layout, class_labels, index_array
 from .registry import enum_name, lowering_rule
 
@@ -56,19 +58,19 @@ def _rms_all(op, args, ctx):
                                                     eps=float(op.eps)))
 
 
-@lowering_rule("RmsNormBackwardInput")
+@lowering_rule(ir.RmsNormBackwardInput)
 def _rms_norm_backward_input(op, args, ctx):
     # [x, gamma, beta, dy] -> dx
     return ctx.cast_out(_rms_all(op, args, ctx)[0])
 
 
-@lowering_rule("RmsNormBackwardGamma")
+@lowering_rule(ir.RmsNormBackwardGamma)
 def _rms_norm_backward_gamma(op, args, ctx):
     # [x, gamma, beta, dy] -> dgamma = sum_rows(dy * x * rstd)
     return ctx.cast_out(_rms_all(op, args, ctx)[1])
 
 
-@lowering_rule("RmsNormBackwardBeta")
+@lowering_rule(ir.RmsNormBackwardBeta)
 def _rms_norm_backward_beta(op, args, ctx):
     # [x, gamma, beta, dy] -> dbeta = sum_rows(dy)
     return ctx.cast_out(_rms_all(op, args, ctx)[2])
@@ -135,7 +137,7 @@ def _ln_compute(op, x, dy):
     return compute
 
 
-@lowering_rule("LayerNormBackwardInput")
+@lowering_rule(ir.LayerNormBackwardInput)
 def _layer_norm_backward_input(op, args, ctx):
     # [x, gamma, dy] -> dx = rstd (g dy - mean(g dy) - xhat mean(g dy xhat)).
     x, gamma, dy = args
@@ -145,7 +147,7 @@ def _layer_norm_backward_input(op, args, ctx):
     return ctx.cast_out(out[0])
 
 
-@lowering_rule("LayerNormBackwardGamma")
+@lowering_rule(ir.LayerNormBackwardGamma)
 def _layer_norm_backward_gamma(op, args, ctx):
     # [x, dy] -> dgamma = sum_rows(dy * xhat) (independent of gamma).
     x, dy = args
@@ -173,7 +175,7 @@ def _gn_compute(op, x, dy):
     return compute
 
 
-@lowering_rule("GroupNormBackwardInput")
+@lowering_rule(ir.GroupNormBackwardInput)
 def _group_norm_backward_input(op, args, ctx):
     # [x, gamma, beta, dy] -> dx (NCHW, statistics per sample and group).
     x, gamma, beta, dy = args
@@ -195,13 +197,13 @@ def _gn_gamma_free(op, args, ctx):
     return _norm_gamma_free(ctx, "group_norm", attrs, ids, sibling, _gn_compute(op, x, dy))
 
 
-@lowering_rule("GroupNormBackwardGamma")
+@lowering_rule(ir.GroupNormBackwardGamma)
 def _group_norm_backward_gamma(op, args, ctx):
     # [x, dy] -> dgamma[c] = sum over batch and space of dy * xhat.
     return ctx.cast_out(_gn_gamma_free(op, args, ctx)[1])
 
 
-@lowering_rule("GroupNormBackwardBeta")
+@lowering_rule(ir.GroupNormBackwardBeta)
 def _group_norm_backward_beta(op, args, ctx):
     # [x, dy] -> dbeta[c] = sum over batch and space of dy.
     return ctx.cast_out(_gn_gamma_free(op, args, ctx)[2])
@@ -223,7 +225,7 @@ def _bn_note_dbeta(ctx, dy_id, out):
     return out
 
 
-@lowering_rule("BatchNormInferenceBackwardInput")
+@lowering_rule(ir.BatchNormInferenceBackwardInput)
 def _bn_backward_input(op, args, ctx):
     # [x, gamma, mean, var, dy] -> dx = dy * gamma[c] / sqrt(var[c] + eps).
     x, gamma, mean, var, dy = args
@@ -234,7 +236,7 @@ def _bn_backward_input(op, args, ctx):
     return ctx.cast_out(_bn_note_dbeta(ctx, ids[4], out)[0])
 
 
-@lowering_rule("BatchNormInferenceBackwardGamma")
+@lowering_rule(ir.BatchNormInferenceBackwardGamma)
 def _bn_backward_gamma(op, args, ctx):
     # [x, mean, var, dy] -> dgamma[c] = sum dy * (x - mean[c]) / sqrt(var[c] + eps).
     x, mean, var, dy = args
@@ -249,7 +251,7 @@ def _bn_backward_gamma(op, args, ctx):
     return ctx.cast_out(_bn_note_dbeta(ctx, ids[3], out)[1])
 
 
-@lowering_rule("BatchNormInferenceBackwardBeta")
+@lowering_rule(ir.BatchNormInferenceBackwardBeta)
 def _bn_backward_beta(op, args, ctx):
     # [dy] -> dbeta[c] = sum of dy over every axis but 1 (depends on dy only), taken from a
     # sibling's fused call on the same dy when one was lowered.
@@ -285,7 +287,7 @@ def _attention_all(op, args, ctx):
     return ctx.memo(key, compute)
 
 
-@lowering_rule("AttentionBackward")
+@lowering_rule(ir.AttentionBackward)
 def _attention_backward(op, args, ctx):
     # [q, k, v, dy, (mask)] -> dq, dk or dv (wrt); the three siblings share one call.
     which = {"Query": 0, "Key": 1, "Value": 2}[enum_name(op.wrt)]
@@ -294,7 +296,7 @@ def _attention_backward(op, args, ctx):
 
 # ---- single-output backward ops --------------------------------------------------------------
 
-@lowering_rule("RopeBackward")
+@lowering_rule(ir.RopeBackward)
 def _rope_backward(op, args, ctx):
     # [dy, cos, sin] -> the forward NeoX rotation with sin negated.
     dy, cos, sin = args
@@ -302,14 +304,14 @@ def _rope_backward(op, args, ctx):
                                             n_rot=int(op.n_rot)))
 
 
-@lowering_rule("CumsumBackward")
+@lowering_rule(ir.CumsumBackward)
 def _cumsum_backward(op, args, ctx):
     # [dy] -> reverse cumulative sum along axis (shifted by one when exclusive).
     return ctx.cast_out(backward_fn("cumsum")(args[0], axis=int(op.axis),
                                               exclusive=bool(op.exclusive)))
 
 
-@lowering_rule("GatherBackward")
+@lowering_rule(ir.GatherBackward)
 def _gather_backward(op, args, ctx):
     # [dy, indices] -> d_table (declared table shape): scatter-add of dy rows.
     dy, idx = args
@@ -332,7 +334,7 @@ def _pair(v, default):
     return v if len(v) == 2 else (v[0], v[0])
 
 
-@lowering_rule("MaxPool2dBackward")
+@lowering_rule(ir.MaxPool2dBackward)
 def _max_pool2d_backward(op, args, ctx):
     # [x, dy] -> dx: each window's dy goes to its first maximum.
     x, dy = args
@@ -346,7 +348,7 @@ def _conv_kw(op):
                 dilation=_pair(op.dilation, (1, 1)), groups=int(op.groups))
 
 
-@lowering_rule("Conv2dBackwardInput")
+@lowering_rule(ir.Conv2dBackwardInput)
 def _conv2d_backward_input(op, args, ctx):
     # [dy, w] -> dx [N, C_in, H, W] (declared): the transposed conv of dy with w.
     dy, w = args
@@ -356,7 +358,7 @@ def _conv2d_backward_input(op, args, ctx):
         dy, w, x_shape=tuple(ctx.out_shape), **_conv_kw(op)))
 
 
-@lowering_rule("Conv2dBackwardWeight")
+@lowering_rule(ir.Conv2dBackwardWeight)
 def _conv2d_backward_weight(op, args, ctx):
     # [x, dy] -> dw [C_out, C_in/groups, kH, kW].
     x, dy = args
@@ -367,7 +369,7 @@ def _conv2d_backward_weight(op, args, ctx):
         x, dy, w_shape=w_shape, **_conv_kw(op)))
 
 
-@lowering_rule("SoftmaxCrossEntropyBackward")
+@lowering_rule(ir.SoftmaxCrossEntropyBackward)
 def _softmax_xent_backward(op, args, ctx):
     # [logits, labels, d_loss] -> (softmax(logits) - onehot(labels)) * d_loss[:, None].
     logits, labels, dloss = args
@@ -380,7 +382,7 @@ def _ste(op):
             "HardTanh": "hardtanh"}[enum_name(op.ste) or "Identity"]
 
 
-@lowering_rule("FakeQuantizeBackward")
+@lowering_rule(ir.FakeQuantizeBackward)
 def _fake_quantize_backward(op, args, ctx):
     # [x, dy] -> ste'(x) * dy with the per-batch scale recomputed from x.
     x, dy = args
@@ -396,19 +398,19 @@ def _lsq_all(op, args, ctx):
         x, scale, dy, bits=int(op.bits), axis=axis))
 
 
-@lowering_rule("FakeQuantizeLSQBackwardX")
+@lowering_rule(ir.FakeQuantizeLSQBackwardX)
 def _lsq_backward_x(op, args, ctx):
     # [x, scale, dy] -> dx (STE inside the clamp range).
     return ctx.cast_out(_lsq_all(op, args, ctx)[0])
 
 
-@lowering_rule("FakeQuantizeLSQBackwardScale")
+@lowering_rule(ir.FakeQuantizeLSQBackwardScale)
 def _lsq_backward_scale(op, args, ctx):
     # [x, scale, dy] -> dscale[c] = sum psi(x / s) dy.
     return ctx.cast_out(_lsq_all(op, args, ctx)[1])
 
 
-@lowering_rule("ComplexNormSqBackward")
+@lowering_rule(ir.ComplexNormSqBackward)
 def _complex_norm_sq_backward(op, args, ctx):
     # [z, g] -> dz = g * z (Wirtinger).
     z, g = args

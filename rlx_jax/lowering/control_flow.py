@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from rlx_jax import ir
+
 from .elementwise import truthy
 from .registry import custom_lowering, lowering_rule
 
@@ -107,7 +109,7 @@ def scan(step, init, xs: list, length: int, save_trajectory: bool, num_checkpoin
     return ys if save_trajectory else c
 
 
-@lowering_rule("Scan")
+@lowering_rule(ir.Scan)
 def _scan(op, args, ctx):
     # Inputs [init, bcast..., xs...]; body Inputs [carry, bcast..., x_t...] -> next carry.
     nb, nx = int(op.num_bcast), int(op.num_xs)
@@ -193,14 +195,14 @@ def _scan_backward_key(op, ctx):
     return ("ScanBackward", ctx.node_input_ids(), op_attr_key(op, skip=("xs_idx",)))
 
 
-@lowering_rule("ScanBackward")
+@lowering_rule(ir.ScanBackward)
 def _scan_backward(op, args, ctx):
     # dinit: walk t = L-1..0 through body_vjp, adding the trajectory's upstream rows.
     dinit, _ = ctx.memo(_scan_backward_key(op, ctx), lambda: _scan_backward_all(op, args, ctx))
     return ctx.cast_out(dinit)
 
 
-@lowering_rule("ScanBackwardXs")
+@lowering_rule(ir.ScanBackwardXs)
 def _scan_backward_xs(op, args, ctx):
     # stacked d xs_{xs_idx} [L, ...] from the same sweep as ScanBackward.
     _, dxs = ctx.memo(_scan_backward_key(op, ctx), lambda: _scan_backward_all(op, args, ctx))
@@ -216,7 +218,7 @@ def _scalar_pred(p):
     return p.reshape(())
 
 
-@lowering_rule("If")
+@lowering_rule(ir.If)
 def _if(op, args, ctx):
     # [pred, captures...]: both branches take the captures; lax.cond picks one.
     pred, caps = args[0], list(args[1:])
@@ -230,7 +232,7 @@ def _if(op, args, ctx):
     return lax.cond(_scalar_pred(pred), branch(op.then_branch), branch(op.else_branch), caps)
 
 
-@lowering_rule("While")
+@lowering_rule(ir.While)
 def _while(op, args, ctx):
     # Loop-carried values [v...]; cond(v) -> any shape, true while all non-zero; body(v) -> next v.
     # Bounded by max_iterations: a scan of that many steps with a done flag (stays
@@ -267,7 +269,7 @@ def _zero_cotangent(x):
     return np.zeros(x.shape, jax.dtypes.float0)
 
 
-@lowering_rule("CustomFn")
+@lowering_rule(ir.CustomFn)
 def _custom_fn(op, args, ctx):
     # fwd_body(inputs) -> y. vjp_body(inputs, primal_output, d_output) -> one gradient
     # per input (jax.custom_vjp); else jvp_body(inputs, tangent_i..., primal_output)
@@ -318,7 +320,7 @@ def _custom_fn(op, args, ctx):
     return forward(*args)
 
 
-@lowering_rule("Custom")
+@lowering_rule(ir.Custom)
 def _custom(op, args, ctx):
     # A registered op: its lowering is looked up by name (register_custom_lowering),
     # else through the IR's op registry entry (an attribute `lower` or `jax_fn`).
@@ -329,8 +331,6 @@ def _custom(op, args, ctx):
         import rlx_jax.autodiff  # noqa: F401
     if fn is None:
         try:
-            import rlx_jax.ir as ir
-
             lookup = getattr(ir, "custom_op", None) or getattr(ir, "get_custom_op", None)
             entry = lookup(op.name) if lookup is not None else None
         except Exception:  # noqa: BLE001 - no IR registry: fall through to the error

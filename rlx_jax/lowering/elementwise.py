@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from rlx_jax import ir
+
 from .registry import enum_name, jnp_dtype, lowering_rule
 
 
@@ -22,7 +24,7 @@ def activation(kind, x):
     return fused("activation")(kind, x)
 
 
-@lowering_rule("Activation")
+@lowering_rule(ir.Activation)
 def _activation(op, args, ctx):
     return ctx.cast_out(activation(op.kind, args[0]))
 
@@ -50,7 +52,7 @@ def binary(op_kind, a, b):
     return fn(a, b)
 
 
-@lowering_rule("Binary")
+@lowering_rule(ir.Binary)
 def _binary(op, args, ctx):
     a, b = args
     return ctx.cast_out(binary(op.op, a, b))
@@ -74,7 +76,7 @@ def compare(op_kind, a, b):
     return fn(a, b)
 
 
-@lowering_rule("Compare")
+@lowering_rule(ir.Compare)
 def _compare(op, args, ctx):
     # RLX Compare: elementwise, broadcasting, result dtype Bool.
     return ctx.cast_out(compare(op.op, args[0], args[1]))
@@ -85,7 +87,7 @@ def truthy(c):
     return c if c.dtype == jnp.bool_ else c != 0
 
 
-@lowering_rule("Where")
+@lowering_rule(ir.Where)
 def _where(op, args, ctx):
     # Where [cond, on_true, on_false] with broadcasting.
     c, a, b = args
@@ -103,24 +105,24 @@ def cast(x, to_dtype):
     return x.astype(dt)
 
 
-@lowering_rule("Cast")
+@lowering_rule(ir.Cast)
 def _cast(op, args, ctx):
     return cast(args[0], op.to)
 
 
-@lowering_rule("Conjugate")
+@lowering_rule(ir.Conjugate)
 def _conjugate(op, args, ctx):
     # Elementwise complex conjugate (C64 -> C64).
     return jnp.conj(args[0])
 
 
-@lowering_rule("StopGradient")
+@lowering_rule(ir.StopGradient)
 def _stop_gradient(op, args, ctx):
     # Identity forward, no gradient.
     return lax.stop_gradient(args[0])
 
 
-@lowering_rule("ReluBackward")
+@lowering_rule(ir.ReluBackward)
 def _relu_backward(op, args, ctx):
     # [x, dy] -> dy where x > 0 else 0 (rlx_jax.ops.relu_backward).
     from .nn import fused
@@ -129,7 +131,7 @@ def _relu_backward(op, args, ctx):
     return ctx.cast_out(fused("relu_backward")(x, dy))
 
 
-@lowering_rule("ActivationBackward")
+@lowering_rule(ir.ActivationBackward)
 def _activation_backward(op, args, ctx):
     # [x, dy] -> act'(x) * dy, closed forms of the activations family.
     from .nn import fused
@@ -161,7 +163,7 @@ def _region_input(x, out_shape):
         return jnp.tile(x.reshape(-1), total // x.size).reshape(out_shape)
 
 
-@lowering_rule("ElementwiseRegion")
+@lowering_rule(ir.ElementwiseRegion)
 def _elementwise_region(op, args, ctx):
     # A fused chain of elementwise steps; each step reads region inputs (by index) or
     # earlier steps; the output is the last step. Inputs broadcast as RLX's modulo rule.

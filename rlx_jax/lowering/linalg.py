@@ -9,6 +9,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from rlx_jax import ir
+
 from .registry import lowering_rule
 
 
@@ -18,12 +20,12 @@ def matmul(a, b):
     return jnp.matmul(a, b)
 
 
-@lowering_rule("MatMul")
+@lowering_rule(ir.MatMul)
 def _matmul(op, args, ctx):
     return ctx.cast_out(matmul(args[0], args[1]))
 
 
-@lowering_rule("DotGeneral")
+@lowering_rule(ir.DotGeneral)
 def _dot_general(op, args, ctx):
     # XLA DotGeneral: output dims are batch, then lhs free, then rhs free.
     lhs, rhs = args
@@ -40,13 +42,13 @@ def _solve(a, b):
     return jnp.linalg.solve(a, b)
 
 
-@lowering_rule("DenseSolve")
+@lowering_rule(ir.DenseSolve)
 def _dense_solve(op, args, ctx):
     # DenseSolve [A [N, N], b [N] or [N, K]] -> x with A x = b (LU, partial pivoting).
     return ctx.cast_out(_solve(args[0], args[1]))
 
 
-@lowering_rule("BatchedDenseSolve")
+@lowering_rule(ir.BatchedDenseSolve)
 def _batched_dense_solve(op, args, ctx):
     # BatchedDenseSolve [A [B, N, N], b [B, N] or [B, N, K]]: one solve per batch item.
     return ctx.cast_out(_solve(args[0], args[1]))
@@ -58,7 +60,7 @@ def lora_matmul(x, w, a, b, scale):
     return matmul(x, w) + scale * matmul(matmul(x, a), b)
 
 
-@lowering_rule("LoraMatMul")
+@lowering_rule(ir.LoraMatMul)
 def _lora_matmul(op, args, ctx):
     x, w, a, b = args
     return ctx.cast_out(lora_matmul(x, w, a, b, op.scale))

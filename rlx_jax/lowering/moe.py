@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from rlx_jax import ir
+
 from .nn import index_array
 from .registry import lowering_rule
 
@@ -26,13 +28,13 @@ def grouped_matmul(x, w, expert_idx):
     return y_sorted[inv]
 
 
-@lowering_rule("GroupedMatMul")
+@lowering_rule(ir.GroupedMatMul)
 def _grouped_matmul(op, args, ctx):
     x, w, idx = args
     return ctx.cast_out(grouped_matmul(x, w, idx))
 
 
-@lowering_rule("ScatterAdd")
+@lowering_rule(ir.ScatterAdd)
 def _scatter_add(op, args, ctx):
     # out = zeros(out_shape); out[indices[i]] += updates[i] (the gather family's
     # scatter_add); out_dim comes from the node's declared output shape.

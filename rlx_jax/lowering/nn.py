@@ -16,6 +16,8 @@ import numpy as np
 import jax.numpy as jnp
 from jax import lax
 
+from rlx_jax import ir
+
 from .registry import enum_name, lowering_rule
 
 
@@ -52,14 +54,14 @@ def rms_norm(x, gamma, beta, axis, eps):
     return fused("rms_norm")(x, gamma, beta, axis=int(axis), eps=float(eps))
 
 
-@lowering_rule("LayerNorm")
+@lowering_rule(ir.LayerNorm)
 def _layer_norm(op, args, ctx):
     # (x - mean) * rsqrt(var + eps) * gamma + beta over `axis` (gamma, beta [x.shape[axis]]).
     x, gamma, beta = args
     return ctx.cast_out(layer_norm(x, gamma, beta, op.axis, op.eps))
 
 
-@lowering_rule("RmsNorm")
+@lowering_rule(ir.RmsNorm)
 def _rms_norm(op, args, ctx):
     # x * rsqrt(mean(x^2) + eps) * gamma + beta over `axis`; a node may declare the
     # row-flattened output [prod(leading), H].
@@ -71,7 +73,7 @@ def _rms_norm(op, args, ctx):
     return ctx.cast_out(y)
 
 
-@lowering_rule("GroupNorm")
+@lowering_rule(ir.GroupNorm)
 def _group_norm(op, args, ctx):
     # NCHW; statistics over (C / num_groups) x H x W per sample and group.
     x, gamma, beta = args
@@ -79,7 +81,7 @@ def _group_norm(op, args, ctx):
                                             eps=float(op.eps)))
 
 
-@lowering_rule("BatchNormInference")
+@lowering_rule(ir.BatchNormInference)
 def _batch_norm_inference(op, args, ctx):
     # (x - mean) * rsqrt(var + eps) * gamma + beta, channel axis 1.
     x, gamma, beta, mean, var = args
@@ -87,7 +89,7 @@ def _batch_norm_inference(op, args, ctx):
                                                       eps=float(op.eps)))
 
 
-@lowering_rule("LayerNorm2d")
+@lowering_rule(ir.LayerNorm2d)
 def _layer_norm_2d(op, args, ctx):
     # NCHW: normalise across channels at each spatial position (SAM / candle).
     x, gamma, beta = args
@@ -157,7 +159,7 @@ def attention(q, k, v, extra, *, num_heads, head_dim, mask_kind, score_scale=Non
     return back(fused("attention")(q4, k4, v4, **kw))
 
 
-@lowering_rule("Attention")
+@lowering_rule(ir.Attention)
 def _attention(op, args, ctx):
     # softmax(mask(softcap(q.k * scale))) . v per head; scale = score_scale or
     # 1/sqrt(head_dim); Custom: [B, Sk] keep mask; Bias: additive [B, H, Sq, Sk].
@@ -173,7 +175,7 @@ def rope(x, cos, sin, head_dim, n_rot):
     return fused("rope")(x, cos, sin, head_dim=int(head_dim), n_rot=int(n_rot))
 
 
-@lowering_rule("Rope")
+@lowering_rule(ir.Rope)
 def _rope(op, args, ctx):
     # NeoX: in each head the first n_rot dims rotate as two halves, the rest pass.
     x, cos, sin = args
@@ -189,7 +191,7 @@ def _pair(v, default):
     return v if len(v) == 2 else (v[0], v[0])
 
 
-@lowering_rule("Conv")
+@lowering_rule(ir.Conv)
 def _conv(op, args, ctx):
     # NCHW input, OIHW weight [C_out, C_in/groups, kH, kW], no bias.
     x, w = args
@@ -216,7 +218,7 @@ def conv_transpose2d(x, w, stride, padding, dilation, output_padding, groups):
         feature_group_count=g)
 
 
-@lowering_rule("ConvTranspose2d")
+@lowering_rule(ir.ConvTranspose2d)
 def _conv_transpose2d(op, args, ctx):
     x, w = args
     out = conv_transpose2d(x, w, _pair(op.stride, (1, 1)), _pair(op.padding, (0, 0)),
@@ -225,7 +227,7 @@ def _conv_transpose2d(op, args, ctx):
     return ctx.cast_out(out)
 
 
-@lowering_rule("Pool")
+@lowering_rule(ir.Pool)
 def _pool(op, args, ctx):
     # NCHW 2-D pooling (kind Max or Mean): the pool family's max_pool2d / avg_pool2d.
     x = args[0]
@@ -241,7 +243,7 @@ def _pool(op, args, ctx):
 
 # ---- loss / scans / indexing -----------------------------------------------------------
 
-@lowering_rule("SoftmaxCrossEntropyWithLogits")
+@lowering_rule(ir.SoftmaxCrossEntropyWithLogits)
 def _softmax_xent(op, args, ctx):
     # loss[n] = logsumexp(logits[n]) - logits[n, labels[n]]; labels f32-encoded.
     logits, labels = args
@@ -249,13 +251,13 @@ def _softmax_xent(op, args, ctx):
     return ctx.cast_out(fused("softmax_cross_entropy")(logits, class_labels(labels, classes), ignore_index=-1))
 
 
-@lowering_rule("Cumsum")
+@lowering_rule(ir.Cumsum)
 def _cumsum(op, args, ctx):
     # Inclusive cumulative sum along `axis`; exclusive shifts it so out[0] = 0.
     return ctx.cast_out(fused("cumsum")(args[0], axis=int(op.axis), exclusive=bool(op.exclusive)))
 
 
-@lowering_rule("Gather")
+@lowering_rule(ir.Gather)
 def _gather(op, args, ctx):
     # RLX Gather: table [*lead, V, *post], idx [*idx] -> [*idx, *post], reading the
     # first slice along lead (a table with a zero-sized lead dim has none: zeros).
@@ -267,7 +269,7 @@ def _gather(op, args, ctx):
     return ctx.cast_out(fused("gather")(first, index_array(idx), axis=0, mode="clip"))
 
 
-@lowering_rule("ComplexNormSq")
+@lowering_rule(ir.ComplexNormSq)
 def _complex_norm_sq(op, args, ctx):
     # |z|^2 = re^2 + im^2 (C64 -> F32).
     return ctx.cast_out(fused("complex_norm_sq")(args[0]))
@@ -292,7 +294,7 @@ def axial_rope_tables(seq, end_x, end_y, head_dim, theta, repeat_factor):
     return np.cos(tx), np.sin(tx), np.cos(ty), np.sin(ty)
 
 
-@lowering_rule("AxialRope2d")
+@lowering_rule(ir.AxialRope2d)
 def _axial_rope2d(op, args, ctx):
     # x [B, S, H*D]: per head, interleaved pairs (2c, 2c+1) of the first half rotate by
     # the token's column angle, those of the second half by its row angle.

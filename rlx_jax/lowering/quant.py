@@ -14,6 +14,8 @@ import numpy as np
 import jax.numpy as jnp
 from jax import lax
 
+from rlx_jax import ir
+
 from .nn import fused
 from .registry import enum_name, lowering_rule
 
@@ -33,7 +35,7 @@ def _channel_param(values, axis, x, dtype):
     return v.reshape(shape)
 
 
-@lowering_rule("Quantize")
+@lowering_rule(ir.Quantize)
 def _quantize(op, args, ctx):
     # q = saturate_i8(round(x / scale[c]) + zp[c]), c = index along `axis` (or 0).
     x = args[0].astype(jnp.float32)
@@ -43,7 +45,7 @@ def _quantize(op, args, ctx):
     return jnp.clip(q, -128, 127).astype(ctx.out_dtype or jnp.int8)
 
 
-@lowering_rule("Dequantize")
+@lowering_rule(ir.Dequantize)
 def _dequantize(op, args, ctx):
     # x = (q - zp[c]) * scale[c].
     q = args[0].astype(jnp.int32)
@@ -58,7 +60,7 @@ def requantize(acc, mult, out_zp):
     return jnp.clip(r, -128, 127).astype(jnp.int8)
 
 
-@lowering_rule("QMatMul")
+@lowering_rule(ir.QMatMul)
 def _qmatmul(op, args, ctx):
     # out = requantize(bias[n] + sum_k (x - x_zp)(w - w_zp)) with i32 accumulation.
     x, w, bias = args
@@ -81,7 +83,7 @@ def _int_conv_split(xi, wi, conv):
     return 256 * c(xh, wh) + 16 * (c(xh, wl) + c(xl, wh)) + c(xl, wl)
 
 
-@lowering_rule("QConv2d")
+@lowering_rule(ir.QConv2d)
 def _qconv2d(op, args, ctx):
     # NCHW / OIHW integer conv (zero padding in x's offset domain: padded taps are
     # skipped, as RLX's kernel does), i32 accumulation, + bias[c_out], requantize.
@@ -309,7 +311,7 @@ def _scheme_kind(scheme):
     return scheme.kind if hasattr(scheme, "kind") else enum_name(scheme)
 
 
-@lowering_rule("DequantMatMul")
+@lowering_rule(ir.DequantMatMul)
 def _dequant_matmul(op, args, ctx):
     # x [m, k] @ dequant(w) [k, n] -> [m, n] f32 (block int8/int4, fp8, NVFP4, GGUF).
     x = args[0]
@@ -337,14 +339,14 @@ def gguf_expert_stack(kind, packed, e, k, n):
     return jnp.stack([gguf_matrix(kind, flat[i * slab:(i + 1) * slab], k, n) for i in range(e)])
 
 
-@lowering_rule("DequantMoEWeights")
+@lowering_rule(ir.DequantMoEWeights)
 def _dequant_moe_weights(op, args, ctx):
     # packed GGUF expert slabs -> [E, K, N] f32 (GroupedMatMul layout, declared shape).
     e, k, n = (int(d) for d in ctx.out_shape)
     return ctx.cast_out(gguf_expert_stack(_scheme_kind(op.scheme), args[0], e, k, n))
 
 
-@lowering_rule("DequantGroupedMatMul")
+@lowering_rule(ir.DequantGroupedMatMul)
 def _dequant_grouped_matmul(op, args, ctx):
     # [x [M, K], packed GGUF expert slabs, expert_idx [M]] -> [M, N]: dequantise the
     # stack once, then the grouped GEMM of GroupedMatMul (sorted, lax.ragged_dot).
@@ -377,7 +379,7 @@ def _ste_name(ste) -> str:
             "HardTanh": "hard_tanh"}[name]
 
 
-@lowering_rule("FakeQuantize")
+@lowering_rule(ir.FakeQuantize)
 def _fake_quantize(op, args, ctx):
     # out = clamp(round(x / s[c]), -q_max, q_max) * s[c]; q_max = 127 / 7 / 1 for 8 / 4 / 2
     # bits. PerBatch: s = max(max|x| / q_max, 1e-12); Fixed: s = max(state, 1e-12);
@@ -402,7 +404,7 @@ def _fake_quantize(op, args, ctx):
     return ctx.cast_out(fused("fake_quantize")(x, scale=s, **kw))
 
 
-@lowering_rule("FakeQuantizeLSQ")
+@lowering_rule(ir.FakeQuantizeLSQ)
 def _fake_quantize_lsq(op, args, ctx):
     # Same forward with a learned scale [C] (or [1]); LSQ gradients for x and scale.
     x, scale = args

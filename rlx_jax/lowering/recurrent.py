@@ -9,6 +9,8 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
+from rlx_jax import ir
+
 from .registry import lowering_rule
 
 
@@ -35,7 +37,7 @@ def selective_scan(x, delta, a, b, c):
     return jnp.moveaxis(ys, 0, 1)
 
 
-@lowering_rule("SelectiveScan")
+@lowering_rule(ir.SelectiveScan)
 def _selective_scan(op, args, ctx):
     x, delta, a, b, c = args
     return ctx.cast_out(selective_scan(x, delta, a, b, c))
@@ -66,7 +68,7 @@ def gated_delta_net(q, k, v, g, beta, state=None):
     return jnp.moveaxis(os_, 0, 1)
 
 
-@lowering_rule("GatedDeltaNet")
+@lowering_rule(ir.GatedDeltaNet)
 def _gated_delta_net(op, args, ctx):
     # [q, k, v, g, beta, (state if carry_state)] -> o; the final state is not an output.
     q, k, v, g, beta = args[:5]

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from rlx_jax import ir
+
 from .registry import enum_name, lowering_rule
 
 _REDUCERS = {
@@ -31,12 +33,12 @@ def reduce(kind, x, axes, keep_dim):
     return fn(x, axis=ax, keepdims=bool(keep_dim))
 
 
-@lowering_rule("Reduce")
+@lowering_rule(ir.Reduce)
 def _reduce(op, args, ctx):
     return ctx.cast_out(reduce(op.op, args[0], op.axes, op.keep_dim))
 
 
-@lowering_rule("Softmax")
+@lowering_rule(ir.Softmax)
 def _softmax(op, args, ctx):
     # exp(x - max) / sum(exp(x - max)) along `axis` (the softmax family, rlx_jax.ops).
     from .nn import fused
@@ -51,7 +53,7 @@ def topk_indices(x, k):
     return idx
 
 
-@lowering_rule("TopK")
+@lowering_rule(ir.TopK)
 def _topk(op, args, ctx):
     # RLX TopK returns f32-encoded indices [..., k] (the node's dtype).
     idx = topk_indices(args[0], op.k)
@@ -87,7 +89,7 @@ def sample(logits, top_k, top_p, temperature, seed):
     return jnp.take_along_axis(order, pick[..., None], axis=-1)[..., 0]
 
 
-@lowering_rule("Sample")
+@lowering_rule(ir.Sample)
 def _sample(op, args, ctx):
     tok = sample(lax.stop_gradient(args[0]), int(op.top_k), float(op.top_p),
                  float(op.temperature), int(op.seed))
@@ -116,14 +118,14 @@ def _rng_key(op):
     return seed_key(op.seed)
 
 
-@lowering_rule("RngNormal")
+@lowering_rule(ir.RngNormal)
 def _rng_normal(op, args, ctx):
     # N(mean, std^2) samples of the node's shape from PRNGKey(seed).
     x = jax.random.normal(_rng_key(op), _rng_shape(op, ctx), jnp.float32) * float(op.std) + float(op.mean)
     return x.astype(ctx.out_dtype)
 
 
-@lowering_rule("RngUniform")
+@lowering_rule(ir.RngUniform)
 def _rng_uniform(op, args, ctx):
     # U[low, high) samples of the node's shape from PRNGKey(seed).
     x = jax.random.uniform(_rng_key(op), _rng_shape(op, ctx), jnp.float32, float(op.low),

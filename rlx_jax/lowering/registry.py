@@ -1,10 +1,9 @@
 """The table of lowering rules and the context a rule sees.
 
 A rule is ``fn(op, args: list[jax.Array], ctx) -> jax.Array``, registered for one or
-more RLX op classes with :func:`lowering_rule`. Rules are keyed by the RLX variant
-name (the op class's ``__name__``), so a rule module can be imported before or
-without the IR module that defines the class, and an op class made by
-``rlx_jax.ir.register_op`` finds its rule by name.
+more RLX op classes (the class objects) with :func:`lowering_rule` and looked up by the
+class of the node's op. User ops are ``Custom`` nodes, whose one rule dispatches on the
+op's name (:func:`register_custom_lowering`).
 """
 
 from __future__ import annotations
@@ -15,59 +14,61 @@ from typing import Any, Callable
 
 import numpy as np
 
+from rlx_jax.ir import OP_CLASSES, Op
+
 Rule = Callable[[Any, list, "LoweringContext"], Any]
 
-_RULES: dict[str, Rule] = {}
+_RULES: dict[type, Rule] = {}
 _CUSTOM: dict[str, Callable] = {}
 
 
-def _key(op_or_cls) -> str:
+def _op_class(op_or_cls):
+    """The op class of an op, an op class, or an RLX variant name (None for a name no
+    op class has)."""
     if isinstance(op_or_cls, str):
-        return op_or_cls
-    if isinstance(op_or_cls, type):
-        return op_or_cls.__name__
-    return type(op_or_cls).__name__
+        return OP_CLASSES.get(op_or_cls)
+    return op_or_cls if isinstance(op_or_cls, type) else type(op_or_cls)
 
 
 def lowering_rule(*op_classes):
-    """Register the decorated function as the lowering of each given op class.
-
-    ``op_classes`` are IR op classes or their RLX variant names (``"LayerNorm"``).
-    Registering a name twice is an error (one source of truth per op).
-    """
+    """Register the decorated function as the lowering of each given op class (a
+    subclass of :class:`rlx_jax.ir.Op`). Registering a class twice is an error (one
+    source of truth per op)."""
     if not op_classes:
         raise TypeError("lowering_rule needs at least one op class")
+    for c in op_classes:
+        if not (isinstance(c, type) and issubclass(c, Op)):
+            raise TypeError(f"lowering_rule takes rlx_jax.ir.Op classes, got {c!r}")
 
     def deco(fn: Rule) -> Rule:
         for c in op_classes:
-            k = _key(c)
-            prev = _RULES.get(k)
+            prev = _RULES.get(c)
             if prev is not None and prev is not fn:
-                raise ValueError(f"a lowering rule for {k} is already registered ({prev.__module__})")
-            _RULES[k] = fn
+                raise ValueError(f"a lowering rule for {c.__name__} is already registered ({prev.__module__})")
+            _RULES[c] = fn
         return fn
 
     return deco
 
 
 def has_rule(op_or_cls) -> bool:
+    """Whether ``op_or_cls`` (an op, op class or RLX variant name) has a lowering rule."""
     _load_rules()
-    return _key(op_or_cls) in _RULES
+    return _op_class(op_or_cls) in _RULES
 
 
 def get_rule(op) -> Rule:
     _load_rules()
-    k = _key(op)
-    rule = _RULES.get(k)
+    rule = _RULES.get(type(op))
     if rule is None:
-        raise NotImplementedError(f"no lowering rule for RLX op {k}")
+        raise NotImplementedError(f"no lowering rule for RLX op {type(op).__name__}")
     return rule
 
 
 def registered_ops() -> list[str]:
     """Names of the ops that have a lowering rule."""
     _load_rules()
-    return sorted(_RULES)
+    return sorted(c.__name__ for c in _RULES)
 
 
 def register_custom_lowering(name: str, fn: Callable) -> None:

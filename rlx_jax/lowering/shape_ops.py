@@ -8,6 +8,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from rlx_jax import ir
+
 from .registry import lowering_rule
 
 
@@ -27,13 +29,13 @@ def _target(spec, out_shape, what):
     return tuple(dims)
 
 
-@lowering_rule("Reshape")
+@lowering_rule(ir.Reshape)
 def _reshape(op, args, ctx):
     # Row-major reshape; -1 entries are the node's dynamic dims.
     return jnp.reshape(args[0], _target(op.new_shape, ctx.out_shape, "Reshape"))
 
 
-@lowering_rule("Transpose")
+@lowering_rule(ir.Transpose)
 def _transpose(op, args, ctx):
     return jnp.transpose(args[0], tuple(int(p) for p in op.perm))
 
@@ -43,7 +45,7 @@ def _axis(axis, rank):
     return a + rank if a < 0 else a
 
 
-@lowering_rule("Narrow")
+@lowering_rule(ir.Narrow)
 def _narrow(op, args, ctx):
     # x[..., start:start+len, ...] along `axis`.
     x = args[0]
@@ -55,7 +57,7 @@ def _narrow(op, args, ctx):
     return lax.slice_in_dim(x, int(op.start), int(op.start) + int(op.len), axis=ax)
 
 
-@lowering_rule("Concat")
+@lowering_rule(ir.Concat)
 def _concat(op, args, ctx):
     # Variadic concatenation along `axis`.
     ax = _axis(op.axis, args[0].ndim)
@@ -63,7 +65,7 @@ def _concat(op, args, ctx):
     return jnp.concatenate([a.astype(dt) for a in args], axis=ax)
 
 
-@lowering_rule("Expand")
+@lowering_rule(ir.Expand)
 def _expand(op, args, ctx):
     # numpy broadcast_to; -1 entries are dynamic dims (bound output shape).
     x = args[0]
@@ -76,7 +78,7 @@ def _expand(op, args, ctx):
     return jnp.broadcast_to(x, tuple(target))
 
 
-@lowering_rule("ResizeNearest2x")
+@lowering_rule(ir.ResizeNearest2x)
 def _resize_nearest_2x(op, args, ctx):
     # NCHW nearest-neighbour 2x upsample: out[n, c, y, x] = in[n, c, y // 2, x // 2].
     x = args[0]

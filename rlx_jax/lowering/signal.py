@@ -11,6 +11,8 @@ import math
 
 import jax.numpy as jnp
 
+from rlx_jax import ir
+
 from .registry import enum_name, lowering_rule
 
 
@@ -36,7 +38,7 @@ def fft(z, inverse: bool, norm):
     return y * s if s != 1.0 else y
 
 
-@lowering_rule("Fft")
+@lowering_rule(ir.Fft)
 def _fft(op, args, ctx):
     x = args[0]
     norm = getattr(op, "norm", None)
@@ -56,14 +58,14 @@ def _fft(op, args, ctx):
 _MEL_FLOOR = 1e-10
 
 
-@lowering_rule("LogMel")
+@lowering_rule(ir.LogMel)
 def _log_mel(op, args, ctx):
     # y = log(max(spectrum @ filterbank, 1e-10)); spectrum [..., F], filterbank [F, M].
     spec, fb = args
     return ctx.cast_out(jnp.log(jnp.maximum(jnp.matmul(spec, fb), _MEL_FLOOR)))
 
 
-@lowering_rule("LogMelBackward")
+@lowering_rule(ir.LogMelBackward)
 def _log_mel_backward(op, args, ctx):
     # [spectrum, filterbank, dy] -> dspectrum = (dy / mel * [mel > 1e-10]) @ filterbank^T.
     spec, fb, dy = args

@@ -21,6 +21,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from rlx_jax import ir
+
 from .registry import lowering_rule
 
 PREP_TAIL = 11
@@ -41,14 +43,14 @@ def _render_kw(op):
                 max_list_entries=int(op.max_list_entries))
 
 
-@lowering_rule("GaussianSplatRender")
+@lowering_rule(ir.GaussianSplatRender)
 def _render(op, args, ctx):
     from rlx_jax.vjp_rules.gaussian_splat import gaussian_splat_render
 
     return ctx.cast_out(gaussian_splat_render(*_scene(args), **_render_kw(op)))
 
 
-@lowering_rule("GaussianSplatRenderBackward")
+@lowering_rule(ir.GaussianSplatRenderBackward)
 def _render_backward(op, args, ctx):
     from rlx_jax.vjp_rules.gaussian_splat import gaussian_splat_render_backward
 
@@ -68,7 +70,7 @@ def prep_len(n: int, width: int, height: int, tile_size: int, max_list_entries: 
             + 3 * max(width * height, 1) + PREP_TAIL)
 
 
-@lowering_rule("GaussianSplatPrepare")
+@lowering_rule(ir.GaussianSplatPrepare)
 def _prepare(op, args, ctx):
     from rlx_jax.vjp_rules.gaussian_splat import project
 
@@ -99,7 +101,7 @@ def _prepare(op, args, ctx):
     return ctx.cast_out(jnp.concatenate(parts))
 
 
-@lowering_rule("GaussianSplatRasterize")
+@lowering_rule(ir.GaussianSplatRasterize)
 def _rasterize(op, args, ctx):
     from rlx_jax.vjp_rules.gaussian_splat import camera_from_meta, composite
 
