@@ -272,3 +272,15 @@ def test_fused_ops_with_a_dynamic_batch_lower_under_jit_and_vmap():
     ys = jax.vmap(lambda x, m: f(params, {"hidden": x, "mask": m})[0])(hs, masks)
     for i in range(4):
         close(np.asarray(ys[i]), np.asarray(f(params, {"hidden": hs[i], "mask": masks[i]})[0]), 1e-5)
+
+
+@pytest.mark.parametrize("rows", [0, 3])
+def test_fused_chain_with_zero_and_odd_rows(rows):
+    """FusedMatMulBiasAct feeding FusedSwiGLU and also an output (one tensor, two users)."""
+    arr = dict(x=f32(rows, 5), w=f32(5, 6), b=f32(6))
+    y, h = run_graph(lambda G, i: (G.fused_swiglu(G.fused_matmul_bias_act(i["x"], i["w"], i["b"], activation="relu")),
+                                   G.fused_matmul_bias_act(i["x"], i["w"], i["b"], activation="relu")), **arr)
+    ref_h = np.maximum(arr["x"] @ arr["w"] + arr["b"], 0)
+    assert y.shape == (rows, 3) and h.shape == (rows, 6)
+    close(h, ref_h, 1e-5)
+    close(y, ref_h[:, 3:] / (1 + np.exp(-ref_h[:, 3:])) * ref_h[:, :3], 1e-5)
