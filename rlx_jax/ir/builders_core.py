@@ -174,7 +174,7 @@ class CoreBuilders(BuilderBase):
 
     def add(self, *args, **kwargs):  # noqa: D401 - doc below
         """``add(a, b)`` builds Binary Add; ``add(op, inputs, shape=None, name=None)``
-        with an :class:`~rlx_jax.ir.Op` appends a node (``Graph.add`` contract)."""
+        with an :class:`~rlx_jax.ir.Op` is :meth:`add_node` (pyrlx's ``Graph.add``)."""
         from .op import Op
 
         if args and isinstance(args[0], Op):
