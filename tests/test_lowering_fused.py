@@ -284,3 +284,20 @@ def test_fused_chain_with_zero_and_odd_rows(rows):
     assert y.shape == (rows, 3) and h.shape == (rows, 6)
     close(h, ref_h, 1e-5)
     close(y, ref_h[:, 3:] / (1 + np.exp(-ref_h[:, 3:])) * ref_h[:, :3], 1e-5)
+
+
+def test_fused_attention_block_rejects_a_mask_smaller_than_b_times_s():
+    g = rlx.Graph("m")
+    h = g.input("hidden", [2, 5, 8], "f32")
+    wq, wo = g.param("qkv_w", [8, 24], "f32"), g.param("out_w", [8, 8], "f32")
+    with pytest.raises(rlx.GraphError, match=r"FusedAttentionBlock: mask \[1, 3\] f32 holds 3 elements; "
+                                             r"the \[B, S\] keep-mask needs 10"):
+        g.fused_attention_block([h, wq, wo, g.input("small", [1, 3], "f32")], 2, 4, False, False)
+    # a larger mask is read as its first B * S elements (RLX's kernels read that prefix)
+    p = block_params(2, 5, 2, 4, False)
+    big = np.ones((2, 2, 5, 5), np.float32)
+    big.reshape(-1)[:10] = p["mask"].reshape(-1)
+    (y,) = run_graph(lambda G, i: G.fused_attention_block([i["hidden"], i["qkv_w"], i["out_w"], i["mask"]],
+                                                          2, 4, False, False),
+                     hidden=p["hidden"], qkv_w=p["qkv_w"], out_w=p["out_w"], mask=big)
+    close(y, np_attention_block(p, 2, 4))

@@ -96,6 +96,16 @@ class FusedSwiGLU(Op):
         return Shape(x.dims[:-1] + (last // 2,), self.cast_to or x.dtype)
 
 
+def _check_keep_mask(hidden: Shape, mask: Shape) -> None:
+    """RLX's Custom keep-mask is read as its first ``B * S`` elements: ``mask`` must hold
+    at least that many (checked when both counts are static)."""
+    b, s = hidden.dims[0], hidden.dims[1]
+    need = b * s if isinstance(b, int) and isinstance(s, int) else None
+    have = mask.numel()
+    if need is not None and have is not None and have < need:
+        raise OpFault(f"mask {mask} holds {have} elements; the [B, S] keep-mask needs {need}")
+
+
 @op_class
 class FusedAttentionBlock(Op):
     """QKV projection -> split -> [RoPE] -> SDPA -> output projection; inputs
@@ -124,6 +134,7 @@ class FusedAttentionBlock(Op):
             raise OpFault(f"qkv_w {wqkv} must have {hd} rows")
         if not dims_compatible(wout.dims[1], x.dims[2]):
             raise OpFault(f"out_w {wout} must map back to {x.dims[2]} columns")
+        _check_keep_mask(x, ins[3])
         return x
 
 
@@ -158,8 +169,5 @@ class FusedTransformerLayer(Op):
         hd = self.num_heads * self.head_dim
         if not dims_compatible(x.dims[2], hd):
             raise OpFault(f"hidden last dim {x.dims[2]} != num_heads*head_dim {hd}")
-        mask, need = ins[-1], x.dims[0] * x.dims[1] if all(isinstance(d, int) for d in x.dims[:2]) else None
-        have = mask.numel()
-        if need is not None and have is not None and have < need:
-            raise OpFault(f"mask {mask} holds {have} elements; the [B, S] keep-mask needs {need}")
+        _check_keep_mask(x, ins[-1])
         return x
