@@ -110,7 +110,7 @@ def _batch_node(g, n, ins, flags, bsz, src):
             return g.add_node(op, tuple(ins2))
         if kind == ir.Reduce and flags[0]:
             return g.add_node(type(op)(op=op.op, axes=tuple(a + 1 for a in op.axes), keep_dim=op.keep_dim),
-                               (ins[0],))
+                              (ins[0],))
         if kind in _AXIS_OPS and flags[0]:
             ax = op.axis if op.axis < 0 else op.axis + 1
             return g.add_node(_replace(op, axis=ax), (ins[0],))

@@ -47,13 +47,13 @@ def scalar(g, value, dt: DType) -> int:
     """A rank-0 constant of dtype ``dt``."""
     arr = np.asarray(value, dtype=dt.to_numpy())
     return g.add_node(Constant(data=np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<")).tobytes()),
-                       (), Shape((), dt))
+                      (), Shape((), dt))
 
 
 def const(g, array, dt: DType) -> int:
     arr = np.asarray(array, dtype=dt.to_numpy())
     return g.add_node(Constant(data=np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<")).tobytes()),
-                       (), Shape(arr.shape, dt))
+                      (), Shape(arr.shape, dt))
 
 
 def zeros(g, s: Shape) -> int:

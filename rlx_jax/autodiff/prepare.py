@@ -103,7 +103,7 @@ def _scan(g, node, ins):
         return g.add_node(op, tuple(ins), node.shape)
     if op.save_trajectory:
         return g.add_node(Scan(body=op.body, length=op.length, save_trajectory=True, num_bcast=0,
-                                num_xs=nb + op.num_xs, num_checkpoints=op.num_checkpoints), tuple(ins))
+                               num_xs=nb + op.num_xs, num_checkpoints=op.num_checkpoints), tuple(ins))
     traj_op = Scan(body=op.body, length=op.length, save_trajectory=True, num_bcast=0,
                    num_xs=nb + op.num_xs, num_checkpoints=0)
     traj = g.add_node(traj_op, tuple(ins))

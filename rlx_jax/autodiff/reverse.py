@@ -107,7 +107,7 @@ def grad_with_loss(forward: Graph, wrt, options: GradWithLossOptions = GradWithL
     upto = len(g.nodes)
     loss = g.outputs[0]
     d = g.add_node(Input(name=unique_input_name(g, d_output_name)), (), g.node(loss).shape,
-                    unique_input_name(g, d_output_name))
+                   unique_input_name(g, d_output_name))
     new_wrt = [idmap[i] for i in wrt_ids]
     grads = backprop(g, {loss: to_jax_cotangent(g, d)}, new_wrt, upto)
     outs = [loss] + list(g.outputs[1:])

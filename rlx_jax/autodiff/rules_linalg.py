@@ -38,7 +38,7 @@ def _dot_transpose(g, dy, other, nb, self_batch, self_contract, other_batch, oth
     other_free = [i for i in range(other_rank) if i not in other_batch and i not in other_contract]
     dy_free = list(range(free_pos, free_pos + free_count))
     res = g.add_node(DotGeneral(lhs_contracting=tuple(dy_free), rhs_contracting=tuple(other_free),
-                                 lhs_batch=tuple(range(nb)), rhs_batch=tuple(other_batch)), (dy, other))
+                                lhs_batch=tuple(range(nb)), rhs_batch=tuple(other_batch)), (dy, other))
     # result dims: batch, dy's remaining (self free) dims, other's contracting dims
     # (ascending in other) -> self dims
     self_free = [i for i in range(self_rank) if i not in self_batch and i not in self_contract]

@@ -203,7 +203,7 @@ def _pool(g, node, dy):
     op = node.op
     if op.kind is ReduceOp.Max:
         return [g.add_node(MaxPool2dBackward(kernel_size=tuple(op.kernel_size), stride=tuple(op.stride),
-                                              padding=tuple(op.padding)), (x, dy))]
+                                             padding=tuple(op.padding)), (x, dy))]
     # Mean (count_include_pad): the input gradient of a depthwise conv with weight 1/(kh kw)
     xs = E.shape(g, x)
     c = xs.dims[1]
@@ -212,8 +212,8 @@ def _pool(g, node, dy):
     kh, kw_ = op.kernel_size
     w = E.const(g, np.full((c, 1, kh, kw_), 1.0 / (kh * kw_)), xs.dtype)
     return [g.add_node(Conv2dBackwardInput(kernel_size=(kh, kw_), stride=tuple(op.stride),
-                                            padding=tuple(op.padding), dilation=(1, 1), groups=c),
-                        (dy, w), xs)]
+                                           padding=tuple(op.padding), dilation=(1, 1), groups=c),
+                       (dy, w), xs)]
 
 
 # -- quantisation ---------------------------------------------------------------------
