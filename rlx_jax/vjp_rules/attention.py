@@ -356,10 +356,13 @@ SEGMENTS_FWD, SEGMENTS_BWD = "rlx_attention_segments_fwd", "rlx_attention_segmen
 
 #: With segment ids the CPU lowering is the kernel from this many bytes of the reference's
 #: [B, H, Sq, Sk] f32 scores up (the reference computes every score whatever the documents;
-#: the kernel skips the tiles that cross documents). Measured on 2 cores, f32, causal,
-#: loss + gradients, documents of mean length ~256 (benchmarks/results/
-#: attention_segments_cpu.txt).
-CPU_SEGMENT_KERNEL_MIN_SCORE_BYTES = 1 << 24
+#: the kernel skips the tiles that cross documents but its matmuls are slower than XLA's).
+#: Measured on 2 cores, f32, causal, loss + gradients, B2 H4 / 2 D64, lognormal documents
+#: of mean length 256: the reference ran 1.26x faster at S 2048 (128 MiB of scores, 18 % of
+#: the causal pairs visible) and the kernel 1.53x faster at S 4096 (512 MiB, 12 % visible)
+#: (benchmarks/results/attention_segments_cpu.txt). Shorter documents move the crossover
+#: down, longer ones up.
+CPU_SEGMENT_KERNEL_MIN_SCORE_BYTES = 1 << 28
 
 
 def _cpu_kernel_serves(q, k, has_segments=False) -> bool:
