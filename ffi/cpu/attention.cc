@@ -888,93 +888,50 @@ ffi::Error AttentionSegmentsBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
                                dk, dv, dbias, o);
 }
 
+// ---- bindings ---------------------------------------------------------------------------------
+// forward:  (q, k, v, mask, bias) -> (out, lse)
+// backward: (q, k, v, out, lse, dout, dlse, mask, bias) -> (dq, dk, dv, dbias)
+// The segment-id targets take q_segment_ids [B, Sq] and kv_segment_ids [B, Sk] (int32) after
+// the bias. Absent mask / bias are dummy [0] operands (dbias then a dummy [0] result). Every
+// target takes the same attributes.
+// A Binding cannot be copied or moved from outside: each helper takes the chain so far by
+// reference and returns the prvalue its last call makes.
+template <int N, typename Binding>
+auto operands(Binding&& b) {  // N (>= 1) more AnyBuffer operands
+  if constexpr (N == 1) return std::move(b).template Arg<ffi::AnyBuffer>();
+  else return operands<N - 1>(std::move(b).template Arg<ffi::AnyBuffer>());
+}
+
+template <int N, typename Binding>
+auto results(Binding&& b) {  // N (>= 1) more AnyBuffer results
+  if constexpr (N == 1) return std::move(b).template Ret<ffi::AnyBuffer>();
+  else return results<N - 1>(std::move(b).template Ret<ffi::AnyBuffer>());
+}
+
+template <typename Binding>
+auto with_attrs(Binding&& b) {
+  return std::move(b)
+      .template Attr<double>("scale")
+      .template Attr<double>("softcap")
+      .template Attr<int64_t>("mask_kind")
+      .template Attr<int64_t>("window")
+      .template Attr<int64_t>("has_mask")
+      .template Attr<int64_t>("has_bias");
+}
+
+auto bind() { return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>(); }
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAttentionFwd, AttentionFwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // mask (dummy [0] when absent)
-                                  .Arg<ffi::AnyBuffer>()  // bias (dummy [0] when absent)
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<ffi::AnyBuffer>()  // lse
-                                  .Attr<double>("scale")
-                                  .Attr<double>("softcap")
-                                  .Attr<int64_t>("mask_kind")
-                                  .Attr<int64_t>("window")
-                                  .Attr<int64_t>("has_mask")
-                                  .Attr<int64_t>("has_bias"));
-
+                              with_attrs(results<2>(operands<5>(bind()))));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAttentionBwd, AttentionBwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // out
-                                  .Arg<ffi::AnyBuffer>()  // lse
-                                  .Arg<ffi::AnyBuffer>()  // dout
-                                  .Arg<ffi::AnyBuffer>()  // dlse
-                                  .Arg<ffi::AnyBuffer>()  // mask
-                                  .Arg<ffi::AnyBuffer>()  // bias
-                                  .Ret<ffi::AnyBuffer>()  // dq
-                                  .Ret<ffi::AnyBuffer>()  // dk
-                                  .Ret<ffi::AnyBuffer>()  // dv
-                                  .Ret<ffi::AnyBuffer>()  // dbias (dummy [0] when no bias)
-                                  .Attr<double>("scale")
-                                  .Attr<double>("softcap")
-                                  .Attr<int64_t>("mask_kind")
-                                  .Attr<int64_t>("window")
-                                  .Attr<int64_t>("has_mask")
-                                  .Attr<int64_t>("has_bias"));
-
-// Packed documents: the same operands plus q_segment_ids [B, Sq] and kv_segment_ids
-// [B, Sk] (int32) after the bias; a target of its own, so the targets above keep their ABI.
+                              with_attrs(results<4>(operands<9>(bind()))));
+// Targets of their own for the segment ids, so the two above keep their ABI.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAttentionSegmentsFwd, AttentionSegmentsFwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // mask (dummy [0] when absent)
-                                  .Arg<ffi::AnyBuffer>()  // bias (dummy [0] when absent)
-                                  .Arg<ffi::AnyBuffer>()  // q_segment_ids
-                                  .Arg<ffi::AnyBuffer>()  // kv_segment_ids
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<ffi::AnyBuffer>()  // lse
-                                  .Attr<double>("scale")
-                                  .Attr<double>("softcap")
-                                  .Attr<int64_t>("mask_kind")
-                                  .Attr<int64_t>("window")
-                                  .Attr<int64_t>("has_mask")
-                                  .Attr<int64_t>("has_bias"));
-
+                              with_attrs(results<2>(operands<7>(bind()))));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAttentionSegmentsBwd, AttentionSegmentsBwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // out
-                                  .Arg<ffi::AnyBuffer>()  // lse
-                                  .Arg<ffi::AnyBuffer>()  // dout
-                                  .Arg<ffi::AnyBuffer>()  // dlse
-                                  .Arg<ffi::AnyBuffer>()  // mask
-                                  .Arg<ffi::AnyBuffer>()  // bias
-                                  .Arg<ffi::AnyBuffer>()  // q_segment_ids
-                                  .Arg<ffi::AnyBuffer>()  // kv_segment_ids
-                                  .Ret<ffi::AnyBuffer>()  // dq
-                                  .Ret<ffi::AnyBuffer>()  // dk
-                                  .Ret<ffi::AnyBuffer>()  // dv
-                                  .Ret<ffi::AnyBuffer>()  // dbias (dummy [0] when no bias)
-                                  .Attr<double>("scale")
-                                  .Attr<double>("softcap")
-                                  .Attr<int64_t>("mask_kind")
-                                  .Attr<int64_t>("window")
-                                  .Attr<int64_t>("has_mask")
-                                  .Attr<int64_t>("has_bias"));
+                              with_attrs(results<4>(operands<11>(bind()))));
 
 RLX_REGISTER_HANDLER("rlx_attention_fwd", RlxAttentionFwd);
 RLX_REGISTER_HANDLER("rlx_attention_bwd", RlxAttentionBwd);
