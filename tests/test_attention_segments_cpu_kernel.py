@@ -17,7 +17,7 @@ from rlx_jax.ops import attention
 from rlx_jax.vjp_rules import attention as A
 from rlx_jax.vjp_rules._primitive import fused_ops
 
-from testutil import hlo_text
+from testutil import assert_same_bits_on_one_core_without_avx512, hlo_text
 
 SEG_FWD, SEG_BWD = "rlx_attention_segments_fwd", "rlx_attention_segments_bwd"
 
@@ -230,6 +230,26 @@ def test_f32_gradients_are_deterministic():
     first, second = f(diff), f(diff)
     for name in first:
         assert np.array_equal(np.asarray(first[name]), np.asarray(second[name]))
+
+
+def _gradient_digest() -> str:
+    """SHA-256 of the f32 kernel's output and gradients on a packed batch (the kernel at
+    every size, also in a fresh process)."""
+    import hashlib
+
+    A.CPU_SEGMENT_KERNEL_MIN_SCORE_BYTES = 0
+    diff, rest, dy = case((2, 200, 200, 4, 2, 8), dict(mask_kind="causal", softcap=3.0), jnp.float32, seed=17,
+                          max_len=70)
+    y, g = jax.jit(jax.value_and_grad(lambda d: jnp.sum(attention(**d, **rest) * dy)))(diff)
+    h = hashlib.sha256(np.asarray(y).tobytes())
+    for name in sorted(g):
+        h.update(np.asarray(g[name]).tobytes())
+    return h.hexdigest()
+
+
+@pytest.mark.slow
+def test_bits_do_not_depend_on_threads_or_simd_width():
+    assert_same_bits_on_one_core_without_avx512(_gradient_digest)
 
 
 def test_routing_threshold(monkeypatch):
