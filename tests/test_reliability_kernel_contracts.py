@@ -107,6 +107,9 @@ def _drivers():
     def attention(n):
         q = sds(n, 4, 2, 8)
         lower(lambda q, k, v: ops.attention(q, k, v, mask_kind="causal"), q, q, q, argnums=(0, 1, 2))
+        ids = sds(n, 4, dtype=jnp.int32)
+        lower(lambda q, k, v, i: ops.attention(q, k, v, mask_kind="causal", q_segment_ids=i, kv_segment_ids=i),
+              q, q, q, ids, argnums=(0, 1, 2))
 
     def splat(n):
         meta = ops.gaussian_splat_render_meta([0.3, -0.2, -4], [0, 0, 0], [0, 1, 0], 45.0, 0.1, 100.0,
@@ -244,6 +247,7 @@ def _worker(start: int, full: bool) -> None:
 
     # attention lowers to XLA's code on the CPU at small sizes: the drivers need the kernel
     attention.CPU_KERNEL_MIN_SCORE_BYTES = 0
+    attention.CPU_SEGMENT_KERNEL_MIN_SCORE_BYTES = 0
     targets = sorted(rlx_jax.kernel_info()["cpu"]["targets"])
     cases = _cases(targets, _record(), full)
     print(json.dumps({"total": len(cases), "targets": targets}), flush=True)

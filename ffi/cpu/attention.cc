@@ -5,7 +5,8 @@
 //   h / (H / Hkv));   mask: [B, Sk] f32 (key j kept when mask >= 0.5);   bias: [B, H, Sq, Sk]
 //   r_ij = scale * q_i . k_j
 //   s_ij = softcap ? c * tanh(r_ij / c) : r_ij;   s_ij += bias_ij
-//   s_ij = -inf where key j is not visible from query i (mask kind, key mask)
+//   s_ij = -inf where key j is not visible from query i (mask kind, key mask and, with
+//   segment ids qseg [B, Sq] / kseg [B, Sk] int32, qseg_i != kseg_j)
 //   P = softmax_j(s);  out_i = sum_j P_ij v_j;  lse_i = log sum_j exp(s_ij) (-inf: no key)
 // Mask kinds, with off = max(Sk - Sq, 0) (bottom-right alignment as in RLX), pos = i + off:
 //   0 none; 1 causal: j <= pos; 2 sliding(w): pos - w <= j <= pos.
@@ -24,6 +25,9 @@
 // (batch, kv head) pairs the backward also splits the keys into chunks (a function of
 // the shape, never of the thread count): each chunk owns its dk/dv rows and writes dq
 // partial sums, which are then added in chunk order.
+// Segment ids (packed documents): each (query tile, key tile) pair whose id ranges
+// [min, max] do not meet is skipped before any of its work (forward and backward), so a
+// packed batch of short documents costs about its visible work.
 // f32/bf16/f16 accumulate in f32 through SIMD kernels (GCC vector extensions, cloned
 // for AVX-512, AVX2+FMA and baseline x86-64, chosen at load time); f64 runs scalar code.
 #include <cmath>
@@ -56,6 +60,7 @@ typedef int32_t vi __attribute__((vector_size(64)));
 constexpr int kLanes = 16;
 
 RLX_INLINE vf vload(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+RLX_INLINE vi vloadi(const int32_t* p) { vi v; std::memcpy(&v, p, sizeof v); return v; }
 RLX_INLINE void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 RLX_INLINE vf vsplat(float x) { return vf{} + x; }
 RLX_INLINE vi viota(int32_t base) {
@@ -190,7 +195,8 @@ inline void gemm_tn(int64_t M, int64_t N, int64_t K, const double* a, int64_t ld
 // ---- per-tile score transforms ------------------------------------------------------------
 // A score tile is rows x ncols (ncols a multiple of 32, row stride ld) at query rows
 // i0.. and keys j0..; keep[c] (>= 0.5: key kept; 0 on padding columns), lo[r] / hi[r]: the
-// visible key range of row r; bias (nullable): the tile's additive bias, row stride ld.
+// visible key range of row r; bias (nullable): the tile's additive bias, row stride ld;
+// qseg (nullable): the rows' segment ids, kseg: the columns' (ncols of them, padded).
 template <typename A>
 struct Tile {
   int64_t rows, ncols, ld, j0;
@@ -199,6 +205,8 @@ struct Tile {
   const int64_t* hi;
   const A* bias;
   A softcap;  // 0: off
+  const int32_t* qseg = nullptr;
+  const int32_t* kseg = nullptr;
 };
 
 // Forward online-softmax step. S holds raw scores r (scaled). On return P holds
@@ -220,6 +228,7 @@ void fwd_tile_f32(const Tile<float>& t, float* S, float* P, float* m, float* l, 
       if (t.bias) x += vload(t.bias + r * t.ld + c);
       vi j = viota(int32_t(c));
       vi ok = (j >= lo) & (j <= hi) & (vload(t.keep + c) >= vsplat(0.5f));
+      if (t.qseg) ok &= vloadi(t.kseg + c) == (vi{} + t.qseg[r]);
       x = ok ? x : vsplat(ninf);
       vstore(s + c, x);
       vmax = (x > vmax) | (x != x) ? x : vmax;
@@ -255,7 +264,8 @@ void fwd_tile_f64(const Tile<double>& t, double* S, double* P, double* m, double
       if (t.softcap > 0) x = t.softcap * std::tanh(x / t.softcap);
       if (t.bias) x += t.bias[r * t.ld + c];
       const int64_t j = t.j0 + c;
-      const bool ok = j >= t.lo[r] && j <= t.hi[r] && t.keep[c] >= 0.5;
+      const bool ok = j >= t.lo[r] && j <= t.hi[r] && t.keep[c] >= 0.5 &&
+                      (!t.qseg || t.qseg[r] == t.kseg[c]);
       s[c] = ok ? x : ninf;
       mx = nan_max(mx, s[c]);
     }
@@ -307,6 +317,7 @@ void bwd_tile_f32(const Tile<float>& t, const float* lse, const float* delta, fl
       if (t.bias) x += vload(t.bias + r * t.ld + c);
       vi j = viota(int32_t(c));
       vi ok = (j >= lo) & (j <= hi) & (vload(t.keep + c) >= vsplat(0.5f));
+      if (t.qseg) ok &= vloadi(t.kseg + c) == (vi{} + t.qseg[r]);
       vf pr = vexp(x - lr);
       pr = ok ? pr : vsplat(0.0f);
       vf ds = pr * (vload(dp + c) - dr);
@@ -327,7 +338,8 @@ void bwd_tile_f64(const Tile<double>& t, const double* lse, const double* delta,
     const double* dp = dP + r * t.ld;
     for (int64_t c = 0; c < t.ncols; ++c) {
       const int64_t j = t.j0 + c;
-      const bool ok = lse[r] != ninf && j >= t.lo[r] && j <= t.hi[r] && t.keep[c] >= 0.5;
+      const bool ok = lse[r] != ninf && j >= t.lo[r] && j <= t.hi[r] && t.keep[c] >= 0.5 &&
+                      (!t.qseg || t.qseg[r] == t.kseg[c]);
       double x = s[c], th = 0.0;
       if (t.softcap > 0) {
         th = std::tanh(x / t.softcap);
@@ -434,14 +446,56 @@ void pack_bias(const T* bias, const Dims& d, int64_t b, int64_t h, int64_t i0, i
   }
 }
 
+// ---- segment ids ----------------------------------------------------------------------------
+// Per tile of `tile` consecutive positions of each batch row of ids [B, S], the [min, max]
+// of its segment ids: a (query tile, key tile) pair can hold a visible entry only where
+// the two ranges meet.
+struct SegmentRanges {
+  std::vector<int32_t> minmax;  // [B, tiles, 2]
+  int64_t tiles = 0;
+  SegmentRanges(const int32_t* ids, int64_t B, int64_t S, int64_t tile) {
+    if (!ids) return;
+    tiles = (S + tile - 1) / tile;
+    minmax.resize(size_t(B * tiles * 2));
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int32_t* x = ids + b * S + t * tile;
+        const int64_t n = std::min(tile, S - t * tile);
+        int32_t lo = x[0], hi = x[0];
+        for (int64_t i = 1; i < n; ++i) { lo = std::min(lo, x[i]); hi = std::max(hi, x[i]); }
+        minmax[(b * tiles + t) * 2] = lo;
+        minmax[(b * tiles + t) * 2 + 1] = hi;
+      }
+  }
+  const int32_t* at(int64_t b, int64_t t) const { return minmax.data() + (b * tiles + t) * 2; }
+};
+
+// False when the query tile qt and the key tile kt of batch b share no segment id (the
+// pair is skipped); always true without segment ids.
+inline bool tiles_meet(const SegmentRanges& qr, const SegmentRanges& kr, int64_t b, int64_t qt,
+                       int64_t kt) {
+  if (qr.minmax.empty()) return true;
+  const int32_t* a = qr.at(b, qt);
+  const int32_t* c = kr.at(b, kt);
+  return a[0] <= c[1] && c[0] <= a[1];
+}
+
+// Key segment ids j0.. of batch b into dst (ncols of them, 0 on padding columns, which
+// the keep tile hides anyway).
+inline void pack_kseg(const int32_t* kseg, const Dims& d, int64_t b, int64_t j0, int64_t n,
+                      int64_t ncols, int32_t* dst) {
+  for (int64_t c = 0; c < ncols; ++c) dst[c] = c < n ? kseg[b * d.Sk + j0 + c] : 0;
+}
+
 // ---- forward ------------------------------------------------------------------------------------
 template <typename T>
 void attention_fwd_typed(ffi::ThreadPool& pool, const Dims& d, const Opts& o, const T* q,
-                         const T* k, const T* v, const float* mask, const T* bias, T* out,
-                         void* lse_out) {
+                         const T* k, const T* v, const float* mask, const T* bias,
+                         const int32_t* qseg, const int32_t* kseg, T* out, void* lse_out) {
   using A = typename Accum<T>::type;
   A* lse = static_cast<A*>(lse_out);
   const int64_t q_tiles = (d.Sq + kTileQ - 1) / kTileQ;
+  const SegmentRanges q_ranges(qseg, d.B, d.Sq, kTileQ), k_ranges(kseg, d.B, d.Sk, kTileK);
   const int64_t Dp = round_up(std::max<int64_t>(d.D, 1), kPadN);
   const A ninf = -std::numeric_limits<A>::infinity();
   parallel_for(pool, d.B * d.H * q_tiles, [&](int64_t task) {
@@ -460,6 +514,7 @@ void attention_fwd_typed(ffi::ThreadPool& pool, const Dims& d, const Opts& o, co
     A* keep = bkeep.alloc(kTileK);
     A* stat = bstat.alloc(3 * rows);
     A *m = stat, *l = stat + rows, *alpha = stat + 2 * rows;
+    int32_t KS[kTileK];
     std::vector<int64_t> lo(rows), hi(rows);
     for (int64_t r = 0; r < rows; ++r) {
       key_range(d, o, i0 + r, &lo[r], &hi[r]);
@@ -470,14 +525,17 @@ void attention_fwd_typed(ffi::ThreadPool& pool, const Dims& d, const Opts& o, co
     for (int64_t r = 0; r < rows; ++r)
       if (lo[r] <= hi[r]) { klo = std::min(klo, lo[r]); khi = std::max(khi, hi[r]); }
     for (int64_t kt = klo / kTileK; khi >= 0 && kt <= khi / kTileK; ++kt) {
+      if (!tiles_meet(q_ranges, k_ranges, b, qt, kt)) continue;
       const int64_t j0 = kt * kTileK, n = std::min(kTileK, d.Sk - j0);
       const int64_t Np = round_up(n, kPadN);
+      if (kseg) pack_kseg(kseg, d, b, j0, n, Np, KS);
       pack_rows_t(k, d.Sk, d.Hkv, d.D, b, kvh, j0, n, Np, kTileK, KT);
       pack_rows(v, d.Sk, d.Hkv, d.D, b, kvh, j0, n, Np, Dp, A(1), V);
       pack_keep(mask, d, b, j0, n, Np, keep);
       if (BT) pack_bias(bias, d, b, h, i0, rows, j0, n, kTileK, BT);
       gemm(Mp, Np, d.D, Q, Dp, KT, kTileK, S, kTileK, false);
       Tile<A> t{rows, Np, kTileK, j0, keep, lo.data(), hi.data(), BT, A(o.softcap)};
+      if (qseg) { t.qseg = qseg + b * d.Sq + i0; t.kseg = KS; }
       fwd_tile(t, S, P, m, l, alpha);
       for (int64_t r = 0; r < rows; ++r)
         if (alpha[r] != A(1))
@@ -516,8 +574,8 @@ void write_dq(const Dims& d, A scale, int64_t b, int64_t kvh, const A* dQ, int64
 template <typename T>
 void attention_bwd_typed(ffi::ThreadPool& pool, const Dims& d, const Opts& o, const T* q,
                          const T* k, const T* v, const T* out, const void* lse_in, const T* dout,
-                         const void* dlse_in, const float* mask, const T* bias, T* dq, T* dk,
-                         T* dv, T* dbias) {
+                         const void* dlse_in, const float* mask, const T* bias,
+                         const int32_t* qseg, const int32_t* kseg, T* dq, T* dk, T* dv, T* dbias) {
   using A = typename Accum<T>::type;
   const A* lse_all = static_cast<const A*>(lse_in);
   const A* dlse_all = static_cast<const A*>(dlse_in);
@@ -531,6 +589,7 @@ void attention_bwd_typed(ffi::ThreadPool& pool, const Dims& d, const Opts& o, co
   const int64_t chunks = std::max<int64_t>(1, std::min(k_tiles, (kMinBwdTasks + pairs - 1) / pairs));
   const int64_t dq_size = G * Sqp * Dp;  // one (batch, kv head)'s dq accumulators
   std::vector<A> dq_parts(chunks > 1 ? size_t(pairs * chunks * dq_size) : 0);
+  const SegmentRanges q_ranges(qseg, d.B, d.Sq, kTileQ), k_ranges(kseg, d.B, d.Sk, kTileK);
   parallel_for(pool, pairs * chunks, [&](int64_t task) {
     const int64_t chunk = task % chunks, kvh = (task / chunks) % d.Hkv, b = task / (chunks * d.Hkv);
     const int64_t kt0 = k_tiles * chunk / chunks, kt1 = k_tiles * (chunk + 1) / chunks;
@@ -551,6 +610,7 @@ void attention_bwd_typed(ffi::ThreadPool& pool, const Dims& d, const Opts& o, co
     A* BT = o.has_bias ? bb.alloc(kTileQ * kTileK) : nullptr;
     A* DB = o.has_bias ? bdb.alloc(kTileQ * kTileK) : nullptr;
     A* keep = bkeep.alloc(kTileK);
+    int32_t KS[kTileK];
     std::vector<int64_t> lo(d.Sq), hi(d.Sq);
     for (int64_t i = 0; i < d.Sq; ++i) key_range(d, o, i, &lo[i], &hi[i]);
     for (int64_t g = 0; g < G; ++g) {
@@ -584,6 +644,7 @@ void attention_bwd_typed(ffi::ThreadPool& pool, const Dims& d, const Opts& o, co
       pack_rows_t(k, d.Sk, d.Hkv, d.D, b, kvh, j0, n, Np, kTileK, KT);
       pack_rows_t(v, d.Sk, d.Hkv, d.D, b, kvh, j0, n, Np, kTileK, VT);
       pack_keep(mask, d, b, j0, n, Np, keep);
+      if (kseg) pack_kseg(kseg, d, b, j0, n, Np, KS);
       std::fill(dK, dK + kTileK * Dp, A(0));
       std::fill(dV, dV + kTileK * Dp, A(0));
       // query rows that can see a key of this tile
@@ -598,11 +659,13 @@ void attention_bwd_typed(ffi::ThreadPool& pool, const Dims& d, const Opts& o, co
         const A* lse = stat + g * 2 * Sqp;
         const A* delta = lse + Sqp;
         for (int64_t i0 = ilo / kTileQ * kTileQ; i0 <= ihi; i0 += kTileQ) {
+          if (!tiles_meet(q_ranges, k_ranges, b, i0 / kTileQ, kt)) continue;
           const int64_t rows = std::min(kTileQ, d.Sq - i0), Mp = round_up(rows, kPadM);
           if (BT) pack_bias(bias, d, b, h, i0, rows, j0, n, kTileK, BT);
           gemm(Mp, Np, d.D, qg + i0 * Dp, Dp, KT, kTileK, S, kTileK, false);
           gemm(Mp, Np, d.D, dog + i0 * Dp, Dp, VT, kTileK, dP, kTileK, false);
           Tile<A> t{rows, Np, kTileK, j0, keep, lo.data() + i0, hi.data() + i0, BT, A(o.softcap)};
+          if (qseg) { t.qseg = qseg + b * d.Sq + i0; t.kseg = KS; }
           bwd_tile(t, lse + i0, delta + i0, S, dP, P, DB);
           for (int64_t r = rows; r < Mp; ++r)
             for (int64_t c = 0; c < Np; ++c) { P[r * kTileK + c] = 0; S[r * kTileK + c] = 0; }
@@ -691,14 +754,32 @@ Opts make_opts(double scale, double softcap, int64_t kind, int64_t window, int64
   return Opts{kind, window, scale, softcap, has_mask != 0, has_bias != 0};
 }
 
-ffi::Error AttentionFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                            ffi::AnyBuffer v, ffi::AnyBuffer mask, ffi::AnyBuffer bias,
-                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
-                            double scale, double softcap, int64_t mask_kind, int64_t window,
-                            int64_t has_mask, int64_t has_bias) {
-  const Opts o = make_opts(scale, softcap, mask_kind, window, has_mask, has_bias);
+// Segment ids, when given: qseg [B, Sq] and kseg [B, Sk] int32.
+ffi::Error check_segments(const char* who, const ffi::AnyBuffer* qseg, const ffi::AnyBuffer* kseg,
+                          const Dims& d) {
+  if (!qseg) return ffi::Error::Success();
+  if (qseg->element_type() != ffi::DataType::S32 || !has_dims(*qseg, {d.B, d.Sq}))
+    return invalid(std::string(who) + ": q_segment_ids must be int32 [B, Sq], got " +
+                   dims_str(*qseg));
+  if (kseg->element_type() != ffi::DataType::S32 || !has_dims(*kseg, {d.B, d.Sk}))
+    return invalid(std::string(who) + ": kv_segment_ids must be int32 [B, Sk], got " +
+                   dims_str(*kseg));
+  return ffi::Error::Success();
+}
+
+const int32_t* seg_data(const ffi::AnyBuffer* x) {
+  return x ? static_cast<const int32_t*>(x->untyped_data()) : nullptr;
+}
+
+// The forward of both targets; qseg / kseg: null for the target without segment ids.
+ffi::Error attention_fwd_checked(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                                 ffi::AnyBuffer v, ffi::AnyBuffer mask, ffi::AnyBuffer bias,
+                                 const ffi::AnyBuffer* qseg, const ffi::AnyBuffer* kseg,
+                                 ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                                 const Opts& o) {
   Dims d;
   if (auto e = check_inputs("attention", q, k, v, mask, bias, o, &d); e.failure()) return e;
+  if (auto e = check_segments("attention", qseg, kseg, d); e.failure()) return e;
   if (!same_dims(q, *out) || out->element_type() != q.element_type())
     return invalid("attention: out must match q");
   if (lse->element_type() != stat_type(q.element_type()) || !has_dims(*lse, {d.B, d.H, d.Sq}))
@@ -711,24 +792,45 @@ ffi::Error AttentionFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuff
                            static_cast<const T*>(v.untyped_data()),
                            o.has_mask ? static_cast<const float*>(mask.untyped_data()) : nullptr,
                            o.has_bias ? static_cast<const T*>(bias.untyped_data()) : nullptr,
-                           static_cast<T*>(out->untyped_data()), lse->untyped_data());
+                           seg_data(qseg), seg_data(kseg), static_cast<T*>(out->untyped_data()),
+                           lse->untyped_data());
   });
   if (!ok) return invalid("attention: unsupported dtype " + dtype_name(q.element_type()));
   return ffi::Error::Success();
 }
 
-ffi::Error AttentionBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                            ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse,
-                            ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::AnyBuffer mask,
-                            ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> dq,
-                            ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                            ffi::Result<ffi::AnyBuffer> dbias, double scale, double softcap,
-                            int64_t mask_kind, int64_t window, int64_t has_mask,
-                            int64_t has_bias) {
+ffi::Error AttentionFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                            ffi::AnyBuffer v, ffi::AnyBuffer mask, ffi::AnyBuffer bias,
+                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                            double scale, double softcap, int64_t mask_kind, int64_t window,
+                            int64_t has_mask, int64_t has_bias) {
   const Opts o = make_opts(scale, softcap, mask_kind, window, has_mask, has_bias);
+  return attention_fwd_checked(pool, q, k, v, mask, bias, nullptr, nullptr, out, lse, o);
+}
+
+ffi::Error AttentionSegmentsFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                                    ffi::AnyBuffer v, ffi::AnyBuffer mask, ffi::AnyBuffer bias,
+                                    ffi::AnyBuffer qseg, ffi::AnyBuffer kseg,
+                                    ffi::Result<ffi::AnyBuffer> out,
+                                    ffi::Result<ffi::AnyBuffer> lse, double scale, double softcap,
+                                    int64_t mask_kind, int64_t window, int64_t has_mask,
+                                    int64_t has_bias) {
+  const Opts o = make_opts(scale, softcap, mask_kind, window, has_mask, has_bias);
+  return attention_fwd_checked(pool, q, k, v, mask, bias, &qseg, &kseg, out, lse, o);
+}
+
+// The backward of both targets; qseg / kseg: null for the target without segment ids.
+ffi::Error attention_bwd_checked(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                                 ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse,
+                                 ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::AnyBuffer mask,
+                                 ffi::AnyBuffer bias, const ffi::AnyBuffer* qseg,
+                                 const ffi::AnyBuffer* kseg, ffi::Result<ffi::AnyBuffer> dq,
+                                 ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                                 ffi::Result<ffi::AnyBuffer> dbias, const Opts& o) {
   Dims d;
   const char* who = "attention backward";
   if (auto e = check_inputs(who, q, k, v, mask, bias, o, &d); e.failure()) return e;
+  if (auto e = check_segments(who, qseg, kseg, d); e.failure()) return e;
   const auto t = q.element_type();
   for (const ffi::AnyBuffer* x : {&out, &dout})
     if (!same_dims(q, *x) || x->element_type() != t)
@@ -750,8 +852,8 @@ ffi::Error AttentionBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuff
         static_cast<const T*>(out.untyped_data()), lse.untyped_data(),
         static_cast<const T*>(dout.untyped_data()), dlse.untyped_data(),
         o.has_mask ? static_cast<const float*>(mask.untyped_data()) : nullptr,
-        o.has_bias ? static_cast<const T*>(bias.untyped_data()) : nullptr,
-        static_cast<T*>(dq->untyped_data()), static_cast<T*>(dk->untyped_data()),
+        o.has_bias ? static_cast<const T*>(bias.untyped_data()) : nullptr, seg_data(qseg),
+        seg_data(kseg), static_cast<T*>(dq->untyped_data()), static_cast<T*>(dk->untyped_data()),
         static_cast<T*>(dv->untyped_data()),
         o.has_bias ? static_cast<T*>(dbias->untyped_data()) : nullptr);
   });
@@ -759,49 +861,81 @@ ffi::Error AttentionBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuff
   return ffi::Error::Success();
 }
 
+ffi::Error AttentionBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                            ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse,
+                            ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::AnyBuffer mask,
+                            ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> dq,
+                            ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                            ffi::Result<ffi::AnyBuffer> dbias, double scale, double softcap,
+                            int64_t mask_kind, int64_t window, int64_t has_mask,
+                            int64_t has_bias) {
+  const Opts o = make_opts(scale, softcap, mask_kind, window, has_mask, has_bias);
+  return attention_bwd_checked(pool, q, k, v, out, lse, dout, dlse, mask, bias, nullptr, nullptr,
+                               dq, dk, dv, dbias, o);
+}
+
+ffi::Error AttentionSegmentsBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                                    ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse,
+                                    ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::AnyBuffer mask,
+                                    ffi::AnyBuffer bias, ffi::AnyBuffer qseg, ffi::AnyBuffer kseg,
+                                    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                                    ffi::Result<ffi::AnyBuffer> dv,
+                                    ffi::Result<ffi::AnyBuffer> dbias, double scale,
+                                    double softcap, int64_t mask_kind, int64_t window,
+                                    int64_t has_mask, int64_t has_bias) {
+  const Opts o = make_opts(scale, softcap, mask_kind, window, has_mask, has_bias);
+  return attention_bwd_checked(pool, q, k, v, out, lse, dout, dlse, mask, bias, &qseg, &kseg, dq,
+                               dk, dv, dbias, o);
+}
+
+// ---- bindings ---------------------------------------------------------------------------------
+// forward:  (q, k, v, mask, bias) -> (out, lse)
+// backward: (q, k, v, out, lse, dout, dlse, mask, bias) -> (dq, dk, dv, dbias)
+// The segment-id targets take q_segment_ids [B, Sq] and kv_segment_ids [B, Sk] (int32) after
+// the bias. Absent mask / bias are dummy [0] operands (dbias then a dummy [0] result). Every
+// target takes the same attributes.
+// A Binding cannot be copied or moved from outside: each helper takes the chain so far by
+// reference and returns the prvalue its last call makes.
+template <int N, typename Binding>
+auto operands(Binding&& b) {  // N (>= 1) more AnyBuffer operands
+  if constexpr (N == 1) return std::move(b).template Arg<ffi::AnyBuffer>();
+  else return operands<N - 1>(std::move(b).template Arg<ffi::AnyBuffer>());
+}
+
+template <int N, typename Binding>
+auto results(Binding&& b) {  // N (>= 1) more AnyBuffer results
+  if constexpr (N == 1) return std::move(b).template Ret<ffi::AnyBuffer>();
+  else return results<N - 1>(std::move(b).template Ret<ffi::AnyBuffer>());
+}
+
+template <typename Binding>
+auto with_attrs(Binding&& b) {
+  return std::move(b)
+      .template Attr<double>("scale")
+      .template Attr<double>("softcap")
+      .template Attr<int64_t>("mask_kind")
+      .template Attr<int64_t>("window")
+      .template Attr<int64_t>("has_mask")
+      .template Attr<int64_t>("has_bias");
+}
+
+auto bind() { return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>(); }
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAttentionFwd, AttentionFwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // mask (dummy [0] when absent)
-                                  .Arg<ffi::AnyBuffer>()  // bias (dummy [0] when absent)
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<ffi::AnyBuffer>()  // lse
-                                  .Attr<double>("scale")
-                                  .Attr<double>("softcap")
-                                  .Attr<int64_t>("mask_kind")
-                                  .Attr<int64_t>("window")
-                                  .Attr<int64_t>("has_mask")
-                                  .Attr<int64_t>("has_bias"));
-
+                              with_attrs(results<2>(operands<5>(bind()))));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAttentionBwd, AttentionBwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // out
-                                  .Arg<ffi::AnyBuffer>()  // lse
-                                  .Arg<ffi::AnyBuffer>()  // dout
-                                  .Arg<ffi::AnyBuffer>()  // dlse
-                                  .Arg<ffi::AnyBuffer>()  // mask
-                                  .Arg<ffi::AnyBuffer>()  // bias
-                                  .Ret<ffi::AnyBuffer>()  // dq
-                                  .Ret<ffi::AnyBuffer>()  // dk
-                                  .Ret<ffi::AnyBuffer>()  // dv
-                                  .Ret<ffi::AnyBuffer>()  // dbias (dummy [0] when no bias)
-                                  .Attr<double>("scale")
-                                  .Attr<double>("softcap")
-                                  .Attr<int64_t>("mask_kind")
-                                  .Attr<int64_t>("window")
-                                  .Attr<int64_t>("has_mask")
-                                  .Attr<int64_t>("has_bias"));
+                              with_attrs(results<4>(operands<9>(bind()))));
+// Targets of their own for the segment ids, so the two above keep their ABI.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAttentionSegmentsFwd, AttentionSegmentsFwdImpl,
+                              with_attrs(results<2>(operands<7>(bind()))));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAttentionSegmentsBwd, AttentionSegmentsBwdImpl,
+                              with_attrs(results<4>(operands<11>(bind()))));
 
 RLX_REGISTER_HANDLER("rlx_attention_fwd", RlxAttentionFwd);
 RLX_REGISTER_HANDLER("rlx_attention_bwd", RlxAttentionBwd);
+RLX_REGISTER_HANDLER("rlx_attention_segments_fwd", RlxAttentionSegmentsFwd);
+RLX_REGISTER_HANDLER("rlx_attention_segments_bwd", RlxAttentionSegmentsBwd);
 
 }  // namespace rlx

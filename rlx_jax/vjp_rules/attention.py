@@ -15,13 +15,18 @@ keys no query can see) and pos_i = i + off: "none"; "causal": j <= pos_i; "slidi
 pos_i - w <= j <= pos_i. A row that sees no key gives out = 0, lse = -inf and zero
 gradients (never NaN).
 
+Packed documents: with ``has_segments``, two int32 operands q_segment_ids [B, Sq] and
+kv_segment_ids [B, Sk] follow [mask], [bias] in every primitive below, and key j is also
+hidden from query i where their ids differ (``attention_segments``).
+
 Primitives (each lowers to its FFI kernel where registered, else to its reference):
-- ``attention_fwd``: (q, k, v, [mask], [bias]) -> (out, lse [B, H, Sq] f32 (f64 for f64));
-- ``attention_tangent``: (q, k, v, out, lse, [mask], [bias], tq, tk, tv, [tbias]) ->
+- ``attention_fwd``: (q, k, v, [mask], [bias], [segment ids]) -> (out, lse [B, H, Sq] f32
+  (f64 for f64));
+- ``attention_tangent``: (q, k, v, out, lse, [mask], [bias], [segment ids], tq, tk, tv, [tbias]) ->
   (tout, tlse), linear in the tangents: with ts = (1 - tanh^2) * scale * (tq.k + q.tk)
   + tbias on visible entries, tlse_i = sum_j P_ij ts_ij and
   tout_i = sum_j P_ij (ts_ij v_j + tv_j) - tlse_i out_i; its transpose is the backward;
-- ``attention_bwd``: (q, k, v, out, lse, dout, dlse, [mask], [bias]) -> (dq, dk, dv,
+- ``attention_bwd``: (q, k, v, out, lse, dout, dlse, [mask], [bias], [segment ids]) -> (dq, dk, dv,
   [dbias]) with delta_i = sum_d dout_id out_id - dlse_i, dS_ij = P_ij (dout_i.v_j - delta_i)
   (= dbias), dR = dS * (1 - tanh^2(r / c)) (softcap), dq = scale dR k, dk = scale dR^T q,
   dv = P^T dout (k, v gradients summed over the heads sharing a kv head); P is recomputed
@@ -40,7 +45,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad
 
+from rlx_jax._kernels import has_kernel
 from rlx_jax._kernels import target as ffi_target
+from rlx_jax.vjp_rules.attention_segments import segment_visible
 from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, Partition, instantiate, np_scalar
 
 MASK_KINDS = ("none", "causal", "sliding")
@@ -52,12 +59,19 @@ def _acc_dtype(dtype):
     return jnp.float64 if dtype == jnp.float64 else jnp.float32
 
 
-def _split(args, has_mask, has_bias):
-    """(mask or None, bias or None, remaining args) from ``[mask], [bias], rest...``."""
+def _split(args, has_mask, has_bias, has_segments=False):
+    """(mask or None, bias or None, (q_segment_ids, kv_segment_ids) or None, remaining args)
+    from ``[mask], [bias], [q_segment_ids, kv_segment_ids], rest...``."""
     args = list(args)
     mask = args.pop(0) if has_mask else None
     bias = args.pop(0) if has_bias else None
-    return mask, bias, args
+    segments = (args.pop(0), args.pop(0)) if has_segments else None
+    return mask, bias, segments, args
+
+
+def _segment_visible(segments):
+    """``segment_visible`` of (q_segment_ids, kv_segment_ids), or None without them."""
+    return None if segments is None else segment_visible(*segments)
 
 
 # ---- references (the test oracle and the fallback) ----------------------------------
@@ -127,13 +141,12 @@ def _probs_from_lse(s, vis, lse):
 
 
 def reference_attention(q, k, v, *extras, kind, window, scale, softcap, has_mask, has_bias,
-                        visible=None):
-    """Plain JAX, O(Sq * Sk) memory; returns (out, lse). ``visible``: an extra boolean
-    visibility [B or 1, 1, Sq, Sk] (segment ids), used only when called directly."""
-    mask, bias, _ = _split(extras, has_mask, has_bias)
+                        has_segments=False):
+    """Plain JAX, O(Sq * Sk) memory; returns (out, lse)."""
+    mask, bias, segments, _ = _split(extras, has_mask, has_bias, has_segments)
     acc = _acc_dtype(q.dtype)
     s, _, vis = _scores(q, k, bias, mask, kind=kind, window=window, scale=scale, softcap=softcap,
-                        visible=visible)
+                        visible=_segment_visible(segments))
     m = jnp.max(jnp.where(vis, s, -jnp.inf), axis=-1, initial=-jnp.inf)
     m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))[..., None]
     e = jnp.where(vis, jnp.exp(jnp.where(vis, s, m) - m), 0.0)
@@ -147,14 +160,15 @@ def reference_attention(q, k, v, *extras, kind, window, scale, softcap, has_mask
 
 
 def reference_attention_tangent(q, k, v, out, lse, *rest, kind, window, scale, softcap, has_mask,
-                                has_bias):
+                                has_bias, has_segments=False):
     """(tout, tlse) for tangents (tq, tk, tv, [tbias]); see the module docstring."""
-    mask, bias, tangents = _split(rest, has_mask, has_bias)
+    mask, bias, segments, tangents = _split(rest, has_mask, has_bias, has_segments)
     tq, tk, tv = tangents[:3]
     tbias = tangents[3] if has_bias else None
     acc = _acc_dtype(q.dtype)
     qf, kf = q.astype(acc), k.astype(acc)
-    s, th, vis = _scores(q, k, bias, mask, kind=kind, window=window, scale=scale, softcap=softcap)
+    s, th, vis = _scores(q, k, bias, mask, kind=kind, window=window, scale=scale, softcap=softcap,
+                         visible=_segment_visible(segments))
     p = _probs_from_lse(s, vis, lse)
     ts = (_qk(tq.astype(acc), kf) + _qk(qf, tk.astype(acc))) * scale
     if th is not None:
@@ -174,12 +188,13 @@ def _group_sum(x, hkv):
 
 
 def reference_attention_bwd(q, k, v, out, lse, dout, dlse, *extras, kind, window, scale, softcap,
-                            has_mask, has_bias):
+                            has_mask, has_bias, has_segments=False):
     """(dq, dk, dv, [dbias]); see the module docstring."""
-    mask, bias, _ = _split(extras, has_mask, has_bias)
+    mask, bias, segments, _ = _split(extras, has_mask, has_bias, has_segments)
     acc = _acc_dtype(q.dtype)
     qf, kf, vf, dof = (x.astype(acc) for x in (q, k, v, dout))
-    s, th, vis = _scores(q, k, bias, mask, kind=kind, window=window, scale=scale, softcap=softcap)
+    s, th, vis = _scores(q, k, bias, mask, kind=kind, window=window, scale=scale, softcap=softcap,
+                         visible=_segment_visible(segments))
     p = _probs_from_lse(s, vis, lse)
     delta = jnp.swapaxes(jnp.sum(dof * out.astype(acc), axis=-1), 1, 2) - dlse.astype(acc)
     hkv = k.shape[2]
@@ -216,18 +231,22 @@ def _dummies(q, mask, bias):
     return mask, bias
 
 
-def _kernel_fwd(q, k, v, *extras, kind, window, scale, softcap, has_mask, has_bias):
-    mask, bias, _ = _split(extras, has_mask, has_bias)
+def _kernel_fwd(q, k, v, *extras, kind, window, scale, softcap, has_mask, has_bias, has_segments=False):
+    """The CPU kernel (``rlx_attention_fwd``, or ``rlx_attention_segments_fwd`` with the
+    segment ids as two more operands), or CUDA's without segment ids."""
+    mask, bias, segments, _ = _split(extras, has_mask, has_bias, has_segments)
     b, sq, h, _ = q.shape
     out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sq), _acc_dtype(q.dtype)))
     m, bb = _dummies(q, mask, bias)
     attrs = _attrs(kind, window, scale, softcap, has_mask, has_bias)
+    if segments is not None:
+        return jax.ffi.ffi_call(ffi_target(SEGMENTS_FWD), out)(q, k, v, m, bb, *segments, **attrs)
     return jax.ffi.ffi_call(ffi_target("rlx_attention_fwd"), out)(q, k, v, m, bb, **attrs)
 
 
 def _kernel_bwd(q, k, v, out, lse, dout, dlse, *extras, kind, window, scale, softcap, has_mask,
-                has_bias):
-    mask, bias, _ = _split(extras, has_mask, has_bias)
+                has_bias, has_segments=False):
+    mask, bias, segments, _ = _split(extras, has_mask, has_bias, has_segments)
     m, bb = _dummies(q, mask, bias)
     shapes = (
         jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -236,7 +255,12 @@ def _kernel_bwd(q, k, v, out, lse, dout, dlse, *extras, kind, window, scale, sof
         jax.ShapeDtypeStruct(bb.shape, bb.dtype),
     )
     attrs = _attrs(kind, window, scale, softcap, has_mask, has_bias)
-    res = jax.ffi.ffi_call(ffi_target("rlx_attention_bwd"), shapes)(q, k, v, out, lse, dout, dlse, m, bb, **attrs)
+    if segments is not None:
+        res = jax.ffi.ffi_call(ffi_target(SEGMENTS_BWD), shapes)(q, k, v, out, lse, dout, dlse, m, bb,
+                                                                 *segments, **attrs)
+    else:
+        res = jax.ffi.ffi_call(ffi_target("rlx_attention_bwd"), shapes)(q, k, v, out, lse, dout, dlse, m, bb,
+                                                                         **attrs)
     return tuple(res) if has_bias else tuple(res[:3])
 
 
@@ -258,7 +282,7 @@ def _cuda_ok(q):
 
 
 def _kernel_fwd_cuda(q, k, v, *extras, **params):
-    if not _cuda_ok(q):
+    if not _cuda_ok(q) or params.get("has_segments"):  # the CUDA kernels take no segment ids
         return reference_attention(q, k, v, *extras, **params)
     return _kernel_fwd(q, k, v, *extras, **params)
 
@@ -292,14 +316,14 @@ def _cuda_fused_bwd(q, kind, scale, softcap, has_mask, has_bias) -> bool:
 
 
 def _kernel_bwd_cuda(q, k, v, out, lse, dout, dlse, *extras, kind, window, scale, softcap, has_mask,
-                     has_bias):
+                     has_bias, has_segments=False):
     """As ``_kernel_bwd`` plus an f32 scratch result (XLA allocates it; the kernel allocates
     nothing), dropped after the call."""
     params = dict(kind=kind, window=window, scale=scale, softcap=softcap, has_mask=has_mask,
-                  has_bias=has_bias)
-    if not _cuda_ok(q):
+                  has_bias=has_bias, has_segments=has_segments)
+    if not _cuda_ok(q) or has_segments:  # the CUDA kernels take no segment ids
         return reference_attention_bwd(q, k, v, out, lse, dout, dlse, *extras, **params)
-    mask, bias, _ = _split(extras, has_mask, has_bias)
+    mask, bias, _, _ = _split(extras, has_mask, has_bias)
     m, bb = _dummies(q, mask, bias)
     b, sq, h, _ = q.shape
     shapes = (
@@ -324,22 +348,42 @@ def _kernel_bwd_cuda(q, k, v, out, lse, dout, dlse, *extras, kind, window, scale
 CPU_KERNEL_MIN_SCORE_BYTES = 1 << 30
 
 
-def _cpu_kernel_serves(q, k) -> bool:
+#: FFI targets of the CPU kernel with segment ids (packed documents): the operands of
+#: ``rlx_attention_fwd`` / ``rlx_attention_bwd`` followed by q_segment_ids [B, Sq] and
+#: kv_segment_ids [B, Sk] (int32). Query / key tile pairs whose id ranges do not meet are
+#: skipped, so a packed batch costs about its visible work.
+SEGMENTS_FWD, SEGMENTS_BWD = "rlx_attention_segments_fwd", "rlx_attention_segments_bwd"
+
+#: With segment ids the CPU lowering is the kernel from this many bytes of the reference's
+#: [B, H, Sq, Sk] f32 scores up (the reference computes every score whatever the documents;
+#: the kernel skips the tiles that cross documents but its matmuls are slower than XLA's).
+#: Measured on 2 cores, f32, causal, loss + gradients, B2 H4 / 2 D64, lognormal documents
+#: of mean length 256: the reference ran 1.26x faster at S 2048 (128 MiB of scores, 18 % of
+#: the causal pairs visible) and the kernel 1.53x faster at S 4096 (512 MiB, 12 % visible)
+#: (benchmarks/results/attention_segments_cpu.txt). Shorter documents move the crossover
+#: down, longer ones up.
+CPU_SEGMENT_KERNEL_MIN_SCORE_BYTES = 1 << 28
+
+
+def _cpu_kernel_serves(q, k, has_segments=False) -> bool:
+    if has_segments and not (has_kernel("cpu", SEGMENTS_FWD) and has_kernel("cpu", SEGMENTS_BWD)):
+        return False
     b, sq, h, _ = q.shape
     dims = (b, h, sq, k.shape[1])
     if not all(isinstance(d, (int, np.integer)) for d in dims):
         return True  # symbolic shapes (jax.export): any size may come, the kernel's memory is O(S)
-    return b * h * sq * k.shape[1] * 4 >= CPU_KERNEL_MIN_SCORE_BYTES
+    threshold = CPU_SEGMENT_KERNEL_MIN_SCORE_BYTES if has_segments else CPU_KERNEL_MIN_SCORE_BYTES
+    return b * h * sq * k.shape[1] * 4 >= threshold
 
 
 def _kernel_fwd_cpu(q, k, v, *extras, **params):
-    if not _cpu_kernel_serves(q, k):
+    if not _cpu_kernel_serves(q, k, params.get("has_segments", False)):
         return reference_attention(q, k, v, *extras, **params)
     return _kernel_fwd(q, k, v, *extras, **params)
 
 
 def _kernel_bwd_cpu(q, k, v, out, lse, dout, dlse, *extras, **params):
-    if not _cpu_kernel_serves(q, k):
+    if not _cpu_kernel_serves(q, k, params.get("has_segments", False)):
         return reference_attention_bwd(q, k, v, out, lse, dout, dlse, *extras, **params)
     return _kernel_bwd(q, k, v, out, lse, dout, dlse, *extras, **params)
 
@@ -350,9 +394,9 @@ def _kernel_ok(q, k, v, *rest, **params):
     return q.dtype in allowed and k.dtype == q.dtype and v.dtype == q.dtype
 
 
-def _partition_factors(avals_in, avals_out, *, has_mask, has_bias, **params):
+def _partition_factors(avals_in, avals_out, *, has_mask, has_bias, has_segments=False, **params):
     """SPMD axes: q, out (b, s, h, d); k, v (b, t, h, d); lse (b, h, s); key mask (b, t);
-    bias (b, h, s, t). Batch and heads may split across devices. With grouped kv heads
+    bias (b, h, s, t); segment ids (b, s) and (b, t). Batch and heads may split across devices. With grouped kv heads
     (H = Hkv * G) a query-head axis is the compound (h, g): query head h * G + g reads kv
     head h, so splitting the H axis into contiguous shards on group boundaries (mesh axes
     dividing Hkv) gives each shard the kv heads of its own groups: q, k, v, lse and the
@@ -364,10 +408,10 @@ def _partition_factors(avals_in, avals_out, *, has_mask, has_bias, **params):
     sizes = {"g": hq // hkv} if grouped else {}
     q, kv, lse = ("b", "s", h, "d"), ("b", "t", "h", "d"), ("b", h, "s")
     bias = ("b", h, "s", "t")
-    extras = [("b", "t")] * has_mask + [bias] * has_bias
+    extras = [("b", "t")] * has_mask + [bias] * has_bias + [("b", "s"), ("b", "t")] * has_segments
     if len(avals_out) == 2:  # forward: q, k, v, [mask], [bias] -> out, lse
         return [q, kv, kv, *extras], [q, lse], sizes
-    # backward: q, k, v, out, lse, dout, dlse, [mask], [bias] -> dq, dk, dv, [dbias]
+    # backward: q, k, v, out, lse, dout, dlse, [mask], [bias], [segment ids] -> dq, dk, dv, [dbias]
     return [q, kv, kv, q, lse, q, lse, *extras], [q, kv, kv] + [bias] * has_bias, sizes
 
 
@@ -394,14 +438,14 @@ def _fwd_jvp(primals, tangents, **params):
     q, k, v, *extras = primals
     tq, tk, tv, *textras = instantiate(tangents, primals)
     out, lse = attention_fwd(q, k, v, *extras, **params)
-    lin = [tq, tk, tv] + ([textras[-1]] if params["has_bias"] else [])
+    lin = [tq, tk, tv] + ([textras[params["has_mask"]]] if params["has_bias"] else [])
     tout, tlse = attention_tangent(q, k, v, out, lse, *extras, *lin, **params)
     return (out, lse), (tout, tlse)
 
 
 @attention_tangent.def_transpose
 def _tangent_transpose(cts, *args, **params):
-    n_res = 5 + params["has_mask"] + params["has_bias"]
+    n_res = 5 + params["has_mask"] + params["has_bias"] + 2 * params.get("has_segments", False)
     residuals, linear = args[:n_res], args[n_res:]
     if any(ad.is_undefined_primal(r) for r in residuals):
         raise ValueError("attention tangent is linear in (tq, tk, tv, tbias) only")
@@ -590,8 +634,10 @@ def attention(q, k, v, *, mask_kind="none", window=None, mask=None, bias=None, s
 
     q_segment_ids [..., Sq], kv_segment_ids [..., Sk] (integers, given together): packed
     documents; query i sees key j only where the ids are equal (ANDed with the mask kind,
-    window and key mask). These run the pure-JAX reference on every platform (O(Sq * Sk)
-    memory; the kernels take no segment ids). sinks [H]: a per-head logit joining each
+    window and key mask). On the CPU these run the kernel, which skips the (query tile, key
+    tile) pairs whose id ranges do not meet (ids sorted within a row, as packing gives, make
+    the cost about the visible work), from ``CPU_SEGMENT_KERNEL_MIN_SCORE_BYTES`` of scores
+    up, and the pure-JAX reference below (O(Sq * Sk) memory); on CUDA the reference. sinks [H]: a per-head logit joining each
     row's softmax denominator with no value, out_i = sum_j exp(s_ij) v_j / (exp(sink_h) +
     sum_j exp(s_ij)); differentiable in the sinks too, and computed from the kernel's
     (out, lse) (see ``attention_segments``).
@@ -606,7 +652,7 @@ def attention(q, k, v, *, mask_kind="none", window=None, mask=None, bias=None, s
     grouped-query attention: over kv-head groups, the query heads split on group
     boundaries).
     """
-    from .attention_segments import apply_sinks, check_segments_and_sinks, segment_attention
+    from .attention_segments import apply_sinks, check_segments_and_sinks
 
     sk = jnp.shape(k)[-3] if jnp.ndim(k) >= 3 else 0
     q, k, v, extras, params, traced_scale, lead = _prepare(q, k, v, mask, bias, mask_kind, window, scale,
@@ -619,9 +665,8 @@ def attention(q, k, v, *, mask_kind="none", window=None, mask=None, bias=None, s
     q_seg, kv_seg, sinks = check_segments_and_sinks(q, full_k, flat_ids(q_segment_ids, sq),
                                                     flat_ids(kv_segment_ids, sk), sinks, "attention")
     if q_seg is not None:
-        out, lse = segment_attention(q, k, v, q_seg, kv_seg[:, :k.shape[1]], *extras, **params)
-    else:
-        out, lse = attention_fwd(q, k, v, *extras, **params)
+        extras = [*extras, q_seg, kv_seg[:, :k.shape[1]]]
+    out, lse = attention_fwd(q, k, v, *extras, has_segments=q_seg is not None, **params)
     if sinks is not None:
         out = apply_sinks(out, lse, sinks)
     return out.reshape(*lead, *out.shape[1:])

@@ -20,13 +20,16 @@ rescales each row by a function of lse, the sinks run on top of the fused primit
 kernel the platform has (CPU and CUDA), with no extra kernel operand. A row that sees no
 key has lse = -inf, sigma = 0 and output 0, as without sinks.
 
-Routing: segment ids need a per-(query, key) visibility that the FFI kernels (CPU and
-CUDA) do not take, so calls with segment ids compute with the pure-JAX reference
-(``reference_attention`` with the extra visibility, O(B H Sq Sk) memory, under
-``jax.checkpoint`` so reverse mode stores only the inputs) on every platform, and are
-differentiated by JAX itself (reverse, forward mode, vmap, any order). The kernels never
-see the segment ids. Under SPMD sharding these are plain XLA ops: the segment ids shard
-with q's batch / sequence axes (kv ids with k's) and the compiler partitions the rest.
+Routing: the segment ids are two more operands of the attention primitives
+(``has_segments``), so every mode (reverse through the fused backward, forward mode,
+vmap, higher orders) works as without them. On the CPU they lower to the kernel's
+segment-id targets (``rlx_attention_segments_fwd`` / ``_bwd``), which skip every
+(query tile, key tile) pair whose segment-id ranges do not meet, from
+``CPU_SEGMENT_KERNEL_MIN_SCORE_BYTES`` of scores up, and below that to the pure-JAX
+reference (dense [B, H, Sq, Sk] scores with this visibility), which is faster there. The
+CUDA kernels take no segment ids: on CUDA they run the reference. Under SPMD sharding
+the segment ids shard with q's batch axis (kv ids with k's); the kernels gather the
+sequence axes as they do q's and k's.
 """
 
 from __future__ import annotations
@@ -67,17 +70,6 @@ def check_segments_and_sinks(q, k, q_segment_ids, kv_segment_ids, sinks, who):
 def segment_visible(q_segment_ids, kv_segment_ids):
     """Boolean [B, 1, Sq, Sk]: query i and key j lie in the same segment."""
     return (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])[:, None]
-
-
-def segment_attention(q, k, v, q_segment_ids, kv_segment_ids, *extras, **params):
-    """(out, lse) of attention restricted to equal segment ids, in pure JAX (the
-    reference with the extra visibility; ``params`` as ``reference_attention``'s)."""
-    from .attention import reference_attention
-
-    def run(q, k, v, qs, ks, *extras):
-        return reference_attention(q, k, v, *extras, visible=segment_visible(qs, ks), **params)
-
-    return jax.checkpoint(run)(q, k, v, q_segment_ids, kv_segment_ids, *extras)
 
 
 def apply_sinks(out, lse, sinks):
