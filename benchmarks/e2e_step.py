@@ -27,7 +27,10 @@ FLOPs 6 * L * H * head_dim * S * tokens, N = parameters outside the embedding ta
 the device's peak; n/a on the CPU), compiled temp memory (``memory_analysis()``), peak
 device memory (``memory_stats()`` running maximum; n/a where the backend keeps none), loss
 and gradient agreement with the reference variant (plain-xla; the train rows against
-train-nofused), and determinism (gradients bitwise identical over 3 calls).
+train-nofused), and determinism (gradients bitwise identical over 3 calls). The
+"round range" column is the spread of the speedup taken within each round (the reference
+and the row timed back to back, min-max over rounds): how far the machine's noise moves
+the ratio.
 
     python benchmarks/e2e_step.py --preset cpu
     python benchmarks/e2e_step.py --preset llama-v32k --json out.json
@@ -419,6 +422,14 @@ def time_rounds(runners: list[Runner], rounds: int, reps: int) -> None:
         r.row["ms_rounds"] = [1e3 * t for t in per[r.name]]
 
 
+def round_speedups(ref_rounds, rounds) -> list[float] | None:
+    """Per-round speedups ref / row (each round times both back to back); None without
+    the reference."""
+    if not ref_rounds:
+        return None
+    return [a / b for a, b in zip(ref_rounds, rounds)]
+
+
 # ---- the run -----------------------------------------------------------------------------------------
 
 
@@ -427,15 +438,17 @@ def _fmt(x, spec, na="n/a"):
 
 
 def format_table(rows: list[dict], header: str) -> str:
-    cols = ["variant", "ms/step", "speedup", "tokens/s", "MFU", "temp GiB", "peak GiB", "loss", "loss rel",
-            "gnorm rel", "grad err", "determ."]
+    cols = ["variant", "ms/step", "speedup", "round range", "tokens/s", "MFU", "temp GiB", "peak GiB", "loss",
+            "loss rel", "gnorm rel", "grad err", "determ."]
     lines = [header, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['variant']} | failed: {r['error'][:80]} |" + " |" * (len(cols) - 2))
             continue
         base = r.get("ref_ms")
+        spread = r.get("speedup_rounds")
         cells = [r["variant"], f"{r['ms']:.2f}", _fmt(base / r["ms"] if base else None, ".3f") + "x",
+                 f"{min(spread):.2f}-{max(spread):.2f}" if spread else "n/a",
                  f"{r['tokens_per_s']:,.0f}", _fmt(r.get("mfu"), ".1%"),
                  _fmt(None if r.get("temp_bytes") is None else r["temp_bytes"] / 2**30, ".3f"),
                  _fmt(None if r.get("peak_bytes") is None else r["peak_bytes"] / 2**30, ".2f"),
@@ -568,8 +581,12 @@ def main(argv=None) -> int:
     if rounds:
         ms = {row["variant"]: row["ms"] for row in rows}
         base = ms.get("plain-cudnn", ms.get("plain-xla"))
+        per_round = {row["variant"]: row["ms_rounds"] for row in rows}
+        base_name = "plain-cudnn" if "plain-cudnn" in ms else "plain-xla"
         for row in rows:
-            row["ref_ms"] = ms.get("train-nofused") if row["variant"].startswith("train-") else base
+            ref = "train-nofused" if row["variant"].startswith("train-") else base_name
+            row["ref_ms"] = ms.get(ref)
+            row["speedup_rounds"] = round_speedups(per_round.get(ref), row["ms_rounds"])
     rows += failed
 
     header = (f"e2e step, preset {a.preset}: {s.layers} layers, width {s.width}, {s.heads}/{s.kv_heads} heads x "
