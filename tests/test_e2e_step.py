@@ -76,3 +76,7 @@ def test_round_speedups_and_their_range_in_the_table():
            "loss": 1.0, "loss_rel_diff": 0.0, "grad_norm_rel_diff": 0.0, "grad_rel_err": 0.0, "deterministic": True}
     line = _e2e.format_table([row], "h").splitlines()[-1]
     assert "| 1.250x | 1.00-2.00 |" in line, line
+    row |= {"cpu_ms": 4.0, "ref_cpu_ms": 6.0, "cpu_speedup_rounds": [1.25, 1.75]}
+    table = _e2e.format_table([row], "h", cpu_clock=True).splitlines()
+    assert "| round range | cpu ms | cpu speedup | cpu range |" in table[1]
+    assert "| 1.250x | 1.00-2.00 | 4.00 | 1.500x | 1.25-1.75 |" in table[-1], table[-1]

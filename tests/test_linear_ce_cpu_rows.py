@@ -1,6 +1,7 @@
-"""fused_linear_cross_entropy's reduced pass on the CPU: each row block's softmax runs
-through the softmax cross-entropy row kernels; same loss and gradients as the XLA
-block (kernels off) and as the unfused logits + cross-entropy in f64."""
+"""fused_linear_cross_entropy on the CPU: each row block's softmax runs through the
+softmax cross-entropy row kernels (the reduced pass, and the "none" forward); same loss
+and gradients as the XLA block (kernels off) and as the unfused logits + cross-entropy
+in f64."""
 
 from __future__ import annotations
 
@@ -76,3 +77,26 @@ def test_reduced_rows_kernels_under_vmap_and_scan():
         np.testing.assert_allclose(np.asarray(got[i]), _unfused_f64(h, ws[i], labels, "sum")[2], rtol=1e-4, atol=1e-5)
     _, total = jax.lax.scan(lambda c, wi: (c, jax.grad(f, 1)(h, wi)), 0.0, ws)
     np.testing.assert_allclose(np.asarray(total), np.asarray(got), rtol=2e-5, atol=2e-6)
+
+
+def test_none_forward_rows_kernel_matches():
+    """reduction="none": the forward's (loss, lse) from the row kernel; the per-row
+    losses and their gradient under a non-uniform cotangent (the backward recomputes
+    from that lse) against the f64 oracle and the XLA block."""
+    h, w, labels = _inputs(29, 7, 41, seed=5)
+    weights = jnp.linspace(0.5, 2.0, 29)
+    f = lambda h, w: jnp.sum(weights * fused_linear_cross_entropy(h, w, labels, chunk_size=8))
+    rows = jax.jit(lambda h, w: fused_linear_cross_entropy(h, w, labels, chunk_size=8))
+    assert "rlx_softmax_ce_fwd" in rows.lower(h, w).compile().as_text()
+    got_rows, (dh, dw) = rows(h, w), jax.jit(jax.grad(f, (0, 1)))(h, w)
+    with fused_ops(False):
+        xla_rows, (dh_x, dw_x) = rows(h, w), jax.jit(jax.grad(f, (0, 1)))(h, w)
+    np.testing.assert_allclose(np.asarray(got_rows), np.asarray(xla_rows), rtol=2e-5, atol=2e-6)
+    z = np.asarray(h, np.float64) @ np.asarray(w, np.float64)
+    lse = np.log(np.exp(z - z.max(1, keepdims=True)).sum(1)) + z.max(1)
+    ok = np.asarray(labels) >= 0
+    want = np.where(ok, lse - z[np.arange(29), np.where(ok, labels, 0)], 0)
+    np.testing.assert_allclose(np.asarray(got_rows, np.float64), want, rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(got_rows)[::5] == 0)
+    for got, ref in ((dh, dh_x), (dw, dw_x)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=2e-6)

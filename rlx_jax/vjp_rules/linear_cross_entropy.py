@@ -35,7 +35,8 @@ vocabulary-sized matmuls in all).
 block's softmax to the ``softmax_cross_entropy`` row kernels: one multithreaded pass
 reads z for (loss, lse), a second reads z and writes g (lse recomputed per row in
 cache), where XLA's loop fusions inside the scan body take about five passes over z.
-Same maths; other platforms and vocabulary-split shards keep the XLA block.
+The "none" forward takes (loss, lse) from the first kernel likewise. Same maths; other
+platforms and vocabulary-split shards keep the XLA block.
 
 **Sharding.** Every primitive but the tangents lowers through ``VocabPartition``: rows
 split any way (data parallel), weight's V axis split over mesh axes M runs
@@ -138,8 +139,9 @@ def _block_loss_and_grad(z, local, scale, vocab_axes, row_kernels):
 
 
 def reference_forward(hidden, weight, labels, *, chunk_size, vocab_axes=(), row_axes=(), sizes=None,
-                      vocab_total=None):
-    """Row-chunked forward: (loss [N] in hidden's dtype, lse [N] f32 / f64)."""
+                      vocab_total=None, row_kernels=False):
+    """Row-chunked forward: (loss [N] in hidden's dtype, lse [N] f32 / f64).
+    ``row_kernels``: each block's (loss, lse) from the softmax cross-entropy primitive."""
     acc = acc_dtype(hidden.dtype)
     n = hidden.shape[0]
     n_b = _block_rows(n, chunk_size)
@@ -148,11 +150,17 @@ def reference_forward(hidden, weight, labels, *, chunk_size, vocab_axes=(), row_
     def step(_, xs):
         hb, lb = xs
         z = jnp.dot(hb, weight, preferred_element_type=acc).astype(acc)
-        return None, block_lse_and_picked(z, lb, vocab_axes)
+        if row_kernels and not vocab_axes:
+            from rlx_jax.vjp_rules.cross_entropy import ce_fwd
 
-    _, (lse, picked) = lax.scan(step, None, (_blocks(hidden, n_b), _blocks(local, n_b, -1)))
-    lse, picked = _unblock(lse, n), _unblock(picked, n)
-    return jnp.where(ok, lse - picked, 0).astype(hidden.dtype), lse
+            row_loss, lse = ce_fwd(z, lb)
+            return None, (lse, row_loss)
+        lse, picked = block_lse_and_picked(z, lb, vocab_axes)
+        return None, (lse, lse - picked)
+
+    _, (lse, row_loss) = lax.scan(step, None, (_blocks(hidden, n_b), _blocks(local, n_b, -1)))
+    lse, row_loss = _unblock(lse, n), _unblock(row_loss, n)
+    return jnp.where(ok, row_loss, 0).astype(hidden.dtype), lse
 
 
 def reference_tangent(hidden, weight, labels, lse, t_hidden, t_weight, *, chunk_size):
@@ -304,7 +312,8 @@ def _partitioned(prim: FusedPrimitive, outputs, cpu_params=None):
     return prim
 
 
-flce_fwd = _partitioned(FusedPrimitive("rlx_fused_linear_ce_fwd", reference_forward), (_ROW_STAT, _ROW_STAT))
+flce_fwd = _partitioned(FusedPrimitive("rlx_fused_linear_ce_fwd", reference_forward), (_ROW_STAT, _ROW_STAT),
+                        cpu_params={"row_kernels": True})
 flce_tangent = FusedPrimitive("rlx_fused_linear_ce_tangent", reference_tangent)
 flce_bwd = _partitioned(FusedPrimitive("rlx_fused_linear_ce_bwd", reference_backward), (_HIDDEN, _WEIGHT))
 flce_reduced = _partitioned(FusedPrimitive("rlx_fused_linear_ce_reduced", reference_reduced),
