@@ -27,7 +27,12 @@ FLOPs 6 * L * H * head_dim * S * tokens, N = parameters outside the embedding ta
 the device's peak; n/a on the CPU), compiled temp memory (``memory_analysis()``), peak
 device memory (``memory_stats()`` running maximum; n/a where the backend keeps none), loss
 and gradient agreement with the reference variant (plain-xla; the train rows against
-train-nofused), and determinism (gradients bitwise identical over 3 calls).
+train-nofused), and determinism (gradients bitwise identical over 3 calls). The
+"round range" column is the spread of the speedup taken within each round (the reference
+and the row timed back to back, min-max over rounds): how far the machine's noise moves
+the ratio. On the CPU the table adds the same by CPU time ("cpu ms", "cpu speedup", "cpu
+range"): on a machine shared with other work, wall time measures the sharing as much as
+the step, CPU time mostly the step.
 
     python benchmarks/e2e_step.py --preset cpu
     python benchmarks/e2e_step.py --preset llama-v32k --json out.json
@@ -404,19 +409,32 @@ def deterministic(runner: Runner, calls: int = 3) -> bool:
 
 def time_rounds(runners: list[Runner], rounds: int, reps: int) -> None:
     """Each round runs every runner ``reps`` times in turn; ms/step is the median over rounds
-    of each round's mean."""
+    of each round's mean, by the wall clock and by this process's CPU time (all its
+    threads: the work a step does, which other processes on the machine barely move)."""
     for r in runners:
         r.step()  # warm
     per = {r.name: [] for r in runners}
+    per_cpu = {r.name: [] for r in runners}
     for _ in range(rounds):
         for r in runners:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(reps):
                 r.step()
             per[r.name].append((time.perf_counter() - t0) / reps)
+            per_cpu[r.name].append((time.process_time() - c0) / reps)
     for r in runners:
         r.row["ms"] = 1e3 * statistics.median(per[r.name])
         r.row["ms_rounds"] = [1e3 * t for t in per[r.name]]
+        r.row["cpu_ms"] = 1e3 * statistics.median(per_cpu[r.name])
+        r.row["cpu_ms_rounds"] = [1e3 * t for t in per_cpu[r.name]]
+
+
+def round_speedups(ref_rounds, rounds) -> list[float] | None:
+    """Per-round speedups ref / row (each round times both back to back); None without
+    the reference."""
+    if not ref_rounds:
+        return None
+    return [a / b for a, b in zip(ref_rounds, rounds)]
 
 
 # ---- the run -----------------------------------------------------------------------------------------
@@ -426,9 +444,15 @@ def _fmt(x, spec, na="n/a"):
     return na if x is None else format(x, spec)
 
 
-def format_table(rows: list[dict], header: str) -> str:
-    cols = ["variant", "ms/step", "speedup", "tokens/s", "MFU", "temp GiB", "peak GiB", "loss", "loss rel",
-            "gnorm rel", "grad err", "determ."]
+def _range(spread) -> str:
+    return f"{min(spread):.2f}-{max(spread):.2f}" if spread else "n/a"
+
+
+def format_table(rows: list[dict], header: str, cpu_clock: bool = False) -> str:
+    """One line per row; ``cpu_clock`` adds the CPU-time columns after the wall-time ones."""
+    cols = ["variant", "ms/step", "speedup", "round range"]
+    cols += ["cpu ms", "cpu speedup", "cpu range"] if cpu_clock else []
+    cols += ["tokens/s", "MFU", "temp GiB", "peak GiB", "loss", "loss rel", "gnorm rel", "grad err", "determ."]
     lines = [header, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         if "error" in r:
@@ -436,7 +460,12 @@ def format_table(rows: list[dict], header: str) -> str:
             continue
         base = r.get("ref_ms")
         cells = [r["variant"], f"{r['ms']:.2f}", _fmt(base / r["ms"] if base else None, ".3f") + "x",
-                 f"{r['tokens_per_s']:,.0f}", _fmt(r.get("mfu"), ".1%"),
+                 _range(r.get("speedup_rounds"))]
+        if cpu_clock:
+            cbase = r.get("ref_cpu_ms")
+            cells += [f"{r['cpu_ms']:.2f}", _fmt(cbase / r["cpu_ms"] if cbase else None, ".3f") + "x",
+                      _range(r.get("cpu_speedup_rounds"))]
+        cells += [f"{r['tokens_per_s']:,.0f}", _fmt(r.get("mfu"), ".1%"),
                  _fmt(None if r.get("temp_bytes") is None else r["temp_bytes"] / 2**30, ".3f"),
                  _fmt(None if r.get("peak_bytes") is None else r["peak_bytes"] / 2**30, ".2f"),
                  f"{r['loss']:.5f}", f"{r['loss_rel_diff']:.1e}", f"{r['grad_norm_rel_diff']:.1e}",
@@ -568,8 +597,16 @@ def main(argv=None) -> int:
     if rounds:
         ms = {row["variant"]: row["ms"] for row in rows}
         base = ms.get("plain-cudnn", ms.get("plain-xla"))
+        per_round = {row["variant"]: row["ms_rounds"] for row in rows}
+        cpu_ms = {row["variant"]: row["cpu_ms"] for row in rows}
+        cpu_round = {row["variant"]: row["cpu_ms_rounds"] for row in rows}
+        base_name = "plain-cudnn" if "plain-cudnn" in ms else "plain-xla"
         for row in rows:
-            row["ref_ms"] = ms.get("train-nofused") if row["variant"].startswith("train-") else base
+            ref = "train-nofused" if row["variant"].startswith("train-") else base_name
+            row["ref_ms"] = ms.get(ref)
+            row["speedup_rounds"] = round_speedups(per_round.get(ref), row["ms_rounds"])
+            row["ref_cpu_ms"] = cpu_ms.get(ref)
+            row["cpu_speedup_rounds"] = round_speedups(cpu_round.get(ref), row["cpu_ms_rounds"])
     rows += failed
 
     header = (f"e2e step, preset {a.preset}: {s.layers} layers, width {s.width}, {s.heads}/{s.kv_heads} heads x "
@@ -579,7 +616,7 @@ def main(argv=None) -> int:
               + (f"; train rows: rlx-jax train transformer {TRAIN_CONFIGS[train_kind]}, {train_precision}"
                  if train else ""))
     if rounds:
-        print(format_table(rows, header))
+        print(format_table(rows, header, cpu_clock=platform == "cpu"))
         print("(speedup: the best plain step's time (plain-cudnn where it ran, else plain-xla) over the row's; "
               "the train rows: train-nofused's over the row's)")
     else:

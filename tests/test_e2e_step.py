@@ -67,3 +67,16 @@ def test_model_flops_and_bad_shapes():
         _e2e.Shape(**dict(_e2e.PRESETS["tiny"], kv_heads=3))
     with pytest.raises(ValueError, match="head-dim"):
         _e2e.Shape(**dict(_e2e.PRESETS["tiny"], head_dim=15))
+
+
+def test_round_speedups_and_their_range_in_the_table():
+    assert _e2e.round_speedups([10.0, 12.0, 9.0], [5.0, 8.0, 9.0]) == [2.0, 1.5, 1.0]
+    assert _e2e.round_speedups(None, [1.0]) is None
+    row = {"variant": "rlx", "ms": 8.0, "ref_ms": 10.0, "speedup_rounds": [2.0, 1.5, 1.0], "tokens_per_s": 1.0,
+           "loss": 1.0, "loss_rel_diff": 0.0, "grad_norm_rel_diff": 0.0, "grad_rel_err": 0.0, "deterministic": True}
+    line = _e2e.format_table([row], "h").splitlines()[-1]
+    assert "| 1.250x | 1.00-2.00 |" in line, line
+    row |= {"cpu_ms": 4.0, "ref_cpu_ms": 6.0, "cpu_speedup_rounds": [1.25, 1.75]}
+    table = _e2e.format_table([row], "h", cpu_clock=True).splitlines()
+    assert "| round range | cpu ms | cpu speedup | cpu range |" in table[1]
+    assert "| 1.250x | 1.00-2.00 | 4.00 | 1.500x | 1.25-1.75 |" in table[-1], table[-1]

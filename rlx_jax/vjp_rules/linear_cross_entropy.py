@@ -31,6 +31,13 @@ row-chunked loss; the Hessian is symmetric so the primitive is its own transpose
 are known only in the backward, so the backward recomputes each block's logits (four
 vocabulary-sized matmuls in all).
 
+**CPU row kernels.** On the CPU, without a vocabulary split, the reduced pass hands each
+block's softmax to the ``softmax_cross_entropy`` row kernels: one multithreaded pass
+reads z for (loss, lse), a second reads z and writes g (lse recomputed per row in
+cache), where XLA's loop fusions inside the scan body take about five passes over z.
+The "none" forward takes (loss, lse) from the first kernel likewise. Same maths; other
+platforms and vocabulary-split shards keep the XLA block.
+
 **Sharding.** Every primitive but the tangents lowers through ``VocabPartition``: rows
 split any way (data parallel), weight's V axis split over mesh axes M runs
 vocabulary-parallel: per row block one pmax and one psum of [2, n_b] for the lse and
@@ -113,12 +120,28 @@ def _psum(x, axes):
     return lax.psum(x, axes) if axes else x
 
 
+def _block_loss_and_grad(z, local, scale, vocab_axes, row_kernels):
+    """(lse - z[label] [n_b], g = (p - onehot) * scale[:, None] [n_b, V]) for a logits
+    block z. ``row_kernels`` (CPU lowering, no vocabulary split) runs the softmax
+    cross-entropy primitives, whose CPU kernels read each row of z twice in all; the
+    loss of a row whose label is outside [0, V) is 0 there, and such rows have scale 0."""
+    if row_kernels and not vocab_axes:
+        from rlx_jax.vjp_rules.cross_entropy import ce_bwd, ce_fwd
+
+        loss, lse = ce_fwd(z, local)
+        (g,) = ce_bwd(z, local, lse, scale)
+        return loss, g
+    lse, picked = block_lse_and_picked(z, local, vocab_axes)
+    return lse - picked, _logit_grad(z, lse, local, scale)
+
+
 # ---- reduction "none": forward, tangent, backward -------------------------------------
 
 
 def reference_forward(hidden, weight, labels, *, chunk_size, vocab_axes=(), row_axes=(), sizes=None,
-                      vocab_total=None):
-    """Row-chunked forward: (loss [N] in hidden's dtype, lse [N] f32 / f64)."""
+                      vocab_total=None, row_kernels=False):
+    """Row-chunked forward: (loss [N] in hidden's dtype, lse [N] f32 / f64).
+    ``row_kernels``: each block's (loss, lse) from the softmax cross-entropy primitive."""
     acc = acc_dtype(hidden.dtype)
     n = hidden.shape[0]
     n_b = _block_rows(n, chunk_size)
@@ -127,11 +150,17 @@ def reference_forward(hidden, weight, labels, *, chunk_size, vocab_axes=(), row_
     def step(_, xs):
         hb, lb = xs
         z = jnp.dot(hb, weight, preferred_element_type=acc).astype(acc)
-        return None, block_lse_and_picked(z, lb, vocab_axes)
+        if row_kernels and not vocab_axes:
+            from rlx_jax.vjp_rules.cross_entropy import ce_fwd
 
-    _, (lse, picked) = lax.scan(step, None, (_blocks(hidden, n_b), _blocks(local, n_b, -1)))
-    lse, picked = _unblock(lse, n), _unblock(picked, n)
-    return jnp.where(ok, lse - picked, 0).astype(hidden.dtype), lse
+            row_loss, lse = ce_fwd(z, lb)
+            return None, (lse, row_loss)
+        lse, picked = block_lse_and_picked(z, lb, vocab_axes)
+        return None, (lse, lse - picked)
+
+    _, (lse, row_loss) = lax.scan(step, None, (_blocks(hidden, n_b), _blocks(local, n_b, -1)))
+    lse, row_loss = _unblock(lse, n), _unblock(row_loss, n)
+    return jnp.where(ok, row_loss, 0).astype(hidden.dtype), lse
 
 
 def reference_tangent(hidden, weight, labels, lse, t_hidden, t_weight, *, chunk_size):
@@ -185,9 +214,10 @@ def reference_backward(hidden, weight, labels, lse, dloss, dlse, *, chunk_size, 
 
 
 def reference_reduced(hidden, weight, labels, *, chunk_size, mean, vocab_axes=(), row_axes=(), sizes=None,
-                      vocab_total=None):
+                      vocab_total=None, row_kernels=False):
     """(loss [1], d hidden [N, D], d weight [D, V]) of the summed (or mean over rows with
-    a label in [0, V); 0 when there are none) loss, in one pass over row blocks."""
+    a label in [0, V); 0 when there are none) loss, in one pass over row blocks.
+    ``row_kernels``: each block's softmax through ``_block_loss_and_grad``'s kernels."""
     acc = acc_dtype(hidden.dtype)
     n = hidden.shape[0]
     n_b = _block_rows(n, chunk_size)
@@ -203,11 +233,11 @@ def reference_reduced(hidden, weight, labels, *, chunk_size, mean, vocab_axes=()
         dw, total = carry
         hb, lb, sb = xs
         z = jnp.dot(hb, weight, preferred_element_type=acc).astype(acc)
-        lse, picked = block_lse_and_picked(z, lb, vocab_axes)
-        g = _logit_grad(z, lse, lb, sb).astype(hidden.dtype)
+        row_loss, g = _block_loss_and_grad(z, lb, sb, vocab_axes, row_kernels)
+        g = g.astype(hidden.dtype)
         dh = _psum(jnp.dot(g, weight.T, preferred_element_type=acc), vocab_axes)
         dw = dw + jnp.dot(hb.T, g, preferred_element_type=acc)
-        total = total + jnp.sum(jnp.where(sb != 0, (lse - picked) * sb, 0))
+        total = total + jnp.sum(jnp.where(sb != 0, row_loss * sb, 0))
         return (dw, total), dh.astype(hidden.dtype)
 
     init = (jnp.zeros(weight.shape, acc), jnp.zeros((), acc))
@@ -262,26 +292,32 @@ def _may_be_partitioned(ctx) -> bool:
     return getattr(axis_context, "num_devices", 2) != 1
 
 
-def _partitioned(prim: FusedPrimitive, outputs):
-    """Lower ``prim`` (on every platform) through a ``VocabPartition`` of its reference."""
+def _partitioned(prim: FusedPrimitive, outputs, cpu_params=None):
+    """Lower ``prim`` (on every platform) through a ``VocabPartition`` of its reference;
+    on the CPU the unsplit reference also gets ``cpu_params`` (``row_kernels=True``)."""
     part = VocabPartition(_factors_for(outputs), _local(prim.reference), vocab_operand=1, vocab_dim=1)
 
-    def lower(ctx, *args, **params):
-        fn = partial(prim.reference, **params)
-        if _may_be_partitioned(ctx):
-            fn = part.wrap(fn, ctx.avals_in, ctx.avals_out, params)
-        return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+    def lowering(extra):
+        def lower(ctx, *args, **params):
+            fn = partial(prim.reference, **params, **extra)
+            if _may_be_partitioned(ctx):
+                fn = part.wrap(fn, ctx.avals_in, ctx.avals_out, params)
+            return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+        return lower
 
-    mlir.register_lowering(prim.p, lower)
+    mlir.register_lowering(prim.p, lowering({}))
+    if cpu_params:
+        mlir.register_lowering(prim.p, lowering(cpu_params), platform="cpu")
     dispatch.prim_requires_devices_during_lowering.add(prim.p)
     return prim
 
 
-flce_fwd = _partitioned(FusedPrimitive("rlx_fused_linear_ce_fwd", reference_forward), (_ROW_STAT, _ROW_STAT))
+flce_fwd = _partitioned(FusedPrimitive("rlx_fused_linear_ce_fwd", reference_forward), (_ROW_STAT, _ROW_STAT),
+                        cpu_params={"row_kernels": True})
 flce_tangent = FusedPrimitive("rlx_fused_linear_ce_tangent", reference_tangent)
 flce_bwd = _partitioned(FusedPrimitive("rlx_fused_linear_ce_bwd", reference_backward), (_HIDDEN, _WEIGHT))
 flce_reduced = _partitioned(FusedPrimitive("rlx_fused_linear_ce_reduced", reference_reduced),
-                            (_TOTAL, _HIDDEN, _WEIGHT))
+                            (_TOTAL, _HIDDEN, _WEIGHT), cpu_params={"row_kernels": True})
 flce_hvp = FusedPrimitive("rlx_fused_linear_ce_hvp", reference_hvp)
 
 
