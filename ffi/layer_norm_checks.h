@@ -41,12 +41,7 @@ inline ffi::Error check_fwd(Backend b, const ffi::AnyBuffer& x, const ffi::AnyBu
 inline ffi::Error check_bwd(Backend b, const ffi::AnyBuffer& x, const ffi::AnyBuffer& gamma,
                             const ffi::AnyBuffer& mean, const ffi::AnyBuffer& rstd, const ffi::AnyBuffer& dy,
                             const ffi::AnyBuffer& dx, const ffi::AnyBuffer& dgamma, const ffi::AnyBuffer& dbeta) {
-  if (auto e = check_param(x, gamma, "gamma"); e.failure()) return e;
-  if (auto e = norm::check_like_x(x, dy, "layer_norm backward: dy must match x in shape and dtype"); e.failure())
-    return e;
-  if (auto e = norm::check_like_x(x, dx, "layer_norm backward: dx must match x"); e.failure()) return e;
-  if (auto e = check_param(x, dgamma, "dgamma"); e.failure()) return e;
-  if (auto e = check_param(x, dbeta, "dbeta"); e.failure()) return e;
+  if (auto e = norm::check_row_norm_bwd("layer_norm", x, gamma, dy, dx, dgamma, dbeta); e.failure()) return e;
   if (auto e = check_stat(b, x, mean, "mean"); e.failure()) return e;
   return check_stat(b, x, rstd, "rstd");
 }

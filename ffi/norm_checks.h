@@ -26,7 +26,7 @@ inline ffi::Error check_param_vector(const char* op, const ffi::AnyBuffer& x, co
 }
 
 // b has x's shape and dtype; `message` is the error otherwise.
-inline ffi::Error check_like_x(const ffi::AnyBuffer& x, const ffi::AnyBuffer& b, const char* message) {
+inline ffi::Error check_like_x(const ffi::AnyBuffer& x, const ffi::AnyBuffer& b, const std::string& message) {
   if (!same_dims(x, b) || b.element_type() != x.element_type()) return invalid(message);
   return ffi::Error::Success();
 }
@@ -36,6 +36,18 @@ inline ffi::Error check_row_param(const char* op, const ffi::AnyBuffer& x, const
                                   const char* what) {
   if (x.dimensions().size() < 1) return invalid(std::string(op) + ": x must have rank >= 1");
   return check_param_vector(op, x, p, what, rows_view(x).width, "last axis");
+}
+
+// The backward operands of a norm over the last axis: gamma, dy, dx, dgamma, dbeta against x.
+inline ffi::Error check_row_norm_bwd(const char* op, const ffi::AnyBuffer& x, const ffi::AnyBuffer& gamma,
+                                     const ffi::AnyBuffer& dy, const ffi::AnyBuffer& dx, const ffi::AnyBuffer& dgamma,
+                                     const ffi::AnyBuffer& dbeta) {
+  const std::string bwd = std::string(op) + " backward: ";
+  if (auto e = check_row_param(op, x, gamma, "gamma"); e.failure()) return e;
+  if (auto e = check_like_x(x, dy, bwd + "dy must match x in shape and dtype"); e.failure()) return e;
+  if (auto e = check_like_x(x, dx, bwd + "dx must match x"); e.failure()) return e;
+  if (auto e = check_row_param(op, x, dgamma, "dgamma"); e.failure()) return e;
+  return check_row_param(op, x, dbeta, "dbeta");
 }
 
 inline ffi::Error check_eps(const char* op, float eps) {

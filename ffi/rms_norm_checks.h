@@ -35,12 +35,7 @@ inline ffi::Error check_fwd(Backend b, const ffi::AnyBuffer& x, const ffi::AnyBu
 inline ffi::Error check_bwd(Backend b, const ffi::AnyBuffer& x, const ffi::AnyBuffer& gamma,
                             const ffi::AnyBuffer& rstd, const ffi::AnyBuffer& dy, const ffi::AnyBuffer& dx,
                             const ffi::AnyBuffer& dgamma, const ffi::AnyBuffer& dbeta) {
-  if (auto e = check_param(x, gamma, "gamma"); e.failure()) return e;
-  if (auto e = norm::check_like_x(x, dy, "rms_norm backward: dy must match x in shape and dtype"); e.failure())
-    return e;
-  if (auto e = norm::check_like_x(x, dx, "rms_norm backward: dx must match x"); e.failure()) return e;
-  if (auto e = check_param(x, dgamma, "dgamma"); e.failure()) return e;
-  if (auto e = check_param(x, dbeta, "dbeta"); e.failure()) return e;
+  if (auto e = norm::check_row_norm_bwd("rms_norm", x, gamma, dy, dx, dgamma, dbeta); e.failure()) return e;
   if (rstd.element_type() != stat_dtype(b, x.element_type()) ||
       int64_t(rstd.element_count()) != rows_view(x).rows)
     return invalid(backend_op(b, "rms_norm backward") + ": rstd must be " + stat_dtype_rule(b) +
