@@ -5,23 +5,13 @@
 //   the same dtype; eps >= 0.
 #pragma once
 
-#include <string>
-
-#include "host_common.h"
+#include "norm_checks.h"
 
 namespace rlx {
 namespace bn {
 
 inline ffi::Error check_channel(const ffi::AnyBuffer& x, const ffi::AnyBuffer& p, const char* what) {
-  auto d = p.dimensions();
-  const int64_t c = x.dimensions()[1];
-  if (d.size() != 1 || d[0] != c)
-    return invalid(std::string("batch_norm_inference backward: ") + what + " must have shape [" +
-                   std::to_string(c) + "] (the channel axis of x)");
-  if (p.element_type() != x.element_type())
-    return invalid(std::string("batch_norm_inference backward: ") + what + " dtype " +
-                   dtype_name(p.element_type()) + " differs from x dtype " + dtype_name(x.element_type()));
-  return ffi::Error::Success();
+  return norm::check_param_vector("batch_norm_inference backward", x, p, what, x.dimensions()[1], "channel axis");
 }
 
 inline ffi::Error check_inference_bwd(const ffi::AnyBuffer& x, const ffi::AnyBuffer& gamma,
@@ -34,12 +24,11 @@ inline ffi::Error check_inference_bwd(const ffi::AnyBuffer& x, const ffi::AnyBuf
   const char* names[] = {"gamma", "mean", "var", "dgamma", "dbeta"};
   for (int i = 0; i < 5; ++i)
     if (auto e = check_channel(x, *params[i], names[i]); e.failure()) return e;
-  if (!same_dims(x, dy) || dy.element_type() != x.element_type())
-    return invalid("batch_norm_inference backward: dy must match x in shape and dtype");
-  if (!same_dims(x, dx) || dx.element_type() != x.element_type())
-    return invalid("batch_norm_inference backward: dx must match x");
-  if (!(eps >= 0.0f)) return invalid("batch_norm_inference backward: eps must be >= 0");
-  return ffi::Error::Success();
+  if (auto e = norm::check_like_x(x, dy, "batch_norm_inference backward: dy must match x in shape and dtype");
+      e.failure())
+    return e;
+  if (auto e = norm::check_like_x(x, dx, "batch_norm_inference backward: dx must match x"); e.failure()) return e;
+  return norm::check_eps("batch_norm_inference backward", eps);
 }
 
 }  // namespace bn

@@ -16,44 +16,8 @@ from rlx_jax.ops import attention, attention_backward, attention_rlx
 from rlx_jax.vjp_rules import attention as A
 from rlx_jax.vjp_rules._primitive import fused_ops
 
+from attention_reference import dense_attention
 from testutil import assert_close, hlo_text, platform
-
-
-# ---- an independent oracle ------------------------------------------------------------
-
-
-def dense_attention(q, k, v, *, mask_kind="none", window=None, mask=None, bias=None, scale=None,
-                    softcap=None, top_left=False):
-    """Textbook attention in plain jnp with the documented semantics (RLX_IR.md): scores
-    scaled, softcapped, plus bias, masked; softmax; fully masked rows give 0."""
-    b, sq, h, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    acc = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
-    q, k, v = (x.astype(acc) for x in (q, k, v))
-    rep = h // hkv
-    k = jnp.repeat(k, rep, axis=2)
-    v = jnp.repeat(v, rep, axis=2)
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (scale if scale is not None else d**-0.5)
-    if softcap is not None:
-        s = softcap * jnp.tanh(s / softcap)
-    if bias is not None:
-        s = s + bias.astype(acc)
-    pos = np.arange(sq)[:, None] + (0 if top_left else max(sk - sq, 0))
-    j = np.arange(sk)[None, :]
-    vis = np.ones((sq, sk), bool)
-    if mask_kind in ("causal", "sliding"):
-        vis &= j <= pos
-    if mask_kind == "sliding":
-        vis &= j >= pos - window
-    vis = jnp.asarray(vis)[None, None]
-    if mask is not None:
-        vis = vis & (jnp.asarray(mask)[:, None, None, :] >= 0.5)
-    s = jnp.where(vis, s, 0.0)
-    m = jax.lax.stop_gradient(jnp.max(jnp.where(vis, s, -1e30), axis=-1, keepdims=True, initial=-1e30))
-    e = jnp.where(vis, jnp.exp(s - jnp.where(m > -1e29, m, 0.0)), 0.0)
-    den = jnp.sum(e, axis=-1, keepdims=True)
-    p = e / jnp.where(den > 0, den, 1.0)
-    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
 
 
 # ---- inputs -----------------------------------------------------------------------------------

@@ -18,49 +18,11 @@ from jax.test_util import check_grads
 
 from rlx_jax.ops import attention
 
+from attention_reference import dense_attention
 
 
 def close(got, want, rtol, atol):
     np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64), rtol=rtol, atol=atol)
-
-
-def dense_oracle(q, k, v, *, mask_kind="none", window=None, mask=None, bias=None, scale=None,
-                 softcap=None, q_segment_ids=None, kv_segment_ids=None, sinks=None):
-    """Textbook attention from a dense [B, H, Sq, Sk] visibility (mask kind AND key mask
-    AND equal segment ids); sinks as one more softmax column whose value is 0."""
-    b, sq, h, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    acc = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
-    q, k, v = (x.astype(acc) for x in (q, k, v))
-    k, v = jnp.repeat(k, h // hkv, axis=2), jnp.repeat(v, h // hkv, axis=2)
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (scale if scale is not None else d ** -0.5)
-    if softcap is not None:
-        s = softcap * jnp.tanh(s / softcap)
-    if bias is not None:
-        s = s + bias.astype(acc)
-    pos = np.arange(sq)[:, None] + max(sk - sq, 0)
-    j = np.arange(sk)[None, :]
-    vis = np.ones((sq, sk), bool)
-    if mask_kind in ("causal", "sliding"):
-        vis &= j <= pos
-    if mask_kind == "sliding":
-        vis &= j >= pos - window
-    vis = jnp.broadcast_to(jnp.asarray(vis), (b, 1, sq, sk))
-    if mask is not None:
-        vis = vis & (jnp.asarray(mask)[:, None, None, :] >= 0.5)
-    if q_segment_ids is not None:
-        vis = vis & (q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :])
-    vis = jnp.broadcast_to(vis, s.shape)
-    if sinks is not None:  # a sink column: always visible, value 0
-        s = jnp.concatenate([s, jnp.broadcast_to(sinks.astype(acc)[None, :, None, None], (b, h, sq, 1))], -1)
-        vis = jnp.concatenate([vis, jnp.ones((b, h, sq, 1), bool)], -1)
-        v = jnp.concatenate([v, jnp.zeros((b, 1, h, d), acc)], 1)
-    s = jnp.where(vis, s, 0.0)
-    m = jax.lax.stop_gradient(jnp.max(jnp.where(vis, s, -1e30), axis=-1, keepdims=True))
-    e = jnp.where(vis, jnp.exp(s - jnp.where(m > -1e29, m, 0.0)), 0.0)
-    den = jnp.sum(e, axis=-1, keepdims=True)
-    p = e / jnp.where(den > 0, den, 1.0)
-    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
 
 
 def packed_ids(b, s, lengths_seed, *, max_len=4):
@@ -127,7 +89,7 @@ def _both_grads(x, kw, dy):
     @jax.jit
     def run(diff, dy):
         outs = []
-        for fn in (attention, dense_oracle):
+        for fn in (attention, dense_attention):
             f = lambda d, fn=fn: fn(d["q"], d["k"], d["v"], **{kk: vv for kk, vv in d.items()
                                                               if kk not in "qkv"}, **rest)
             y, vjp = jax.vjp(f, diff)
@@ -198,7 +160,7 @@ def test_rows_with_no_visible_key_are_zero_with_zero_gradients():
         for s in (None, sinks):
             f = lambda q: attention(q, k, v, sinks=s, **kw)
             outs += [f(q), jax.grad(lambda q: jnp.sum(f(q) ** 2))(q),
-                     dense_oracle(q, k, v, sinks=s, **kw)]
+                     dense_attention(q, k, v, sinks=s, **kw)]
         return outs
 
     res = run(x["q"], x["k"], x["v"], x["sinks"])
@@ -247,7 +209,7 @@ def test_jvp_and_vmap():
     q, k, v = x["q"], x["k"], x["v"]
     f = lambda q, k, v, s: attention(q, k, v, mask_kind="causal", q_segment_ids=kw["q_segment_ids"],
                                      kv_segment_ids=kw["kv_segment_ids"], sinks=s)
-    fo = lambda q, k, v, s: dense_oracle(q, k, v, mask_kind="causal", q_segment_ids=kw["q_segment_ids"],
+    fo = lambda q, k, v, s: dense_attention(q, k, v, mask_kind="causal", q_segment_ids=kw["q_segment_ids"],
                                          kv_segment_ids=kw["kv_segment_ids"], sinks=s)
     t = [x["dy"], 0.5 * k, -v, jnp.arange(2.0)]
     jvp = jax.jit(lambda fn, p, t: jax.jvp(fn, p, t)[1], static_argnums=0)
@@ -258,21 +220,21 @@ def test_jvp_and_vmap():
     qs = jnp.stack([kw["q_segment_ids"], packed_ids(2, 6, 9)])
     sk = jnp.stack([x["sinks"], -x["sinks"]])
     g = lambda q, k, v, ids, s: attention(q, k, v, q_segment_ids=ids, kv_segment_ids=ids, sinks=s)
-    go = lambda q, k, v, ids, s: dense_oracle(q, k, v, q_segment_ids=ids, kv_segment_ids=ids, sinks=s)
+    go = lambda q, k, v, ids, s: dense_attention(q, k, v, q_segment_ids=ids, kv_segment_ids=ids, sinks=s)
     qq, kk, vv = (jnp.stack([a, 2 * a]) for a in (q, k, v))
     close(jax.jit(jax.vmap(g))(qq, kk, vv, qs, sk), jax.jit(jax.vmap(go))(qq, kk, vv, qs, sk),
           rtol=2e-5, atol=2e-5)
     # vmap of the sinks alone (kernel path, lse batched through the primitive)
     ys = jax.jit(jax.vmap(lambda s: attention(q, k, v, sinks=s)))(sk)
     for i in range(2):
-        close(ys[i], dense_oracle(q, k, v, sinks=sk[i]), rtol=2e-5, atol=2e-5)
+        close(ys[i], dense_attention(q, k, v, sinks=sk[i]), rtol=2e-5, atol=2e-5)
 
 
 def test_bf16_sinks_and_segments_run_and_agree():
     x, kw = _case((1, 9, 9, 4, 2, 8), dict(mask_kind="causal"), segments=True, sinks=True, dtype=jnp.bfloat16)
     y = attention(x["q"], x["k"], x["v"], **kw)
     assert y.dtype == jnp.bfloat16
-    want = dense_oracle(x["q"], x["k"], x["v"], **kw)
+    want = dense_attention(x["q"], x["k"], x["v"], **kw)
     close(y.astype(jnp.float32), want, rtol=0, atol=3e-2 * float(jnp.max(jnp.abs(want))))
 
 
@@ -384,7 +346,7 @@ def test_graph_round_trip_lowering_and_graph_gradients(segments, sinks):
         kw = dict(q_segment_ids=ids, kv_segment_ids=ids) if segments else {}
         if sinks:
             kw["sinks"] = p["sinks"]
-        y = dense_oracle(p["q"].reshape(2, 5, 4, 3), p["k"].reshape(2, 5, 2, 3), p["v"].reshape(2, 5, 2, 3),
+        y = dense_attention(p["q"].reshape(2, 5, 4, 3), p["k"].reshape(2, 5, 2, 3), p["v"].reshape(2, 5, 2, 3),
                          mask_kind="causal", **kw)
         return jnp.sum(y.reshape(2, 5, 12) * w)
 
@@ -451,7 +413,7 @@ def test_graph_gradients_with_bias_softcap_scale_segments_and_sinks():
                                                                           "d_output": np.float32(1)})
 
     def loss(p):
-        y = dense_oracle(p["q"].reshape(2, 5, 4, 3), p["k"].reshape(2, 5, 2, 3), p["v"].reshape(2, 5, 2, 3),
+        y = dense_attention(p["q"].reshape(2, 5, 4, 3), p["k"].reshape(2, 5, 2, 3), p["v"].reshape(2, 5, 2, 3),
                          bias=p["bias"], softcap=1.7, scale=0.3, q_segment_ids=ids, kv_segment_ids=ids,
                          sinks=p["sinks"])
         return jnp.sum(y.reshape(2, 5, 12) * w)

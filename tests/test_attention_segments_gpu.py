@@ -12,7 +12,8 @@ import pytest
 from rlx_jax.ops import attention
 
 from gpu_testutil import as_f32, assert_close, gpu, requires_gpu
-from test_attention_segments import dense_oracle, packed_ids
+from attention_reference import dense_attention as dense_oracle
+from test_attention_segments import packed_ids
 
 pytestmark = requires_gpu
 

@@ -33,6 +33,7 @@
 #include <cmath>
 #include <limits>
 
+#include "attention_checks.h"
 #include "cpu/common.h"
 
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -373,16 +374,8 @@ inline void bwd_tile(const Tile<double>& t, const double* lse, const double* del
 }
 
 // ---- problem description --------------------------------------------------------------------
-struct Dims {
-  int64_t B, Sq, Sk, H, Hkv, D;
-  int64_t group() const { return H / Hkv; }
-};
-struct Opts {
-  int64_t kind;    // 0 none, 1 causal, 2 sliding
-  int64_t window;  // sliding window w
-  double scale, softcap;
-  bool has_mask, has_bias;
-};
+using attention::Dims;  // B, Sq, Sk, H, Hkv, D
+using attention::Opts;  // mask kind, window, scale, softcap, has_mask, has_bias
 
 // Visible key range [lo, hi] of query row i (before the key mask).
 inline void key_range(const Dims& d, const Opts& o, int64_t i, int64_t* lo, int64_t* hi) {
@@ -702,61 +695,12 @@ void attention_bwd_typed(ffi::ThreadPool& pool, const Dims& d, const Opts& o, co
 }
 
 // ---- validation -------------------------------------------------------------------------------
-ffi::DataType stat_type(ffi::DataType t) {
-  return t == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
-}
-
-std::string dims_str(const ffi::AnyBuffer& x) {
-  std::string s = "[";
-  auto dd = x.dimensions();
-  for (size_t i = 0; i < dd.size(); ++i) s += (i ? ", " : "") + std::to_string(dd[i]);
-  return s + "]";
-}
-
-bool has_dims(const ffi::AnyBuffer& x, std::initializer_list<int64_t> want) {
-  auto dd = x.dimensions();
-  return dd.size() == want.size() && std::equal(dd.begin(), dd.end(), want.begin());
-}
-
-ffi::Error check_inputs(const char* who, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
-                        const ffi::AnyBuffer& v, const ffi::AnyBuffer& mask,
-                        const ffi::AnyBuffer& bias, const Opts& o, Dims* d) {
-  const std::string w = who;
-  if (q.dimensions().size() != 4 || k.dimensions().size() != 4)
-    return invalid(w + ": q and k must have rank 4 ([B, S, H, D]), got q " + dims_str(q) +
-                   ", k " + dims_str(k));
-  auto qd = q.dimensions(), kd = k.dimensions();
-  *d = Dims{qd[0], qd[1], kd[1], qd[2], kd[2], qd[3]};
-  if (kd[0] != d->B || kd[3] != d->D)
-    return invalid(w + ": k " + dims_str(k) + " does not match q " + dims_str(q) +
-                   " in batch or head dim");
-  if (!same_dims(k, v)) return invalid(w + ": v " + dims_str(v) + " must match k " + dims_str(k));
-  if (d->Hkv == 0 ? d->H != 0 : d->H % d->Hkv != 0)
-    return invalid(w + ": kv heads (" + std::to_string(d->Hkv) + ") must divide heads (" +
-                   std::to_string(d->H) + ")");
-  const auto t = q.element_type();
-  if (k.element_type() != t || v.element_type() != t)
-    return invalid(w + ": q, k, v dtypes differ");
-  if (o.has_mask && (mask.element_type() != ffi::DataType::F32 || !has_dims(mask, {d->B, d->Sk})))
-    return invalid(w + ": mask must be f32 [B, Sk], got " + dims_str(mask));
-  if (o.has_bias &&
-      (bias.element_type() != t || !has_dims(bias, {d->B, d->H, d->Sq, d->Sk})))
-    return invalid(w + ": bias must be [B, H, Sq, Sk] with q's dtype, got " + dims_str(bias));
-  if (o.kind < 0 || o.kind > 2) return invalid(w + ": mask_kind must be 0, 1 or 2");
-  if (o.kind == 2 && o.window < 0) return invalid(w + ": window must be >= 0");
-  if (!(o.softcap >= 0.0) || !std::isfinite(o.scale))
-    return invalid(w + ": softcap must be >= 0 (0: off) and scale finite");
-  return ffi::Error::Success();
-}
-
-Opts make_opts(double scale, double softcap, int64_t kind, int64_t window, int64_t has_mask,
-               int64_t has_bias) {
-  return Opts{kind, window, scale, softcap, has_mask != 0, has_bias != 0};
-}
-
-// Segment ids, when given: qseg [B, Sq] and kseg [B, Sk] int32.
+// Segment ids, when given: qseg [B, Sq] and kseg [B, Sk] int32 (CPU only: the CUDA kernels take
+// no segment ids, so this check is not in the shared attention_checks.h).
 ffi::Error check_segments(const char* who, const ffi::AnyBuffer* qseg, const ffi::AnyBuffer* kseg,
                           const Dims& d) {
+  using attention::dims_str;
+  using attention::has_dims;
   if (!qseg) return ffi::Error::Success();
   if (qseg->element_type() != ffi::DataType::S32 || !has_dims(*qseg, {d.B, d.Sq}))
     return invalid(std::string(who) + ": q_segment_ids must be int32 [B, Sq], got " +
@@ -778,12 +722,11 @@ ffi::Error attention_fwd_checked(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::A
                                  ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
                                  const Opts& o) {
   Dims d;
-  if (auto e = check_inputs("attention", q, k, v, mask, bias, o, &d); e.failure()) return e;
+  if (auto e = attention::check_inputs(Backend::kCpu, "attention", q, k, v, mask, bias, o, &d);
+      e.failure())
+    return e;
   if (auto e = check_segments("attention", qseg, kseg, d); e.failure()) return e;
-  if (!same_dims(q, *out) || out->element_type() != q.element_type())
-    return invalid("attention: out must match q");
-  if (lse->element_type() != stat_type(q.element_type()) || !has_dims(*lse, {d.B, d.H, d.Sq}))
-    return invalid("attention: lse must be [B, H, Sq] f32 (f64 for f64 inputs)");
+  if (auto e = attention::check_fwd_results(Backend::kCpu, q, *out, *lse, d); e.failure()) return e;
   if (d.B * d.H * d.Sq == 0) return ffi::Error::Success();
   bool ok = dispatch_float(q.element_type(), [&](auto tag) {
     using T = decltype(tag);
@@ -804,7 +747,7 @@ ffi::Error AttentionFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuff
                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
                             double scale, double softcap, int64_t mask_kind, int64_t window,
                             int64_t has_mask, int64_t has_bias) {
-  const Opts o = make_opts(scale, softcap, mask_kind, window, has_mask, has_bias);
+  const Opts o = attention::make_opts(scale, softcap, mask_kind, window, has_mask, has_bias);
   return attention_fwd_checked(pool, q, k, v, mask, bias, nullptr, nullptr, out, lse, o);
 }
 
@@ -815,7 +758,7 @@ ffi::Error AttentionSegmentsFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
                                     ffi::Result<ffi::AnyBuffer> lse, double scale, double softcap,
                                     int64_t mask_kind, int64_t window, int64_t has_mask,
                                     int64_t has_bias) {
-  const Opts o = make_opts(scale, softcap, mask_kind, window, has_mask, has_bias);
+  const Opts o = attention::make_opts(scale, softcap, mask_kind, window, has_mask, has_bias);
   return attention_fwd_checked(pool, q, k, v, mask, bias, &qseg, &kseg, out, lse, o);
 }
 
@@ -829,20 +772,14 @@ ffi::Error attention_bwd_checked(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::A
                                  ffi::Result<ffi::AnyBuffer> dbias, const Opts& o) {
   Dims d;
   const char* who = "attention backward";
-  if (auto e = check_inputs(who, q, k, v, mask, bias, o, &d); e.failure()) return e;
+  if (auto e = attention::check_inputs(Backend::kCpu, who, q, k, v, mask, bias, o, &d); e.failure())
+    return e;
   if (auto e = check_segments(who, qseg, kseg, d); e.failure()) return e;
+  if (auto e = attention::check_bwd_rest(Backend::kCpu, q, k, bias, out, lse, dout, dlse, *dq, *dk,
+                                         *dv, *dbias, o, d);
+      e.failure())
+    return e;
   const auto t = q.element_type();
-  for (const ffi::AnyBuffer* x : {&out, &dout})
-    if (!same_dims(q, *x) || x->element_type() != t)
-      return invalid("attention backward: out and dout must match q in shape and dtype");
-  for (const ffi::AnyBuffer* x : {&lse, &dlse})
-    if (x->element_type() != stat_type(t) || !has_dims(*x, {d.B, d.H, d.Sq}))
-      return invalid("attention backward: lse and dlse must be [B, H, Sq] f32 (f64 for f64)");
-  if (!same_dims(q, *dq) || dq->element_type() != t || !same_dims(k, *dk) ||
-      dk->element_type() != t || !same_dims(k, *dv) || dv->element_type() != t)
-    return invalid("attention backward: dq, dk, dv must match q, k, v");
-  if (o.has_bias && (!same_dims(bias, *dbias) || dbias->element_type() != t))
-    return invalid("attention backward: dbias must match bias");
   if (d.B * d.Hkv == 0) return ffi::Error::Success();
   bool ok = dispatch_float(t, [&](auto tag) {
     using T = decltype(tag);
@@ -869,7 +806,7 @@ ffi::Error AttentionBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuff
                             ffi::Result<ffi::AnyBuffer> dbias, double scale, double softcap,
                             int64_t mask_kind, int64_t window, int64_t has_mask,
                             int64_t has_bias) {
-  const Opts o = make_opts(scale, softcap, mask_kind, window, has_mask, has_bias);
+  const Opts o = attention::make_opts(scale, softcap, mask_kind, window, has_mask, has_bias);
   return attention_bwd_checked(pool, q, k, v, out, lse, dout, dlse, mask, bias, nullptr, nullptr,
                                dq, dk, dv, dbias, o);
 }
@@ -883,7 +820,7 @@ ffi::Error AttentionSegmentsBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
                                     ffi::Result<ffi::AnyBuffer> dbias, double scale,
                                     double softcap, int64_t mask_kind, int64_t window,
                                     int64_t has_mask, int64_t has_bias) {
-  const Opts o = make_opts(scale, softcap, mask_kind, window, has_mask, has_bias);
+  const Opts o = attention::make_opts(scale, softcap, mask_kind, window, has_mask, has_bias);
   return attention_bwd_checked(pool, q, k, v, out, lse, dout, dlse, mask, bias, &qseg, &kseg, dq,
                                dk, dv, dbias, o);
 }

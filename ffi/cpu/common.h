@@ -97,17 +97,6 @@ bool dispatch_float(ffi::DataType dtype, F&& fn) {
   }
 }
 
-// ---- shapes -----------------------------------------------------------------
-// Rows x width view of a buffer: all leading axes are rows, the last is the width.
-struct RowsView { int64_t rows; int64_t width; };
-inline RowsView rows_view(const ffi::AnyBuffer& b) {
-  auto d = b.dimensions();
-  if (d.size() == 0) return {1, 1};
-  int64_t rows = 1;
-  for (size_t i = 0; i + 1 < d.size(); ++i) rows *= d[i];
-  return {rows, d.back()};
-}
-
 // ---- parallel for -----------------------------------------------------------
 // Runs fn(task) for task in [0, n_tasks) on the caller and on XLA's intra-op pool.
 // Tasks are claimed from an atomic counter, so the caller never waits on a task

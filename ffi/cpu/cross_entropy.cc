@@ -20,6 +20,7 @@
 
 #include "cpu/common.h"
 #include "cpu/rowwise.h"
+#include "cross_entropy_checks.h"
 
 namespace rlx {
 namespace {
@@ -151,30 +152,10 @@ void ce_bwd_typed(ffi::ThreadPool& pool, const T* logits, const int32_t* labels,
   });
 }
 
-ffi::Error check_labels(const ffi::AnyBuffer& logits, const ffi::AnyBuffer& labels) {
-  auto dl = logits.dimensions(), dlab = labels.dimensions();
-  if (dl.size() < 1) return invalid("softmax_cross_entropy: logits must have rank >= 1");
-  if (labels.element_type() != ffi::DataType::S32)
-    return invalid("softmax_cross_entropy: labels must be int32, got " +
-                   dtype_name(labels.element_type()));
-  if (dlab.size() + 1 != dl.size() || !std::equal(dlab.begin(), dlab.end(), dl.begin()))
-    return invalid("softmax_cross_entropy: labels must have the shape of logits without its "
-                   "last (class) axis");
-  return ffi::Error::Success();
-}
-
-ffi::DataType stat_type(ffi::DataType t) {
-  return t == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
-}
-
 ffi::Error CeFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer logits, ffi::AnyBuffer labels,
                      ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse) {
-  if (auto e = check_labels(logits, labels); e.failure()) return e;
+  if (auto e = cross_entropy::check_fwd(Backend::kCpu, logits, labels, *loss, *lse); e.failure()) return e;
   auto [rows, classes] = rows_view(logits);
-  if (!same_dims(labels, *loss) || loss->element_type() != logits.element_type())
-    return invalid("softmax_cross_entropy: loss must have the labels' shape and the logits' dtype");
-  if (!same_dims(labels, *lse) || lse->element_type() != stat_type(logits.element_type()))
-    return invalid("softmax_cross_entropy: lse must be f32 (f64 for f64 logits), one per row");
   if (rows == 0) return ffi::Error::Success();
   if (classes == 0) return invalid("softmax_cross_entropy: logits need at least one class");
   bool ok = dispatch_float(logits.element_type(), [&](auto tag) {
@@ -191,16 +172,9 @@ ffi::Error CeFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer logits, ffi::AnyBuffer
 ffi::Error CeBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer logits, ffi::AnyBuffer labels,
                      ffi::AnyBuffer lse, ffi::AnyBuffer dloss,
                      ffi::Result<ffi::AnyBuffer> dlogits, bool recompute_lse) {
-  if (auto e = check_labels(logits, labels); e.failure()) return e;
+  if (auto e = cross_entropy::check_bwd(Backend::kCpu, logits, labels, lse, dloss, *dlogits); e.failure())
+    return e;
   auto [rows, classes] = rows_view(logits);
-  if (!same_dims(labels, lse) || lse.element_type() != stat_type(logits.element_type()))
-    return invalid("softmax_cross_entropy backward: lse must be f32 (f64 for f64 logits), one "
-                   "per row");
-  if (!same_dims(labels, dloss) || dloss.element_type() != logits.element_type())
-    return invalid("softmax_cross_entropy backward: dloss must have the labels' shape and the "
-                   "logits' dtype");
-  if (!same_dims(logits, *dlogits) || dlogits->element_type() != logits.element_type())
-    return invalid("softmax_cross_entropy backward: dlogits must match logits");
   if (rows == 0 || classes == 0) return ffi::Error::Success();
   bool ok = dispatch_float(logits.element_type(), [&](auto tag) {
     using T = decltype(tag);

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cpu/common.h"
+#include "cumsum_checks.h"
 
 namespace rlx {
 namespace {
@@ -90,10 +91,8 @@ void cumsum_typed(ffi::ThreadPool& pool, const T* x, T* y, int64_t outer, int64_
 
 ffi::Error CumsumImpl(ffi::ThreadPool& pool, const ffi::AnyBuffer& x,
                       ffi::Result<ffi::AnyBuffer>& y, bool exclusive, bool reverse) {
+  if (auto e = cumsum::check(x, *y); e.failure()) return e;
   auto d = x.dimensions();
-  if (d.size() != 3) return invalid("cumsum: x must be [outer, len, inner]");
-  if (!same_dims(x, *y) || y->element_type() != x.element_type())
-    return invalid("cumsum: output must match x in shape and dtype");
   if (x.element_count() == 0) return ffi::Error::Success();
   bool ok = dispatch_float(x.element_type(), [&](auto tag) {
     using T = decltype(tag);

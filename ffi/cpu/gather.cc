@@ -6,6 +6,7 @@
 // and each row is written exactly once (zero when its bucket is empty), its sum taken
 // in increasing k with f32 (f64) accumulation.
 #include "cpu/common.h"
+#include "gather_checks.h"
 
 namespace rlx {
 namespace {
@@ -69,17 +70,11 @@ void gather_bwd_typed(ffi::ThreadPool& pool, const T* dy, const Buckets& b, T* o
 
 ffi::Error GatherBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer idx,
                          ffi::Result<ffi::AnyBuffer> d_table) {
-  auto dd = dy.dimensions(), di = idx.dimensions(), dt = d_table->dimensions();
-  if (dd.size() != 3 || dt.size() != 3) return invalid("gather backward: dy and d_table must be [O, K, T] / [O, V, T]");
-  if (idx.element_type() != ffi::DataType::S32 || di.size() != 1 || di[0] != dd[1])
-    return invalid("gather backward: indices must be i32 [K] with K = dy.shape[1]");
-  if (dt[0] != dd[0] || dt[2] != dd[2]) return invalid("gather backward: d_table must be [O, V, T] for dy [O, K, T]");
-  if (d_table->element_type() != dy.element_type()) return invalid("gather backward: d_table dtype must match dy");
-  const int64_t o_dim = dd[0], k = dd[1], t = dd[2], v = dt[1];
-  if (o_dim == 0 || v == 0 || t == 0) {
-    if (k > 0 && v == 0 && o_dim * t > 0) return invalid("gather backward: indices into an empty axis");
-    return ffi::Error::Success();
-  }
+  gather::Shape sh{};
+  if (auto e = gather::check_dy_and_d_table(dy, *d_table, sh); e.failure()) return e;
+  if (auto e = gather::check_index_vector(idx, sh, ": indices"); e.failure()) return e;
+  const int64_t o_dim = sh.o, k = sh.k, t = sh.t, v = sh.v;
+  if (o_dim == 0 || v == 0 || t == 0) return gather::check_empty_table(sh);
   const Buckets b = bucket_rows(static_cast<const int32_t*>(idx.untyped_data()), k, v);
   bool ok = dispatch_float(dy.element_type(), [&](auto tag) {
     using T = decltype(tag);

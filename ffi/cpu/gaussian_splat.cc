@@ -16,6 +16,7 @@
 
 #include "cpu/common.h"
 #include "cpu/gaussian_splat_math.h"
+#include "gaussian_splat_checks.h"
 
 namespace rlx {
 namespace {
@@ -163,29 +164,17 @@ inline void composite(const Prepared& pr, const Params& p, int64_t a, int64_t b,
   t_final = T;
 }
 
-bool read_scene(const ffi::Buffer<ffi::F32>& pos, const ffi::Buffer<ffi::F32>& scale,
-                const ffi::Buffer<ffi::F32>& rot, const ffi::Buffer<ffi::F32>& opac,
-                const ffi::Buffer<ffi::F32>& col, const ffi::Buffer<ffi::F32>& sh, const ffi::Buffer<ffi::F32>& meta,
-                Scene& s, std::string& err) {
-  s.n = int64_t(pos.element_count()) / 3;
+ffi::Error read_scene(const ffi::Buffer<ffi::F32>& pos, const ffi::Buffer<ffi::F32>& scale,
+                      const ffi::Buffer<ffi::F32>& rot, const ffi::Buffer<ffi::F32>& opac,
+                      const ffi::Buffer<ffi::F32>& col, const ffi::Buffer<ffi::F32>& sh,
+                      const ffi::Buffer<ffi::F32>& meta, Scene& s) {
+  splat::SceneSize size{};
+  if (auto e = splat::check_scene(Backend::kCpu, pos, scale, rot, opac, col, sh, meta, size); e.failure()) return e;
+  s.n = size.n;
+  s.k = size.k;
   s.pos = pos.typed_data(); s.scale = scale.typed_data(); s.rot = rot.typed_data();
   s.opac = opac.typed_data(); s.col = col.typed_data(); s.sh = sh.typed_data();
-  if (int64_t(pos.element_count()) != 3 * s.n || int64_t(scale.element_count()) != 3 * s.n ||
-      int64_t(rot.element_count()) != 4 * s.n || int64_t(opac.element_count()) != s.n ||
-      int64_t(col.element_count()) != 3 * s.n) {
-    err = "gaussian_splat: scene buffers disagree on the Gaussian count";
-    return false;
-  }
-  s.k = s.n ? int64_t(sh.element_count()) / (3 * s.n) : 0;
-  if (s.n && (s.k * 3 * s.n != int64_t(sh.element_count()) || s.k > splat::kMaxSh)) {
-    err = "gaussian_splat: sh_coeffs must hold K <= 16 coefficients x 3 per Gaussian";
-    return false;
-  }
-  if (meta.element_count() != 23) {
-    err = "gaussian_splat: meta must have 23 values";
-    return false;
-  }
-  return true;
+  return ffi::Error::Success();
 }
 
 Params make_params(int64_t width, int64_t height, int64_t tile_size, float radius_scale, float alpha_cutoff,
@@ -199,10 +188,9 @@ ffi::Error SplatFwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> pos, ffi::Bu
                         int64_t width, int64_t height, int64_t tile_size, float radius_scale, float alpha_cutoff,
                         int64_t max_splat_steps, float transmittance_threshold, int64_t max_list_entries) {
   if (width <= 0 || height <= 0 || tile_size <= 0) return invalid("gaussian_splat: width, height, tile_size must be > 0");
-  if (int64_t(img->element_count()) != width * height * 4) return invalid("gaussian_splat: image must be [H*W*4]");
+  if (auto e = splat::check_image("image", img->element_count(), width, height); e.failure()) return e;
   Scene s;
-  std::string err;
-  if (!read_scene(pos, scale, rot, opac, col, sh, meta, s, err)) return invalid(err);
+  if (auto e = read_scene(pos, scale, rot, opac, col, sh, meta, s); e.failure()) return e;
   Params p = make_params(width, height, tile_size, radius_scale, alpha_cutoff, max_splat_steps,
                          transmittance_threshold, max_list_entries);
   Camera cam = splat::camera_from_meta(meta.typed_data(), p.width, p.height);
@@ -238,15 +226,13 @@ ffi::Error SplatBwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> pos, ffi::Bu
                         int64_t max_splat_steps, float transmittance_threshold, int64_t max_list_entries,
                         float loss_grad_clip, int64_t sh_band, float max_anisotropy) {
   if (width <= 0 || height <= 0 || tile_size <= 0) return invalid("gaussian_splat: width, height, tile_size must be > 0");
-  if (int64_t(dimg.element_count()) != width * height * 4) return invalid("gaussian_splat: dy must be [H*W*4]");
+  if (auto e = splat::check_image("dy", dimg.element_count(), width, height); e.failure()) return e;
   Scene s;
-  std::string err;
-  if (!read_scene(pos, scale, rot, opac, col, sh, meta, s, err)) return invalid(err);
-  // the gradients are written with the scene's sizes: a smaller result would overflow
-  if (d_pos->element_count() != pos.element_count() || d_scale->element_count() != scale.element_count() ||
-      d_rot->element_count() != rot.element_count() || d_opac->element_count() != opac.element_count() ||
-      d_col->element_count() != col.element_count() || d_sh->element_count() != sh.element_count())
-    return invalid("gaussian_splat backward: each gradient must have the size of its scene buffer");
+  if (auto e = read_scene(pos, scale, rot, opac, col, sh, meta, s); e.failure()) return e;
+  if (auto e = splat::check_gradient_sizes(pos, scale, rot, opac, col, sh, *d_pos, *d_scale, *d_rot, *d_opac, *d_col,
+                                           *d_sh);
+      e.failure())
+    return e;
   Params p = make_params(width, height, tile_size, radius_scale, alpha_cutoff, max_splat_steps,
                          transmittance_threshold, max_list_entries);
   const int64_t n = s.n;

@@ -20,13 +20,12 @@
 
 #include "cpu/common.h"
 #include "cpu/norm_rows.h"
+#include "group_norm_checks.h"
 
 namespace rlx {
 namespace {
 
-struct Layout {
-  int64_t n, c, s, groups, k, m;  // batch, channels, spatial, groups, channels/group, block
-};
+using group_norm::Layout;
 
 template <typename T>
 void group_norm_fwd_typed(ffi::ThreadPool& pool, const Layout& L, const T* x, const T* gamma,
@@ -118,63 +117,14 @@ void group_norm_bwd_typed(ffi::ThreadPool& pool, const Layout& L, const T* x, co
   });
 }
 
-ffi::DataType stat_type(ffi::DataType t) {
-  return t == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
-}
-
-// Validates x [N, C, ...] against num_groups and a [C] parameter; fills the layout.
-ffi::Error check_x(const ffi::AnyBuffer& x, int64_t num_groups, Layout& L) {
-  auto d = x.dimensions();
-  if (d.size() < 2) return invalid("group_norm: x must have rank >= 2 ([N, C, ...])");
-  L.n = d[0];
-  L.c = d[1];
-  L.s = 1;
-  for (size_t i = 2; i < d.size(); ++i) L.s *= d[i];
-  if (num_groups < 1) return invalid("group_norm: num_groups must be >= 1");
-  if (L.c % num_groups != 0)
-    return invalid("group_norm: channels " + std::to_string(L.c) + " not divisible by num_groups " +
-                   std::to_string(num_groups));
-  L.groups = num_groups;
-  L.k = L.c / num_groups;
-  L.m = L.k * L.s;
-  return ffi::Error::Success();
-}
-
-ffi::Error check_param(const ffi::AnyBuffer& x, const Layout& L, const ffi::AnyBuffer& p,
-                       const char* what) {
-  auto d = p.dimensions();
-  if (d.size() != 1 || d[0] != L.c)
-    return invalid(std::string("group_norm: ") + what + " must have shape [" + std::to_string(L.c) +
-                   "] (the channel axis of x)");
-  if (p.element_type() != x.element_type())
-    return invalid(std::string("group_norm: ") + what + " dtype " + dtype_name(p.element_type()) +
-                   " differs from x dtype " + dtype_name(x.element_type()));
-  return ffi::Error::Success();
-}
-
-ffi::Error check_stat(const ffi::AnyBuffer& x, const Layout& L, ffi::DataType t, size_t count,
-                      const char* what) {
-  if (t != stat_type(x.element_type()) || static_cast<int64_t>(count) != L.n * L.groups)
-    return invalid(std::string("group_norm: ") + what +
-                   " must be f32 (f64 for f64 x) with one value per (sample, group)");
-  return ffi::Error::Success();
-}
-
 ffi::Error GroupNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
                             ffi::AnyBuffer beta, ffi::Result<ffi::AnyBuffer> y,
                             ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> rstd,
                             int64_t num_groups, float eps) {
   Layout L;
-  if (auto e = check_x(x, num_groups, L); e.failure()) return e;
-  if (auto e = check_param(x, L, gamma, "gamma"); e.failure()) return e;
-  if (auto e = check_param(x, L, beta, "beta"); e.failure()) return e;
-  if (!same_dims(x, *y) || y->element_type() != x.element_type())
-    return invalid("group_norm: output y must match x");
-  if (auto e = check_stat(x, L, mean->element_type(), mean->element_count(), "mean"); e.failure())
+  if (auto e = group_norm::check_fwd(Backend::kCpu, x, gamma, beta, *y, *mean, *rstd, num_groups, eps, L);
+      e.failure())
     return e;
-  if (auto e = check_stat(x, L, rstd->element_type(), rstd->element_count(), "rstd"); e.failure())
-    return e;
-  if (!(eps >= 0.0f)) return invalid("group_norm: eps must be >= 0");
   if (L.n * L.groups == 0) return ffi::Error::Success();
   bool ok = dispatch_float(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
@@ -200,17 +150,9 @@ ffi::Error GroupNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
                             ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dgamma,
                             ffi::Result<ffi::AnyBuffer> dbeta, int64_t num_groups) {
   Layout L;
-  if (auto e = check_x(x, num_groups, L); e.failure()) return e;
-  if (auto e = check_param(x, L, gamma, "gamma"); e.failure()) return e;
-  if (!same_dims(x, dy) || dy.element_type() != x.element_type())
-    return invalid("group_norm backward: dy must match x in shape and dtype");
-  if (!same_dims(x, *dx) || dx->element_type() != x.element_type())
-    return invalid("group_norm backward: dx must match x");
-  if (auto e = check_param(x, L, *dgamma, "dgamma"); e.failure()) return e;
-  if (auto e = check_param(x, L, *dbeta, "dbeta"); e.failure()) return e;
-  if (auto e = check_stat(x, L, mean.element_type(), mean.element_count(), "mean"); e.failure())
-    return e;
-  if (auto e = check_stat(x, L, rstd.element_type(), rstd.element_count(), "rstd"); e.failure())
+  if (auto e = group_norm::check_bwd(Backend::kCpu, x, gamma, mean, rstd, dy, *dx, *dgamma, *dbeta,
+                                     num_groups, L);
+      e.failure())
     return e;
   bool ok = dispatch_float(x.element_type(), [&](auto tag) {
     using T = decltype(tag);

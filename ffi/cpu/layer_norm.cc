@@ -27,6 +27,7 @@
 #include "cpu/common.h"
 #include "cpu/norm_rows.h"
 #include "cpu/rowwise.h"
+#include "layer_norm_checks.h"
 
 namespace rlx {
 namespace {
@@ -277,45 +278,12 @@ void layer_norm_bwd_typed(ffi::ThreadPool& pool, const T* x, const T* gamma_in,
   });
 }
 
-ffi::Error check_param(const ffi::AnyBuffer& x, const ffi::AnyBuffer& p, const char* what) {
-  auto d = p.dimensions();
-  if (x.dimensions().size() < 1) return invalid("layer_norm: x must have rank >= 1");
-  const int64_t width = rows_view(x).width;
-  if (d.size() != 1 || d[0] != width)
-    return invalid(std::string("layer_norm: ") + what + " must have shape [" +
-                   std::to_string(width) + "] (the last axis of x)");
-  if (p.element_type() != x.element_type())
-    return invalid(std::string("layer_norm: ") + what + " dtype " + dtype_name(p.element_type()) +
-                   " differs from x dtype " + dtype_name(x.element_type()));
-  return ffi::Error::Success();
-}
-
-ffi::DataType stat_type(ffi::DataType t) {
-  return t == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
-}
-
-ffi::Error check_stat(const ffi::AnyBuffer& x, ffi::DataType t, int64_t n, const char* what) {
-  if (t != stat_type(x.element_type()))
-    return invalid(std::string("layer_norm: ") + what + " must be f32 (f64 for f64 x), got " +
-                   dtype_name(t));
-  if (n != rows_view(x).rows)
-    return invalid(std::string("layer_norm: ") + what + " must have one value per row of x");
-  return ffi::Error::Success();
-}
-
 ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
                             ffi::AnyBuffer beta, ffi::Result<ffi::AnyBuffer> y,
                             ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> rstd,
                             float eps) {
-  if (auto e = check_param(x, gamma, "gamma"); e.failure()) return e;
-  if (auto e = check_param(x, beta, "beta"); e.failure()) return e;
-  if (!same_dims(x, *y) || y->element_type() != x.element_type())
-    return invalid("layer_norm: output y must match x");
-  if (auto e = check_stat(x, mean->element_type(), mean->element_count(), "mean"); e.failure())
+  if (auto e = layer_norm::check_fwd(Backend::kCpu, x, gamma, beta, *y, *mean, *rstd, eps); e.failure())
     return e;
-  if (auto e = check_stat(x, rstd->element_type(), rstd->element_count(), "rstd"); e.failure())
-    return e;
-  if (!(eps >= 0.0f)) return invalid("layer_norm: eps must be >= 0");
   auto [rows, width] = rows_view(x);
   if (rows == 0) return ffi::Error::Success();
   bool ok = dispatch_float(x.element_type(), [&](auto tag) {
@@ -340,16 +308,8 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
                             ffi::AnyBuffer mean, ffi::AnyBuffer rstd, ffi::AnyBuffer dy,
                             ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dgamma,
                             ffi::Result<ffi::AnyBuffer> dbeta) {
-  if (auto e = check_param(x, gamma, "gamma"); e.failure()) return e;
-  if (!same_dims(x, dy) || dy.element_type() != x.element_type())
-    return invalid("layer_norm backward: dy must match x in shape and dtype");
-  if (!same_dims(x, *dx) || dx->element_type() != x.element_type())
-    return invalid("layer_norm backward: dx must match x");
-  if (auto e = check_param(x, *dgamma, "dgamma"); e.failure()) return e;
-  if (auto e = check_param(x, *dbeta, "dbeta"); e.failure()) return e;
-  if (auto e = check_stat(x, mean.element_type(), mean.element_count(), "mean"); e.failure())
-    return e;
-  if (auto e = check_stat(x, rstd.element_type(), rstd.element_count(), "rstd"); e.failure())
+  if (auto e = layer_norm::check_bwd(Backend::kCpu, x, gamma, mean, rstd, dy, *dx, *dgamma, *dbeta);
+      e.failure())
     return e;
   auto [rows, width] = rows_view(x);
   if (width == 0) return ffi::Error::Success();

@@ -15,6 +15,7 @@
 #include <cmath>
 
 #include "cpu/common.h"
+#include "quantize_checks.h"
 
 namespace rlx {
 namespace {
@@ -24,17 +25,6 @@ struct QuantView {
   int64_t rows() const { return g * o * c; }
   int64_t scale_index(int64_t r) const { return (r / (o * c)) * c + r % c; }
 };
-
-ffi::Error quant_view(const char* who, const ffi::AnyBuffer& x, const ffi::AnyBuffer& s, QuantView* v) {
-  auto dx = x.dimensions(), ds = s.dimensions();
-  if (dx.size() != 4) return invalid(std::string(who) + ": x must be [G, O, C, I]");
-  if (ds.size() != 2 || ds[0] != dx[0] || ds[1] != dx[2])
-    return invalid(std::string(who) + ": scale must be [G, C] for x [G, O, C, I]");
-  const ffi::DataType acc = x.element_type() == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
-  if (s.element_type() != acc) return invalid(std::string(who) + ": scale must be f32 (f64 for f64 x)");
-  *v = {dx[0], dx[1], dx[2], dx[3]};
-  return ffi::Error::Success();
-}
 
 // round half away from zero of |z| <= q + 1 <= 2^15 (vectorisable: a 32-bit integer
 // conversion, which SSE2 has for f32 and f64; a 64-bit one would stay scalar)
@@ -162,13 +152,9 @@ void lsq_bwd_typed(ffi::ThreadPool& pool, const T* x, const void* s_in, const T*
 
 ffi::Error FakeQuantizeBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s, ffi::AnyBuffer dy,
                                ffi::Result<ffi::AnyBuffer> dx, float q_max, int64_t ste) {
-  QuantView v;
-  if (auto e = quant_view("fake_quantize backward", x, s, &v); e.failure()) return e;
-  if (!same_dims(x, dy) || dy.element_type() != x.element_type() || !same_dims(x, *dx) ||
-      dx->element_type() != x.element_type())
-    return invalid("fake_quantize backward: dy and dx must match x in shape and dtype");
-  if (ste < 0 || ste > 3) return invalid("fake_quantize backward: ste code must be 0..3");
-  if (!(q_max >= 1.0f)) return invalid("fake_quantize backward: q_max must be >= 1");
+  quantize::Shape sh{};
+  if (auto e = quantize::check_ste_bwd(Backend::kCpu, x, s, dy, *dx, q_max, ste, sh); e.failure()) return e;
+  const QuantView v{sh.g, sh.o, sh.c, sh.i};
   if (v.rows() == 0 || v.i == 0) return ffi::Error::Success();
   bool ok = dispatch_float(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
@@ -188,14 +174,9 @@ ffi::Error FakeQuantizeBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyB
 
 ffi::Error LsqBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s, ffi::AnyBuffer dy,
                       ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> ds, float q_max) {
-  QuantView v;
-  if (auto e = quant_view("fake_quantize_lsq backward", x, s, &v); e.failure()) return e;
-  if (!same_dims(x, dy) || dy.element_type() != x.element_type() || !same_dims(x, *dx) ||
-      dx->element_type() != x.element_type())
-    return invalid("fake_quantize_lsq backward: dy and dx must match x in shape and dtype");
-  if (!same_dims(s, *ds) || ds->element_type() != s.element_type())
-    return invalid("fake_quantize_lsq backward: dscale must match scale");
-  if (!(q_max >= 1.0f)) return invalid("fake_quantize_lsq backward: q_max must be >= 1");
+  quantize::Shape sh{};
+  if (auto e = quantize::check_lsq_bwd(Backend::kCpu, x, s, dy, *dx, *ds, q_max, sh); e.failure()) return e;
+  const QuantView v{sh.g, sh.o, sh.c, sh.i};
   bool ok = dispatch_float(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
     using A = typename Accum<T>::type;

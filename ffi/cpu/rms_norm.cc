@@ -24,6 +24,7 @@
 
 #include "cpu/common.h"
 #include "cpu/rowwise.h"
+#include "rms_norm_checks.h"
 
 namespace rlx {
 namespace {
@@ -283,35 +284,11 @@ void rms_norm_bwd_typed(ffi::ThreadPool& pool, const T* x, const T* gamma, const
   });
 }
 
-ffi::Error check_params(const ffi::AnyBuffer& x, const ffi::AnyBuffer& p, const char* what) {
-  auto d = p.dimensions();
-  int64_t width = rows_view(x).width;
-  if (x.dimensions().size() < 1) return invalid("rms_norm: x must have rank >= 1");
-  if (d.size() != 1 || d[0] != width)
-    return invalid(std::string("rms_norm: ") + what + " must have shape [" +
-                   std::to_string(width) + "] (the last axis of x)");
-  if (p.element_type() != x.element_type())
-    return invalid(std::string("rms_norm: ") + what + " dtype " + dtype_name(p.element_type()) +
-                   " differs from x dtype " + dtype_name(x.element_type()));
-  return ffi::Error::Success();
-}
-
-ffi::DataType stat_type(ffi::DataType t) {
-  return t == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
-}
-
 ffi::Error RmsNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
                           ffi::AnyBuffer beta, ffi::Result<ffi::AnyBuffer> y,
                           ffi::Result<ffi::AnyBuffer> rstd, float eps) {
-  if (auto e = check_params(x, gamma, "gamma"); e.failure()) return e;
-  if (auto e = check_params(x, beta, "beta"); e.failure()) return e;
-  if (!same_dims(x, *y) || y->element_type() != x.element_type())
-    return invalid("rms_norm: output y must match x");
-  if (rstd->element_type() != stat_type(x.element_type()))
-    return invalid("rms_norm: rstd must be f32 (f64 for f64 inputs)");
-  if (!(eps >= 0.0f)) return invalid("rms_norm: eps must be >= 0");
+  if (auto e = rms_norm::check_fwd(Backend::kCpu, x, gamma, beta, *y, *rstd, eps); e.failure()) return e;
   auto [rows, width] = rows_view(x);
-  if (int64_t(rstd->element_count()) != rows) return invalid("rms_norm: rstd must have one value per row");
   if (rows == 0 || width == 0) return ffi::Error::Success();
   bool ok = dispatch_float(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
@@ -328,16 +305,9 @@ ffi::Error RmsNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
 ffi::Error RmsNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
                           ffi::AnyBuffer rstd, ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dx,
                           ffi::Result<ffi::AnyBuffer> dgamma, ffi::Result<ffi::AnyBuffer> dbeta) {
-  if (auto e = check_params(x, gamma, "gamma"); e.failure()) return e;
-  if (!same_dims(x, dy) || dy.element_type() != x.element_type())
-    return invalid("rms_norm backward: dy must match x in shape and dtype");
-  if (!same_dims(x, *dx) || dx->element_type() != x.element_type())
-    return invalid("rms_norm backward: dx must match x");
-  if (auto e = check_params(x, *dgamma, "dgamma"); e.failure()) return e;
-  if (auto e = check_params(x, *dbeta, "dbeta"); e.failure()) return e;
+  if (auto e = rms_norm::check_bwd(Backend::kCpu, x, gamma, rstd, dy, *dx, *dgamma, *dbeta); e.failure())
+    return e;
   auto [rows, width] = rows_view(x);
-  if (rstd.element_type() != stat_type(x.element_type()) || int64_t(rstd.element_count()) != rows)
-    return invalid("rms_norm backward: rstd must be f32 (f64 for f64 x) with one value per row");
   if (width == 0) return ffi::Error::Success();
   bool ok = dispatch_float(x.element_type(), [&](auto tag) {
     using T = decltype(tag);

@@ -28,6 +28,7 @@
 
 #include "cpu/common.h"
 #include "cpu/rowwise.h"
+#include "softmax_checks.h"
 
 namespace rlx {
 namespace {
@@ -316,16 +317,8 @@ void softmax_bwd_x_typed<double>(ffi::ThreadPool& pool, const double* x, const d
   });
 }
 
-ffi::Error check_like(const ffi::AnyBuffer& ref, const ffi::AnyBuffer& b, const char* what) {
-  if (!same_dims(ref, b) || b.element_type() != ref.element_type())
-    return invalid(std::string("softmax: ") + what + " must match x in shape and dtype (" +
-                   dtype_name(ref.element_type()) + ")");
-  return ffi::Error::Success();
-}
-
 ffi::Error SoftmaxFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
-  if (x.dimensions().size() < 1) return invalid("softmax: x must have rank >= 1");
-  if (auto e = check_like(x, *y, "output y"); e.failure()) return e;
+  if (auto e = softmax::check_fwd(x, *y); e.failure()) return e;
   auto [rows, width] = rows_view(x);
   if (rows == 0 || width == 0) return ffi::Error::Success();
   bool ok = dispatch_float(x.element_type(), [&](auto tag) {
@@ -339,9 +332,7 @@ ffi::Error SoftmaxFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ff
 
 ffi::Error SoftmaxBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer y, ffi::AnyBuffer dy,
                           ffi::Result<ffi::AnyBuffer> dx) {
-  if (y.dimensions().size() < 1) return invalid("softmax backward: y must have rank >= 1");
-  if (auto e = check_like(y, dy, "dy"); e.failure()) return e;
-  if (auto e = check_like(y, *dx, "output dx"); e.failure()) return e;
+  if (auto e = softmax::check_bwd(y, "y", dy, *dx); e.failure()) return e;
   auto [rows, width] = rows_view(y);
   if (rows == 0 || width == 0) return ffi::Error::Success();
   bool ok = dispatch_float(y.element_type(), [&](auto tag) {
@@ -356,9 +347,7 @@ ffi::Error SoftmaxBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer y, ffi::AnyBuffer
 
 ffi::Error SoftmaxBwdXImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dy,
                            ffi::Result<ffi::AnyBuffer> dx) {
-  if (x.dimensions().size() < 1) return invalid("softmax backward: x must have rank >= 1");
-  if (auto e = check_like(x, dy, "dy"); e.failure()) return e;
-  if (auto e = check_like(x, *dx, "output dx"); e.failure()) return e;
+  if (auto e = softmax::check_bwd(x, "x", dy, *dx); e.failure()) return e;
   auto [rows, width] = rows_view(x);
   if (rows == 0 || width == 0) return ffi::Error::Success();
   bool ok = dispatch_float(x.element_type(), [&](auto tag) {

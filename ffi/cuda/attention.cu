@@ -29,6 +29,7 @@
 #include <cmath>
 #include <string>
 
+#include "attention_checks.h"
 #include "cuda/attention_launch.cuh"
 
 namespace rlx {
@@ -37,55 +38,28 @@ namespace {
 
 using attn::AttnArgs;
 
-std::string dims_str(const ffi::AnyBuffer& x) {
-  std::string s = "[";
-  auto dd = x.dimensions();
-  for (size_t i = 0; i < dd.size(); ++i) s += (i ? ", " : "") + std::to_string(dd[i]);
-  return s + "]";
-}
-bool has_dims(const ffi::AnyBuffer& x, std::initializer_list<int64_t> want) {
-  auto dd = x.dimensions();
-  return dd.size() == want.size() && std::equal(dd.begin(), dd.end(), want.begin());
-}
-struct Opts {
-  int64_t kind, window;
-  double scale, softcap;
-  bool has_mask, has_bias;
-};
+using attention::Dims;
+using attention::Opts;
 
+// The shared checks (attention_checks.h) plus the CUDA kernels' dtypes and head-dim limit; fills
+// the kernels' arguments.
 ffi::Error check_inputs(const char* who, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                         const ffi::AnyBuffer& mask, const ffi::AnyBuffer& bias, const Opts& o, AttnArgs* a) {
   const std::string w = who;
-  if (q.dimensions().size() != 4 || k.dimensions().size() != 4)
-    return invalid(w + ": q and k must have rank 4 ([B, S, H, D]), got q " + dims_str(q) + ", k " + dims_str(k));
-  auto qd = q.dimensions(), kd = k.dimensions();
-  *a = AttnArgs{};
-  a->B = qd[0];
-  a->Sq = qd[1];
-  a->H = qd[2];
-  a->D = qd[3];
-  a->Sk = kd[1];
-  a->Hkv = kd[2];
-  if (kd[0] != a->B || kd[3] != a->D)
-    return invalid(w + ": k " + dims_str(k) + " does not match q " + dims_str(q) + " in batch or head dim");
-  if (!same_dims(k, v)) return invalid(w + ": v " + dims_str(v) + " must match k " + dims_str(k));
-  if (a->Hkv == 0 ? a->H != 0 : a->H % a->Hkv != 0)
-    return invalid(w + ": kv heads (" + std::to_string(a->Hkv) + ") must divide heads (" + std::to_string(a->H) +
-                   ")");
+  Dims d;
+  if (auto e = attention::check_inputs(Backend::kCuda, who, q, k, v, mask, bias, o, &d); e.failure()) return e;
   const auto t = q.element_type();
   if (t != ffi::DataType::F32 && t != ffi::DataType::BF16 && t != ffi::DataType::F16)
     return invalid(w + " (cuda): unsupported dtype " + dtype_name(t) + " (f32, bf16, f16)");
-  if (k.element_type() != t || v.element_type() != t) return invalid(w + ": q, k, v dtypes differ");
-  if (o.has_mask && (mask.element_type() != ffi::DataType::F32 || !has_dims(mask, {a->B, a->Sk})))
-    return invalid(w + ": mask must be f32 [B, Sk], got " + dims_str(mask));
-  if (o.has_bias && (bias.element_type() != t || !has_dims(bias, {a->B, a->H, a->Sq, a->Sk})))
-    return invalid(w + ": bias must be [B, H, Sq, Sk] with q's dtype, got " + dims_str(bias));
-  if (o.kind < 0 || o.kind > 2) return invalid(w + ": mask_kind must be 0, 1 or 2");
-  if (o.kind == 2 && o.window < 0) return invalid(w + ": window must be >= 0");
-  if (!(o.softcap >= 0.0) || !std::isfinite(o.softcap) || !std::isfinite(o.scale))
-    return invalid(w + ": softcap must be >= 0 (0: off) and finite, scale finite");
-  if (a->D > attn::kGenMaxD)
-    return invalid(w + " (cuda): head dim " + std::to_string(a->D) + " > " + std::to_string(attn::kGenMaxD));
+  if (d.D > attn::kGenMaxD)
+    return invalid(w + " (cuda): head dim " + std::to_string(d.D) + " > " + std::to_string(attn::kGenMaxD));
+  *a = AttnArgs{};
+  a->B = d.B;
+  a->Sq = d.Sq;
+  a->H = d.H;
+  a->D = d.D;
+  a->Sk = d.Sk;
+  a->Hkv = d.Hkv;
   a->group = a->Hkv > 0 ? a->H / a->Hkv : 1;
   a->off = a->Sk > a->Sq ? a->Sk - a->Sq : 0;
   a->kind = int(o.kind);
@@ -96,21 +70,15 @@ ffi::Error check_inputs(const char* who, const ffi::AnyBuffer& q, const ffi::Any
   return ffi::Error::Success();
 }
 
-
-Opts make_opts(double scale, double softcap, int64_t kind, int64_t window, int64_t has_mask, int64_t has_bias) {
-  return Opts{kind, window, scale, softcap, has_mask != 0, has_bias != 0};
-}
-
 ffi::Error AttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                             ffi::AnyBuffer mask, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
                             ffi::Result<ffi::AnyBuffer> lse, double scale, double softcap, int64_t mask_kind,
                             int64_t window, int64_t has_mask, int64_t has_bias) {
-  const Opts o = make_opts(scale, softcap, mask_kind, window, has_mask, has_bias);
+  const Opts o = attention::make_opts(scale, softcap, mask_kind, window, has_mask, has_bias);
   AttnArgs a;
   if (auto e = check_inputs("attention", q, k, v, mask, bias, o, &a); e.failure()) return e;
-  if (!same_dims(q, *out) || out->element_type() != q.element_type()) return invalid("attention: out must match q");
-  if (lse->element_type() != ffi::DataType::F32 || !has_dims(*lse, {a.B, a.H, a.Sq}))
-    return invalid("attention (cuda): lse must be [B, H, Sq] f32");
+  const Dims d{a.B, a.Sq, a.Sk, a.H, a.Hkv, a.D};
+  if (auto e = attention::check_fwd_results(Backend::kCuda, q, *out, *lse, d); e.failure()) return e;
   if (a.B * a.H * a.Sq == 0) return ffi::Error::Success();
   if (o.has_mask) a.mask = static_cast<const float*>(mask.untyped_data());
   ffi::Error result = ffi::Error::Success();
@@ -130,22 +98,15 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
                             ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                             ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> scratch, double scale,
                             double softcap, int64_t mask_kind, int64_t window, int64_t has_mask, int64_t has_bias) {
-  const Opts o = make_opts(scale, softcap, mask_kind, window, has_mask, has_bias);
+  const Opts o = attention::make_opts(scale, softcap, mask_kind, window, has_mask, has_bias);
   AttnArgs a;
   const char* who = "attention backward";
   if (auto e = check_inputs(who, q, k, v, mask, bias, o, &a); e.failure()) return e;
+  const Dims d{a.B, a.Sq, a.Sk, a.H, a.Hkv, a.D};
+  if (auto e = attention::check_bwd_rest(Backend::kCuda, q, k, bias, out, lse, dout, dlse, *dq, *dk, *dv, *dbias, o, d);
+      e.failure())
+    return e;
   const auto t = q.element_type();
-  for (const ffi::AnyBuffer* x : {&out, &dout})
-    if (!same_dims(q, *x) || x->element_type() != t)
-      return invalid("attention backward: out and dout must match q in shape and dtype");
-  for (const ffi::AnyBuffer* x : {&lse, &dlse})
-    if (x->element_type() != ffi::DataType::F32 || !has_dims(*x, {a.B, a.H, a.Sq}))
-      return invalid("attention backward (cuda): lse and dlse must be [B, H, Sq] f32");
-  if (!same_dims(q, *dq) || dq->element_type() != t || !same_dims(k, *dk) || dk->element_type() != t ||
-      !same_dims(k, *dv) || dv->element_type() != t)
-    return invalid("attention backward: dq, dk, dv must match q, k, v");
-  if (o.has_bias && (!same_dims(bias, *dbias) || dbias->element_type() != t))
-    return invalid("attention backward: dbias must match bias");
   const int64_t need = a.B * a.H * a.Sq;
   if (scratch->element_type() != ffi::DataType::F32 || int64_t(scratch->element_count()) < need)
     return invalid("attention backward (cuda): scratch must be f32 with at least B * H * Sq (" +

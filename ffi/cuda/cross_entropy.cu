@@ -16,6 +16,7 @@
 // the row's chunks in reverse: the last chunk is still in registers and the others are
 // re-read from L2. Layout: rowwise_common.cuh.
 #include "cuda/rowwise_common.cuh"
+#include "cross_entropy_checks.h"
 
 namespace rlx {
 namespace cuda {
@@ -146,28 +147,9 @@ ffi::Error launch_bwd(cudaStream_t stream, const T* logits, const int32_t* label
   return check_launch("softmax_cross_entropy backward (cuda) launch");
 }
 
-ffi::Error check_labels(const ffi::AnyBuffer& logits, const ffi::AnyBuffer& labels) {
-  auto dl = logits.dimensions(), dt = labels.dimensions();
-  if (dl.size() < 1) return invalid("softmax_cross_entropy: logits must have rank >= 1");
-  if (labels.element_type() != ffi::DataType::S32)
-    return invalid("softmax_cross_entropy: labels must be int32, got " + dtype_name(labels.element_type()));
-  if (dt.size() + 1 != dl.size() || !std::equal(dt.begin(), dt.end(), dl.begin()))
-    return invalid("softmax_cross_entropy: labels must have the shape of logits without its last axis");
-  return ffi::Error::Success();
-}
-
-bool rows_shaped(const ffi::AnyBuffer& a, const ffi::AnyBuffer& labels) {
-  auto da = a.dimensions(), dt = labels.dimensions();
-  return da.size() == dt.size() && std::equal(da.begin(), da.end(), dt.begin());
-}
-
 ffi::Error CeFwdImpl(cudaStream_t stream, ffi::AnyBuffer logits, ffi::AnyBuffer labels,
                      ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse) {
-  if (auto e = check_labels(logits, labels); e.failure()) return e;
-  if (!rows_shaped(*loss, labels) || loss->element_type() != logits.element_type())
-    return invalid("softmax_cross_entropy: loss must have the labels' shape and the logits' dtype");
-  if (!rows_shaped(*lse, labels) || lse->element_type() != ffi::DataType::F32)
-    return invalid("softmax_cross_entropy (cuda): lse must be f32, one per row");
+  if (auto e = cross_entropy::check_fwd(Backend::kCuda, logits, labels, *loss, *lse); e.failure()) return e;
   const RowsView v = rows_view(logits);
   if (v.rows == 0) return ffi::Error::Success();
   if (v.width == 0) return invalid("softmax_cross_entropy: logits need at least one class");
@@ -184,13 +166,8 @@ ffi::Error CeFwdImpl(cudaStream_t stream, ffi::AnyBuffer logits, ffi::AnyBuffer 
 
 ffi::Error CeBwdImpl(cudaStream_t stream, ffi::AnyBuffer logits, ffi::AnyBuffer labels, ffi::AnyBuffer lse,
                      ffi::AnyBuffer dloss, ffi::Result<ffi::AnyBuffer> dlogits, bool recompute_lse) {
-  if (auto e = check_labels(logits, labels); e.failure()) return e;
-  if (!rows_shaped(lse, labels) || lse.element_type() != ffi::DataType::F32)
-    return invalid("softmax_cross_entropy backward (cuda): lse must be f32, one per row");
-  if (!rows_shaped(dloss, labels) || dloss.element_type() != logits.element_type())
-    return invalid("softmax_cross_entropy backward: dloss must have the labels' shape and the logits' dtype");
-  if (!same_dims(logits, *dlogits) || dlogits->element_type() != logits.element_type())
-    return invalid("softmax_cross_entropy backward: dlogits must match logits");
+  if (auto e = cross_entropy::check_bwd(Backend::kCuda, logits, labels, lse, dloss, *dlogits); e.failure())
+    return e;
   const RowsView v = rows_view(logits);
   if (v.rows == 0 || v.width == 0) return ffi::Error::Success();
   ffi::Error result = ffi::Error::Success();

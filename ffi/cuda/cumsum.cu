@@ -39,6 +39,7 @@
 #include <utility>
 
 #include "cuda/common.cuh"
+#include "cumsum_checks.h"
 
 namespace rlx {
 namespace cuda {
@@ -849,10 +850,8 @@ ffi::Error launch(cudaStream_t stream, const T* x, T* y, acc_t<T>* scr, int64_t 
 
 ffi::Error CumsumImpl(cudaStream_t stream, const ffi::AnyBuffer& x, ffi::Result<ffi::AnyBuffer>& y,
                       ffi::Result<ffi::AnyBuffer>& scratch, bool exclusive, bool reverse) {
+  if (auto e = cumsum::check(x, *y); e.failure()) return e;
   auto d = x.dimensions();
-  if (d.size() != 3) return invalid("cumsum: x must be [outer, len, inner]");
-  if (!same_dims(x, *y) || y->element_type() != x.element_type())
-    return invalid("cumsum: output must match x in shape and dtype");
   const ffi::DataType acc = x.element_type() == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
   const int64_t need = cumsum_scratch_size(d[0], d[1], d[2], ffi::ByteWidth(x.element_type()));
   if (scratch->element_type() != acc || int64_t(scratch->element_count()) < need)

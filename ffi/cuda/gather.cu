@@ -23,6 +23,7 @@
 #include <limits>
 
 #include "cuda/common.cuh"
+#include "gather_checks.h"
 
 namespace rlx {
 namespace cuda {
@@ -119,25 +120,17 @@ ffi::Error launch(cudaStream_t stream, const T* dy, const int32_t* keys, const i
 
 ffi::Error GatherBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer keys, ffi::AnyBuffer order,
                          ffi::Result<ffi::AnyBuffer> d_table, ffi::Result<ffi::AnyBuffer> starts) {
-  auto dd = dy.dimensions(), dk = keys.dimensions(), dp = order.dimensions(), dt = d_table->dimensions();
-  if (dd.size() != 3 || dt.size() != 3)
-    return invalid("gather backward: dy and d_table must be [O, K, T] / [O, V, T]");
-  if (keys.element_type() != ffi::DataType::S32 || dk.size() != 1 || dk[0] != dd[1])
-    return invalid("gather backward (cuda): sorted indices must be i32 [K] with K = dy.shape[1]");
-  if (order.element_type() != ffi::DataType::S32 || dp.size() != 1 || dp[0] != dd[1])
-    return invalid("gather backward (cuda): the sort order must be i32 [K] with K = dy.shape[1]");
-  if (dt[0] != dd[0] || dt[2] != dd[2]) return invalid("gather backward: d_table must be [O, V, T] for dy [O, K, T]");
-  if (d_table->element_type() != dy.element_type()) return invalid("gather backward: d_table dtype must match dy");
-  const int64_t o_dim = dd[0], k = dd[1], t = dd[2], v_dim = dt[1];
+  gather::Shape sh{};
+  if (auto e = gather::check_dy_and_d_table(dy, *d_table, sh); e.failure()) return e;
+  if (auto e = gather::check_index_vector(keys, sh, " (cuda): sorted indices"); e.failure()) return e;
+  if (auto e = gather::check_index_vector(order, sh, " (cuda): the sort order"); e.failure()) return e;
+  const int64_t o_dim = sh.o, k = sh.k, t = sh.t, v_dim = sh.v;
   if (k > int64_t(std::numeric_limits<int32_t>::max()))
     return invalid("gather backward (cuda): more than 2^31 - 1 indices");
   if (starts->element_type() != ffi::DataType::S32 || int64_t(starts->element_count()) < v_dim + 1)
     return invalid("gather backward (cuda): scratch must be i32 with at least V + 1 (" + std::to_string(v_dim + 1) +
                    ") elements");
-  if (o_dim == 0 || v_dim == 0 || t == 0) {
-    if (k > 0 && v_dim == 0 && o_dim * t > 0) return invalid("gather backward: indices into an empty axis");
-    return ffi::Error::Success();
-  }
+  if (o_dim == 0 || v_dim == 0 || t == 0) return gather::check_empty_table(sh);
   ffi::Error result = ffi::Error::Success();
   bool ok = dispatch(dy.element_type(), [&](auto tag) {
     using T = decltype(tag);

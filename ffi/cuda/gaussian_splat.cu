@@ -29,6 +29,7 @@
 
 #include "cuda/common.cuh"
 #include "cpu/gaussian_splat_math.h"
+#include "gaussian_splat_checks.h"
 
 namespace rlx {
 namespace cuda {
@@ -547,34 +548,16 @@ ffi::Error prepare(cudaStream_t stream, const Scene& s, const float* meta, const
   return check(cudaGetLastError(), "prepare");
 }
 
-bool read_scene(ffi::Buffer<ffi::F32>& pos, ffi::Buffer<ffi::F32>& scale, ffi::Buffer<ffi::F32>& rot,
-                ffi::Buffer<ffi::F32>& opac, ffi::Buffer<ffi::F32>& col, ffi::Buffer<ffi::F32>& sh,
-                ffi::Buffer<ffi::F32>& meta, Scene& s, std::string& err) {
-  int64_t n = int64_t(pos.element_count()) / 3;
+ffi::Error read_scene(ffi::Buffer<ffi::F32>& pos, ffi::Buffer<ffi::F32>& scale, ffi::Buffer<ffi::F32>& rot,
+                      ffi::Buffer<ffi::F32>& opac, ffi::Buffer<ffi::F32>& col, ffi::Buffer<ffi::F32>& sh,
+                      ffi::Buffer<ffi::F32>& meta, Scene& s) {
+  splat::SceneSize size{};
+  if (auto e = splat::check_scene(Backend::kCuda, pos, scale, rot, opac, col, sh, meta, size); e.failure()) return e;
+  s.n = int(size.n);
+  s.k = int(size.k);
   s.pos = pos.typed_data(); s.scale = scale.typed_data(); s.rot = rot.typed_data();
   s.opac = opac.typed_data(); s.col = col.typed_data(); s.sh = sh.typed_data();
-  if (n <= 0 || 3 * n != int64_t(pos.element_count()) || int64_t(scale.element_count()) != 3 * n ||
-      int64_t(rot.element_count()) != 4 * n || int64_t(opac.element_count()) != n ||
-      int64_t(col.element_count()) != 3 * n) {
-    err = "gaussian_splat: scene buffers disagree on the Gaussian count (or it is 0)";
-    return false;
-  }
-  if (n >= (int64_t(1) << 31) / 32) {
-    err = "gaussian_splat (CUDA): too many Gaussians for 32-bit pair numbers";
-    return false;
-  }
-  s.n = int(n);
-  int64_t k = int64_t(sh.element_count()) / (3 * n);
-  if (k * 3 * n != int64_t(sh.element_count()) || k > splat::kMaxSh) {
-    err = "gaussian_splat: sh_coeffs must hold K <= 16 coefficients x 3 per Gaussian";
-    return false;
-  }
-  s.k = int(k);
-  if (meta.element_count() != 23) {
-    err = "gaussian_splat: meta must have 23 values";
-    return false;
-  }
-  return true;
+  return ffi::Error::Success();
 }
 
 ffi::Error make_params(int64_t width, int64_t height, int64_t tile_size, float radius_scale, float alpha_cutoff,
@@ -612,10 +595,8 @@ ffi::Error SplatFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> pos, ffi::Buf
                            transmittance_threshold, max_list_entries, p); e.failure())
     return e;
   Scene s;
-  std::string err;
-  if (!read_scene(pos, scale, rot, opac, col, sh, meta, s, err)) return ffi::Error::InvalidArgument(err);
-  if (int64_t(img->element_count()) != width * height * 4)
-    return ffi::Error::InvalidArgument("gaussian_splat: image must be [H*W*4]");
+  if (auto e = read_scene(pos, scale, rot, opac, col, sh, meta, s); e.failure()) return e;
+  if (auto e = splat::check_image("image", img->element_count(), width, height); e.failure()) return e;
   if (auto e = check_scratch(int64_t(scratch->element_count()), s, p, false); e.failure()) return e;
   int tiles = p.tiles_x * p.tiles_y;
   Work w = carve(scratch->typed_data(), s.n, p.max_list, tiles, false);
@@ -639,14 +620,12 @@ ffi::Error SplatBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> pos, ffi::Buf
                            transmittance_threshold, max_list_entries, p); e.failure())
     return e;
   Scene s;
-  std::string err;
-  if (!read_scene(pos, scale, rot, opac, col, sh, meta, s, err)) return ffi::Error::InvalidArgument(err);
-  if (int64_t(dimg.element_count()) != width * height * 4)
-    return ffi::Error::InvalidArgument("gaussian_splat: dy must be [H*W*4]");
-  if (d_pos->element_count() != pos.element_count() || d_scale->element_count() != scale.element_count() ||
-      d_rot->element_count() != rot.element_count() || d_opac->element_count() != opac.element_count() ||
-      d_col->element_count() != col.element_count() || d_sh->element_count() != sh.element_count())
-    return ffi::Error::InvalidArgument("gaussian_splat backward: each gradient must have the size of its scene buffer");
+  if (auto e = read_scene(pos, scale, rot, opac, col, sh, meta, s); e.failure()) return e;
+  if (auto e = splat::check_image("dy", dimg.element_count(), width, height); e.failure()) return e;
+  if (auto e = splat::check_gradient_sizes(pos, scale, rot, opac, col, sh, *d_pos, *d_scale, *d_rot, *d_opac, *d_col,
+                                           *d_sh);
+      e.failure())
+    return e;
   if (auto e = check_scratch(int64_t(scratch->element_count()), s, p, true); e.failure()) return e;
   int tiles = p.tiles_x * p.tiles_y;
   Work w = carve(scratch->typed_data(), s.n, p.max_list, tiles, true);

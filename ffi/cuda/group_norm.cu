@@ -64,6 +64,7 @@
 
 #include "cuda/rms_norm_kernels.cuh"
 #include "cuda/rowwise_common.cuh"
+#include "group_norm_checks.h"
 
 namespace rlx {
 namespace cuda {
@@ -251,9 +252,7 @@ __global__ void fill_k(T* __restrict__ p, int64_t n, float value) {
     p[i] = from_f32<T>(value);
 }
 
-struct Layout {
-  int64_t n, c, s, groups, k, m;
-};
+using group_norm::Layout;
 
 unsigned flat_grid(int64_t n_vec, int sms) {
   return unsigned(std::max<int64_t>(1, std::min<int64_t>(ceil_div(n_vec, 256), int64_t(sms) * 8 * 4)));
@@ -785,51 +784,13 @@ ffi::Error launch_bwd(cudaStream_t stream, const Layout& L, const T* x, const T*
   return check_launch("group_norm backward (cuda) launch");
 }
 
-ffi::Error check_x(const ffi::AnyBuffer& x, int64_t num_groups, Layout& L) {
-  auto d = x.dimensions();
-  if (d.size() < 2) return invalid("group_norm: x must have rank >= 2 ([N, C, ...])");
-  L.n = d[0];
-  L.c = d[1];
-  L.s = 1;
-  for (size_t i = 2; i < d.size(); ++i) L.s *= d[i];
-  if (num_groups < 1) return invalid("group_norm: num_groups must be >= 1");
-  if (L.c % num_groups != 0)
-    return invalid("group_norm: channels " + std::to_string(L.c) + " not divisible by num_groups " +
-                   std::to_string(num_groups));
-  L.groups = num_groups;
-  L.k = L.c / num_groups;
-  L.m = L.k * L.s;
-  return ffi::Error::Success();
-}
-
-ffi::Error check_param(const ffi::AnyBuffer& x, const Layout& L, const ffi::AnyBuffer& p, const char* what) {
-  auto d = p.dimensions();
-  if (d.size() != 1 || d[0] != L.c)
-    return invalid(std::string("group_norm: ") + what + " must have shape [" + std::to_string(L.c) +
-                   "] (the channel axis of x)");
-  if (p.element_type() != x.element_type())
-    return invalid(std::string("group_norm: ") + what + " dtype " + dtype_name(p.element_type()) +
-                   " differs from x dtype " + dtype_name(x.element_type()));
-  return ffi::Error::Success();
-}
-
-ffi::Error check_stat(const Layout& L, const ffi::AnyBuffer& s, const char* what) {
-  if (s.element_type() != ffi::DataType::F32 || int64_t(s.element_count()) != L.n * L.groups)
-    return invalid(std::string("group_norm (cuda): ") + what + " must be f32 with one value per (sample, group)");
-  return ffi::Error::Success();
-}
-
 ffi::Error GroupNormFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer gamma, ffi::AnyBuffer beta,
                             ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mean,
                             ffi::Result<ffi::AnyBuffer> rstd, int64_t num_groups, float eps) {
   Layout L;
-  if (auto e = check_x(x, num_groups, L); e.failure()) return e;
-  if (auto e = check_param(x, L, gamma, "gamma"); e.failure()) return e;
-  if (auto e = check_param(x, L, beta, "beta"); e.failure()) return e;
-  if (!same_dims(x, *y) || y->element_type() != x.element_type()) return invalid("group_norm: output y must match x");
-  if (auto e = check_stat(L, *mean, "mean"); e.failure()) return e;
-  if (auto e = check_stat(L, *rstd, "rstd"); e.failure()) return e;
-  if (!(eps >= 0.0f)) return invalid("group_norm: eps must be >= 0");
+  if (auto e = group_norm::check_fwd(Backend::kCuda, x, gamma, beta, *y, *mean, *rstd, num_groups, eps, L);
+      e.failure())
+    return e;
   const int64_t blocks = L.n * L.groups;
   if (blocks == 0) return ffi::Error::Success();
   if (L.m == 0) {  // empty groups: statistics are 0/0, as in the reference
@@ -855,16 +816,10 @@ ffi::Error GroupNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
                             ffi::Result<ffi::AnyBuffer> dgamma, ffi::Result<ffi::AnyBuffer> dbeta,
                             ffi::Result<ffi::AnyBuffer> scratch, int64_t num_groups) {
   Layout L;
-  if (auto e = check_x(x, num_groups, L); e.failure()) return e;
-  if (auto e = check_param(x, L, gamma, "gamma"); e.failure()) return e;
-  if (!same_dims(x, dy) || dy.element_type() != x.element_type())
-    return invalid("group_norm backward: dy must match x in shape and dtype");
-  if (!same_dims(x, *dx) || dx->element_type() != x.element_type())
-    return invalid("group_norm backward: dx must match x");
-  if (auto e = check_param(x, L, *dgamma, "dgamma"); e.failure()) return e;
-  if (auto e = check_param(x, L, *dbeta, "dbeta"); e.failure()) return e;
-  if (auto e = check_stat(L, mean, "mean"); e.failure()) return e;
-  if (auto e = check_stat(L, rstd, "rstd"); e.failure()) return e;
+  if (auto e = group_norm::check_bwd(Backend::kCuda, x, gamma, mean, rstd, dy, *dx, *dgamma, *dbeta,
+                                     num_groups, L);
+      e.failure())
+    return e;
   const int64_t need = 2 * L.n * L.c + 2 * L.n * L.groups;
   if (scratch->element_type() != ffi::DataType::F32 || int64_t(scratch->element_count()) < need)
     return invalid("group_norm backward (cuda): scratch must be f32 with at least 2 N C + 2 N G (" +

@@ -42,6 +42,7 @@
 
 #include "cuda/rms_norm_kernels.cuh"
 #include "cuda/rowwise_common.cuh"
+#include "layer_norm_checks.h"
 
 namespace rlx {
 namespace cuda {
@@ -380,28 +381,12 @@ namespace {
 
 using rw::rows_view;
 
-ffi::Error check_param(const ffi::AnyBuffer& x, const ffi::AnyBuffer& p, const char* what) {
-  return rw::check_row_param(x, p, "layer_norm", what);
-}
-
-ffi::Error check_stat(const ffi::AnyBuffer& s, int64_t rows, const char* what) {
-  if (s.element_type() != ffi::DataType::F32)
-    return invalid(std::string("layer_norm (cuda): ") + what + " must be f32, got " + dtype_name(s.element_type()));
-  if (int64_t(s.element_count()) != rows)
-    return invalid(std::string("layer_norm: ") + what + " must have one value per row of x");
-  return ffi::Error::Success();
-}
-
 ffi::Error LayerNormFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer gamma, ffi::AnyBuffer beta,
                             ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mean,
                             ffi::Result<ffi::AnyBuffer> rstd, float eps) {
-  if (auto e = check_param(x, gamma, "gamma"); e.failure()) return e;
-  if (auto e = check_param(x, beta, "beta"); e.failure()) return e;
-  if (!same_dims(x, *y) || y->element_type() != x.element_type()) return invalid("layer_norm: output y must match x");
-  if (!(eps >= 0.0f)) return invalid("layer_norm: eps must be >= 0");
+  if (auto e = layer_norm::check_fwd(Backend::kCuda, x, gamma, beta, *y, *mean, *rstd, eps); e.failure())
+    return e;
   const auto v = rows_view(x);
-  if (auto e = check_stat(*mean, v.rows, "mean"); e.failure()) return e;
-  if (auto e = check_stat(*rstd, v.rows, "rstd"); e.failure()) return e;
   if (v.rows == 0) return ffi::Error::Success();
   if (v.width == 0) {  // empty rows: statistics are 0/0, as in the reference and the CPU kernel
     const unsigned grid = unsigned(std::min<int64_t>(rw::ceil_div(v.rows, 256), 1024));
@@ -425,16 +410,10 @@ ffi::Error LayerNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
                             ffi::AnyBuffer rstd, ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dx,
                             ffi::Result<ffi::AnyBuffer> dgamma, ffi::Result<ffi::AnyBuffer> dbeta,
                             ffi::Result<ffi::AnyBuffer> scratch) {
-  if (auto e = check_param(x, gamma, "gamma"); e.failure()) return e;
-  if (!same_dims(x, dy) || dy.element_type() != x.element_type())
-    return invalid("layer_norm backward: dy must match x in shape and dtype");
-  if (!same_dims(x, *dx) || dx->element_type() != x.element_type())
-    return invalid("layer_norm backward: dx must match x");
-  if (auto e = check_param(x, *dgamma, "dgamma"); e.failure()) return e;
-  if (auto e = check_param(x, *dbeta, "dbeta"); e.failure()) return e;
+  if (auto e = layer_norm::check_bwd(Backend::kCuda, x, gamma, mean, rstd, dy, *dx, *dgamma, *dbeta);
+      e.failure())
+    return e;
   const auto v = rows_view(x);
-  if (auto e = check_stat(mean, v.rows, "mean"); e.failure()) return e;
-  if (auto e = check_stat(rstd, v.rows, "rstd"); e.failure()) return e;
   if (v.width == 0) return ffi::Error::Success();
   const int64_t scratch_len = int64_t(scratch->element_count());
   if (scratch->element_type() != ffi::DataType::F32 || scratch_len < 2 * v.rows + 2 * v.width)

@@ -23,21 +23,11 @@
 // rounding of z at halves and the |z| <= q edge must agree with the CPU kernel and XLA.
 // x, dy, dx in f32, bf16 or f16 (f64 stays on the CPU / XLA); arithmetic in f32.
 #include "cuda/channel_reduce.cuh"
+#include "quantize_checks.h"
 
 namespace rlx {
 namespace cuda {
 namespace {
-
-
-ffi::Error quant_view(const char* who, const ffi::AnyBuffer& x, const ffi::AnyBuffer& s, chan::View* v) {
-  auto dx = x.dimensions(), ds = s.dimensions();
-  if (dx.size() != 4) return invalid(std::string(who) + ": x must be [G, O, C, I]");
-  if (ds.size() != 2 || ds[0] != dx[0] || ds[1] != dx[2])
-    return invalid(std::string(who) + ": scale must be [G, C] for x [G, O, C, I]");
-  if (s.element_type() != ffi::DataType::F32) return invalid(std::string(who) + " (cuda): scale must be f32");
-  *v = {dx[0], dx[1], dx[2], dx[3]};
-  return ffi::Error::Success();
-}
 
 #ifdef RLX_CUDA_FAKE_QUANTIZE_STE
 template <typename TT, int STE>
@@ -101,22 +91,13 @@ struct LsqOp {
   __device__ __forceinline__ void finish(int64_t ch, const float* sums) const { ds[ch] = sums[0]; }
 };
 
-ffi::Error check_xdy(const char* who, const ffi::AnyBuffer& x, const ffi::AnyBuffer& dy, const ffi::AnyBuffer& dx) {
-  if (!same_dims(x, dy) || dy.element_type() != x.element_type() || !same_dims(x, dx) ||
-      dx.element_type() != x.element_type())
-    return invalid(std::string(who) + ": dy and dx must match x in shape and dtype");
-  return ffi::Error::Success();
-}
-
 #ifdef RLX_CUDA_FAKE_QUANTIZE_STE
 ffi::Error FakeQuantizeBwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s, ffi::AnyBuffer dy,
                                ffi::Result<ffi::AnyBuffer> dx, float q_max, int64_t ste) {
   const char* who = "fake_quantize backward";
-  chan::View v;
-  if (auto e = quant_view(who, x, s, &v); e.failure()) return e;
-  if (auto e = check_xdy(who, x, dy, *dx); e.failure()) return e;
-  if (ste < 0 || ste > 3) return invalid("fake_quantize backward: ste code must be 0..3");
-  if (!(q_max >= 1.0f)) return invalid("fake_quantize backward: q_max must be >= 1");
+  quantize::Shape sh{};
+  if (auto e = quantize::check_ste_bwd(Backend::kCuda, x, s, dy, *dx, q_max, ste, sh); e.failure()) return e;
+  const chan::View v{sh.g, sh.o, sh.c, sh.i};
   if (v.elements() == 0) return ffi::Error::Success();
   ffi::Error result = ffi::Error::Success();
   bool ok = dispatch(x.element_type(), [&](auto tag) {
@@ -145,12 +126,9 @@ ffi::Error LsqBwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s, f
                       ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> ds,
                       ffi::Result<ffi::AnyBuffer> scratch, float q_max) {
   const char* who = "fake_quantize_lsq backward";
-  chan::View v;
-  if (auto e = quant_view(who, x, s, &v); e.failure()) return e;
-  if (auto e = check_xdy(who, x, dy, *dx); e.failure()) return e;
-  if (!same_dims(s, *ds) || ds->element_type() != s.element_type())
-    return invalid("fake_quantize_lsq backward: dscale must match scale");
-  if (!(q_max >= 1.0f)) return invalid("fake_quantize_lsq backward: q_max must be >= 1");
+  quantize::Shape sh{};
+  if (auto e = quantize::check_lsq_bwd(Backend::kCuda, x, s, dy, *dx, *ds, q_max, sh); e.failure()) return e;
+  const chan::View v{sh.g, sh.o, sh.c, sh.i};
   if (auto e = chan::check_scratch(who, v, LsqOp<float>::NS, *scratch); e.failure()) return e;
   ffi::Error result = ffi::Error::Success();
   bool ok = dispatch(x.element_type(), [&](auto tag) {

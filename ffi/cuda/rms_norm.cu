@@ -9,6 +9,7 @@
 //   very wide rows, the per-row dot products. XLA allocates it; nothing is allocated here.
 #include "cuda/rms_norm_kernels.cuh"
 #include "cuda/rowwise_common.cuh"
+#include "rms_norm_checks.h"
 
 namespace rlx {
 namespace cuda {
@@ -16,33 +17,11 @@ namespace {
 
 using rw::rows_view;
 
-ffi::Error check_param(const ffi::AnyBuffer& x, const ffi::AnyBuffer& p, const char* what) {
-  return rw::check_row_param(x, p, "rms_norm", what);
-}
-
-// The operands both backward handlers share: gamma, dy, dx, dgamma, dbeta against x.
-ffi::Error check_bwd(const ffi::AnyBuffer& x, const ffi::AnyBuffer& gamma, const ffi::AnyBuffer& dy,
-                     const ffi::AnyBuffer& dx, const ffi::AnyBuffer& dgamma, const ffi::AnyBuffer& dbeta) {
-  if (auto e = check_param(x, gamma, "gamma"); e.failure()) return e;
-  if (!same_dims(x, dy) || dy.element_type() != x.element_type())
-    return invalid("rms_norm backward: dy must match x in shape and dtype");
-  if (!same_dims(x, dx) || dx.element_type() != x.element_type())
-    return invalid("rms_norm backward: dx must match x");
-  if (auto e = check_param(x, dgamma, "dgamma"); e.failure()) return e;
-  return check_param(x, dbeta, "dbeta");
-}
-
 ffi::Error RmsNormFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer gamma, ffi::AnyBuffer beta,
                           ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> rstd, float eps) {
-  if (auto e = check_param(x, gamma, "gamma"); e.failure()) return e;
-  if (auto e = check_param(x, beta, "beta"); e.failure()) return e;
-  if (!same_dims(x, *y) || y->element_type() != x.element_type())
-    return invalid("rms_norm: output y must match x");
-  if (rstd->element_type() != ffi::DataType::F32) return invalid("rms_norm (cuda): rstd must be f32");
-  if (!(eps >= 0.0f)) return invalid("rms_norm: eps must be >= 0");
+  if (auto e = rms_norm::check_fwd(Backend::kCuda, x, gamma, beta, *y, *rstd, eps); e.failure()) return e;
   const auto rv_ = rows_view(x);
   const int64_t rows = rv_.rows, width = rv_.width;
-  if (int64_t(rstd->element_count()) != rows) return invalid("rms_norm: rstd must have one value per row");
   if (rows == 0 || width == 0) return ffi::Error::Success();
   ffi::Error result = ffi::Error::Success();
   bool ok = dispatch(x.element_type(), [&](auto tag) {
@@ -59,11 +38,10 @@ ffi::Error RmsNormFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
 ffi::Error RmsNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer gamma, ffi::AnyBuffer rstd,
                           ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dgamma,
                           ffi::Result<ffi::AnyBuffer> dbeta, ffi::Result<ffi::AnyBuffer> scratch) {
-  if (auto e = check_bwd(x, gamma, dy, *dx, *dgamma, *dbeta); e.failure()) return e;
+  if (auto e = rms_norm::check_bwd(Backend::kCuda, x, gamma, rstd, dy, *dx, *dgamma, *dbeta); e.failure())
+    return e;
   const auto rv_ = rows_view(x);
   const int64_t rows = rv_.rows, width = rv_.width;
-  if (rstd.element_type() != ffi::DataType::F32 || int64_t(rstd.element_count()) != rows)
-    return invalid("rms_norm backward (cuda): rstd must be f32 with one value per row");
   if (width == 0) return ffi::Error::Success();
   const int64_t scratch_len = int64_t(scratch->element_count());
   if (scratch->element_type() != ffi::DataType::F32 || scratch_len < rows + 2 * width)

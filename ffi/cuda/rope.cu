@@ -19,6 +19,7 @@
 // kernels run on XLA's stream.
 
 #include "cuda/common.cuh"
+#include "rope_checks.h"
 
 namespace rlx {
 namespace cuda {
@@ -133,34 +134,21 @@ ffi::Error launch(cudaStream_t stream, const T* x, const T* cs, const T* sn, T* 
   return launch_vec<T, 1>(stream, x, cs, sn, y, rows, seq, width, table_w, head_dim, n_rot, backward);
 }
 
-// The checks and messages of the CPU handler.
+// Operands checked as on the CPU (rope_checks.h), plus the CUDA kernels' 32-bit head_dim.
 ffi::Error RopeImpl(cudaStream_t stream, const ffi::AnyBuffer& x, const ffi::AnyBuffer& cos,
                     const ffi::AnyBuffer& sin, ffi::Result<ffi::AnyBuffer>& y, int64_t head_dim, int64_t n_rot,
                     bool backward) {
-  auto dx = x.dimensions(), dc = cos.dimensions();
-  if (dx.size() != 3) return invalid("rope: x must be [batch, seq, heads * head_dim]");
-  if (head_dim <= 0 || n_rot < 0 || n_rot > head_dim || n_rot % 2 != 0)
-    return invalid("rope: need head_dim > 0 and an even n_rot in [0, head_dim], got head_dim=" +
-                   std::to_string(head_dim) + " n_rot=" + std::to_string(n_rot));
+  rope::Shape sh{};
+  if (auto e = rope::check(x, cos, sin, *y, head_dim, n_rot, sh); e.failure()) return e;
   if (head_dim > INT32_MAX) return invalid("rope (cuda): head_dim must be < 2^31");
-  const int64_t batch = dx[0], seq = dx[1], width = dx[2];
-  if (width % head_dim != 0)
-    return invalid("rope: the last axis of x (" + std::to_string(width) + ") must be a multiple of head_dim (" +
-                   std::to_string(head_dim) + ")");
-  if (dc.size() != 2 || dc[0] != seq || dc[1] < n_rot / 2)
-    return invalid("rope: cos must be [seq=" + std::to_string(seq) + ", >= n_rot/2=" + std::to_string(n_rot / 2) +
-                   "]");
-  if (!same_dims(cos, sin)) return invalid("rope: sin must have the shape of cos");
-  if (cos.element_type() != x.element_type() || sin.element_type() != x.element_type())
-    return invalid("rope: cos and sin must have x's dtype " + dtype_name(x.element_type()));
-  if (!same_dims(x, *y) || y->element_type() != x.element_type()) return invalid("rope: output must match x");
+  const int64_t batch = sh.batch, seq = sh.seq, width = sh.width;
   if (batch == 0 || seq == 0 || width == 0) return ffi::Error::Success();
   ffi::Error result = ffi::Error::Success();
   bool ok = dispatch<true>(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
     result = launch<T>(stream, static_cast<const T*>(x.untyped_data()), static_cast<const T*>(cos.untyped_data()),
                        static_cast<const T*>(sin.untyped_data()), static_cast<T*>(y->untyped_data()), batch * seq,
-                       seq, width, dc[1], head_dim, n_rot, backward);
+                       seq, width, sh.table_width, head_dim, n_rot, backward);
   });
   if (!ok) return invalid("rope: unsupported dtype " + dtype_name(x.element_type()));
   return result;

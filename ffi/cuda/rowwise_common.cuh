@@ -1,8 +1,7 @@
 // Shared pieces of the row-wise CUDA handlers (LayerNorm, GroupNorm, softmax, softmax
-// cross-entropy): buffer views and validation helpers, dtype dispatch, the max
-// reduction that goes with common.cuh's group_sum, a fast exponential, row chunk loads
-// and the running max / sum-exp of softmax and cross-entropy, and the launch
-// geometry of "a group of tpr threads per row" kernels.
+// cross-entropy): dtype dispatch, the max reduction that goes with common.cuh's group_sum,
+// a fast exponential, row chunk loads and the running max / sum-exp of softmax and
+// cross-entropy, and the launch geometry of "a group of tpr threads per row" kernels.
 //
 // Row-group layout (as in rms_norm_kernels.cuh): a block of `threads` threads holds
 // threads / tpr row groups; thread t of a group owns the vectors of VEC elements at
@@ -21,33 +20,8 @@ namespace rlx {
 namespace cuda {
 namespace rw {
 
-struct RowsView {
-  int64_t rows;
-  int64_t width;
-};
-// [R.., W] -> rows = prod(R..), width = W; a scalar is one row of one element.
-inline RowsView rows_view(const ffi::AnyBuffer& b) {
-  auto d = b.dimensions();
-  if (d.size() == 0) return {1, 1};
-  int64_t rows = 1;
-  for (size_t i = 0; i + 1 < d.size(); ++i) rows *= d[i];
-  return {rows, d.back()};
-}
-// A per-column parameter p (gamma, beta, their gradients) of a norm `op` over the last
-// axis of x: shape [W] and x's dtype.
-inline ffi::Error check_row_param(const ffi::AnyBuffer& x, const ffi::AnyBuffer& p, const char* op,
-                                  const char* what) {
-  if (x.dimensions().size() < 1) return invalid(std::string(op) + ": x must have rank >= 1");
-  const int64_t width = rows_view(x).width;
-  auto d = p.dimensions();
-  if (d.size() != 1 || d[0] != width)
-    return invalid(std::string(op) + ": " + what + " must have shape [" + std::to_string(width) +
-                   "] (the last axis of x)");
-  if (p.element_type() != x.element_type())
-    return invalid(std::string(op) + ": " + what + " dtype " + dtype_name(p.element_type()) +
-                   " differs from x dtype " + dtype_name(x.element_type()));
-  return ffi::Error::Success();
-}
+using rlx::RowsView;
+using rlx::rows_view;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline int pow2_ceil(int64_t v) {

@@ -22,6 +22,7 @@
 // max first instead, so each element is exponentiated once and kept in registers.
 
 #include "cuda/rowwise_common.cuh"
+#include "softmax_checks.h"
 
 namespace rlx {
 namespace cuda {
@@ -259,9 +260,7 @@ ffi::Error launch(cudaStream_t stream, const T* a, const T* b, T* out, int64_t r
 }
 
 ffi::Error SoftmaxFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
-  if (x.dimensions().size() < 1) return invalid("softmax: x must have rank >= 1");
-  if (!same_dims(x, *y) || y->element_type() != x.element_type())
-    return invalid("softmax: output y must match x in shape and dtype");
+  if (auto e = softmax::check_fwd(x, *y); e.failure()) return e;
   const RowsView v = rows_view(x);
   if (v.rows == 0 || v.width == 0) return ffi::Error::Success();
   ffi::Error result = ffi::Error::Success();
@@ -278,12 +277,7 @@ ffi::Error SoftmaxFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi
 template <Kind K>
 ffi::Error softmax_bwd_impl(cudaStream_t stream, const ffi::AnyBuffer& a, const ffi::AnyBuffer& dy,
                             ffi::Result<ffi::AnyBuffer> dx, const char* a_name) {
-  const std::string what = "softmax backward: ";
-  if (a.dimensions().size() < 1) return invalid(what + a_name + " must have rank >= 1");
-  if (!same_dims(a, dy) || dy.element_type() != a.element_type())
-    return invalid(what + "dy must match " + a_name + " in shape and dtype");
-  if (!same_dims(a, *dx) || dx->element_type() != a.element_type())
-    return invalid(what + "dx must match " + a_name + " in shape and dtype");
+  if (auto e = softmax::check_bwd(a, a_name, dy, *dx); e.failure()) return e;
   const RowsView v = rows_view(a);
   if (v.rows == 0 || v.width == 0) return ffi::Error::Success();
   ffi::Error result = ffi::Error::Success();
