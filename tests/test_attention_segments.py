@@ -238,8 +238,9 @@ def test_bf16_sinks_and_segments_run_and_agree():
     close(y.astype(jnp.float32), want, rtol=0, atol=3e-2 * float(jnp.max(jnp.abs(want))))
 
 
-def test_segment_ids_never_reach_a_kernel_and_sinks_keep_it():
-    """Segment ids compute in plain XLA ops; sinks alone keep the fused kernel call."""
+def test_small_segment_ids_run_the_reference_and_sinks_keep_the_kernel():
+    """Below the CPU segment-kernel threshold, segment ids compute in plain XLA ops (the
+    reference); sinks alone keep the fused kernel call."""
     x, kw = _case((1, 5, 5, 2, 2, 4), dict(mask_kind="causal"), segments=True, sinks=True)
     seg = jax.jit(lambda q, k, v: attention(q, k, v, **kw)).lower(x["q"], x["k"], x["v"]).as_text()
     assert "rlx_attention" not in seg

@@ -637,8 +637,8 @@ def attention(q, k, v, *, mask_kind="none", window=None, mask=None, bias=None, s
     window and key mask). On the CPU these run the kernel, which skips the (query tile, key
     tile) pairs whose id ranges do not meet (ids sorted within a row, as packing gives, make
     the cost about the visible work), from ``CPU_SEGMENT_KERNEL_MIN_SCORE_BYTES`` of scores
-    up, and the pure-JAX reference below (O(Sq * Sk) memory); on CUDA the reference. sinks [H]: a per-head logit joining each
-    row's softmax denominator with no value, out_i = sum_j exp(s_ij) v_j / (exp(sink_h) +
+    up, and the pure-JAX reference below (O(Sq * Sk) memory); on CUDA the reference.
+    sinks [H]: a per-head logit joining each row's softmax denominator with no value, out_i = sum_j exp(s_ij) v_j / (exp(sink_h) +
     sum_j exp(s_ij)); differentiable in the sinks too, and computed from the kernel's
     (out, lse) (see ``attention_segments``).
 
