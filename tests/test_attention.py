@@ -178,7 +178,7 @@ def test_lse_and_its_cotangent_in_the_backward_kernel():
 
 GRAD_CASES = [
     pytest.param((1, 3, 4, 2, 1, 3), dict(), marks=pytest.mark.slow),
-    ((1, 4, 4, 2, 2, 3), dict(mask_kind="causal", scale=0.7, softcap=1.3)),
+    pytest.param((1, 4, 4, 2, 2, 3), dict(mask_kind="causal", scale=0.7, softcap=1.3), marks=pytest.mark.slow),
     pytest.param((2, 3, 5, 2, 1, 2), dict(mask_kind="sliding", window=1, softcap=0.9), marks=pytest.mark.slow),
     ((2, 4, 3, 2, 2, 3), dict(use_mask=True, use_bias=True, scale=0.6, softcap=2.0)),
 ]

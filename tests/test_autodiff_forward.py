@@ -173,7 +173,8 @@ def transformer_graph(dt="f64"):
     return g, ["wq", "wk", "wv", "wo", "ln_g", "ln_b", "w1", "w2"], feeds
 
 
-@pytest.mark.parametrize("maker", [mlp_graph, cnn_graph, cnn_overlap_graph, transformer_graph],
+@pytest.mark.parametrize("maker", [mlp_graph, pytest.param(cnn_graph, marks=pytest.mark.slow),
+                                   pytest.param(cnn_overlap_graph, marks=pytest.mark.slow), transformer_graph],
                          ids=["mlp", "cnn", "cnn_overlap_pool", "transformer"])
 def test_hvp_matches_jax_hessian(maker, x64):
     g, wrt, inputs = maker()
