@@ -92,6 +92,11 @@ def _cases():
     c["attention_bias_mask"] = (("rlx_attention_fwd_v1", "rlx_attention_bwd_v1"),
                                 lambda q, k, v, bb: ops.attention(q, k, v, mask=mask, bias=bb), (q, k, v, bias),
                                 (0, 1, 2, 3))
+    # packed documents: sorted segment ids, documents of 1-24 tokens (the segment-id targets)
+    ids = jnp.asarray(np.cumsum(_rng(27).random((2, 64)) < 0.12, axis=1), jnp.int32)
+    c["attention_segments"] = (("rlx_attention_segments_fwd_v1", "rlx_attention_segments_bwd_v1"),
+                               lambda q, k, v: ops.attention(q, k, v, mask_kind="causal", q_segment_ids=ids,
+                                                             kv_segment_ids=ids), (q, k, v), (0, 1, 2))
     idx = jnp.asarray(_rng(25).integers(0, 500, 4000), jnp.int32)  # many repeats per row
     c["gather"] = (("rlx_gather_bwd_v1",), lambda t: ops.gather(t, idx), (_arr((500, 64), 26),), (0,))
     xp = _arr((8, 16, 32, 32), 27)
@@ -140,6 +145,18 @@ def digests(names=None) -> dict:
     return out
 
 
+@pytest.fixture(autouse=True, scope="module")
+def segment_kernel_at_every_size():
+    """Segment-id attention on the CPU takes the kernel only above a score-size threshold;
+    here it runs at the cases' small sizes so its targets are covered."""
+    from rlx_jax.vjp_rules import attention
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(attention, "CPU_SEGMENT_KERNEL_MIN_SCORE_BYTES", 0)
+    yield
+    patch.undo()
+
+
 @pytest.fixture(scope="module")
 def cases():
     if not rlx_jax.kernel_info()["cpu"]["loaded"]:
@@ -168,7 +185,8 @@ def test_bitwise_identical_on_repeated_runs(cases, name):
 
 
 #: the fresh-process check in the default run (every case under -m slow)
-PROCESS_SUBSET = ("rms_norm", "group_norm", "attention_bias_mask", "gather", "fake_quantize_lsq", "gaussian_splat")
+PROCESS_SUBSET = ("rms_norm", "group_norm", "attention_bias_mask", "attention_segments", "gather",
+                  "fake_quantize_lsq", "gaussian_splat")
 
 
 def _fresh_process(names):
@@ -177,6 +195,7 @@ def _fresh_process(names):
     env.setdefault("JAX_PLATFORMS", "cpu")
     code = ("import json, sys; sys.path.insert(0, %r); import test_reliability_determinism as t; "
             "import rlx_jax.vjp_rules.attention as a; a.CPU_KERNEL_MIN_SCORE_BYTES = 0; "
+            "a.CPU_SEGMENT_KERNEL_MIN_SCORE_BYTES = 0; "
             "print('DIGESTS' + json.dumps(t.digests(%r)))" % (os.path.dirname(os.path.abspath(__file__)), names))
     # run from tests/ (not the repository root, whose rlx_jax/ has no compiled kernels and
     # would shadow the installed package through `python -c`'s sys.path[0])
