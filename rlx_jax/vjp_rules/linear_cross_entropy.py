@@ -120,19 +120,30 @@ def _psum(x, axes):
     return lax.psum(x, axes) if axes else x
 
 
+def _block_loss_and_lse(z, local, vocab_axes, row_kernels):
+    """(lse - z[label] [n_b], lse [n_b]) for a logits block z. ``row_kernels`` (CPU
+    lowering, no vocabulary split) runs the softmax cross-entropy primitive, whose CPU
+    kernel reads each row of z once; the loss of a row whose label is outside [0, V) is 0
+    there (callers mask such rows)."""
+    if row_kernels and not vocab_axes:
+        from rlx_jax.vjp_rules.cross_entropy import ce_fwd
+
+        return ce_fwd(z, local)
+    lse, picked = block_lse_and_picked(z, local, vocab_axes)
+    return lse - picked, lse
+
+
 def _block_loss_and_grad(z, local, scale, vocab_axes, row_kernels):
     """(lse - z[label] [n_b], g = (p - onehot) * scale[:, None] [n_b, V]) for a logits
-    block z. ``row_kernels`` (CPU lowering, no vocabulary split) runs the softmax
-    cross-entropy primitives, whose CPU kernels read each row of z twice in all; the
-    loss of a row whose label is outside [0, V) is 0 there, and such rows have scale 0."""
+    block z; with ``row_kernels`` the gradient is the cross-entropy backward primitive's
+    (a second read of each row of z; rows with a label outside [0, V) have scale 0)."""
+    loss, lse = _block_loss_and_lse(z, local, vocab_axes, row_kernels)
     if row_kernels and not vocab_axes:
-        from rlx_jax.vjp_rules.cross_entropy import ce_bwd, ce_fwd
+        from rlx_jax.vjp_rules.cross_entropy import ce_bwd
 
-        loss, lse = ce_fwd(z, local)
         (g,) = ce_bwd(z, local, lse, scale)
         return loss, g
-    lse, picked = block_lse_and_picked(z, local, vocab_axes)
-    return lse - picked, _logit_grad(z, lse, local, scale)
+    return loss, _logit_grad(z, lse, local, scale)
 
 
 # ---- reduction "none": forward, tangent, backward -------------------------------------
@@ -150,13 +161,8 @@ def reference_forward(hidden, weight, labels, *, chunk_size, vocab_axes=(), row_
     def step(_, xs):
         hb, lb = xs
         z = jnp.dot(hb, weight, preferred_element_type=acc).astype(acc)
-        if row_kernels and not vocab_axes:
-            from rlx_jax.vjp_rules.cross_entropy import ce_fwd
-
-            row_loss, lse = ce_fwd(z, lb)
-            return None, (lse, row_loss)
-        lse, picked = block_lse_and_picked(z, lb, vocab_axes)
-        return None, (lse, lse - picked)
+        row_loss, lse = _block_loss_and_lse(z, lb, vocab_axes, row_kernels)
+        return None, (lse, row_loss)
 
     _, (lse, row_loss) = lax.scan(step, None, (_blocks(hidden, n_b), _blocks(local, n_b, -1)))
     lse, row_loss = _unblock(lse, n), _unblock(row_loss, n)
