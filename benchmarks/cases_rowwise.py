@@ -120,7 +120,11 @@ def rope_case(seq: int, heads: int, head_dim: int, n_rot: int, dtype) -> Case:
         return jax.vjp(lambda x: rope(x, c, s, head_dim=head_dim, n_rot=n_rot), dy)[1](dy)[0]
 
     def xla(dy, c, s):
-        return jax.vjp(lambda x: reference_rope(x, c, s, head_dim=head_dim, n_rot=n_rot)[0], dy)[1](dy)[0]
+        # the reference takes [B, S, H, D]: the same memory as the merged [B, S, H * D] layout
+        def ref(x):
+            return reference_rope(x.reshape(1, seq, heads, head_dim), c, s, n_rot=n_rot)[0].reshape(x.shape)
+
+        return jax.vjp(ref, dy)[1](dy)[0]
 
     return Case(
         name=f"rope bwd {_name(dtype)} {seq}x{w} hd{head_dim} rot{n_rot}",

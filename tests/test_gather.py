@@ -267,3 +267,44 @@ def test_mode_errors_name_the_argument():
         gather(table, jnp.array([0]), mode="wrap")
     with pytest.raises(ValueError, match="fill_value"):
         gather(table, jnp.array([0]), mode="clip", fill_value=0.0)
+
+
+def test_primitives_drop_out_of_range_indices():
+    """The primitives read zeros at, and scatter nothing from, indices outside [0, V)
+    (the public functions decide clamping or filling before them); the kernel, the XLA
+    reference and a NumPy loop agree, with repeats, negatives and indices past V."""
+    from rlx_jax.vjp_rules.gather import gather_bwd, gather_fwd, reference_gather_bwd
+
+    idx = jnp.array([3, -1, 3, 8, 0, 3, 7, 9, 100, -7], jnp.int32)
+    dy = _table((2, idx.size, 5), seed=4)
+    want = np.zeros((2, 8, 5))
+    for k, i in enumerate(np.asarray(idx)):
+        if 0 <= i < 8:
+            want[:, i] += np.asarray(dy)[:, k]
+    (got,) = jax.jit(lambda d: gather_bwd(d, idx, num_rows=8))(dy)
+    assert_close(got, want, jnp.float32)
+    assert_close(reference_gather_bwd(dy, idx, num_rows=8)[0], want, jnp.float32)
+    table = _table((2, 8, 5), seed=5)
+    (read,) = jax.jit(lambda t: gather_fwd(t, idx))(table)
+    out_of_range = (np.asarray(idx) < 0) | (np.asarray(idx) >= 8)
+    np.testing.assert_array_equal(np.asarray(read)[:, out_of_range], 0)
+    np.testing.assert_array_equal(np.asarray(read)[:, ~out_of_range],
+                                  np.asarray(table)[:, np.asarray(idx)[~out_of_range]])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_fill_mode_reads_rows_bit_exactly(dtype):
+    """The fill is added to the zero the primitive reads out of range, and -0.0 to an
+    in-range read: rows come back bit for bit, signed zeros, NaN and inf included; the
+    filled positions hold the fill; the gradient flows only to rows that were read."""
+    table = jnp.array([[-0.0, 0.0, np.nan], [np.inf, -np.inf, 1.5], [-2.0, 3.0, -0.0]], dtype)
+    idx = jnp.array([[2, 0], [5, 1], [-1, 0]])
+    got = np.asarray(jax.jit(lambda t: gather(t, idx, fill_value=-4.0))(table))
+    want = np.asarray(table)[np.clip(np.asarray(idx), 0, 2)]
+    inside = (np.asarray(idx) >= 0) & (np.asarray(idx) < 3)
+    np.testing.assert_array_equal(got[inside].view(np.uint8), want[inside].view(np.uint8))
+    np.testing.assert_array_equal(got[~inside].astype(np.float32), -4.0)
+    dy = _table((3, 2, 3), dtype, seed=6)
+    d = jax.grad(lambda t: jnp.sum((gather(t, idx, fill_value=-4.0) * dy).astype(jnp.float32)))(table)
+    want_d = np_scatter(np.where(inside[..., None], np.asarray(dy, np.float64), 0), np.asarray(idx), 0, (3, 3))
+    assert_close(d, want_d, dtype)

@@ -1,6 +1,7 @@
 // Gather backward (scatter-add) along the middle axis:
 //   dy [O, K, T], idx [K] (i32), d_table [O, V, T]:
-//   d_table[o, v, :] = sum over k with clip(idx[k], 0, V-1) = v of dy[o, k, :]
+//   d_table[o, v, :] = sum over k with idx[k] = v of dy[o, k, :]; an index outside
+//   [0, V) adds nothing (the Python side clamps first where the op's semantics clamp)
 // Race-free and deterministic: a counting sort puts the positions k into one bucket per
 // table row (increasing k inside a bucket); then tasks own disjoint ranges of table rows
 // and each row is written exactly once (zero when its bucket is empty), its sum taken
@@ -23,14 +24,14 @@ Buckets bucket_rows(const int32_t* idx, int64_t k, int64_t v) {
   b.order.resize(k);
   std::vector<int64_t> row(k);
   for (int64_t i = 0; i < k; ++i) {
-    int64_t r = idx[i];
-    r = r < 0 ? 0 : (r >= v ? v - 1 : r);
-    row[i] = r;
-    ++b.start[r + 1];
+    const int64_t r = idx[i];
+    row[i] = (r < 0 || r >= v) ? -1 : r;  // -1: dropped, in no bucket
+    if (row[i] >= 0) ++b.start[r + 1];
   }
   for (int64_t r = 0; r < v; ++r) b.start[r + 1] += b.start[r];
   std::vector<int64_t> fill(b.start.begin(), b.start.end() - 1);
-  for (int64_t i = 0; i < k; ++i) b.order[fill[row[i]]++] = i;
+  for (int64_t i = 0; i < k; ++i)
+    if (row[i] >= 0) b.order[fill[row[i]]++] = i;
   return b;
 }
 

@@ -7,15 +7,15 @@
 //   where (keys, order) = a STABLE sort of the flat indices with their positions
 //   (keys[s] = idx[order[s]], non-decreasing; equal keys in increasing position), so
 //   the positions k that hit table row v are order[s] for s in the run of keys == v,
-//   in increasing k. Keys are clamped into [0, V - 1] here as on CPU (the Python side
-//   has clamped them already; clamping keeps them sorted).
+//   in increasing k. Keys outside [0, V) belong to no row's run (they sort before row
+//   0's or after row V - 1's), so they add nothing, as on CPU.
 //   d_table[o, v, :] = sum over that run of dy[o, k, :], added in increasing k with f32
 //   accumulation: the same sums in the same order as the CPU kernel, and no atomics:
 //   every table row is owned by one group of threads and written exactly once (zeros
 //   when no index hits it).
 //
-// Two kernels: (1) starts[v] = first s with clamp(keys[s]) >= v for v in [0, V] (one
-// thread per v, a binary search each; starts[V] = K), so row v's run is
+// Two kernels: (1) starts[v] = first s with keys[s] >= v for v in [0, V] (one
+// thread per v, a binary search each), so row v's run is
 // [starts[v], starts[v + 1]); (2) a group of `tpr` threads (a power of two <= 256) per
 // table row (o, v), each thread a strided set of VEC-element column chunks (16-byte
 // vectors when T is a multiple of VEC and the buffers are aligned). Nothing is
@@ -31,15 +31,12 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// First s in [0, k) with clamp(keys[s], 0, v_dim - 1) >= target (k when none).
-__device__ __forceinline__ int64_t lower_bound(const int32_t* __restrict__ keys, int64_t k, int64_t v_dim,
-                                               int64_t target) {
+// First s in [0, k) with keys[s] >= target (k when none).
+__device__ __forceinline__ int64_t lower_bound(const int32_t* __restrict__ keys, int64_t k, int64_t target) {
   int64_t lo = 0, hi = k;
   while (lo < hi) {
     const int64_t mid = lo + ((hi - lo) >> 1);
-    int64_t key = __ldg(keys + mid);
-    key = key < 0 ? 0 : (key >= v_dim ? v_dim - 1 : key);
-    if (key < target) lo = mid + 1;
+    if (int64_t(__ldg(keys + mid)) < target) lo = mid + 1;
     else hi = mid;
   }
   return lo;
@@ -49,7 +46,7 @@ __global__ void __launch_bounds__(kThreads) run_starts_kernel(const int32_t* __r
                                                               int64_t v_dim, int32_t* __restrict__ starts) {
   const int64_t step = int64_t(gridDim.x) * blockDim.x;
   for (int64_t v = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; v <= v_dim; v += step)
-    starts[v] = int32_t(lower_bound(keys, k, v_dim, v));
+    starts[v] = int32_t(lower_bound(keys, k, v));
 }
 
 template <typename T, int VEC>

@@ -5,15 +5,18 @@ Shapes: table [*pre, V, *post], integer indices [*idx] ->
 out [*pre, *idx, *post], out[a, i, b] = table[a, clip(indices[i], 0, V - 1), b].
 Internally: table [O, V, T] (O = prod(pre), T = prod(post)), indices [K] -> out [O, K, T].
 
-The primitives CLAMP indices into [0, V - 1] (negative -> 0, >= V -> V - 1), in the
-forward and in the backward alike, so the gradient is always that of the function
-computed: every dy row lands in the table row it was read from. ``gather``'s ``mode``
-(``"fill"``, the default, ``"clip"``, ``"promise_in_bounds"``, as ``jnp.take``) decides
-what an out-of-range index reads; ``"fill"`` masks the clamped read. (JAX's ``x[idx]`` clamps
-too, but wraps negative indices; RLX reads f32-encoded indices with a saturating cast,
-so negatives read row 0, as here.) A table with V = 0 takes no indices.
+The primitives DROP an index outside [0, V): the forward reads zeros there and the
+backward adds nothing for it, so the gradient is always that of the function computed.
+The public functions decide what an out-of-range index means before the primitives
+see it: ``gather``'s ``mode`` (``"fill"``, the default, ``"clip"``,
+``"promise_in_bounds"``, as ``jnp.take``); "clip" and RLX's ops clamp the indices into
+[0, V - 1] (negative -> 0, >= V -> V - 1; JAX's ``x[idx]`` clamps too, but wraps negative
+indices; RLX reads f32-encoded indices with a saturating cast, so negatives read row 0,
+as here), and "fill" adds the fill value where the zero was read, so its reverse mode
+is the same single scatter-add, with no masking pass over dy. A table with V = 0 takes
+no indices.
 
-Backward: d_table[o, v, :] = sum over k with clip(indices[k]) = v of dy[o, k, :], summed in
+Backward: d_table[o, v, :] = sum over k with indices[k] = v of dy[o, k, :], summed in
 increasing k (deterministic; f32 accumulation for 16-bit dtypes).
 
 Primitives (each lowers to its FFI kernel where registered, else to its reference):
@@ -46,17 +49,24 @@ def _acc(dtype):
 # ---- references (the test oracle and the fallback) ----------------------------------
 
 
+def _in_range(idx, num_rows):
+    return (idx >= 0) & (idx < num_rows)
+
+
 def reference_gather(table, idx):
-    """out[o, k, :] = table[o, clip(idx[k], 0, V - 1), :]."""
+    """out[o, k, :] = table[o, idx[k], :] for idx[k] in [0, V), else 0."""
     v = table.shape[1]
-    return (jnp.take(table, jnp.clip(idx, 0, max(v - 1, 0)), axis=1, mode="clip"),)
+    read = jnp.take(table, jnp.clip(idx, 0, max(v - 1, 0)), axis=1, mode="clip")
+    return (jnp.where(_in_range(idx, v)[None, :, None], read, jnp.zeros((), table.dtype)),)
 
 
 def reference_gather_bwd(dy, idx, *, num_rows):
-    """d_table[o, v, :] = sum_{k: clip(idx[k]) = v} dy[o, k, :] (XLA's scatter-add)."""
+    """d_table[o, v, :] = sum_{k: idx[k] = v} dy[o, k, :] (XLA's scatter-add; indices
+    outside [0, V) are dropped: they are sent to V, which "drop" skips, since .at[]
+    would wrap a negative one)."""
     o, _, t = dy.shape
     out = jnp.zeros((o, num_rows, t), _acc(dy.dtype))
-    out = out.at[:, jnp.clip(idx, 0, max(num_rows - 1, 0))].add(dy.astype(out.dtype), mode="drop")
+    out = out.at[:, jnp.where(_in_range(idx, num_rows), idx, num_rows)].add(dy.astype(out.dtype), mode="drop")
     return (out.astype(dy.dtype),)
 
 
@@ -231,20 +241,26 @@ def gather(table, indices, *, axis: int = 0, mode: str | None = None, fill_value
         # nothing to read: every index is out of range
         fill = _fill_value(fill_value, table.dtype)
         return jnp.broadcast_to(fill, pre + indices.shape + post)
-    idx = _flat_indices("gather", indices, v)
+    out_shape = pre + indices.shape + post
+    # in-range mask over [*idx], broadcast against [*pre, *idx, *post]
+    valid = _in_range(indices, v).reshape((1,) * len(pre) + indices.shape + (1,) * len(post))
     if not jnp.issubdtype(table.dtype, jnp.inexact):
-        out = jnp.take(table, idx, axis=axis, mode="clip").reshape(pre + indices.shape + post)
-    else:
-        t3 = table.reshape((math.prod(pre), v, math.prod(post)))
-        (out,) = gather_fwd(t3, idx)
-        out = out.reshape(pre + indices.shape + post)
+        out = jnp.take(table, _flat_indices("gather", indices, v), axis=axis, mode="clip").reshape(out_shape)
+        return out if mode != "fill" else jnp.where(valid, out, _fill_value(fill_value, table.dtype))
+    t3 = table.reshape((math.prod(pre), v, math.prod(post)))
     if mode != "fill":
-        return out
-    # in-range mask over [*idx], broadcast against [*pre, *idx, *post]; jnp.where's
-    # gradient zeroes dy where the fill was taken, so the scatter-add skips those rows
-    valid = (indices >= 0) & (indices < v)
-    valid = valid.reshape((1,) * len(pre) + indices.shape + (1,) * len(post))
-    return jnp.where(valid, out, _fill_value(fill_value, table.dtype))
+        (out,) = gather_fwd(t3, _flat_indices("gather", indices, v))
+        return out.reshape(out_shape)
+    # "fill": the primitive reads zeros at out-of-range indices (sent to V, int32-safe for
+    # any index dtype) and drops them in its backward; the fill is then ADDED: x + (-0.0)
+    # is x exactly (signed zeros and NaN included), 0 + fill is the fill. The add's
+    # transpose passes dy through unchanged, so reverse mode is one scatter-add, where a
+    # select would cost a pass over dy.
+    # (an in-range index is below V <= 2^31 - 1, so its int32 cast is exact)
+    idx = jnp.where(_in_range(indices, v), indices.astype(jnp.int32), jnp.int32(v)).reshape(-1)
+    (out,) = gather_fwd(t3, idx)
+    fill = _fill_value(fill_value, table.dtype)
+    return out.reshape(out_shape) + jnp.where(valid, jnp.asarray(-0.0, table.dtype), fill)
 
 
 def gather_backward(dy, indices, *, axis: int, table_shape):
