@@ -2,7 +2,8 @@
 scatter-add (RLX ``GatherBackward{axis}`` / ``ScatterAdd``).
 
 Shapes: table [*pre, V, *post], integer indices [*idx] ->
-out [*pre, *idx, *post], out[a, i, b] = table[a, clip(indices[i], 0, V - 1), b].
+out [*pre, *idx, *post], out[a, i, b] = table[a, indices[i], b] for an index in [0, V)
+(out-of-range indices: below).
 Internally: table [O, V, T] (O = prod(pre), T = prod(post)), indices [K] -> out [O, K, T].
 
 The primitives DROP an index outside [0, V): the forward reads zeros there and the
@@ -242,8 +243,9 @@ def gather(table, indices, *, axis: int = 0, mode: str | None = None, fill_value
         fill = _fill_value(fill_value, table.dtype)
         return jnp.broadcast_to(fill, pre + indices.shape + post)
     out_shape = pre + indices.shape + post
-    # in-range mask over [*idx], broadcast against [*pre, *idx, *post]
-    valid = _in_range(indices, v).reshape((1,) * len(pre) + indices.shape + (1,) * len(post))
+    in_range = _in_range(indices, v)
+    # the in-range mask over [*idx], broadcast against [*pre, *idx, *post]
+    valid = in_range.reshape((1,) * len(pre) + indices.shape + (1,) * len(post))
     if not jnp.issubdtype(table.dtype, jnp.inexact):
         out = jnp.take(table, _flat_indices("gather", indices, v), axis=axis, mode="clip").reshape(out_shape)
         return out if mode != "fill" else jnp.where(valid, out, _fill_value(fill_value, table.dtype))
@@ -257,7 +259,7 @@ def gather(table, indices, *, axis: int = 0, mode: str | None = None, fill_value
     # transpose passes dy through unchanged, so reverse mode is one scatter-add, where a
     # select would cost a pass over dy.
     # (an in-range index is below V <= 2^31 - 1, so its int32 cast is exact)
-    idx = jnp.where(_in_range(indices, v), indices.astype(jnp.int32), jnp.int32(v)).reshape(-1)
+    idx = jnp.where(in_range, indices.astype(jnp.int32), jnp.int32(v)).reshape(-1)
     (out,) = gather_fwd(t3, idx)
     fill = _fill_value(fill_value, table.dtype)
     return out.reshape(out_shape) + jnp.where(valid, jnp.asarray(-0.0, table.dtype), fill)
