@@ -112,5 +112,27 @@ inline ffi::Error check_bwd_rest(Backend b, const ffi::AnyBuffer& q, const ffi::
   return ffi::Error::Success();
 }
 
+// Segment ids (the segment targets), when given (qseg non-null): qseg [B, Sq] and kseg [B, Sk]
+// int32. The CUDA targets also take the per-granule tables qinfo [B, ceil(Sq / g), 4] and kinfo
+// [B, ceil(Sk / g), 4] int32 (g = granule; checked when qinfo is non-null).
+inline ffi::Error check_segments(const char* who, const ffi::AnyBuffer* qseg, const ffi::AnyBuffer* kseg,
+                                 const Dims& d, const ffi::AnyBuffer* qinfo = nullptr,
+                                 const ffi::AnyBuffer* kinfo = nullptr, int64_t granule = 1) {
+  if (!qseg) return ffi::Error::Success();
+  if (qseg->element_type() != ffi::DataType::S32 || !has_dims(*qseg, {d.B, d.Sq}))
+    return invalid(std::string(who) + ": q_segment_ids must be int32 [B, Sq], got " + dims_str(*qseg));
+  if (kseg->element_type() != ffi::DataType::S32 || !has_dims(*kseg, {d.B, d.Sk}))
+    return invalid(std::string(who) + ": kv_segment_ids must be int32 [B, Sk], got " + dims_str(*kseg));
+  if (!qinfo) return ffi::Error::Success();
+  const int64_t nq = (d.Sq + granule - 1) / granule, nk = (d.Sk + granule - 1) / granule;
+  if (qinfo->element_type() != ffi::DataType::S32 || !has_dims(*qinfo, {d.B, nq, 4}))
+    return invalid(std::string(who) + ": the query segment table must be int32 [B, ceil(Sq / " +
+                   std::to_string(granule) + "), 4], got " + dims_str(*qinfo));
+  if (kinfo->element_type() != ffi::DataType::S32 || !has_dims(*kinfo, {d.B, nk, 4}))
+    return invalid(std::string(who) + ": the key segment table must be int32 [B, ceil(Sk / " +
+                   std::to_string(granule) + "), 4], got " + dims_str(*kinfo));
+  return ffi::Error::Success();
+}
+
 }  // namespace attention
 }  // namespace rlx

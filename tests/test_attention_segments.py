@@ -423,3 +423,39 @@ def test_graph_gradients_with_bias_softcap_scale_segments_and_sinks():
     close(outs[0], want, rtol=1e-5, atol=1e-5)
     for name, got in zip(params, outs[1:]):
         close(got, gwant[name], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("sq,sk,granule", [(0, 5, 4), (5, 0, 4), (1, 1, 4), (37, 53, 8), (64, 64, 64), (130, 70, 64)])
+@pytest.mark.parametrize("layout", ["packed", "random"])
+def test_segment_tile_info_matches_brute_force(sq, sk, granule, layout):
+    """The CUDA kernels' granule tables: each granule's id range, and the range of the other
+    side's granules whose id ranges meet it, against a loop over granule pairs; a granule
+    pair outside the hull never holds a matching (query, key) pair."""
+    from rlx_jax.vjp_rules.attention_segments import segment_tile_info
+
+    rng = np.random.default_rng(sq * 131 + sk)
+    if layout == "packed":
+        qid, kid = packed_ids(2, max(sq, 1), 3, max_len=9)[:, :sq], packed_ids(2, max(sk, 1), 4, max_len=9)[:, :sk]
+    else:
+        qid = jnp.asarray(rng.integers(0, 6, size=(2, sq)), jnp.int32)
+        kid = jnp.asarray(rng.integers(0, 6, size=(2, sk)), jnp.int32)
+    qinfo, kinfo = (np.asarray(x) for x in segment_tile_info(qid, kid, granule))
+    nq, nk = -(-sq // granule), -(-sk // granule)
+    assert qinfo.shape == (2, nq, 4) and kinfo.shape == (2, nk, 4)
+    assert qinfo.dtype == np.int32 and kinfo.dtype == np.int32
+    q_np, k_np = np.asarray(qid), np.asarray(kid)
+    for b in range(2):
+        qg = [q_np[b, i * granule:(i + 1) * granule] for i in range(nq)]
+        kg = [k_np[b, j * granule:(j + 1) * granule] for j in range(nk)]
+        for own, other, info in ((qg, kg, qinfo[b]), (kg, qg, kinfo[b])):
+            for i, ids in enumerate(own):
+                meets = [j for j, o in enumerate(other) if ids.min() <= o.max() and o.min() <= ids.max()]
+                assert (info[i, 0], info[i, 1]) == (ids.min(), ids.max())
+                if meets:
+                    assert (info[i, 2], info[i, 3]) == (meets[0], meets[-1] + 1)
+                else:
+                    assert info[i, 2] >= info[i, 3]
+                # no matching pair outside the hull
+                for j, o in enumerate(other):
+                    if not info[i, 2] <= j < info[i, 3]:
+                        assert not np.isin(ids, o).any()

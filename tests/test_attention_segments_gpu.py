@@ -1,6 +1,7 @@
 """Segment ids and sinks on the GPU: sinks run over the CUDA kernels' (out, lse) and their
-backward's lse cotangent (dlse), segment ids run in plain XLA ops (no kernel call);
-values and gradients against the dense oracle of tests/test_attention_segments.py."""
+backward's lse cotangent (dlse); segment ids run the Hopper kernels' segment forms at bf16
+/ f16 (head dims 64, 128) and plain XLA ops in f32; values and gradients against the dense
+oracle of tests/test_attention_segments.py."""
 
 from __future__ import annotations
 
@@ -58,4 +59,88 @@ def test_sinks_and_segments_on_gpu_match_oracle(dtype, d, kind, segments, monkey
     for name, g, gr in zip(("dq", "dk", "dv", "dsinks"), grads, grads_ref):
         assert_close(g, gr, 4 * tol, name)
     hlo = jax.jit(lambda q, k, v: attention(q, k, v, sinks=sinks, **kw)).lower(q, k, v).as_text()
+    # segment ids: the Hopper kernels' segment target at bf16 (D 64, 128), the reference in f32
     assert ("rlx_attention_fwd" in hlo) != segments
+    assert ("rlx_attention_segments_fwd" in hlo) == (segments and dtype == jnp.bfloat16)
+
+
+def _ids(layout, b, s, seed):
+    """[B, S] int32 ids: "packed" documents of lengths 1..300 (non-decreasing, a new layout
+    per batch row), "long" documents of 200..700 tokens (tiles inside one document take the
+    kernels' unmasked path), "random" ids from {0, 1, 2} in no order (the tile hull covers
+    everything: only the per-score test hides)."""
+    r = np.random.default_rng(seed)
+    if layout == "random":
+        return jnp.asarray(r.integers(0, 3, size=(b, s)), jnp.int32)
+    lo, hi = (1, 300) if layout == "packed" else (200, 700)
+    rows = []
+    for _ in range(b):
+        ids, doc = [], 0
+        while len(ids) < s:
+            ids += [doc] * int(r.integers(lo, hi + 1))
+            doc += 1
+        rows.append(ids[:s])
+    return jnp.asarray(np.array(rows, np.int32))
+
+
+# (D, mask kind, softcap, key mask, layout, Sq, Sk, H, Hkv): head dims 64 and 128 (the fused
+# backward's two tile heights), every mask form, GQA, odd lengths, Sq != Sk
+SEGMENT_CASES = [
+    (64, "causal", None, False, "packed", 1000, 1000, 4, 2),
+    (128, "causal", None, False, "packed", 1000, 1000, 4, 2),
+    (128, "none", None, False, "packed", 777, 777, 2, 2),
+    (64, "none", None, True, "long", 901, 901, 4, 1),
+    (128, "sliding", None, False, "long", 1100, 1100, 2, 1),
+    (64, "sliding", 20.0, False, "packed", 700, 700, 4, 4),
+    (128, "causal", 30.0, True, "packed", 640, 640, 4, 2),
+    (64, "causal", None, False, "random", 333, 333, 2, 1),
+    (128, "none", None, False, "random", 300, 529, 4, 2),
+    (64, "causal", None, False, "long", 450, 1200, 2, 2),
+]
+
+
+@pytest.mark.parametrize("d,kind,softcap,key_mask,layout,sq,sk,h,hkv", SEGMENT_CASES, ids=str)
+def test_segment_kernels_match_oracle(d, kind, softcap, key_mask, layout, sq, sk, h, hkv):
+    """The Hopper kernels' segment forms (forward, fused backward) against the dense f32 oracle:
+    values and gradients, and bitwise the same gradients on a second call (deterministic)."""
+    from rlx_jax.vjp_rules.attention import cuda_segments_served
+
+    b, dtype = 2, jnp.bfloat16
+    r = np.random.default_rng(d + sq + sk)
+    put = lambda *shape: jax.device_put(jnp.asarray(r.standard_normal(shape), jnp.float32).astype(dtype), gpu())
+    q, k, v, dy = put(b, sq, h, d), put(b, sk, hkv, d), put(b, sk, hkv, d), put(b, sq, h, d)
+    if not cuda_segments_served(q, k, has_bias=False, scale=1.0):
+        pytest.skip("the segment kernels need a compute capability 9.0 GPU")
+    qid = _ids(layout, b, sq, 1)
+    # kv ids: the same documents over the longer sequence (Sq != Sk: queries are the last Sq
+    # positions, bottom-right aligned)
+    kid = _ids(layout, b, sk, 1) if sq == sk else jnp.concatenate(
+        [jnp.full((b, sk - sq), -1, jnp.int32), qid], axis=1) if sk > sq else _ids(layout, b, sk, 2)
+    kw = dict(mask_kind=kind, window=150 if kind == "sliding" else None, softcap=softcap,
+              q_segment_ids=qid, kv_segment_ids=kid)
+    if key_mask:
+        kw["mask"] = jnp.asarray(r.uniform(size=(b, sk)) > 0.2, jnp.float32)
+
+    def run(fn):
+        @jax.jit
+        def go(q, k, v, dy):
+            y, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, **kw), q, k, v)
+            return y, vjp(dy)
+
+        return go(q, k, v, dy)
+
+    hlo = jax.jit(lambda q, k, v: attention(q, k, v, **kw)).lower(q, k, v).as_text()
+    assert "rlx_attention_segments_fwd" in hlo
+    y, grads = run(attention)
+    y2, grads2 = run(attention)
+    with jax.default_matmul_precision("highest"):
+        y_ref, grads_ref = run(lambda q, k, v, **kw: dense_oracle(*as_f32(q, k, v), **kw).astype(q.dtype))
+    assert_close(y, y_ref, 2e-2, "out")
+    for name, g, gr, g2 in zip(("dq", "dk", "dv"), grads, grads_ref, grads2):
+        assert_close(g, gr, 4e-2, name)
+        assert np.array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(g2.astype(jnp.float32))), name
+    # rows whose document has no key (Sq != Sk with other ids) are exactly 0
+    vis = np.asarray(qid)[:, :, None] == np.asarray(kid)[:, None, :]
+    dead = ~vis.any(-1)
+    if dead.any():
+        assert not np.asarray(y.astype(jnp.float32))[dead].any()

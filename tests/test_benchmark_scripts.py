@@ -64,3 +64,26 @@ def test_attention_scripts_share_validated_shape_options():
     for bad in (["--kinds", "none,sliding"], ["--head-dims", "64,x"], ["--heads", "0"]):
         with pytest.raises(SystemExit):
             cli.shape_args(parser, parser.parse_args(bad))
+
+
+_packed = _load("attention_packed")
+
+
+@pytest.mark.parametrize("layout", ["lognormal", "one", "tokens"])
+def test_packed_documents_ids_and_visible_pairs(layout):
+    """The packed-attention benchmark's ids: non-decreasing documents of every token, and its
+    visible-pair count against a brute-force count of same-document causal pairs."""
+    import numpy as np
+
+    ids = _packed.packed_segment_ids(3, 300, 40.0, seed=1, layout=layout)
+    assert ids.shape == (3, 300) and ids.dtype == np.int32
+    assert (np.diff(ids, axis=1) >= 0).all()
+    brute = sum(int(((row[:, None] == row[None, :]) & np.tri(300, dtype=bool)).sum()) for row in ids)
+    assert _packed.visible_pairs(ids) == brute
+    if layout == "one":
+        assert brute == 3 * 300 * 301 // 2
+    if layout == "tokens":
+        assert brute == 3 * 300
+    if layout == "lognormal":
+        lengths = np.concatenate([np.unique(r, return_counts=True)[1] for r in ids])
+        assert lengths.min() >= 1 and 1 < lengths.mean() < 300

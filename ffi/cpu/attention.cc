@@ -33,6 +33,7 @@
 #include <cmath>
 #include <limits>
 
+#include "attention_bindings.h"
 #include "attention_checks.h"
 #include "cpu/common.h"
 
@@ -695,21 +696,7 @@ void attention_bwd_typed(ffi::ThreadPool& pool, const Dims& d, const Opts& o, co
 }
 
 // ---- validation -------------------------------------------------------------------------------
-// Segment ids, when given: qseg [B, Sq] and kseg [B, Sk] int32 (CPU only: the CUDA kernels take
-// no segment ids, so this check is not in the shared attention_checks.h).
-ffi::Error check_segments(const char* who, const ffi::AnyBuffer* qseg, const ffi::AnyBuffer* kseg,
-                          const Dims& d) {
-  using attention::dims_str;
-  using attention::has_dims;
-  if (!qseg) return ffi::Error::Success();
-  if (qseg->element_type() != ffi::DataType::S32 || !has_dims(*qseg, {d.B, d.Sq}))
-    return invalid(std::string(who) + ": q_segment_ids must be int32 [B, Sq], got " +
-                   dims_str(*qseg));
-  if (kseg->element_type() != ffi::DataType::S32 || !has_dims(*kseg, {d.B, d.Sk}))
-    return invalid(std::string(who) + ": kv_segment_ids must be int32 [B, Sk], got " +
-                   dims_str(*kseg));
-  return ffi::Error::Success();
-}
+using attention::check_segments;
 
 const int32_t* seg_data(const ffi::AnyBuffer* x) {
   return x ? static_cast<const int32_t*>(x->untyped_data()) : nullptr;
@@ -831,44 +818,19 @@ ffi::Error AttentionSegmentsBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
 // The segment-id targets take q_segment_ids [B, Sq] and kv_segment_ids [B, Sk] (int32) after
 // the bias. Absent mask / bias are dummy [0] operands (dbias then a dummy [0] result). Every
 // target takes the same attributes.
-// A Binding cannot be copied or moved from outside: each helper takes the chain so far by
-// reference and returns the prvalue its last call makes.
-template <int N, typename Binding>
-auto operands(Binding&& b) {  // N (>= 1) more AnyBuffer operands
-  if constexpr (N == 1) return std::move(b).template Arg<ffi::AnyBuffer>();
-  else return operands<N - 1>(std::move(b).template Arg<ffi::AnyBuffer>());
-}
-
-template <int N, typename Binding>
-auto results(Binding&& b) {  // N (>= 1) more AnyBuffer results
-  if constexpr (N == 1) return std::move(b).template Ret<ffi::AnyBuffer>();
-  else return results<N - 1>(std::move(b).template Ret<ffi::AnyBuffer>());
-}
-
-template <typename Binding>
-auto with_attrs(Binding&& b) {
-  return std::move(b)
-      .template Attr<double>("scale")
-      .template Attr<double>("softcap")
-      .template Attr<int64_t>("mask_kind")
-      .template Attr<int64_t>("window")
-      .template Attr<int64_t>("has_mask")
-      .template Attr<int64_t>("has_bias");
-}
-
 auto bind() { return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>(); }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAttentionFwd, AttentionFwdImpl,
-                              with_attrs(results<2>(operands<5>(bind()))));
+                              attention::with_attrs(attention::results<2>(attention::operands<5>(bind()))));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAttentionBwd, AttentionBwdImpl,
-                              with_attrs(results<4>(operands<9>(bind()))));
+                              attention::with_attrs(attention::results<4>(attention::operands<9>(bind()))));
 // Targets of their own for the segment ids, so the two above keep their ABI.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAttentionSegmentsFwd, AttentionSegmentsFwdImpl,
-                              with_attrs(results<2>(operands<7>(bind()))));
+                              attention::with_attrs(attention::results<2>(attention::operands<7>(bind()))));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAttentionSegmentsBwd, AttentionSegmentsBwdImpl,
-                              with_attrs(results<4>(operands<11>(bind()))));
+                              attention::with_attrs(attention::results<4>(attention::operands<11>(bind()))));
 
 RLX_REGISTER_HANDLER("rlx_attention_fwd", RlxAttentionFwd);
 RLX_REGISTER_HANDLER("rlx_attention_bwd", RlxAttentionBwd);

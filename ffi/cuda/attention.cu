@@ -10,6 +10,12 @@
 //   rowsum(dout * out) - dlse_i; the Python side sizes it, XLA allocates it).
 // Attrs: scale, softcap (f64; softcap 0 = off), mask_kind (0 none, 1 causal, 2 sliding),
 //   window, has_mask, has_bias (i64).
+// rlx_attention_segments_fwd / _bwd: the same operands, then after bias the segment ids q_segment_ids
+//   [B, Sq], kv_segment_ids [B, Sk] int32 and their granule tables [B, ceil(Sq / 64), 4], [B,
+//   ceil(Sk / 64), 4] int32 (attention_segments.cuh; the CPU targets take the ids only). They run
+//   the wgmma kernels' segment forms only (bf16 / f16, head dim 64 or 128, no bias, scale > 0, an
+//   sm_90a image on a compute capability 9.0 device, the backward's fused kernel): any other call
+//   is an error, never a silent fallback that would ignore the ids.
 //
 // Path: bf16 / f16 with head dim 64 or 128 on sm_80+ run the mma.sync kernels, except where the
 // module carries sm_90a code and runs on a compute capability 9.0 device, for the cases without a
@@ -29,8 +35,10 @@
 #include <cmath>
 #include <string>
 
+#include "attention_bindings.h"
 #include "attention_checks.h"
 #include "cuda/attention_launch.cuh"
+#include "cuda/attention_segments.cuh"
 
 namespace rlx {
 namespace cuda {
@@ -70,13 +78,33 @@ ffi::Error check_inputs(const char* who, const ffi::AnyBuffer& q, const ffi::Any
   return ffi::Error::Success();
 }
 
-ffi::Error AttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                            ffi::AnyBuffer mask, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
-                            ffi::Result<ffi::AnyBuffer> lse, double scale, double softcap, int64_t mask_kind,
-                            int64_t window, int64_t has_mask, int64_t has_bias) {
+// The segment targets' four extra operands (null for the targets without segment ids).
+struct Segments {
+  const ffi::AnyBuffer *qseg = nullptr, *kseg = nullptr, *qinfo = nullptr, *kinfo = nullptr;
+};
+
+// Checks the segment operands (if any) and points a's fields at them.
+ffi::Error set_segments(const char* who, const Segments& sg, AttnArgs* a) {
+  if (sg.qseg == nullptr) return ffi::Error::Success();
+  const Dims d{a->B, a->Sq, a->Sk, a->H, a->Hkv, a->D};
+  if (auto e = attention::check_segments(who, sg.qseg, sg.kseg, d, sg.qinfo, sg.kinfo, attn::kSegGranule);
+      e.failure())
+    return e;
+  a->qseg = static_cast<const int*>(sg.qseg->untyped_data());
+  a->kseg = static_cast<const int*>(sg.kseg->untyped_data());
+  a->qinfo = static_cast<const int4*>(sg.qinfo->untyped_data());
+  a->kinfo = static_cast<const int4*>(sg.kinfo->untyped_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error attention_fwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                         ffi::AnyBuffer mask, ffi::AnyBuffer bias, const Segments& sg, ffi::Result<ffi::AnyBuffer> out,
+                         ffi::Result<ffi::AnyBuffer> lse, double scale, double softcap, int64_t mask_kind,
+                         int64_t window, int64_t has_mask, int64_t has_bias) {
   const Opts o = attention::make_opts(scale, softcap, mask_kind, window, has_mask, has_bias);
   AttnArgs a;
   if (auto e = check_inputs("attention", q, k, v, mask, bias, o, &a); e.failure()) return e;
+  if (auto e = set_segments("attention", sg, &a); e.failure()) return e;
   const Dims d{a.B, a.Sq, a.Sk, a.H, a.Hkv, a.D};
   if (auto e = attention::check_fwd_results(Backend::kCuda, q, *out, *lse, d); e.failure()) return e;
   if (a.B * a.H * a.Sq == 0) return ffi::Error::Success();
@@ -92,16 +120,17 @@ ffi::Error AttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   return result;
 }
 
-ffi::Error AttentionBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                            ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse,
-                            ffi::AnyBuffer mask, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> dq,
-                            ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                            ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> scratch, double scale,
-                            double softcap, int64_t mask_kind, int64_t window, int64_t has_mask, int64_t has_bias) {
+ffi::Error attention_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                         ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse,
+                         ffi::AnyBuffer mask, ffi::AnyBuffer bias, const Segments& sg, ffi::Result<ffi::AnyBuffer> dq,
+                         ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                         ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> scratch, double scale,
+                         double softcap, int64_t mask_kind, int64_t window, int64_t has_mask, int64_t has_bias) {
   const Opts o = attention::make_opts(scale, softcap, mask_kind, window, has_mask, has_bias);
   AttnArgs a;
   const char* who = "attention backward";
   if (auto e = check_inputs(who, q, k, v, mask, bias, o, &a); e.failure()) return e;
+  if (auto e = set_segments(who, sg, &a); e.failure()) return e;
   const Dims d{a.B, a.Sq, a.Sk, a.H, a.Hkv, a.D};
   if (auto e = attention::check_bwd_rest(Backend::kCuda, q, k, bias, out, lse, dout, dlse, *dq, *dk, *dv, *dbias, o, d);
       e.failure())
@@ -128,55 +157,73 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   return result;
 }
 
+ffi::Error AttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                            ffi::AnyBuffer mask, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Result<ffi::AnyBuffer> lse, double scale, double softcap, int64_t mask_kind,
+                            int64_t window, int64_t has_mask, int64_t has_bias) {
+  return attention_fwd(stream, q, k, v, mask, bias, Segments{}, out, lse, scale, softcap, mask_kind, window, has_mask,
+                       has_bias);
+}
+
+ffi::Error AttentionSegmentsFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                    ffi::AnyBuffer mask, ffi::AnyBuffer bias, ffi::AnyBuffer qseg,
+                                    ffi::AnyBuffer kseg, ffi::AnyBuffer qinfo, ffi::AnyBuffer kinfo,
+                                    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse, double scale,
+                                    double softcap, int64_t mask_kind, int64_t window, int64_t has_mask,
+                                    int64_t has_bias) {
+  return attention_fwd(stream, q, k, v, mask, bias, Segments{&qseg, &kseg, &qinfo, &kinfo}, out, lse, scale, softcap,
+                       mask_kind, window, has_mask, has_bias);
+}
+
+ffi::Error AttentionBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                            ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse,
+                            ffi::AnyBuffer mask, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> dq,
+                            ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                            ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> scratch, double scale,
+                            double softcap, int64_t mask_kind, int64_t window, int64_t has_mask, int64_t has_bias) {
+  return attention_bwd(stream, q, k, v, out, lse, dout, dlse, mask, bias, Segments{}, dq, dk, dv, dbias, scratch,
+                       scale, softcap, mask_kind, window, has_mask, has_bias);
+}
+
+ffi::Error AttentionSegmentsBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                    ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse,
+                                    ffi::AnyBuffer mask, ffi::AnyBuffer bias, ffi::AnyBuffer qseg,
+                                    ffi::AnyBuffer kseg, ffi::AnyBuffer qinfo, ffi::AnyBuffer kinfo,
+                                    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                                    ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
+                                    ffi::Result<ffi::AnyBuffer> scratch, double scale, double softcap,
+                                    int64_t mask_kind, int64_t window, int64_t has_mask, int64_t has_bias) {
+  return attention_bwd(stream, q, k, v, out, lse, dout, dlse, mask, bias, Segments{&qseg, &kseg, &qinfo, &kinfo}, dq,
+                       dk, dv, dbias, scratch, scale, softcap, mask_kind, window, has_mask, has_bias);
+}
+
+auto bind() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(); }
+
 }  // namespace
 
-// Command-buffer compatible: the handlers only launch kernels on XLA's stream, with launch
-// shapes that depend on the buffer shapes, the attributes and the device alone.
+// The bindings (attention_bindings.h): forward (q, k, v, mask, bias) -> (out, lse); backward (q,
+// k, v, out, lse, dout, dlse, mask, bias) -> (dq, dk, dv, dbias, scratch); the segment targets
+// take the ids and their tables after the bias (attention_segments.cuh). Absent mask / bias are
+// dummy [0] operands (dbias then a dummy [0] result). Command-buffer compatible: the handlers only
+// launch kernels on XLA's stream, with launch shapes that depend on the buffer shapes, the
+// attributes and the device alone.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAttentionFwdCuda, AttentionFwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // mask (dummy [0] when absent)
-                                  .Arg<ffi::AnyBuffer>()  // bias (dummy [0] when absent)
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<ffi::AnyBuffer>()  // lse
-                                  .Attr<double>("scale")
-                                  .Attr<double>("softcap")
-                                  .Attr<int64_t>("mask_kind")
-                                  .Attr<int64_t>("window")
-                                  .Attr<int64_t>("has_mask")
-                                  .Attr<int64_t>("has_bias"),
+                              attention::with_attrs(attention::results<2>(attention::operands<5>(bind()))),
                               {ffi::Traits::kCmdBufferCompatible});
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAttentionBwdCuda, AttentionBwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // out
-                                  .Arg<ffi::AnyBuffer>()  // lse
-                                  .Arg<ffi::AnyBuffer>()  // dout
-                                  .Arg<ffi::AnyBuffer>()  // dlse
-                                  .Arg<ffi::AnyBuffer>()  // mask
-                                  .Arg<ffi::AnyBuffer>()  // bias
-                                  .Ret<ffi::AnyBuffer>()  // dq
-                                  .Ret<ffi::AnyBuffer>()  // dk
-                                  .Ret<ffi::AnyBuffer>()  // dv
-                                  .Ret<ffi::AnyBuffer>()  // dbias (dummy [0] when no bias)
-                                  .Ret<ffi::AnyBuffer>()  // scratch f32 [>= B * H * Sq]
-                                  .Attr<double>("scale")
-                                  .Attr<double>("softcap")
-                                  .Attr<int64_t>("mask_kind")
-                                  .Attr<int64_t>("window")
-                                  .Attr<int64_t>("has_mask")
-                                  .Attr<int64_t>("has_bias"),
+                              attention::with_attrs(attention::results<5>(attention::operands<9>(bind()))),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAttentionSegmentsFwdCuda, AttentionSegmentsFwdImpl,
+                              attention::with_attrs(attention::results<2>(attention::operands<9>(bind()))),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAttentionSegmentsBwdCuda, AttentionSegmentsBwdImpl,
+                              attention::with_attrs(attention::results<5>(attention::operands<13>(bind()))),
                               {ffi::Traits::kCmdBufferCompatible});
 
 RLX_CUDA_REGISTER_HANDLER("rlx_attention_fwd", RlxAttentionFwdCuda);
 RLX_CUDA_REGISTER_HANDLER("rlx_attention_bwd", RlxAttentionBwdCuda);
+RLX_CUDA_REGISTER_HANDLER("rlx_attention_segments_fwd", RlxAttentionSegmentsFwdCuda);
+RLX_CUDA_REGISTER_HANDLER("rlx_attention_segments_bwd", RlxAttentionSegmentsBwdCuda);
 
 }  // namespace cuda
 }  // namespace rlx

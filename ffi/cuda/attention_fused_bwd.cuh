@@ -232,6 +232,14 @@ __device__ __forceinline__ int fused_rot(int kt, int nkt, int iters, bool causal
   return causal ? 0 : int((int64_t(kt) * iters) / nkt);
 }
 
+// Segment ids: the key granules of a row of kinfo, and batch b's row (null without ids).
+__device__ __forceinline__ int fused_key_granules(const AttnArgs& a) {
+  return int((a.Sk + kSegGranule - 1) / kSegGranule);
+}
+__device__ __forceinline__ const int4* fused_kinfo(const AttnArgs& a, int64_t b) {
+  return a.kinfo == nullptr ? nullptr : a.kinfo + b * fused_key_granules(a);
+}
+
 // The block a ticket names (key tile fastest): key tile kt of nkt, kv head hk, batch b.
 __device__ __forceinline__ void fused_block(const AttnArgs& a, int nkt, int64_t ticket, int* kt, int64_t* hk,
                                             int64_t* b) {
@@ -246,33 +254,54 @@ __device__ __forceinline__ void fused_block(const AttnArgs& a, int nkt, int64_t 
 // tile of the block's first key on; a sliding window of win >= 0 keys: up to the tile of the last
 // row whose window reaches the block's last key; otherwise to nqt), visited in the rotated order of
 // the header (step m: item (rot + m) mod iters); and each item's rank among the contributors of its
-// tile. (win < 0: no window; the kernels pass a constant -1 where they take no window.)
+// tile. (win < 0: no window; the kernels pass a constant -1 where they take no window.) With
+// segment ids (kinfo: the batch's key granule info, attention_segments.cuh; null without) the
+// query tiles are also bounded by the hull of the block's granules, so every kernel and converter
+// computes the same (data-dependent) schedule from the same ids.
 template <int BQ>
 struct FusedSchedule {
   int kt, nkt, nqt, grp, off;
   bool causal;
   int win;
+  const int4* kinfo;
+  int nkg;  // key granules (kinfo's row length)
   int qt0, nq, iters, rot;
   __device__ __forceinline__ FusedSchedule(int kt_, int nkt_, int nqt_, int grp_, int off_, bool causal_,
-                                           int win_ = -1)
-      : kt(kt_), nkt(nkt_), nqt(nqt_), grp(grp_), off(off_), causal(causal_), win(win_) {
-    qt0 = qt0_of(kt);
-    const int qt1 = qt1_of(kt);
+                                           int win_ = -1, const int4* kinfo_ = nullptr, int nkg_ = 0)
+      : kt(kt_), nkt(nkt_), nqt(nqt_), grp(grp_), off(off_), causal(causal_), win(win_), kinfo(kinfo_), nkg(nkg_) {
+    int qt1;
+    range_of(kt, &qt0, &qt1);
     nq = qt1 > qt0 ? qt1 - qt0 : 0;
     iters = nq * grp;
     rot = fused_rot(kt, nkt, iters, causal);
   }
-  // the first query tile of key block x
-  __device__ __forceinline__ int qt0_of(int x) const { return causal ? max(0, x * kWgBwdKeys - off) / BQ : 0; }
-  // one past the last query tile of key block x: row i sees key j >= i + off - win, so the block's
-  // last key x 128 + 127 is seen up to row x 128 + 127 - off + win
-  __device__ __forceinline__ int qt1_of(int x) const {
-    if (win < 0) return nqt;
-    const int64_t last = int64_t(x) * kWgBwdKeys + kWgBwdKeys - 1 - off + win;
-    return last < 0 ? 0 : int(min(int64_t(nqt), last / BQ + 1));
+  // segment ids: the query tiles [t0, t1) of the hull of key block x's granules (t0 >= t1: none)
+  __device__ __forceinline__ void seg_tiles(int x, int* t0, int* t1) const {
+    constexpr int per = kWgBwdKeys / kSegGranule;
+    int z, w;
+    seg_hull(kinfo, int64_t(x) * per, min(int64_t(nkg), int64_t(x + 1) * per), &z, &w);
+    *t0 = z < w ? z * kSegGranule / BQ : nqt;
+    *t1 = z < w ? (w * kSegGranule + BQ - 1) / BQ : 0;
   }
-  // key block x visits query tile t (t < nqt = qt1_of(x) without a window)
-  __device__ __forceinline__ bool visits(int x, int t) const { return qt0_of(x) <= t && (win < 0 || t < qt1_of(x)); }
+  // The query tiles [qt0, qt1) of key block x (qt0 >= qt1: none). Causal: from the tile of the
+  // block's first key on. A window: row i sees key j >= i + off - win, so the block's last key
+  // x 128 + 127 is seen up to row x 128 + 127 - off + win. Segment ids: inside the block's hull
+  // (one table read a call: rank and contributors call it once a key block).
+  __device__ __forceinline__ void range_of(int x, int* qt0_, int* qt1_) const {
+    int t0 = causal ? max(0, x * kWgBwdKeys - off) / BQ : 0, t1 = nqt;
+    if (win >= 0) {
+      const int64_t last = int64_t(x) * kWgBwdKeys + kWgBwdKeys - 1 - off + win;
+      t1 = last < 0 ? 0 : int(min(int64_t(nqt), last / BQ + 1));
+    }
+    if (kinfo != nullptr) {
+      int s0, s1;
+      seg_tiles(x, &s0, &s1);
+      t0 = max(t0, s0);
+      t1 = min(t1, s1);
+    }
+    *qt0_ = t0;
+    *qt1_ = t1;
+  }
   // the item of step m
   __device__ __forceinline__ void item(int m, int* hl, int* t) const {
     int idx = m + rot;
@@ -288,8 +317,10 @@ struct FusedSchedule {
     for (int x0 = 0; x0 < nkt; x0 += 32) {
       const int x = x0 + lane;
       bool before = false;
-      if (x < nkt && visits(x, t)) {
-        const int xq0 = qt0_of(x), xnq = qt1_of(x) - xq0, xit = xnq * grp;
+      int xq0 = 0, xq1 = 0;
+      if (x < nkt) range_of(x, &xq0, &xq1);
+      if (xq0 <= t && t < xq1) {  // x visits t
+        const int xnq = xq1 - xq0, xit = xnq * grp;
         int xm = hl * xnq + (t - xq0) - fused_rot(x, nkt, xit, causal);
         if (xm < 0) xm += xit;
         before = x != kt && (xm < m || (xm == m && x < kt));
@@ -304,7 +335,9 @@ struct FusedSchedule {
     int n = 0;
     for (int x0 = 0; x0 < nkt; x0 += 32) {
       const int x = x0 + lane;
-      n += __popc(__ballot_sync(0xffffffffu, x < nkt && visits(x, t)));
+      int xq0 = 0, xq1 = 0;
+      if (x < nkt) range_of(x, &xq0, &xq1);
+      n += __popc(__ballot_sync(0xffffffffu, xq0 <= t && t < xq1));
     }
     return n;
   }
@@ -326,21 +359,22 @@ template <typename T, int D, int BQ>
 __device__ __forceinline__ void fused_convert_tiles(const AttnArgs& a, int nkt, int nqt, int grp, bool causal, int win,
                                                     const float* __restrict__ dqacc, const uint32_t* sem,
                                                     uint32_t* next, T* __restrict__ dq) {
+  const int nkg = fused_key_granules(a);
   constexpr int kRowChunks = D / 4, kPerLane = BQ * kRowChunks / 32, kBatch = 16;
   static_assert(kPerLane % kBatch == 0, "fused_convert_tiles: whole batches");
-  // the tiles' visits (any block's: kt 0; at least one key block, for the constructor's division;
-  // Sk = 0, no key block, is nkt 0 below)
-  const FusedSchedule<BQ> sch(0, max(nkt, 1), nqt, grp, int(a.off), causal, win);
   const int lane = threadIdx.x & 31;
-  const int64_t ntiles = a.B * a.H * int64_t(sch.nqt);
+  const int64_t ntiles = a.B * a.H * int64_t(nqt);
   for (;;) {
     int64_t u = 0;
     if (lane == 0) u = atomicAdd(next, 1u);
     u = __shfl_sync(0xffffffffu, u, 0);
     if (u >= ntiles) return;
-    const int t = int(u % sch.nqt);
-    const int64_t bh = u / sch.nqt, h = bh % a.H, b = bh / a.H, i0 = int64_t(t) * BQ;
-    const int need = nkt > 0 ? sch.contributors(t, lane) : 0;
+    const int t = int(u % nqt);
+    const int64_t bh = u / nqt, h = bh % a.H, b = bh / a.H, i0 = int64_t(t) * BQ;
+    // the tile's visits (any block's schedule: kt 0; at least one key block, for the constructor's
+    // division; Sk = 0, no key block, is nkt 0 here; segment ids: the tile's batch's)
+    const FusedSchedule<BQ> tsch(0, max(nkt, 1), nqt, grp, int(a.off), causal, win, fused_kinfo(a, b), nkg);
+    const int need = nkt > 0 ? tsch.contributors(t, lane) : 0;
     // (backing off to 1 us: up to a warp a tile polls, in the tail, while the last key blocks
     // still send their partials through L2)
     if (need > 0 && lane == 0)
@@ -378,7 +412,10 @@ __device__ __forceinline__ void fused_convert_tiles(const AttnArgs& a, int nkt, 
 // compiled at 2 only: mask_level in attention_launch_impl.cuh). The block's keys are fixed,
 // so with a key mask each thread reads its two keys' mask values once (bwd_kept_keys) and a warp
 // with a hidden key masks every tile; a window bounds the block's query tiles (FusedSchedule) and
-// masks the tiles its lower edge crosses (BwdTileMask::lo).
+// masks the tiles its lower edge crosses (BwdTileMask::lo). MASK 3: segment ids
+// (attention_segments.cuh), a key mask and a window optional: the block's query tiles are bounded by
+// its keys' hull (FusedSchedule) and an item whose ids hide a score takes the positional test with
+// the item's SegTile.
 template <typename T, int D, bool CAP = false, int MASK = 0>
 __global__ void __launch_bounds__(kWgBwdThreads, 1)
     wgmma_fused_bwd_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -413,8 +450,8 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
   const int off = int(a.off), sq = int(a.Sq), sk = int(a.Sk), grp = int(a.group);
   const bool causal = a.kind != 0;
   const int nqt = (sq + BQ - 1) / BQ;
-  // the sliding window (MASK 2 only; -1: none)
-  const int win = MASK == 2 && a.kind == 2 ? int(min(a.window, int64_t(1) << 30)) : -1;
+  // the sliding window (MASK 2 and 3 only; -1: none)
+  const int win = MASK >= 2 && a.kind == 2 ? int(min(a.window, int64_t(1) << 30)) : -1;
   if (Rc[0] >= int64_t(nkt) * a.Hkv * a.B) {  // a converter block (the header)
     fused_convert_tiles<T, D, BQ>(a, nkt, nqt, grp, causal, win, dqacc, sem, ticket + 1, dq);
     return;
@@ -428,7 +465,8 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
   const int64_t q_rs = a.H * D, kv_rs = a.Hkv * D;
   wg_load_tile<T, D, BK, NT>(Ks, k + (b * a.Sk * a.Hkv + hk) * D, kv_rs, k0, a.Sk);
   wg_load_tile<T, D, BK, NT>(Vs, v + (b * a.Sk * a.Hkv + hk) * D, kv_rs, k0, a.Sk);
-  const FusedSchedule<BQ> sch(kt, nkt, nqt, grp, off, causal, win);
+  const FusedSchedule<BQ> sch(kt, nkt, nqt, grp, off, causal, win, MASK == 3 ? fused_kinfo(a, b) : nullptr,
+                              fused_key_granules(a));
   const int iters = sch.iters;
   auto item = [&](int m, int* hl, int* t) { sch.item(m, hl, t); };
   // stage(m, bf): item m's Q / dO tiles into buffer bf (cp.async) and its lse / delta rows into
@@ -471,6 +509,11 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
   zero(dva);
   bool warp_hides = false;  // MASK: a key of this warp's 16 is hidden by the key mask
   const uint32_t kept = MASK && a.mask != nullptr ? bwd_kept_keys(a.mask + b * a.Sk, jw + g, sk, &warp_hides) : 3u;
+  // MASK 3: the ids of this thread's keys jw + g (+ 8), and of the item's queries (lane l: i0 + 32 w + l)
+  constexpr int WQ = MASK == 3 ? BQ / 32 : 1;
+  int qid[WQ];
+  SegRows skeys{};
+  if constexpr (MASK == 3) skeys = seg_rows(a.kseg + b * a.Sk, a.Sk, jw + g);
   const uint64_t kdsc = wg_desc(smem_addr(Ks) + uint32_t(wg * 64 * 128), 16, 1024);
   const uint64_t vdsc = wg_desc(smem_addr(Vs) + uint32_t(wg * 64 * 128), 16, 1024);
   // dQ operands: dS^T (A, MN-major: 64 queries = one 128-byte row per key, 8-key groups 1024 bytes
@@ -537,6 +580,7 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     item(m, &hl, &t);
     const int i0 = t * BQ;
     const int64_t h = hk * a.group + hl;
+    if constexpr (MASK == 3) seg_load(qid, a.qseg + b * a.Sq, i0, a.Sq, skeys.uni, lane);
     cp_async_wait_all();
     fence_proxy_async();
     __syncthreads();  // tiles landed; both warpgroups done with buf ^ 1 and Ss; Ps written
@@ -551,6 +595,8 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     const uint32_t qaddr = smem_addr(Qs + buf * BQ * D), gaddr = smem_addr(Gs + buf * BQ * D);
     float st[BQ / 8][4], dpt[BQ / 8][4];
     bwd_issue_scores<T, D, true, BQ>(st, dpt, kdsc, vdsc, qaddr, gaddr);
+    SegTile sg;  // MASK 3: the ids' test of this item (while the products run)
+    if constexpr (MASK == 3) sg = seg_tile<BQ / 8>(skeys, qid, tq);
     send();
     if (m % kFusedRankChunk == 0) fill_ranks(m);
     const float* Lb = Ls + buf * BQ;
@@ -559,10 +605,11 @@ __global__ void __launch_bounds__(kWgBwdThreads, 1)
     // feeds dQ, so keys past Sk are masked too), or a window's lower edge (key jw below the window
     // of the tile's last row): the positional test; else, where the key mask hides one of them, the
     // key-only one (TileHide)
-    const bool pos = (causal && jw + 15 > i0 + off) || jw + 15 >= sk || (win >= 0 && jw < i0 + BQ - 1 + off - win);
+    const bool pos = (causal && jw + 15 > i0 + off) || jw + 15 >= sk || (win >= 0 && jw < i0 + BQ - 1 + off - win) ||
+                     (MASK == 3 && sg.need);
     const int hide = pos ? kHidePos : warp_hides ? kHideKeys : kHideNone;
     const uint64_t gdt = wg_desc(gaddr, BQ * 128, 1024), qdt = wg_desc(qaddr, BQ * 128, 1024);
-    const BwdTileMask msk{jw + g, sk, causal ? i0 + off : INT_MAX, kept, win >= 0 ? i0 + off - win : INT_MIN};
+    const BwdTileMask msk{jw + g, sk, causal ? i0 + off : INT_MAX, kept, win >= 0 ? i0 + off - win : INT_MIN, sg};
     bwd_dv_dk_products<T, D, BQ, CAP, MASK != 0>(st, dpt, pa, da, dva, dka, Lb, Db, c2, tq, hide, msk, gdt, qdt, carg);
     wg_commit();
     // dS^T rows of this thread (keys 64 wg + 16 warp + g (+ 8)) to shared memory: queries

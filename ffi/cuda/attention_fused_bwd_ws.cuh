@@ -146,7 +146,8 @@ __device__ __forceinline__ void warp_load_tile(T* dst, const T* __restrict__ x, 
   }
 }
 
-// CAP: a softcap c > 0, MASK 1: a key mask, 2: a sliding window (both as wgmma_fused_bwd_kernel's).
+// CAP: a softcap c > 0, MASK 1: a key mask, 2: a sliding window, 3: segment ids (all as
+// wgmma_fused_bwd_kernel's).
 template <typename T, int D, bool CAP = false, int MASK = 0>
 __global__ void __launch_bounds__(kFusedWsThreads, 1)
     wgmma_fused_bwd_ws_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -198,8 +199,8 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
   const int sq = int(a.Sq), grp = int(a.group);
   const bool causal = a.kind != 0;
   const int nqt = (sq + BQ - 1) / BQ;
-  // the sliding window (MASK 2 only; -1: none)
-  const int win = MASK == 2 && a.kind == 2 ? int(min(a.window, int64_t(1) << 30)) : -1;
+  // the sliding window (MASK 2 and 3 only; -1: none)
+  const int win = MASK >= 2 && a.kind == 2 ? int(min(a.window, int64_t(1) << 30)) : -1;
   if (Tk[0] >= int64_t(nkt) * a.Hkv * a.B) {  // a converter block (the header of attention_fused_bwd.cuh)
     fused_convert_tiles<T, D, BQ>(a, nkt, nqt, grp, causal, win, dqacc, sem, ticket + 1, dq);
     return;
@@ -216,7 +217,8 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
   cp_async_wait_all();
   fence_proxy_async();
   __syncthreads();  // K and V landed (every thread's copies)
-  const FusedSchedule<BQ> sch(kt, nkt, nqt, grp, int(a.off), causal, win);
+  const FusedSchedule<BQ> sch(kt, nkt, nqt, grp, int(a.off), causal, win, MASK == 3 ? fused_kinfo(a, b) : nullptr,
+                              fused_key_granules(a));
   const int iters = sch.iters;
   const int wg = ws_warpgroup(), warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
   if (wg == 0) {
@@ -296,6 +298,11 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
   zero(dva);
   bool warp_hides = false;  // MASK: a key of this warp's 16 is hidden by the key mask
   const uint32_t kept = MASK && a.mask != nullptr ? bwd_kept_keys(a.mask + b * a.Sk, jw + g, sk, &warp_hides) : 3u;
+  // MASK 3: the ids of this thread's keys jw + g (+ 8), and of the item's queries (lane l: i0 + 32 w + l)
+  constexpr int WQ = MASK == 3 ? BQ / 32 : 1;
+  int qid[WQ];
+  SegRows skeys{};
+  if constexpr (MASK == 3) skeys = seg_rows(a.kseg + b * a.Sk, a.Sk, jw + g);
   const uint64_t kdsc = wg_desc(smem_addr(Ks) + uint32_t(cw * 64 * 128), 16, 1024);
   const uint64_t vdsc = wg_desc(smem_addr(Vs) + uint32_t(cw * 64 * 128), 16, 1024);
   // dQ = dS K, as in wgmma_fused_bwd_kernel: A = dS^T of the item's buffer (MN-major; ROWS: block cw,
@@ -308,19 +315,24 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
     int hl, t;
     sch.item(m, &hl, &t);
     const int i0 = t * BQ;
+    if constexpr (MASK == 3) seg_load(qid, a.qseg + b * a.Sq, i0, a.Sq, skeys.uni, lane);
     ws_wait(full + s, (m >> 1) & 1);
     fence_proxy_async();  // the producer's cp.async data -> the async proxy (wgmma)
     uint32_t pa[BQ / 16][4], da[BQ / 16][4];
     const uint32_t qaddr = smem_addr(Qs + s * BQ * D), gaddr = smem_addr(Gs + s * BQ * D);
     float st[BQ / 8][4], dpt[BQ / 8][4];
     bwd_issue_scores<T, D, true, BQ>(st, dpt, kdsc, vdsc, qaddr, gaddr);
+    SegTile sg;  // MASK 3: the ids' test of this item (while the products run)
+    if constexpr (MASK == 3) sg = seg_tile<BQ / 8>(skeys, qid, tq);
     // warp-uniform: the causal diagonal, a window's lower edge or the end of the keys crosses this
-    // warp's 16 keys (the positional test), or else the key mask hides one of them (key-only: TileHide)
+    // warp's 16 keys, or the segment ids hide one of its scores (the positional test), or else the key
+    // mask hides one of them (key-only: TileHide)
     const int diag = i0 + int(a.off);
-    const bool pos = (causal && jw + 15 > diag) || jw + 15 >= sk || (win >= 0 && jw < diag + BQ - 1 - win);
+    const bool pos = (causal && jw + 15 > diag) || jw + 15 >= sk || (win >= 0 && jw < diag + BQ - 1 - win) ||
+                     (MASK == 3 && sg.need);
     const int hide = pos ? kHidePos : warp_hides ? kHideKeys : kHideNone;
     const uint64_t gdt = wg_desc(gaddr, BQ * 128, 1024), qdt = wg_desc(qaddr, BQ * 128, 1024);
-    const BwdTileMask msk{jw + g, sk, causal ? diag : INT_MAX, kept, win >= 0 ? diag - win : INT_MIN};
+    const BwdTileMask msk{jw + g, sk, causal ? diag : INT_MAX, kept, win >= 0 ? diag - win : INT_MIN, sg};
     bwd_dv_dk_products<T, D, BQ, CAP, MASK != 0, kLate>(st, dpt, pa, da, dva, dka, Ls + s * BQ, Dl + s * BQ, c2, tq,
                                                         hide, msk, gdt, qdt, carg);
     wg_commit();

@@ -40,6 +40,12 @@ struct AttnArgs {
   int64_t window;  // sliding window
   float scale, softcap;  // softcap 0: off
   const float* mask;     // [B, Sk] or null
+  // segment ids (attention_segments.cuh), all null without: qseg [B, Sq], kseg [B, Sk] int32;
+  // qinfo [B, ceil(Sq / 64)], kinfo [B, ceil(Sk / 64)]: per granule (min id, max id, hull begin, end)
+  const int* qseg;
+  const int* kseg;
+  const int4* qinfo;
+  const int4* kinfo;
 };
 
 // Query i sees key j (j < Sk assumed) under the mask kind.

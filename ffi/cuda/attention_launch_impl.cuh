@@ -51,6 +51,9 @@ bool use_mma(const AttnArgs& a, int device) {
 //   - other GPUs of compute capability 8.x / 9.x, or an additive bias: the mma.sync kernels
 //     (attention_mma.cuh);
 //   - f32, f64 and other head dims: the generic kernels (attention_generic.cuh).
+// Segment ids (the segment targets: AttnArgs::qseg non-null) run only on the first case's
+// kernels, in their MASK form 3 (attention_segments.cuh), the backward on the fused kernel:
+// any other call is an error (check_segments_served), never a kernel that ignores the ids.
 // RLX_ATTENTION_CUDA_WGMMA (read once per process), a debugging aid: 0 runs the mma.sync kernels
 // where the wgmma ones would serve (the path of a GPU without sm_90a code); 1 makes a case the wgmma
 // kernels serve an error when the loaded image has no sm_90a code (instead of the mma.sync fallback)
@@ -155,10 +158,10 @@ constexpr int64_t kMaxGrid = 2147483647;
 
 // The MASK form a call takes (the wgmma kernels' MASK template value): 0 none (mask kind none or
 // causal, no key mask), 1 a key mask (mask kind none or causal), 2 mask kind sliding (a window, with
-// or without a key mask). The window's code stays out of the key-mask-only kernels: compiled into them
+// or without a key mask), 3 segment ids (attention_segments.cuh; any mask kind, a key mask optional). The window's code stays out of the key-mask-only kernels: compiled into them
 // it raised the fused backward's spills at D 64 from 96 / 88 to 224 / 344 bytes and
 // ran the key-masked backward at ~0.75x.
-int mask_level(const AttnArgs& a) { return a.kind == 2 ? 2 : a.mask != nullptr ? 1 : 0; }
+int mask_level(const AttnArgs& a) { return a.qseg != nullptr ? 3 : a.kind == 2 ? 2 : a.mask != nullptr ? 1 : 0; }
 
 // f(cap_tag, mask_tag): the runtime softcap flag and mask level (mask_level) as
 // std::integral_constant tags, for the kernels' CAP / MASK template values.
@@ -167,6 +170,7 @@ ffi::Error with_cap_mask(bool cap, int level, F&& f) {
   using Tr = std::true_type;
   using Fa = std::false_type;
   auto with_level = [&](auto cap_tag) {
+    if (level == 3) return f(cap_tag, std::integral_constant<int, 3>{});
     if (level == 2) return f(cap_tag, std::integral_constant<int, 2>{});
     if (level == 1) return f(cap_tag, std::integral_constant<int, 1>{});
     return f(cap_tag, std::integral_constant<int, 0>{});
@@ -193,11 +197,24 @@ ffi::Error prepare(int device, Kernel kernel, size_t smem, const char* who) {
 
 }  // namespace
 
+// Segment ids run only on the wgmma kernels (their MASK form 3): the other kernels would ignore
+// them, so a call they would take is an error (the Python side routes such calls to XLA's code).
+template <typename T>
+ffi::Error check_segments_served(const AttnArgs& a, bool bias, int device, const char* who) {
+  if (a.qseg == nullptr) return ffi::Error::Success();
+  if (use_mma<T>(a, device) && !bias && a.scale > 0.f && !attn_wgmma_off() && wgmma_available(device))
+    return ffi::Error::Success();
+  return invalid(std::string(who) +
+                 " (cuda): segment ids run on the sm_90a (wgmma) kernels only: bf16 / f16, head dim 64 or 128, no "
+                 "bias, scale > 0, a compute capability 9.0 device, RLX_ATTENTION_CUDA_WGMMA not 0");
+}
+
 template <typename T>
 ffi::Error AttentionFwd<T>::launch(cudaStream_t stream, const AttnArgs& a, const T* q, const T* k, const T* v,
                                    const T* bias, T* out, float* lse) {
   DeviceInfo info;
   if (cudaError_t e = device_info(&info); e != cudaSuccess) return cuda_error("attention", e);
+  if (auto e = check_segments_served<T>(a, bias != nullptr, info.device, "attention"); e.failure()) return e;
   if (use_mma<T>(a, info.device)) {
     if constexpr (!std::is_same<T, float>::value) {
       // the warp-specialised wgmma forward: no bias, scale > 0 (a softcap, a key mask or a sliding
@@ -326,6 +343,7 @@ ffi::Error AttentionBwd<T>::launch(cudaStream_t stream, const AttnArgs& a, const
                                    T* dq, T* dk, T* dv, T* dbias, float* delta, int64_t scratch_elems) {
   DeviceInfo info;
   if (cudaError_t e = device_info(&info); e != cudaSuccess) return cuda_error("attention backward", e);
+  if (auto e = check_segments_served<T>(a, bias != nullptr, info.device, "attention backward"); e.failure()) return e;
   const int64_t rows = a.B * a.Sq * a.H;
   if (rows > 0) {
     // 16-byte vectors where every row starts 16-byte aligned (D * sizeof(T) a multiple of 16)
@@ -482,6 +500,12 @@ ffi::Error AttentionBwd<T>::launch(cudaStream_t stream, const AttnArgs& a, const
                 cap, level, [&](auto cap_tag, auto mask_tag) { return fused_for(cap_tag, mask_tag, &served); });
             if (e.failure() || served) return e;
           }
+          // segment ids: the fused kernel only (the others take no ids)
+          if (a.qseg != nullptr)
+            return invalid("attention backward (cuda): segment ids need the fused backward: its scratch (" +
+                           std::to_string(attn::fused_bwd_scratch(a.B, a.H, a.Sq, a.D)) +
+                           " f32 elements) and a (batch, kv head)'s key blocks resident at once (Sk <= 128 x SMs "
+                           "x blocks per SM)");
           // The two-kernel backward for the PLAIN cases the fused kernel did not serve: at D 128 the OVL
           // wgmma dk / dv (dS computed while dV's product runs) and the warp-specialised dq (ptxas sm_90a,
           // bf16 / f16: 168 registers at launch, setmaxnreg 64 / 216, no spill); at D 64 the plain wgmma

@@ -20,6 +20,7 @@
 #include <cstdint>
 
 #include "cuda/attention_mma.cuh"
+#include "cuda/attention_segments.cuh"
 
 namespace rlx {
 namespace cuda {

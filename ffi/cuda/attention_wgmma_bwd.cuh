@@ -58,16 +58,18 @@ constexpr size_t wg_dkdv_smem() {
 // query column 8 nt + 2 tq + (e & 1)) a tile's mask hides: key j is seen by query i0 + c iff
 // j < jend and lo <= j - c <= diag (causal: diag = i0 + off; a sliding window of win keys: lo =
 // diag - win; jend = Sk where keys past it must give zeros) and the key mask keeps it (kept bit r:
-// key j0 + 8 r; both set without a key mask).
+// key j0 + 8 r; both set without a key mask) and, with segment ids, the ids match (seg: the
+// item's SegTile, attention_segments.cuh; the default keeps every score and folds away).
 struct BwdTileMask {
   int j0;              // this thread's first key, jw + g
   int jend;            // first hidden key (INT_MAX: none)
   int diag;            // i0 + off where causal, INT_MAX otherwise
   uint32_t kept = 3u;  // bit r: the key mask keeps key j0 + 8 r
   int lo = INT_MIN;    // i0 + off - win with a sliding window
+  SegTile seg{};       // segment ids: bit 2 nt + (e & 1) of seg.bits[e >> 1]
   __device__ __forceinline__ bool vis(int nt, int e, int tq) const {
     const int j = j0 + 8 * (e >> 1), c = 8 * nt + 2 * tq + (e & 1);
-    return ((kept >> (e >> 1)) & 1u) && j < jend && j - c <= diag && j - c >= lo;
+    return ((kept >> (e >> 1)) & 1u) && j < jend && j - c <= diag && j - c >= lo && seg.kept(nt, e);
   }
   // the key mask alone (a tile no position mask crosses): the thread's key of score e
   __device__ __forceinline__ bool key_kept(int e) const { return ((kept >> (e >> 1)) & 1u) != 0u; }

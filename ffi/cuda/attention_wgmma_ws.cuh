@@ -200,6 +200,7 @@ __device__ __forceinline__ void ws_produce(const AttnArgs& a, const T* __restric
     const T* vb = v + (b * a.Sk * a.Hkv + hk) * D;
     int64_t kbeg, kend;
     key_range(a, q0, min(a.Sq - 1, q0 + BM - 1), &kbeg, &kend, BC);
+    seg_key_range(a, b, q0, BM, BC, &kbeg, &kend);  // segment ids: the tiles their ranges meet
     ws_wait(ring.qempty, qph ^ 1);
     qph ^= 1;
     if constexpr (TMA) {
@@ -259,12 +260,16 @@ constexpr size_t wg_ws_smem() { return size_t(2) * D * (128 + 2 * NST * BC) + 10
 // it: the common case of a key mask) takes a cheaper test than the positional one: the thread's 32
 // keys 8 nt + 2 tq + (e & 1) are bits 8 (nt & 3) + (e & 1) of the words bits[nt / 4] >> 2 tq, so
 // each score costs one constant-bit test and a select.
+// MASK 3 (segment ids, a key mask and a window optional): sg (seg_tile) says whether the ids hide a
+// score of the warp's rows in this tile (then the positional path, which also tests sg's bits).
 template <typename T, int BC, bool KEEP_S, bool CAP = false, int MASK = 0, int W = 1>
 __device__ __forceinline__ void ws_softmax_tile(const AttnArgs& a, float (&s)[BC / 8][4], int64_t wrow0, int64_t k0,
                                                 int g, int tq, float c2, float carg, float (&m)[2], float (&l)[2],
-                                                uint32_t (&p)[BC / 16][4], float (&alpha)[2], const float (&mv)[W]) {
+                                                uint32_t (&p)[BC / 16][4], float (&alpha)[2], const float (&mv)[W],
+                                                const SegTile& sg = SegTile{}) {
   static_assert(!MASK || W == BC / 32, "ws_softmax_tile: one mask word per 32 keys");
-  const bool need = tile_needs_mask(a, wrow0, k0, 16, BC);  // warp-uniform: a position mask crosses the tile
+  // warp-uniform: a position mask (or, MASK 3, the segment ids) crosses the tile
+  const bool need = tile_needs_mask(a, wrow0, k0, 16, BC) || (MASK == 3 && sg.need);
   bool keys = false;  // MASK, warp-uniform: the key mask hides a key of the tile
   uint32_t bits[W];
   if constexpr (MASK) {
@@ -288,7 +293,8 @@ __device__ __forceinline__ void ws_softmax_tile(const AttnArgs& a, float (&s)[BC
   auto visible = [&](int nt, int e) {
     const int di = (e >> 1) * 8 + g, dj = nt * 8 + 2 * tq + (e & 1);
     bool kept = true;
-    if constexpr (MASK) kept = ((bits[nt >> 2] >> (dj & 31)) & 1u) && (MASK != 2 || dj >= di + lo);
+    if constexpr (MASK)
+      kept = ((bits[nt >> 2] >> (dj & 31)) & 1u) && (MASK < 2 || dj >= di + lo) && (MASK != 3 || sg.kept(nt, e));
     return kept && di < rl && dj < cl && dj <= di + dg;
   };
   float mx[2] = {-INFINITY, -INFINITY};
@@ -316,7 +322,7 @@ __device__ __forceinline__ void ws_softmax_tile(const AttnArgs& a, float (&s)[BC
     rl = int(min(a.Sq - wrow0, kBig));
     cl = int(min(a.Sk - k0, kBig));
     dg = a.kind != 0 ? int(max(min(wrow0 + a.off - k0, kBig), -kBig)) : int(kBig);
-    if constexpr (MASK == 2) lo = a.kind == 2 ? int(max(min(wrow0 + a.off - a.window - k0, kBig), -kBig)) : -int(kBig);
+    if constexpr (MASK >= 2) lo = a.kind == 2 ? int(max(min(wrow0 + a.off - a.window - k0, kBig), -kBig)) : -int(kBig);
     masked_max(visible);
   }
   if constexpr (CAP) {
@@ -396,7 +402,9 @@ __device__ __forceinline__ void ws_ring_next(int& st, uint32_t& ph, int nst) {
 // CAP: a softcap c > 0 (ws_softmax_tile); the launcher takes CAP for a.softcap > 0 only.
 // MASK 1: a key mask [B, Sk] (a.mask); 2: a sliding window (mask kind 2), a key mask optional
 // (ws_softmax_tile); with a key mask each consumer warp loads a tile's mask values (4 per lane at BC
-// 128) before it waits for the tile's products.
+// 128) before it waits for the tile's products. 3: segment ids (attention_segments.cuh), a key mask
+// and a window optional: the producer and the consumers take the same narrowed key range
+// (seg_key_range), and each warp loads a tile's key ids with its mask values.
 template <typename T, int D, int BC, int NST, bool TMA, bool CAP = false, int MASK = 0>
 __global__ void __launch_bounds__(384, 1)
     wgmma_fwd_ws_kernel(AttnArgs a, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -451,14 +459,28 @@ __global__ void __launch_bounds__(384, 1)
     const float* mrow = MASK && a.mask != nullptr ? a.mask + b * a.Sk : nullptr;  // this batch's key mask
     constexpr int W = MASK ? BC / 32 : 1;
     float mv[W];  // MASK: the mask values of the tile whose softmax comes next (mask_load)
+    const int64_t r0 = q0 + 64 * cw;       // this warpgroup's rows [r0, r0 + 64)
+    const int64_t wrow0 = r0 + 16 * warp;  // this warp's; thread rows wrow0 + 8 r + g
+    // MASK 3: the ids of this thread's rows, and of the keys of the tile whose softmax comes next
+    // (lane l: keys k0 + 32 w + l, loaded with the key mask's values)
+    constexpr int WS = MASK == 3 ? BC / 32 : 1;
+    int kid[WS];
+    SegRows srows{};
+    if constexpr (MASK == 3) srows = seg_rows(a.qseg + b * a.Sq, a.Sq, wrow0 + g);
     auto load_mask = [&](int64_t kt0) {
       if constexpr (MASK)
         if (mrow != nullptr) mask_load(mv, mrow, kt0, a.Sk, lane);
+      if constexpr (MASK == 3) seg_load(kid, a.kseg + b * a.Sk, kt0, a.Sk, srows.uni, lane);
+    };
+    // the segment test of the tile loaded last (the default, nothing hidden, without ids)
+    auto seg_test = [&]() {
+      SegTile t;
+      if constexpr (MASK == 3) t = seg_tile<BC / 8>(srows, kid, tq);
+      return t;
     };
     int64_t kbeg, kend;
     key_range(a, q0, min(a.Sq - 1, q0 + BM - 1), &kbeg, &kend, BC);
-    const int64_t r0 = q0 + 64 * cw;       // this warpgroup's rows [r0, r0 + 64)
-    const int64_t wrow0 = r0 + 16 * warp;  // this warp's; thread rows wrow0 + 8 r + g
+    seg_key_range(a, b, q0, BM, BC, &kbeg, &kend);  // as the producer's
     // the end of the keys seen by the 64 rows from rw (causal: by its last row; none past Sq)
     auto rows_key_end = [&](int64_t rw) {
       int64_t e = kend;
@@ -498,10 +520,11 @@ __global__ void __launch_bounds__(384, 1)
         ws_wait(kfull + st, ph);
         landed();
         ws_issue_qk<T, D, BC>(s, qd, Ks + st * BC * D);
+        const SegTile sg0 = seg_test();
         wg_wait0();
         wg_fence_regs(s);
         // O is 0: alpha unused
-        ws_softmax_tile<T, BC, true, CAP, MASK>(a, s, wrow0, k0, g, tq, c2, carg, m, l, pa, alpha, mv);
+        ws_softmax_tile<T, BC, true, CAP, MASK>(a, s, wrow0, k0, g, tq, c2, carg, m, l, pa, alpha, mv, sg0);
         int pst = st;  // the ring stage of the tile whose P V is pending (its P in pc below)
         uint32_t pph = ph;
         ws_ring_next(st, ph, NST);
@@ -519,9 +542,10 @@ __global__ void __launch_bounds__(384, 1)
           landed();
           ws_issue_pv<T, D, BC>(o, pc, Vs + pst * BC * D);
           if (turns) ws_turn_pass(cw);
+          const SegTile sg = seg_test();  // while the products run
           wg_wait<1>();  // S of this tile (committed first) has completed
           wg_fence_regs(s);
-          ws_softmax_tile<T, BC, true, CAP, MASK>(a, s, wrow0, k0, g, tq, c2, carg, m, l, pn, alpha, mv);
+          ws_softmax_tile<T, BC, true, CAP, MASK>(a, s, wrow0, k0, g, tq, c2, carg, m, l, pn, alpha, mv, sg);
           wg_wait0();  // the pending tile's P V
           wg_fence_regs(o);
           wg_fence_afrag(pc);

@@ -47,7 +47,7 @@ from jax.interpreters import ad
 
 from rlx_jax._kernels import has_kernel
 from rlx_jax._kernels import target as ffi_target
-from rlx_jax.vjp_rules.attention_segments import segment_visible
+from rlx_jax.vjp_rules.attention_segments import segment_tile_info, segment_visible
 from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, Partition, instantiate, np_scalar
 
 MASK_KINDS = ("none", "causal", "sliding")
@@ -281,9 +281,46 @@ def _cuda_ok(q):
     return q.dtype in CUDA_KERNEL_DTYPES and q.shape[3] <= CUDA_MAX_HEAD_DIM
 
 
+def cuda_segments_served(q, k, *, has_bias, scale) -> bool:
+    """Do the CUDA kernels' segment forms serve this call (ffi/cuda/attention_segments.cuh):
+    bf16 / f16, head dim 64 or 128, no bias, scale > 0, the segment targets built, a
+    compute capability 9.0 device (the sm_90a wgmma kernels), and Sk at most 128 keys per
+    SM (the fused backward holds a (batch, kv head)'s key blocks on the device at once)?
+    Elsewhere segment ids run the reference on CUDA."""
+    if not (q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[3] in (64, 128) and not has_bias
+            and float(scale) > 0):
+        return False
+    if not (has_kernel("cuda", SEGMENTS_FWD) and has_kernel("cuda", SEGMENTS_BWD)):
+        return False
+    try:
+        dev = jax.devices("gpu")[0]
+    except RuntimeError:
+        return False
+    sms = getattr(dev, "core_count", 0) or 0
+    sk = k.shape[1]
+    return (getattr(dev, "compute_capability", "") == "9.0" and isinstance(sk, (int, np.integer))
+            and sk <= 128 * sms)
+
+
+def _segment_operands(segments):
+    """The CUDA segment targets' id operands: the ids and their granule tables."""
+    return (*segments, *segment_tile_info(*segments))
+
+
 def _kernel_fwd_cuda(q, k, v, *extras, **params):
-    if not _cuda_ok(q) or params.get("has_segments"):  # the CUDA kernels take no segment ids
+    if not _cuda_ok(q):
         return reference_attention(q, k, v, *extras, **params)
+    if params.get("has_segments"):
+        if not cuda_segments_served(q, k, has_bias=params["has_bias"], scale=params["scale"]):
+            return reference_attention(q, k, v, *extras, **params)
+        mask, bias, segments, _ = _split(extras, params["has_mask"], params["has_bias"], True)
+        b, sq, h, _ = q.shape
+        out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sq), _acc_dtype(q.dtype)))
+        m, bb = _dummies(q, mask, bias)
+        attrs = _attrs(params["kind"], params["window"], params["scale"], params["softcap"], params["has_mask"],
+                       params["has_bias"])
+        return jax.ffi.ffi_call(ffi_target(SEGMENTS_FWD), out)(q, k, v, m, bb, *_segment_operands(segments),
+                                                               **attrs)
     return _kernel_fwd(q, k, v, *extras, **params)
 
 
@@ -321,9 +358,9 @@ def _kernel_bwd_cuda(q, k, v, out, lse, dout, dlse, *extras, kind, window, scale
     nothing), dropped after the call."""
     params = dict(kind=kind, window=window, scale=scale, softcap=softcap, has_mask=has_mask,
                   has_bias=has_bias, has_segments=has_segments)
-    if not _cuda_ok(q) or has_segments:  # the CUDA kernels take no segment ids
+    if not _cuda_ok(q) or (has_segments and not cuda_segments_served(q, k, has_bias=has_bias, scale=scale)):
         return reference_attention_bwd(q, k, v, out, lse, dout, dlse, *extras, **params)
-    mask, bias, _, _ = _split(extras, has_mask, has_bias)
+    mask, bias, segments, _ = _split(extras, has_mask, has_bias, has_segments)
     m, bb = _dummies(q, mask, bias)
     b, sq, h, _ = q.shape
     shapes = (
@@ -336,7 +373,11 @@ def _kernel_bwd_cuda(q, k, v, out, lse, dout, dlse, *extras, kind, window, scale
             jnp.float32),
     )
     attrs = _attrs(kind, window, scale, softcap, has_mask, has_bias)
-    res = jax.ffi.ffi_call(ffi_target("rlx_attention_bwd"), shapes)(q, k, v, out, lse, dout, dlse, m, bb, **attrs)
+    operands = (q, k, v, out, lse, dout, dlse, m, bb)
+    if segments is not None:
+        res = jax.ffi.ffi_call(ffi_target(SEGMENTS_BWD), shapes)(*operands, *_segment_operands(segments), **attrs)
+    else:
+        res = jax.ffi.ffi_call(ffi_target("rlx_attention_bwd"), shapes)(*operands, **attrs)
     return tuple(res[:4]) if has_bias else tuple(res[:3])
 
 
@@ -348,10 +389,11 @@ def _kernel_bwd_cuda(q, k, v, out, lse, dout, dlse, *extras, kind, window, scale
 CPU_KERNEL_MIN_SCORE_BYTES = 1 << 30
 
 
-#: FFI targets of the CPU kernel with segment ids (packed documents): the operands of
+#: FFI targets of the kernels with segment ids (packed documents): the operands of
 #: ``rlx_attention_fwd`` / ``rlx_attention_bwd`` followed by q_segment_ids [B, Sq] and
-#: kv_segment_ids [B, Sk] (int32). Query / key tile pairs whose id ranges do not meet are
-#: skipped, so a packed batch costs about its visible work.
+#: kv_segment_ids [B, Sk] (int32), and on CUDA also their granule tables
+#: (``segment_tile_info``). Query / key tile pairs whose id ranges do not meet are skipped,
+#: so a packed batch costs about its visible work.
 SEGMENTS_FWD, SEGMENTS_BWD = "rlx_attention_segments_fwd", "rlx_attention_segments_bwd"
 
 #: With segment ids the CPU lowering is the kernel from this many bytes of the reference's

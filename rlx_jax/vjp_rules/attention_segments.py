@@ -26,10 +26,15 @@ vmap, higher orders) works as without them. On the CPU they lower to the kernel'
 segment-id targets (``rlx_attention_segments_fwd`` / ``_bwd``), which skip every
 (query tile, key tile) pair whose segment-id ranges do not meet, from
 ``CPU_SEGMENT_KERNEL_MIN_SCORE_BYTES`` of scores up, and below that to the pure-JAX
-reference (dense [B, H, Sq, Sk] scores with this visibility), which is faster there. The
-CUDA kernels take no segment ids: on CUDA they run the reference. Under SPMD sharding
-the segment ids shard with q's batch axis (kv ids with k's); the kernels gather the
-sequence axes as they do q's and k's.
+reference (dense [B, H, Sq, Sk] scores with this visibility), which is faster there. On
+CUDA the same targets run the Hopper (sm_90a) kernels' segment forms (the warp-specialised
+forward and the fused backward) where those serve the call (``cuda_segments_served``:
+bf16 / f16, head dim 64 or 128, no bias, scale > 0, a compute capability 9.0 device and
+at most 128 keys per SM); they take two more operands, the granule tables of
+``segment_tile_info``, from which a query tile computes only the key tiles whose ids can
+meet its own (and a key block only such query tiles). Everywhere else on CUDA the
+reference runs. Under SPMD sharding the segment ids shard with q's batch axis (kv ids
+with k's); the kernels gather the sequence axes as they do q's and k's.
 """
 
 from __future__ import annotations
@@ -82,3 +87,46 @@ def apply_sinks(out, lse, sinks):
     w = jnp.swapaxes(w, 1, 2)[..., None]                         # [B, Sq, H, 1]
     return (out.astype(acc) * w).astype(out.dtype)
 
+
+#: rows (keys) per granule of the CUDA kernels' segment tables (ffi/cuda/attention_segments.cuh,
+#: kSegGranule): every kernel tile is a whole number of granules.
+SEGMENT_GRANULE = 64
+
+
+def _granule_ranges(ids, granule):
+    """Per granule of ``granule`` consecutive positions of ids [B, S]: (min, max) [B, ceil(S / g)]
+    (the last granule's padding repeats its last id, so it widens nothing)."""
+    b, s = ids.shape
+    n = -(-s // granule)
+    if s == 0:
+        empty = jnp.zeros((b, 0), jnp.int32)
+        return empty, empty
+    x = jnp.pad(ids, ((0, 0), (0, n * granule - s)), mode="edge").reshape(b, n, granule)
+    return x.min(-1), x.max(-1)
+
+
+def segment_tile_info(q_segment_ids, kv_segment_ids, granule=SEGMENT_GRANULE):
+    """The CUDA kernels' granule tables: (qinfo [B, ceil(Sq / g), 4], kinfo [B, ceil(Sk / g), 4])
+    int32. Row (b, i) of qinfo is (min id, max id, first, end) of query granule i: [first, end)
+    the key granules whose id range [min, max] meets its own (first >= end: none); kinfo the
+    same for key granules over query granules. A tile's keys (queries) outside the union of
+    its granules' ranges hold no id of the tile, so the kernels skip them; for ids that do
+    not decrease along the sequence (packed documents) every tile inside the union holds a
+    visible pair. Cost: the [B, Sq / g, Sk / g] comparison (128 x 128 a batch row at 8192
+    tokens), fused by XLA into the reductions."""
+    qmin, qmax = _granule_ranges(q_segment_ids, granule)
+    kmin, kmax = _granule_ranges(kv_segment_ids, granule)
+    meet = (qmin[:, :, None] <= kmax[:, None, :]) & (kmin[:, None, :] <= qmax[:, :, None])
+
+    def hull(m):  # [B, n, n_other] -> first, end over the last axis
+        n_other = m.shape[-1]
+        idx = jnp.arange(n_other, dtype=jnp.int32)
+        first = jnp.min(jnp.where(m, idx, n_other), axis=-1, initial=n_other)
+        end = jnp.max(jnp.where(m, idx + 1, 0), axis=-1, initial=0)
+        return first, end
+
+    qf, qe = hull(meet)
+    kf, ke = hull(jnp.swapaxes(meet, 1, 2))
+    qinfo = jnp.stack([qmin, qmax, qf, qe], axis=-1).astype(jnp.int32)
+    kinfo = jnp.stack([kmin, kmax, kf, ke], axis=-1).astype(jnp.int32)
+    return qinfo, kinfo
