@@ -23,13 +23,7 @@ import argparse
 import json
 import statistics
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-
-from benchmarks.cases_attention import _fwd_bwd, attention_flops, gpu_inputs
-from benchmarks.harness import default_batch, time_fn
-from rlx_jax.ops import attention
 
 
 def packed_segment_ids(b: int, s: int, mean: float, seed: int = 0, layout: str = "lognormal") -> np.ndarray:
@@ -62,6 +56,14 @@ def visible_pairs(ids: np.ndarray) -> int:
 
 
 def main() -> None:
+    # the GPU side's imports here: the id helpers above are loaded on their own by the CPU tests
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.cases_attention import _fwd_bwd, attention_flops, gpu_inputs
+    from benchmarks.harness import default_batch, time_fn
+    from rlx_jax.ops import attention
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=8192)
