@@ -158,9 +158,10 @@ constexpr int64_t kMaxGrid = 2147483647;
 
 // The MASK form a call takes (the wgmma kernels' MASK template value): 0 none (mask kind none or
 // causal, no key mask), 1 a key mask (mask kind none or causal), 2 mask kind sliding (a window, with
-// or without a key mask), 3 segment ids (attention_segments.cuh; any mask kind, a key mask optional). The window's code stays out of the key-mask-only kernels: compiled into them
-// it raised the fused backward's spills at D 64 from 96 / 88 to 224 / 344 bytes and
-// ran the key-masked backward at ~0.75x.
+// or without a key mask), 3 segment ids (attention_segments.cuh; any mask kind, a key mask
+// optional). The window's code stays out of the key-mask-only kernels: compiled into them it raised
+// the fused backward's spills at D 64 from 96 / 88 to 224 / 344 bytes and ran the key-masked
+// backward at ~0.75x.
 int mask_level(const AttnArgs& a) { return a.qseg != nullptr ? 3 : a.kind == 2 ? 2 : a.mask != nullptr ? 1 : 0; }
 
 // f(cap_tag, mask_tag): the runtime softcap flag and mask level (mask_level) as

@@ -9,8 +9,8 @@
 // Tile skipping: a forward query tile computes only the key tiles inside the hull of its granules'
 // ranges (seg_key_range), and a backward key block visits only the query tiles inside its hull
 // (FusedSchedule). For ids that do not decrease along the sequence (packed documents) every tile
-// outside the hull is hidden and every tile inside it holds a visible score, so a packed batch
-// costs its visible work; other orders are still exact (per-score test), with the hidden tiles
+// outside the hull is hidden and every tile inside it holds a pair of equal ids, so a packed
+// batch costs about its visible work; other orders are still exact (per-score test), with the hidden tiles
 // inside the hull computed and masked.
 // Per-score test: a warp whose rows all share one id u, on a tile whose columns all hold u, needs
 // none (seg_tile's warp-uniform need, one compare a loaded id); else each thread gathers its

@@ -231,16 +231,19 @@ def _dummies(q, mask, bias):
     return mask, bias
 
 
-def _kernel_fwd(q, k, v, *extras, kind, window, scale, softcap, has_mask, has_bias, has_segments=False):
-    """The CPU kernel (``rlx_attention_fwd``, or ``rlx_attention_segments_fwd`` with the
-    segment ids as two more operands), or CUDA's without segment ids."""
+def _kernel_fwd(q, k, v, *extras, kind, window, scale, softcap, has_mask, has_bias, has_segments=False,
+                tables=False):
+    """The forward kernel: ``rlx_attention_fwd``, or ``rlx_attention_segments_fwd`` with the
+    segment ids as two more operands (``tables``: and their granule tables, as CUDA's target
+    takes them)."""
     mask, bias, segments, _ = _split(extras, has_mask, has_bias, has_segments)
     b, sq, h, _ = q.shape
     out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sq), _acc_dtype(q.dtype)))
     m, bb = _dummies(q, mask, bias)
     attrs = _attrs(kind, window, scale, softcap, has_mask, has_bias)
     if segments is not None:
-        return jax.ffi.ffi_call(ffi_target(SEGMENTS_FWD), out)(q, k, v, m, bb, *segments, **attrs)
+        seg = _segment_operands(segments) if tables else segments
+        return jax.ffi.ffi_call(ffi_target(SEGMENTS_FWD), out)(q, k, v, m, bb, *seg, **attrs)
     return jax.ffi.ffi_call(ffi_target("rlx_attention_fwd"), out)(q, k, v, m, bb, **attrs)
 
 
@@ -313,14 +316,7 @@ def _kernel_fwd_cuda(q, k, v, *extras, **params):
     if params.get("has_segments"):
         if not cuda_segments_served(q, k, has_bias=params["has_bias"], scale=params["scale"]):
             return reference_attention(q, k, v, *extras, **params)
-        mask, bias, segments, _ = _split(extras, params["has_mask"], params["has_bias"], True)
-        b, sq, h, _ = q.shape
-        out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sq), _acc_dtype(q.dtype)))
-        m, bb = _dummies(q, mask, bias)
-        attrs = _attrs(params["kind"], params["window"], params["scale"], params["softcap"], params["has_mask"],
-                       params["has_bias"])
-        return jax.ffi.ffi_call(ffi_target(SEGMENTS_FWD), out)(q, k, v, m, bb, *_segment_operands(segments),
-                                                               **attrs)
+        return _kernel_fwd(q, k, v, *extras, **params, tables=True)
     return _kernel_fwd(q, k, v, *extras, **params)
 
 

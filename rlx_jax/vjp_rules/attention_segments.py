@@ -112,7 +112,7 @@ def segment_tile_info(q_segment_ids, kv_segment_ids, granule=SEGMENT_GRANULE):
     same for key granules over query granules. A tile's keys (queries) outside the union of
     its granules' ranges hold no id of the tile, so the kernels skip them; for ids that do
     not decrease along the sequence (packed documents) every tile inside the union holds a
-    visible pair. Cost: the [B, Sq / g, Sk / g] comparison (128 x 128 a batch row at 8192
+    pair of equal ids. Cost: the [B, Sq / g, Sk / g] comparison (128 x 128 a batch row at 8192
     tokens), fused by XLA into the reductions."""
     qmin, qmax = _granule_ranges(q_segment_ids, granule)
     kmin, kmax = _granule_ranges(kv_segment_ids, granule)
