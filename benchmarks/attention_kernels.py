@@ -25,8 +25,9 @@ import tempfile
 
 def short_kernel_name(name: str) -> str:
     """A kernel's name without its return type, argument list and namespaces, at most 72 characters:
-    'void rlx::cuda::attn::k<__nv_bfloat16, 128>(rlx::cuda::attn::AttnArgs, ...)' -> 'k<bf16, 128>'."""
-    name = re.sub(r"^void\s+", "", name.strip())
+    'void rlx::cuda::attn::k<__nv_bfloat16, 128>(rlx::cuda::attn::AttnArgs, ...)' -> 'k<bf16, 128>';
+    an anonymous namespace is dropped like any other."""
+    name = re.sub(r"^void\s+", "", name.strip()).replace("(anonymous namespace)::", "")
     depth, cut = 0, len(name)
     for i, ch in enumerate(name):  # the argument list: the first '(' outside template brackets
         if ch == "<":

@@ -15,6 +15,7 @@ def _load(name: str):
 
 _power = _load("attention_power")
 _kernels = _load("attention_kernels")
+_profile = _load("e2e_profile")
 
 
 def test_power_samples_parse_and_skip_bad_lines():
@@ -35,6 +36,8 @@ def test_kernel_names_lose_return_type_arguments_and_namespaces():
     # a '(' inside template brackets is not the argument list
     assert _kernels.short_kernel_name("k<(int)3>(int)") == "k<(int)3>"
     assert _kernels.short_kernel_name("memset") == "memset"
+    anon = "void rlx::cuda::(anonymous namespace)::ce_fwd_k<float, 4, 4>(float const*, int const*)"
+    assert _kernels.short_kernel_name(anon) == "ce_fwd_k<float, 4, 4>"
     assert len(_kernels.short_kernel_name("x" * 100)) == 72
 
 
@@ -50,6 +53,21 @@ def test_kernel_table_sums_per_step_and_measures_the_span():
         _kernels.kernel_table([], steps=2)
     with pytest.raises(ValueError, match="steps"):
         _kernels.kernel_table(events, steps=0)
+
+
+def test_e2e_profile_sorts_kernels_into_kinds():
+    assert _profile.kernel_kind("nvjet_sm90_tst_128x160_64x5_1x2_h_bz_NNT") == "matmul"
+    assert _profile.kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_bprop") == "attention (cuDNN)"
+    assert _profile.kernel_kind("void rlx::cuda::attn::wgmma_fwd_ws_kernel<bf16>(x)") == "rlx_jax kernels"
+    assert _profile.kernel_kind("input_reduce_fusion_1") == "XLA reductions"
+    assert _profile.kernel_kind("loop_convert_fusion") == "XLA fusions"
+    assert _profile.kernel_kind("Memcpy DtoD") == "copies"
+    assert _profile.kernel_kind("something_else") == "other"
+    events = [("gemm_a", 0, 4_000), ("loop_add_fusion", 5_000, 1_000), ("gemm_b", 7_000, 2_000),
+              ("gemm_a", 10_000, 4_000), ("loop_add_fusion", 15_000, 1_000), ("gemm_b", 17_000, 2_000)]
+    assert _profile.kind_table(events, steps=2) == [("matmul", 2.0, 6.0), ("XLA fusions", 1.0, 1.0)]
+    with pytest.raises(ValueError, match="steps"):
+        _profile.kind_table(events, steps=0)
 
 
 def test_attention_scripts_share_validated_shape_options():

@@ -1,0 +1,122 @@
+"""Where the e2e training step's GPU time goes, by kind of kernel, for each variant.
+
+Runs ``--steps`` compiled steps of ``benchmarks/e2e_step.py``'s Llama-style decoder back to
+back under the JAX profiler (CUPTI activity records) and prints, per variant, the step's
+kernel time split into kinds (matrix multiplies, attention, rlx_jax kernels, XLA fusions,
+copies), the span and idle time, then the ``--top`` kernels by time:
+
+    python -m benchmarks.e2e_profile --preset llama-v32k --variants plain-cudnn,rlx
+
+The kinds say where a fusion can pay: a step's time outside its matrix multiplies and
+attention is the part fused element-wise kernels can shrink.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import os
+import sys
+import tempfile
+
+#: kernel kinds, first match wins, by lower-cased substrings of the kernel's full name
+#: (cuBLAS's Hopper kernels are nvjet_* / sm90_xmma_*, CUTLASS's cutlass*, cuDNN's
+#: attention cudnn* / *fmha* / *flash*; rlx_jax's kernels live in namespace rlx::)
+KINDS = (
+    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "gemv")),
+    ("attention (cuDNN)", ("cudnn", "fmha", "flash", "sdpa")),
+    ("rlx_jax kernels", ("rlx::",)),
+    ("copies", ("memcpy", "memset", "copy", "transpose")),
+    ("XLA reductions", ("reduce", "scatter")),
+    ("XLA fusions", ("fusion", "loop_", "input_", "wrapped_", "convert", "add", "multiply", "select")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a GPU kernel from its full (unshortened) name; 'other' if none matches."""
+    low = name.lower()
+    for kind, keys in KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+def kind_table(events, steps: int):
+    """[(kind, launches per step, us per step)] of ``steps`` steps' GPU events (name, start ns,
+    duration ns), rows by decreasing time."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    total = collections.defaultdict(float)
+    count = collections.Counter()
+    for name, _, dur in events:
+        kind = kernel_kind(name)
+        total[kind] += dur
+        count[kind] += 1
+    return sorted(((k, count[k] / steps, total[k] / steps / 1e3) for k in total), key=lambda r: -r[2])
+
+
+def _load(name: str):
+    """A sibling script as a module, by its path (this file also runs without the repository
+    root on sys.path)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_e2e_profile_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main(argv=None) -> int:
+    e2e = _load("e2e_step")
+    kernels = _load("attention_kernels")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(e2e.PRESETS), default="llama-v32k")
+    p.add_argument("--variants", default="plain-cudnn,rlx", help="comma-separated e2e_step variant names")
+    p.add_argument("--steps", type=int, default=5, help="steps profiled back to back")
+    p.add_argument("--top", type=int, default=25, help="kernels listed per variant")
+    a = p.parse_args(argv)
+    if a.steps < 1:
+        p.error("--steps must be >= 1")
+
+    import jax
+    import numpy as np
+
+    device = jax.devices()[0]
+    if device.platform not in ("gpu", "cuda"):
+        raise SystemExit("e2e_profile reads GPU kernel records: run it on a GPU")
+    s = e2e.Shape(**e2e.PRESETS[a.preset])
+    by_name = {v.name: v for v in e2e.variants("gpu")}
+    wanted = a.variants.split(",")
+    unknown = [w for w in wanted if w not in by_name]
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; choose from {sorted(by_name)}")
+    params = e2e.init_params(s, jax.random.PRNGKey(0))
+    rng = np.random.default_rng(0)
+    tokens = jax.numpy.asarray(rng.integers(0, s.vocab, size=(s.batch, s.seq)), jax.numpy.int32)
+    labels = jax.numpy.asarray(rng.integers(0, s.vocab, size=s.tokens), jax.numpy.int32)
+
+    print(f"# {device.device_kind}; jax {jax.__version__}; preset {a.preset} ({s}); {a.steps} steps back to back "
+          "under the JAX profiler; us per step")
+    for name in wanted:
+        runner = e2e.step_runner(s, by_name[name], params, tokens, labels)
+        for _ in range(2):
+            runner.step()
+        with tempfile.TemporaryDirectory() as trace_dir:
+            with jax.profiler.trace(trace_dir):
+                for _ in range(a.steps):
+                    runner.step()
+            events = kernels._gpu_events(trace_dir)
+        rows, busy, span = kernels.kernel_table(events, a.steps)
+        print(f"## {name}: kernels {busy / 1e3:.2f} ms, span {span / 1e3:.2f} ms, idle {(span - busy) / 1e3:.2f} ms "
+              f"a step")
+        for kind, launches, us in kind_table(events, a.steps):
+            print(f"   {us / 1e3:8.2f} ms  {100 * us / busy:5.1f} %  {launches:6.0f} launches  {kind}")
+        print(f"   top {a.top} kernels:")
+        for kname, launches, us in rows[: a.top]:
+            print(f"   {us:9.1f} us  {launches:5.1f}x  {kname}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
