@@ -119,6 +119,36 @@ def _check_fused_linear_on_gpu(fused_linear_cross_entropy):
             _close(a, b, dtype, name, scale=max(float(jnp.max(jnp.abs(b))), 1e-6))
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_fused_linear_blocks_use_the_forward_row_kernel(reduction):
+    """On CUDA each row block's (loss, lse) comes from the forward row kernel (one read of
+    the f32 logits block) and its logit gradient from XLA's fusion: the compiled step
+    calls rlx_softmax_ce_fwd and not rlx_softmax_ce_bwd, and gives the loss and gradients
+    of the same op with every kernel off (f32, full-precision matmuls, 3 row blocks with a
+    ragged last one)."""
+    from rlx_jax.ops import fused_linear_cross_entropy
+    from rlx_jax.vjp_rules._primitive import fused_ops
+
+    kh, kw, kl = jax.random.split(jax.random.PRNGKey(11), 3)
+    h = jax.device_put(jax.random.normal(kh, (150, 48), jnp.float32), _gpu())
+    w = jax.device_put(jax.random.normal(kw, (48, 3001), jnp.float32) / 7, _gpu())
+    y = jax.random.randint(kl, (150,), 0, 3001, jnp.int32).at[5].set(-100)
+
+    def loss(h, w):
+        out = fused_linear_cross_entropy(h, w, y, reduction=reduction, chunk_size=64)
+        return jnp.sum(out * jnp.linspace(0.5, 1.5, out.size).reshape(out.shape))
+
+    with jax.default_matmul_precision("highest"):
+        vg = jax.jit(jax.value_and_grad(loss, (0, 1)))
+        text = vg.lower(h, w).compile().as_text()
+        assert "rlx_softmax_ce_fwd" in text and "rlx_softmax_ce_bwd" not in text
+        got = vg(h, w)
+        with fused_ops(False):
+            want = jax.jit(jax.value_and_grad(loss, (0, 1)))(h, w)
+    for a, b, name in zip(jax.tree.leaves(got), jax.tree.leaves(want), ("loss", "d hidden", "d weight")):
+        _close(a, b, jnp.float32, name, scale=max(float(jnp.max(jnp.abs(b))), 1e-6))
+
+
 def test_extreme_logits():
     logits = jnp.array([[1e30, 0.0, -1e30, 5.0], [-jnp.inf, 0.0, 1.0, -jnp.inf], [88.0, 89.0, 90.0, -100.0]],
                        jnp.float32)

@@ -31,12 +31,17 @@ row-chunked loss; the Hessian is symmetric so the primitive is its own transpose
 are known only in the backward, so the backward recomputes each block's logits (four
 vocabulary-sized matmuls in all).
 
-**CPU row kernels.** On the CPU, without a vocabulary split, the reduced pass hands each
-block's softmax to the ``softmax_cross_entropy`` row kernels: one multithreaded pass
-reads z for (loss, lse), a second reads z and writes g (lse recomputed per row in
-cache), where XLA's loop fusions inside the scan body take about five passes over z.
-The "none" forward takes (loss, lse) from the first kernel likewise. Same maths; other
-platforms and vocabulary-split shards keep the XLA block.
+**Row kernels** (``row_kernels``, the ``softmax_cross_entropy`` kernels a lowering
+uses for each block's softmax; without a vocabulary split). On the CPU both: one
+multithreaded pass reads z for (loss, lse), a second reads z and writes g (lse
+recomputed per row in cache), where XLA's loop fusions inside the scan body take about
+five passes over z. On CUDA the forward kernel only: it reads z once for (loss, lse)
+where XLA's reductions read it twice (max, then the sum of exponentials; the picked
+logit fuses with one of them), and g stays XLA's fusion, which writes it in hidden's
+dtype straight from the f32 z (the backward kernel writes z's dtype, f32, and would
+need a conversion pass more). The "none" forward takes (loss, lse) from the forward
+kernel likewise. Same maths; other platforms and vocabulary-split shards keep the XLA
+block.
 
 **Sharding.** Every primitive but the tangents lowers through ``VocabPartition``: rows
 split any way (data parallel), weight's V axis split over mesh axes M runs
@@ -121,11 +126,11 @@ def _psum(x, axes):
 
 
 def _block_loss_and_lse(z, local, vocab_axes, row_kernels):
-    """(lse - z[label] [n_b], lse [n_b]) for a logits block z. ``row_kernels`` (CPU
-    lowering, no vocabulary split) runs the softmax cross-entropy primitive, whose CPU
-    kernel reads each row of z once; the loss of a row whose label is outside [0, V) is 0
-    there (callers mask such rows)."""
-    if row_kernels and not vocab_axes:
+    """(lse - z[label] [n_b], lse [n_b]) for a logits block z. With "fwd" in
+    ``row_kernels`` (no vocabulary split) it runs the softmax cross-entropy primitive,
+    whose kernel reads each row of z once; the loss of a row whose label is outside
+    [0, V) is 0 there (callers mask such rows)."""
+    if "fwd" in row_kernels and not vocab_axes:
         from rlx_jax.vjp_rules.cross_entropy import ce_fwd
 
         return ce_fwd(z, local)
@@ -135,10 +140,11 @@ def _block_loss_and_lse(z, local, vocab_axes, row_kernels):
 
 def _block_loss_and_grad(z, local, scale, vocab_axes, row_kernels):
     """(lse - z[label] [n_b], g = (p - onehot) * scale[:, None] [n_b, V]) for a logits
-    block z; with ``row_kernels`` the gradient is the cross-entropy backward primitive's
-    (a second read of each row of z; rows with a label outside [0, V) have scale 0)."""
+    block z; with "bwd" in ``row_kernels`` the gradient is the cross-entropy backward
+    primitive's (a second read of each row of z; rows with a label outside [0, V) have
+    scale 0)."""
     loss, lse = _block_loss_and_lse(z, local, vocab_axes, row_kernels)
-    if row_kernels and not vocab_axes:
+    if "bwd" in row_kernels and not vocab_axes:
         from rlx_jax.vjp_rules.cross_entropy import ce_bwd
 
         (g,) = ce_bwd(z, local, lse, scale)
@@ -150,9 +156,10 @@ def _block_loss_and_grad(z, local, scale, vocab_axes, row_kernels):
 
 
 def reference_forward(hidden, weight, labels, *, chunk_size, vocab_axes=(), row_axes=(), sizes=None,
-                      vocab_total=None, row_kernels=False):
+                      vocab_total=None, row_kernels=()):
     """Row-chunked forward: (loss [N] in hidden's dtype, lse [N] f32 / f64).
-    ``row_kernels``: each block's (loss, lse) from the softmax cross-entropy primitive."""
+    ``row_kernels`` with "fwd": each block's (loss, lse) from the softmax cross-entropy
+    primitive."""
     acc = acc_dtype(hidden.dtype)
     n = hidden.shape[0]
     n_b = _block_rows(n, chunk_size)
@@ -220,10 +227,11 @@ def reference_backward(hidden, weight, labels, lse, dloss, dlse, *, chunk_size, 
 
 
 def reference_reduced(hidden, weight, labels, *, chunk_size, mean, vocab_axes=(), row_axes=(), sizes=None,
-                      vocab_total=None, row_kernels=False):
+                      vocab_total=None, row_kernels=()):
     """(loss [1], d hidden [N, D], d weight [D, V]) of the summed (or mean over rows with
     a label in [0, V); 0 when there are none) loss, in one pass over row blocks.
-    ``row_kernels``: each block's softmax through ``_block_loss_and_grad``'s kernels."""
+    ``row_kernels``: the cross-entropy kernels ("fwd", "bwd") each block's softmax
+    runs through (``_block_loss_and_grad``)."""
     acc = acc_dtype(hidden.dtype)
     n = hidden.shape[0]
     n_b = _block_rows(n, chunk_size)
@@ -298,9 +306,13 @@ def _may_be_partitioned(ctx) -> bool:
     return getattr(axis_context, "num_devices", 2) != 1
 
 
-def _partitioned(prim: FusedPrimitive, outputs, cpu_params=None):
+#: the cross-entropy row kernels each platform's lowering runs a block's softmax through
+ROW_KERNELS = {"cpu": ("fwd", "bwd"), "cuda": ("fwd",)}
+
+
+def _partitioned(prim: FusedPrimitive, outputs, row_kernels=False):
     """Lower ``prim`` (on every platform) through a ``VocabPartition`` of its reference;
-    on the CPU the unsplit reference also gets ``cpu_params`` (``row_kernels=True``)."""
+    with ``row_kernels`` the reference gets each platform's ``ROW_KERNELS``."""
     part = VocabPartition(_factors_for(outputs), _local(prim.reference), vocab_operand=1, vocab_dim=1)
 
     def lowering(extra):
@@ -312,18 +324,19 @@ def _partitioned(prim: FusedPrimitive, outputs, cpu_params=None):
         return lower
 
     mlir.register_lowering(prim.p, lowering({}))
-    if cpu_params:
-        mlir.register_lowering(prim.p, lowering(cpu_params), platform="cpu")
+    if row_kernels:
+        for platform, kernels in ROW_KERNELS.items():
+            mlir.register_lowering(prim.p, lowering({"row_kernels": kernels}), platform=platform)
     dispatch.prim_requires_devices_during_lowering.add(prim.p)
     return prim
 
 
 flce_fwd = _partitioned(FusedPrimitive("rlx_fused_linear_ce_fwd", reference_forward), (_ROW_STAT, _ROW_STAT),
-                        cpu_params={"row_kernels": True})
+                        row_kernels=True)
 flce_tangent = FusedPrimitive("rlx_fused_linear_ce_tangent", reference_tangent)
 flce_bwd = _partitioned(FusedPrimitive("rlx_fused_linear_ce_bwd", reference_backward), (_HIDDEN, _WEIGHT))
 flce_reduced = _partitioned(FusedPrimitive("rlx_fused_linear_ce_reduced", reference_reduced),
-                            (_TOTAL, _HIDDEN, _WEIGHT), cpu_params={"row_kernels": True})
+                            (_TOTAL, _HIDDEN, _WEIGHT), row_kernels=True)
 flce_hvp = FusedPrimitive("rlx_fused_linear_ce_hvp", reference_hvp)
 
 
