@@ -255,7 +255,8 @@ def gather(table, indices, *, axis: int = 0, mode: str | None = None, fill_value
         return out.reshape(out_shape)
     # "fill": the primitive reads zeros at out-of-range indices (sent to V, int32-safe for
     # any index dtype) and drops them in its backward; the fill is then ADDED: x + (-0.0)
-    # is x exactly (signed zeros and NaN included), 0 + fill is the fill. The add's
+    # is x exactly (signed zeros included; NaN stays NaN, with its payload on the CPU and
+    # the GPU's canonical NaN on CUDA), 0 + fill is the fill. The add's
     # transpose passes dy through unchanged, so reverse mode is one scatter-add, where a
     # select would cost a pass over dy.
     # (an in-range index is below V <= 2^31 - 1, so its int32 cast is exact)
