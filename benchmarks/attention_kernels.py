@@ -43,10 +43,11 @@ def short_kernel_name(name: str) -> str:
     return name if len(name) <= 72 else name[:69] + "..."
 
 
-def kernel_table(events, steps: int):
+def kernel_table(events, steps: int, key=short_kernel_name):
     """Per-step figures of ``steps`` back-to-back steps from their GPU events (name, start ns,
-    duration ns): ([(short name, launches per step, us per step)], kernel us per step, span us per
-    step), rows by decreasing time."""
+    duration ns): ([(key of the name, launches per step, us per step)], kernel us per step, span
+    us per step), rows by decreasing time; ``key`` maps a kernel's full name to its row (default:
+    its short name)."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     if not events:
@@ -54,9 +55,9 @@ def kernel_table(events, steps: int):
     total = collections.defaultdict(float)
     count = collections.Counter()
     for name, _, dur in events:
-        key = short_kernel_name(name)
-        total[key] += dur
-        count[key] += 1
+        row = key(name)
+        total[row] += dur
+        count[row] += 1
     rows = sorted(((k, count[k] / steps, total[k] / steps / 1e3) for k in total), key=lambda r: -r[2])
     busy = sum(total.values()) / steps / 1e3
     span = (max(s + d for _, s, d in events) - min(s for _, s, _ in events)) / steps / 1e3

@@ -14,7 +14,6 @@ attention is the part fused element-wise kernels can shrink.
 from __future__ import annotations
 
 import argparse
-import collections
 import importlib.util
 import os
 import sys
@@ -42,20 +41,6 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
-def kind_table(events, steps: int):
-    """[(kind, launches per step, us per step)] of ``steps`` steps' GPU events (name, start ns,
-    duration ns), rows by decreasing time."""
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    total = collections.defaultdict(float)
-    count = collections.Counter()
-    for name, _, dur in events:
-        kind = kernel_kind(name)
-        total[kind] += dur
-        count[kind] += 1
-    return sorted(((k, count[k] / steps, total[k] / steps / 1e3) for k in total), key=lambda r: -r[2])
-
-
 def _load(name: str):
     """A sibling script as a module, by its path (this file also runs without the repository
     root on sys.path)."""
@@ -67,9 +52,17 @@ def _load(name: str):
     return mod
 
 
+_kernels = _load("attention_kernels")
+
+
+def kind_table(events, steps: int):
+    """[(kind, launches per step, us per step)] of ``steps`` steps' GPU events (name, start ns,
+    duration ns), rows by decreasing time."""
+    return _kernels.kernel_table(events, steps, key=kernel_kind)[0]
+
+
 def main(argv=None) -> int:
     e2e = _load("e2e_step")
-    kernels = _load("attention_kernels")
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(e2e.PRESETS), default="llama-v32k")
     p.add_argument("--variants", default="plain-cudnn,rlx", help="comma-separated e2e_step variant names")
@@ -106,8 +99,8 @@ def main(argv=None) -> int:
             with jax.profiler.trace(trace_dir):
                 for _ in range(a.steps):
                     runner.step()
-            events = kernels._gpu_events(trace_dir)
-        rows, busy, span = kernels.kernel_table(events, a.steps)
+            events = _kernels._gpu_events(trace_dir)
+        rows, busy, span = _kernels.kernel_table(events, a.steps)
         print(f"## {name}: kernels {busy / 1e3:.2f} ms, span {span / 1e3:.2f} ms, idle {(span - busy) / 1e3:.2f} ms "
               f"a step")
         for kind, launches, us in kind_table(events, a.steps):
