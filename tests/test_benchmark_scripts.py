@@ -105,3 +105,13 @@ def test_packed_documents_ids_and_visible_pairs(layout):
     if layout == "lognormal":
         lengths = np.concatenate([np.unique(r, return_counts=True)[1] for r in ids])
         assert lengths.min() >= 1 and 1 < lengths.mean() < 300
+
+
+def test_attention_cpu_benchmark_checks_agreement_and_times_both():
+    """A tiny run: ours and jax.nn's XLA path agree (the script returns 1 otherwise) and
+    both are timed."""
+    script = _load("attention_cpu")
+    assert script.main(["--batch", "1", "--seq", "16", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
+                        "--rounds", "1"]) == 0
+    with pytest.raises(SystemExit):
+        script.main(["--heads", "3", "--kv-heads", "2"])
