@@ -40,6 +40,7 @@ def _child(kinds: list[str], dims: list[int], args) -> None:
     import jax.numpy as jnp
     import numpy as np
 
+    from benchmarks.attention_cli import heads_label
     from benchmarks.cases_attention import _fwd_bwd, _gpu_fns, attention_flops, gpu_inputs
     from benchmarks.harness import default_batch, time_fn
 
@@ -47,7 +48,7 @@ def _child(kinds: list[str], dims: list[int], args) -> None:
     batch = default_batch(dev)
     b, s, h = args.batch, args.seq, args.heads
     for d in dims:
-        inputs = gpu_inputs(b, s, h, d, dev)
+        inputs = gpu_inputs(b, s, h, d, dev, args.kv_heads)
         for kind in kinds:
             ours, cudnn, _ = _gpu_fns(kind)
             fns = {"ours": jax.jit(_fwd_bwd(ours)), "cudnn": jax.jit(_fwd_bwd(cudnn))}
@@ -66,7 +67,7 @@ def _child(kinds: list[str], dims: list[int], args) -> None:
                 for name, fn in fns.items():
                     ms[name].append(time_fn(fn, inputs, args.reps, batch=batch))
             flops = attention_flops(b, h, s, d, causal=kind == "causal", backward=True)
-            row = {"case": f"fwd+bwd {kind} B{b} S{s} H{h} D{d}", "device": dev.device_kind,
+            row = {"case": f"fwd+bwd {kind} B{b} S{s} H{heads_label(args)} D{d}", "device": dev.device_kind,
                    "ours_ms": min(ms["ours"]), "cudnn_ms": min(ms["cudnn"]), "flops": flops,
                    "distinct_ours": distinct["ours"], "distinct_cudnn": distinct["cudnn"]}
             print("ROW " + json.dumps(row), flush=True)

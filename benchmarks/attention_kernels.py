@@ -85,7 +85,7 @@ def _gpu_events(trace_dir: str):
 def main() -> None:
     # (imported here, not at the top: tests/test_benchmark_scripts.py loads this file by its path, without
     # the repository root on sys.path)
-    from benchmarks.attention_cli import add_shape_args, shape_args
+    from benchmarks.attention_cli import add_shape_args, heads_label, shape_args
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20, help="fwd+bwd calls profiled back to back")
@@ -104,7 +104,7 @@ def main() -> None:
     print(f"# {dev.device_kind}; jax {jax.__version__}; bf16; {args.steps} fwd+bwd steps back to back under the "
           "JAX profiler; us per step")
     for d in dims:
-        inputs = gpu_inputs(b, s, h, d, dev)
+        inputs = gpu_inputs(b, s, h, d, dev, args.kv_heads)
         for kind in kinds:
             ours, cudnn, _ = _gpu_fns(kind)
             flops = attention_flops(b, h, s, d, causal=kind == "causal", backward=True)
@@ -119,7 +119,7 @@ def main() -> None:
                         jax.block_until_ready(out)
                     events = _gpu_events(trace_dir)
                 rows, busy, span = kernel_table(events, args.steps)
-                print(f"## fwd+bwd {kind} B{b} S{s} H{h} D{d} {impl}: kernels {busy:.1f}, span {span:.1f}, "
+                print(f"## fwd+bwd {kind} B{b} S{s} H{heads_label(args)} D{d} {impl}: kernels {busy:.1f}, span {span:.1f}, "
                       f"idle {span - busy:.1f} us a step; {flops / span / 1e6:.1f} TF/s over the span")
                 for name, per_step, us in rows:
                     print(f"   {us:9.1f} us  {per_step:5.2f}x  {name}")

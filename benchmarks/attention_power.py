@@ -51,7 +51,7 @@ def _parse(lines: list[str]) -> list[tuple[float, float, float, bool]]:
 def main() -> None:
     # (imported here, not at the top: tests/test_benchmark_scripts.py loads this file by its path, without
     # the repository root on sys.path)
-    from benchmarks.attention_cli import add_shape_args, shape_args
+    from benchmarks.attention_cli import add_shape_args, heads_label, shape_args
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
@@ -80,7 +80,7 @@ def main() -> None:
     print(head)
     print("-" * len(head))
     for d in dims:
-        inputs = gpu_inputs(b, s, h, d, dev)
+        inputs = gpu_inputs(b, s, h, d, dev, args.kv_heads)
         for kind in kinds:
             ours, cudnn, _ = _gpu_fns(kind)
             fns = {"ours": jax.jit(_fwd_bwd(ours)), "cuDNN": jax.jit(_fwd_bwd(cudnn))}
@@ -105,7 +105,7 @@ def main() -> None:
             finally:
                 smi.terminate()
             samples = _parse(smi.stdout.read().splitlines())
-            case = f"fwd+bwd {kind} B{b} S{s} H{h} D{d}"
+            case = f"fwd+bwd {kind} B{b} S{s} H{heads_label(args)} D{d}"
             for name, rnd, t0, t1, calls in phases:
                 sel = [x for x in samples if t0 + 1.0 <= x[0] <= t1]
                 tf = flops * calls / (t1 - t0) / 1e12

@@ -98,12 +98,14 @@ def _tflops(flops: float, ms: float) -> float:
     return flops / ms / 1e9
 
 
-def gpu_inputs(b: int, s: int, h: int, d: int, device) -> tuple:
-    """(q, k, v, dy) [B, S, H, D] bf16 on ``device``, standard normal from a fixed seed: the
-    inputs of the attention GPU scripts' fwd+bwd steps."""
+def gpu_inputs(b: int, s: int, h: int, d: int, device, hkv: int | None = None) -> tuple:
+    """(q, k, v, dy) bf16 on ``device``, standard normal from a fixed seed: q and dy [B, S, H, D],
+    k and v [B, S, Hkv, D] (``hkv`` default h): the inputs of the attention GPU scripts'
+    fwd+bwd steps."""
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
-    return tuple(jax.device_put(jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(jnp.bfloat16), device)
-                 for kk in keys)
+    heads = (h, hkv or h, hkv or h, h)
+    return tuple(jax.device_put(jax.random.normal(kk, (b, s, n, d), jnp.float32).astype(jnp.bfloat16), device)
+                 for kk, n in zip(keys, heads))
 
 
 def _gpu_fns(kind_, *, softcap=None, mask=None):

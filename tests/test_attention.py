@@ -427,6 +427,16 @@ def test_cuda_backward_scratch_depends_on_shapes_only(monkeypatch, mode, kind):
         # D 64: query tiles of 128 rows (65 rows: one tile, 129: two)
         assert A.cuda_bwd_scratch_size(1, 3, 65, 64, fused) == (196 + 195 * 64 + 3 * 1 + 2 if fused else 195)
         assert A.cuda_bwd_scratch_size(1, 3, 129, 64, fused) == (388 + 387 * 64 + 3 * 2 + 2 if fused else 387)
+    # grouped-query heads: the head splits' tree after the counters (n - 1 nodes per (batch, kv head,
+    # block of 128 keys): two uint32, then from the next multiple of 4 a 2 x 128 x D f32 partial each)
+    assert [A.fused_bwd_splits(h, hkv) for h, hkv in ((4, 4), (4, 2), (8, 2), (16, 2), (12, 4), (6, 2))] == \
+        [1, 2, 4, 4, 1, 1]
+    base = 1040 + 1040 * 128 + 8 * 3 + 2  # B 2, H 4, Sq 130, D 128, as above
+    assert A.cuda_bwd_scratch_size(2, 4, 130, 128, True, hkv=4, sk=300) == base  # no group: no split
+    nodes = 2 * 1 * 3 * 3  # B 2, Hkv 1 (group 4: 4 splits, 3 nodes), 300 keys: 3 key blocks
+    assert A.cuda_bwd_scratch_size(2, 4, 130, 128, True, hkv=1, sk=300) == \
+        -(-(base + 2 * nodes) // 4) * 4 + nodes * 2 * 128 * 128
+    assert A.cuda_bwd_scratch_size(2, 4, 130, 128, False, hkv=1, sk=300) == 1040  # not fused: delta only
 
 
 # ---- the Python front: traced hyper-parameters, causal alignment, leading axes -------------

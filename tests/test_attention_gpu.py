@@ -281,7 +281,9 @@ def test_cuda_targets_in_hlo():
     # the CUDA backward carries its f32 scratch result, sized for the fused backward (bf16, D 64,
     # causal, no bias): delta (B * H * Sq), the dQ accumulator and the semaphores
     assert A._cuda_fused_bwd(q, "causal", 64 ** -0.5, 0.0, False, False)
-    assert f"tensor<{A.cuda_bwd_scratch_size(2, 4, 64, 64, True)}xf32>" in text
+    # and the head splits of its 2-head groups (a tree node per (batch, kv head, key block))
+    assert f"tensor<{A.cuda_bwd_scratch_size(2, 4, 64, 64, True, hkv=2, sk=64)}xf32>" in text
+    assert A.cuda_bwd_scratch_size(2, 4, 64, 64, True, hkv=2, sk=64) > A.cuda_bwd_scratch_size(2, 4, 64, 64, True)
 
 
 def test_deterministic():
@@ -291,6 +293,27 @@ def test_deterministic():
     b = [np.asarray(x.astype(jnp.float32)) for x in fn(q, k, v, dy)]
     for x, y in zip(a, b):
         assert np.array_equal(x, y)
+
+
+# The fused backward's head splits (FusedSplit in ffi/cuda/attention_fused_bwd.cuh): groups of 2, 4
+# and 8 query heads per kv head, whose key blocks split into 2, 4 and 4 blocks (the launcher's model
+# picks the most splits the scratch allows at these small grids), in the warp-specialised kernel and
+# (D 64 with a softcap) the other one, with every mask form; values against the f32 reference, and the
+# tree's sums bitwise the same over calls.
+@pytest.mark.parametrize("h, hkv", [(4, 2), (8, 2), (8, 1)])
+@pytest.mark.parametrize("d, opts", [
+    (128, dict(kind="causal")), (128, dict(kind="none", mask=True)), (64, dict(kind="causal", dlse=True)),
+    (64, dict(kind="none", softcap=5.0)), (128, dict(kind="sliding", window=90, softcap=20.0)),
+])
+def test_fused_backward_head_splits(h, hkv, d, opts):
+    _check_case(2, 333, 333, h, hkv, d, jnp.bfloat16, seed=h + hkv + d, **opts)
+    q, k, v, dy, m, _ = _inputs(2, 333, 333, h, hkv, d, jnp.bfloat16, 1, mask=opts.get("mask", False))
+    kw = dict(mask_kind=opts["kind"], softcap=opts.get("softcap"), mask=m, window=opts.get("window"))
+    fn = jax.jit(lambda q, k, v, dy: attention_backward(q, k, v, dy, **kw))
+    first = [np.asarray(x.astype(jnp.float32)) for x in fn(q, k, v, dy)]
+    for _ in range(2):
+        for x, y in zip(first, fn(q, k, v, dy)):
+            assert np.array_equal(x, np.asarray(y.astype(jnp.float32)))
 
 
 @pytest.mark.parametrize("b,sq,sk,h,hkv", [(2, 0, 16, 2, 2), (2, 16, 0, 2, 1), (2, 0, 0, 2, 2), (0, 8, 8, 2, 2)])

@@ -78,8 +78,13 @@ def test_attention_scripts_share_validated_shape_options():
     cli.add_shape_args(parser, head_dims="128,64")
     args = parser.parse_args(["--kinds", "causal", "--batch", "2"])
     assert cli.shape_args(parser, args) == (["causal"], [128, 64])
-    assert (args.batch, args.seq, args.heads) == (2, 4096, 16)
-    for bad in (["--kinds", "none,sliding"], ["--head-dims", "64,x"], ["--heads", "0"]):
+    assert (args.batch, args.seq, args.heads, args.kv_heads) == (2, 4096, 16, 16)  # kv heads: --heads
+    assert cli.heads_label(args) == "16"
+    args = parser.parse_args(["--heads", "16", "--kv-heads", "4"])
+    cli.shape_args(parser, args)
+    assert args.kv_heads == 4 and cli.heads_label(args) == "16/4"
+    for bad in (["--kinds", "none,sliding"], ["--head-dims", "64,x"], ["--heads", "0"], ["--kv-heads", "3"],
+                ["--kv-heads", "0"]):
         with pytest.raises(SystemExit):
             cli.shape_args(parser, parser.parse_args(bad))
 

@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
                               const T* __restrict__ dout, const float* __restrict__ lse,
                               const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
                               float* __restrict__ dqacc, uint32_t* __restrict__ sem, uint32_t* __restrict__ ticket,
-                              T* __restrict__ dq) {
+                              T* __restrict__ dq, FusedSplit fs) {
 #if RLX_ATTN_WGMMA
   static_assert(D == 64 || D == 128, "wgmma_fused_bwd_ws_kernel: head dim 64 or 128");
   // (at D 64 LATE, below, cannot hold a softcap's P^T and P^T (1 - tanh^2): the launcher keeps D 64 with
@@ -196,18 +196,20 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
   }
   __syncthreads();
   const int nkt = int((a.Sk + BK - 1) / BK);
-  const int sq = int(a.Sq), grp = int(a.group);
+  // grp: the query heads of this block (of its split of the kv head's group)
+  const int sq = int(a.Sq), grp = int(a.group) / fs.n;
   const bool causal = a.kind != 0;
   const int nqt = (sq + BQ - 1) / BQ;
   // the sliding window (MASK 2 and 3 only; -1: none)
   const int win = MASK >= 2 && a.kind == 2 ? int(min(a.window, int64_t(1) << 30)) : -1;
-  if (Tk[0] >= int64_t(nkt) * a.Hkv * a.B) {  // a converter block (the header of attention_fused_bwd.cuh)
+  if (Tk[0] >= int64_t(nkt) * fs.n * a.Hkv * a.B) {  // a converter block (the header of attention_fused_bwd.cuh)
     fused_convert_tiles<T, D, BQ>(a, nkt, nqt, grp, causal, win, dqacc, sem, ticket + 1, dq);
     return;
   }
-  int kt;
+  int kt, sp;
   int64_t hk, b;
-  fused_block(a, nkt, Tk[0], &kt, &hk, &b);
+  fused_block(a, nkt, fs.n, Tk[0], &kt, &sp, &hk, &b);
+  const int64_t h0 = hk * a.group + int64_t(sp) * grp;  // the block's first query head
   const int64_t k0 = int64_t(kt) * BK;
   const int64_t q_rs = a.H * D, kv_rs = a.Hkv * D;
   // the block's K / V tiles, by all 384 threads
@@ -235,7 +237,7 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
         ws_wait(empty + s, ((m >> 1) & 1) ^ 1);
         int hl, t;
         sch.item(m, &hl, &t);
-        const int64_t h = hk * a.group + hl, i0 = int64_t(t) * BQ;
+        const int64_t h = h0 + hl, i0 = int64_t(t) * BQ;
         warp_load_tile<T, D, BQ>(tiles + s * BQ * D, x + (b * a.Sq * a.H + h) * D, q_rs, i0, a.Sq, lane);
         ws_cp_async_arrive(full + s);
 #pragma unroll
@@ -258,7 +260,7 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
         const int rank = sch.rank(m, hl, t, lane);
         ws_wait(pfull + s, (m >> 1) & 1);
         if (lane == 0) {
-          const int64_t h = hk * a.group + hl, i0 = int64_t(t) * BQ;
+          const int64_t h = h0 + hl, i0 = int64_t(t) * BQ;
           uint32_t* ts = sem + (b * a.H + h) * nqt + t;
           if (rank > 0)
             while (ld_acquire_u32(ts) != uint32_t(rank)) __nanosleep(32);
@@ -376,6 +378,10 @@ __global__ void __launch_bounds__(kFusedWsThreads, 1)
     __syncwarp();         // the warp's stores and fences, then one arrival (lane 0)
     if (lane == 0) ws_arrive(pfull + s);
   }
+  // the head splits' tree sum over the 256 consumer threads (named barrier 1, as in the loop)
+  if (fs.n > 1 && !fused_split_sum<D>(dka, dva, fs, (b * a.Hkv + hk) * nkt + kt, sp, int(threadIdx.x) - 128, Tk + 1,
+                                      [] { asm volatile("bar.sync 1, 256;" ::: "memory"); }))
+    return;
   store_dk_dv<T, D>(a, dka, dva, dk, dv, (b * a.Sk) * a.Hkv + hk, jw + g, tq);
 #endif
 }

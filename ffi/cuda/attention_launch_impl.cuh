@@ -12,6 +12,7 @@
 
 #include <map>
 #include <mutex>
+#include <queue>
 
 #include "cuda/attention_mma.cuh"
 #include "cuda/attention_wgmma.cuh"
@@ -117,6 +118,55 @@ int attn_ws_zig(const AttnArgs& a, int64_t nqt, int64_t hc, int64_t blocks, int6
   cache.emplace(key, pick);
   return pick;
 }
+// Head splits of the fused backward (FusedSplit, attention_fused_bwd.cuh), at most this many.
+constexpr int64_t kMaxFusedSplits = 4;
+
+// The head splits n of a fused backward grid (1, 2, 4, ... up to max_splits): the n whose grid
+// finishes first by the model "blocks start in ticket order, each on the first of `slots` block
+// slots to come free; a block's work = its items (query tiles of bq rows x its group / n query
+// heads) + 2 (its K / V loads, its dK / dV stores) + 2 a tree level (a partial written or read)",
+// the smaller n on a tie. The items are those of FusedSchedule without segment ids (with ids the
+// schedule depends on the data). O(blocks log slots) host work, once per shape (cached).
+int64_t attn_fused_splits(const AttnArgs& a, int64_t nkt, int64_t nqt, int64_t bq, int64_t slots,
+                          int64_t max_splits) {
+  if (max_splits <= 1 || slots <= 0 || nkt <= 0) return 1;
+  using Key = std::vector<int64_t>;
+  static std::mutex mu;
+  static std::map<Key, int64_t> cache;
+  const Key key{a.kind, a.Sq, a.Sk, a.off, a.window, a.B, a.Hkv, a.group, nkt, nqt, bq, slots, max_splits};
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (auto it = cache.find(key); it != cache.end()) return it->second;
+  }
+  std::vector<int64_t> tiles(size_t(nkt), 0);  // query tiles of key block kt
+  for (int64_t kt = 0; kt < nkt; ++kt) {
+    int64_t t0 = a.kind != 0 ? std::max<int64_t>(0, kt * 128 - a.off) / bq : 0, t1 = nqt;
+    if (a.kind == 2) {
+      const int64_t last = kt * 128 + 127 - a.off + a.window;
+      t1 = last < 0 ? 0 : std::min(nqt, last / bq + 1);
+    }
+    tiles[size_t(kt)] = std::max<int64_t>(0, t1 - t0);
+  }
+  int64_t best = 1, best_span = -1;
+  for (int64_t n = 1, levels = 0; n <= max_splits; n *= 2, ++levels) {
+    std::priority_queue<int64_t, std::vector<int64_t>, std::greater<int64_t>> free_at;
+    for (int64_t i = 0; i < std::min(slots, a.B * a.Hkv * n * nkt); ++i) free_at.push(0);
+    int64_t span = 0;
+    for (int64_t grp = 0; grp < a.B * a.Hkv * n; ++grp)
+      for (int64_t kt = 0; kt < nkt; ++kt) {
+        const int64_t start = free_at.top(), end = start + tiles[size_t(kt)] * (a.group / n) + 2 + 2 * levels;
+        free_at.pop();
+        free_at.push(end);
+        span = std::max(span, end);
+      }
+    if (best_span < 0 || span < best_span) best = n, best_span = span;
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  if (cache.size() >= 4096) cache.clear();  // bounded: a program uses few shapes
+  cache.emplace(key, best);
+  return best;
+}
+
 // Does the loaded image of this module carry the sm_90a (wgmma) code for `device`? The probe
 // kernel's static shared memory says which compilation pass the loaded image came from
 // (attention_wgmma.cuh); cudaFuncGetAttributes launches nothing (safe under stream capture).
@@ -457,21 +507,33 @@ ffi::Error AttentionBwd<T>::launch(cudaStream_t stream, const AttnArgs& a, const
               log_wgmma_kernel(reinterpret_cast<const void*>(fused), true, line);
             }
             const int64_t nqt = (a.Sq + attn::fused_rows(D) - 1) / attn::fused_rows(D);
+            // head splits: the model's pick among those the group and the scratch allow
+            int64_t max_splits = 1;
+            while (max_splits * 2 <= kMaxFusedSplits && a.group % (max_splits * 2) == 0 &&
+                   scratch_elems >= attn::fused_bwd_scratch(a.B, a.H, a.Sq, D, a.Hkv, a.Sk, max_splits * 2))
+              max_splits *= 2;
+            const int64_t splits =
+                attn_fused_splits(a, nkt, nqt, attn::fused_rows(D), int64_t(per_sm) * info.sms, max_splits);
             float* dqacc = delta + attn::fused_bwd_delta_pad(a.B * a.H * a.Sq);
             uint32_t* sem = reinterpret_cast<uint32_t*>(dqacc + a.B * a.H * a.Sq * D);
             uint32_t* ticket = sem + a.B * a.H * nqt;  // then the converters' tile counter
-            if (cudaError_t e = cudaMemsetAsync(sem, 0, size_t(a.B * a.H * nqt + 2) * sizeof(uint32_t), stream);
+            const int64_t nodes = splits > 1 ? attn::fused_split_nodes(a.B, a.Hkv, a.Sk, splits) : 0;
+            // (the split tree's counters follow the two counters: one memset)
+            if (cudaError_t e =
+                    cudaMemsetAsync(sem, 0, size_t(a.B * a.H * nqt + 2 + 2 * nodes) * sizeof(uint32_t), stream);
                 e != cudaSuccess)
               return cuda_error("attention backward", e);
+            const int64_t base = attn::fused_bwd_scratch(a.B, a.H, a.Sq, D);
+            const attn::FusedSplit fs{int(splits), ticket + 2, delta + (base + 2 * nodes + 3) / 4 * 4};
             // kbw key blocks, then converter blocks (dq = scale * dQacc as the tiles' sums complete;
             // tiles no key block visits get dq = 0): as many as fit on the device at once, at most one
             // a tile (the header of attention_fused_bwd.cuh)
-            const int64_t kbw = nkt * a.Hkv * a.B, tiles = a.B * a.H * nqt;
+            const int64_t kbw = nkt * splits * a.Hkv * a.B, tiles = a.B * a.H * nqt;
             const int64_t blocks = kbw + std::min<int64_t>(tiles, int64_t(per_sm) * info.sms);
             if (auto e = grid_check(blocks, "attention backward"); e.failure()) return e;
             if (blocks > 0) {
               fused<<<unsigned(blocks), threads, smem, stream>>>(a, q, k, v, dout, lse, delta, dk, dv, dqacc, sem, ticket,
-                                                                  dq);
+                                                                  dq, fs);
               if (auto e = check_launch("attention backward (wgmma fused)"); e.failure()) return e;
             }
             return ffi::Error::Success();

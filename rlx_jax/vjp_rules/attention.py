@@ -367,19 +367,43 @@ def _kernel_fwd_cuda(q, k, v, *extras, **params):
     return _kernel_fwd(q, k, v, *extras, **params)
 
 
-def cuda_bwd_scratch_size(b: int, h: int, sq: int, d: int = 0, fused: bool = False) -> int:
+#: Head splits of the CUDA fused backward (``FusedSplit`` in ffi/cuda/attention_fused_bwd.cuh):
+#: at most this many blocks share a (batch, kv head, key block), each over a part of the
+#: group's query heads (``kMaxFusedSplits`` there).
+MAX_FUSED_SPLITS = 4
+
+
+def fused_bwd_splits(h: int, hkv: int) -> int:
+    """The most head splits the fused backward's scratch is sized for: the largest power of 2
+    up to ``MAX_FUSED_SPLITS`` that divides the group ``h // hkv`` (1 without grouping)."""
+    group, n = max(1, h // max(1, hkv)), 1
+    while n * 2 <= MAX_FUSED_SPLITS and group % (n * 2) == 0:
+        n *= 2
+    return n
+
+
+def cuda_bwd_scratch_size(b: int, h: int, sq: int, d: int = 0, fused: bool = False, hkv: int = 0,
+                          sk: int = 0) -> int:
     """f32 elements of the CUDA backward's scratch result: delta_i = sum_d dout_id out_id
     - dlse_i per (batch, head, query) row (at least one element). ``fused`` (the fused
     backward of ffi/cuda/attention_fused_bwd.cuh, head dim ``d``): after delta (padded to a
     multiple of 4) the f32 dQ accumulator [B, H, Sq, D] and one uint32 per (batch, head,
     query tile of ``fused_rows(d)`` rows: 128 at d 64, else 64) plus two (semaphores, ticket
-    counter, the converter blocks' tile counter); the sizes must match ``fused_bwd_scratch``
-    there."""
+    counter, the converter blocks' tile counter); with ``hkv`` kv heads and ``sk`` keys and a
+    group that splits (``fused_bwd_splits``: n > 1), then two uint32 per node of the head
+    splits' sum tree (n - 1 per (batch, kv head, block of 128 keys)) and, from the next
+    multiple of 4, a 2 x 128 x D f32 partial per node. The sizes must match
+    ``fused_bwd_scratch`` there."""
     if not fused:
         return max(1, b * h * sq)
     rows = 128 if d == 64 else 64
     nqt = -(-sq // rows)
-    return -(-(b * h * sq) // 4) * 4 + b * h * sq * d + b * h * nqt + 2
+    base = -(-(b * h * sq) // 4) * 4 + b * h * sq * d + b * h * nqt + 2
+    splits = fused_bwd_splits(h, hkv) if hkv else 1
+    if splits == 1:
+        return base
+    nodes = b * hkv * -(-sk // 128) * (splits - 1)
+    return -(-(base + 2 * nodes) // 4) * 4 + nodes * 2 * 128 * d
 
 
 def _cuda_fused_bwd(q, kind, scale, softcap, has_mask, has_bias) -> bool:
@@ -412,8 +436,8 @@ def _kernel_bwd_cuda(q, k, v, out, lse, dout, dlse, *extras, kind, window, scale
         jax.ShapeDtypeStruct(v.shape, v.dtype),
         jax.ShapeDtypeStruct(bb.shape, bb.dtype),
         jax.ShapeDtypeStruct((cuda_bwd_scratch_size(
-            b, h, sq, q.shape[3], _cuda_fused_bwd(q, kind, scale, softcap, has_mask, has_bias)),),
-            jnp.float32),
+            b, h, sq, q.shape[3], _cuda_fused_bwd(q, kind, scale, softcap, has_mask, has_bias),
+            hkv=k.shape[2], sk=k.shape[1]),), jnp.float32),
     )
     attrs = _attrs(kind, window, scale, softcap, has_mask, has_bias)
     operands = (q, k, v, out, lse, dout, dlse, m, bb)
