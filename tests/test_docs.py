@@ -26,7 +26,7 @@ API_MD = ROOT / "docs" / "API.md"
 README = ROOT / "README.md"
 
 # The two commands .ci/run executes; README shows them verbatim.
-README_COMMANDS = ('pip install ".[train,test]" && rlx-jax train', "pytest")
+README_COMMANDS = ('pip install ".[train,test]" && rlx-jax train', "pytest -n auto")
 
 # Work-log patterns (case-insensitive). Each is written so that its own source text
 # does not match it, so this file can be scanned like any other.
@@ -89,8 +89,10 @@ def test_readme_is_short_and_shows_the_ci_commands():
     lines = text.splitlines()
     assert len(lines) <= 200, f"README.md has {len(lines)} lines; keep it at most 200 (details go in docs/)"
     stripped = {line.strip() for line in lines}
+    ci = {line.strip() for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()}
     for command in README_COMMANDS:
         assert command in stripped, f"README.md must show the command {command!r} on its own line"
+        assert command in ci, f".ci/run must run README's command {command!r} on its own line"
 
 
 def test_readme_and_docs_links_resolve():
