@@ -329,6 +329,22 @@ __device__ __forceinline__ void fused_block(const AttnArgs& a, int nkt, int spli
   *b = ticket / a.Hkv;
 }
 
+// The query tiles [*t0, *t1) of bq rows that key block x (keys x keys .. x keys + keys - 1) is visible
+// to by position (t0 >= t1: none). Causal: from the tile of the block's first key on (row i sees
+// key j <= i + off). A window of win >= 0 keys: row i sees key j >= i + off - win, so the block's
+// last key is seen up to row x keys + keys - 1 - off + win. (Host too: the launcher's split model,
+// attn_fused_splits, in int64_t; the kernels in int.)
+template <typename I>
+__host__ __device__ __forceinline__ void key_block_tiles(I x, I keys, I bq, I nqt, bool causal, I off, I win, I* t0,
+                                                         I* t1) {
+  *t0 = causal ? max(I(0), x * keys - off) / bq : I(0);
+  *t1 = nqt;
+  if (win >= 0) {
+    const int64_t last = int64_t(x) * keys + keys - 1 - off + win;
+    *t1 = last < 0 ? I(0) : I(min(int64_t(nqt), last / bq + 1));
+  }
+}
+
 // The item schedule of key block kt (of nkt, 128 keys each) of one (batch, kv head): its items are
 // (query head hl of the group of grp, query tile t of BQ rows), t in [qt0, qt1) (causal: from the
 // tile of the block's first key on; a sliding window of win >= 0 keys: up to the tile of the last
@@ -363,16 +379,12 @@ struct FusedSchedule {
     *t0 = z < w ? z * kSegGranule / BQ : nqt;
     *t1 = z < w ? (w * kSegGranule + BQ - 1) / BQ : 0;
   }
-  // The query tiles [qt0, qt1) of key block x (qt0 >= qt1: none). Causal: from the tile of the
-  // block's first key on. A window: row i sees key j >= i + off - win, so the block's last key
-  // x 128 + 127 is seen up to row x 128 + 127 - off + win. Segment ids: inside the block's hull
-  // (one table read a call: rank and contributors call it once a key block).
+  // The query tiles [qt0, qt1) of key block x (qt0 >= qt1: none): key_block_tiles, and with
+  // segment ids inside the block's hull (one table read a call: rank and contributors call it once
+  // a key block).
   __device__ __forceinline__ void range_of(int x, int* qt0_, int* qt1_) const {
-    int t0 = causal ? max(0, x * kWgBwdKeys - off) / BQ : 0, t1 = nqt;
-    if (win >= 0) {
-      const int64_t last = int64_t(x) * kWgBwdKeys + kWgBwdKeys - 1 - off + win;
-      t1 = last < 0 ? 0 : int(min(int64_t(nqt), last / BQ + 1));
-    }
+    int t0, t1;
+    key_block_tiles<int>(x, kWgBwdKeys, BQ, nqt, causal, off, win, &t0, &t1);
     if (kinfo != nullptr) {
       int s0, s1;
       seg_tiles(x, &s0, &s1);

@@ -140,11 +140,9 @@ int64_t attn_fused_splits(const AttnArgs& a, int64_t nkt, int64_t nqt, int64_t b
   }
   std::vector<int64_t> tiles(size_t(nkt), 0);  // query tiles of key block kt
   for (int64_t kt = 0; kt < nkt; ++kt) {
-    int64_t t0 = a.kind != 0 ? std::max<int64_t>(0, kt * 128 - a.off) / bq : 0, t1 = nqt;
-    if (a.kind == 2) {
-      const int64_t last = kt * 128 + 127 - a.off + a.window;
-      t1 = last < 0 ? 0 : std::min(nqt, last / bq + 1);
-    }
+    int64_t t0, t1;
+    attn::key_block_tiles<int64_t>(kt, attn::kWgBwdKeys, bq, nqt, a.kind != 0, a.off, a.kind == 2 ? a.window : -1,
+                                   &t0, &t1);
     tiles[size_t(kt)] = std::max<int64_t>(0, t1 - t0);
   }
   int64_t best = 1, best_span = -1;
