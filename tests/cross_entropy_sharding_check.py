@@ -54,6 +54,10 @@ CASES = {
                        (randn(N, D), randn(D, V)), (P("data"), P(None, "model")), (0, 1)),
     "linear_ce_mean": (lambda h, w: ops.fused_linear_cross_entropy(h, w, LABELS, reduction="mean", chunk_size=3),
                        (randn(N, D), randn(D, V)), (P("data"), P(None, "model")), (0, 1)),
+    "linear_ce_mean_bf16_logits": (
+        lambda h, w: ops.fused_linear_cross_entropy(h, w, LABELS, reduction="mean", chunk_size=3,
+                                                    logits_dtype=jnp.bfloat16),
+        (randn(N, D), randn(D, V)), (P("data"), P(None, "model")), (0, 1)),
     "linear_ce_sum_vocab_8": (lambda h, w: ops.fused_linear_cross_entropy(h, w, LABELS, reduction="sum"),
                               (randn(N, D), randn(D, V)), (P(), P(None, ("data", "model"))), (0, 1)),
     "linear_ce_mean_rank3": (lambda h, w: ops.fused_linear_cross_entropy(h.reshape(4, 4, D), w, LABELS3,

@@ -382,6 +382,79 @@ def test_fused_linear_compositions():
             assert_close(a, b)
 
 
+def _rounded_logits_oracle(h, w, labels, reduction, logits_dtype):
+    """The oracle on h @ w computed in the accumulation dtype, then rounded to
+    ``logits_dtype`` with an identity derivative (a cast's would round the cotangent
+    too, which the fused op does not: its logit gradient stays f32 up to the input's
+    dtype)."""
+    acc = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
+    z = jnp.dot(h.astype(acc), w.astype(acc), precision="highest")
+    z = z + jax.lax.stop_gradient(z.astype(logits_dtype).astype(acc) - z)
+    loss = _oracle(z, labels)
+    if reduction == "mean":
+        return jnp.sum(loss) / jnp.maximum(jnp.sum(labels != -100), 1)
+    return REDUCE[reduction](loss)
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("chunk", [4, None])
+def test_fused_linear_narrow_logits(reduction, chunk):
+    """logits_dtype=bf16 on f32 inputs: loss and gradients (f32, so the rounding shows)
+    match the oracle on bf16-rounded logits, and differ from the f32-logits result by
+    more than they differ from that oracle (the option takes effect)."""
+    h, w, labels = _linear_inputs(11, 8, 37, seed=5)
+    h = h * 4  # logits of a few units: bf16 rounding moves them by about 1e-2
+    labels = labels.at[2].set(-100)
+    wt = _weights((11,), reduction)
+
+    def fused(dtype):
+        return lambda h, w: jnp.sum(fused_linear_cross_entropy(
+            h, w, labels, reduction=reduction, chunk_size=chunk, logits_dtype=dtype) * wt)
+
+    oracle = lambda h, w: jnp.sum(_rounded_logits_oracle(h, w, labels, reduction, jnp.bfloat16) * wt)
+    got = jax.jit(jax.value_and_grad(fused(jnp.bfloat16), (0, 1)))(h, w)
+    want = jax.value_and_grad(oracle, (0, 1))(h, w)
+    wide = jax.jit(jax.value_and_grad(fused(None), (0, 1)))(h, w)
+    for a, b, c in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(wide)):
+        assert a.dtype == jnp.float32
+        assert_close(a, b)
+        assert float(jnp.max(jnp.abs(c - b))) > 10 * float(jnp.max(jnp.abs(a - b))) + 1e-6
+    # forward mode: the tangent of the rounded logits is the tangent of the product
+    t = (jnp.cos(h), jnp.sin(w))
+    got_t = jax.jvp(fused("bfloat16"), (h, w), t)[1]
+    assert_close(got_t, jax.jvp(oracle, (h, w), t)[1])
+
+
+def test_fused_linear_narrow_logits_hessian_f64(x64):
+    """f64 inputs with f32 logits: the Hessian (forward over reverse, through the hvp
+    primitive) against the oracle that rounds its logits to f32, within f32's tolerance
+    (the hvp differentiates through the f32 logits, so its cotangents are f32 there)."""
+    h, w, labels = _linear_inputs(5, 3, 7, dtype=jnp.float64, seed=6)
+    for red in ("mean", "none"):
+        f = lambda h, w: jnp.sum(fused_linear_cross_entropy(h, w, labels, reduction=red, chunk_size=2,
+                                                            logits_dtype=jnp.float32))
+        got = jax.jit(jax.hessian(f, (0, 1)))(h, w)
+        want = jax.hessian(lambda h, w: jnp.sum(_rounded_logits_oracle(h, w, labels, red, jnp.float32)), (0, 1))(h, w)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert a.dtype == jnp.float64
+            assert_close(a, b, jnp.float32)
+
+
+def test_fused_linear_narrow_logits_halve_the_block():
+    """bf16 logits blocks on bf16 inputs: the compiled loss + gradients need less temp
+    memory than with f32 blocks (the [chunk, V] block is the largest intermediate)."""
+    n, d, v = 256, 32, 4096
+    h, w, labels = _linear_inputs(n, d, v, dtype=jnp.bfloat16)
+
+    def temp(dtype):
+        f = jax.jit(jax.value_and_grad(lambda h, w: fused_linear_cross_entropy(
+            h, w, labels, reduction="mean", chunk_size=128, logits_dtype=dtype).astype(jnp.float32), (0, 1)))
+        return f.lower(h, w).compile().memory_analysis().temp_size_in_bytes
+
+    wide, narrow = temp(None), temp(jnp.bfloat16)
+    assert narrow <= wide - 128 * v * 2, (narrow, wide)
+
+
 def _count_dots(fn, *args):
     return len(re.findall(r" dot\(", jax.jit(fn).lower(*args).compile().as_text()))
 
@@ -430,12 +503,18 @@ def test_fused_linear_errors():
         fused_linear_cross_entropy(h, w, labels, reduction="avg")
     with pytest.raises(TypeError, match="weight must be floating"):
         fused_linear_cross_entropy(h, jnp.ones((4, 5), jnp.int32), labels)
+    for bad in (jnp.float64, jnp.int32, "not a dtype"):
+        with pytest.raises(TypeError, match="logits_dtype"):
+            fused_linear_cross_entropy(h, w, labels, logits_dtype=bad)
+    # the accumulation dtype itself is the default, not an error
+    assert_close(fused_linear_cross_entropy(h, w, labels, logits_dtype=jnp.float32),
+                 fused_linear_cross_entropy(h, w, labels))
 
 
 # ---- vocabulary-parallel sharding (8 CPU devices, subprocess) ---------------------------
 
 SHARDING_CHECK = pathlib.Path(__file__).with_name("cross_entropy_sharding_check.py")
-QUICK_SHARDING = ["softmax_ce_vocab_and_rows", "linear_ce_mean", "linear_ce_none"]
+QUICK_SHARDING = ["softmax_ce_vocab_and_rows", "linear_ce_mean", "linear_ce_none", "linear_ce_mean_bf16_logits"]
 
 
 def _run_sharding_check(cases):

@@ -149,6 +149,47 @@ def test_fused_linear_blocks_use_the_forward_row_kernel(reduction):
         _close(a, b, jnp.float32, name, scale=max(float(jnp.max(jnp.abs(b))), 1e-6))
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_fused_linear_bf16_logits_blocks(reduction):
+    """logits_dtype=bf16 on bf16 inputs (the blocks' matmuls write bf16 logits): the forward
+    row kernel reads them (rlx_softmax_ce_fwd in the compiled step); loss and gradients
+    match the same op
+    with every kernel off (the same rounded logits) to f32 accumulation order, and the f32
+    oracle within bf16 tolerance."""
+    from rlx_jax.ops import fused_linear_cross_entropy
+    from rlx_jax.vjp_rules._primitive import fused_ops
+
+    kh, kw, kl = jax.random.split(jax.random.PRNGKey(12), 3)
+    h = jax.device_put(jax.random.normal(kh, (150, 64), jnp.float32).astype(jnp.bfloat16), _gpu())
+    w = jax.device_put((jax.random.normal(kw, (64, 3001), jnp.float32) / 4).astype(jnp.bfloat16), _gpu())
+    y = jax.random.randint(kl, (150,), 0, 3001, jnp.int32).at[5].set(-100)
+    wt = jnp.linspace(0.5, 1.5, 150)
+
+    def loss(h, w):
+        out = fused_linear_cross_entropy(h, w, y, reduction=reduction, chunk_size=64, logits_dtype=jnp.bfloat16)
+        return jnp.sum(out.astype(jnp.float32) * (wt if reduction == "none" else 1.0))
+
+    vg = jax.jit(jax.value_and_grad(loss, (0, 1)))
+    text = vg.lower(h, w).compile().as_text()
+    assert "rlx_softmax_ce_fwd" in text and "rlx_softmax_ce_bwd" not in text
+    got = vg(h, w)
+    with fused_ops(False):
+        same = jax.jit(jax.value_and_grad(loss, (0, 1)))(h, w)
+    hf, wf = h.astype(jnp.float32), w.astype(jnp.float32)
+
+    def oracle(h, w):
+        z = jnp.dot(h, w, precision="highest")
+        rows = jnp.where(y == -100, 0.0, reference_softmax_cross_entropy(z, jnp.where(y == -100, -1, y))[0])
+        return jnp.sum(rows * wt) if reduction == "none" else jnp.sum(rows) / 149
+
+    want = jax.value_and_grad(oracle, (0, 1))(hf, wf)
+    for a, b, c, name in zip(jax.tree.leaves(got), jax.tree.leaves(same), jax.tree.leaves(want),
+                             ("loss", "d hidden", "d weight")):
+        scale = max(float(jnp.max(jnp.abs(c))), 1e-6)
+        _close(a, b, jnp.bfloat16, name + " vs kernels off", scale=scale)
+        _close(a, c, jnp.bfloat16, name + " vs f32 oracle", scale=scale)
+
+
 def test_extreme_logits():
     logits = jnp.array([[1e30, 0.0, -1e30, 5.0], [-jnp.inf, 0.0, 1.0, -jnp.inf], [88.0, 89.0, 90.0, -100.0]],
                        jnp.float32)

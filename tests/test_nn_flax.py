@@ -13,7 +13,7 @@ import pytest
 nnx = pytest.importorskip("flax.nnx")
 optax = pytest.importorskip("optax")
 
-from rlx_jax import nn as rnn  # noqa: E402
+from rlx_jax import nn as rnn, ops as rops  # noqa: E402
 
 from testutil import hlo_text  # noqa: E402
 
@@ -247,3 +247,9 @@ def test_fused_linear_cross_entropy_matches_linear_then_optax():
     np.testing.assert_allclose(gp.kernel[...], rp.lin.kernel[...], rtol=1e-4, atol=1e-6)
     with pytest.raises(ValueError, match="hidden must be"):
         ours(hidden[..., :4], labels)
+    # logits_dtype reaches the op: bf16 logits blocks give the op's bf16-logits loss
+    narrow = rnn.FusedLinearCrossEntropy(8, 13, chunk_size=5, logits_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    want = rops.fused_linear_cross_entropy(hidden.reshape(10, 8), narrow.kernel[...], labels.reshape(-1),
+                                           chunk_size=5, logits_dtype=jnp.bfloat16)
+    np.testing.assert_array_equal(narrow(hidden, labels), want.reshape(2, 5))
+    assert not np.array_equal(narrow(hidden, labels), got)

@@ -51,16 +51,20 @@ class FusedLinearCrossEntropy(nnx.Module):
     Arguments as ``nnx.Linear`` (without bias): ``in_features``, ``out_features`` (the
     number of classes), ``dtype`` (computation dtype; default: the common dtype of
     hidden and kernel, as flax promotes), ``param_dtype``, ``kernel_init``, ``rngs``;
-    plus ``chunk_size`` (None: the op's default), passed to the op.
+    plus ``chunk_size`` (None: the op's default) and ``logits_dtype`` (None: f32 logits
+    blocks; ``jnp.bfloat16`` rounds them as an unfused bf16 ``nnx.Linear`` would), passed
+    to the op.
     """
 
     def __init__(self, in_features: int, out_features: int, *, dtype=None, param_dtype=jnp.float32,
-                 kernel_init=nnx.nn.linear.default_kernel_init, chunk_size: int | None = None, rngs: nnx.Rngs):
+                 kernel_init=nnx.nn.linear.default_kernel_init, chunk_size: int | None = None, logits_dtype=None,
+                 rngs: nnx.Rngs):
         self.in_features = in_features
         self.out_features = out_features
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.chunk_size = chunk_size
+        self.logits_dtype = logits_dtype
         self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, out_features), param_dtype))
 
     def __call__(self, hidden, labels):
@@ -74,5 +78,6 @@ class FusedLinearCrossEntropy(nnx.Module):
         lead = hidden.shape[:-1]
         chunk = {} if self.chunk_size is None else {"chunk_size": self.chunk_size}
         loss = ops.fused_linear_cross_entropy(hidden.reshape(-1, self.in_features).astype(dtype),
-                                              kernel.astype(dtype), labels.reshape(-1), **chunk)
+                                              kernel.astype(dtype), labels.reshape(-1),
+                                              logits_dtype=self.logits_dtype, **chunk)
         return loss.reshape(lead)

@@ -76,9 +76,11 @@ def shard_index(axes, sizes: dict):
 
 
 def block_lse_and_picked(z, local_labels, vocab_axes):
-    """For logits z [n, V_local] (f32/f64) and labels relative to this shard's first
-    column: (lse [n], picked [n]) over the whole vocabulary, with one pmax and one
-    psum of [2, n] when ``vocab_axes`` is non-empty. Labels outside the shard pick 0."""
+    """For logits z [n, V_local] and labels relative to this shard's first column: (lse [n],
+    picked [n]) over the whole vocabulary in f32 (f64; narrower logits are widened as they
+    are read), with one pmax and one psum of [2, n] when ``vocab_axes`` is non-empty.
+    Labels outside the shard pick 0."""
+    z = z.astype(acc_dtype(z.dtype))
     m = lax.stop_gradient(jnp.max(z, axis=-1))
     if vocab_axes:
         m = lax.pmax(m, vocab_axes)

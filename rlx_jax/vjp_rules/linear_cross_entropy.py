@@ -107,6 +107,13 @@ def _block_rows(n, chunk_size):
     return max(1, min(int(chunk_size), n))
 
 
+def _logits(hb, weight, logits_dtype):
+    """A logits block hb @ weight [n_b, V], accumulated in f32 (f64) by the matmul and
+    written in ``logits_dtype`` (None: the accumulation dtype)."""
+    acc = acc_dtype(hb.dtype)
+    return jnp.dot(hb, weight, preferred_element_type=logits_dtype or acc)
+
+
 def _local_labels(labels, w, vocab_axes, sizes, vocab_total):
     """(labels relative to this shard's first column, row ok over the whole vocabulary)."""
     offset = shard_index(vocab_axes, sizes) * w.shape[1] if vocab_axes else 0
@@ -126,14 +133,20 @@ def _psum(x, axes):
 
 
 def _block_loss_and_lse(z, local, vocab_axes, row_kernels):
-    """(lse - z[label] [n_b], lse [n_b]) for a logits block z. With "fwd" in
-    ``row_kernels`` (no vocabulary split) it runs the softmax cross-entropy primitive,
+    """(lse - z[label] [n_b], lse [n_b]), both f32 (f64), for a logits block z. With "fwd"
+    in ``row_kernels`` (no vocabulary split) it runs the softmax cross-entropy primitive,
     whose kernel reads each row of z once; the loss of a row whose label is outside
-    [0, V) is 0 there (callers mask such rows)."""
+    [0, V) is 0 there (callers mask such rows). The kernel returns the loss in z's dtype,
+    so for narrower logits (bf16) the loss is lse - z[label] in f32 here: a gather of one
+    value per row, not a rounding of the loss to bf16."""
     if "fwd" in row_kernels and not vocab_axes:
         from rlx_jax.vjp_rules.cross_entropy import ce_fwd
 
-        return ce_fwd(z, local)
+        loss, lse = ce_fwd(z, local)
+        if loss.dtype == lse.dtype:
+            return loss, lse
+        picked = jnp.take_along_axis(z, jnp.clip(local, 0, z.shape[-1] - 1)[:, None], axis=-1)[:, 0]
+        return lse - picked.astype(lse.dtype), lse
     lse, picked = block_lse_and_picked(z, local, vocab_axes)
     return lse - picked, lse
 
@@ -144,7 +157,9 @@ def _block_loss_and_grad(z, local, scale, vocab_axes, row_kernels):
     primitive's (a second read of each row of z; rows with a label outside [0, V) have
     scale 0)."""
     loss, lse = _block_loss_and_lse(z, local, vocab_axes, row_kernels)
-    if "bwd" in row_kernels and not vocab_axes:
+    if "bwd" in row_kernels and not vocab_axes and z.dtype == lse.dtype:
+        # (the kernel takes the row scale in z's dtype: only for f32 / f64 logits, where
+        # 1 / N_valid is not rounded to bf16)
         from rlx_jax.vjp_rules.cross_entropy import ce_bwd
 
         (g,) = ce_bwd(z, local, lse, scale)
@@ -155,8 +170,8 @@ def _block_loss_and_grad(z, local, scale, vocab_axes, row_kernels):
 # ---- reduction "none": forward, tangent, backward -------------------------------------
 
 
-def reference_forward(hidden, weight, labels, *, chunk_size, vocab_axes=(), row_axes=(), sizes=None,
-                      vocab_total=None, row_kernels=()):
+def reference_forward(hidden, weight, labels, *, chunk_size, logits_dtype=None, vocab_axes=(), row_axes=(),
+                      sizes=None, vocab_total=None, row_kernels=()):
     """Row-chunked forward: (loss [N] in hidden's dtype, lse [N] f32 / f64).
     ``row_kernels`` with "fwd": each block's (loss, lse) from the softmax cross-entropy
     primitive."""
@@ -167,7 +182,7 @@ def reference_forward(hidden, weight, labels, *, chunk_size, vocab_axes=(), row_
 
     def step(_, xs):
         hb, lb = xs
-        z = jnp.dot(hb, weight, preferred_element_type=acc).astype(acc)
+        z = _logits(hb, weight, logits_dtype)
         row_loss, lse = _block_loss_and_lse(z, lb, vocab_axes, row_kernels)
         return None, (lse, row_loss)
 
@@ -176,8 +191,9 @@ def reference_forward(hidden, weight, labels, *, chunk_size, vocab_axes=(), row_
     return jnp.where(ok, row_loss, 0).astype(hidden.dtype), lse
 
 
-def reference_tangent(hidden, weight, labels, lse, t_hidden, t_weight, *, chunk_size):
-    """(t_loss, t_lse): per block tz = t_h W + h t_W, t_lse = sum p tz, t_loss = t_lse - tz[label]."""
+def reference_tangent(hidden, weight, labels, lse, t_hidden, t_weight, *, chunk_size, logits_dtype=None):
+    """(t_loss, t_lse): per block tz = t_h W + h t_W, t_lse = sum p tz, t_loss = t_lse - tz[label]
+    (p from the logits rounded to ``logits_dtype`` as the forward's; tz in f32)."""
     acc = lse.dtype
     n = hidden.shape[0]
     n_b = _block_rows(n, chunk_size)
@@ -185,7 +201,7 @@ def reference_tangent(hidden, weight, labels, lse, t_hidden, t_weight, *, chunk_
 
     def step(_, xs):
         hb, thb, lb, lseb = xs
-        z = jnp.dot(hb, weight, preferred_element_type=acc).astype(acc)
+        z = _logits(hb, weight, logits_dtype).astype(acc)
         tz = (jnp.dot(thb, weight, preferred_element_type=acc) + jnp.dot(hb, t_weight, preferred_element_type=acc))
         tz = tz.astype(acc)
         p = jnp.exp(z - lseb[:, None])
@@ -198,8 +214,8 @@ def reference_tangent(hidden, weight, labels, lse, t_hidden, t_weight, *, chunk_
     return jnp.where(ok, t_lse - t_picked, 0).astype(hidden.dtype), t_lse
 
 
-def reference_backward(hidden, weight, labels, lse, dloss, dlse, *, chunk_size, vocab_axes=(), row_axes=(),
-                       sizes=None, vocab_total=None):
+def reference_backward(hidden, weight, labels, lse, dloss, dlse, *, chunk_size, logits_dtype=None, vocab_axes=(),
+                       row_axes=(), sizes=None, vocab_total=None):
     """(d hidden, d weight) for per-row cotangents (dloss, dlse), recomputing each block's
     logits: g = p (dloss + dlse) - onehot dloss; dh_b = g W^T; dW += h_b^T g."""
     acc = lse.dtype
@@ -211,7 +227,7 @@ def reference_backward(hidden, weight, labels, lse, dloss, dlse, *, chunk_size, 
 
     def step(dw, xs):
         hb, lb, lseb, glb, gsb = xs
-        z = jnp.dot(hb, weight, preferred_element_type=acc).astype(acc)
+        z = _logits(hb, weight, logits_dtype).astype(acc)
         hit = jnp.arange(z.shape[-1]) == lb[:, None]
         p = jnp.exp(z - lseb[:, None])
         g = (p * (glb + gsb)[:, None] - jnp.where(hit, glb[:, None], 0)).astype(hidden.dtype)
@@ -226,8 +242,8 @@ def reference_backward(hidden, weight, labels, lse, dloss, dlse, *, chunk_size, 
 # ---- reductions "mean" / "sum": loss and gradients in one pass ---------------------------
 
 
-def reference_reduced(hidden, weight, labels, *, chunk_size, mean, vocab_axes=(), row_axes=(), sizes=None,
-                      vocab_total=None, row_kernels=()):
+def reference_reduced(hidden, weight, labels, *, chunk_size, mean, logits_dtype=None, vocab_axes=(), row_axes=(),
+                      sizes=None, vocab_total=None, row_kernels=()):
     """(loss [1], d hidden [N, D], d weight [D, V]) of the summed (or mean over rows with
     a label in [0, V); 0 when there are none) loss, in one pass over row blocks.
     ``row_kernels``: the cross-entropy kernels ("fwd", "bwd") each block's softmax
@@ -246,7 +262,7 @@ def reference_reduced(hidden, weight, labels, *, chunk_size, mean, vocab_axes=()
     def step(carry, xs):
         dw, total = carry
         hb, lb, sb = xs
-        z = jnp.dot(hb, weight, preferred_element_type=acc).astype(acc)
+        z = _logits(hb, weight, logits_dtype)
         row_loss, g = _block_loss_and_grad(z, lb, sb, vocab_axes, row_kernels)
         g = g.astype(hidden.dtype)
         dh = _psum(jnp.dot(g, weight.T, preferred_element_type=acc), vocab_axes)
@@ -261,18 +277,19 @@ def reference_reduced(hidden, weight, labels, *, chunk_size, mean, vocab_axes=()
     return total.astype(hidden.dtype).reshape(1), _unblock(dh, n), dw.astype(weight.dtype)
 
 
-def _reduced_loss(hidden, weight, labels, *, chunk_size, mean):
+def _reduced_loss(hidden, weight, labels, *, chunk_size, mean, logits_dtype=None):
     """The reduced loss as plain JAX (row-chunked forward), for the Hessian."""
-    loss, _ = reference_forward(hidden, weight, labels, chunk_size=chunk_size)
+    loss, _ = reference_forward(hidden, weight, labels, chunk_size=chunk_size, logits_dtype=logits_dtype)
     acc = acc_dtype(hidden.dtype)
     ok = (labels >= 0) & (labels < weight.shape[1])
     total = jnp.sum(loss.astype(acc))
     return total / jnp.maximum(jnp.sum(ok.astype(acc)), 1) if mean else total
 
 
-def reference_hvp(hidden, weight, labels, t_hidden, t_weight, *, chunk_size, mean):
+def reference_hvp(hidden, weight, labels, t_hidden, t_weight, *, chunk_size, mean, logits_dtype=None):
     """(t_dh, t_dW) = Hessian of the reduced loss times (t_hidden, t_weight)."""
-    grad = jax.grad(partial(_reduced_loss, labels=labels, chunk_size=chunk_size, mean=mean), (0, 1))
+    grad = jax.grad(partial(_reduced_loss, labels=labels, chunk_size=chunk_size, mean=mean,
+                            logits_dtype=logits_dtype), (0, 1))
     _, (t_dh, t_dw) = jax.jvp(grad, (hidden, weight), (t_hidden, t_weight))
     return t_dh.astype(hidden.dtype), t_dw.astype(weight.dtype)
 
@@ -341,16 +358,16 @@ flce_hvp = FusedPrimitive("rlx_fused_linear_ce_hvp", reference_hvp)
 
 
 @flce_fwd.def_jvp
-def _fwd_jvp(primals, tangents, *, chunk_size):
+def _fwd_jvp(primals, tangents, **params):
     hidden, weight, labels = primals
     th, tw, _ = instantiate(tangents, primals)
-    loss, lse = flce_fwd(hidden, weight, labels, chunk_size=chunk_size)
-    t_loss, t_lse = flce_tangent(hidden, weight, labels, lse, th, tw, chunk_size=chunk_size)
+    loss, lse = flce_fwd(hidden, weight, labels, **params)
+    t_loss, t_lse = flce_tangent(hidden, weight, labels, lse, th, tw, **params)
     return (loss, lse), (t_loss, t_lse)
 
 
 @flce_tangent.def_transpose
-def _tangent_transpose(cts, hidden, weight, labels, lse, th, tw, *, chunk_size):
+def _tangent_transpose(cts, hidden, weight, labels, lse, th, tw, **params):
     for residual in (hidden, weight, lse):
         if ad.is_undefined_primal(residual):
             raise ValueError("fused linear cross-entropy tangent is linear in (t_hidden, t_weight) only")
@@ -359,17 +376,17 @@ def _tangent_transpose(cts, hidden, weight, labels, lse, th, tw, *, chunk_size):
         return [None] * 4 + [ad.Zero(t.aval) if ad.is_undefined_primal(t) else None for t in (th, tw)]
     ct_loss = jnp.zeros(lse.shape, hidden.dtype) if type(ct_loss) is ad.Zero else ct_loss
     ct_lse = jnp.zeros(lse.shape, lse.dtype) if type(ct_lse) is ad.Zero else ct_lse
-    dh, dw = flce_bwd(hidden, weight, labels, lse, ct_loss, ct_lse, chunk_size=chunk_size)
+    dh, dw = flce_bwd(hidden, weight, labels, lse, ct_loss, ct_lse, **params)
     return [None] * 4 + [d if ad.is_undefined_primal(t) else None for d, t in ((dh, th), (dw, tw))]
 
 
 @flce_reduced.def_jvp
-def _reduced_jvp(primals, tangents, *, chunk_size, mean):
+def _reduced_jvp(primals, tangents, **params):
     """t_loss = <dh, t_h> + <dW, t_W> from the saved gradients (its transpose scales them
     by the cotangent); the gradients' own tangents come from ``flce_hvp``."""
     hidden, weight, labels = primals
     th, tw, _ = tangents
-    loss, dh, dw = flce_reduced(hidden, weight, labels, chunk_size=chunk_size, mean=mean)
+    loss, dh, dw = flce_reduced(hidden, weight, labels, **params)
     acc = acc_dtype(hidden.dtype)
     t_loss = jnp.zeros((), acc)
     for grad, t in ((dh, th), (dw, tw)):
@@ -378,12 +395,12 @@ def _reduced_jvp(primals, tangents, *, chunk_size, mean):
     if type(th) is ad.Zero and type(tw) is ad.Zero:
         return (loss, dh, dw), (jnp.zeros_like(loss), jnp.zeros_like(dh), jnp.zeros_like(dw))
     th, tw = instantiate((th, tw), (hidden, weight))
-    t_dh, t_dw = flce_hvp(hidden, weight, labels, th, tw, chunk_size=chunk_size, mean=mean)
+    t_dh, t_dw = flce_hvp(hidden, weight, labels, th, tw, **params)
     return (loss, dh, dw), (t_loss.astype(loss.dtype).reshape(1), t_dh, t_dw)
 
 
 @flce_hvp.def_transpose
-def _hvp_transpose(cts, hidden, weight, labels, th, tw, *, chunk_size, mean):
+def _hvp_transpose(cts, hidden, weight, labels, th, tw, **params):
     """The Hessian is symmetric: the transpose of v -> H v is itself."""
     for residual in (hidden, weight):
         if ad.is_undefined_primal(residual):
@@ -393,15 +410,31 @@ def _hvp_transpose(cts, hidden, weight, labels, th, tw, *, chunk_size, mean):
         return [None] * 3 + [ad.Zero(t.aval) if ad.is_undefined_primal(t) else None for t in (th, tw)]
     ct_dh = jnp.zeros(hidden.shape, hidden.dtype) if type(ct_dh) is ad.Zero else ct_dh
     ct_dw = jnp.zeros(weight.shape, weight.dtype) if type(ct_dw) is ad.Zero else ct_dw
-    dh, dw = flce_hvp(hidden, weight, labels, ct_dh, ct_dw, chunk_size=chunk_size, mean=mean)
+    dh, dw = flce_hvp(hidden, weight, labels, ct_dh, ct_dw, **params)
     return [None] * 3 + [d if ad.is_undefined_primal(t) else None for d, t in ((dh, th), (dw, tw))]
 
 
 # ---- public function -------------------------------------------------------------------
 
 
+def _check_logits_dtype(logits_dtype, dtype, who):
+    """The primitives' ``logits_dtype`` parameter: None for the accumulation dtype of
+    ``dtype`` (f32 / f64), else a floating np.dtype no wider than it."""
+    if logits_dtype is None:
+        return None
+    try:
+        want = np.dtype(jnp.dtype(logits_dtype))
+    except TypeError as e:
+        raise TypeError(f"{who}: logits_dtype must be a floating dtype or None, got {logits_dtype!r}") from e
+    acc = np.dtype(acc_dtype(dtype))
+    if not jnp.issubdtype(want, jnp.floating) or want.itemsize > acc.itemsize:
+        raise TypeError(f"{who}: logits_dtype must be a floating dtype no wider than the {acc.name} the matmul "
+                        f"accumulates in, got {want.name}")
+    return None if want == acc else want
+
+
 def fused_linear_cross_entropy(hidden, weight, labels, *, reduction: str = "none", ignore_index: int = -100,
-                               chunk_size: int | None = None):
+                               chunk_size: int | None = None, logits_dtype=None):
     """``softmax_cross_entropy(hidden @ weight, labels)`` without the [..., V] logits.
 
     hidden: [..., D]; weight: [D, V]; labels: [...] integers (float labels raise
@@ -418,8 +451,15 @@ def fused_linear_cross_entropy(hidden, weight, labels, *, reduction: str = "none
     backward pass only scales them by the cotangent (three vocabulary-sized matmuls in
     all); with "none" the backward recomputes the logits (four).
 
-    chunk_size: rows per block (the largest intermediate is [chunk_size, V] f32);
+    chunk_size: rows per block (the largest intermediate is [chunk_size, V] logits);
     None picks ``default_chunk_size`` for the platform and shape.
+
+    logits_dtype: the dtype each logits block is written in by its matmul (which
+    accumulates in f32 either way). None (default): f32 (f64 for f64), the most precise.
+    A narrower float, typically the input's ``jnp.bfloat16``, rounds the logits as the
+    unfused ``hidden @ weight`` in that dtype does; the softmax, loss and gradients are
+    still computed in f32 from the rounded values. Each block's logits then take half
+    the memory and half the memory traffic (written once, read twice).
     """
     who = "fused_linear_cross_entropy"
     hidden, weight = jnp.asarray(hidden), jnp.asarray(weight)
@@ -442,13 +482,14 @@ def fused_linear_cross_entropy(hidden, weight, labels, *, reduction: str = "none
     labels = check_labels(labels, lead, who).reshape(-1)
     labels, bad = kernel_labels(labels, vocab, check_ignore_index(ignore_index, who))
     dtype = jnp.promote_types(hidden.dtype, weight.dtype)
+    logits_dtype = _check_logits_dtype(logits_dtype, dtype, who)
     h2 = hidden.reshape(-1, dim).astype(dtype)
     w = weight.astype(dtype)
     rows = h2.shape[0]
     chunk = int(chunk_size) if chunk_size is not None else default_chunk_size(rows, dim, vocab)
     chunk = _block_rows(rows, chunk)
     if reduction == "none":
-        loss, _ = flce_fwd(h2, w, labels, chunk_size=chunk)
+        loss, _ = flce_fwd(h2, w, labels, chunk_size=chunk, logits_dtype=logits_dtype)
         return nan_where(bad, loss).reshape(lead)
-    loss, _, _ = flce_reduced(h2, w, labels, chunk_size=chunk, mean=reduction == "mean")
+    loss, _, _ = flce_reduced(h2, w, labels, chunk_size=chunk, mean=reduction == "mean", logits_dtype=logits_dtype)
     return nan_where(jnp.any(bad), loss[0])
