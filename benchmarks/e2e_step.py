@@ -12,7 +12,10 @@ Variants:
   plain-xla        plain JAX, attention ``jax.nn.dot_product_attention(implementation="xla")``
   plain-cudnn      the same with ``implementation="cudnn"`` (GPU only)
   rlx              rlx_jax.ops: gather (embedding), rms_norm, rope, attention,
-                   fused_linear_cross_entropy (mean reduction)
+                   fused_linear_cross_entropy (mean reduction, logits blocks in the model's
+                   dtype as the plain head's ``h @ w``; softmax and loss in f32 in both)
+  rlx-f32-logits   rlx with the fused head's logits blocks kept in f32 (more precise than the
+                   plain head; the same as rlx for an f32 model)
   rlx-plain-ce     rlx with the plain logits + cross-entropy head
   rlx-xla-rows     rlx with the plain RMSNorm and RoPE (XLA fuses them into their neighbours)
   rlx-<base>-attn  rlx with the best plain attention (cudnn on the GPU, xla elsewhere)
@@ -113,8 +116,8 @@ class Shape:
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """Which implementation each op uses: embed "take" | "rlx"; norm, rope, loss "jax" |
-    "rlx"; attn "xla" | "cudnn" | "rlx"."""
+    """Which implementation each op uses: embed "take" | "rlx"; norm, rope "jax" | "rlx";
+    loss "jax" | "rlx" | "rlx-f32" (logits blocks in f32); attn "xla" | "cudnn" | "rlx"."""
 
     name: str
     embed: str = "take"
@@ -205,14 +208,18 @@ def _jax_loss(h, w, labels):
     return jnp.mean(lse - picked)
 
 
-def _rlx_loss(h, w, labels):
-    """fused_linear_cross_entropy, reduced in the op where it takes ``reduction``."""
+def _rlx_loss(h, w, labels, f32_logits=False):
+    """fused_linear_cross_entropy, reduced in the op where it takes ``reduction``, its
+    logits blocks in h's dtype (as the plain head's ``h @ w``) where it takes
+    ``logits_dtype``, unless ``f32_logits``."""
     import jax.numpy as jnp
     from rlx_jax.ops import fused_linear_cross_entropy as flce
 
-    if "reduction" in inspect.signature(flce).parameters:
-        return flce(h, w, labels, reduction="mean").astype(jnp.float32)
-    return jnp.mean(flce(h, w, labels).astype(jnp.float32))
+    params = inspect.signature(flce).parameters
+    kw = {"logits_dtype": h.dtype} if "logits_dtype" in params and not f32_logits else {}
+    if "reduction" in params:
+        return flce(h, w, labels, reduction="mean", **kw).astype(jnp.float32)
+    return jnp.mean(flce(h, w, labels, **kw).astype(jnp.float32))
 
 
 def make_loss(s: Shape, v: Variant):
@@ -254,8 +261,9 @@ def make_loss(s: Shape, v: Variant):
             h = norm(x, p("mlp_norm"))
             x = x + (jax.nn.silu(h @ p("w_gate")) * (h @ p("w_up"))) @ p("w_down")
         h = norm(x, params["final_norm"]).reshape(b * t, s.width)
-        head_loss = _rlx_loss if v.loss == "rlx" else _jax_loss
-        return head_loss(h, params["head"], labels)
+        if v.loss == "jax":
+            return _jax_loss(h, params["head"], labels)
+        return _rlx_loss(h, params["head"], labels, f32_logits=v.loss == "rlx-f32")
 
     return loss
 
@@ -266,6 +274,7 @@ def variants(platform: str) -> list[Variant]:
     if platform == "gpu":
         out.append(Variant("plain-cudnn", attn="cudnn"))
     out.append(Variant("rlx", embed="rlx", norm="rlx", rope="rlx", attn="rlx", loss="rlx"))
+    out.append(Variant("rlx-f32-logits", embed="rlx", norm="rlx", rope="rlx", attn="rlx", loss="rlx-f32"))
     out.append(Variant("rlx-plain-ce", embed="rlx", norm="rlx", rope="rlx", attn="rlx"))
     out.append(Variant("rlx-xla-rows", embed="rlx", attn="rlx", loss="rlx"))
     out.append(Variant(f"rlx-{base}-attn", embed="rlx", norm="rlx", rope="rlx", attn=base, loss="rlx"))

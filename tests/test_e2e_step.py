@@ -57,6 +57,11 @@ def test_rlx_rope_and_loss_wrappers_match_the_plain_forms():
     want = jax.grad(_e2e._jax_loss, (0, 1))(h, w, labels)
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    # bf16: the rlx head's logits blocks in bf16 (as the plain head's h @ w), f32 with f32_logits
+    hb, wb = h.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    for f32, want in ((False, "logits_dtype=bfloat16"), (True, "logits_dtype=None")):
+        jaxpr = str(jax.make_jaxpr(lambda h, w: _e2e._rlx_loss(h, w, labels, f32_logits=f32))(hb, wb))
+        assert want in jaxpr, jaxpr
 
 
 def test_model_flops_and_bad_shapes():
