@@ -112,6 +112,34 @@ def test_packed_documents_ids_and_visible_pairs(layout):
         assert lengths.min() >= 1 and 1 < lengths.mean() < 300
 
 
+_cost = _load("attention_packed_cost")
+
+
+def test_packed_cost_counts_the_forward_tiles_as_the_kernels_take_them():
+    """The key tiles the causal forward computes inside each query tile's id hull (from the
+    kernels' granule table) and those a document boundary crosses, against hand counts."""
+    import numpy as np
+    from rlx_jax.vjp_rules.attention_segments import SEGMENT_GRANULE, segment_tile_info
+
+    def count(ids):
+        return _cost.forward_tiles(ids, np.asarray(segment_tile_info(ids, ids)[0]), SEGMENT_GRANULE)
+
+    one = np.zeros((2, 512), np.int32)
+    assert count(one) == (2 * 4 * 5 // 2, 0)  # the causal tiles, none crossed
+    assert count(np.broadcast_to(np.arange(512, dtype=np.int32), (1, 512)).copy()) == (4, 4)  # the diagonal
+    assert count(_cost.regular(1, 512, 256)) == (6, 0)  # tiles [0], [0, 1], [2], [2, 3]
+    # documents [0, 192), [192, 448), [448, 512): query tiles see key tiles [0], [0, 1], [1, 2],
+    # [1, 2, 3]; crossed: tile 1 (two ids among its keys) everywhere, and the tiles whose rows
+    # hold a later document than their keys
+    assert count(_cost.regular(1, 512, 256, 64)) == (8, 6)
+    ids = _packed.packed_segment_ids(2, 1000, 150.0, seed=3)
+    snap = _cost.snapped(ids)
+    assert snap.shape == ids.shape and (np.diff(snap, axis=1) >= 0).all()
+    assert (snap.reshape(2, -1)[:, ::128] == ids[:, ::128]).all()
+    assert all((np.unique(r[i:i + 128]).size == 1) for r in snap for i in range(0, 1000, 128))
+    assert count(snap)[1] == 0  # no boundary inside a tile: no tile crossed
+
+
 def test_attention_cpu_benchmark_checks_agreement_and_times_both():
     """A tiny run: ours and jax.nn's XLA path agree (the script returns 1 otherwise) and
     both are timed."""
