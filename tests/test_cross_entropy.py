@@ -423,6 +423,11 @@ def test_fused_linear_narrow_logits(reduction, chunk):
     t = (jnp.cos(h), jnp.sin(w))
     got_t = jax.jvp(fused("bfloat16"), (h, w), t)[1]
     assert_close(got_t, jax.jvp(oracle, (h, w), t)[1])
+    if reduction == "mean" and chunk == 4:  # under vmap (a batch of hidden, one weight)
+        hb = jnp.stack([h, -0.5 * h])
+        got_v = jax.jit(jax.vmap(jax.grad(fused(jnp.bfloat16), (0, 1)), (0, None)))(hb, w)
+        for a, b in zip(got_v, jax.vmap(jax.grad(oracle, (0, 1)), (0, None))(hb, w)):
+            assert_close(a, b)
 
 
 def test_fused_linear_narrow_logits_hessian_f64(x64):
