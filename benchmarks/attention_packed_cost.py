@@ -13,8 +13,10 @@ forward computes (128 x 128 tiles inside each query tile's id hull and its causa
 the kernels take them from ``segment_tile_info``; a fraction of the causal kernel's), the
 share of them that a document boundary crosses (some warp's rows or the tile's keys hold two
 ids: the per-score id test runs there), and the forward's time per computed key tile and
-multiprocessor (fwd ms x SMs / (heads x key tiles)); the plain causal kernel's row is the
-reference for that figure. Timing: benchmarks.harness.time_fn, best of ``--rounds``.
+multiprocessor (fwd ms x SMs / (heads x key tiles)) and per query tile. Reference rows without ids: the plain
+causal kernel (long key ranges) and sliding windows of 0 and 1023 keys (one and about eight
+key tiles a query tile: the cost of a query tile with few key tiles, ids or not). Timing:
+benchmarks.harness.time_fn, best of ``--rounds``.
 """
 
 from __future__ import annotations
@@ -65,6 +67,12 @@ def forward_tiles(ids: np.ndarray, qinfo: np.ndarray, granule: int, tile: int = 
     return computed, crossed
 
 
+def window_tiles(b: int, s: int, window: int, tile: int = TILE) -> int:
+    """Key tiles of a sliding-window forward: query tile [q0, q0 + tile) from the tile of key
+    q0 - window to its diagonal tile."""
+    return b * sum(q0 // tile - max(0, q0 - window) // tile + 1 for q0 in range(0, s, tile))
+
+
 def layouts(b: int, s: int, mean_doc: int) -> dict[str, np.ndarray]:
     from benchmarks.attention_packed import packed_segment_ids
 
@@ -101,40 +109,46 @@ def main() -> None:
     b, s, h = args.batch, args.seq, args.heads
     q, k, v, dy = gpu_inputs(b, s, h, 128, dev)
     sms = getattr(dev, "core_count", None) or 132
-    causal_fwd = jax.jit(lambda q, k, v, i: attention(q, k, v, mask_kind="causal"))
-    seg = lambda q, k, v, i: attention(q, k, v, mask_kind="causal", q_segment_ids=i, kv_segment_ids=i)
-    seg_fwd = jax.jit(seg)
-    seg_fb = jax.jit(lambda q, k, v, dy, i: _fwd_bwd(lambda q, k, v: seg(q, k, v, i))(q, k, v, dy))
-    causal_fb = jax.jit(lambda q, k, v, dy, i: _fwd_bwd(lambda q, k, v: attention(q, k, v, mask_kind="causal"))(
-        q, k, v, dy))
-    batch = default_batch(dev)
 
-    cases = {"causal kernel (no ids)": (None, causal_fwd, causal_fb)}
-    cases.update({name: (ids, seg_fwd, seg_fb) for name, ids in layouts(b, s, args.mean_doc).items()})
+    def jitted(fn):  # fn(q, k, v, ids) -> (forward, fwd+bwd), both taking the ids
+        return (jax.jit(fn),
+                jax.jit(lambda q, k, v, dy, i: _fwd_bwd(lambda q, k, v: fn(q, k, v, i))(q, k, v, dy)))
+
+    seg = jitted(lambda q, k, v, i: attention(q, k, v, mask_kind="causal", q_segment_ids=i, kv_segment_ids=i))
+    batch = default_batch(dev)
+    causal_tiles = b * (s // TILE) * (s // TILE + 1) // 2
+    # name -> (ids or None, (forward, fwd+bwd), key tiles of a case without ids)
+    cases = {"causal kernel (no ids)": (None, jitted(lambda q, k, v, i: attention(q, k, v, mask_kind="causal")),
+                                        causal_tiles)}
+    for w in (0, 1023):
+        cases[f"sliding window {w} (no ids)"] = (
+            None, jitted(lambda q, k, v, i, w=w: attention(q, k, v, mask_kind="sliding", window=w)),
+            window_tiles(b, s, w))
+    cases.update({name: (ids, seg, None) for name, ids in layouts(b, s, args.mean_doc).items()})
     best = {name: [float("inf"), float("inf")] for name in cases}
     placed = {name: jax.device_put(jnp.asarray(ids if ids is not None else np.zeros((b, s), np.int32)), dev)
               for name, (ids, _, _) in cases.items()}
     for _ in range(args.rounds):
-        for name, (_, fwd, fb) in cases.items():
+        for name, (_, (fwd, fb), _) in cases.items():
             best[name][0] = min(best[name][0], time_fn(fwd, (q, k, v, placed[name]), args.reps, batch=batch))
             best[name][1] = min(best[name][1], time_fn(fb, (q, k, v, dy, placed[name]), args.reps, batch=batch))
 
-    causal_tiles = b * (s // TILE) * (s // TILE + 1) // 2
     print(f"segment-id attention, bf16 B{b} S{s} H{h} D128 causal, {dev.device_kind}, jax {jax.__version__}, "
           f"{sms} SMs; best of {args.rounds} rounds x {args.reps} reps")
     print("| layout | documents | key tiles (of causal) | crossed by a boundary | fwd ms | us / key tile / SM "
-          "| fwd+bwd ms |")
-    print("|---|---|---|---|---|---|---|")
-    for name, (ids, _, _) in cases.items():
+          "| us / query tile / SM | fwd+bwd ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, (ids, _, fixed_tiles) in cases.items():
         if ids is None:
-            tiles, crossed, docs = causal_tiles, 0, b
+            tiles, crossed, docs = fixed_tiles, 0, b
         else:
             qinfo = np.asarray(segment_tile_info(jnp.asarray(ids), jnp.asarray(ids))[0])
             tiles, crossed = forward_tiles(ids, qinfo, SEGMENT_GRANULE)
             docs = sum(np.unique(r).size for r in ids)
         per_tile = best[name][0] * 1e3 * sms / (h * tiles) if tiles else float("nan")
+        per_query_tile = best[name][0] * 1e3 * sms / (h * b * (s // TILE))
         print(f"| {name} | {docs} | {tiles} ({tiles / causal_tiles:.3f}) | {100 * crossed / max(tiles, 1):.0f} % "
-              f"| {best[name][0]:.3f} | {per_tile:.2f} | {best[name][1]:.3f} |")
+              f"| {best[name][0]:.3f} | {per_tile:.2f} | {per_query_tile:.2f} | {best[name][1]:.3f} |")
 
 
 if __name__ == "__main__":

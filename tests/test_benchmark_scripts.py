@@ -138,6 +138,9 @@ def test_packed_cost_counts_the_forward_tiles_as_the_kernels_take_them():
     assert (snap.reshape(2, -1)[:, ::128] == ids[:, ::128]).all()
     assert all((np.unique(r[i:i + 128]).size == 1) for r in snap for i in range(0, 1000, 128))
     assert count(snap)[1] == 0  # no boundary inside a tile: no tile crossed
+    # sliding windows: the diagonal tile only (window 0), one more for each query tile but the first
+    assert _cost.window_tiles(2, 512, 0) == 8
+    assert _cost.window_tiles(1, 512, 127) == 7 and _cost.window_tiles(1, 512, 1023) == 10
 
 
 def test_attention_cpu_benchmark_checks_agreement_and_times_both():
