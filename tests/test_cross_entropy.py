@@ -246,11 +246,16 @@ def _linear_inputs(n, d, v, seed=0, dtype=jnp.float32, lead=None):
     return h, w, labels
 
 
-def _linear_oracle(h, w, labels, reduction, ignore_index=-100):
+def _linear_oracle(h, w, labels, reduction, ignore_index=-100, logits_dtype=None):
     """Unfused: the oracle on h @ w (in f32 / f64), then the reduction; the mean is over
-    rows not ignored, 0 when there are none."""
+    rows not ignored, 0 when there are none. ``logits_dtype``: the logits rounded to it
+    with an identity derivative (a cast's would round the cotangent too, which the fused
+    op does not: its logit gradient stays f32 up to the input's dtype)."""
     acc = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
-    loss = _oracle(jnp.dot(h.astype(acc), w.astype(acc)), labels, ignore_index)
+    z = jnp.dot(h.astype(acc), w.astype(acc), precision="highest")
+    if logits_dtype is not None:
+        z = z + jax.lax.stop_gradient(z.astype(logits_dtype).astype(acc) - z)
+    loss = _oracle(z, labels, ignore_index)
     if reduction == "mean":
         return jnp.sum(loss) / jnp.maximum(jnp.sum(labels != ignore_index), 1)
     return REDUCE[reduction](loss)
@@ -382,20 +387,6 @@ def test_fused_linear_compositions():
             assert_close(a, b)
 
 
-def _rounded_logits_oracle(h, w, labels, reduction, logits_dtype):
-    """The oracle on h @ w computed in the accumulation dtype, then rounded to
-    ``logits_dtype`` with an identity derivative (a cast's would round the cotangent
-    too, which the fused op does not: its logit gradient stays f32 up to the input's
-    dtype)."""
-    acc = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
-    z = jnp.dot(h.astype(acc), w.astype(acc), precision="highest")
-    z = z + jax.lax.stop_gradient(z.astype(logits_dtype).astype(acc) - z)
-    loss = _oracle(z, labels)
-    if reduction == "mean":
-        return jnp.sum(loss) / jnp.maximum(jnp.sum(labels != -100), 1)
-    return REDUCE[reduction](loss)
-
-
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
 @pytest.mark.parametrize("chunk", [4, None])
 def test_fused_linear_narrow_logits(reduction, chunk):
@@ -411,7 +402,7 @@ def test_fused_linear_narrow_logits(reduction, chunk):
         return lambda h, w: jnp.sum(fused_linear_cross_entropy(
             h, w, labels, reduction=reduction, chunk_size=chunk, logits_dtype=dtype) * wt)
 
-    oracle = lambda h, w: jnp.sum(_rounded_logits_oracle(h, w, labels, reduction, jnp.bfloat16) * wt)
+    oracle = lambda h, w: jnp.sum(_linear_oracle(h, w, labels, reduction, logits_dtype=jnp.bfloat16) * wt)
     got = jax.jit(jax.value_and_grad(fused(jnp.bfloat16), (0, 1)))(h, w)
     want = jax.value_and_grad(oracle, (0, 1))(h, w)
     wide = jax.jit(jax.value_and_grad(fused(None), (0, 1)))(h, w)
@@ -439,7 +430,7 @@ def test_fused_linear_narrow_logits_hessian_f64(x64):
         f = lambda h, w: jnp.sum(fused_linear_cross_entropy(h, w, labels, reduction=red, chunk_size=2,
                                                             logits_dtype=jnp.float32))
         got = jax.jit(jax.hessian(f, (0, 1)))(h, w)
-        want = jax.hessian(lambda h, w: jnp.sum(_rounded_logits_oracle(h, w, labels, red, jnp.float32)), (0, 1))(h, w)
+        want = jax.hessian(lambda h, w: jnp.sum(_linear_oracle(h, w, labels, red, logits_dtype=jnp.float32)), (0, 1))(h, w)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             assert a.dtype == jnp.float64
             assert_close(a, b, jnp.float32)
