@@ -3,7 +3,7 @@ optax-style oracle (log_softmax + take_along_axis): ranks 1-3, odd shapes, ignor
 out-of-range labels, gradients in every mode (check_grads order 2, hessian, vmap, scan,
 remat), compositions, memory, errors; vocabulary-parallel sharding on 8 CPU devices
 (subprocess); on the CPU, the gradient without the forward kernel, both lse paths of
-the backward kernel, and the same bits from the AVX2 and AVX-512 row bodies and from
+the backward kernel, the fused linear cross-entropy's one-pass block kernel, and the same bits from the AVX2 and AVX-512 row bodies and from
 one or several threads."""
 
 from __future__ import annotations
@@ -206,6 +206,84 @@ def test_cpu_backward_kernel_saved_and_recomputed_lse(dtype):
 @cpu_only
 def test_cpu_backward_kernel_saved_and_recomputed_lse_f64(x64):
     _bwd_both_paths(jnp.float64)
+
+
+def _loss_grad_against_numpy(dtype, grad_dtype, n, c, seed):
+    """ce_loss_grad (the fused linear cross-entropy's one-pass block kernel) on logits of
+    ``dtype`` with per-row scales and a bad label or two, against NumPy f64 on the same
+    (rounded) logits: loss and lse in the statistics' dtype, dlogits in ``grad_dtype``;
+    the kernel is in the compiled program (when there are rows)."""
+    logits, labels = _inputs(n, c, dtype=dtype, seed=seed)
+    if n >= 3:
+        labels = labels.at[0].set(-1).at[2].set(c)
+    acc = jnp.float64 if dtype == jnp.float64 else jnp.float32
+    scale = jnp.linspace(0.25, 2.0, n, dtype=acc)
+    call = jax.jit(lambda z, y, s: ce_rules.ce_loss_grad(z, y, s, grad_dtype=np.dtype(grad_dtype)))
+    if n:  # (XLA folds a call on no rows away)
+        assert "rlx_softmax_ce_loss_grad" in call.lower(logits, labels, scale).compile().as_text()
+    loss, lse, g = call(logits, labels, scale)
+    assert (loss.dtype, lse.dtype, g.dtype) == (acc, acc, grad_dtype)
+    z, y, sc = np.asarray(logits, np.float64), np.asarray(labels), np.asarray(scale, np.float64)
+    m = z.max(axis=1, keepdims=True) if c else np.zeros((n, 1))
+    want_lse = (m + np.log(np.exp(z - m).sum(axis=1, keepdims=True)))[:, 0]
+    ok = (y >= 0) & (y < c)
+    idx = np.where(ok, y, 0)
+    want_loss = np.where(ok, want_lse - z[np.arange(n), idx], 0) if c else np.zeros(n)
+    want_g = (np.exp(z - want_lse[:, None]) - (np.arange(c) == idx[:, None])) * (ok * sc)[:, None]
+    rtol = {jnp.float64: 1e-12, jnp.float32: 2e-5}.get(grad_dtype, 1e-2)
+    np.testing.assert_allclose(np.asarray(lse, np.float64), want_lse, rtol=2e-6 if acc == jnp.float32 else 1e-12)
+    np.testing.assert_allclose(np.asarray(loss, np.float64), want_loss, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(g, np.float64), want_g, rtol=rtol, atol=rtol * 2.0 / max(c, 1))
+    assert not np.any(np.asarray(g)[~ok]), "rows with a label outside [0, V) get a zero gradient"
+
+
+LOSS_GRAD_DTYPES = [(jnp.float32, jnp.float32), (jnp.float32, jnp.bfloat16), (jnp.float32, jnp.float16),
+                    (jnp.bfloat16, jnp.bfloat16), (jnp.bfloat16, jnp.float32), (jnp.float16, jnp.float16)]
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype, grad_dtype", LOSS_GRAD_DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("n, c", [(5, 1043), (37, 7), (1, 1), (3, 4099), (0, 11)])
+def test_cpu_loss_grad_kernel(dtype, grad_dtype, n, c):
+    _loss_grad_against_numpy(dtype, grad_dtype, n, c, seed=n + c)
+
+
+@cpu_only
+def test_cpu_loss_grad_kernel_f64(x64):
+    _loss_grad_against_numpy(jnp.float64, jnp.float64, 6, 517, seed=2)
+
+
+def test_loss_grad_vmap_and_kernels_off():
+    """Batched by vmap (rows of every example through one call) and with every kernel off
+    (the reference): the same values."""
+    from rlx_jax.vjp_rules._primitive import fused_ops
+
+    logits, labels = _inputs(12, 301, seed=7)
+    logits, labels = logits.reshape(3, 4, 301), labels.reshape(3, 4).at[1, 2].set(-1)
+    scale = jnp.linspace(0.5, 1.5, 12).reshape(3, 4)
+    f = jax.jit(jax.vmap(lambda z, y, s: ce_rules.ce_loss_grad(z, y, s, grad_dtype=np.dtype(jnp.float32))))
+    got = f(logits, labels, scale)
+    with fused_ops(False):
+        want = [ce_rules.reference_loss_grad(z, y, s, grad_dtype=np.dtype(jnp.float32))
+                for z, y, s in zip(logits, labels, scale)]
+    for i, leaf in enumerate(got):
+        assert_close(leaf, jnp.stack([w[i] for w in want]), jnp.float32)
+
+
+def test_loss_grad_kernel_refuses_bad_operands():
+    """The handler's checks: a scale not in the statistics' dtype, a dlogits of another shape."""
+    logits, labels = _inputs(4, 33)
+    rows = (4,)
+    bad_scale = jax.ffi.ffi_call("rlx_softmax_ce_loss_grad_v1", (
+        jax.ShapeDtypeStruct(rows, jnp.float32), jax.ShapeDtypeStruct(rows, jnp.float32),
+        jax.ShapeDtypeStruct((4, 33), jnp.float32)))
+    with pytest.raises(Exception, match="scale, loss and lse"):
+        jax.block_until_ready(jax.jit(bad_scale)(logits, labels, jnp.ones(rows, jnp.bfloat16)))
+    bad_grad = jax.ffi.ffi_call("rlx_softmax_ce_loss_grad_v1", (
+        jax.ShapeDtypeStruct(rows, jnp.float32), jax.ShapeDtypeStruct(rows, jnp.float32),
+        jax.ShapeDtypeStruct((4, 32), jnp.float32)))
+    with pytest.raises(Exception, match="dlogits must have the logits' shape"):
+        jax.block_until_ready(jax.jit(bad_grad)(logits, labels, jnp.ones(rows, jnp.float32)))
 
 
 def _ce_digest() -> str:
@@ -436,9 +514,11 @@ def test_fused_linear_narrow_logits_hessian_f64(x64):
             assert_close(a, b, jnp.float32)
 
 
-def test_fused_linear_narrow_logits_halve_the_block():
-    """bf16 logits blocks on bf16 inputs: the compiled loss + gradients need less temp
-    memory than with f32 blocks (the [chunk, V] block is the largest intermediate)."""
+def test_fused_linear_narrow_logits_never_need_more_memory():
+    """bf16 logits blocks on bf16 inputs need no more temp memory than f32 blocks on the
+    CPU, whose bf16 block is an f32 product rounded (the one-pass kernel writes the f32
+    block's gradient in bf16 straight away, so the two are equal here). The GPU, whose
+    matmul writes the bf16 block itself, saves half the block: test_cross_entropy_gpu."""
     n, d, v = 256, 32, 4096
     h, w, labels = _linear_inputs(n, d, v, dtype=jnp.bfloat16)
 
@@ -448,7 +528,7 @@ def test_fused_linear_narrow_logits_halve_the_block():
         return f.lower(h, w).compile().memory_analysis().temp_size_in_bytes
 
     wide, narrow = temp(None), temp(jnp.bfloat16)
-    assert narrow <= wide - 128 * v * 2, (narrow, wide)
+    assert narrow <= wide, (narrow, wide)
 
 
 def _count_dots(fn, *args):

@@ -1,6 +1,7 @@
 """Softmax cross-entropy on the GPU: the CUDA kernels (rlx_softmax_ce_fwd /
-rlx_softmax_ce_bwd on platform CUDA) against the f32 reference on random data, with
-invalid labels (ignored rows) mixed in. Skipped where JAX sees no GPU."""
+rlx_softmax_ce_bwd / rlx_softmax_ce_loss_grad on platform CUDA) against the f32 reference
+on random data, with invalid labels (ignored rows) mixed in. Skipped where JAX sees no
+GPU."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from rlx_jax.ops import softmax_cross_entropy, softmax_cross_entropy_backward
 from rlx_jax.vjp_rules.cross_entropy import (
     ce_bwd,
     ce_fwd,
+    ce_loss_grad,
+    reference_loss_grad,
     reference_softmax_cross_entropy,
     reference_softmax_cross_entropy_bwd,
 )
@@ -45,7 +48,7 @@ def _close(got, want, dtype, what, scale=None):
 def test_cuda_kernels_loaded_and_in_hlo():
     info = rlx_jax.kernel_info()["cuda"]
     assert info["loaded"], info["error"]
-    assert {"rlx_softmax_ce_fwd_v1", "rlx_softmax_ce_bwd_v1"} <= set(info["targets"])
+    assert {"rlx_softmax_ce_fwd_v1", "rlx_softmax_ce_bwd_v1", "rlx_softmax_ce_loss_grad_v1"} <= set(info["targets"])
     logits, labels, _ = _inputs(8, 256, jnp.float32, 0)
     fn = jax.jit(lambda x, y: jax.grad(lambda x: jnp.sum(softmax_cross_entropy(x, y)))(x))
     text = fn.lower(logits, labels).as_text()
@@ -119,26 +122,57 @@ def _check_fused_linear_on_gpu(fused_linear_cross_entropy):
             _close(a, b, dtype, name, scale=max(float(jnp.max(jnp.abs(b))), 1e-6))
 
 
-def _forward_row_kernel_and_kernels_off(loss, h, w):
+# (logits dtype, dlogits dtype) pairs of the one-pass block kernel
+LOSS_GRAD_DTYPES = [(jnp.float32, jnp.float32), (jnp.float32, jnp.bfloat16), (jnp.bfloat16, jnp.bfloat16),
+                    (jnp.bfloat16, jnp.float32), (jnp.float16, jnp.float16), (jnp.float32, jnp.float16)]
+
+
+@pytest.mark.parametrize("dtype, grad_dtype", LOSS_GRAD_DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", [(1, 1), (37, 5), (33, 999), (257, 1024), (8, 32000), (3, 128256), (0, 100)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_loss_grad_kernel_matches_reference(dtype, grad_dtype, shape):
+    """rlx_softmax_ce_loss_grad (the fused linear cross-entropy's block: loss, lse and
+    (softmax - onehot) * scale from one read of the logits) against the reference in f32 on
+    the same logits: the scalar path (odd widths), the 16-byte path, rows of several chunks
+    walked back from L2 (V 32000, 128256), and rows with bad labels (zero gradient)."""
+    n, c = shape
+    logits, labels, _ = _inputs(n, c, dtype, seed=n + c)
+    scale = jax.device_put(jnp.linspace(0.25, 2.0, n, dtype=jnp.float32), _gpu())
+    call = jax.jit(lambda z, y, s: ce_loss_grad(z, y, s, grad_dtype=np.dtype(grad_dtype)))
+    if n:  # (XLA folds a call on no rows away)
+        assert "rlx_softmax_ce_loss_grad" in call.lower(logits, labels, scale).compile().as_text()
+    loss, lse, g = call(logits, labels, scale)
+    want = reference_loss_grad(logits.astype(jnp.float32), labels, scale, grad_dtype=np.dtype(jnp.float32))
+    assert (loss.dtype, lse.dtype, g.dtype) == (jnp.float32, jnp.float32, grad_dtype)
+    _close(lse, want[1], jnp.float32, "lse", scale=max(float(jnp.max(jnp.abs(want[1]), initial=0)), 1.0))
+    _close(loss, want[0], jnp.float32, "loss", scale=max(float(jnp.max(jnp.abs(want[0]), initial=0)), 1.0))
+    _close(g, want[2], grad_dtype, "dlogits", scale=max(float(jnp.max(jnp.abs(want[2]), initial=0)), 1e-6))
+    if n >= 4:
+        assert not np.any(np.asarray(g.astype(jnp.float32))[[1, 3]]), "ignored rows: zero gradient"
+
+
+def _row_kernels_and_kernels_off(loss, h, w, reduction):
     """(value and gradients of ``loss`` jitted, the same with every kernel off), after checking
-    that the compiled step calls the forward row kernel and not the backward one."""
+    the row kernels the compiled step calls: the one-pass loss-and-gradient kernel for a
+    reduced loss, the forward kernel for "none"; never the backward kernel."""
     from rlx_jax.vjp_rules._primitive import fused_ops
 
     vg = jax.jit(jax.value_and_grad(loss, (0, 1)))
     text = vg.lower(h, w).compile().as_text()
-    assert "rlx_softmax_ce_fwd" in text and "rlx_softmax_ce_bwd" not in text
+    want_kernel = "rlx_softmax_ce_fwd" if reduction == "none" else "rlx_softmax_ce_loss_grad"
+    assert want_kernel in text and "rlx_softmax_ce_bwd" not in text
     with fused_ops(False):
         want = jax.jit(jax.value_and_grad(loss, (0, 1)))(h, w)
     return vg(h, w), want
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_fused_linear_blocks_use_the_forward_row_kernel(reduction):
-    """On CUDA each row block's (loss, lse) comes from the forward row kernel (one read of
-    the f32 logits block) and its logit gradient from XLA's fusion: the compiled step
-    calls rlx_softmax_ce_fwd and not rlx_softmax_ce_bwd, and gives the loss and gradients
-    of the same op with every kernel off (f32, full-precision matmuls, 3 row blocks with a
-    ragged last one)."""
+def test_fused_linear_blocks_use_the_row_kernels(reduction):
+    """On CUDA a reduced loss takes each row block's loss and logit gradient from the
+    one-pass kernel (the f32 logits block read once, the gradient written in hidden's
+    dtype) and "none" its (loss, lse) from the forward kernel; loss and gradients as the
+    same op with every kernel off (f32, full-precision matmuls, 3 row blocks with a ragged
+    last one)."""
     from rlx_jax.ops import fused_linear_cross_entropy
 
     kh, kw, kl = jax.random.split(jax.random.PRNGKey(11), 3)
@@ -151,17 +185,18 @@ def test_fused_linear_blocks_use_the_forward_row_kernel(reduction):
         return jnp.sum(out * jnp.linspace(0.5, 1.5, out.size).reshape(out.shape))
 
     with jax.default_matmul_precision("highest"):
-        got, want = _forward_row_kernel_and_kernels_off(loss, h, w)
+        got, want = _row_kernels_and_kernels_off(loss, h, w, reduction)
     for a, b, name in zip(jax.tree.leaves(got), jax.tree.leaves(want), ("loss", "d hidden", "d weight")):
         _close(a, b, jnp.float32, name, scale=max(float(jnp.max(jnp.abs(b))), 1e-6))
 
 
+@pytest.mark.parametrize("logits_dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_fused_linear_bf16_logits_blocks(reduction):
-    """logits_dtype=bf16 on bf16 inputs (the blocks' matmuls write bf16 logits): the forward
-    row kernel reads them (rlx_softmax_ce_fwd in the compiled step); loss and gradients are
-    within bf16 tolerance of the same op with every kernel off (the same rounded logits) and
-    of the f32 oracle."""
+def test_fused_linear_bf16_model_blocks(reduction, logits_dtype):
+    """bf16 inputs with bf16 logits blocks (the matmuls write bf16 logits) and with f32 ones
+    (the block kernel reads f32 and writes the bf16 gradient): the row kernels of
+    _row_kernels_and_kernels_off; loss and gradients within bf16 tolerance of the same op
+    with every kernel off (the same rounded logits) and of the f32 oracle."""
     from rlx_jax.ops import fused_linear_cross_entropy
 
     kh, kw, kl = jax.random.split(jax.random.PRNGKey(12), 3)
@@ -171,10 +206,10 @@ def test_fused_linear_bf16_logits_blocks(reduction):
     wt = jnp.linspace(0.5, 1.5, 150)
 
     def loss(h, w):
-        out = fused_linear_cross_entropy(h, w, y, reduction=reduction, chunk_size=64, logits_dtype=jnp.bfloat16)
+        out = fused_linear_cross_entropy(h, w, y, reduction=reduction, chunk_size=64, logits_dtype=logits_dtype)
         return jnp.sum(out.astype(jnp.float32) * (wt if reduction == "none" else 1.0))
 
-    got, same = _forward_row_kernel_and_kernels_off(loss, h, w)
+    got, same = _row_kernels_and_kernels_off(loss, h, w, reduction)
     hf, wf = h.astype(jnp.float32), w.astype(jnp.float32)
 
     def oracle(h, w):
@@ -188,6 +223,27 @@ def test_fused_linear_bf16_logits_blocks(reduction):
         scale = max(float(jnp.max(jnp.abs(c))), 1e-6)
         _close(a, b, jnp.bfloat16, name + " vs kernels off", scale=scale)
         _close(a, c, jnp.bfloat16, name + " vs f32 oracle", scale=scale)
+
+
+def test_fused_linear_bf16_logits_halve_the_block():
+    """On the GPU bf16 logits blocks (written by the matmul) take half the f32 block's
+    memory: the compiled loss + gradients need at least a fifth of an f32 block less temp
+    memory, on a shape whose [chunk, V] blocks are the largest intermediates (compiled only)."""
+    from rlx_jax.ops import fused_linear_cross_entropy
+
+    n, d, v, chunk = 4096, 64, 32000, 2048
+    kh, kw, kl = jax.random.split(jax.random.PRNGKey(13), 3)
+    h = jax.device_put(jax.random.normal(kh, (n, d), jnp.float32).astype(jnp.bfloat16), _gpu())
+    w = jax.device_put((jax.random.normal(kw, (d, v), jnp.float32) / 8).astype(jnp.bfloat16), _gpu())
+    y = jax.random.randint(kl, (n,), 0, v, jnp.int32)
+
+    def temp(dtype):
+        f = jax.jit(jax.value_and_grad(lambda h, w: fused_linear_cross_entropy(
+            h, w, y, reduction="mean", chunk_size=chunk, logits_dtype=dtype).astype(jnp.float32), (0, 1)))
+        return f.lower(h, w).compile().memory_analysis().temp_size_in_bytes
+
+    wide, narrow = temp(None), temp(jnp.bfloat16)
+    assert narrow <= wide - chunk * v * 4 // 5, (narrow, wide)
 
 
 def test_extreme_logits():

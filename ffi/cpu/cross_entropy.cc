@@ -4,6 +4,9 @@
 //   forward:   lse_n  = log sum_j exp(logits_nj)            (saved: f32, f64 for f64)
 //              loss_n = lse_n - logits_n,label_n
 //   backward:  dlogits_nj = (exp(logits_nj - lse_n) - [j == label_n]) * dloss_n
+//   loss_grad: lse_n, loss_n (stat dtype) and dlogits_nj with dloss_n = scale_n (a stat-dtype
+//              operand), dlogits in its own floating dtype: the fused linear cross-entropy's
+//              logits blocks, one read of each row for the loss and the gradient
 // A label outside [0, C) (for example the ignore index -100) marks a row that takes
 // no part in the loss: its loss is 0 and its logits get a zero gradient. Labels are
 // compared against C before any indexing, so no label can read out of bounds.
@@ -152,6 +155,65 @@ void ce_bwd_typed(ffi::ThreadPool& pool, const T* logits, const int32_t* labels,
   });
 }
 
+// The fused linear cross-entropy's logits block: per row the lse and loss (as the forward,
+// in A) and dlogits = (exp(x - lse) - onehot) * scale_n in G, from one read of the row: m
+// = max_j x_j while the row is converted, e_j = exp(x_j - m) into an f32 row with s = sum
+// e_j (one exp per element), then dlogits_j = e_j * (scale / s), minus scale at the label.
+template <typename T, typename G>
+void ce_loss_grad_typed(ffi::ThreadPool& pool, const T* logits, const int32_t* labels, const void* scale_in,
+                        void* loss_out, void* lse_out, G* dlogits, int64_t rows, int64_t classes) {
+  using A = typename Accum<T>::type;
+  const A* scale = static_cast<const A*>(scale_in);
+  A* loss = static_cast<A*>(loss_out);
+  A* lse = static_cast<A*>(lse_out);
+  const int64_t chunks = row_chunks(rows, classes);
+  parallel_for(pool, chunks, [&](int64_t c) {
+    constexpr bool in_place = std::is_same<G, float>::value;  // e_j straight into dlogits
+    std::vector<float> in_buf(std::is_same<T, float>::value ? 0 : classes), out_buf(in_place ? 0 : classes);
+    const int64_t r0 = rows * c / chunks, r1 = rows * (c + 1) / chunks;
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* lr = logits + r * classes;
+      G* dr = dlogits + r * classes;
+      const int32_t label = labels[r];
+      const bool ok = label_ok(label, classes);
+      const A g = ok ? scale[r] : A(0);
+      if constexpr (std::is_same<T, double>::value) {
+        double m = -INFINITY, s = 0;
+        for (int64_t j = 0; j < classes; ++j) m = lr[j] > m ? lr[j] : m;
+        for (int64_t j = 0; j < classes; ++j) {
+          dr[j] = std::exp(lr[j] - m);
+          s += dr[j];
+        }
+        const double l = m + std::log(s), sc = g / s;
+        for (int64_t j = 0; j < classes; ++j) dr[j] *= sc;
+        if (ok) dr[label] -= g;
+        lse[r] = l;
+        loss[r] = ok ? l - lr[label] : 0.0;
+      } else {
+        float* er = in_place ? reinterpret_cast<float*>(dr) : out_buf.data();
+        const float* xr;
+        const float m = ce_row_in_max<T>(lr, in_buf.data(), classes, &xr);
+        const float s = exp_shift_sum16(xr, m, er, classes, next_row(lr, r, rows, classes), sizeof(T));
+        const float l = m + std::log(s);
+        lse[r] = l;
+        loss[r] = ok ? l - xr[label] : 0.0f;
+        const float sc = float(g) / s;
+        if constexpr (std::is_same<G, bf16>::value) {
+          scale_store_bf16(er, sc, dr, classes);
+          if (ok) {
+            const float v = er[label] * sc;  // this file is built without FMA
+            dr[label] = store<G>(v - float(g));
+          }
+        } else {
+          scale_row(er, sc, classes);
+          if (ok) er[label] -= float(g);
+          if constexpr (!in_place) store_row<G>(er, dr, classes);
+        }
+      }
+    }
+  });
+}
+
 ffi::Error CeFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer logits, ffi::AnyBuffer labels,
                      ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse) {
   if (auto e = cross_entropy::check_fwd(Backend::kCpu, logits, labels, *loss, *lse); e.failure()) return e;
@@ -189,6 +251,29 @@ ffi::Error CeBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer logits, ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
+ffi::Error CeLossGradImpl(ffi::ThreadPool pool, ffi::AnyBuffer logits, ffi::AnyBuffer labels, ffi::AnyBuffer scale,
+                          ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse,
+                          ffi::Result<ffi::AnyBuffer> dlogits) {
+  if (auto e = cross_entropy::check_loss_grad(Backend::kCpu, logits, labels, scale, *loss, *lse, *dlogits);
+      e.failure())
+    return e;
+  auto [rows, classes] = rows_view(logits);
+  if (rows == 0) return ffi::Error::Success();
+  if (classes == 0) return invalid("softmax_cross_entropy loss_grad: logits need at least one class");
+  dispatch_float(logits.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    dispatch_float(dlogits->element_type(), [&](auto gtag) {
+      using G = decltype(gtag);
+      if constexpr (std::is_same<T, double>::value == std::is_same<G, double>::value)
+        ce_loss_grad_typed<T, G>(pool, static_cast<const T*>(logits.untyped_data()),
+                                 static_cast<const int32_t*>(labels.untyped_data()), scale.untyped_data(),
+                                 loss->untyped_data(), lse->untyped_data(), static_cast<G*>(dlogits->untyped_data()),
+                                 rows, classes);
+    });
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxSoftmaxCeFwd, CeFwdImpl,
@@ -210,6 +295,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxSoftmaxCeBwd, CeBwdImpl,
                                   .Attr<bool>("recompute_lse"));
 
 RLX_REGISTER_HANDLER("rlx_softmax_ce_fwd", RlxSoftmaxCeFwd);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxSoftmaxCeLossGrad, CeLossGradImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()   // logits
+                                  .Arg<ffi::AnyBuffer>()   // labels (int32)
+                                  .Arg<ffi::AnyBuffer>()   // scale (per row, stat dtype)
+                                  .Ret<ffi::AnyBuffer>()   // loss (stat dtype)
+                                  .Ret<ffi::AnyBuffer>()   // lse (stat dtype)
+                                  .Ret<ffi::AnyBuffer>());  // dlogits
+
 RLX_REGISTER_HANDLER("rlx_softmax_ce_bwd", RlxSoftmaxCeBwd);
+RLX_REGISTER_HANDLER("rlx_softmax_ce_loss_grad", RlxSoftmaxCeLossGrad);
 
 }  // namespace rlx

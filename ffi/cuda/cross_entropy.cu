@@ -1,10 +1,12 @@
 // XLA FFI handlers for softmax cross-entropy with int32 class labels on CUDA: targets
-// rlx_softmax_ce_fwd and rlx_softmax_ce_bwd, with the operands and semantics of the CPU
-// handlers (ffi/cpu/cross_entropy.cc).
+// rlx_softmax_ce_fwd, rlx_softmax_ce_bwd and rlx_softmax_ce_loss_grad, with the operands and
+// semantics of the CPU handlers (ffi/cpu/cross_entropy.cc).
 //
 //   logits [R.., C], labels int32 [R..]
 //   forward:  lse_n = log sum_j exp(logits_nj) (f32 [R..]), loss_n = lse_n - logits_n,label_n
 //   backward: dlogits_nj = (exp(logits_nj - lse_n) - [j == label_n]) * dloss_n
+//   loss_grad (scale f32 [R..]): lse_n and loss_n (f32) as the forward, and dlogits_nj as the
+//             backward with dloss_n = scale_n, written in dlogits' own floating dtype
 // A label outside [0, C) marks a row that takes no part: loss 0, zero gradient; labels
 // are compared with C before any indexing.
 //
@@ -14,7 +16,9 @@
 // write of dlogits. With `recompute_lse` (the RLX backward op, no saved statistics) it
 // first computes lse from the row (default-cached loads), then writes dlogits walking
 // the row's chunks in reverse: the last chunk is still in registers and the others are
-// re-read from L2. Layout: rowwise_common.cuh.
+// re-read from L2. loss_grad is that recomputing pass with the row's lse and loss written
+// too: one read of the logits from memory and one write of dlogits for both (the fused
+// linear cross-entropy's logits blocks). Layout: rowwise_common.cuh.
 #include "cuda/rowwise_common.cuh"
 #include "cross_entropy_checks.h"
 
@@ -64,10 +68,40 @@ ce_fwd_k(const T* __restrict__ logits, const int32_t* __restrict__ labels, T* __
   }
 }
 
-template <typename T, int VEC, int NV>
+// VEC values as G: 16-byte streaming stores where VEC * sizeof(G) is a multiple of 16, one
+// aligned pack of 4 or 8 bytes, else element by element (the scalar path).
+template <typename G, int VEC>
+__device__ __forceinline__ void store_grad(G* __restrict__ p, const float (&v)[VEC]) {
+  constexpr int kPer = 16 / int(sizeof(G));
+  if constexpr (VEC % kPer == 0) {
+#pragma unroll
+    for (int i = 0; i < VEC; i += kPer) {
+      float w[kPer];
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) w[j] = v[i + j];
+      store_vec<G, kPer>(p + i, w);
+    }
+  } else if constexpr (VEC * sizeof(G) == 4 || VEC * sizeof(G) == 8) {
+    Pack<G, VEC> pk;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) pk.v[i] = from_f32<G>(v[i]);
+    st_pack_stream<G, VEC>(p, pk);
+  } else {
+    store_vec<G, VEC>(p, v);
+  }
+}
+
+// dlogits_nj = (exp(x_nj - lse_n) - [j == label_n]) * d_n from logits x (T) into G, d_n =
+// dloss_n (S; 0 where the label is outside [0, C)). `recompute` (uniform): lse from the row
+// first (default-cached loads), then the row walked in reverse, its last chunk still in
+// registers and the others re-read from L2. STATS (recompute set): also lse_n and loss_n =
+// lse_n - x_n,label (0 for such rows), both f32: the fused linear cross-entropy's logits
+// block, read once from memory for its loss and its gradient.
+template <typename T, typename G, typename S, int VEC, int NV, bool STATS>
 __global__ void __launch_bounds__(kMaxThreads, 2)
-ce_bwd_k(const T* __restrict__ logits, const int32_t* __restrict__ labels, const float* __restrict__ lse_in,
-         const T* __restrict__ dloss, T* __restrict__ dlogits, int64_t rows, int64_t C, int tpr, bool recompute) {
+ce_grad_k(const T* __restrict__ logits, const int32_t* __restrict__ labels, const float* __restrict__ lse_in,
+          const S* __restrict__ dloss, G* __restrict__ dlogits, float* __restrict__ lse_out,
+          float* __restrict__ loss_out, int64_t rows, int64_t C, int tpr, bool recompute) {
   __shared__ float red[64];
   const int gpb = blockDim.x / tpr;
   const int g = threadIdx.x / tpr, t = threadIdx.x - g * tpr;
@@ -92,8 +126,14 @@ ce_bwd_k(const T* __restrict__ logits, const int32_t* __restrict__ labels, const
     if (!recompute) l = lse_in[r];
     const int32_t label = labels[r];
     const bool ok = label >= 0 && int64_t(label) < C;
+    if constexpr (STATS) {
+      if (t == 0) {
+        lse_out[r] = l;
+        loss_out[r] = ok ? l - to_f32(lr[label]) : 0.f;
+      }
+    }
     const float gr = ok ? to_f32(dloss[r]) : 0.f;
-    T* dr = dlogits + r * C;
+    G* dr = dlogits + r * C;
     for (int64_t c = nch - 1; c >= 0; --c) {
       if (!recompute || c != nch - 1) load_chunk<T, VEC, NV>(lr, c * chunk, tpr, t, C, true, true, -INFINITY, v);
 #pragma unroll
@@ -106,7 +146,7 @@ ce_bwd_k(const T* __restrict__ logits, const int32_t* __restrict__ labels, const
           const float p = fast_exp(v[k][i] - l) * gr;
           o[i] = (col + i == int64_t(label)) ? p - gr : p;
         }
-        store_vec<T, VEC>(dr + col, o);
+        store_grad<G, VEC>(dr + col, o);
       }
     }
   }
@@ -132,19 +172,20 @@ ffi::Error launch_fwd(cudaStream_t stream, const T* logits, const int32_t* label
   return check_launch("softmax_cross_entropy (cuda) launch");
 }
 
-template <typename T>
-ffi::Error launch_bwd(cudaStream_t stream, const T* logits, const int32_t* labels, const float* lse, const T* dloss,
-                      T* dlogits, int64_t rows, int64_t C, bool recompute) {
+template <typename T, typename G, typename S, bool STATS>
+ffi::Error launch_grad(cudaStream_t stream, const T* logits, const int32_t* labels, const float* lse_in,
+                       const S* dloss, G* dlogits, float* lse_out, float* loss_out, int64_t rows, int64_t C,
+                       bool recompute, const char* what) {
   constexpr int v16 = kVec16<T>;
   const int sms = num_sms();
   with_vec(aligned16(logits) && aligned16(dlogits) && C % v16 == 0, [&](auto vec16) {
     constexpr int VEC = decltype(vec16)::value ? v16 : 1;
     constexpr int NV = VEC == 1 ? 8 : kElems / VEC;  // the scalar path: 8 (16 spills)
     const Geom gm = row_geom(rows, ceil_div(C, VEC), NV, kMaxThreads, sms);
-    ce_bwd_k<T, VEC, NV><<<unsigned(gm.grid), gm.threads, 0, stream>>>(logits, labels, lse, dloss, dlogits, rows, C,
-                                                                       gm.tpr, recompute);
+    ce_grad_k<T, G, S, VEC, NV, STATS><<<unsigned(gm.grid), gm.threads, 0, stream>>>(
+        logits, labels, lse_in, dloss, dlogits, lse_out, loss_out, rows, C, gm.tpr, recompute);
   });
-  return check_launch("softmax_cross_entropy backward (cuda) launch");
+  return check_launch(what);
 }
 
 ffi::Error CeFwdImpl(cudaStream_t stream, ffi::AnyBuffer logits, ffi::AnyBuffer labels,
@@ -173,13 +214,42 @@ ffi::Error CeBwdImpl(cudaStream_t stream, ffi::AnyBuffer logits, ffi::AnyBuffer 
   ffi::Error result = ffi::Error::Success();
   const bool ok = dispatch(logits.element_type(), [&](auto tag) {
     using T = decltype(tag);
-    result = launch_bwd<T>(stream, static_cast<const T*>(logits.untyped_data()),
-                           static_cast<const int32_t*>(labels.untyped_data()),
-                           static_cast<const float*>(lse.untyped_data()), static_cast<const T*>(dloss.untyped_data()),
-                           static_cast<T*>(dlogits->untyped_data()), v.rows, v.width, recompute_lse);
+    result = launch_grad<T, T, T, false>(
+        stream, static_cast<const T*>(logits.untyped_data()), static_cast<const int32_t*>(labels.untyped_data()),
+        static_cast<const float*>(lse.untyped_data()), static_cast<const T*>(dloss.untyped_data()),
+        static_cast<T*>(dlogits->untyped_data()), nullptr, nullptr, v.rows, v.width, recompute_lse,
+        "softmax_cross_entropy backward (cuda) launch");
   });
   if (!ok)
     return invalid("softmax_cross_entropy backward (cuda): unsupported dtype " + dtype_name(logits.element_type()));
+  return result;
+}
+
+ffi::Error CeLossGradImpl(cudaStream_t stream, ffi::AnyBuffer logits, ffi::AnyBuffer labels, ffi::AnyBuffer scale,
+                          ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse,
+                          ffi::Result<ffi::AnyBuffer> dlogits) {
+  if (auto e = cross_entropy::check_loss_grad(Backend::kCuda, logits, labels, scale, *loss, *lse, *dlogits);
+      e.failure())
+    return e;
+  const RowsView v = rows_view(logits);
+  if (v.rows == 0) return ffi::Error::Success();
+  if (v.width == 0) return invalid("softmax_cross_entropy loss_grad: logits need at least one class");
+  ffi::Error result = ffi::Error::Success();
+  bool ok_g = false;
+  const bool ok = dispatch(logits.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    ok_g = dispatch(dlogits->element_type(), [&](auto gtag) {
+      using G = decltype(gtag);
+      result = launch_grad<T, G, float, true>(
+          stream, static_cast<const T*>(logits.untyped_data()), static_cast<const int32_t*>(labels.untyped_data()),
+          nullptr, static_cast<const float*>(scale.untyped_data()), static_cast<G*>(dlogits->untyped_data()),
+          static_cast<float*>(lse->untyped_data()), static_cast<float*>(loss->untyped_data()), v.rows, v.width,
+          true, "softmax_cross_entropy loss_grad (cuda) launch");
+    });
+  });
+  if (!ok || !ok_g)
+    return invalid("softmax_cross_entropy loss_grad (cuda): unsupported dtypes " +
+                   dtype_name(logits.element_type()) + " -> " + dtype_name(dlogits->element_type()));
   return result;
 }
 
@@ -206,8 +276,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxSoftmaxCeBwdCuda, CeBwdImpl,
                                   .Attr<bool>("recompute_lse"),
                               {ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxSoftmaxCeLossGradCuda, CeLossGradImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()   // logits
+                                  .Arg<ffi::AnyBuffer>()   // labels (int32)
+                                  .Arg<ffi::AnyBuffer>()   // scale (f32, per row)
+                                  .Ret<ffi::AnyBuffer>()   // loss (f32)
+                                  .Ret<ffi::AnyBuffer>()   // lse (f32)
+                                  .Ret<ffi::AnyBuffer>(),  // dlogits
+                              {ffi::Traits::kCmdBufferCompatible});
+
 RLX_CUDA_REGISTER_HANDLER("rlx_softmax_ce_fwd", RlxSoftmaxCeFwdCuda);
 RLX_CUDA_REGISTER_HANDLER("rlx_softmax_ce_bwd", RlxSoftmaxCeBwdCuda);
+RLX_CUDA_REGISTER_HANDLER("rlx_softmax_ce_loss_grad", RlxSoftmaxCeLossGradCuda);
 
 }  // namespace cuda
 }  // namespace rlx

@@ -17,6 +17,10 @@ the leading axes of logits are rows, so vmap stays on the kernels):
 - ``ce_fwd``: (logits, labels) -> (loss, lse); lse is f32 (f64 for f64 logits);
 - ``ce_tangent``: (logits, labels, lse, t_logits) -> t_loss = sum(p * t) - t[label],
   linear in t_logits; its transpose is the backward;
+- ``ce_loss_grad``: (logits, labels, scale) -> (loss, lse, dlogits) for the fused linear
+  cross-entropy's logits blocks: the forward's statistics (f32 / f64) and the gradient of
+  sum(scale * loss) in a chosen dtype (``grad_dtype``), from one read of the logits (the
+  backward kernel's recomputing pass that also writes lse and loss);
 - ``ce_bwd``: (logits, labels, lse, dloss) -> dlogits, one read of the logits and one
   write of dlogits; ``lse`` must be the logits' logsumexp. With ``recompute_lse=True``
   (the RLX SoftmaxCrossEntropyBackward op, which has no saved statistics) the kernel
@@ -61,15 +65,20 @@ def _label_parts(labels, classes):
 # ---- references (the test oracle and the fallback) ----------------------------------
 
 
-def reference_softmax_cross_entropy(logits, labels):
-    """Over the last axis in f32 (f64); returns (loss [rows], lse [rows])."""
+def _loss_and_lse(logits, labels):
+    """(loss, lse) [rows] over the last axis, both in f32 (f64)."""
     acc = _acc(logits.dtype)
     lf = logits.astype(acc)
     m = lax.stop_gradient(jnp.max(lf, axis=-1))
     lse = m + jnp.log(jnp.sum(jnp.exp(lf - m[..., None]), axis=-1))
     ok, idx = _label_parts(labels, logits.shape[-1])
     picked = jnp.take_along_axis(lf, idx[..., None], axis=-1)[..., 0]
-    loss = jnp.where(ok, lse - picked, 0)
+    return jnp.where(ok, lse - picked, 0), lse
+
+
+def reference_softmax_cross_entropy(logits, labels):
+    """Over the last axis in f32 (f64); returns (loss [rows] in the logits' dtype, lse [rows])."""
+    loss, lse = _loss_and_lse(logits, labels)
     return loss.astype(logits.dtype), lse
 
 
@@ -92,6 +101,14 @@ def reference_softmax_cross_entropy_bwd(logits, labels, lse, dloss, *, recompute
     if recompute_lse:
         _, lse = reference_softmax_cross_entropy(logits, labels)
     return (_softmax_minus_onehot(logits, labels, lse, dloss).astype(logits.dtype),)
+
+
+def reference_loss_grad(logits, labels, scale, *, grad_dtype):
+    """One pass for a loss of rows scaled by ``scale`` [rows] (f32 / f64, 0 for rows that
+    take no part): (loss, lse) in f32 (f64) as the forward, and dlogits = (softmax -
+    onehot) * scale in ``grad_dtype``."""
+    loss, lse = _loss_and_lse(logits, labels)
+    return loss, lse, _softmax_minus_onehot(logits, labels, lse, scale).astype(grad_dtype)
 
 
 def reference_softmax_cross_entropy_tangent(logits, labels, lse, t_logits):
@@ -146,6 +163,27 @@ def _kernel_bwd_cuda(logits, labels, lse, dloss, *, recompute_lse=False):
     if logits.dtype == jnp.float64:
         return reference_softmax_cross_entropy_bwd(logits, labels, lse, dloss, recompute_lse=recompute_lse)
     return _kernel_bwd(logits, labels, lse, dloss, recompute_lse=recompute_lse)
+
+
+def _kernel_loss_grad(logits, labels, scale, *, grad_dtype):
+    rows, acc = labels.shape, _acc(logits.dtype)
+    out = (jax.ShapeDtypeStruct(rows, acc), jax.ShapeDtypeStruct(rows, acc),
+           jax.ShapeDtypeStruct(logits.shape, grad_dtype))
+    return jax.ffi.ffi_call(ffi_target("rlx_softmax_ce_loss_grad"), out)(logits, labels, scale)
+
+
+def _kernel_loss_grad_cuda(logits, labels, scale, *, grad_dtype):
+    if logits.dtype == jnp.float64:
+        return reference_loss_grad(logits, labels, scale, grad_dtype=grad_dtype)
+    return _kernel_loss_grad(logits, labels, scale, grad_dtype=grad_dtype)
+
+
+def _loss_grad_kernel_ok(logits, labels, scale, *, grad_dtype):
+    """f64 goes with f64 only; the scale is in the statistics' dtype."""
+    wide = logits.dtype == jnp.float64
+    return (_kernel_ok(logits, labels, scale) and scale.dtype == _acc(logits.dtype)
+            and (jnp.dtype(grad_dtype) == jnp.float64) == wide
+            and jnp.dtype(grad_dtype) in (jnp.float32, jnp.float64, jnp.bfloat16, jnp.float16))
 
 
 def _kernel_ok(logits, labels, *rest, **params):
@@ -226,6 +264,18 @@ ce_bwd = FusedPrimitive(
     kernel_ok=_kernel_ok,
     partition=VocabPartition(_ce_factors, _ce_bwd_local, vocab_operand=0, vocab_dim=-1),
 )
+
+
+# The fused linear cross-entropy's logits blocks (its own rules differentiate them; this one
+# is never differentiated), rows unsplit.
+ce_loss_grad = FusedPrimitive(
+    "rlx_softmax_ce_loss_grad",
+    reference_loss_grad,
+    target="rlx_softmax_ce_loss_grad",
+    kernel={"cpu": _kernel_loss_grad, "cuda": _kernel_loss_grad_cuda},
+    kernel_ok=_loss_grad_kernel_ok,
+)
+ce_loss_grad.def_batching(rowwise_batching(ce_loss_grad, row_args=(0, 1, 2)))
 
 
 # ---- differentiation rules -------------------------------------------------------------

@@ -31,17 +31,17 @@ row-chunked loss; the Hessian is symmetric so the primitive is its own transpose
 are known only in the backward, so the backward recomputes each block's logits (four
 vocabulary-sized matmuls in all).
 
-**Row kernels** (``row_kernels``, the ``softmax_cross_entropy`` kernels a lowering
-uses for each block's softmax; without a vocabulary split). On the CPU both: one
-multithreaded pass reads z for (loss, lse), a second reads z and writes g (lse
-recomputed per row in cache), where XLA's loop fusions inside the scan body take about
-five passes over z. On CUDA the forward kernel only: it reads z once for (loss, lse)
-where XLA's reductions read it twice (max, then the sum of exponentials; the picked
-logit fuses with one of them), and g stays XLA's fusion, which writes it in hidden's
-dtype straight from the f32 z (the backward kernel writes z's dtype, f32, and would
-need a conversion pass more). The "none" forward takes (loss, lse) from the forward
-kernel likewise. Same maths; other platforms and vocabulary-split shards keep the XLA
-block.
+**Row kernels** (``row_kernels``, the cross-entropy kernels a lowering runs each block's
+softmax through; without a vocabulary split). The reduced losses take (loss, g) from
+``ce_loss_grad``, one kernel per block that reads each row of z once from memory: a
+running max and sum of exponentials gives the row's lse and loss, then g = (p - onehot)
+* s is written in hidden's dtype while the row may still be in cache (the CPU keeps the
+row's exponentials in an f32 row buffer; CUDA walks the row back, its last chunk from
+registers and the others re-read). XLA's path reads z twice on CUDA (the lse reductions, then the gradient fusion)
+and about five times on the CPU. The "none" forward takes (loss, lse) from the forward
+kernel (``ce_fwd``, one read of z). On the CPU a block narrower than f32 (``logits_dtype``)
+keeps XLA's gradient, which fuses the rounding of the f32 product. Same maths; other
+platforms and vocabulary-split shards keep the XLA block.
 
 **Sharding.** Every primitive but the tangents lowers through ``VocabPartition``: rows
 split any way (data parallel), weight's V axis split over mesh axes M runs
@@ -151,20 +151,20 @@ def _block_loss_and_lse(z, local, vocab_axes, row_kernels):
     return lse - picked, lse
 
 
-def _block_loss_and_grad(z, local, scale, vocab_axes, row_kernels):
-    """(lse - z[label] [n_b], g = (p - onehot) * scale[:, None] [n_b, V]) for a logits
-    block z; with "bwd" in ``row_kernels`` the gradient is the cross-entropy backward
-    primitive's (a second read of each row of z; rows with a label outside [0, V) have
-    scale 0)."""
-    loss, lse = _block_loss_and_lse(z, local, vocab_axes, row_kernels)
-    if "bwd" in row_kernels and not vocab_axes and z.dtype == lse.dtype:
-        # (the kernel takes the row scale in z's dtype: only for f32 / f64 logits, where
-        # 1 / N_valid is not rounded to bf16)
-        from rlx_jax.vjp_rules.cross_entropy import ce_bwd
+def _block_loss_and_grad(z, local, scale, grad_dtype, vocab_axes, row_kernels):
+    """(lse - z[label] [n_b], g = (p - onehot) * scale[:, None] [n_b, V] in ``grad_dtype``)
+    for a logits block z. With "loss_grad" in ``row_kernels`` (no vocabulary split) both
+    come from the one-pass kernel (``ce_loss_grad``: z read once from memory, g written
+    in ``grad_dtype``, the scale in f32 / f64), for a z narrower than f32 only with
+    "narrow" too; rows with a label outside [0, V) have scale 0."""
+    stat = acc_dtype(z.dtype)
+    if "loss_grad" in row_kernels and not vocab_axes and ("narrow" in row_kernels or z.dtype == stat):
+        from rlx_jax.vjp_rules.cross_entropy import ce_loss_grad
 
-        (g,) = ce_bwd(z, local, lse, scale)
+        loss, _, g = ce_loss_grad(z, local, scale.astype(stat), grad_dtype=np.dtype(grad_dtype))
         return loss, g
-    return loss, _logit_grad(z, lse, local, scale)
+    loss, lse = _block_loss_and_lse(z, local, vocab_axes, row_kernels)
+    return loss, _logit_grad(z, lse, local, scale).astype(grad_dtype)
 
 
 # ---- reduction "none": forward, tangent, backward -------------------------------------
@@ -246,8 +246,8 @@ def reference_reduced(hidden, weight, labels, *, chunk_size, mean, logits_dtype=
                       sizes=None, vocab_total=None, row_kernels=()):
     """(loss [1], d hidden [N, D], d weight [D, V]) of the summed (or mean over rows with
     a label in [0, V); 0 when there are none) loss, in one pass over row blocks.
-    ``row_kernels``: the cross-entropy kernels ("fwd", "bwd") each block's softmax
-    runs through (``_block_loss_and_grad``)."""
+    ``row_kernels``: with "loss_grad" each block's softmax, loss and logit gradient run
+    through the one-pass cross-entropy kernel (``_block_loss_and_grad``)."""
     acc = acc_dtype(hidden.dtype)
     n = hidden.shape[0]
     n_b = _block_rows(n, chunk_size)
@@ -263,8 +263,7 @@ def reference_reduced(hidden, weight, labels, *, chunk_size, mean, logits_dtype=
         dw, total = carry
         hb, lb, sb = xs
         z = _logits(hb, weight, logits_dtype)
-        row_loss, g = _block_loss_and_grad(z, lb, sb, vocab_axes, row_kernels)
-        g = g.astype(hidden.dtype)
+        row_loss, g = _block_loss_and_grad(z, lb, sb, hidden.dtype, vocab_axes, row_kernels)
         dh = _psum(jnp.dot(g, weight.T, preferred_element_type=acc), vocab_axes)
         dw = dw + jnp.dot(hb.T, g, preferred_element_type=acc)
         total = total + jnp.sum(jnp.where(sb != 0, row_loss * sb, 0))
@@ -323,8 +322,11 @@ def _may_be_partitioned(ctx) -> bool:
     return getattr(axis_context, "num_devices", 2) != 1
 
 
-#: the cross-entropy row kernels each platform's lowering runs a block's softmax through
-ROW_KERNELS = {"cpu": ("fwd", "bwd"), "cuda": ("fwd",)}
+#: the cross-entropy row kernels each platform's lowering runs a block's softmax through;
+#: "narrow": the one-pass kernel takes logits blocks narrower than f32 too. Not on the CPU,
+#: where a bf16 block is XLA's f32 product rounded, a rounding XLA fuses into its own
+#: gradient: the kernel would need the product and the rounded block both in memory.
+ROW_KERNELS = {"cpu": ("fwd", "loss_grad"), "cuda": ("fwd", "loss_grad", "narrow")}
 
 
 def _partitioned(prim: FusedPrimitive, outputs, row_kernels=False):
