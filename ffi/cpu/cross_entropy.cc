@@ -64,6 +64,49 @@ const T* next_row(const T* row, int64_t r, int64_t rows, int64_t classes) {
   return r + 1 < rows ? row + classes : nullptr;
 }
 
+// One row of the recomputing backward, read from memory once: m = max_j x_j (while a bf16 /
+// f16 row is converted into in_buf), e_j = exp(x_j - m) into the f32 row er with s = sum_j e_j
+// (the next row prefetched meanwhile), then dr_j = e_j * (g / s), minus g at the label (when
+// ok), in G: one exp per element, as with a given lse. Returns lse = m + log s; *picked = x at
+// the label as f32 (0 when !ok).
+template <typename T, typename G>
+float ce_grad_row(const T* lr, G* dr, float* er, float* in_buf, int64_t classes, int32_t label, bool ok, float g,
+                  const T* next, float* picked) {
+  const float* xr;
+  const float m = ce_row_in_max<T>(lr, in_buf, classes, &xr);
+  const float s = exp_shift_sum16(xr, m, er, classes, next, sizeof(T));
+  *picked = ok ? xr[label] : 0.0f;
+  const float scale = g / s;
+  if constexpr (std::is_same<G, bf16>::value) {
+    // e_j * scale rounded straight into dlogits (one pass over the row, not two); the
+    // label's element again from e, minus g.
+    scale_store_bf16(er, scale, dr, classes);
+    if (ok) {
+      const float v = er[label] * scale;  // this file is built without FMA
+      dr[label] = store<G>(v - g);
+    }
+  } else {
+    scale_row(er, scale, classes);
+    if (ok) er[label] -= g;
+    store_row<G>(er, dr, classes);  // (nothing to do when er is dr: G = f32)
+  }
+  return m + std::log(s);
+}
+
+// The same in f64 (no conversions): e_j into dr, then scaled in place.
+inline double ce_grad_row_f64(const double* lr, double* dr, int64_t classes, int32_t label, bool ok, double g) {
+  double m = -INFINITY, s = 0;
+  for (int64_t j = 0; j < classes; ++j) m = lr[j] > m ? lr[j] : m;
+  for (int64_t j = 0; j < classes; ++j) {
+    dr[j] = std::exp(lr[j] - m);
+    s += dr[j];
+  }
+  const double scale = g / s;
+  for (int64_t j = 0; j < classes; ++j) dr[j] *= scale;
+  if (ok) dr[label] -= g;
+  return m + std::log(s);
+}
+
 template <typename T>
 void ce_fwd_typed(ffi::ThreadPool& pool, const T* logits, const int32_t* labels, T* loss,
                   void* lse_out, int64_t rows, int64_t classes) {
@@ -112,42 +155,22 @@ void ce_bwd_typed(ffi::ThreadPool& pool, const T* logits, const int32_t* labels,
       const A g = ok ? load<A>(dloss[r]) : A(0);
       if constexpr (std::is_same<T, double>::value) {
         if (recompute) {
-          double m = -INFINITY, s = 0;
-          for (int64_t j = 0; j < classes; ++j) m = lr[j] > m ? lr[j] : m;
-          for (int64_t j = 0; j < classes; ++j) {
-            dr[j] = std::exp(lr[j] - m);
-            s += dr[j];
-          }
-          const double scale = g / s;
-          for (int64_t j = 0; j < classes; ++j) dr[j] *= scale;
+          ce_grad_row_f64(lr, dr, classes, label, ok, g);
         } else {
           const double l = lse[r];
           for (int64_t j = 0; j < classes; ++j) dr[j] = std::exp(lr[j] - l) * g;
+          if (ok) dr[label] -= g;
         }
-        if (ok) dr[label] -= g;
       } else {
         float* outr = out_row_f32<T>(dr, out_buf.data());
         if (recompute) {
-          const float* xr;
-          const float m = ce_row_in_max<T>(lr, in_buf.data(), classes, &xr);
-          // e_j into the output row, while the next logits row is prefetched into L2
-          const float s = exp_shift_sum16(xr, m, outr, classes, next_row(lr, r, rows, classes), sizeof(T));
-          const float scale = float(g) / s;
-          if constexpr (std::is_same<T, bf16>::value) {
-            // e_j * scale rounded straight into dlogits (one pass over the row, not
-            // two); the label's element again from e, minus dloss, as below.
-            scale_store_bf16(outr, scale, dr, classes);
-            if (ok) {
-              const float v = outr[label] * scale;  // this file is built without FMA
-              dr[label] = store<T>(v - float(g));
-            }
-            continue;
-          }
-          scale_row(outr, scale, classes);
-        } else {
-          const float* xr = ce_row_in<T>(lr, in_buf.data(), classes);
-          exp_shift_scale(xr, float(lse[r]), float(g), outr, classes);
+          float picked;
+          ce_grad_row<T, T>(lr, dr, outr, in_buf.data(), classes, label, ok, float(g),
+                            next_row(lr, r, rows, classes), &picked);
+          continue;
         }
+        const float* xr = ce_row_in<T>(lr, in_buf.data(), classes);
+        exp_shift_scale(xr, float(lse[r]), float(g), outr, classes);
         if (ok) outr[label] -= float(g);
         ce_row_out<T>(outr, dr, classes);
       }
@@ -156,9 +179,8 @@ void ce_bwd_typed(ffi::ThreadPool& pool, const T* logits, const int32_t* labels,
 }
 
 // The fused linear cross-entropy's logits block: per row the lse and loss (as the forward,
-// in A) and dlogits = (exp(x - lse) - onehot) * scale_n in G, from one read of the row: m
-// = max_j x_j while the row is converted, e_j = exp(x_j - m) into an f32 row with s = sum
-// e_j (one exp per element), then dlogits_j = e_j * (scale / s), minus scale at the label.
+// in A) and dlogits = (exp(x - lse) - onehot) * scale_n in G, from one read of the row
+// (ce_grad_row with g = scale_n).
 template <typename T, typename G>
 void ce_loss_grad_typed(ffi::ThreadPool& pool, const T* logits, const int32_t* labels, const void* scale_in,
                         void* loss_out, void* lse_out, G* dlogits, int64_t rows, int64_t classes) {
@@ -178,37 +200,16 @@ void ce_loss_grad_typed(ffi::ThreadPool& pool, const T* logits, const int32_t* l
       const bool ok = label_ok(label, classes);
       const A g = ok ? scale[r] : A(0);
       if constexpr (std::is_same<T, double>::value) {
-        double m = -INFINITY, s = 0;
-        for (int64_t j = 0; j < classes; ++j) m = lr[j] > m ? lr[j] : m;
-        for (int64_t j = 0; j < classes; ++j) {
-          dr[j] = std::exp(lr[j] - m);
-          s += dr[j];
-        }
-        const double l = m + std::log(s), sc = g / s;
-        for (int64_t j = 0; j < classes; ++j) dr[j] *= sc;
-        if (ok) dr[label] -= g;
+        const double l = ce_grad_row_f64(lr, dr, classes, label, ok, g);
         lse[r] = l;
         loss[r] = ok ? l - lr[label] : 0.0;
       } else {
-        float* er = in_place ? reinterpret_cast<float*>(dr) : out_buf.data();
-        const float* xr;
-        const float m = ce_row_in_max<T>(lr, in_buf.data(), classes, &xr);
-        const float s = exp_shift_sum16(xr, m, er, classes, next_row(lr, r, rows, classes), sizeof(T));
-        const float l = m + std::log(s);
+        float picked;
+        const float l = ce_grad_row<T, G>(lr, dr, in_place ? reinterpret_cast<float*>(dr) : out_buf.data(),
+                                          in_buf.data(), classes, label, ok, float(g),
+                                          next_row(lr, r, rows, classes), &picked);
         lse[r] = l;
-        loss[r] = ok ? l - xr[label] : 0.0f;
-        const float sc = float(g) / s;
-        if constexpr (std::is_same<G, bf16>::value) {
-          scale_store_bf16(er, sc, dr, classes);
-          if (ok) {
-            const float v = er[label] * sc;  // this file is built without FMA
-            dr[label] = store<G>(v - float(g));
-          }
-        } else {
-          scale_row(er, sc, classes);
-          if (ok) er[label] -= float(g);
-          if constexpr (!in_place) store_row<G>(er, dr, classes);
-        }
+        loss[r] = ok ? l - picked : 0.0f;
       }
     }
   });
