@@ -6,6 +6,8 @@ in f64."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,3 +104,16 @@ def test_none_forward_rows_kernel_matches():
     assert np.all(np.asarray(got_rows)[::5] == 0)
     for got, ref in ((dh, dh_x), (dw, dw_x)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_weight_gradient_product_takes_transposed_blocks(reduction):
+    """f32 on the CPU: the d weight product takes hidden's blocks transposed beforehand, so
+    every product of the compiled loss + gradients contracts its left operand's last axis
+    (the layout XLA:CPU runs through its XNNPACK path, not its generic dot), in the reduced
+    pass and in the "none" backward; the values are those of the tests above."""
+    h, w, labels = _inputs(64, 16, 300, seed=9)
+    f = lambda h, w: jnp.sum(fused_linear_cross_entropy(h, w, labels, reduction=reduction, chunk_size=16))
+    text = jax.jit(jax.value_and_grad(f, (0, 1))).lower(h, w).compile().as_text()
+    dims = re.findall(r" dot\(.*?lhs_contracting_dims=\{(\d+)\}", text)
+    assert len(dims) >= 3 and set(dims) == {"1"}, dims

@@ -167,6 +167,30 @@ def _block_loss_and_grad(z, local, scale, grad_dtype, vocab_axes, row_kernels):
     return loss, _logit_grad(z, lse, local, scale).astype(grad_dtype)
 
 
+def _hidden_t(hidden, row_kernels) -> bool:
+    """Whether the d weight product takes hidden's blocks transposed beforehand: with
+    "hidden_t" in ``row_kernels``, for f32 hidden (the case measured; XLA:CPU's fast
+    products take f32, and bf16 ones through f32 copies that cost memory)."""
+    return "hidden_t" in row_kernels and hidden.dtype == jnp.float32
+
+
+def _hidden_blocks(hidden, n_b, row_kernels):
+    """(row blocks of hidden [count, n_b, D], the blocks the d weight product h_b^T g takes).
+    With ``_hidden_t`` the second are the blocks transposed beforehand ([count, D, n_b], one
+    copy of hidden outside the loop), so that the product contracts its left operand's last
+    axis: XLA:CPU sends a product contracting both operands' leading axis to its generic
+    dot, which ran the whole op (N 2048, D 256, V 8192, f32, loss + gradients) 1.26x slower
+    than its XNNPACK path (9 rounds, CPU time). Else the row blocks themselves (transposed
+    inside the product; cuBLAS takes either layout)."""
+    blocks = _blocks(hidden, n_b)
+    return blocks, jnp.swapaxes(blocks, 1, 2) if _hidden_t(hidden, row_kernels) else blocks
+
+
+def _weight_grad(hb_w, g, acc, transposed):
+    """h_b^T g [D, V] (f32 / f64) from the second of ``_hidden_blocks``' pair."""
+    return jnp.dot(hb_w if transposed else hb_w.T, g, preferred_element_type=acc)
+
+
 # ---- reduction "none": forward, tangent, backward -------------------------------------
 
 
@@ -215,9 +239,10 @@ def reference_tangent(hidden, weight, labels, lse, t_hidden, t_weight, *, chunk_
 
 
 def reference_backward(hidden, weight, labels, lse, dloss, dlse, *, chunk_size, logits_dtype=None, vocab_axes=(),
-                       row_axes=(), sizes=None, vocab_total=None):
+                       row_axes=(), sizes=None, vocab_total=None, row_kernels=()):
     """(d hidden, d weight) for per-row cotangents (dloss, dlse), recomputing each block's
-    logits: g = p (dloss + dlse) - onehot dloss; dh_b = g W^T; dW += h_b^T g."""
+    logits: g = p (dloss + dlse) - onehot dloss; dh_b = g W^T; dW += h_b^T g (the
+    blocks of ``_hidden_blocks``)."""
     acc = lse.dtype
     n = hidden.shape[0]
     n_b = _block_rows(n, chunk_size)
@@ -226,15 +251,16 @@ def reference_backward(hidden, weight, labels, lse, dloss, dlse, *, chunk_size, 
     g_lse = dlse.astype(acc)
 
     def step(dw, xs):
-        hb, lb, lseb, glb, gsb = xs
+        hb, hb_w, lb, lseb, glb, gsb = xs
         z = _logits(hb, weight, logits_dtype).astype(acc)
         hit = jnp.arange(z.shape[-1]) == lb[:, None]
         p = jnp.exp(z - lseb[:, None])
         g = (p * (glb + gsb)[:, None] - jnp.where(hit, glb[:, None], 0)).astype(hidden.dtype)
         dh = _psum(jnp.dot(g, weight.T, preferred_element_type=acc), vocab_axes)
-        return dw + jnp.dot(hb.T, g, preferred_element_type=acc), dh.astype(hidden.dtype)
+        return dw + _weight_grad(hb_w, g, acc, _hidden_t(hidden, row_kernels)), dh.astype(hidden.dtype)
 
-    xs = (_blocks(hidden, n_b), _blocks(local, n_b, -1), _blocks(lse, n_b), _blocks(g_loss, n_b), _blocks(g_lse, n_b))
+    xs = (*_hidden_blocks(hidden, n_b, row_kernels), _blocks(local, n_b, -1), _blocks(lse, n_b),
+          _blocks(g_loss, n_b), _blocks(g_lse, n_b))
     dw, dh = lax.scan(step, jnp.zeros(weight.shape, acc), xs)
     return _unblock(dh, n), _psum(dw, row_axes).astype(weight.dtype)
 
@@ -247,7 +273,8 @@ def reference_reduced(hidden, weight, labels, *, chunk_size, mean, logits_dtype=
     """(loss [1], d hidden [N, D], d weight [D, V]) of the summed (or mean over rows with
     a label in [0, V); 0 when there are none) loss, in one pass over row blocks.
     ``row_kernels``: with "loss_grad" each block's softmax, loss and logit gradient run
-    through the one-pass cross-entropy kernel (``_block_loss_and_grad``)."""
+    through the one-pass cross-entropy kernel (``_block_loss_and_grad``); the blocks
+    of ``_hidden_blocks``."""
     acc = acc_dtype(hidden.dtype)
     n = hidden.shape[0]
     n_b = _block_rows(n, chunk_size)
@@ -261,16 +288,16 @@ def reference_reduced(hidden, weight, labels, *, chunk_size, mean, logits_dtype=
 
     def step(carry, xs):
         dw, total = carry
-        hb, lb, sb = xs
+        hb, hb_w, lb, sb = xs
         z = _logits(hb, weight, logits_dtype)
         row_loss, g = _block_loss_and_grad(z, lb, sb, hidden.dtype, vocab_axes, row_kernels)
         dh = _psum(jnp.dot(g, weight.T, preferred_element_type=acc), vocab_axes)
-        dw = dw + jnp.dot(hb.T, g, preferred_element_type=acc)
+        dw = dw + _weight_grad(hb_w, g, acc, _hidden_t(hidden, row_kernels))
         total = total + jnp.sum(jnp.where(sb != 0, row_loss * sb, 0))
         return (dw, total), dh.astype(hidden.dtype)
 
     init = (jnp.zeros(weight.shape, acc), jnp.zeros((), acc))
-    xs = (_blocks(hidden, n_b), _blocks(local, n_b, -1), _blocks(row_scale, n_b))
+    xs = (*_hidden_blocks(hidden, n_b, row_kernels), _blocks(local, n_b, -1), _blocks(row_scale, n_b))
     (dw, total), dh = lax.scan(step, init, xs)
     total, dw = _psum(total, row_axes), _psum(dw, row_axes)
     return total.astype(hidden.dtype).reshape(1), _unblock(dh, n), dw.astype(weight.dtype)
@@ -322,11 +349,12 @@ def _may_be_partitioned(ctx) -> bool:
     return getattr(axis_context, "num_devices", 2) != 1
 
 
-#: the cross-entropy row kernels each platform's lowering runs a block's softmax through;
-#: "narrow": the one-pass kernel takes logits blocks narrower than f32 too. Not on the CPU,
-#: where a bf16 block is XLA's f32 product rounded, a rounding XLA fuses into its own
-#: gradient: the kernel would need the product and the rounded block both in memory.
-ROW_KERNELS = {"cpu": ("fwd", "loss_grad"), "cuda": ("fwd", "loss_grad", "narrow")}
+#: how each platform's lowering runs a row block: the cross-entropy row kernels its softmax
+#: runs through ("fwd", "loss_grad"); "narrow": the one-pass kernel takes logits blocks
+#: narrower than f32 too (not on the CPU, where a bf16 block is XLA's f32 product rounded, a
+#: rounding XLA fuses into its own gradient: the kernel would need the product and the
+#: rounded block both in memory); "hidden_t": ``_hidden_t``.
+ROW_KERNELS = {"cpu": ("fwd", "loss_grad", "hidden_t"), "cuda": ("fwd", "loss_grad", "narrow")}
 
 
 def _partitioned(prim: FusedPrimitive, outputs, row_kernels=False):
@@ -353,7 +381,8 @@ def _partitioned(prim: FusedPrimitive, outputs, row_kernels=False):
 flce_fwd = _partitioned(FusedPrimitive("rlx_fused_linear_ce_fwd", reference_forward), (_ROW_STAT, _ROW_STAT),
                         row_kernels=True)
 flce_tangent = FusedPrimitive("rlx_fused_linear_ce_tangent", reference_tangent)
-flce_bwd = _partitioned(FusedPrimitive("rlx_fused_linear_ce_bwd", reference_backward), (_HIDDEN, _WEIGHT))
+flce_bwd = _partitioned(FusedPrimitive("rlx_fused_linear_ce_bwd", reference_backward), (_HIDDEN, _WEIGHT),
+                        row_kernels=True)
 flce_reduced = _partitioned(FusedPrimitive("rlx_fused_linear_ce_reduced", reference_reduced),
                             (_TOTAL, _HIDDEN, _WEIGHT), row_kernels=True)
 flce_hvp = FusedPrimitive("rlx_fused_linear_ce_hvp", reference_hvp)
