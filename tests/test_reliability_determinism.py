@@ -80,6 +80,10 @@ def _cases():
     lab2 = jnp.asarray(_rng(14).integers(0, 1000, 64), jnp.int32)
     c["fused_linear_cross_entropy"] = ((), lambda h, w: ops.fused_linear_cross_entropy(h, w, lab2, chunk_size=256),
                                        (_arr((64, 32), 15), _arr((32, 1000), 16)), (0, 1))
+    c["fused_linear_cross_entropy_mean"] = (("rlx_softmax_ce_loss_grad_v1",),
+                                            lambda h, w: ops.fused_linear_cross_entropy(h, w, lab2, reduction="mean",
+                                                                                        chunk_size=16),
+                                            (_arr((64, 32), 15), _arr((32, 1000), 16)), (0, 1))
     c["cumsum"] = (("rlx_cumsum_fwd_v1", "rlx_cumsum_bwd_v1"), lambda x: ops.cumsum(x, axis=-1), (x,), (0,))
     cs, sn = _arr((16, 16), 17), _arr((16, 16), 18)
     c["rope"] = (("rlx_rope_fwd_v1", "rlx_rope_bwd_v1"), lambda x: ops.rope(x, cs, sn, head_dim=32), (_arr((4, 16, 64), 19),),

@@ -91,6 +91,8 @@ def _drivers():
         lower(lambda x: ops.softmax(x), sds(n, 5, 7))
         lower(lambda y, d: ops.softmax_backward(y, d), sds(n, 5, 7), sds(n, 5, 7), argnums=(0, 1))
         lower(lambda x, y: ops.softmax_cross_entropy(x, y), sds(n, 11), sds(n, dtype=jnp.int32))
+        lower(lambda h, w, y: ops.fused_linear_cross_entropy(h, w, y, reduction="mean"), sds(n, 8), sds(8, 11),
+              sds(n, dtype=jnp.int32), argnums=(0, 1))
         lower(lambda x: ops.cumsum(x, axis=-1), sds(n, 5, 6))
         cs = sds(5, 4)
         lower(lambda x, c, s: ops.rope(x, c, s, head_dim=8), sds(n, 5, 16), cs, cs)
