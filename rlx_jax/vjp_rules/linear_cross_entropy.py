@@ -37,11 +37,12 @@ softmax through; without a vocabulary split). The reduced losses take (loss, g) 
 running max and sum of exponentials gives the row's lse and loss, then g = (p - onehot)
 * s is written in hidden's dtype while the row may still be in cache (the CPU keeps the
 row's exponentials in an f32 row buffer; CUDA walks the row back, its last chunk from
-registers and the others re-read). XLA's path reads z twice on CUDA (the lse reductions, then the gradient fusion)
-and about five times on the CPU. The "none" forward takes (loss, lse) from the forward
-kernel (``ce_fwd``, one read of z). On the CPU a block narrower than f32 (``logits_dtype``)
-keeps XLA's gradient, which fuses the rounding of the f32 product. Same maths; other
-platforms and vocabulary-split shards keep the XLA block.
+registers and the others re-read). XLA's path reads z twice on CUDA (the lse reductions,
+then the gradient fusion) and about five times on the CPU. The "none" forward takes
+(loss, lse) from the forward kernel (``ce_fwd``, one read of z). On the CPU a block
+narrower than f32 (``logits_dtype``) keeps XLA's gradient, which fuses the rounding of
+the f32 product. Same maths; other platforms and vocabulary-split shards keep the XLA
+block.
 
 **Sharding.** Every primitive but the tangents lowers through ``VocabPartition``: rows
 split any way (data parallel), weight's V axis split over mesh axes M runs
@@ -490,7 +491,8 @@ def fused_linear_cross_entropy(hidden, weight, labels, *, reduction: str = "none
     A narrower float, typically the input's ``jnp.bfloat16``, rounds the logits as the
     unfused ``hidden @ weight`` in that dtype does; the softmax, loss and gradients are
     still computed in f32 from the rounded values. Each block's logits then take half
-    the memory and half the memory traffic (written once, read twice).
+    the memory and half the memory traffic (written by the matmul, read by the block's
+    softmax).
     """
     who = "fused_linear_cross_entropy"
     hidden, weight = jnp.asarray(hidden), jnp.asarray(weight)
