@@ -4,6 +4,10 @@
   Floor: forward reads x and writes y, backward reads x and dy and writes dx: 5 N H
   elements (gamma, dgamma, dbeta are O(H)).
 - ``rms_norm_bwd_only``: the backward given the saved rstd. Floor: 3 N H elements.
+- ``add_rms_norm_fwd+bwd``: the residual add + RMSNorm of a pre-norm block, (s, y) from
+  (x, residual) and the gradients from (ds, dy), against XLA's autodiff of ``x + r`` and
+  the reference norm. Floor: forward reads x and r and writes s and y, backward reads s,
+  dy and ds and writes dx (the residual's gradient is the same array): 8 N H elements.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.harness import Case
-from rlx_jax.ops import rms_norm
+from rlx_jax.ops import add_rms_norm, rms_norm
 from rlx_jax.vjp_rules.rms_norm import reference_rms_norm
 
 EPS = 1e-6
@@ -70,6 +74,37 @@ def _bwd_only_case(n: int, h: int, dtype) -> Case:
     )
 
 
+def _add_case(n: int, h: int, dtype) -> Case:
+    def make(key):
+        kx, kr, kg, ks, kd = jax.random.split(key, 5)
+        x, r, ds, dy = (jax.random.normal(k, (n, h), jnp.float32).astype(dtype) for k in (kx, kr, ks, kd))
+        g = (1.0 + 0.1 * jax.random.normal(kg, (h,), jnp.float32)).astype(dtype)
+        return x, r, g, ds, dy
+
+    def ours(x, r, g, ds, dy):
+        out, vjp = jax.vjp(lambda x, r, g: add_rms_norm(x, r, g, eps=EPS), x, r, g)
+        return (*out, *vjp((ds, dy)))
+
+    def xla(x, r, g, ds, dy):
+        beta = jnp.zeros_like(g)
+
+        def plain(x, r, g):
+            s = x + r
+            return s, reference_rms_norm(s, g, beta, eps=EPS)[0]
+
+        out, vjp = jax.vjp(plain, x, r, g)
+        return (*out, *vjp((ds, dy)))
+
+    itemsize = jnp.dtype(dtype).itemsize
+    return Case(
+        name=f"add_rms_norm_fwd+bwd {jnp.dtype(dtype).name} {n}x{h}",
+        make=make,
+        ours=ours,
+        xla=xla,
+        floor_bytes=8 * n * h * itemsize,
+    )
+
+
 def cases(device_kind: str) -> list[Case]:
     if device_kind == "gpu":
         return [
@@ -77,6 +112,9 @@ def cases(device_kind: str) -> list[Case]:
             _case(32768, 4096, jnp.bfloat16),
             _bwd_only_case(32768, 4096, jnp.float32),
             _bwd_only_case(32768, 4096, jnp.bfloat16),
+            _add_case(16384, 2048, jnp.bfloat16),
+            _add_case(16384, 2048, jnp.float32),
         ]
     return [_case(8192, 1024, jnp.float32), _case(8192, 1024, jnp.bfloat16),
-            _bwd_only_case(8192, 1024, jnp.float32), _bwd_only_case(8192, 1024, jnp.bfloat16)]
+            _bwd_only_case(8192, 1024, jnp.float32), _bwd_only_case(8192, 1024, jnp.bfloat16),
+            _add_case(8192, 1024, jnp.float32)]

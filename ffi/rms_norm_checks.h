@@ -1,8 +1,8 @@
-// Operand checks of rlx_rms_norm_fwd / rlx_rms_norm_bwd, shared by the CPU
-// (ffi/cpu/rms_norm.cc) and CUDA (ffi/cuda/rms_norm.cu) handlers. Plain C++17 (host side of
-// both builds).
+// Operand checks of rlx_rms_norm_fwd / rlx_rms_norm_bwd / rlx_add_rms_norm_bwd, shared by
+// the CPU (ffi/cpu/rms_norm.cc) and CUDA (ffi/cuda/rms_norm.cu) handlers. Plain C++17 (host
+// side of both builds).
 //
-//   x, y, dy, dx: [R.., W] of one floating dtype; gamma, beta, dgamma, dbeta: [W] of x's
+//   x, y, dy, dx, dres: [R.., W] of one floating dtype; gamma, beta, dgamma, dbeta: [W] of x's
 //   dtype; rstd: one value per row (R = prod(R..) values) of stat_dtype (host_common.h);
 //   eps >= 0.
 #pragma once
@@ -41,6 +41,16 @@ inline ffi::Error check_bwd(Backend b, const ffi::AnyBuffer& x, const ffi::AnyBu
     return invalid(backend_op(b, "rms_norm backward") + ": rstd must be " + stat_dtype_rule(b) +
                    " with one value per row");
   return ffi::Error::Success();
+}
+
+// add_rms_norm's backward: the plain backward's operands plus dres, the residual stream's
+// gradient (x's shape and dtype), which dx includes.
+inline ffi::Error check_add_bwd(Backend b, const ffi::AnyBuffer& x, const ffi::AnyBuffer& gamma,
+                                const ffi::AnyBuffer& rstd, const ffi::AnyBuffer& dy, const ffi::AnyBuffer& dres,
+                                const ffi::AnyBuffer& dx, const ffi::AnyBuffer& dgamma,
+                                const ffi::AnyBuffer& dbeta) {
+  if (auto e = check_bwd(b, x, gamma, rstd, dy, dx, dgamma, dbeta); e.failure()) return e;
+  return norm::check_like_x(x, dres, "add_rms_norm backward: dres must match x");
 }
 
 }  // namespace rms_norm

@@ -36,6 +36,10 @@ def randn(*shape):
 # name -> (function of the differentiable args, args, partition specs for the args, diff argnums)
 CASES = {
     "rms_norm": (lambda x, g: ops.rms_norm(x, g), (randn(8, 6, 32), randn(32)), (P("data", "model"), P()), (0, 1)),
+    # both outputs used: the backward kernel sums the gradient of s into dx
+    "add_rms_norm": (lambda x, r, g: (lambda s, y: 0.5 * s + y)(*ops.add_rms_norm(x, r, g)),
+                     (randn(8, 6, 32), randn(8, 6, 32), randn(32)), (P("data", "model"), P("data", "model"), P()),
+                     (0, 1, 2)),
     "layer_norm": (lambda x, g, b: ops.layer_norm(x, g, b), (randn(8, 6, 32), randn(32), randn(32)),
                    (P("data", "model"), P(), P()), (0, 1, 2)),
     "group_norm": (lambda x, g, b: ops.group_norm(x, g, b, num_groups=4), (randn(8, 8, 5, 5), randn(8), randn(8)),

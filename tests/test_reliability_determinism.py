@@ -59,6 +59,8 @@ def _cases():
                      (0, 1, 2))
     c["rms_norm_bf16"] = (("rlx_rms_norm_fwd_v1", "rlx_rms_norm_bwd_v1"), lambda x, g, b: ops.rms_norm(x, g, b),
                           tuple(a.astype(jnp.bfloat16) for a in (x, g, b)), (0, 1, 2))
+    c["add_rms_norm"] = (("rlx_rms_norm_fwd_v1", "rlx_add_rms_norm_bwd_v1"),
+                         lambda x, r, g: sum(ops.add_rms_norm(x, r, g)), (x, _arr((300, 128), 7), g), (0, 1, 2))
     c["layer_norm"] = (("rlx_layer_norm_fwd_v1", "rlx_layer_norm_bwd_v1"), lambda x, g, b: ops.layer_norm(x, g, b),
                        (x, g, b), (0, 1, 2))
     xg = _arr((8, 32, 10, 10), 3)

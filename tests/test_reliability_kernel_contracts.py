@@ -81,6 +81,8 @@ def _drivers():
 
     def norms(n):
         lower(lambda x, g, b: ops.rms_norm(x, g, b), sds(n, 3, 8), sds(8), sds(8), argnums=(0, 1, 2))
+        lower(lambda x, r, g: sum(ops.add_rms_norm(x, r, g)), sds(n, 3, 8), sds(n, 3, 8), sds(8),
+              argnums=(0, 1, 2))
         lower(lambda x, g, b: ops.layer_norm(x, g, b), sds(n, 3, 8), sds(8), sds(8), argnums=(0, 1, 2))
         lower(lambda x, g, b: ops.group_norm(x, g, b, num_groups=2), sds(n, 4, 3, 5), sds(4), sds(4),
               argnums=(0, 1, 2))

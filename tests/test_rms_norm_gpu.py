@@ -1,5 +1,6 @@
-"""RMSNorm on the GPU: the CUDA kernels (rlx_rms_norm_fwd / rlx_rms_norm_bwd on platform
-CUDA) against the f32 reference on random data. Skipped where JAX sees no GPU.
+"""RMSNorm on the GPU: the CUDA kernels (rlx_rms_norm_fwd / rlx_rms_norm_bwd /
+rlx_add_rms_norm_bwd on platform CUDA) against the f32 reference on random data. Skipped
+where JAX sees no GPU.
 
 Widths cover the 16-byte vector path (multiples of 16 bytes), the scalar path (odd
 widths), narrow rows (several rows per warp), the one-pass limit (8192) and the slabbed
@@ -14,8 +15,9 @@ import pytest
 
 import rlx_jax
 from gpu_testutil import as_f32, assert_close, gpu, requires_gpu
-from rlx_jax.ops import rms_norm
+from rlx_jax.ops import add_rms_norm, rms_norm
 from rlx_jax.vjp_rules.rms_norm import (
+    add_rms_norm_bwd,
     cuda_bwd_scratch_size,
     reference_rms_norm,
     reference_rms_norm_bwd,
@@ -144,3 +146,36 @@ def test_staged_forward_sanitizer_small(shape, dtype):
     y_ref, rstd_ref = reference_rms_norm(*_f32(x, g, b), eps=EPS)
     _close(y, y_ref, dtype, "y")
     _close(rstd / rstd_ref, jnp.ones_like(rstd_ref), jnp.float32, "rstd / rstd_ref")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_add_backward_sums_the_residual_gradient_on_every_path(shape, dtype):
+    """rlx_add_rms_norm_bwd on the register, staged and slabbed paths: dx = dres + the norm's
+    dx (in f32, rounded once), dgamma and dbeta as the plain backward's."""
+    x, g, _, dy = _inputs(shape, dtype, seed=hash(shape) % 1000 + 1)
+    dres = _inputs(shape, dtype, seed=hash(shape) % 1000 + 2)[3]
+    _, rstd_ref = reference_rms_norm(*_f32(x, g), jnp.zeros(g.shape, jnp.float32), eps=EPS)
+    dx, dg, db = jax.jit(lambda *a: add_rms_norm_bwd(*a, eps=EPS))(x, g, rstd_ref, dy, dres)
+    dx_ref, dg_ref, db_ref = reference_rms_norm_bwd(*_f32(x, g), rstd_ref, dy.astype(jnp.float32), eps=EPS)
+    assert dx.dtype == dtype
+    _close(dx, dx_ref + dres.astype(jnp.float32), dtype, "dx + dres")
+    _close(dg, dg_ref, dtype, "dgamma")
+    _close(db, db_ref, dtype, "dbeta")
+
+
+def test_add_rms_norm_gradients_and_kernel_in_hlo():
+    x, g, b, dy = _inputs((4, 512, 2048), jnp.bfloat16, seed=11)
+    r, ds = _inputs((4, 512, 2048), jnp.bfloat16, seed=12)[::3]
+    f = jax.jit(lambda x, r, g, ds, dy: jax.vjp(lambda *a: add_rms_norm(*a, eps=EPS), x, r, g)[1]((ds, dy)))
+    assert "rlx_add_rms_norm_bwd" in f.lower(x, r, g, ds, dy).as_text()
+    got = f(x, r, g, ds, dy)
+    s = (x.astype(jnp.float32) + r.astype(jnp.float32)).astype(jnp.bfloat16)
+    ref = lambda s, g: reference_rms_norm(s, g, jnp.zeros(g.shape, jnp.float32), eps=EPS)[0]
+    ds_ref, dg_ref = jax.vjp(ref, *_f32(s, g))[1](dy.astype(jnp.float32))
+    ds_ref = ds_ref + ds.astype(jnp.float32)
+    for a, w, what in zip(got, (ds_ref, ds_ref, dg_ref), ("dx", "dresidual", "dgamma")):
+        _close(a, w, jnp.bfloat16, what)
+    again = f(x, r, g, ds, dy)
+    for a, c in zip(got, again):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(c, np.float32))

@@ -4,7 +4,8 @@
 //   r   = 1 / sqrt(mean_j x_j^2 + eps)                    (saved, f32 / f64: [R])
 //   y_j = x_j * r * gamma_j + beta_j
 // Backward, with u_j = dy_j * gamma_j:
-//   dx_j     = r * u_j - x_j * r^3 * (sum_i u_i x_i) / H
+//   dx_j     = r * u_j - x_j * r^3 * (sum_i u_i x_i) / H  (+ dres_j: add_rms_norm's backward,
+//              whose x is a sum x + residual and dres the sum's own gradient)
 //   dgamma_j = sum_rows dy_j * x_j * r        dbeta_j = sum_rows dy_j
 // dgamma and dbeta are reduced in two passes: each row chunk writes its own partial
 // sums, then the partials are added in chunk order (deterministic).
@@ -114,44 +115,49 @@ RLX_ROW_INLINE void fwd_rows_body(const T* x, const float* g, const float* b, T*
   }
 }
 
-// dx = inv dy g - coef x, pg += dy x inv, pb += dy for the 16 elements at the pointers
+// dx = inv dy g - coef x (+ dres where dres is not null), pg += dy x inv, pb += dy for
+// the 16 elements at the pointers
 template <typename V, typename T>
 RLX_ROW_INLINE void bwd_block(const T* x, const T* dy, const float* g, T* dx, float* pg, float* pb,
-                              const V& vi, const V& vc) {
+                              const V& vi, const V& vc, const T* dres) {
   const V xv = ld16<V>(x), dyv = ld16<V>(dy);
   // separate statements fix which product the compiler fuses into an FMA (the first),
   // so that the v16f and P16 bodies round alike
   const V u = vi * dyv * ld16<V>(g);
   const V w = vc * xv;
-  st16(dx, u - w);
+  if (dres) st16(dx, (u - w) + ld16<V>(dres));
+  else st16(dx, u - w);
   st16(pg, ld16<V>(pg) + dyv * xv * vi);
   st16(pb, ld16<V>(pb) + dyv);
 }
 
-// Rows [r0, r1): dx_j = rstd dy_j g_j - x_j rstd^3 (sum_i dy_i g_i x_i) / n,
+// Rows [r0, r1): dx_j = rstd dy_j g_j - x_j rstd^3 (sum_i dy_i g_i x_i) / n (+ dres_j),
 // pg_j += dy_j x_j rstd, pb_j += dy_j.
 template <typename V, typename T>
 RLX_ROW_INLINE void bwd_rows_body(const T* x, const float* g, const float* rstd, const T* dy, T* dx,
-                                  float* pg, float* pb, int64_t r0, int64_t r1, int64_t n) {
+                                  float* pg, float* pb, int64_t r0, int64_t r1, int64_t n, const T* dres) {
   for (int64_t r = r0; r < r1; ++r) {
     const T* xr = x + r * n;
     const T* dyr = dy + r * n;
+    const T* drr = dres ? dres + r * n : nullptr;
     T* dxr = dx + r * n;
     const float inv = rstd[r];
     const float coef = inv * inv * inv * dot3_body<V>(dyr, g, xr, n) / float(n);
     const V vi = splat16<V>(inv), vc = splat16<V>(coef);
     int64_t j = 0;
-    for (; j + 16 <= n; j += 16) bwd_block(xr + j, dyr + j, g + j, dxr + j, pg + j, pb + j, vi, vc);
+    for (; j + 16 <= n; j += 16)
+      bwd_block(xr + j, dyr + j, g + j, dxr + j, pg + j, pb + j, vi, vc, drr ? drr + j : nullptr);
     if (j < n) {
       const int64_t m = n - j;
-      T tx[16], tdy[16], tdx[16];
+      T tx[16], tdy[16], tdx[16], tdr[16];
       float tg[16], tpg[16], tpb[16];
       copy_padded(tx, xr + j, m);
       copy_padded(tdy, dyr + j, m);
+      if (drr) copy_padded(tdr, drr + j, m);
       copy_padded(tg, g + j, m);
       copy_padded(tpg, pg + j, m);
       copy_padded(tpb, pb + j, m);
-      bwd_block(tx, tdy, tg, tdx, tpg, tpb, vi, vc);
+      bwd_block(tx, tdy, tg, tdx, tpg, tpb, vi, vc, drr ? tdr : nullptr);
       std::memcpy(dxr + j, tdx, static_cast<size_t>(m) * sizeof(T));
       std::memcpy(pg + j, tpg, static_cast<size_t>(m) * sizeof(float));
       std::memcpy(pb + j, tpb, static_cast<size_t>(m) * sizeof(float));
@@ -169,13 +175,14 @@ RLX_ROW_INLINE void bwd_rows_body(const T* x, const float* g, const float* rstd,
     fwd_rows_body<P16>(x, g, b, y, rstd, r0, r1, n, eps);                                    \
   }                                                                                          \
   RLX_ROW_V4 void bwd_rows_v16(const T* x, const float* g, const float* rstd, const T* dy, T* dx, \
-                           float* pg, float* pb, int64_t r0, int64_t r1, int64_t n) {        \
-    bwd_rows_body<v16f>(x, g, rstd, dy, dx, pg, pb, r0, r1, n);                              \
+                           float* pg, float* pb, int64_t r0, int64_t r1, int64_t n,          \
+                           const T* dres) {                                                  \
+    bwd_rows_body<v16f>(x, g, rstd, dy, dx, pg, pb, r0, r1, n, dres);                        \
   }                                                                                          \
   RLX_ROW_CLONES void bwd_rows_v8(const T* x, const float* g, const float* rstd, const T* dy, \
                                   T* dx, float* pg, float* pb, int64_t r0, int64_t r1,       \
-                                  int64_t n) {                                               \
-    bwd_rows_body<P16>(x, g, rstd, dy, dx, pg, pb, r0, r1, n);                               \
+                                  int64_t n, const T* dres) {                                \
+    bwd_rows_body<P16>(x, g, rstd, dy, dx, pg, pb, r0, r1, n, dres);                         \
   }
 RLX_RMS_ROWS(float)
 RLX_RMS_ROWS(bf16)
@@ -189,9 +196,9 @@ void fwd_rows(const T* x, const float* g, const float* b, T* y, float* rstd, int
 }
 template <typename T>
 void bwd_rows(const T* x, const float* g, const float* rstd, const T* dy, T* dx, float* pg,
-              float* pb, int64_t r0, int64_t r1, int64_t n) {
-  if (cpu_has_x86_64_v4()) bwd_rows_v16(x, g, rstd, dy, dx, pg, pb, r0, r1, n);
-  else bwd_rows_v8(x, g, rstd, dy, dx, pg, pb, r0, r1, n);
+              float* pb, int64_t r0, int64_t r1, int64_t n, const T* dres) {
+  if (cpu_has_x86_64_v4()) bwd_rows_v16(x, g, rstd, dy, dx, pg, pb, r0, r1, n, dres);
+  else bwd_rows_v8(x, g, rstd, dy, dx, pg, pb, r0, r1, n, dres);
 }
 
 // Whether T's rows take the vectorised path above.
@@ -234,7 +241,8 @@ void rms_norm_fwd_typed(ffi::ThreadPool& pool, const T* x, const T* gamma, const
 
 template <typename T>
 void rms_norm_bwd_typed(ffi::ThreadPool& pool, const T* x, const T* gamma, const void* rstd_in,
-                        const T* dy, T* dx, T* dgamma, T* dbeta, int64_t rows, int64_t width) {
+                        const T* dy, const T* dres, T* dx, T* dgamma, T* dbeta, int64_t rows,
+                        int64_t width) {
   using A = typename Accum<T>::type;
   const A* rstd = static_cast<const A*>(rstd_in);
   const int64_t chunks = row_chunks(rows, width);
@@ -247,12 +255,13 @@ void rms_norm_bwd_typed(ffi::ThreadPool& pool, const T* x, const T* gamma, const
     A* pb = pg + width;
     const int64_t r0 = rows * c / chunks, r1 = rows * (c + 1) / chunks;
     if constexpr (kVecRows<T>) {
-      bwd_rows<T>(x, g.data(), rstd, dy, dx, pg, pb, r0, r1, width);
+      bwd_rows<T>(x, g.data(), rstd, dy, dx, pg, pb, r0, r1, width, dres);
       return;
     }
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * width;
       const T* dyr = dy + r * width;
+      const T* drr = dres ? dres + r * width : nullptr;
       T* dxr = dx + r * width;
       const A inv = rstd[r];
       A dot = 0;
@@ -262,7 +271,7 @@ void rms_norm_bwd_typed(ffi::ThreadPool& pool, const T* x, const T* gamma, const
 #pragma omp simd
       for (int64_t j = 0; j < width; ++j) {
         const A xv = load<A>(xr[j]), dyv = load<A>(dyr[j]);
-        dxr[j] = store<T>(inv * dyv * g[j] - coef * xv);
+        dxr[j] = store<T>(inv * dyv * g[j] - coef * xv + (drr ? load<A>(drr[j]) : A(0)));
         pg[j] += dyv * xv * inv;
         pb[j] += dyv;
       }
@@ -302,10 +311,14 @@ ffi::Error RmsNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
-ffi::Error RmsNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
-                          ffi::AnyBuffer rstd, ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dx,
-                          ffi::Result<ffi::AnyBuffer> dgamma, ffi::Result<ffi::AnyBuffer> dbeta) {
-  if (auto e = rms_norm::check_bwd(Backend::kCpu, x, gamma, rstd, dy, *dx, *dgamma, *dbeta); e.failure())
+// The backward, with dres (add_rms_norm: the sum output's gradient, added to dx) or without.
+ffi::Error RmsNormBwdCommon(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
+                            ffi::AnyBuffer rstd, ffi::AnyBuffer dy, const ffi::AnyBuffer* dres,
+                            ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dgamma,
+                            ffi::Result<ffi::AnyBuffer> dbeta) {
+  if (auto e = dres ? rms_norm::check_add_bwd(Backend::kCpu, x, gamma, rstd, dy, *dres, *dx, *dgamma, *dbeta)
+                    : rms_norm::check_bwd(Backend::kCpu, x, gamma, rstd, dy, *dx, *dgamma, *dbeta);
+      e.failure())
     return e;
   auto [rows, width] = rows_view(x);
   if (width == 0) return ffi::Error::Success();
@@ -320,10 +333,26 @@ ffi::Error RmsNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
     rms_norm_bwd_typed<T>(pool, static_cast<const T*>(x.untyped_data()),
                           static_cast<const T*>(gamma.untyped_data()), rstd.untyped_data(),
                           static_cast<const T*>(dy.untyped_data()),
+                          dres ? static_cast<const T*>(dres->untyped_data()) : nullptr,
                           static_cast<T*>(dx->untyped_data()), dg, db, rows, width);
   });
-  if (!ok) return invalid("rms_norm backward: unsupported dtype " + dtype_name(x.element_type()));
+  if (!ok)
+    return invalid(std::string(dres ? "add_rms_norm" : "rms_norm") + " backward: unsupported dtype " +
+                   dtype_name(x.element_type()));
   return ffi::Error::Success();
+}
+
+ffi::Error RmsNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
+                          ffi::AnyBuffer rstd, ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dx,
+                          ffi::Result<ffi::AnyBuffer> dgamma, ffi::Result<ffi::AnyBuffer> dbeta) {
+  return RmsNormBwdCommon(pool, x, gamma, rstd, dy, nullptr, dx, dgamma, dbeta);
+}
+
+ffi::Error AddRmsNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
+                             ffi::AnyBuffer rstd, ffi::AnyBuffer dy, ffi::AnyBuffer dres,
+                             ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dgamma,
+                             ffi::Result<ffi::AnyBuffer> dbeta) {
+  return RmsNormBwdCommon(pool, x, gamma, rstd, dy, &dres, dx, dgamma, dbeta);
 }
 
 }  // namespace
@@ -349,7 +378,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxRmsNormBwd, RmsNormBwdImpl,
                                   .Ret<ffi::AnyBuffer>()  // dgamma
                                   .Ret<ffi::AnyBuffer>());  // dbeta
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAddRmsNormBwd, AddRmsNormBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x (the sum x + residual)
+                                  .Arg<ffi::AnyBuffer>()  // gamma
+                                  .Arg<ffi::AnyBuffer>()  // rstd
+                                  .Arg<ffi::AnyBuffer>()  // dy
+                                  .Arg<ffi::AnyBuffer>()  // dres
+                                  .Ret<ffi::AnyBuffer>()  // dx
+                                  .Ret<ffi::AnyBuffer>()  // dgamma
+                                  .Ret<ffi::AnyBuffer>());  // dbeta
+
 RLX_REGISTER_HANDLER("rlx_rms_norm_fwd", RlxRmsNormFwd);
 RLX_REGISTER_HANDLER("rlx_rms_norm_bwd", RlxRmsNormBwd);
+RLX_REGISTER_HANDLER("rlx_add_rms_norm_bwd", RlxAddRmsNormBwd);
 
 }  // namespace rlx

@@ -1,4 +1,5 @@
-// XLA FFI handlers for RMSNorm on CUDA: targets rlx_rms_norm_fwd and rlx_rms_norm_bwd.
+// XLA FFI handlers for RMSNorm on CUDA: targets rlx_rms_norm_fwd, rlx_rms_norm_bwd and
+// rlx_add_rms_norm_bwd.
 // The maths, the work layout and the wide-row path are described in rms_norm_kernels.cuh.
 //
 // rlx_rms_norm_fwd: x [R.., W], gamma [W], beta [W] (one dtype: f32, bf16, f16), attr eps
@@ -7,6 +8,8 @@
 //   scratch [S] f32 with S >= R + 2 W (the Python side sizes it; see
 //   rlx_jax/vjp_rules/rms_norm.py): per-block partial sums of dgamma/dbeta and, for
 //   very wide rows, the per-row dot products. XLA allocates it; nothing is allocated here.
+// rlx_add_rms_norm_bwd: x, gamma, rstd, dy, dres -> as rlx_rms_norm_bwd, with dx including
+//   dres (the gradient of add_rms_norm's sum output, added in f32 before dx is rounded).
 #include "cuda/rms_norm_kernels.cuh"
 #include "cuda/rowwise_common.cuh"
 #include "rms_norm_checks.h"
@@ -35,17 +38,22 @@ ffi::Error RmsNormFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
   return result;
 }
 
-ffi::Error RmsNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer gamma, ffi::AnyBuffer rstd,
-                          ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dgamma,
-                          ffi::Result<ffi::AnyBuffer> dbeta, ffi::Result<ffi::AnyBuffer> scratch) {
-  if (auto e = rms_norm::check_bwd(Backend::kCuda, x, gamma, rstd, dy, *dx, *dgamma, *dbeta); e.failure())
+// The backward, with dres (add_rms_norm: the sum output's gradient, added to dx) or without.
+ffi::Error RmsNormBwdCommon(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer gamma, ffi::AnyBuffer rstd,
+                            ffi::AnyBuffer dy, const ffi::AnyBuffer* dres, ffi::Result<ffi::AnyBuffer> dx,
+                            ffi::Result<ffi::AnyBuffer> dgamma, ffi::Result<ffi::AnyBuffer> dbeta,
+                            ffi::Result<ffi::AnyBuffer> scratch) {
+  const char* who = dres ? "add_rms_norm backward (cuda)" : "rms_norm backward (cuda)";
+  if (auto e = dres ? rms_norm::check_add_bwd(Backend::kCuda, x, gamma, rstd, dy, *dres, *dx, *dgamma, *dbeta)
+                    : rms_norm::check_bwd(Backend::kCuda, x, gamma, rstd, dy, *dx, *dgamma, *dbeta);
+      e.failure())
     return e;
   const auto rv_ = rows_view(x);
   const int64_t rows = rv_.rows, width = rv_.width;
   if (width == 0) return ffi::Error::Success();
   const int64_t scratch_len = int64_t(scratch->element_count());
   if (scratch->element_type() != ffi::DataType::F32 || scratch_len < rows + 2 * width)
-    return invalid("rms_norm backward (cuda): scratch must be f32 with at least rows + 2 * width (" +
+    return invalid(std::string(who) + ": scratch must be f32 with at least rows + 2 * width (" +
                    std::to_string(rows + 2 * width) + ") elements, got " + std::to_string(scratch_len));
   ffi::Error result = ffi::Error::Success();
   bool ok = dispatch(x.element_type(), [&](auto tag) {
@@ -55,10 +63,24 @@ ffi::Error RmsNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
                                 static_cast<const float*>(rstd.untyped_data()),
                                 static_cast<const T*>(dy.untyped_data()), static_cast<T*>(dx->untyped_data()),
                                 static_cast<T*>(dgamma->untyped_data()), static_cast<T*>(dbeta->untyped_data()),
-                                static_cast<float*>(scratch->untyped_data()), scratch_len, rows, width);
+                                static_cast<float*>(scratch->untyped_data()), scratch_len, rows, width, {},
+                                nullptr, -1.f, dres ? static_cast<const T*>(dres->untyped_data()) : nullptr);
   });
-  if (!ok) return invalid("rms_norm backward (cuda): unsupported dtype " + dtype_name(x.element_type()));
+  if (!ok) return invalid(std::string(who) + ": unsupported dtype " + dtype_name(x.element_type()));
   return result;
+}
+
+ffi::Error RmsNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer gamma, ffi::AnyBuffer rstd,
+                          ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dgamma,
+                          ffi::Result<ffi::AnyBuffer> dbeta, ffi::Result<ffi::AnyBuffer> scratch) {
+  return RmsNormBwdCommon(stream, x, gamma, rstd, dy, nullptr, dx, dgamma, dbeta, scratch);
+}
+
+ffi::Error AddRmsNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer gamma, ffi::AnyBuffer rstd,
+                             ffi::AnyBuffer dy, ffi::AnyBuffer dres, ffi::Result<ffi::AnyBuffer> dx,
+                             ffi::Result<ffi::AnyBuffer> dgamma, ffi::Result<ffi::AnyBuffer> dbeta,
+                             ffi::Result<ffi::AnyBuffer> scratch) {
+  return RmsNormBwdCommon(stream, x, gamma, rstd, dy, &dres, dx, dgamma, dbeta, scratch);
 }
 
 }  // namespace
@@ -89,8 +111,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxRmsNormBwdCuda, RmsNormBwdImpl,
                                   .Ret<ffi::AnyBuffer>(),  // scratch
                               {ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAddRmsNormBwdCuda, AddRmsNormBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // x (the sum x + residual)
+                                  .Arg<ffi::AnyBuffer>()  // gamma
+                                  .Arg<ffi::AnyBuffer>()  // rstd
+                                  .Arg<ffi::AnyBuffer>()  // dy
+                                  .Arg<ffi::AnyBuffer>()  // dres
+                                  .Ret<ffi::AnyBuffer>()  // dx
+                                  .Ret<ffi::AnyBuffer>()  // dgamma
+                                  .Ret<ffi::AnyBuffer>()  // dbeta
+                                  .Ret<ffi::AnyBuffer>(),  // scratch
+                              {ffi::Traits::kCmdBufferCompatible});
+
 RLX_CUDA_REGISTER_HANDLER("rlx_rms_norm_fwd", RlxRmsNormFwdCuda);
 RLX_CUDA_REGISTER_HANDLER("rlx_rms_norm_bwd", RlxRmsNormBwdCuda);
+RLX_CUDA_REGISTER_HANDLER("rlx_add_rms_norm_bwd", RlxAddRmsNormBwdCuda);
 
 }  // namespace cuda
 }  // namespace rlx

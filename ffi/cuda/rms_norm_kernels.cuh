@@ -188,11 +188,24 @@ struct BlockRows {
   }
 };
 
+// The fused residual add of the backward (add_rms_norm): dx_j += dres_j, the gradient the
+// residual stream carries past the norm, added in f32 before dx is rounded once. dres null:
+// the plain norm backward.
+template <typename T, int VEC>
+__device__ __forceinline__ void add_residual_grad(const T* __restrict__ dres, int64_t at, float (&o)[VEC]) {
+  if (dres == nullptr) return;
+  float d[VEC];
+  load_vec<T, VEC>(dres + at, d);
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) o[i] += d[i];
+}
+
 // ---- backward: one pass over rows -------------------------------------------------------
 template <typename T, int VEC, int NV, bool PF, typename Op>
 __device__ __forceinline__ void bwd_rows_body(const T* __restrict__ x, const T* __restrict__ gamma,
                                               const T* __restrict__ dy, T* __restrict__ dx,
-                                              float* __restrict__ partial, const RowPlan& pl, const Op& op) {
+                                              float* __restrict__ partial, const RowPlan& pl, const Op& op,
+                                              const T* __restrict__ dres = nullptr) {
   using Stat = typename Op::Stat;
   extern __shared__ float smem[];
   float* red = smem;
@@ -247,6 +260,7 @@ __device__ __forceinline__ void bwd_rows_body(const T* __restrict__ x, const T* 
           op.dx(c, xa[k][i], da[k][i], gm[k][i], o[i], ag[k][i]);
           ab[k][i] += da[k][i];
         }
+        add_residual_grad<T, VEC>(dres, r * blk.W + col[k], o);
         store_vec<T, VEC>(dx + r * blk.W + col[k], o);
       }
     }
@@ -389,9 +403,10 @@ template <typename T, int VEC, int NV, bool PF>
 __global__ void __launch_bounds__(max_threads_for(NV * VEC, PF))
 bwd_rows(const T* __restrict__ x, const T* __restrict__ gamma, const float* __restrict__ rstd,
          const T* __restrict__ dy, T* __restrict__ dx, float* __restrict__ partial,
-         const float* __restrict__ dot_in, RowPlan pl) {
+         const float* __restrict__ dot_in, RowPlan pl, const T* __restrict__ dres) {
   const bool recompute = pl.slabs == 1 && pl.eps >= 0.f;  // rstd from x (one pass only)
-  bwd_rows_body<T, VEC, NV, PF>(x, gamma, dy, dx, partial, pl, RmsBwd<-1>{rstd, dot_in, pl.eps, recompute});
+  bwd_rows_body<T, VEC, NV, PF>(x, gamma, dy, dx, partial, pl, RmsBwd<-1>{rstd, dot_in, pl.eps, recompute},
+                                dres);
 }
 
 template <typename T, int VEC, int NV, bool PF>
@@ -557,7 +572,8 @@ struct StagedBlock {
 template <typename T, int NV, typename Op>
 __device__ __forceinline__ void bwd_rows_tma_body(const T* __restrict__ x, const T* __restrict__ gamma,
                                                   const T* __restrict__ dy, T* __restrict__ dx,
-                                                  float* __restrict__ partial, const RowPlan& pl, const Op& op) {
+                                                  float* __restrict__ partial, const RowPlan& pl, const Op& op,
+                                                  const T* __restrict__ dres = nullptr) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();
 #else
@@ -622,6 +638,7 @@ __device__ __forceinline__ void bwd_rows_tma_body(const T* __restrict__ x, const
         op.dx(c, xa[k][e], da[k][e], gm[k][e], o[e], ag[k][e]);
         ab[k][e] += da[k][e];
       }
+      add_residual_grad<T, VEC>(dres, r * sb.W + col[k], o);
       store_vec<T, VEC>(dx + r * sb.W + col[k], o);
     }
   }
@@ -632,9 +649,10 @@ __device__ __forceinline__ void bwd_rows_tma_body(const T* __restrict__ x, const
 template <typename T, int NV, bool RC>
 __global__ void __launch_bounds__(max_threads_for(NV * kVec16<T>, false))
 bwd_rows_tma(const T* __restrict__ x, const T* __restrict__ gamma, const float* __restrict__ rstd,
-             const T* __restrict__ dy, T* __restrict__ dx, float* __restrict__ partial, RowPlan pl) {
+             const T* __restrict__ dy, T* __restrict__ dx, float* __restrict__ partial, RowPlan pl,
+             const T* __restrict__ dres) {
   // RC: rstd recomputed from x (pl.eps); a template flag: registers
-  bwd_rows_tma_body<T, NV>(x, gamma, dy, dx, partial, pl, RmsBwd<RC ? 1 : 0>{rstd, nullptr, pl.eps, RC});
+  bwd_rows_tma_body<T, NV>(x, gamma, dy, dx, partial, pl, RmsBwd<RC ? 1 : 0>{rstd, nullptr, pl.eps, RC}, dres);
 }
 
 // Forward of the staged path, over a maths policy (see fwd_rows_body: op.row reduces the
@@ -893,11 +911,13 @@ inline int64_t bwd_max_parts(int64_t scratch_len, int64_t rows, int64_t W, bool 
 
 // Backward over rows x W (rows >= 0, W > 0); scratch holds scratch_len f32 with
 // scratch_len >= tail + 2 W (tail: bwd_scratch_tail). recompute_eps >= 0: rstd is
-// recomputed from x (the rstd argument is not read and may be null).
+// recomputed from x (the rstd argument is not read and may be null). dres (optional, shaped
+// like x): a gradient added to dx (the residual stream's, in add_rms_norm's backward).
 template <typename T>
 ffi::Error launch_bwd(cudaStream_t stream, const T* x, const T* gamma, const float* rstd, const T* dy,
                       T* dx, T* dgamma, T* dbeta, float* scratch, int64_t scratch_len, int64_t rows,
-                      int64_t W, Tuning tu = {}, RowPlan* plan_out = nullptr, float recompute_eps = -1.f) {
+                      int64_t W, Tuning tu = {}, RowPlan* plan_out = nullptr, float recompute_eps = -1.f,
+                      const T* dres = nullptr) {
   const bool recompute = recompute_eps >= 0.f;
   const int64_t max_parts = bwd_max_parts(scratch_len, rows, W, recompute);
   float* partial = scratch;
@@ -906,7 +926,7 @@ ffi::Error launch_bwd(cudaStream_t stream, const T* x, const T* gamma, const flo
   int64_t parts = 0;
   if (rows > 0) {
     const bool aligned = aligned16(x) && aligned16(gamma) && aligned16(dy) && aligned16(dx) &&
-                         aligned16(scratch);
+                         aligned16(scratch) && (dres == nullptr || aligned16(dres));
     RowPlan pl = column_plan<T>(rows, W, aligned, tu);
     pl.eps = recompute_eps;
     cudaError_t err = cudaSuccess;
@@ -918,7 +938,8 @@ ffi::Error launch_bwd(cudaStream_t stream, const T* x, const T* gamma, const flo
         if (plan_staged(pl, staged, W * int64_t(sizeof(T)), 2 * W * int64_t(sizeof(T)), 2, tu)) {
           err = set_parts(pl, staged, max_parts);
           if (err != cudaSuccess) return;
-          staged<<<unsigned(pl.parts), pl.threads, smem_bytes(pl), stream>>>(x, gamma, rstd, dy, dx, partial, pl);
+          staged<<<unsigned(pl.parts), pl.threads, smem_bytes(pl), stream>>>(x, gamma, rstd, dy, dx, partial, pl,
+                                                                             dres);
           return;
         }
       }
@@ -935,7 +956,7 @@ ffi::Error launch_bwd(cudaStream_t stream, const T* x, const T* gamma, const flo
         }
       }
       kernel<<<unsigned(pl.parts * pl.slabs), pl.threads, smem_bytes(pl), stream>>>(
-          x, gamma, rstd_used, dy, dx, partial, dot, pl);
+          x, gamma, rstd_used, dy, dx, partial, dot, pl, dres);
     });
     if (!ok) return ffi::Error::Internal("rms_norm backward (cuda): no kernel variant for this plan");
     if (err != cudaSuccess) return cuda_error("rms_norm backward (cuda) setup", err);

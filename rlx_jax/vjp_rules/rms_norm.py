@@ -10,6 +10,15 @@ Primitives (each lowers to its FFI kernel where registered, else to its referenc
 - ``rms_norm_bwd``: (x, gamma, rstd, dy) -> (dx, dgamma, dbeta) with u = dy * gamma,
   dx = rstd * u - x * rstd^3 * sum(u * x) / H, dgamma = sum_rows(dy * x * rstd),
   dbeta = sum_rows(dy).
+
+The residual add + RMSNorm of a pre-norm transformer, s = x + residual, y = rms_norm(s),
+has its own three (``add_rms_norm``): the forward returns s with y and rstd; the tangent
+gives (ts, ty) together; and the backward, given the gradients of both outputs, returns
+ds = dres + (the norm's dx) from one kernel (``rlx_add_rms_norm_bwd``), so the residual
+stream's gradient is never summed by a separate pass. With s and y from two separate ops
+the gradient of s arrives as two cotangents that XLA adds in its own kernel (a read of
+three and a write of one [rows, H] tensor per norm; about 50-60 us per norm of a
+16384 x 2048 bf16 step on an H200).
 """
 
 from __future__ import annotations
@@ -54,16 +63,42 @@ def reference_rms_norm_tangent(x, gamma, rstd, tx, tgamma, tbeta, *, eps):
     return (ty.astype(x.dtype),)
 
 
-def reference_rms_norm_bwd(x, gamma, rstd, dy, *, eps):
+def _reference_bwd_acc(x, gamma, rstd, dy):
+    """(dx, dgamma, dbeta) in the statistics' dtype, before rounding."""
     acc = rstd.dtype
     xf, g, dyf, r = x.astype(acc), gamma.astype(acc), dy.astype(acc), rstd[..., None]
     u = dyf * g
     dot = jnp.sum(u * xf, axis=-1, keepdims=True)
     dx = r * u - xf * r**3 * dot / x.shape[-1]
     rows = tuple(range(x.ndim - 1))
-    dgamma = jnp.sum(dyf * xf * r, axis=rows)
-    dbeta = jnp.sum(dyf, axis=rows)
+    return dx, jnp.sum(dyf * xf * r, axis=rows), jnp.sum(dyf, axis=rows)
+
+
+def reference_rms_norm_bwd(x, gamma, rstd, dy, *, eps):
+    dx, dgamma, dbeta = _reference_bwd_acc(x, gamma, rstd, dy)
     return dx.astype(x.dtype), dgamma.astype(gamma.dtype), dbeta.astype(gamma.dtype)
+
+
+def reference_add_rms_norm(x, residual, gamma, beta, *, eps):
+    """(s, y, rstd): s = x + residual (rounded to x's dtype, as the step's own add would),
+    then the norm of s."""
+    s = x + residual
+    y, rstd = reference_rms_norm(s, gamma, beta, eps=eps)
+    return s, y, rstd
+
+
+def reference_add_rms_norm_tangent(s, gamma, rstd, tx, tres, tgamma, tbeta, *, eps):
+    """(ts, ty): ts = tx + tres, ty the norm's tangent at s for (ts, tgamma, tbeta)."""
+    ts = tx + tres
+    (ty,) = reference_rms_norm_tangent(s, gamma, rstd, ts, tgamma, tbeta, eps=eps)
+    return ts, ty
+
+
+def reference_add_rms_norm_bwd(s, gamma, rstd, dy, dres, *, eps):
+    """(ds, dgamma, dbeta): ds = dres + the norm's dx, added before rounding (as the kernels)."""
+    dx, dgamma, dbeta = _reference_bwd_acc(s, gamma, rstd, dy)
+    ds = dx + dres.astype(dx.dtype)
+    return ds.astype(s.dtype), dgamma.astype(gamma.dtype), dbeta.astype(gamma.dtype)
 
 
 # ---- kernels ---------------------------------------------------------------------------
@@ -102,9 +137,27 @@ def _kernel_bwd_cuda(x, gamma, rstd, dy, *, eps):
     return dx, dg, db
 
 
-def _kernel_ok(*avals, **params):
-    x = avals[0]
-    return x.ndim >= 1 and all(a.dtype == x.dtype for a in avals if a.ndim == x.ndim or a.ndim == 1)
+def _kernel_add_fwd(x, residual, gamma, beta, *, eps):
+    """The sum in XLA (an elementwise fusion it may merge with the producer of residual),
+    the norm in the forward kernel."""
+    s = x + residual
+    y, rstd = _kernel_fwd(s, gamma, beta, eps=eps)
+    return s, y, rstd
+
+
+def _kernel_add_bwd(s, gamma, rstd, dy, dres, *, eps):
+    p = jax.ShapeDtypeStruct(gamma.shape, gamma.dtype)
+    out = (jax.ShapeDtypeStruct(s.shape, s.dtype), p, p)
+    return jax.ffi.ffi_call(ffi_target("rlx_add_rms_norm_bwd"), out)(s, gamma, rstd, dy, dres)
+
+
+def _kernel_add_bwd_cuda(s, gamma, rstd, dy, dres, *, eps):
+    rows = math.prod(s.shape[:-1])
+    scratch = jax.ShapeDtypeStruct((cuda_bwd_scratch_size(rows, s.shape[-1]),), jnp.float32)
+    p = jax.ShapeDtypeStruct(gamma.shape, gamma.dtype)
+    out = (jax.ShapeDtypeStruct(s.shape, s.dtype), p, p, scratch)
+    ds, dg, db, _ = jax.ffi.ffi_call(ffi_target("rlx_add_rms_norm_bwd"), out)(s, gamma, rstd, dy, dres)
+    return ds, dg, db
 
 
 # Under SPMD sharding the rows split across devices; dgamma / dbeta are psum'd.
@@ -119,6 +172,18 @@ rms_norm_bwd = FusedPrimitive(
     target="rlx_rms_norm_bwd",
     kernel={"cpu": _kernel_bwd, "cuda": _kernel_bwd_cuda},
     partition=RowPartition(row_args=(0, 3), stat_args=(2,), row_outputs=(0,)),
+)
+add_rms_norm_fwd = FusedPrimitive(
+    "rlx_add_rms_norm_fwd", reference_add_rms_norm, target="rlx_rms_norm_fwd", kernel=_kernel_add_fwd,
+    partition=RowPartition(row_args=(0, 1), row_outputs=(0, 1), stat_outputs=(2,)),
+)
+add_rms_norm_tangent = FusedPrimitive("rlx_add_rms_norm_tangent", reference_add_rms_norm_tangent)
+add_rms_norm_bwd = FusedPrimitive(
+    "rlx_add_rms_norm_bwd",
+    reference_add_rms_norm_bwd,
+    target="rlx_add_rms_norm_bwd",
+    kernel={"cpu": _kernel_add_bwd, "cuda": _kernel_add_bwd_cuda},
+    partition=RowPartition(row_args=(0, 3, 4), stat_args=(2,), row_outputs=(0,)),
 )
 
 
@@ -156,26 +221,70 @@ rms_norm_fwd.def_batching(rowwise_batching(rms_norm_fwd, row_args=(0,)))
 rms_norm_tangent.def_batching(rowwise_batching(rms_norm_tangent, row_args=(0, 2, 3)))
 
 
-@rms_norm_bwd.def_batching
-def _bwd_batch(args, dims, *, eps):
-    """Per-example backward: dx through the kernel over all rows; the parameter
-    gradients reduced within each batch element."""
-    x, gamma, rstd, dy = args
-    if dims[1] is not NOT_MAPPED:
-        return rms_norm_bwd._reference_batch(args, dims, eps=eps)
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not NOT_MAPPED)
+def _rows_bwd_batching(prim):
+    """Per-example backward (operands x, gamma, rstd, dy[, dres]): dx through the kernel over
+    all rows; the parameter gradients reduced within each batch element."""
 
-    def front(a, d):
-        return jnp.broadcast_to(a, (size, *a.shape)) if d is NOT_MAPPED else jnp.moveaxis(a, d, 0)
+    def rule(args, dims, *, eps):
+        if dims[1] is not NOT_MAPPED:
+            return prim._reference_batch(args, dims, eps=eps)
+        size = next(a.shape[d] for a, d in zip(args, dims) if d is not NOT_MAPPED)
 
-    x, rstd, dy = front(x, dims[0]), front(rstd, dims[2]), front(dy, dims[3])
-    dx, _, _ = rms_norm_bwd(x, gamma, rstd, dy, eps=eps)
-    acc = rstd.dtype
-    rows = tuple(range(1, x.ndim - 1))
-    dyf = dy.astype(acc)
-    dg = jnp.sum(dyf * x.astype(acc) * rstd[..., None], axis=rows).astype(gamma.dtype)
-    db = jnp.sum(dyf, axis=rows).astype(gamma.dtype)
-    return [dx, dg, db], [0, 0, 0]
+        def front(a, d):
+            return jnp.broadcast_to(a, (size, *a.shape)) if d is NOT_MAPPED else jnp.moveaxis(a, d, 0)
+
+        gamma = args[1]
+        x, rstd, dy, *rest = [front(a, d) for i, (a, d) in enumerate(zip(args, dims)) if i != 1]
+        dx, _, _ = prim(x, gamma, rstd, dy, *rest, eps=eps)
+        acc = rstd.dtype
+        rows = tuple(range(1, x.ndim - 1))
+        dyf = dy.astype(acc)
+        dg = jnp.sum(dyf * x.astype(acc) * rstd[..., None], axis=rows).astype(gamma.dtype)
+        db = jnp.sum(dyf, axis=rows).astype(gamma.dtype)
+        return [dx, dg, db], [0, 0, 0]
+
+    return rule
+
+
+rms_norm_bwd.def_batching(_rows_bwd_batching(rms_norm_bwd))
+add_rms_norm_bwd.def_batching(_rows_bwd_batching(add_rms_norm_bwd))
+
+
+@add_rms_norm_fwd.def_jvp
+def _add_fwd_jvp(primals, tangents, *, eps):
+    x, res, gamma, beta = primals
+    tx, tres, tg, tb = instantiate(tangents, primals)
+    s, y, rstd = add_rms_norm_fwd(x, res, gamma, beta, eps=eps)
+    # ts and ty come from one linear primitive, so that its transpose receives both
+    # cotangents and sums them inside the backward kernel
+    ts, ty = add_rms_norm_tangent(s, gamma, rstd, tx, tres, tg, tb, eps=eps)
+    t_rstd = -(rstd**3) * jnp.mean(s.astype(rstd.dtype) * ts.astype(rstd.dtype), axis=-1)
+    return (s, y, rstd), (ts, ty, t_rstd)
+
+
+@add_rms_norm_tangent.def_transpose
+def _add_tangent_transpose(cts, s, gamma, rstd, tx, tres, tg, tb, *, eps):
+    for residual in (s, gamma, rstd):
+        if ad.is_undefined_primal(residual):
+            raise ValueError("add_rms_norm tangent is linear in (tx, tres, tgamma, tbeta) only")
+    ct_s, ct_y = cts
+    zero_s, zero_y = type(ct_s) is ad.Zero, type(ct_y) is ad.Zero
+    linear = (tx, tres, tg, tb)
+    if zero_s and zero_y:
+        return [None, None, None] + [ad.Zero(t.aval) if ad.is_undefined_primal(t) else None for t in linear]
+    if zero_y:  # only the sum is used: its gradient passes to x and residual, none to the norm
+        ds, dg, db = ct_s, jnp.zeros(gamma.shape, gamma.dtype), jnp.zeros(gamma.shape, gamma.dtype)
+    elif zero_s:  # only the norm is used
+        ds, dg, db = rms_norm_bwd(s, gamma, rstd, ct_y, eps=eps)
+    else:
+        ds, dg, db = add_rms_norm_bwd(s, gamma, rstd, ct_y, ct_s, eps=eps)
+    return [None, None, None] + [
+        d if ad.is_undefined_primal(t) else None for d, t in zip((ds, ds, dg, db), linear)
+    ]
+
+
+add_rms_norm_fwd.def_batching(rowwise_batching(add_rms_norm_fwd, row_args=(0, 1)))
+add_rms_norm_tangent.def_batching(rowwise_batching(add_rms_norm_tangent, row_args=(0, 2, 3, 4)))
 
 
 # ---- public functions ------------------------------------------------------------------
@@ -260,3 +369,35 @@ def rms_norm_backward(x, gamma, beta, dy, *, axis: int = -1, eps: float = 1e-6):
     dx, dg, db = rms_norm_bwd(xt, gamma_c, rstd, dyt, eps=eps)
     gdt = jnp.asarray(gamma).dtype
     return jnp.moveaxis(dx, -1, axis).astype(xdt), dg.astype(gdt), db.astype(gdt)
+
+
+def add_rms_norm(x, residual, gamma, beta=None, *, axis: int = -1, eps: float = 1e-6):
+    """The residual add and RMSNorm of a pre-norm transformer block, fused:
+    returns ``(s, y)`` with ``s = x + residual`` and ``y = rms_norm(s, gamma, beta)``.
+
+    x, residual: one shape, normalised over ``axis``; gamma, beta: [x.shape[axis]] (beta
+    optional). s and y are in ``jnp.result_type(x, residual, gamma[, beta])``; statistics
+    accumulate in f32 (f64 for f64); ``eps`` is static, as in ``rms_norm``. Reverse mode
+    runs one backward kernel that takes the gradients of both outputs: the gradient of s
+    (the residual stream past this block) is added to the norm's input gradient inside it,
+    in f32, before the result is rounded once; x and residual both receive that sum.
+    Differentiable in every mode; under SPMD sharding it runs shard-local over every axis
+    but ``axis``.
+
+    A decoder written with it carries the residual stream through the ``s`` outputs::
+
+        x, h = add_rms_norm(x, attention_out, attn_norm)   # x: the stream, h: the MLP input
+    """
+    eps = static_eps(eps, "add_rms_norm")
+    x = jnp.asarray(x)
+    residual = jnp.asarray(residual)
+    if x.shape != residual.shape:
+        raise ValueError(f"add_rms_norm: residual shape {residual.shape} differs from x shape {x.shape}")
+    if not jnp.issubdtype(residual.dtype, jnp.floating):
+        raise TypeError(f"add_rms_norm: residual must be floating point, got {residual.dtype}")
+    x, gamma, beta, axis = _prepare(x, gamma, beta, axis, "add_rms_norm")
+    dtype = jnp.result_type(x.dtype, residual.dtype)
+    x, gamma, beta = x.astype(dtype), gamma.astype(dtype), beta.astype(dtype)
+    xt, rt = jnp.moveaxis(x, axis, -1), jnp.moveaxis(residual.astype(dtype), axis, -1)
+    s, y, _ = add_rms_norm_fwd(xt, rt, gamma, beta, eps=eps)
+    return jnp.moveaxis(s, -1, axis), jnp.moveaxis(y, -1, axis)
