@@ -82,6 +82,17 @@ CASES = {
                (randn(20, 16), rng.integers(0, 20, (8, 6)).astype(np.int32)), (P(), P("data")), (0,)),
     "max_pool2d": (lambda x: ops.max_pool2d(x, kernel_size=(2, 2), stride=(2, 2)), (randn(8, 4, 6, 6),),
                    (P("data", "model"),), (0,)),
+    # elementwise: every axis may split, the last (FFN) axis included
+    "swiglu": (lambda a, b: ops.swiglu(a, b), (randn(8, 6, 32), randn(8, 6, 32)),
+               (P("data", None, "model"), P("data", None, "model")), (0, 1)),
+    # one mesh axis over gate's rows and up's columns: it can split one of the two only
+    "swiglu_mixed_specs": (lambda a, b: ops.swiglu(a, b), (randn(8, 8), randn(8, 8)),
+                           (P("data", None), P(None, "data")), (0, 1)),
+    # a Llama MLP under data x tensor parallelism: gate / up projections split over their
+    # output (FFN) axis, the down projection over its input axis
+    "swiglu_mlp": (lambda h, wg, wu, wd: ops.swiglu(h @ wg, h @ wu) @ wd,
+                   (randn(8, 6, 16), randn(16, 32) / 4, randn(16, 32) / 4, randn(32, 16) / 6),
+                   (P("data"), P(None, "model"), P(None, "model"), P("model", None)), (0, 1, 2, 3)),
 }
 
 

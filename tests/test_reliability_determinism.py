@@ -103,6 +103,11 @@ def _cases():
     c["attention_segments"] = (("rlx_attention_segments_fwd_v1", "rlx_attention_segments_bwd_v1"),
                                lambda q, k, v: ops.attention(q, k, v, mask_kind="causal", q_segment_ids=ids,
                                                              kv_segment_ids=ids), (q, k, v), (0, 1, 2))
+    # 300300 elements: the CPU kernel splits them into 10 tasks of 2^15, the last with a tail
+    gate, up = _arr((300, 1001), 31), _arr((300, 1001), 32)
+    c["swiglu"] = (("rlx_swiglu_bwd_v1",), lambda a, b: ops.swiglu(a, b), (gate, up), (0, 1))
+    c["swiglu_bf16"] = (("rlx_swiglu_bwd_v1",), lambda a, b: ops.swiglu(a, b),
+                        (gate.astype(jnp.bfloat16), up.astype(jnp.bfloat16)), (0, 1))
     idx = jnp.asarray(_rng(25).integers(0, 500, 4000), jnp.int32)  # many repeats per row
     c["gather"] = (("rlx_gather_bwd_v1",), lambda t: ops.gather(t, idx), (_arr((500, 64), 26),), (0,))
     xp = _arr((8, 16, 32, 32), 27)

@@ -99,6 +99,9 @@ def _drivers():
         cs = sds(5, 4)
         lower(lambda x, c, s: ops.rope(x, c, s, head_dim=8), sds(n, 5, 16), cs, cs)
 
+    def elementwise(n):
+        lower(lambda a, b: ops.swiglu(a, b), sds(n, 3, 8), sds(n, 3, 8), argnums=(0, 1))
+
     def indexing(n):
         lower(lambda t, i: ops.gather(t, i), sds(7, 3), sds(n, dtype=jnp.int32))
         lower(lambda x: ops.max_pool2d(x, kernel_size=(2, 2), stride=(2, 2)), sds(n, 3, 6, 6))
@@ -122,7 +125,8 @@ def _drivers():
         args = (sds(n, 3), sds(n, 3), sds(n, 4), sds(n), sds(n, 3), sds(n, 4, 3))
         lower(fn, *args, argnums=(0, 1, 2, 3, 4, 5))
 
-    return dict(norms=norms, rowwise=rowwise, indexing=indexing, quant=quant, attention=attention, splat=splat)
+    return dict(norms=norms, rowwise=rowwise, elementwise=elementwise, indexing=indexing, quant=quant,
+                attention=attention, splat=splat)
 
 
 def _record():

@@ -31,7 +31,8 @@ def results():
 
 OPS = ["rms_norm", "add_rms_norm", "layer_norm", "group_norm", "softmax", "softmax_cross_entropy", "rope", "rope_heads",
        "rope_merged_heads", "rope_seq", "cumsum", "attention", "attention_gqa", "attention_gqa_causal", "attention_mqa", "gather",
-       "max_pool2d", "train_step", "gpt_step"]
+       "max_pool2d", "swiglu", "swiglu_mixed_specs",
+       "swiglu_mlp", "train_step", "gpt_step"]
 
 
 @pytest.mark.parametrize("op", OPS)

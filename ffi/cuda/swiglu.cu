@@ -1,0 +1,129 @@
+// XLA FFI handler for the SwiGLU backward on CUDA: target rlx_swiglu_bwd, with the operands
+// and semantics of the CPU handler (ffi/cpu/swiglu.cc, rlx_jax/vjp_rules/swiglu.py):
+//
+//   a (gate), b (up), dh -> da, db: five buffers of one shape and dtype (f32, bf16, f16),
+//   read as flat arrays of n elements. With e = exp(-|a|), s = sigmoid(a) = 1 / (1 + e)
+//   for a >= 0 and e / (1 + e) for a < 0 (1 - s the other one):
+//     da = dh b (s + a s (1 - s)),   db = dh a s
+//   a s = 0 at a = -inf and a s (1 - s) = 0 at a = +-inf (the limits, not inf * 0).
+//
+// Work layout: thread i of the grid handles the VEC-element vectors i, i + G, i + 2G, ...
+// (G = the grid's threads), VEC = 16 bytes of T (8 bf16 / f16, 4 f32) when all five buffers
+// are 16-byte aligned, else 1; then the n mod VEC elements past the last whole vector, one
+// per thread. The grid is a few resident blocks per SM, each striding over the array. Reads
+// and writes stream (evict-first: every byte is touched once). f32 arithmetic; each output
+// element is written by one thread with the same operations every run: deterministic.
+// Nothing is allocated; the kernel runs on XLA's stream.
+
+#include <cmath>
+
+#include "cuda/common.cuh"
+#include "swiglu_checks.h"
+
+namespace rlx {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kBlocksPerSm = 8;  // 2048 resident threads an SM (Hopper's limit)
+
+__device__ __forceinline__ void swiglu_grad(float a, float b, float dh, float& da, float& db) {
+  const bool pos = a >= 0.f;
+  const float e = __expf(pos ? -a : a);  // in (0, 1]; 0 at |a| = inf
+  const float r = __frcp_rn(1.f + e);    // correctly rounded (fast math would approximate 1 / x)
+  const float er = e * r;
+  const float s = pos ? r : er;  // sigmoid(a)
+  const float c = pos ? er : r;  // 1 - sigmoid(a)
+  const float silu = a == -INFINITY ? 0.f : a * s;
+  const float slope = isinf(a) ? 0.f : silu * c;
+  da = dh * b * (s + slope);
+  db = dh * silu;
+}
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kThreads) swiglu_bwd_k(const T* __restrict__ a, const T* __restrict__ b,
+                                                         const T* __restrict__ dh, T* __restrict__ da,
+                                                         T* __restrict__ db, int64_t n) {
+  using P = Pack<T, VEC>;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t vecs = n / VEC;
+  for (int64_t v = tid; v < vecs; v += stride) {
+    const int64_t i = v * VEC;
+    const P pa = ld_pack<T, VEC, Cache::kStream>(a + i);
+    const P pb = ld_pack<T, VEC, Cache::kStream>(b + i);
+    const P pd = ld_pack<T, VEC, Cache::kStream>(dh + i);
+    P oa, ob;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      float ga, gb;
+      swiglu_grad(to_f32(pa.v[k]), to_f32(pb.v[k]), to_f32(pd.v[k]), ga, gb);
+      oa.v[k] = from_f32<T>(ga);
+      ob.v[k] = from_f32<T>(gb);
+    }
+    st_pack_stream<T, VEC>(da + i, oa);
+    st_pack_stream<T, VEC>(db + i, ob);
+  }
+  // the tail past the last whole vector (VEC > 1 only)
+  for (int64_t i = vecs * VEC + tid; i < n; i += stride) {
+    float ga, gb;
+    swiglu_grad(to_f32(a[i]), to_f32(b[i]), to_f32(dh[i]), ga, gb);
+    da[i] = from_f32<T>(ga);
+    db[i] = from_f32<T>(gb);
+  }
+}
+
+template <typename T, int VEC>
+ffi::Error launch_vec(cudaStream_t stream, const T* a, const T* b, const T* dh, T* da, T* db, int64_t n, int sms) {
+  const int64_t work = std::max<int64_t>(n / VEC, 1);
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((work + kThreads - 1) / kThreads,
+                                                                int64_t(sms) * kBlocksPerSm));
+  swiglu_bwd_k<T, VEC><<<unsigned(blocks), kThreads, 0, stream>>>(a, b, dh, da, db, n);
+  return check_launch("swiglu_bwd (cuda): kernel launch");
+}
+
+template <typename T>
+ffi::Error launch(cudaStream_t stream, const T* a, const T* b, const T* dh, T* da, T* db, int64_t n) {
+  DeviceInfo info;
+  if (cudaError_t e = device_info(&info); e != cudaSuccess) return cuda_error("swiglu_bwd (cuda): device query", e);
+  if (aligned16(a) && aligned16(b) && aligned16(dh) && aligned16(da) && aligned16(db))
+    return launch_vec<T, kVec16<T>>(stream, a, b, dh, da, db, n, info.sms);
+  return launch_vec<T, 1>(stream, a, b, dh, da, db, n, info.sms);
+}
+
+// Operands checked as on the CPU (swiglu_checks.h); f64 is not taken here (the Python
+// side lowers the reference for it).
+ffi::Error SwigluBwdImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer dh,
+                         ffi::Result<ffi::AnyBuffer> da, ffi::Result<ffi::AnyBuffer> db) {
+  int64_t n = 0;
+  if (auto e = swiglu::check(a, b, dh, *da, *db, n); e.failure()) return e;
+  if (n == 0) return ffi::Error::Success();
+  ffi::Error result = ffi::Error::Success();
+  bool ok = dispatch(a.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    result = launch<T>(stream, static_cast<const T*>(a.untyped_data()), static_cast<const T*>(b.untyped_data()),
+                       static_cast<const T*>(dh.untyped_data()), static_cast<T*>(da->untyped_data()),
+                       static_cast<T*>(db->untyped_data()), n);
+  });
+  if (!ok) return invalid("swiglu_bwd (cuda): unsupported dtype " + dtype_name(a.element_type()) + " (f32, bf16, f16)");
+  return result;
+}
+
+}  // namespace
+
+// Command-buffer compatible: one launch on XLA's stream whose shape depends on the buffer
+// size, its alignment and the device alone.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxSwigluBwdCuda, SwigluBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()   // a (gate)
+                                  .Arg<ffi::AnyBuffer>()   // b (up)
+                                  .Arg<ffi::AnyBuffer>()   // dh
+                                  .Ret<ffi::AnyBuffer>()   // da
+                                  .Ret<ffi::AnyBuffer>(),  // db
+                              {ffi::Traits::kCmdBufferCompatible});
+
+RLX_CUDA_REGISTER_HANDLER("rlx_swiglu_bwd", RlxSwigluBwdCuda);
+
+}  // namespace cuda
+}  // namespace rlx
