@@ -52,8 +52,31 @@ def binary(op_kind, a, b):
     return fn(a, b)
 
 
+def _swiglu_operands(op, args, ctx):
+    """(gate, up) when this Binary is ``Mul(Activation Silu(gate), up)`` (either order) over
+    one shape and one floating dtype, else None: such a product lowers to ``ops.swiglu``,
+    whose reverse mode is one fused kernel. The Silu node keeps its own lowering; left
+    without other consumers, XLA drops it."""
+    if enum_name(op.op) != "Mul" or ctx.graph is None or ctx.node is None:
+        return None
+    for k, node_id in enumerate(ctx.node.inputs):
+        src = ctx.graph.node(node_id)
+        if not (isinstance(src.op, ir.Activation) and enum_name(src.op.kind) == "Silu"):
+            continue
+        gate, up = ctx.env.get(src.inputs[0]), args[1 - k]
+        if (gate is not None and gate.shape == up.shape == args[k].shape and gate.dtype == up.dtype == args[k].dtype
+                and jnp.issubdtype(gate.dtype, jnp.floating)):
+            return gate, up
+    return None
+
+
 @lowering_rule(ir.Binary)
 def _binary(op, args, ctx):
+    gated = _swiglu_operands(op, args, ctx)
+    if gated is not None:
+        from .nn import fused
+
+        return ctx.cast_out(fused("swiglu")(*gated))
     a, b = args
     return ctx.cast_out(binary(op.op, a, b))
 
