@@ -11,16 +11,21 @@ drift of the machine hits every variant alike.
 Variants:
   plain-xla        plain JAX, attention ``jax.nn.dot_product_attention(implementation="xla")``
   plain-cudnn      the same with ``implementation="cudnn"`` (GPU only)
-  rlx              rlx_jax.ops: gather (embedding), rms_norm, rope, attention,
-                   fused_linear_cross_entropy (mean reduction, logits blocks in the model's
-                   dtype as the plain head's ``h @ w``; softmax and loss in f32 in both)
+  rlx              rlx_jax.ops: gather (embedding), add_rms_norm (each residual add with the
+                   RMSNorm after it), rope, attention, swiglu, fused_linear_cross_entropy
+                   (mean reduction, logits blocks in the model's dtype as the plain head's
+                   ``h @ w``; softmax and loss in f32 in both)
+  rlx-separate-add rlx with the residual adds written apart from ``rms_norm`` (x = x + b;
+                   rms_norm(x)), as before add_rms_norm
+  rlx-plain-mlp    rlx with the plain ``silu(a) * b``
   rlx-f32-logits   rlx with the fused head's logits blocks kept in f32 (more precise than the
                    plain head; the same as rlx for an f32 model)
   rlx-plain-ce     rlx with the plain logits + cross-entropy head
-  rlx-xla-rows     rlx with the plain RMSNorm and RoPE (XLA fuses them into their neighbours)
+  rlx-xla-rows     rlx with the plain RMSNorm, residual adds and RoPE (XLA fuses them into
+                   their neighbours)
   rlx-<base>-attn  rlx with the best plain attention (cudnn on the GPU, xla elsewhere)
   +<op>            the best plain baseline (cudnn on the GPU, xla elsewhere) with one op
-                   swapped for rlx_jax's (embed, norm, rope, attn, loss)
+                   swapped for rlx_jax's (embed, norm (add_rms_norm), rope, attn, loss, mlp)
   train-fused / train-nofused
                    the RLX-graph transformer of ``rlx-jax train`` (its full update step:
                    loss, gradients and the AdamW update), fused kernels and ``--no-fused``
@@ -82,7 +87,7 @@ TRAIN_CONFIGS = {
 PEAK_TFLOPS = {("H200", "bfloat16"): 989.0, ("H100", "bfloat16"): 989.0,
                ("H200", "float32"): 494.7, ("H100", "float32"): 494.7}
 
-OPS = ("embed", "norm", "rope", "attn", "loss")
+OPS = ("embed", "norm", "rope", "attn", "loss", "mlp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +121,10 @@ class Shape:
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """Which implementation each op uses: embed "take" | "rlx"; norm, rope "jax" | "rlx";
-    loss "jax" | "rlx" | "rlx-f32" (logits blocks in f32); attn "xla" | "cudnn" | "rlx"."""
+    """Which implementation each op uses: embed "take" | "rlx"; norm "jax" | "rlx" (rms_norm
+    after a separate residual add) | "rlx-add" (add_rms_norm); rope, mlp (the SwiGLU product)
+    "jax" | "rlx"; loss "jax" | "rlx" | "rlx-f32" (logits blocks in f32); attn "xla" |
+    "cudnn" | "rlx"."""
 
     name: str
     embed: str = "take"
@@ -125,6 +132,7 @@ class Variant:
     rope: str = "jax"
     attn: str = "xla"
     loss: str = "jax"
+    mlp: str = "jax"
 
 
 # ---- the model ---------------------------------------------------------------------------------
@@ -233,7 +241,16 @@ def make_loss(s: Shape, v: Variant):
     cos_np, sin_np = rope_tables(s.seq, s.head_dim, s.rope_base)
 
     def norm(x, g):
-        return rops.rms_norm(x, g, eps=s.eps) if v.norm == "rlx" else _jax_rms_norm(x, g, s.eps)
+        return rops.rms_norm(x, g, eps=s.eps) if v.norm != "jax" else _jax_rms_norm(x, g, s.eps)
+
+    def add_norm(x, branch, g):
+        """The residual stream after adding ``branch`` (None: nothing to add), and its norm."""
+        if branch is None:
+            return x, norm(x, g)
+        if v.norm == "rlx-add":
+            return rops.add_rms_norm(x, branch, g, eps=s.eps)
+        x = x + branch
+        return x, norm(x, g)
 
     def rotate(x, cos, sin):
         return _rlx_rope(x, cos, sin) if v.rope == "rlx" else _jax_rope(x, cos, sin)
@@ -243,6 +260,9 @@ def make_loss(s: Shape, v: Variant):
             return rops.attention(q, k, vv, mask_kind="causal")
         return jax.nn.dot_product_attention(q, k, vv, is_causal=True, implementation=v.attn)
 
+    def gated(a, b):
+        return rops.swiglu(a, b) if v.mlp == "rlx" else jax.nn.silu(a) * b
+
     def loss(params, tokens, labels):
         cos, sin = jnp.asarray(cos_np), jnp.asarray(sin_np)
         if v.embed == "rlx":
@@ -250,17 +270,18 @@ def make_loss(s: Shape, v: Variant):
         else:
             x = jnp.take(params["embed"], tokens, axis=0)
         b, t = tokens.shape
+        branch = None  # the last block's output, not yet added to the residual stream x
         for i in range(s.layers):
             p = lambda n: params[f"l{i}.{n}"]
-            h = norm(x, p("attn_norm"))
+            x, h = add_norm(x, branch, p("attn_norm"))
             q = (h @ p("wq")).reshape(b, t, s.heads, s.head_dim)
             k = (h @ p("wk")).reshape(b, t, s.kv_heads, s.head_dim)
             vv = (h @ p("wv")).reshape(b, t, s.kv_heads, s.head_dim)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-            x = x + attend(q, k, vv).reshape(b, t, s.heads * s.head_dim) @ p("wo")
-            h = norm(x, p("mlp_norm"))
-            x = x + (jax.nn.silu(h @ p("w_gate")) * (h @ p("w_up"))) @ p("w_down")
-        h = norm(x, params["final_norm"]).reshape(b * t, s.width)
+            x, h = add_norm(x, attend(q, k, vv).reshape(b, t, s.heads * s.head_dim) @ p("wo"), p("mlp_norm"))
+            branch = gated(h @ p("w_gate"), h @ p("w_up")) @ p("w_down")
+        _, h = add_norm(x, branch, params["final_norm"])
+        h = h.reshape(b * t, s.width)
         if v.loss == "jax":
             return _jax_loss(h, params["head"], labels)
         return _rlx_loss(h, params["head"], labels, f32_logits=v.loss == "rlx-f32")
@@ -273,14 +294,17 @@ def variants(platform: str) -> list[Variant]:
     out = [Variant("plain-xla")]
     if platform == "gpu":
         out.append(Variant("plain-cudnn", attn="cudnn"))
-    out.append(Variant("rlx", embed="rlx", norm="rlx", rope="rlx", attn="rlx", loss="rlx"))
-    out.append(Variant("rlx-f32-logits", embed="rlx", norm="rlx", rope="rlx", attn="rlx", loss="rlx-f32"))
-    out.append(Variant("rlx-plain-ce", embed="rlx", norm="rlx", rope="rlx", attn="rlx"))
-    out.append(Variant("rlx-xla-rows", embed="rlx", attn="rlx", loss="rlx"))
-    out.append(Variant(f"rlx-{base}-attn", embed="rlx", norm="rlx", rope="rlx", attn=base, loss="rlx"))
+    rlx = Variant("rlx", embed="rlx", norm="rlx-add", rope="rlx", attn="rlx", loss="rlx", mlp="rlx")
+    out.append(rlx)
+    out.append(dataclasses.replace(rlx, name="rlx-separate-add", norm="rlx"))
+    out.append(dataclasses.replace(rlx, name="rlx-plain-mlp", mlp="jax"))
+    out.append(dataclasses.replace(rlx, name="rlx-f32-logits", loss="rlx-f32"))
+    out.append(dataclasses.replace(rlx, name="rlx-plain-ce", loss="jax"))
+    out.append(dataclasses.replace(rlx, name="rlx-xla-rows", norm="jax", rope="jax"))
+    out.append(dataclasses.replace(rlx, name=f"rlx-{base}-attn", attn=base))
     for op in OPS:
         out.append(dataclasses.replace(Variant(f"plain-{base}+{op}", attn=base),
-                                       **{op: "rlx"}))
+                                       **{op: "rlx-add" if op == "norm" else "rlx"}))
     return out
 
 
