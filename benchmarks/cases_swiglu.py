@@ -3,30 +3,26 @@ the copy floor.
 
 Two cases per size, [N, F] = a Llama MLP's gate / up activations:
 
-- ``swiglu fwd+bwd``: a training step's worth, h from (gate, up), then (dgate, dup) from
-  dh. ``dh`` passes an optimisation barrier together with h, so the backward cannot run
-  in the forward's pass: in a training step dh comes from the down projection of h.
-  Ours: XLA's forward fusion, then the kernel ``rlx_swiglu_bwd``. Floor: the forward
-  reads gate and up and writes h, the backward reads gate, up and dh and writes dgate
-  and dup: 8 N F elements.
+- ``swiglu fwd+bwd``: h from (gate, up), then (dgate, dup) from dh, with dh passing an
+  optimisation barrier together with h (it arrives after h). Ours: XLA's forward fusion,
+  then the kernel ``rlx_swiglu_bwd``. Floor: the forward reads gate and up and writes h,
+  the backward reads gate, up and dh and writes dgate and dup: 8 N F elements. In so small
+  a program XLA runs its backward as one fusion (on an H200, all 8 passes in the copy
+  floor's time); in a training step's program it runs two (benchmarks/e2e_profile.py), so
+  the ``bwd`` case below is the step's.
 - ``swiglu bwd``: the backward alone, each side from its own forward's residuals (the
   arguments are the two ``jax.vjp`` closures and dh). Floor: 5 N F elements.
 
-    python -m benchmarks.cases_swiglu --preset cpu
-    python -m benchmarks.cases_swiglu --preset gpu --json out.json
-    python -m benchmarks.run --cases swiglu        # the same cases in the common runner
+    python -m benchmarks.run --cases swiglu                 # the default device's preset
+    python -m benchmarks.run --cases swiglu --device gpu --json out.json
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import pathlib
-
 import jax
 import jax.numpy as jnp
 
-from benchmarks.harness import Case, default_batch, run_case
+from benchmarks.harness import Case
 from rlx_jax.ops import swiglu
 
 #: name -> (N rows, F FFN width, dtype)
@@ -89,33 +85,3 @@ def cases(device_kind: str) -> list[Case]:
     n, f, dtype = PRESETS["gpu" if device_kind == "gpu" else "cpu"]
     return [step_case(n, f, dtype), bwd_case(n, f, dtype), step_case(n, f, jnp.float32), bwd_case(n, f, jnp.float32)]
 
-
-def main(argv=None) -> int:
-    from benchmarks.run import format_table
-
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                        help="sizes: cpu (2048 x 1408) or gpu (16384 x 5632); default: the default device's")
-    parser.add_argument("--reps", type=int, default=10, help="timed repetitions per round (median taken)")
-    parser.add_argument("--batch", type=int, default=None,
-                        help="calls dispatched back to back per timing sample (default: 10 on a GPU, 1 on the CPU)")
-    parser.add_argument("--json", type=pathlib.Path, default=None, help="also write the rows as JSON here")
-    args = parser.parse_args(argv)
-    device = jax.devices()[0]
-    kind = "gpu" if device.platform in ("gpu", "cuda") else "cpu"
-    preset = args.preset or kind
-    print(f"# swiglu, preset {preset}; device: {device.device_kind} ({device.platform}); jax {jax.__version__}; "
-          f"calls per timing sample: {args.batch or default_batch(device)}", flush=True)
-    rows = []
-    for case in cases("gpu" if preset == "gpu" else "cpu"):
-        rows.append(run_case(case, device, args.reps, args.batch))
-        print(format_table(rows[-1:]).splitlines()[-1], flush=True)
-    print()
-    print(format_table(rows))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -16,7 +16,7 @@ from jax.test_util import check_grads
 import rlx_jax
 from rlx_jax.ops import swiglu, swiglu_backward
 from rlx_jax.vjp_rules._primitive import fused_ops
-from testutil import hlo_text, platform
+from testutil import check_swiglu_bwd_over_every_bit_pattern, hlo_text, platform
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 # (3, 7, 33): 693 elements, a tail of 5 after the CPU kernel's 16-element blocks;
@@ -333,21 +333,7 @@ def test_16bit_conversions_over_every_bit_pattern(dtype):
     even must give NumPy's rounding of the same products. up = 1 + one ulp makes rounding
     ties and carries; bf16 subnormals (f32 subnormals, which a kernel may flush) are
     left out."""
-    np_dtype = np.dtype(dtype)
-    up = np_dtype.type(1.0 + float(jnp.finfo(dtype).eps))
-    bits = np.concatenate([np.arange(65536), np.arange(7)]).astype(np.uint16)
-    dh = bits.view(np_dtype)
-    a, b = np.full(dh.shape, 30.0, np_dtype), np.full(dh.shape, up, np_dtype)
-    da, db = jax.jit(swiglu_backward)(jnp.asarray(a), jnp.asarray(b), jnp.asarray(dh))
-    f32 = dh.astype(np.float32)
-    keep = ~((f32 != 0) & (np.abs(f32) < np.finfo(np.float32).tiny))
-    with np.errstate(all="ignore"):  # inf * 0 -> NaN, overflow to inf: both expected
-        wants = (f32 * np.float32(up)).astype(np_dtype), (f32 * np.float32(30.0)).astype(np_dtype)
-    for got, want, name in zip((da, db), wants, ("da", "db")):
-        got, want = np.asarray(got)[keep], want[keep]
-        np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=name)
-        fin = ~np.isnan(want)
-        np.testing.assert_array_equal(got[fin].view(np.uint16), want[fin].view(np.uint16), err_msg=name)
+    check_swiglu_bwd_over_every_bit_pattern(dtype, jnp.asarray)
 
 
 def test_nan_propagates():

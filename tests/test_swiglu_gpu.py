@@ -16,6 +16,7 @@ import pytest
 
 import rlx_jax
 from gpu_testutil import gpu, requires_gpu
+from testutil import check_swiglu_bwd_over_every_bit_pattern
 from rlx_jax.ops import swiglu, swiglu_backward
 from rlx_jax.vjp_rules.swiglu import swiglu_bwd
 
@@ -146,20 +147,7 @@ def test_16bit_conversions_over_every_bit_pattern(dtype):
     and db = 30 dh, exact f32 products rounded once: over all 2^16 bit patterns of dh (and
     7 more: a tail), the kernel's rounding must be NumPy's round to nearest even of the same
     products (NaN compared as NaN; bf16 subnormals, flushed under fast math, left out)."""
-    np_dtype = np.dtype(dtype)
-    up = np_dtype.type(1.0 + float(jnp.finfo(dtype).eps))
-    dh = np.concatenate([np.arange(65536), np.arange(7)]).astype(np.uint16).view(np_dtype)
-    a, b = np.full(dh.shape, 30.0, np_dtype), np.full(dh.shape, up, np_dtype)
-    da, db = jax.jit(swiglu_backward)(*(jax.device_put(jnp.asarray(v), gpu()) for v in (a, b, dh)))
-    f32 = dh.astype(np.float32)
-    keep = ~((f32 != 0) & (np.abs(f32) < np.finfo(np.float32).tiny))
-    with np.errstate(all="ignore"):
-        wants = (f32 * np.float32(up)).astype(np_dtype), (f32 * np.float32(30.0)).astype(np_dtype)
-    for got, want, name in zip((da, db), wants, ("da", "db")):
-        got, want = np.asarray(got)[keep], want[keep]
-        np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=name)
-        fin = ~np.isnan(want)
-        np.testing.assert_array_equal(got[fin].view(np.uint16), want[fin].view(np.uint16), err_msg=name)
+    check_swiglu_bwd_over_every_bit_pattern(dtype, lambda v: jax.device_put(jnp.asarray(v), gpu()))
 
 
 def test_nan_propagates():

@@ -87,3 +87,29 @@ def load_script(path: pathlib.Path, name: str):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def check_swiglu_bwd_over_every_bit_pattern(dtype, put):
+    """swiglu_backward at gate = 30 (s = 1, a s (1 - s) below half an ulp of 1 in f32), so
+    da = dh * up and db = 30 dh are exact f32 products rounded once to the 16-bit ``dtype``:
+    over all 2^16 bit patterns of dh (and 7 more: a tail block), the kernel's result must be
+    NumPy's round to nearest even of the same products, bit for bit (NaN as NaN; bf16
+    subnormals, which a kernel may flush, left out). ``put`` places an array on the device
+    under test. Shared by the CPU and GPU SwiGLU tests."""
+    from rlx_jax.ops import swiglu_backward
+    np_dtype = np.dtype(dtype)
+    up = np_dtype.type(1.0 + float(jnp.finfo(dtype).eps))
+    bits = np.concatenate([np.arange(65536), np.arange(7)]).astype(np.uint16)
+    dh = bits.view(np_dtype)
+    a, b = np.full(dh.shape, 30.0, np_dtype), np.full(dh.shape, up, np_dtype)
+    da, db = jax.jit(swiglu_backward)(put(a), put(b), put(dh))
+    f32 = dh.astype(np.float32)
+    keep = ~((f32 != 0) & (np.abs(f32) < np.finfo(np.float32).tiny))
+    with np.errstate(all="ignore"):  # inf * 0 -> NaN, overflow to inf: both expected
+        wants = (f32 * np.float32(up)).astype(np_dtype), (f32 * np.float32(30.0)).astype(np_dtype)
+    for got, want, name in zip((da, db), wants, ("da", "db")):
+        got, want = np.asarray(got)[keep], want[keep]
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=name)
+        fin = ~np.isnan(want)
+        np.testing.assert_array_equal(got[fin].view(np.uint16), want[fin].view(np.uint16), err_msg=name)
+
