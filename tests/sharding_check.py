@@ -40,6 +40,11 @@ CASES = {
     "add_rms_norm": (lambda x, r, g: (lambda s, y: 0.5 * s + y)(*ops.add_rms_norm(x, r, g)),
                      (randn(8, 6, 32), randn(8, 6, 32), randn(32)), (P("data", "model"), P("data", "model"), P()),
                      (0, 1, 2)),
+    # x on its batch axis, the residual on its sequence axis, over one mesh axis: one of the
+    # two row factors keeps the mesh axis (the other operand is resharded)
+    "add_rms_norm_mixed_specs": (lambda x, r, g: (lambda s, y: 0.5 * s + y)(*ops.add_rms_norm(x, r, g)),
+                                 (randn(8, 8, 32), randn(8, 8, 32), randn(32)),
+                                 (P("data", None), P(None, "data"), P()), (0, 1, 2)),
     "layer_norm": (lambda x, g, b: ops.layer_norm(x, g, b), (randn(8, 6, 32), randn(32), randn(32)),
                    (P("data", "model"), P(), P()), (0, 1, 2)),
     "group_norm": (lambda x, g, b: ops.group_norm(x, g, b, num_groups=4), (randn(8, 8, 5, 5), randn(8), randn(8)),

@@ -29,7 +29,7 @@ def results():
     return {r["op"]: r for r in rows}
 
 
-OPS = ["rms_norm", "add_rms_norm", "layer_norm", "group_norm", "softmax", "softmax_cross_entropy", "rope", "rope_heads",
+OPS = ["rms_norm", "add_rms_norm", "add_rms_norm_mixed_specs", "layer_norm", "group_norm", "softmax", "softmax_cross_entropy", "rope", "rope_heads",
        "rope_merged_heads", "rope_seq", "cumsum", "attention", "attention_gqa", "attention_gqa_causal", "attention_mqa", "gather",
        "max_pool2d", "swiglu", "swiglu_mixed_specs",
        "swiglu_mlp", "train_step", "gpt_step"]

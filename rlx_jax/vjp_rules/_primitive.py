@@ -275,11 +275,15 @@ class Partition:
         for cs in c_in:
             for f, size in cs:
                 dims.setdefault(f, set()).add(size)
-        ok = {}
+        ok, used = {}, set()
         for f, axes in assign.items():
             n = math.prod(mesh_sizes[ax] for ax in axes)
-            if all(d % n == 0 for d in dims.get(f, ())):
+            # a mesh axis splits one factor only: operands sharded over one mesh axis on
+            # different factors (x on its rows, dy on its columns) keep the first such factor,
+            # and the other operand is resharded to match
+            if all(d % n == 0 for d in dims.get(f, ())) and used.isdisjoint(axes):
                 ok[f] = axes
+                used.update(axes)
         return ok
 
     @staticmethod

@@ -106,34 +106,16 @@ def _kernel_bwd(a, b, dh):
 
 
 def _elementwise_factors(avals_in, avals_out, **params):
-    """Every operand and result has the same axes: one factor per axis, all shared."""
+    """Every operand and result has the same axes: one factor per axis, all shared, and all
+    shardable (the FFN axis of tensor parallelism included; axes past the 64th stay whole)."""
     axes = tuple(f"e{i}" for i in range(avals_in[0].ndim))
     return [axes] * len(avals_in), [axes] * len(avals_out)
-
-
-class _ElementwisePartition(Partition):
-    """Elementwise, so every axis may be sharded (axes past the 64th stay whole), as the
-    first operand that shards it. Operands sharded differently may map one mesh axis to
-    two axes (gate split on rows, up on columns, over the same mesh axis); a mesh axis
-    can split one axis only, so the later axis stays whole there (that operand is
-    resharded to match)."""
-
-    def __init__(self):
-        super().__init__(_elementwise_factors, shardable=[f"e{i}" for i in range(64)])
-
-    def _assign(self, mesh, arg_shapes, c_in) -> dict:
-        used, kept = set(), {}
-        for factor, axes in super()._assign(mesh, arg_shapes, c_in).items():
-            if used.isdisjoint(axes):
-                kept[factor] = axes
-                used.update(axes)
-        return kept
 
 
 swiglu_fwd = FusedPrimitive("rlx_swiglu_fwd", reference_swiglu)
 swiglu_tangent = FusedPrimitive("rlx_swiglu_tangent", reference_swiglu_tangent)
 swiglu_bwd = FusedPrimitive("rlx_swiglu_bwd", reference_swiglu_bwd, target="rlx_swiglu_bwd", kernel=_kernel_bwd,
-                            partition=_ElementwisePartition())
+                            partition=Partition(_elementwise_factors, shardable=[f"e{i}" for i in range(64)]))
 
 
 # ---- differentiation rules -------------------------------------------------------------
