@@ -16,7 +16,7 @@ from jax.test_util import check_grads
 import rlx_jax
 from rlx_jax.ops import swiglu, swiglu_backward
 from rlx_jax.vjp_rules._primitive import fused_ops
-from testutil import check_swiglu_bwd_over_every_bit_pattern, hlo_text, platform
+from testutil import check_swiglu_bwd_over_every_bit_pattern, hlo_text, numpy_swiglu, platform
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 # (3, 7, 33): 693 elements, a tail of 5 after the CPU kernel's 16-element blocks;
@@ -26,17 +26,6 @@ SHAPES = [(3, 7, 33), (1,), (), (0, 5), (5, 0, 3), (2, 40001)]
 # per-element error allowed, relative to |value| plus the same fraction of max |value|:
 # one rounding to the dtype after f32 arithmetic (f64 for f64)
 RTOL = {jnp.float32: 4e-6, jnp.bfloat16: 2.0**-8, jnp.float16: 2.0**-10, jnp.float64: 1e-13}
-
-
-def np_swiglu(a, b, dh=None):
-    """NumPy float64 oracle: h = a s b, da = dh b s (1 + a (1 - s)), db = dh a s."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    s = 1.0 / (1.0 + np.exp(-a))
-    h = a * s * b
-    if dh is None:
-        return h
-    dh = np.asarray(dh, np.float64)
-    return h, dh * b * s * (1.0 + a * (1.0 - s)), dh * a * s
 
 
 def _inputs(shape, dtype, seed=0, scale=3.0):
@@ -103,7 +92,7 @@ def test_fused_ops_off_gives_the_same_gradients():
 def test_values_and_gradients_match_numpy(shape, dtype):
     a, b, dh = _inputs(shape, dtype, seed=sum(shape) + 2)
     h, da, db = jax.jit(_vjp)(a, b, dh)
-    want_h, want_da, want_db = np_swiglu(a.astype(jnp.float32), b.astype(jnp.float32), dh.astype(jnp.float32))
+    want_h, want_da, want_db = numpy_swiglu(a.astype(jnp.float32), b.astype(jnp.float32), dh.astype(jnp.float32))
     _check(h, want_h, dtype, "h")
     _check(da, want_da, dtype, "da")
     _check(db, want_db, dtype, "db")
@@ -118,7 +107,7 @@ def test_float64_values_and_gradients(x64, shape):
     if platform() == "cpu":  # f64 kernel on the CPU; CUDA lowers the reference for f64
         assert "rlx_swiglu_bwd" in hlo_text(_vjp, a, b, dh)
     h, da, db = jax.jit(_vjp)(a, b, dh)
-    want = np_swiglu(a, b, dh)
+    want = numpy_swiglu(a, b, dh)
     for got, w, name in zip((h, da, db), want, ("h", "da", "db")):
         _check(got, w, jnp.float64, name)
 
@@ -130,7 +119,7 @@ def test_jvp_matches_numpy():
     A, B = np.asarray(a, np.float64), np.asarray(b, np.float64)
     s = 1.0 / (1.0 + np.exp(-A))
     want = np.asarray(ta) * B * s * (1 + A * (1 - s)) + np.asarray(tb) * A * s
-    _check(h, np_swiglu(a, b), jnp.float32)
+    _check(h, numpy_swiglu(a, b), jnp.float32)
     _check(th, want, jnp.float32)
 
 
@@ -164,10 +153,10 @@ def test_mixed_dtypes_promote_and_gradients_keep_input_dtypes():
     b32 = b.astype(jnp.float32)
     h = swiglu(a, b32)
     assert h.dtype == jnp.float32
-    _check(h, np_swiglu(a.astype(jnp.float32), b32), jnp.float32)
+    _check(h, numpy_swiglu(a.astype(jnp.float32), b32), jnp.float32)
     da, db = jax.grad(lambda a, b: jnp.sum(swiglu(a, b) * dh.astype(jnp.float32)), (0, 1))(a, b32)
     assert da.dtype == jnp.bfloat16 and db.dtype == jnp.float32
-    _, want_da, want_db = np_swiglu(a.astype(jnp.float32), b32, dh.astype(jnp.float32))
+    _, want_da, want_db = numpy_swiglu(a.astype(jnp.float32), b32, dh.astype(jnp.float32))
     _check(da, want_da, jnp.bfloat16)
     _check(db, want_db, jnp.float32)
     bda, bdb = swiglu_backward(a, b32, dh)
@@ -184,7 +173,7 @@ def test_vmap_of_grad_batched_gate_only():
     fn = jax.vmap(jax.grad(loss, (0, 1)), in_axes=(0, None, 0))
     assert "rlx_swiglu_bwd" in hlo_text(fn, a, b, dh)
     da, db = jax.jit(fn)(a, b, dh)
-    _, want_da, want_db = np_swiglu(a, np.broadcast_to(b, a.shape), dh)
+    _, want_da, want_db = numpy_swiglu(a, np.broadcast_to(b, a.shape), dh)
     _check(da, want_da, jnp.float32)
     _check(db, want_db, jnp.float32)  # per example: [4, 3, 6]
 
@@ -197,20 +186,20 @@ def test_vmap_of_grad_both_batched_other_axes():
     assert "rlx_swiglu_bwd" in hlo_text(fn, a, b)
     da, db = jax.jit(fn)(a, b)
     bt = np.moveaxis(np.asarray(b, np.float64), 2, 1)  # b laid out like a
-    h = np_swiglu(a, bt)
+    h = numpy_swiglu(a, bt)
     dh = 1.0 - np.tanh(h) ** 2
-    _, want_da, want_db = np_swiglu(a, bt, dh)
+    _, want_da, want_db = numpy_swiglu(a, bt, dh)
     _check(da, want_da, jnp.float32)
     _check(db, np.moveaxis(want_db, 1, 2), jnp.float32)
 
 
 def test_grad_of_vmap_and_vmap_of_forward():
     a, b, dh = _inputs((4, 3, 6), jnp.float32, seed=14)
-    _check(jax.vmap(swiglu, in_axes=(1, 1), out_axes=1)(a, b), np_swiglu(a, b), jnp.float32)
+    _check(jax.vmap(swiglu, in_axes=(1, 1), out_axes=1)(a, b), numpy_swiglu(a, b), jnp.float32)
     loss = lambda a, b: jnp.sum(jax.vmap(swiglu)(a, b) * dh)
     fn = jax.grad(loss, (0, 1))
     assert "rlx_swiglu_bwd" in hlo_text(fn, a, b)
-    for got, want in zip(jax.jit(fn)(a, b), np_swiglu(a, b, dh)[1:]):
+    for got, want in zip(jax.jit(fn)(a, b), numpy_swiglu(a, b, dh)[1:]):
         _check(got, want, jnp.float32)
 
 
@@ -253,8 +242,8 @@ def test_under_checkpoint(x64, policy):
     f32 = lambda a, b: jnp.sum(f(a, b) * dh.astype(jnp.float32))
     assert "rlx_swiglu_bwd" in hlo_text(jax.grad(f32, (0, 1)), a.astype(jnp.float32), b.astype(jnp.float32))
     got = jax.jit(jax.grad(loss, (0, 1)))(a, b)
-    h = np_swiglu(a, b)
-    _, want_da, want_db = np_swiglu(a, b, np.asarray(dh) * np.cos(h))
+    h = numpy_swiglu(a, b)
+    _, want_da, want_db = numpy_swiglu(a, b, np.asarray(dh) * np.cos(h))
     _check(got[0], want_da, jnp.float64)
     _check(got[1], want_db, jnp.float64)
 
@@ -263,7 +252,7 @@ def test_same_tensor_as_gate_and_up(x64):
     """swiglu(x, x) = x^2 s: d/dx = da + db."""
     x, _, dh = _inputs((4, 9), jnp.float64, seed=17)
     got = jax.jit(jax.grad(lambda x: jnp.sum(swiglu(x, x) * dh)))(x)
-    _, da, db = np_swiglu(x, x, dh)
+    _, da, db = numpy_swiglu(x, x, dh)
     _check(got, da + db, jnp.float64)
 
 
@@ -272,7 +261,7 @@ def test_gate_also_feeds_another_op(x64):
     g, u, _ = _inputs((3, 11), jnp.float64, seed=18)
     dg, du = jax.jit(jax.grad(lambda g, u: jnp.sum(swiglu(g, u) * g + jnp.cos(g)), (0, 1)))(g, u)
     G = np.asarray(g)
-    h, da, db = np_swiglu(g, u, G)  # the upstream gradient of swiglu is g itself
+    h, da, db = numpy_swiglu(g, u, G)  # the upstream gradient of swiglu is g itself
     _check(dg, da + h - np.sin(G), jnp.float64)
     _check(du, db, jnp.float64)
 
@@ -280,7 +269,7 @@ def test_gate_also_feeds_another_op(x64):
 def test_only_one_input_differentiated():
     a, b, dh = _inputs((5, 6), jnp.float32, seed=19)
     loss = lambda a, b: jnp.sum(swiglu(a, b) * dh)
-    _, want_da, want_db = np_swiglu(a, b, dh)
+    _, want_da, want_db = numpy_swiglu(a, b, dh)
     _check(jax.jit(jax.grad(loss, 0))(a, b), want_da, jnp.float32)
     _check(jax.jit(jax.grad(loss, 1))(a, b), want_db, jnp.float32)
 
@@ -295,7 +284,7 @@ def _limits(b, dh):
     -inf; a s (1 - s) -> 0 at both ends), NumPy float64 elsewhere."""
     a = np.array(GATES)
     with np.errstate(over="ignore", invalid="ignore"):
-        h, da, db = np_swiglu(a, b, dh)
+        h, da, db = numpy_swiglu(a, b, dh)
     h[0], da[0], db[0] = 0.0, 0.0, 0.0
     h[1], da[1], db[1] = np.inf * np.sign(b[1]), dh[1] * b[1], np.inf * np.sign(dh[1])
     return h, da, db

@@ -16,7 +16,7 @@ import pytest
 
 import rlx_jax
 from gpu_testutil import gpu, requires_gpu
-from testutil import check_swiglu_bwd_over_every_bit_pattern
+from testutil import check_swiglu_bwd_over_every_bit_pattern, numpy_swiglu
 from rlx_jax.ops import swiglu, swiglu_backward
 from rlx_jax.vjp_rules.swiglu import swiglu_bwd
 
@@ -26,13 +26,6 @@ DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 # per-element error allowed, relative to |value| plus the same fraction of max |value|:
 # one rounding to the dtype after f32 arithmetic (__expf under fast math: a few ulp of f32)
 RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 2.0**-8, jnp.float16: 2.0**-10}
-
-
-def np_swiglu(a, b, dh):
-    """NumPy float64 oracle: (h, da, db) = (a s b, dh b s (1 + a (1 - s)), dh a s)."""
-    a, b, dh = (np.asarray(jnp.asarray(v, jnp.float32), np.float64) for v in (a, b, dh))
-    s = 1.0 / (1.0 + np.exp(-a))
-    return a * s * b, dh * b * s * (1.0 + a * (1.0 - s)), dh * a * s
 
 
 def _inputs(shape, dtype, seed=0):
@@ -89,7 +82,7 @@ SHAPES = [
 def test_values_and_gradients_match_numpy(shape, dtype):
     a, b, dh = _inputs(shape, dtype, seed=len(shape))
     h, da, db = _vjp(a, b, dh)
-    want_h, want_da, want_db = np_swiglu(a, b, dh)
+    want_h, want_da, want_db = numpy_swiglu(a, b, dh)
     _check(h, want_h, dtype, "h")
     _check(da, want_da, dtype, "da")
     _check(db, want_db, dtype, "db")
@@ -109,7 +102,7 @@ def test_operands_cut_at_odd_offsets(offset, dtype):
     a, b, dh = _inputs((n + 16,), dtype, seed=offset)
     cut = lambda v: jax.lax.slice(v, (offset,), (offset + n,))  # noqa: E731
     da, db = jax.jit(lambda a, b, dh: swiglu_bwd(cut(a), cut(b), cut(dh)))(a, b, dh)
-    _, want_da, want_db = np_swiglu(*(np.asarray(v.astype(jnp.float32))[offset:offset + n] for v in (a, b, dh)))
+    _, want_da, want_db = numpy_swiglu(*(np.asarray(v.astype(jnp.float32))[offset:offset + n] for v in (a, b, dh)))
     _check(da, want_da, dtype, "da")
     _check(db, want_db, dtype, "db")
 
@@ -127,7 +120,7 @@ def test_infinite_and_large_gates_give_the_limits(dtype):
     h, da, db = _vjp(a, bj, dj)
     bf, df = (np.asarray(v.astype(jnp.float32), np.float64) for v in (bj, dj))
     with np.errstate(over="ignore", invalid="ignore"):
-        want = list(np_swiglu(a, bj, dj))
+        want = list(numpy_swiglu(a, bj, dj))
     for i in (0, n - 1):  # -inf
         for w in want:
             w[i] = 0.0
@@ -172,7 +165,7 @@ def test_vmap_keeps_kernel():
     fn = jax.jit(jax.vmap(lambda a, b, dh: jax.vjp(swiglu, a, b)[1](dh), in_axes=(1, 1, 1), out_axes=1))
     assert "rlx_swiglu_bwd" in fn.lower(a, b, dh).as_text()
     da, db = fn(a, b, dh)
-    _, want_da, want_db = np_swiglu(a, b, dh)
+    _, want_da, want_db = numpy_swiglu(a, b, dh)
     _check(da, want_da, jnp.bfloat16, "vmap da")
     _check(db, want_db, jnp.bfloat16, "vmap db")
 
@@ -181,7 +174,7 @@ def test_f64_runs_the_reference(x64):
     a, b, dh = _inputs((5, 17), jnp.float64, seed=7)
     assert "rlx_swiglu_bwd" not in _vjp.lower(a, b, dh).as_text()
     h, da, db = _vjp(a, b, dh)
-    for got, want in zip((h, da, db), np_swiglu(a, b, dh)):
+    for got, want in zip((h, da, db), numpy_swiglu(a, b, dh)):
         assert got.dtype == jnp.float64
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12, atol=1e-12)
 

@@ -89,6 +89,18 @@ def load_script(path: pathlib.Path, name: str):
     return module
 
 
+def numpy_swiglu(a, b, dh=None):
+    """NumPy float64 oracle of SwiGLU, for the CPU and GPU tests (any input dtype, device
+    arrays too): h = a s b, or with dh (h, da, db), da = dh b s (1 + a (1 - s)), db = dh a s."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    s = 1.0 / (1.0 + np.exp(-a))
+    h = a * s * b
+    if dh is None:
+        return h
+    dh = np.asarray(dh, np.float64)
+    return h, dh * b * s * (1.0 + a * (1.0 - s)), dh * a * s
+
+
 def check_swiglu_bwd_over_every_bit_pattern(dtype, put):
     """swiglu_backward at gate = 30 (s = 1, a s (1 - s) below half an ulp of 1 in f32), so
     da = dh * up and db = 30 dh are exact f32 products rounded once to the 16-bit ``dtype``:
