@@ -459,3 +459,45 @@ def test_segment_tile_info_matches_brute_force(sq, sk, granule, layout):
                 for j, o in enumerate(other):
                     if not info[i, 2] <= j < info[i, 3]:
                         assert not np.isin(ids, o).any()
+
+
+@pytest.mark.parametrize("sq,sk", [(0, 5), (5, 0), (1, 1), (130, 70), (300, 300), (200, 260), (513, 513)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("layout", ["packed", "random"])
+def test_segment_tile_order_is_the_work_sorted_permutation(sq, sk, causal, layout):
+    """The CUDA forward's tile order: every (batch, query tile of 128 rows) pair exactly once,
+    sorted by descending work (ties in index order), the work of a tile counted by brute force
+    as the key tiles of 128 from the tile edge below the first key whose granule's id range
+    meets one of the tile's granules' ranges, to the end of the last such granule, cut at the
+    causal end of the tile's last row, plus one."""
+    from rlx_jax.vjp_rules.attention_segments import segment_tile_info, segment_tile_order
+
+    rng = np.random.default_rng(sq * 7 + sk)
+    b, g, t = 3, 64, 128
+    if layout == "packed":
+        qid, kid = packed_ids(b, max(sq, 1), 5, max_len=150)[:, :sq], packed_ids(b, max(sk, 1), 5, max_len=150)[:, :sk]
+    else:
+        qid = jnp.asarray(rng.integers(0, 4, size=(b, sq)), jnp.int32)
+        kid = jnp.asarray(rng.integers(0, 4, size=(b, sk)), jnp.int32)
+    qinfo, _ = segment_tile_info(qid, kid)
+    order = np.asarray(segment_tile_order(qinfo, sq, sk, causal))
+    nqt = -(-sq // t)
+    assert order.dtype == np.int32 and sorted(order.tolist()) == list(range(b * nqt))
+    q_np, k_np = np.asarray(qid), np.asarray(kid)
+    work = []
+    for bb in range(b):
+        kg = [k_np[bb, j * g:(j + 1) * g] for j in range(-(-sk // g))]
+        for qt in range(nqt):
+            meets = []
+            for i in range(qt * t // g, min(-(-sq // g), (qt + 1) * t // g)):
+                ids = q_np[bb, i * g:(i + 1) * g]
+                meets += [j for j, o in enumerate(kg) if ids.min() <= o.max() and o.min() <= ids.max()]
+            tiles = 0
+            if meets:
+                kbeg, kend = min(meets) * g // t * t, min(sk, (max(meets) + 1) * g)
+                if causal:
+                    kend = min(kend, min(sq - 1, qt * t + t - 1) + max(sk - sq, 0) + 1)
+                tiles = max(0, -(-(kend - kbeg) // t))
+            work.append(tiles + 1)
+    want = sorted(range(b * nqt), key=lambda p: (-work[p], p))
+    assert order.tolist() == want

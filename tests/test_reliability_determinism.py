@@ -103,6 +103,13 @@ def _cases():
     c["attention_segments"] = (("rlx_attention_segments_fwd_v1", "rlx_attention_segments_bwd_v1"),
                                lambda q, k, v: ops.attention(q, k, v, mask_kind="causal", q_segment_ids=ids,
                                                              kv_segment_ids=ids), (q, k, v), (0, 1, 2))
+    # the same at bf16, head dim 64 and 300 tokens (documents of 1-40): the form the CUDA segment
+    # kernels serve (their tile order, skipped tiles and the fused backward's ordered dQ adds)
+    ids300 = jnp.asarray(np.cumsum(_rng(33).random((2, 300)) < 0.05, axis=1), jnp.int32)
+    c["attention_segments_bf16"] = (
+        ("rlx_attention_segments_fwd_v1", "rlx_attention_segments_bwd_v1"),
+        lambda q, k, v: ops.attention(q, k, v, mask_kind="causal", q_segment_ids=ids300, kv_segment_ids=ids300),
+        tuple(_arr((2, 300, 4, 64), s, jnp.bfloat16) for s in (34, 35, 36)), (0, 1, 2))
     # 300300 elements: the CPU kernel splits them into 10 tasks of 2^15, the last with a tail
     gate, up = _arr((300, 1001), 31), _arr((300, 1001), 32)
     c["swiglu"] = (("rlx_swiglu_bwd_v1",), lambda a, b: ops.swiglu(a, b), (gate, up), (0, 1))

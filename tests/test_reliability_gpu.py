@@ -38,8 +38,17 @@ def test_every_cuda_target_has_a_determinism_case():
     assert not missing, f"CUDA targets without a determinism case: {sorted(missing)}"
 
 
+#: cases whose computation CUDA leaves to XLA by design, with the case that covers the kernels
+_XLA_ON_CUDA = {
+    "attention_segments": "segment ids at f32 and head dim 32 run the reference on CUDA "
+                          "(cuda_segments_served); attention_segments_bf16 runs the segment kernels",
+}
+
+
 @pytest.mark.parametrize("name", sorted(det._cases()))
 def test_gpu_bitwise_identical_on_repeated_runs(name, monkeypatch):
+    if name in _XLA_ON_CUDA:
+        pytest.skip(_XLA_ON_CUDA[name])
     # the cases are f32, which attention leaves to XLA on CUDA: route it to the f32 kernel here
     from rlx_jax.vjp_rules import attention as attention_rules
 

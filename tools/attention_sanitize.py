@@ -7,7 +7,8 @@ otherwise leaves to XLA on CUDA: rlx_jax.vjp_rules.attention.CUDA_KERNEL_DTYPES)
 PHASE: fwd (forward only) | bwd (forward and the fused backward); MASK: 1 adds a key mask;
 EXTRA: softcap | bias (the general score path of the mma.sync kernels; without either they run
 their PLAIN specialisation. On sm_90a a softcap, a key mask or mask kind sliding without a bias
-runs the wgmma kernels' CAP / MASK forms instead).
+runs the wgmma kernels' CAP / MASK forms instead) | segments (packed documents of 1-40 tokens:
+the wgmma kernels' segment forms, their tile order and skipped tiles; sm_90a, bf16 / f16, D 64 / 128).
 Prints a checksum so runs can be compared; the correctness checks live in the GPU tests.
 RLX_ATTN_SANITIZE_S (default 96): the sequence length (e.g. 300: 3 key blocks of 128 and 5 query
 tiles of 64, so the fused backward's ordered dQ adds have several contributors per tile).
@@ -36,8 +37,11 @@ def main(d: int, dtype: str, kind: str, phase: str, mask: bool, extra: str = "")
         opts["softcap"] = 5.0
     elif extra == "bias":
         opts["bias"] = (0.5 * jax.random.normal(keys[4], (b, h, s, s), jnp.float32)).astype(dtype)
+    elif extra == "segments":
+        ids = jnp.cumsum(jax.random.uniform(keys[4], (b, s)) < 0.05, axis=1).astype(jnp.int32)
+        opts.update(q_segment_ids=ids, kv_segment_ids=ids)
     elif extra:
-        raise SystemExit(f"EXTRA must be softcap or bias, got {extra!r}")
+        raise SystemExit(f"EXTRA must be softcap, bias or segments, got {extra!r}")
     if phase == "fwd":
         out = jax.jit(lambda q, k, v: attention(q, k, v, **opts))(q, k, v)
         print("fwd checksum", float(jnp.sum(out.astype(jnp.float32))))

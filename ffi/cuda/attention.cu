@@ -12,7 +12,9 @@
 //   window, has_mask, has_bias (i64).
 // rlx_attention_segments_fwd / _bwd: the same operands, then after bias the segment ids q_segment_ids
 //   [B, Sq], kv_segment_ids [B, Sk] int32 and their granule tables [B, ceil(Sq / 64), 4], [B,
-//   ceil(Sk / 64), 4] int32 (attention_segments.cuh; the CPU targets take the ids only). They run
+//   ceil(Sk / 64), 4] int32 (attention_segments.cuh; the CPU targets take the ids only), and the
+//   forward then its tile order [B * ceil(Sq / 128)] int32 (the (batch, query tile) pairs by descending
+//   work: segment_tile_order in rlx_jax/vjp_rules/attention_segments.py). They run
 //   the wgmma kernels' segment forms only (bf16 / f16, head dim 64 or 128, no bias, scale > 0, an
 //   sm_90a image on a compute capability 9.0 device, the backward's fused kernel): any other call
 //   is an error, never a silent fallback that would ignore the ids.
@@ -78,9 +80,10 @@ ffi::Error check_inputs(const char* who, const ffi::AnyBuffer& q, const ffi::Any
   return ffi::Error::Success();
 }
 
-// The segment targets' four extra operands (null for the targets without segment ids).
+// The segment targets' extra operands (null for the targets without segment ids): the ids, their
+// granule tables and, the forward's only, its tile order.
 struct Segments {
-  const ffi::AnyBuffer *qseg = nullptr, *kseg = nullptr, *qinfo = nullptr, *kinfo = nullptr;
+  const ffi::AnyBuffer *qseg = nullptr, *kseg = nullptr, *qinfo = nullptr, *kinfo = nullptr, *qorder = nullptr;
 };
 
 // Checks the segment operands (if any) and points a's fields at them.
@@ -94,6 +97,14 @@ ffi::Error set_segments(const char* who, const Segments& sg, AttnArgs* a) {
   a->kseg = static_cast<const int*>(sg.kseg->untyped_data());
   a->qinfo = static_cast<const int4*>(sg.qinfo->untyped_data());
   a->kinfo = static_cast<const int4*>(sg.kinfo->untyped_data());
+  if (sg.qorder != nullptr) {
+    const int64_t n = a->B * ((a->Sq + attn::kSegOrderRows - 1) / attn::kSegOrderRows);
+    if (sg.qorder->element_type() != ffi::DataType::S32 || !attention::has_dims(*sg.qorder, {n}))
+      return invalid(std::string(who) + ": the tile order must be int32 [B * ceil(Sq / " +
+                     std::to_string(attn::kSegOrderRows) + ")] = [" + std::to_string(n) + "], got " +
+                     attention::dims_str(*sg.qorder));
+    a->qorder = static_cast<const int*>(sg.qorder->untyped_data());
+  }
   return ffi::Error::Success();
 }
 
@@ -168,11 +179,11 @@ ffi::Error AttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
 ffi::Error AttentionSegmentsFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                     ffi::AnyBuffer mask, ffi::AnyBuffer bias, ffi::AnyBuffer qseg,
                                     ffi::AnyBuffer kseg, ffi::AnyBuffer qinfo, ffi::AnyBuffer kinfo,
-                                    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse, double scale,
-                                    double softcap, int64_t mask_kind, int64_t window, int64_t has_mask,
-                                    int64_t has_bias) {
-  return attention_fwd(stream, q, k, v, mask, bias, Segments{&qseg, &kseg, &qinfo, &kinfo}, out, lse, scale, softcap,
-                       mask_kind, window, has_mask, has_bias);
+                                    ffi::AnyBuffer qorder, ffi::Result<ffi::AnyBuffer> out,
+                                    ffi::Result<ffi::AnyBuffer> lse, double scale, double softcap, int64_t mask_kind,
+                                    int64_t window, int64_t has_mask, int64_t has_bias) {
+  return attention_fwd(stream, q, k, v, mask, bias, Segments{&qseg, &kseg, &qinfo, &kinfo, &qorder}, out, lse, scale,
+                       softcap, mask_kind, window, has_mask, has_bias);
 }
 
 ffi::Error AttentionBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -214,7 +225,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAttentionBwdCuda, AttentionBwdImpl,
                               attention::with_attrs(attention::results<5>(attention::operands<9>(bind()))),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAttentionSegmentsFwdCuda, AttentionSegmentsFwdImpl,
-                              attention::with_attrs(attention::results<2>(attention::operands<9>(bind()))),
+                              attention::with_attrs(attention::results<2>(attention::operands<10>(bind()))),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAttentionSegmentsBwdCuda, AttentionSegmentsBwdImpl,
                               attention::with_attrs(attention::results<5>(attention::operands<13>(bind()))),

@@ -46,6 +46,9 @@ struct AttnArgs {
   const int* kseg;
   const int4* qinfo;
   const int4* kinfo;
+  // the forward's tile order with segment ids, or null: [B * ceil(Sq / 128)] int32, the (batch,
+  // query tile) pairs b * nqt + qt, heaviest first (ws_fwd_tile, attention_wgmma_ws.cuh)
+  const int* qorder;
 };
 
 // Query i sees key j (j < Sk assumed) under the mask kind.

@@ -293,7 +293,8 @@ ffi::Error AttentionFwd<T>::launch(cudaStream_t stream, const AttnArgs& a, const
             if (auto e = prepare(info.device, kernel, smem, "attention"); e.failure()) return e;
             if (blocks > 0)
               kernel<<<unsigned(blocks), 384u, smem, stream>>>(
-                  a, q, k, v, out, lse, kFwdHeadChunk, attn_ws_zig(a, nqt, kFwdHeadChunk, blocks, 128, kBC), maps);
+                  a, q, k, v, out, lse, kFwdHeadChunk,
+                  a.qorder != nullptr ? 1 : attn_ws_zig(a, nqt, kFwdHeadChunk, blocks, 128, kBC), maps);
             return check_launch("attention forward (wgmma ws)");
           };
           // The pipelined consumer loop releases a ring stage one step later (after the next tile's

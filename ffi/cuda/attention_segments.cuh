@@ -28,6 +28,8 @@ namespace cuda {
 namespace attn {
 
 constexpr int kSegGranule = 64;
+// query rows of the forward's tiles, the unit of its tile order (AttnArgs::qorder)
+constexpr int kSegOrderRows = 128;
 
 // The per-score segment test of one tile for a thread: need (warp-uniform) false: no score is
 // hidden by the ids; else bit 2 nt + (e & 1) of bits[r] says the thread's row r sees column

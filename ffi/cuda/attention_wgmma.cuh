@@ -54,6 +54,20 @@ static __global__ void wgmma_probe_kernel(int* out) {
 // alone hides (a key-bit test: cheaper than the positional one).
 enum TileHide : int { kHideNone = 0, kHidePos = 1, kHideKeys = 2 };
 
+// The positional test as bits. A thread's scores of one fragment row sit in the columns
+// 8 nt + 2 tq + e (e < 2) of the tile, bit 2 nt + e of a 32-bit word; the columns below b form a
+// prefix of those bits, of 2 (x / 8) + min(x % 8, 2) bits for x = b - 2 tq (8 nt + e < x). The kernels
+// build each row's word once per masked tile (the column ranges of its causal diagonal, window edge and
+// sequence end, ANDed with the key mask's and the segment ids' bits) and then test one bit a score,
+// instead of recomputing the range tests for every score: on packed documents a third of the
+// forward's tiles are masked, and there the per-score tests were most of its instructions.
+__device__ __forceinline__ uint32_t frag_cols_below(int64_t b, int tq) {
+  const int64_t x = b - 2 * tq;
+  if (x <= 0) return 0u;
+  const int64_t n = 2 * (x >> 3) + ((x & 7) < 2 ? (x & 7) : 2);
+  return n >= 32 ? ~0u : (1u << n) - 1u;
+}
+
 // wgmma shared-memory matrix descriptor: start address >> 4 (bits 0-13), leading-dimension byte
 // offset >> 4 (16-29), stride-dimension byte offset >> 4 (32-45), base offset 0 (49-51: the
 // atoms are 1024-byte aligned), swizzle mode 1 = 128 bytes (62-63).

@@ -67,19 +67,30 @@ struct BwdTileMask {
   uint32_t kept = 3u;  // bit r: the key mask keeps key j0 + 8 r
   int lo = INT_MIN;    // i0 + off - win with a sliding window
   SegTile seg{};       // segment ids: bit 2 nt + (e & 1) of seg.bits[e >> 1]
-  __device__ __forceinline__ bool vis(int nt, int e, int tq) const {
-    const int j = j0 + 8 * (e >> 1), c = 8 * nt + 2 * tq + (e & 1);
-    return ((kept >> (e >> 1)) & 1u) && j < jend && j - c <= diag && j - c >= lo && seg.kept(nt, e);
+  // The positional test as bits (frag_cols_below's layout): bit 2 nt + (e & 1) of w[e >> 1] says the
+  // score of key j0 + 8 (e >> 1) and query column c = 8 nt + 2 tq + (e & 1) is visible: the key is
+  // kept and below jend, and j - diag <= c < j - lo + 1, and the ids match.
+  __device__ __forceinline__ void words(int tq, uint32_t (&w)[2]) const {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t j = j0 + 8 * r;
+      w[r] = ((kept >> r) & 1u) && j < jend
+                 ? frag_cols_below(j - lo + 1, tq) & ~frag_cols_below(j - diag, tq) & seg.bits[r]
+                 : 0u;
+    }
   }
   // the key mask alone (a tile no position mask crosses): the thread's key of score e
   __device__ __forceinline__ bool key_kept(int e) const { return ((kept >> (e >> 1)) & 1u) != 0u; }
 };
 // The backward's forms of TileHide (attention_wgmma.cuh; bwd_probs / bwd_dscores' HIDE): the
-// positional test is BwdTileMask::vis (sequence end, causal diagonal, window edge, key mask), the
-// key-only one BwdTileMask::key_kept (one predicate a key row, instead of the positional test of each
-// score).
-__device__ __forceinline__ bool bwd_hidden(const BwdTileMask& m, int hide, int nt, int e, int tq) {
-  return hide == kHidePos ? !m.vis(nt, e, tq) : hide == kHideKeys ? !m.key_kept(e) : false;
+// positional test reads the words of BwdTileMask::words (sequence end, causal diagonal, window edge,
+// key mask, ids; built once a tile), the key-only one BwdTileMask::key_kept (one predicate a key
+// row). vw: the words, read with HIDE kHidePos only.
+template <int HIDE>
+__device__ __forceinline__ bool bwd_hidden(const BwdTileMask& m, const uint32_t (&vw)[2], int nt, int e) {
+  if constexpr (HIDE == kHidePos) return ((vw[e >> 1] >> (2 * nt + (e & 1))) & 1u) == 0u;
+  if constexpr (HIDE == kHideKeys) return !m.key_kept(e);
+  return false;
 }
 // The key mask's bits of this thread's two keys j0, j0 + 8 (BwdTileMask::kept; mrow: the batch's
 // mask row, keys at or past sk hidden), and whether any of the warp's keys is hidden (its tiles then
@@ -110,6 +121,8 @@ template <typename T, int HIDE, int NQ = 8, bool CAP = false, bool PACK = true>
 __device__ __forceinline__ void bwd_probs(float (&st)[NQ][4], uint32_t (&pa)[NQ / 2][4], const float* Lb, float c2,
                                           int tq, const BwdTileMask& m, float carg = 0.f) {
   static_assert(PACK || !CAP, "bwd_probs: with a softcap st is not P^T: pa is packed here");
+  uint32_t vw[2] = {~0u, ~0u};
+  if constexpr (HIDE == kHidePos) m.words(tq, vw);
 #pragma unroll
   for (int nt = 0; nt < NQ; ++nt) {
     float pe[4];
@@ -117,7 +130,7 @@ __device__ __forceinline__ void bwd_probs(float (&st)[NQ][4], uint32_t (&pa)[NQ 
     for (int e = 0; e < 4; ++e) {
       const float th = CAP ? tanhf(st[nt][e] * carg) : 0.f;
       const float p = ex2(fmaf(CAP ? th : st[nt][e], c2, -Lb[8 * nt + 2 * tq + (e & 1)]));
-      pe[e] = bwd_hidden(m, HIDE, nt, e, tq) ? 0.f : p;
+      pe[e] = bwd_hidden<HIDE>(m, vw, nt, e) ? 0.f : p;
       st[nt][e] = CAP ? pe[e] * (1.f - th * th) : pe[e];
     }
     if constexpr (PACK) pack_a_n8<T>(pa, nt, pe);
@@ -138,13 +151,15 @@ __device__ __forceinline__ void bwd_pack(const float (&x)[NQ][4], uint32_t (&fra
 template <typename T, int HIDE, int NQ = 8, bool PACK = true>
 __device__ __forceinline__ void bwd_dscores(const float (&st)[NQ][4], float (&dpt)[NQ][4], uint32_t (&da)[NQ / 2][4],
                                             const float* Db, int tq, const BwdTileMask& m) {
+  uint32_t vw[2] = {~0u, ~0u};
+  if constexpr (HIDE == kHidePos) m.words(tq, vw);
 #pragma unroll
   for (int nt = 0; nt < NQ; ++nt) {
     float de[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float ds = st[nt][e] * (dpt[nt][e] - Db[8 * nt + 2 * tq + (e & 1)]);
-      de[e] = bwd_hidden(m, HIDE, nt, e, tq) ? 0.f : ds;
+      de[e] = bwd_hidden<HIDE>(m, vw, nt, e) ? 0.f : ds;
       if constexpr (!PACK) dpt[nt][e] = de[e];
     }
     if constexpr (PACK) pack_a_n8<T>(da, nt, de);

@@ -47,7 +47,7 @@ from jax.interpreters import ad
 
 from rlx_jax._kernels import has_kernel
 from rlx_jax._kernels import target as ffi_target
-from rlx_jax.vjp_rules.attention_segments import segment_tile_info, segment_visible
+from rlx_jax.vjp_rules.attention_segments import segment_tile_info, segment_tile_order, segment_visible
 from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, Partition, instantiate, np_scalar
 
 MASK_KINDS = ("none", "causal", "sliding")
@@ -281,15 +281,18 @@ def _dummies(q, mask, bias):
 def _kernel_fwd(q, k, v, *extras, kind, window, scale, softcap, has_mask, has_bias, has_segments=False,
                 tables=False):
     """The forward kernel: ``rlx_attention_fwd``, or ``rlx_attention_segments_fwd`` with the
-    segment ids as two more operands (``tables``: and their granule tables, as CUDA's target
-    takes them)."""
+    segment ids as two more operands (``tables``: and their granule tables and the forward's
+    tile order, as CUDA's target takes them)."""
     mask, bias, segments, _ = _split(extras, has_mask, has_bias, has_segments)
     b, sq, h, _ = q.shape
     out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sq), _acc_dtype(q.dtype)))
     m, bb = _dummies(q, mask, bias)
     attrs = _attrs(kind, window, scale, softcap, has_mask, has_bias)
     if segments is not None:
-        seg = _segment_operands(segments) if tables else segments
+        seg = segments
+        if tables:
+            seg = _segment_operands(segments)
+            seg = (*seg, segment_tile_order(seg[2], sq, k.shape[1], causal=kind != "none"))
         return jax.ffi.ffi_call(ffi_target(SEGMENTS_FWD), out)(q, k, v, m, bb, *seg, **attrs)
     return jax.ffi.ffi_call(ffi_target("rlx_attention_fwd"), out)(q, k, v, m, bb, **attrs)
 

@@ -32,8 +32,9 @@ forward and the fused backward) where those serve the call (``cuda_segments_serv
 bf16 / f16, head dim 64 or 128, no bias, scale > 0, a compute capability 9.0 device and
 at most 128 keys per SM); they take two more operands, the granule tables of
 ``segment_tile_info``, from which a query tile computes only the key tiles whose ids can
-meet its own (and a key block only such query tiles). Everywhere else on CUDA the
-reference runs. Under SPMD sharding the segment ids shard with q's batch axis (kv ids
+meet its own (and a key block only such query tiles), and the forward a third,
+``segment_tile_order``, the order in which its persistent blocks take the query tiles.
+Everywhere else on CUDA the reference runs. Under SPMD sharding the segment ids shard with q's batch axis (kv ids
 with k's); the kernels gather the sequence axes as they do q's and k's.
 """
 
@@ -130,3 +131,41 @@ def segment_tile_info(q_segment_ids, kv_segment_ids, granule=SEGMENT_GRANULE):
     qinfo = jnp.stack([qmin, qmax, qf, qe], axis=-1).astype(jnp.int32)
     kinfo = jnp.stack([kmin, kmax, kf, ke], axis=-1).astype(jnp.int32)
     return qinfo, kinfo
+
+
+#: query rows (and keys) of the CUDA forward's tiles: the unit of its tile order
+#: (ffi/cuda/attention_segments.cuh, kSegOrderRows).
+SEGMENT_FWD_TILE = 128
+
+
+def segment_tile_order(qinfo, sq, sk, causal, tile=SEGMENT_FWD_TILE, granule=SEGMENT_GRANULE):
+    """The CUDA forward's tile order: [B * ceil(Sq / tile)] int32, the (batch, query tile) pairs
+    ``b * nqt + qt`` by descending work, ties in index order. A query tile's work is the key
+    tiles it computes (the hull of its granules' ranges in ``qinfo``, from a tile edge, cut
+    at its last row's causal end when ``causal``, as the kernel's seg_key_range takes them)
+    plus one (its Q load and output). The persistent forward deals tile t to the pair at
+    t // H, head t % H, in boustrophedon passes over its blocks, so the heaviest tiles start
+    first and the blocks finish together: by the model of this work, about 1 % above the
+    blocks' mean load on log-normal documents (B4 S8192, 132 SMs), against 1.2x in the
+    order without ids."""
+    b, nqg = qinfo.shape[0], qinfo.shape[1]
+    per = tile // granule
+    nqt = -(-sq // tile)
+    if b * nqt == 0:
+        return jnp.zeros((0,), jnp.int32)
+    # the tile's granules (the last tile's padding is empty: first >= end)
+    pad = nqt * per - nqg
+    first = jnp.pad(qinfo[..., 2], ((0, 0), (0, pad)), constant_values=2 ** 30).reshape(b, nqt, per)
+    end = jnp.pad(qinfo[..., 3], ((0, 0), (0, pad)), constant_values=0).reshape(b, nqt, per)
+    live = first < end
+    any_live = live.any(axis=-1)
+    lo = jnp.where(any_live, jnp.min(jnp.where(live, first, 2 ** 30), axis=-1), 0)
+    hi = jnp.max(jnp.where(live, end, 0), axis=-1)
+    kbeg = lo * granule // tile * tile
+    kend = jnp.minimum(hi * granule, sk)
+    if causal:
+        last_row = jnp.minimum(jnp.arange(nqt, dtype=jnp.int32) * tile + tile - 1, sq - 1)
+        kend = jnp.minimum(kend, last_row + max(sk - sq, 0) + 1)
+    tiles = jnp.where(any_live & (kend > kbeg), (kend - kbeg + tile - 1) // tile, 0)
+    work = (tiles + 1).reshape(-1)
+    return jnp.argsort(-work, stable=True).astype(jnp.int32)
