@@ -109,10 +109,24 @@ def _kernel_fwd(x, gamma, beta, *, eps):
     return jax.ffi.ffi_call(ffi_target("rlx_rms_norm_fwd"), out)(x, gamma, beta, eps=np_scalar(eps))
 
 
-def _kernel_bwd(x, gamma, rstd, dy, *, eps):
+def _bwd_call(target, x, gamma, *operands, cuda=False):
+    """(dx, dgamma, dbeta) from backward target ``target`` on (x, gamma, *operands); on CUDA
+    (``cuda``) the call also returns an f32 scratch result (XLA allocates it; the kernel
+    allocates nothing), dropped after the call."""
     p = jax.ShapeDtypeStruct(gamma.shape, gamma.dtype)
     out = (jax.ShapeDtypeStruct(x.shape, x.dtype), p, p)
-    return jax.ffi.ffi_call(ffi_target("rlx_rms_norm_bwd"), out)(x, gamma, rstd, dy)
+    if cuda:
+        rows = math.prod(x.shape[:-1])
+        out += (jax.ShapeDtypeStruct((cuda_bwd_scratch_size(rows, x.shape[-1]),), jnp.float32),)
+    return tuple(jax.ffi.ffi_call(ffi_target(target), out)(x, gamma, *operands)[:3])
+
+
+def _kernel_bwd(x, gamma, rstd, dy, *, eps):
+    return _bwd_call("rlx_rms_norm_bwd", x, gamma, rstd, dy)
+
+
+def _kernel_bwd_cuda(x, gamma, rstd, dy, *, eps):
+    return _bwd_call("rlx_rms_norm_bwd", x, gamma, rstd, dy, cuda=True)
 
 
 def cuda_bwd_scratch_size(rows: int, width: int) -> int:
@@ -126,17 +140,6 @@ def cuda_bwd_scratch_size(rows: int, width: int) -> int:
     return parts * 2 * width + 2 * rows
 
 
-def _kernel_bwd_cuda(x, gamma, rstd, dy, *, eps):
-    """The CUDA call: as ``_kernel_bwd`` plus an f32 scratch result (XLA allocates it;
-    the kernel allocates nothing), dropped after the call."""
-    rows = math.prod(x.shape[:-1])
-    scratch = jax.ShapeDtypeStruct((cuda_bwd_scratch_size(rows, x.shape[-1]),), jnp.float32)
-    p = jax.ShapeDtypeStruct(gamma.shape, gamma.dtype)
-    out = (jax.ShapeDtypeStruct(x.shape, x.dtype), p, p, scratch)
-    dx, dg, db, _ = jax.ffi.ffi_call(ffi_target("rlx_rms_norm_bwd"), out)(x, gamma, rstd, dy)
-    return dx, dg, db
-
-
 def _kernel_add_fwd(x, residual, gamma, beta, *, eps):
     """The sum in XLA (an elementwise fusion it may merge with the producer of residual),
     the norm in the forward kernel."""
@@ -146,18 +149,11 @@ def _kernel_add_fwd(x, residual, gamma, beta, *, eps):
 
 
 def _kernel_add_bwd(s, gamma, rstd, dy, dres, *, eps):
-    p = jax.ShapeDtypeStruct(gamma.shape, gamma.dtype)
-    out = (jax.ShapeDtypeStruct(s.shape, s.dtype), p, p)
-    return jax.ffi.ffi_call(ffi_target("rlx_add_rms_norm_bwd"), out)(s, gamma, rstd, dy, dres)
+    return _bwd_call("rlx_add_rms_norm_bwd", s, gamma, rstd, dy, dres)
 
 
 def _kernel_add_bwd_cuda(s, gamma, rstd, dy, dres, *, eps):
-    rows = math.prod(s.shape[:-1])
-    scratch = jax.ShapeDtypeStruct((cuda_bwd_scratch_size(rows, s.shape[-1]),), jnp.float32)
-    p = jax.ShapeDtypeStruct(gamma.shape, gamma.dtype)
-    out = (jax.ShapeDtypeStruct(s.shape, s.dtype), p, p, scratch)
-    ds, dg, db, _ = jax.ffi.ffi_call(ffi_target("rlx_add_rms_norm_bwd"), out)(s, gamma, rstd, dy, dres)
-    return ds, dg, db
+    return _bwd_call("rlx_add_rms_norm_bwd", s, gamma, rstd, dy, dres, cuda=True)
 
 
 # Under SPMD sharding the rows split across devices; dgamma / dbeta are psum'd.
