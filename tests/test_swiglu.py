@@ -16,7 +16,7 @@ from jax.test_util import check_grads
 import rlx_jax
 from rlx_jax.ops import swiglu, swiglu_backward
 from rlx_jax.vjp_rules._primitive import fused_ops
-from testutil import check_swiglu_bwd_over_every_bit_pattern, hlo_text, numpy_swiglu, platform
+from testutil import check_swiglu_bwd_over_every_bit_pattern, check_swiglu_close, hlo_text, numpy_swiglu, platform
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 # (3, 7, 33): 693 elements, a tail of 5 after the CPU kernel's 16-element blocks;
@@ -37,17 +37,7 @@ def _inputs(shape, dtype, seed=0, scale=3.0):
 
 
 def _check(got, want, dtype, what=""):
-    """Elementwise |got - want| <= rtol (|want| + max |want|), same shape, got in dtype."""
-    assert got.dtype == dtype, (what, got.dtype, dtype)
-    got = np.asarray(jnp.asarray(got, jnp.float64 if dtype == jnp.float64 else jnp.float32), np.float64)
-    want = np.asarray(want, np.float64)
-    assert got.shape == want.shape, (what, got.shape, want.shape)
-    if want.size == 0:
-        return
-    rtol = RTOL[jnp.dtype(dtype).type]
-    bound = rtol * (np.abs(want) + np.max(np.abs(want)))
-    err = np.abs(got - want)
-    assert (err <= bound).all(), f"{what}: max err {err.max():.3g}, worst excess {(err - bound).max():.3g}"
+    check_swiglu_close(got, want, dtype, RTOL[jnp.dtype(dtype).type], what)
 
 
 def _vjp(a, b, dh):

@@ -101,6 +101,24 @@ def numpy_swiglu(a, b, dh=None):
     return h, dh * b * s * (1.0 + a * (1.0 - s)), dh * a * s
 
 
+def check_swiglu_close(got, want, dtype, rtol, what="", finite=False):
+    """SwiGLU results against the f64 oracle: got in ``dtype`` with want's shape, and
+    elementwise |got - want| <= rtol (|want| + max |want|) (the error of the inputs' rounding
+    is relative to the row's scale, not each value). ``finite``: got holds no NaN or inf
+    either (an unwritten output shows as one). Shared by the CPU and GPU SwiGLU tests."""
+    assert got.dtype == dtype, (what, got.dtype, dtype)
+    got = np.asarray(jnp.asarray(got, jnp.float64 if dtype == jnp.float64 else jnp.float32), np.float64)
+    want = np.asarray(want, np.float64)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    if want.size == 0:
+        return
+    bound = rtol * (np.abs(want) + np.max(np.abs(want)))
+    err = np.abs(got - want)
+    if finite:
+        assert np.isfinite(got).all(), f"{what}: non-finite values (unwritten output?)"
+    assert (err <= bound).all(), f"{what}: max err {err.max():.3g}, worst excess {(err - bound).max():.3g}"
+
+
 def check_swiglu_bwd_over_every_bit_pattern(dtype, put):
     """swiglu_backward at gate = 30 (s = 1, a s (1 - s) below half an ulp of 1 in f32), so
     da = dh * up and db = 30 dh are exact f32 products rounded once to the 16-bit ``dtype``:
