@@ -185,12 +185,47 @@ def test_sinks_match_closed_form_and_d_sinks():
     close(ds, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["reference", "kernel"])
+def test_extreme_sinks_match_oracle(monkeypatch, kernel):
+    """Sinks far above the scores (the sink takes almost every row's mass: out ~ 0, no
+    overflow), far below them and -inf (no effect), and a row that sees no key (output 0,
+    d sink 0 there), on the reference and on the CPU kernel (where XLA applies the sinks to
+    the kernel's (out, lse)): values and gradients against the dense oracle."""
+    from rlx_jax.vjp_rules import attention as rules
+
+    monkeypatch.setattr(rules, "CPU_KERNEL_MIN_SCORE_BYTES", 0 if kernel else 1 << 62)
+    x = inputs(1, 6, 6, 4, 2, 3)
+    sinks = jnp.asarray([80.0, -80.0, -jnp.inf, 0.3], jnp.float32)
+    mask = jnp.asarray([[0, 1, 1, 1, 1, 1]], jnp.float32)  # query 0 (causal) sees no key
+    kw = dict(mask_kind="causal", mask=mask)
+
+    @jax.jit
+    def run(q, k, v, s, dy):
+        return [jax.vjp(lambda *a: fn(*a, **kw), q, k, v, s)[1](dy) + (fn(q, k, v, s, **kw),)
+                for fn in (lambda q, k, v, s, **kw: attention(q, k, v, sinks=s, **kw),
+                           lambda q, k, v, s, **kw: dense_attention(q, k, v, sinks=s, **kw))]
+
+    got, want = run(x["q"], x["k"], x["v"], sinks, x["dy"])
+    for g, w in zip(got, want):
+        assert np.all(np.isfinite(np.asarray(g)))
+        close(g, w, rtol=2e-5, atol=2e-6)
+    assert np.all(np.asarray(got[-1][0, 0]) == 0)          # the row that sees no key
+    assert np.max(np.abs(np.asarray(got[-1][..., 0, :]))) < 1e-20  # the head whose sink dominates
+    hlo = jax.jit(lambda q: attention(q, x["k"], x["v"], sinks=sinks, **kw)).lower(x["q"]).as_text()
+    assert ("custom_call @rlx_attention_fwd" in hlo) == kernel
+
+
 @pytest.mark.parametrize("opts,segments,sinks,order,modes", [
     (dict(mask_kind="causal", softcap=1.3), True, True, 2, ("rev",)),
     (dict(mask_kind="sliding", window=1, use_mask=True, use_bias=True), True, False, 1, ("fwd", "rev")),
     (dict(mask_kind="causal"), False, True, 2, ("fwd", "rev")),
-], ids=["causal-softcap-both", "sliding-mask-bias-segments", "causal-sinks-kernel"])
-def test_f64_check_grads(x64, opts, segments, sinks, order, modes):
+    (dict(mask_kind="sliding", window=2), True, True, 2, ("fwd", "rev")),
+], ids=["causal-softcap-both", "sliding-mask-bias-segments", "causal-sinks-kernel", "sliding-both-cpu-kernel"])
+def test_f64_check_grads(x64, opts, segments, sinks, order, modes, monkeypatch):
+    if segments and sinks and opts.get("mask_kind") == "sliding":  # the CPU kernel, XLA's sinks over it
+        from rlx_jax.vjp_rules import attention as rules
+
+        monkeypatch.setattr(rules, "CPU_SEGMENT_KERNEL_MIN_SCORE_BYTES", 0)
     x, kw = _case((1, 4, 4, 2, 1, 2), opts, segments=segments, sinks=sinks, dtype=jnp.float64)
     names = ["q", "k", "v"] + [n for n in ("bias", "sinks") if n in kw]
     rest = {k: v for k, v in kw.items() if k not in names}

@@ -1,5 +1,6 @@
-"""Segment ids and sinks on the GPU: sinks run over the CUDA kernels' (out, lse) and their
-backward's lse cotangent (dlse); segment ids run the Hopper kernels' segment forms at bf16
+"""Segment ids and sinks on the GPU: the CUDA kernels apply the sinks in their forward's
+epilogue (the wgmma kernels at bf16 D 64 / 128, the mma.sync kernel with a bias, the generic
+kernel in f32), and the backward runs on that (out, lse); segment ids run the Hopper kernels' segment forms at bf16
 / f16 (head dims 64, 128) and plain XLA ops in f32; values and gradients against the dense
 oracle of tests/test_attention_segments.py."""
 
@@ -62,6 +63,35 @@ def test_sinks_and_segments_on_gpu_match_oracle(dtype, d, kind, segments, monkey
     # segment ids: the Hopper kernels' segment target at bf16 (D 64, 128), the reference in f32
     assert ("rlx_attention_fwd" in hlo) != segments
     assert ("rlx_attention_segments_fwd" in hlo) == (segments and dtype == jnp.bfloat16)
+
+
+@pytest.mark.parametrize("sink_scale", [1.0, 40.0], ids=["sinks", "large-sinks"])
+def test_sinks_with_a_bias_on_gpu_match_oracle(sink_scale):
+    """A bias takes the mma.sync kernel (bf16, D 64): its epilogue applies the sinks too; sinks
+    far above the scores (the sink takes nearly all of a row) do not overflow."""
+    b, s, h, hkv, d = 2, 161, 4, 2, 64
+    q, k, v, sinks, dy = _inputs(b, s, h, hkv, d, jnp.bfloat16, seed=3)
+    sinks = sinks * sink_scale
+    bias = jax.device_put(0.5 * jax.random.normal(jax.random.key(1), (b, h, s, s), jnp.float32), gpu())
+    bias = bias.astype(jnp.bfloat16)
+
+    def run(fn):
+        @jax.jit
+        def go(q, k, v, sn, bb, dy):
+            y, vjp = jax.vjp(lambda q, k, v, sn, bb: fn(q, k, v, sinks=sn, bias=bb, mask_kind="causal"),
+                             q, k, v, sn, bb)
+            return y, vjp(dy)
+
+        return go(q, k, v, sinks, bias, dy)
+
+    with jax.default_matmul_precision("highest"):
+        y, grads = run(attention)
+        y_ref, grads_ref = run(lambda q, k, v, **kw: dense_oracle(*as_f32(q, k, v), **kw).astype(q.dtype))
+    assert_close(y, y_ref, 2e-2, "out")
+    for name, g, gr in zip(("dq", "dk", "dv", "dsinks", "dbias"), grads, grads_ref):
+        assert_close(g, gr, 8e-2, name)  # finite too
+    hlo = jax.jit(lambda q: attention(q, k, v, sinks=sinks, bias=bias, mask_kind="causal")).lower(q).as_text()
+    assert "rlx_attention_fwd" in hlo
 
 
 def _ids(layout, b, s, seed):

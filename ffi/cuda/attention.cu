@@ -4,13 +4,18 @@
 // attention_generic.cuh (every case) and attention_mma.cuh (tensor cores).
 //
 // rlx_attention_fwd: q [B, Sq, H, D], k, v [B, Sk, Hkv, D], mask [B, Sk] f32 (or [0]),
-//   bias [B, H, Sq, Sk] (or [0]) -> out (q's shape and dtype), lse [B, H, Sq] f32.
+//   bias [B, H, Sq, Sk] (or [0]), sinks [B, H] f32 (or [0]) -> out (q's shape and dtype), lse
+//   [B, H, Sq] f32. Sinks: one logit per (batch, query head) joins every row's softmax
+//   denominator with no value; the kernels' epilogue applies it (row_finish,
+//   attention_generic.cuh), and lse is then that of the whole denominator (the sink's
+//   probability is exp(sink - lse)). The CPU targets take no sinks operand: there XLA applies
+//   the sink to the kernel's (out, lse) (rlx_jax/vjp_rules/attention_segments.py).
 // rlx_attention_bwd: q, k, v, out, lse, dout, dlse, mask, bias -> dq, dk, dv, dbias (bias's
 //   shape, [0] without a bias), scratch f32 with at least B * H * Sq elements (delta_i =
 //   rowsum(dout * out) - dlse_i; the Python side sizes it, XLA allocates it).
 // Attrs: scale, softcap (f64; softcap 0 = off), mask_kind (0 none, 1 causal, 2 sliding),
 //   window, has_mask, has_bias (i64).
-// rlx_attention_segments_fwd / _bwd: the same operands, then after bias the segment ids q_segment_ids
+// rlx_attention_segments_fwd / _bwd: the same operands, then after bias (the forward: after sinks) the segment ids q_segment_ids
 //   [B, Sq], kv_segment_ids [B, Sk] int32 and their granule tables [B, ceil(Sq / 64), 4], [B,
 //   ceil(Sk / 64), 4] int32 (attention_segments.cuh; the CPU targets take the ids only), and the
 //   forward then its tile order [B * ceil(Sq / 128)] int32 (the (batch, query tile) pairs by descending
@@ -108,14 +113,26 @@ ffi::Error set_segments(const char* who, const Segments& sg, AttnArgs* a) {
   return ffi::Error::Success();
 }
 
+// The forward's sinks operand: f32 [B, H] (a's sinks point at it) or [0] (none).
+ffi::Error set_sinks(const ffi::AnyBuffer& sinks, AttnArgs* a) {
+  if (sinks.element_count() == 0 && sinks.dimensions().size() == 1) return ffi::Error::Success();
+  if (sinks.element_type() != ffi::DataType::F32 || !attention::has_dims(sinks, {a->B, a->H}))
+    return invalid("attention (cuda): sinks must be f32 [B, H] = [" + std::to_string(a->B) + ", " +
+                   std::to_string(a->H) + "] (or [0]: none), got " + attention::dims_str(sinks));
+  a->sinks = static_cast<const float*>(sinks.untyped_data());
+  return ffi::Error::Success();
+}
+
 ffi::Error attention_fwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                         ffi::AnyBuffer mask, ffi::AnyBuffer bias, const Segments& sg, ffi::Result<ffi::AnyBuffer> out,
+                         ffi::AnyBuffer mask, ffi::AnyBuffer bias, ffi::AnyBuffer sinks, const Segments& sg,
+                         ffi::Result<ffi::AnyBuffer> out,
                          ffi::Result<ffi::AnyBuffer> lse, double scale, double softcap, int64_t mask_kind,
                          int64_t window, int64_t has_mask, int64_t has_bias) {
   const Opts o = attention::make_opts(scale, softcap, mask_kind, window, has_mask, has_bias);
   AttnArgs a;
   if (auto e = check_inputs("attention", q, k, v, mask, bias, o, &a); e.failure()) return e;
   if (auto e = set_segments("attention", sg, &a); e.failure()) return e;
+  if (auto e = set_sinks(sinks, &a); e.failure()) return e;
   const Dims d{a.B, a.Sq, a.Sk, a.H, a.Hkv, a.D};
   if (auto e = attention::check_fwd_results(Backend::kCuda, q, *out, *lse, d); e.failure()) return e;
   if (a.B * a.H * a.Sq == 0) return ffi::Error::Success();
@@ -169,20 +186,20 @@ ffi::Error attention_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
 }
 
 ffi::Error AttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                            ffi::AnyBuffer mask, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
-                            ffi::Result<ffi::AnyBuffer> lse, double scale, double softcap, int64_t mask_kind,
-                            int64_t window, int64_t has_mask, int64_t has_bias) {
-  return attention_fwd(stream, q, k, v, mask, bias, Segments{}, out, lse, scale, softcap, mask_kind, window, has_mask,
+                            ffi::AnyBuffer mask, ffi::AnyBuffer bias, ffi::AnyBuffer sinks,
+                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse, double scale,
+                            double softcap, int64_t mask_kind, int64_t window, int64_t has_mask, int64_t has_bias) {
+  return attention_fwd(stream, q, k, v, mask, bias, sinks, Segments{}, out, lse, scale, softcap, mask_kind, window, has_mask,
                        has_bias);
 }
 
 ffi::Error AttentionSegmentsFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                                    ffi::AnyBuffer mask, ffi::AnyBuffer bias, ffi::AnyBuffer qseg,
-                                    ffi::AnyBuffer kseg, ffi::AnyBuffer qinfo, ffi::AnyBuffer kinfo,
-                                    ffi::AnyBuffer qorder, ffi::Result<ffi::AnyBuffer> out,
+                                    ffi::AnyBuffer mask, ffi::AnyBuffer bias, ffi::AnyBuffer sinks,
+                                    ffi::AnyBuffer qseg, ffi::AnyBuffer kseg, ffi::AnyBuffer qinfo,
+                                    ffi::AnyBuffer kinfo, ffi::AnyBuffer qorder, ffi::Result<ffi::AnyBuffer> out,
                                     ffi::Result<ffi::AnyBuffer> lse, double scale, double softcap, int64_t mask_kind,
                                     int64_t window, int64_t has_mask, int64_t has_bias) {
-  return attention_fwd(stream, q, k, v, mask, bias, Segments{&qseg, &kseg, &qinfo, &kinfo, &qorder}, out, lse, scale,
+  return attention_fwd(stream, q, k, v, mask, bias, sinks, Segments{&qseg, &kseg, &qinfo, &kinfo, &qorder}, out, lse, scale,
                        softcap, mask_kind, window, has_mask, has_bias);
 }
 
@@ -212,20 +229,20 @@ auto bind() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(); 
 
 }  // namespace
 
-// The bindings (attention_bindings.h): forward (q, k, v, mask, bias) -> (out, lse); backward (q,
+// The bindings (attention_bindings.h): forward (q, k, v, mask, bias, sinks) -> (out, lse); backward (q,
 // k, v, out, lse, dout, dlse, mask, bias) -> (dq, dk, dv, dbias, scratch); the segment targets
-// take the ids and their tables after the bias (attention_segments.cuh). Absent mask / bias are
-// dummy [0] operands (dbias then a dummy [0] result). Command-buffer compatible: the handlers only
-// launch kernels on XLA's stream, with launch shapes that depend on the buffer shapes, the
-// attributes and the device alone.
+// take the ids and their tables after the bias, the forward after the sinks (attention_segments.cuh).
+// Absent mask / bias / sinks are dummy [0] operands (dbias then a dummy [0] result). Command-buffer
+// compatible: the handlers only launch kernels on XLA's stream, with launch shapes that depend on
+// the buffer shapes, the attributes and the device alone.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAttentionFwdCuda, AttentionFwdImpl,
-                              attention::with_attrs(attention::results<2>(attention::operands<5>(bind()))),
+                              attention::with_attrs(attention::results<2>(attention::operands<6>(bind()))),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAttentionBwdCuda, AttentionBwdImpl,
                               attention::with_attrs(attention::results<5>(attention::operands<9>(bind()))),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAttentionSegmentsFwdCuda, AttentionSegmentsFwdImpl,
-                              attention::with_attrs(attention::results<2>(attention::operands<10>(bind()))),
+                              attention::with_attrs(attention::results<2>(attention::operands<11>(bind()))),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAttentionSegmentsBwdCuda, AttentionSegmentsBwdImpl,
                               attention::with_attrs(attention::results<5>(attention::operands<13>(bind()))),

@@ -49,7 +49,41 @@ struct AttnArgs {
   // the forward's tile order with segment ids, or null: [B * ceil(Sq / 128)] int32, the (batch,
   // query tile) pairs b * nqt + qt, heaviest first (ws_fwd_tile, attention_wgmma_ws.cuh)
   const int* qorder;
+  // attention sinks, or null: [B, H] f32, one logit per (batch, query head) that joins every row's
+  // softmax denominator with no value (row_finish)
+  const float* sinks;
 };
+
+// The end of a query row of the forward: its output scale `inv` (out = acc * inv) and its lse,
+// from the online softmax's running max m (natural-log units) and sum l = sum_j exp(s_j - m) over
+// the row's visible scores. Without a sink: inv = 1 / l, lse = m + log l; a row that saw no key
+// (l = 0) gets inv = 0 and lse = -inf, and a NaN row (l NaN) stays NaN. With sink logit z (`sink`,
+// a pointer to it, null without): the denominator is sum_j exp(s_j) + exp(z), taken about
+// mm = max(m, z) so that neither exponent overflows:
+//   den = l exp(m - mm) + exp(z - mm),  inv = exp(m - mm) / den,  lse = mm + log den;
+// a row that saw no key gets inv = 0 and lse = z (the sink alone).
+__device__ __forceinline__ void row_finish(float m, float l, const float* sink, float* inv, float* lse) {
+  const bool live = !(l <= 0.f);  // NaN rows are live: NaN out and lse, as the CPU kernel
+  if (sink == nullptr) {
+    *inv = live ? 1.f / l : 0.f;
+    *lse = live ? m + logf(l) : -INFINITY;
+    return;
+  }
+  const float z = __ldg(sink);
+  if (!live) {
+    *inv = 0.f;
+    *lse = z;
+    return;
+  }
+  const float mm = fmaxf(m, z), e = expf(m - mm), den = l * e + expf(z - mm);
+  *inv = e / den;
+  *lse = mm + logf(den);
+}
+
+// The row's sink logit (row_finish), or null without sinks.
+__device__ __forceinline__ const float* row_sink(const AttnArgs& a, int64_t b, int64_t h) {
+  return a.sinks == nullptr ? nullptr : a.sinks + b * a.H + h;
+}
 
 // Query i sees key j (j < Sk assumed) under the mask kind.
 __device__ __forceinline__ bool kind_visible(const AttnArgs& a, int64_t i, int64_t j) {
@@ -185,15 +219,15 @@ __global__ void __launch_bounds__(kGenWarps * 32)
     m = mn;
   }
   if (!row_ok) return;
-  const bool live = !(l <= 0.f);  // a NaN row is live: its NaN reaches out and lse
-  const float inv = live ? 1.f / l : 0.f;
+  float inv, row_lse;
+  row_finish(m, l, row_sink(a, b, h), &inv, &row_lse);
   T* orow = out + ((b * a.Sq + i) * a.H + h) * a.D;
 #pragma unroll
   for (int t = 0; t < kGenPer; ++t) {
     const int64_t d = lane + 32 * t;
     if (d < a.D) orow[d] = from_f32<T>(acc[t] * inv);
   }
-  if (lane == 0) lse[(b * a.H + h) * a.Sq + i] = live ? m + logf(l) : -INFINITY;
+  if (lane == 0) lse[(b * a.H + h) * a.Sq + i] = row_lse;
 }
 
 // ---- backward pre-pass: delta = rowsum(dout * out) - dlse --------------------------------

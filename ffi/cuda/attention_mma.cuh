@@ -644,14 +644,14 @@ __global__ void __launch_bounds__(kMmaThreads, MINB)
       lr += __shfl_xor_sync(0xffffffffu, lr, 2);
       const int64_t i = wrow0 + mt * 16 + r * 8 + g;
       if (i >= a.Sq) continue;
-      const bool live = !(lr <= 0.f);  // NaN rows are live: NaN out and lse, as the CPU kernel
-      const float inv = live ? 1.f / lr : 0.f;
+      float inv, row_lse;
+      row_finish(m[mt][r] * kLn2, lr, row_sink(a, b, h), &inv, &row_lse);
       T* orow = out + ((b * a.Sq + i) * a.H + h) * D;
 #pragma unroll
       for (int nt = 0; nt < D / 8; ++nt)
         *reinterpret_cast<uint32_t*>(orow + nt * 8 + 2 * tq) =
             pack2<T>(o[mt][nt][2 * r] * inv, o[mt][nt][2 * r + 1] * inv);
-      if (tq == 0) lse[(b * a.H + h) * a.Sq + i] = live ? m[mt][r] * kLn2 + logf(lr) : -INFINITY;
+      if (tq == 0) lse[(b * a.H + h) * a.Sq + i] = row_lse;
     }
 #endif
 }

@@ -19,9 +19,17 @@ Packed documents: with ``has_segments``, two int32 operands q_segment_ids [B, Sq
 kv_segment_ids [B, Sk] follow [mask], [bias] in every primitive below, and key j is also
 hidden from query i where their ids differ (``attention_segments``).
 
+Sinks: with ``has_sinks`` (``attention_fwd`` only), one more operand sinks [B, H] (the
+accumulation dtype) follows them: z_bh joins row i's softmax denominator with no value,
+out_i = sum_j exp(s_ij) v_j / (exp(z) + sum_j exp(s_ij)), and lse_i = log(exp(z) + sum_j
+exp(s_ij)) is that of the whole denominator (a row that sees no key: out 0, lse z). So
+P_ij = exp(s_ij - lse_i) are the probabilities of the visible keys, and the tangent and
+backward primitives below, given this (out, lse), are exact without knowing the sinks; the
+sinks' own terms are XLA ops in the forward's JVP (``_sink_tangent``).
+
 Primitives (each lowers to its FFI kernel where registered, else to its reference):
-- ``attention_fwd``: (q, k, v, [mask], [bias], [segment ids]) -> (out, lse [B, H, Sq] f32
-  (f64 for f64));
+- ``attention_fwd``: (q, k, v, [mask], [bias], [segment ids], [sinks]) -> (out, lse [B, H, Sq]
+  f32 (f64 for f64));
 - ``attention_tangent``: (q, k, v, out, lse, [mask], [bias], [segment ids], tq, tk, tv, [tbias]) ->
   (tout, tlse), linear in the tangents: with ts = (1 - tanh^2) * scale * (tq.k + q.tk)
   + tbias on visible entries, tlse_i = sum_j P_ij ts_ij and
@@ -47,7 +55,7 @@ from jax.interpreters import ad
 
 from rlx_jax._kernels import has_kernel
 from rlx_jax._kernels import target as ffi_target
-from rlx_jax.vjp_rules.attention_segments import segment_tile_info, segment_tile_order, segment_visible
+from rlx_jax.vjp_rules.attention_segments import finish_sinks, segment_tile_info, segment_tile_order, segment_visible
 from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, Partition, instantiate, np_scalar
 
 MASK_KINDS = ("none", "causal", "sliding")
@@ -67,6 +75,15 @@ def _split(args, has_mask, has_bias, has_segments=False):
     bias = args.pop(0) if has_bias else None
     segments = (args.pop(0), args.pop(0)) if has_segments else None
     return mask, bias, segments, args
+
+
+def _without_sinks(extras, params):
+    """(extras, params, sinks): a forward's operands and params without its sinks operand (the
+    last extra under ``has_sinks``), and that sinks [B, H] (None without)."""
+    params = dict(params)
+    if params.pop("has_sinks", False):
+        return list(extras[:-1]), params, extras[-1]
+    return list(extras), params, None
 
 
 def _segment_visible(segments):
@@ -190,16 +207,24 @@ def _probs_from_lse(s, vis, lse):
 
 
 def reference_attention(q, k, v, *extras, kind, window, scale, softcap, has_mask, has_bias,
-                        has_segments=False):
+                        has_segments=False, has_sinks=False):
     """Plain JAX, O(Sq * Sk) memory; returns (out, lse)."""
-    mask, bias, segments, _ = _split(extras, has_mask, has_bias, has_segments)
+    mask, bias, segments, rest = _split(extras, has_mask, has_bias, has_segments)
     acc = _acc_dtype(q.dtype)
+    hkv = k.shape[2]
     s, _, vis = _scores(q, k, bias, mask, kind=kind, window=window, scale=scale, softcap=softcap,
                         visible=_segment_visible(segments))
     m = jnp.max(jnp.where(vis, s, -jnp.inf), axis=-1, initial=-jnp.inf)
+    z = None
+    if has_sinks:  # [B, H] -> [B, Hkv, 1, G]; the shift covers the sink too (no overflow)
+        b, h = rest[0].shape
+        z = rest[0].astype(acc).reshape(b, hkv, 1, h // hkv)
+        m = jnp.maximum(m, z)
     m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))[..., None]
     e = jnp.where(vis, jnp.exp(jnp.where(vis, s, m) - m), 0.0)
     total = jnp.sum(e, axis=-1)
+    if z is not None:
+        total = total + jnp.exp(z - m[..., 0])
     live = total > 0
     total_safe = jnp.where(live, total, 1.0)
     p = e / total_safe[..., None]
@@ -279,22 +304,26 @@ def _dummies(q, mask, bias):
 
 
 def _kernel_fwd(q, k, v, *extras, kind, window, scale, softcap, has_mask, has_bias, has_segments=False,
-                tables=False):
+                cuda=False, sinks=None):
     """The forward kernel: ``rlx_attention_fwd``, or ``rlx_attention_segments_fwd`` with the
-    segment ids as two more operands (``tables``: and their granule tables and the forward's
-    tile order, as CUDA's target takes them)."""
+    segment ids as two more operands. ``cuda``: CUDA's targets, which take the sinks [B, H] f32
+    (or [0]) after the bias, and with segment ids also their granule tables and the forward's
+    tile order (ffi/cuda/attention.cu)."""
     mask, bias, segments, _ = _split(extras, has_mask, has_bias, has_segments)
     b, sq, h, _ = q.shape
     out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sq), _acc_dtype(q.dtype)))
     m, bb = _dummies(q, mask, bias)
+    head = (q, k, v, m, bb)
+    if cuda:
+        head += (jnp.zeros((0,), jnp.float32) if sinks is None else sinks.astype(jnp.float32),)
     attrs = _attrs(kind, window, scale, softcap, has_mask, has_bias)
     if segments is not None:
         seg = segments
-        if tables:
+        if cuda:
             seg = _segment_operands(segments)
             seg = (*seg, segment_tile_order(seg[2], sq, k.shape[1], causal=kind != "none"))
-        return jax.ffi.ffi_call(ffi_target(SEGMENTS_FWD), out)(q, k, v, m, bb, *seg, **attrs)
-    return jax.ffi.ffi_call(ffi_target("rlx_attention_fwd"), out)(q, k, v, m, bb, **attrs)
+        return jax.ffi.ffi_call(ffi_target(SEGMENTS_FWD), out)(*head, *seg, **attrs)
+    return jax.ffi.ffi_call(ffi_target("rlx_attention_fwd"), out)(*head, **attrs)
 
 
 def _kernel_bwd(q, k, v, out, lse, dout, dlse, *extras, kind, window, scale, softcap, has_mask,
@@ -361,13 +390,12 @@ def _segment_operands(segments):
 
 
 def _kernel_fwd_cuda(q, k, v, *extras, **params):
-    if not _cuda_ok(q):
+    """CUDA's forward; every kernel there applies the sinks in its epilogue (row_finish)."""
+    if not _cuda_ok(q) or (params.get("has_segments") and not cuda_segments_served(
+            q, k, has_bias=params["has_bias"], scale=params["scale"])):
         return reference_attention(q, k, v, *extras, **params)
-    if params.get("has_segments"):
-        if not cuda_segments_served(q, k, has_bias=params["has_bias"], scale=params["scale"]):
-            return reference_attention(q, k, v, *extras, **params)
-        return _kernel_fwd(q, k, v, *extras, **params, tables=True)
-    return _kernel_fwd(q, k, v, *extras, **params)
+    extras, params, sinks = _without_sinks(extras, params)
+    return _kernel_fwd(q, k, v, *extras, **params, cuda=True, sinks=sinks)
 
 
 #: Head splits of the CUDA fused backward (``FusedSplit`` in ffi/cuda/attention_fused_bwd.cuh):
@@ -489,9 +517,12 @@ def _cpu_kernel_serves(q, k, has_segments=False) -> bool:
 
 
 def _kernel_fwd_cpu(q, k, v, *extras, **params):
+    """The CPU's forward; its kernel takes no sinks: XLA applies them to its (out, lse)."""
     if not _cpu_kernel_serves(q, k, params.get("has_segments", False)):
         return reference_attention(q, k, v, *extras, **params)
-    return _kernel_fwd(q, k, v, *extras, **params)
+    extras, params, sinks = _without_sinks(extras, params)
+    out, lse = _kernel_fwd(q, k, v, *extras, **params)
+    return (out, lse) if sinks is None else finish_sinks(out, lse, sinks)
 
 
 def _kernel_bwd_cpu(q, k, v, out, lse, dout, dlse, *extras, **params):
@@ -506,9 +537,10 @@ def _kernel_ok(q, k, v, *rest, **params):
     return q.dtype in allowed and k.dtype == q.dtype and v.dtype == q.dtype
 
 
-def _partition_factors(avals_in, avals_out, *, has_mask, has_bias, has_segments=False, **params):
+def _partition_factors(avals_in, avals_out, *, has_mask, has_bias, has_segments=False, has_sinks=False,
+                       **params):
     """SPMD axes: q, out (b, s, h, d); k, v (b, t, h, d); lse (b, h, s); key mask (b, t);
-    bias (b, h, s, t); segment ids (b, s) and (b, t). Batch and heads may split across devices. With grouped kv heads
+    bias (b, h, s, t); segment ids (b, s) and (b, t); sinks (b, h). Batch and heads may split across devices. With grouped kv heads
     (H = Hkv * G) a query-head axis is the compound (h, g): query head h * G + g reads kv
     head h, so splitting the H axis into contiguous shards on group boundaries (mesh axes
     dividing Hkv) gives each shard the kv heads of its own groups: q, k, v, lse and the
@@ -521,8 +553,8 @@ def _partition_factors(avals_in, avals_out, *, has_mask, has_bias, has_segments=
     q, kv, lse = ("b", "s", h, "d"), ("b", "t", "h", "d"), ("b", h, "s")
     bias = ("b", h, "s", "t")
     extras = [("b", "t")] * has_mask + [bias] * has_bias + [("b", "s"), ("b", "t")] * has_segments
-    if len(avals_out) == 2:  # forward: q, k, v, [mask], [bias] -> out, lse
-        return [q, kv, kv, *extras], [q, lse], sizes
+    if len(avals_out) == 2:  # forward: q, k, v, [mask], [bias], [segment ids], [sinks] -> out, lse
+        return [q, kv, kv, *extras, *[("b", h)] * has_sinks], [q, lse], sizes
     # backward: q, k, v, out, lse, dout, dlse, [mask], [bias], [segment ids] -> dq, dk, dv, [dbias]
     return [q, kv, kv, q, lse, q, lse, *extras], [q, kv, kv] + [bias] * has_bias, sizes
 
@@ -545,13 +577,29 @@ attention_bwd = FusedPrimitive(
 # ---- differentiation rules -------------------------------------------------------------
 
 
+def _sink_tangent(out, lse, sinks, tsinks, tout, tlse):
+    """The sinks' terms of the forward's tangent: with p_i = exp(z - lse_i) the sink's
+    probability (z of the row's head; 0 where lse = -inf), d lse_i = ... + p_i dz and
+    d out_i = ... - p_i dz out_i, added to the tangent primitive's (tout, tlse), which it
+    computed from the same (out, lse) with the sink's tangent left out."""
+    acc = lse.dtype
+    z = sinks.astype(acc)[..., None]                                   # [B, H, 1]
+    p = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(z - jnp.where(lse == -jnp.inf, 0.0, lse)))
+    dl = p * tsinks.astype(acc)[..., None]                             # [B, H, Sq]
+    tout = (tout.astype(acc) - jnp.swapaxes(dl, 1, 2)[..., None] * out.astype(acc)).astype(tout.dtype)
+    return tout, (tlse + dl).astype(tlse.dtype)
+
+
 @attention_fwd.def_jvp
 def _fwd_jvp(primals, tangents, **params):
     q, k, v, *extras = primals
     tq, tk, tv, *textras = instantiate(tangents, primals)
     out, lse = attention_fwd(q, k, v, *extras, **params)
+    core, core_params, sinks = _without_sinks(extras, params)
     lin = [tq, tk, tv] + ([textras[params["has_mask"]]] if params["has_bias"] else [])
-    tout, tlse = attention_tangent(q, k, v, out, lse, *extras, *lin, **params)
+    tout, tlse = attention_tangent(q, k, v, out, lse, *core, *lin, **core_params)
+    if sinks is not None:
+        tout, tlse = _sink_tangent(out, lse, sinks, textras[-1], tout, tlse)
     return (out, lse), (tout, tlse)
 
 
@@ -749,10 +797,12 @@ def attention(q, k, v, *, mask_kind="none", window=None, mask=None, bias=None, s
     window and key mask). On the CPU these run the kernel, which skips the (query tile, key
     tile) pairs whose id ranges do not meet (ids sorted within a row, as packing gives, make
     the cost about the visible work), from ``CPU_SEGMENT_KERNEL_MIN_SCORE_BYTES`` of scores
-    up, and the pure-JAX reference below (O(Sq * Sk) memory); on CUDA the reference.
-    sinks [H]: a per-head logit joining each row's softmax denominator with no value, out_i = sum_j exp(s_ij) v_j / (exp(sink_h) +
-    sum_j exp(s_ij)); differentiable in the sinks too, and computed from the kernel's
-    (out, lse) (see ``attention_segments``).
+    up, and the pure-JAX reference below (O(Sq * Sk) memory); on CUDA the Hopper kernels'
+    segment forms where ``cuda_segments_served`` says so, else the reference.
+    sinks [H]: a per-head logit joining each row's softmax denominator with no value,
+    out_i = sum_j exp(s_ij) v_j / (exp(sink_h) + sum_j exp(s_ij)); differentiable in the
+    sinks too. The CUDA kernels apply them in their epilogue; on the CPU XLA applies them
+    to the kernel's (out, lse) (see ``attention_segments``).
 
     Returns [..., Sq, H, D] in q's dtype (f32 accumulation). Rows with no visible key are
     0. Differentiable in every mode; reverse mode runs the fused backward kernel, and
@@ -764,7 +814,7 @@ def attention(q, k, v, *, mask_kind="none", window=None, mask=None, bias=None, s
     grouped-query attention: over kv-head groups, the query heads split on group
     boundaries).
     """
-    from .attention_segments import apply_sinks, check_segments_and_sinks
+    from .attention_segments import check_segments_and_sinks
 
     sk = jnp.shape(k)[-3] if jnp.ndim(k) >= 3 else 0
     q, k, v, extras, params, traced_scale, lead = _prepare(q, k, v, mask, bias, mask_kind, window, scale,
@@ -778,9 +828,10 @@ def attention(q, k, v, *, mask_kind="none", window=None, mask=None, bias=None, s
                                                     flat_ids(kv_segment_ids, sk), sinks, "attention")
     if q_seg is not None:
         extras = [*extras, q_seg, kv_seg[:, :k.shape[1]]]
-    out, lse = attention_fwd(q, k, v, *extras, has_segments=q_seg is not None, **params)
-    if sinks is not None:
-        out = apply_sinks(out, lse, sinks)
+    if sinks is not None:  # one logit a (batch, head): vmap folds into the batch axis as q does
+        extras = [*extras, jnp.broadcast_to(sinks.astype(_acc_dtype(q.dtype))[None], (b, q.shape[2]))]
+    out, _ = attention_fwd(q, k, v, *extras, has_segments=q_seg is not None, has_sinks=sinks is not None,
+                           **params)
     return out.reshape(*lead, *out.shape[1:])
 
 

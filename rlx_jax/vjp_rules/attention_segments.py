@@ -7,18 +7,21 @@ to the visible scores).
 
 Sinks: ``sinks`` [H], one logit per query head that joins every row's softmax
 denominator and carries no value. With s_ij the visible scores and
-lse_i = log sum_j exp(s_ij) (the attention without sinks):
+lse0_i = log sum_j exp(s_ij) (the attention without sinks):
 
     p_ij = exp(s_ij) / (exp(sink_h) + sum_j exp(s_ij)),    out_i = sum_j p_ij v_j
-         = out0_i * sigma(lse_i - sink_h),
+         = out0_i * sigma(lse0_i - sink_h),
 
-with out0 the attention without sinks and sigma the logistic function; the sink's own
-probability is p_sink,i = 1 - sigma(lse_i - sink_h) = exp(sink_h - logaddexp(lse_i, sink_h)).
-Its gradient is d sink_h = -sum_{b,i} p_sink,i (dout_i . out_i). Because the sink only
-rescales each row by a function of lse, the sinks run on top of the fused primitive
-(``attention_fwd`` returns lse and differentiates through it), so they use whatever
-kernel the platform has (CPU and CUDA), with no extra kernel operand. A row that sees no
-key has lse = -inf, sigma = 0 and output 0, as without sinks.
+with out0 the attention without sinks and sigma the logistic function. They are an operand
+of the forward primitive (``has_sinks``, broadcast to [B, H] so that vmap folds them into
+the batch axis as it does q), which returns (out, lse) with lse_i = logaddexp(lse0_i,
+sink_h), the log of the whole denominator: exp(s_ij - lse_i) are then the visible keys'
+probabilities and p_sink,i = exp(sink_h - lse_i) the sink's, so the tangent and backward
+primitives run unchanged on this (out, lse), and the sink's own terms are XLA ops
+(d sink_h = sum_{b,i} p_sink,i (dlse_i - dout_i . out_i), from the forward's JVP). The CUDA
+kernels apply the sink in their epilogue, with no pass over the output (``row_finish`` in
+ffi/cuda/attention_generic.cuh); on the CPU, XLA applies it to the kernel's (out0, lse0)
+(``finish_sinks``). A row that sees no key has output 0 and lse = sink_h.
 
 Routing: the segment ids are two more operands of the attention primitives
 (``has_segments``), so every mode (reverse through the fused backward, forward mode,
@@ -40,7 +43,6 @@ with k's); the kernels gather the sequence axes as they do q's and k's.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 
@@ -78,15 +80,17 @@ def segment_visible(q_segment_ids, kv_segment_ids):
     return (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])[:, None]
 
 
-def apply_sinks(out, lse, sinks):
-    """out [B, Sq, H, D] (without sinks) and lse [B, H, Sq] -> out * sigma(lse - sink_h).
-    Rows with lse = -inf stay 0 with zero gradients."""
+def finish_sinks(out, lse, sinks):
+    """(out, lse) of the attention with sinks from those without: out [B, Sq, H, D], lse [B, H,
+    Sq] (-inf for a row that sees no key) and sinks [B, H] -> (out * sigma(lse - sink),
+    logaddexp(lse, sink)). Rows that see no key keep output 0 (lse = sink); NaN stays NaN."""
     acc = lse.dtype
-    live = jnp.isfinite(lse)
-    x = jnp.where(live, lse, 0.0) - sinks.astype(acc)[None, :, None]
-    w = jnp.where(live, jax.nn.sigmoid(x), 0.0)                  # [B, H, Sq]
+    z = sinks.astype(acc)[..., None]                             # [B, H, 1]
+    lse_s = jnp.logaddexp(lse, z)
+    dead = lse == -jnp.inf
+    w = jnp.where(dead, 0.0, jnp.exp(jnp.where(dead, 0.0, lse) - jnp.where(dead, 0.0, lse_s)))
     w = jnp.swapaxes(w, 1, 2)[..., None]                         # [B, Sq, H, 1]
-    return (out.astype(acc) * w).astype(out.dtype)
+    return (out.astype(acc) * w).astype(out.dtype), lse_s
 
 
 #: rows (keys) per granule of the CUDA kernels' segment tables (ffi/cuda/attention_segments.cuh,
