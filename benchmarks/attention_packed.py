@@ -11,7 +11,8 @@ variant must do: the plain causal kernel's is the causal pairs' (benchmarks.case
 fwd+bwd = 3.5 x 4 B H S^2 D / 2), the packed variants' only the visible pairs' (a query and a
 key of the same document, key at or before the query). "vs causal": the packed kernel's
 visible TF/s over the plain causal kernel's TF/s. "speedup": the dense-bias variant's time
-over the row's. Documents: lengths drawn from a log-normal distribution (sigma 1, scaled to
+over the row's. "tile ceiling": the "vs causal" the kernels' tile sizes allow on this layout
+(``tile_ceiling``; ``--tile-ceiling`` prints it alone, without a GPU). Documents: lengths drawn from a log-normal distribution (sigma 1, scaled to
 mean ``--mean-doc``), packed back to back, the last one cut at the sequence end; bf16, B4 S8192
 H16 D128 by default. The packed kernel's values and gradients are checked against the dense
 bias variant's before timing.
@@ -55,6 +56,45 @@ def visible_pairs(ids: np.ndarray) -> int:
     return total
 
 
+def tiles_with_visible_pairs(ids: np.ndarray, rows: int, keys: int) -> int:
+    """The (query tile of ``rows``, key tile of ``keys``) pairs that hold at least one visible
+    pair (same document, key at or before the query), summed over the batch: the tiles the
+    segment kernels compute for ids that do not decrease along a row (a tile outside a query
+    tile's id hull, or past its causal end, holds none; every tile inside holds one). Query
+    tile [q0, q1) sees the keys from the start of its first row's document to min(the end of
+    its last row's document, q1)."""
+    total = 0
+    for row in ids:
+        s = row.size
+        first = np.searchsorted(row, row, side="left")  # start of each token's document
+        for q0 in range(0, s, rows):
+            q1 = min(q0 + rows, s)
+            k0, k1 = first[q0], q1  # keys up to the last row (sorted ids: its document ends later)
+            total += (k1 + keys - 1) // keys - k0 // keys
+    return total
+
+
+def tile_ceiling(ids: np.ndarray, rows: int, keys: int) -> float:
+    """The most "vs causal" a kernel of (rows x keys) tiles can reach on these documents if each
+    tile it computes runs at the plain causal kernel's speed: (visible pairs / pairs in the
+    computed tiles) over the same ratio of the causal kernel on one document a row."""
+    one = np.zeros_like(ids)
+    packed = visible_pairs(ids) / tiles_with_visible_pairs(ids, rows, keys)
+    causal = visible_pairs(one) / tiles_with_visible_pairs(one, rows, keys)
+    return packed / causal
+
+
+#: the CUDA kernels' tiles with segment ids: the forward's query tile x key tile, and the fused
+#: backward's query tile x key block (ffi/cuda/attention_fused_bwd.cuh, fused_rows: 64 at D 128)
+FWD_TILE, BWD_TILE = (128, 128), (64, 128)
+
+
+def ceiling_line(ids: np.ndarray) -> str:
+    fwd, bwd = tile_ceiling(ids, *FWD_TILE), tile_ceiling(ids, *BWD_TILE)
+    return (f"tile ceiling (each computed tile at the causal kernel's speed): {fwd:.2f}x the causal kernel "
+            f"forward ({FWD_TILE[0]} x {FWD_TILE[1]} tiles), {bwd:.2f}x backward ({BWD_TILE[0]} x {BWD_TILE[1]})")
+
+
 def main() -> None:
     # the GPU side's imports here: the id helpers above are loaded on their own by the CPU tests
     import jax
@@ -70,17 +110,23 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--mean-doc", type=float, default=1024.0)
+    ap.add_argument("--seed", type=int, default=0, help="the document lengths' random draw")
     ap.add_argument("--layout", choices=("lognormal", "one", "tokens"), default="lognormal",
                     help="document lengths: log-normal (default), one document a row, one a token")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--tile-ceiling", action="store_true",
+                    help="print only the layout's tile ceiling (no GPU needed) and exit")
     args = ap.parse_args()
+    if args.tile_ceiling:
+        print(ceiling_line(packed_segment_ids(args.batch, args.seq, args.mean_doc, args.seed, args.layout)))
+        return
 
     dev = next(d for d in jax.devices() if d.platform == "gpu")
     b, s, h, d = args.batch, args.seq, args.heads, args.head_dim
     q, k, v, dy = gpu_inputs(b, s, h, d, dev)
-    ids_np = packed_segment_ids(b, s, args.mean_doc, layout=args.layout)
+    ids_np = packed_segment_ids(b, s, args.mean_doc, args.seed, args.layout)
     ids = jax.device_put(jnp.asarray(ids_np), dev)
     sinks = jax.device_put(jnp.linspace(-1.0, 1.0, h, dtype=jnp.float32), dev)
     # the dense bias: 0 inside a document, a large negative number across (exp underflows to 0)
@@ -151,6 +197,7 @@ def main() -> None:
               f"| {best_fwd[name]:.3f} | {fwd_vs:.2f}x |")
     sink_cost = best["packed: segment ids + sinks"] / best["packed: segment ids"] - 1
     print(f"sinks cost {100 * sink_cost:+.1f}% over the segment-id kernel without them")
+    print(ceiling_line(ids_np))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(rows=rows, sinks_cost=sink_cost, visible_fraction=vis / causal_pairs), f, indent=1)

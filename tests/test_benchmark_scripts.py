@@ -112,6 +112,28 @@ def test_packed_documents_ids_and_visible_pairs(layout):
         assert lengths.min() >= 1 and 1 < lengths.mean() < 300
 
 
+@pytest.mark.parametrize("rows,keys", [(128, 128), (64, 128), (32, 16)])
+def test_packed_tile_ceiling_counts_the_tiles_holding_a_visible_pair(rows, keys):
+    """The tiles the segment kernels compute (those holding a visible pair) against a brute-force
+    count over the dense visibility matrix, on odd lengths; the ceiling of one document a row is
+    1, and the log-normal layout's lies below it."""
+    import numpy as np
+
+    for layout, mean, s in (("lognormal", 40.0, 300), ("lognormal", 150.0, 517), ("one", 1.0, 257),
+                            ("tokens", 1.0, 130)):
+        ids = _packed.packed_segment_ids(2, s, mean, seed=2, layout=layout)
+        brute = 0
+        for row in ids:
+            vis = (row[:, None] == row[None, :]) & np.tri(s, dtype=bool)
+            for q0 in range(0, s, rows):
+                for k0 in range(0, s, keys):
+                    brute += bool(vis[q0:q0 + rows, k0:k0 + keys].any())
+        assert _packed.tiles_with_visible_pairs(ids, rows, keys) == brute, (layout, s)
+    one = _packed.packed_segment_ids(2, 300, 1.0, layout="one")
+    assert _packed.tile_ceiling(one, rows, keys) == 1.0
+    assert 0 < _packed.tile_ceiling(_packed.packed_segment_ids(2, 1000, 100.0, seed=1), rows, keys) < 1
+
+
 _cost = _load("attention_packed_cost")
 
 
