@@ -320,13 +320,24 @@ put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
 got = g(put(q, P("b", "s")), put(k, P("b", "s")), put(v, P("b", "s")), put(ids, P("b", "s")), put(sinks, P()))
 for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
+# heads split over kv-head groups (8 query / 4 kv heads on 4 devices), the sinks with them
+mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("b", "h"))
+q = jnp.asarray(r.standard_normal((4, 16, 8, 8)), jnp.float32)
+k, v = (jnp.asarray(r.standard_normal((4, 16, 4, 8)), jnp.float32) for _ in range(2))
+sinks = jnp.asarray(3 * r.standard_normal(8), jnp.float32)
+want = g(q, k, v, ids, sinks)
+heads = P("b", None, "h")
+got_h = g(put(q, heads), put(k, heads), put(v, heads), put(ids, P("b")), put(sinks, P("h")))
+for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got_h)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
 print("OK", got[1][0].sharding)
 """
 
 
 def test_sharded_batch_and_sequence_match_unsharded():
     """On 8 host devices: segment ids sharded with q over (batch, sequence) give the
-    unsharded values and gradients (sinks replicated)."""
+    unsharded values and gradients (sinks replicated); and with the heads split over kv-head
+    groups, the sinks split with them."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-c", _SHARD_CHILD], env=env, capture_output=True, text=True,
                        timeout=300, cwd=os.path.dirname(os.path.abspath(__file__)))
