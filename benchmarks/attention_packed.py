@@ -12,9 +12,10 @@ fwd+bwd = 3.5 x 4 B H S^2 D / 2), the packed variants' only the visible pairs' (
 key of the same document, key at or before the query). "vs causal": the packed kernel's
 visible TF/s over the plain causal kernel's TF/s. "speedup": the dense-bias variant's time
 over the row's. "tile ceiling": the "vs causal" the kernels' tile sizes allow on this layout
-(``tile_ceiling``; ``--tile-ceiling`` prints it alone, without a GPU). Documents: lengths drawn from a log-normal distribution (sigma 1, scaled to
-mean ``--mean-doc``), packed back to back, the last one cut at the sequence end; bf16, B4 S8192
-H16 D128 by default. The packed kernel's values and gradients are checked against the dense
+(``tile_ceiling``; ``--tile-ceiling`` prints it alone, without a GPU). Documents: lengths
+drawn from a log-normal distribution (sigma 1, scaled to mean ``--mean-doc``, draw
+``--seed``), packed back to back, the last one cut at the sequence end; bf16, B4 S8192 H16
+D128 by default. The packed kernel's values and gradients are checked against the dense
 bias variant's before timing.
 """
 

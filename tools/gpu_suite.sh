@@ -114,7 +114,8 @@ if has sanitize; then
       for cfg in "64 bfloat16 causal fwd" "64 bfloat16 none fwd 1" "128 bfloat16 none fwd" "128 float16 causal bwd" \
                  "64 bfloat16 sliding bwd 1" "64 float32 causal bwd" "128 bfloat16 none bwd 0 softcap" "64 float16 causal bwd 0 softcap" \
                  "128 bfloat16 causal bwd 1" "64 bfloat16 none bwd 1 softcap" "128 bfloat16 sliding bwd 0 softcap" \
-                 "64 float16 causal bwd 1 bias" "128 bfloat16 causal bwd 0 segments" "64 float16 sliding bwd 1 segments"; do
+                 "64 float16 causal bwd 1 bias" "128 bfloat16 causal bwd 0 segments" \
+                 "64 float16 sliding bwd 1 segments"; do
         i=$((i + 1))
         timeout 120 compute-sanitizer --tool $tool python3 tools/attention_sanitize.py $cfg >"$OUT/attn_$tool$i.txt" 2>&1
         echo "attention $tool [$cfg] rc=$? $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' "$OUT/attn_$tool$i.txt" | tail -1)"

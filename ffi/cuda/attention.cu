@@ -15,14 +15,15 @@
 //   rowsum(dout * out) - dlse_i; the Python side sizes it, XLA allocates it).
 // Attrs: scale, softcap (f64; softcap 0 = off), mask_kind (0 none, 1 causal, 2 sliding),
 //   window, has_mask, has_bias (i64).
-// rlx_attention_segments_fwd / _bwd: the same operands, then after bias (the forward: after sinks) the segment ids q_segment_ids
-//   [B, Sq], kv_segment_ids [B, Sk] int32 and their granule tables [B, ceil(Sq / 64), 4], [B,
-//   ceil(Sk / 64), 4] int32 (attention_segments.cuh; the CPU targets take the ids only), and the
-//   forward then its tile order [B * ceil(Sq / 128)] int32 (the (batch, query tile) pairs by descending
-//   work: segment_tile_order in rlx_jax/vjp_rules/attention_segments.py). They run
-//   the wgmma kernels' segment forms only (bf16 / f16, head dim 64 or 128, no bias, scale > 0, an
-//   sm_90a image on a compute capability 9.0 device, the backward's fused kernel): any other call
-//   is an error, never a silent fallback that would ignore the ids.
+// rlx_attention_segments_fwd / _bwd: the same operands, then after bias (the forward: after
+//   sinks) the segment ids q_segment_ids [B, Sq], kv_segment_ids [B, Sk] int32 and their granule
+//   tables [B, ceil(Sq / 64), 4], [B, ceil(Sk / 64), 4] int32 (attention_segments.cuh; the CPU
+//   targets take the ids only), and the forward then its tile order [B * ceil(Sq / 128)] int32
+//   (the (batch, query tile) pairs by descending work: segment_tile_order in
+//   rlx_jax/vjp_rules/attention_segments.py). They run the wgmma kernels' segment forms only
+//   (bf16 / f16, head dim 64 or 128, no bias, scale > 0, an sm_90a image on a compute capability
+//   9.0 device, the backward's fused kernel): any other call is an error, never a silent fallback
+//   that would ignore the ids.
 //
 // Path: bf16 / f16 with head dim 64 or 128 on sm_80+ run the mma.sync kernels, except where the
 // module carries sm_90a code and runs on a compute capability 9.0 device, for the cases without a
@@ -189,8 +190,8 @@ ffi::Error AttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
                             ffi::AnyBuffer mask, ffi::AnyBuffer bias, ffi::AnyBuffer sinks,
                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse, double scale,
                             double softcap, int64_t mask_kind, int64_t window, int64_t has_mask, int64_t has_bias) {
-  return attention_fwd(stream, q, k, v, mask, bias, sinks, Segments{}, out, lse, scale, softcap, mask_kind, window, has_mask,
-                       has_bias);
+  return attention_fwd(stream, q, k, v, mask, bias, sinks, Segments{}, out, lse, scale, softcap, mask_kind, window,
+                       has_mask, has_bias);
 }
 
 ffi::Error AttentionSegmentsFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -199,8 +200,8 @@ ffi::Error AttentionSegmentsFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::
                                     ffi::AnyBuffer kinfo, ffi::AnyBuffer qorder, ffi::Result<ffi::AnyBuffer> out,
                                     ffi::Result<ffi::AnyBuffer> lse, double scale, double softcap, int64_t mask_kind,
                                     int64_t window, int64_t has_mask, int64_t has_bias) {
-  return attention_fwd(stream, q, k, v, mask, bias, sinks, Segments{&qseg, &kseg, &qinfo, &kinfo, &qorder}, out, lse, scale,
-                       softcap, mask_kind, window, has_mask, has_bias);
+  return attention_fwd(stream, q, k, v, mask, bias, sinks, Segments{&qseg, &kseg, &qinfo, &kinfo, &qorder}, out, lse,
+                       scale, softcap, mask_kind, window, has_mask, has_bias);
 }
 
 ffi::Error AttentionBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,

@@ -156,8 +156,9 @@ __device__ __forceinline__ int64_t ws_tile(int64_t n, bool zig) {
 // 132 SMs). Measured there with ncu, with the positional test as bits (ws_softmax_tile): the busiest
 // multiprocessor's active cycles 1.06x the mean, against 1.29x before both. The order gives up the
 // L2 reuse of a document's neighbouring query tiles (the log-normal forward reads 1.5 GB from DRAM)
-// but not time: orders that keep neighbours together ran within the noise of it (docs/PERFORMANCE.md),
-// the kernel being latency-bound there. An entry out of range is clamped (its outputs are then wrong, but no access leaves the arrays).
+// but not time: orders that keep neighbours together ran within the noise of it
+// (docs/PERFORMANCE.md), the kernel being latency-bound there. An entry out of range is clamped
+// (its outputs are then wrong, but no access leaves the arrays).
 __device__ __forceinline__ void ws_fwd_tile(const AttnArgs& a, int64_t t, int64_t nqt, int64_t nbh, int64_t hc,
                                             int64_t* qt, int64_t* bh) {
   if (a.qorder == nullptr) {

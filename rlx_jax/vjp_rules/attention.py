@@ -540,12 +540,13 @@ def _kernel_ok(q, k, v, *rest, **params):
 def _partition_factors(avals_in, avals_out, *, has_mask, has_bias, has_segments=False, has_sinks=False,
                        **params):
     """SPMD axes: q, out (b, s, h, d); k, v (b, t, h, d); lse (b, h, s); key mask (b, t);
-    bias (b, h, s, t); segment ids (b, s) and (b, t); sinks (b, h). Batch and heads may split across devices. With grouped kv heads
-    (H = Hkv * G) a query-head axis is the compound (h, g): query head h * G + g reads kv
-    head h, so splitting the H axis into contiguous shards on group boundaries (mesh axes
-    dividing Hkv) gives each shard the kv heads of its own groups: q, k, v, lse and the
-    gradients all stay local. With one kv head (multi-query) the query heads split over g,
-    k and v are replicated and their gradients are summed over the shards."""
+    bias (b, h, s, t); segment ids (b, s) and (b, t); sinks (b, h). Batch and heads may split
+    across devices. With grouped kv heads (H = Hkv * G) a query-head axis is the compound
+    (h, g): query head h * G + g reads kv head h, so splitting the H axis into contiguous
+    shards on group boundaries (mesh axes dividing Hkv) gives each shard the kv heads of its
+    own groups: q, k, v, lse and the gradients all stay local. With one kv head (multi-query)
+    the query heads split over g, k and v are replicated and their gradients are summed over
+    the shards."""
     hq, hkv = avals_in[0].shape[2], avals_in[1].shape[2]
     grouped = hkv != hq and hkv > 1
     h = ("h", "g") if grouped else "g" if hkv == 1 and hq > 1 else "h"

@@ -37,8 +37,8 @@ at most 128 keys per SM); they take two more operands, the granule tables of
 ``segment_tile_info``, from which a query tile computes only the key tiles whose ids can
 meet its own (and a key block only such query tiles), and the forward a third,
 ``segment_tile_order``, the order in which its persistent blocks take the query tiles.
-Everywhere else on CUDA the reference runs. Under SPMD sharding the segment ids shard with q's batch axis (kv ids
-with k's); the kernels gather the sequence axes as they do q's and k's.
+Everywhere else on CUDA the reference runs. Under SPMD sharding the segment ids shard with
+q's batch axis (kv ids with k's); the kernels gather the sequence axes as they do q's and k's.
 """
 
 from __future__ import annotations
