@@ -55,8 +55,11 @@ def test_cuda_kernels_loaded_and_in_hlo():
     assert "rlx_softmax_ce_fwd" in text and "rlx_softmax_ce_bwd" in text
 
 
+# On sm_90, (300, 16384) and (531, 32000) (loss_grad below) take the whole-row staged kernel
+# with several rows a block, so its stages are refilled; (4, 65536) and (150, 128256) the
+# streamed one, whose rows outnumber its stages.
 SHAPES = [(1, 1), (37, 5), (64, 64), (33, 999), (257, 1024), (16, 8192), (9, 12288), (8, 32000), (4, 65536),
-          (0, 100)]
+          (300, 16384), (0, 100)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
@@ -128,7 +131,8 @@ LOSS_GRAD_DTYPES = [(jnp.float32, jnp.float32), (jnp.float32, jnp.bfloat16), (jn
 
 
 @pytest.mark.parametrize("dtype, grad_dtype", LOSS_GRAD_DTYPES, ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("shape", [(1, 1), (37, 5), (33, 999), (257, 1024), (8, 32000), (3, 128256), (0, 100)],
+@pytest.mark.parametrize("shape", [(1, 1), (37, 5), (33, 999), (257, 1024), (8, 32000), (531, 32000), (700, 8200),
+                                   (3, 128256), (150, 128256), (0, 100)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_loss_grad_kernel_matches_reference(dtype, grad_dtype, shape):
     """rlx_softmax_ce_loss_grad (the fused linear cross-entropy's block: loss, lse and
@@ -254,6 +258,31 @@ def test_extreme_logits():
     loss_ref, lse_ref = reference_softmax_cross_entropy(logits, labels)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(loss), np.asarray(loss_ref), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("c", [16384, 40000])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_loss_grad_extreme_rows_in_wide_blocks(dtype, c):
+    """400 rows of 16384 or 40000 columns (the sm_90 staged kernels: whole rows, or rows
+    streamed in chunks, several rows a block) holding -inf entries, one huge logit, a row of
+    all -inf but its label, and constant rows: lse, loss and gradient as the f32 reference,
+    finite wherever the reference is."""
+    n = 400
+    logits, labels, _ = _inputs(n, c, jnp.float32, seed=7)
+    logits = logits.at[5, ::3].set(-jnp.inf).at[6, 100].set(1e4).at[7, :].set(0.0)
+    logits = logits.at[8, :].set(-jnp.inf).at[8, labels[8]].set(2.0).at[9, :].set(-50.0)
+    logits = logits.astype(dtype)
+    scale = jax.device_put(jnp.linspace(-1.0, 1.5, n, dtype=jnp.float32), _gpu())
+    loss, lse, g = jax.jit(lambda z, y, s: ce_loss_grad(z, y, s, grad_dtype=np.dtype(jnp.float32)))(logits, labels,
+                                                                                                   scale)
+    want = reference_loss_grad(logits.astype(jnp.float32), labels, scale, grad_dtype=np.dtype(jnp.float32))
+    for got, ref, what in zip((loss, lse, g), want, ("loss", "lse", "dlogits")):
+        got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+        assert np.array_equal(np.isfinite(got), np.isfinite(ref)), what
+        fin = np.isfinite(ref)
+        np.testing.assert_allclose(got[fin], ref[fin], rtol=1e-4, atol=1e-5 * max(1.0, float(np.max(np.abs(ref[fin])))),
+                                   err_msg=what)
+    assert float(loss[8]) == pytest.approx(0.0, abs=1e-6) and float(lse[7]) == pytest.approx(np.log(c), rel=1e-5)
 
 
 def test_bad_labels_dtype_is_an_error_not_a_crash():

@@ -230,6 +230,15 @@ __device__ __forceinline__ float group_sum(float v, int tpr, float* red, int par
   return s;
 }
 
+// One 16-byte vector of shared memory (16-byte aligned) as VEC floats.
+template <typename T, int VEC>
+__device__ __forceinline__ void load_vec_smem(const T* p, float (&v)[VEC]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) v[i] = to_f32(e[i]);
+}
+
 // ---- bulk asynchronous copies (sm_90: cp.async.bulk completing on an mbarrier) ----------
 // Callers compile these only for __CUDA_ARCH__ >= 900 and launch them only on such devices.
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {

@@ -18,7 +18,10 @@
 // the row's chunks in reverse: the last chunk is still in registers and the others are
 // re-read from L2. loss_grad is that recomputing pass with the row's lse and loss written
 // too: one read of the logits from memory and one write of dlogits for both (the fused
-// linear cross-entropy's logits blocks). Layout: rowwise_common.cuh.
+// linear cross-entropy's logits blocks). On sm_90, rows of 16 KB to 64 KB (bf16 / f16
+// vocabularies of 8192 to 32768 words) take a staged kernel for these recomputing passes
+// instead: whole rows in flight in shared memory, each read once (ce_grad_staged_k).
+// Layout: rowwise_common.cuh.
 #include "cuda/rowwise_common.cuh"
 #include "cross_entropy_checks.h"
 
@@ -152,6 +155,140 @@ ce_grad_k(const T* __restrict__ logits, const int32_t* __restrict__ labels, cons
   }
 }
 
+// ---- sm_90: whole rows staged through shared memory, for the recomputing passes -------
+// ce_grad_k keeps kElems elements a thread in flight, so on rows of tens of KB (a logits
+// block of a 32000-word vocabulary) it waits on memory latency: about 2.2 TB/s on an H200,
+// reading each row from memory once and from L2 once. Here each block (kStagedThreads
+// threads, persistent over a contiguous run of rows) keeps `stages` whole rows in flight in
+// shared memory through bulk copies (cp.async.bulk completing on the stage's mbarrier), so
+// the bytes in flight no longer depend on registers. Every thread reads its NV * VEC
+// columns of the row from the stage into registers once; the row's max and sum of exp are
+// reduced over the block, whose barriers tell thread 0 that every thread has read the
+// stage, so it refills the stage with a later row; the gradient is then written from the
+// registers. One read of the logits from memory, one write of dlogits.
+constexpr int kStagedThreads = 512;
+constexpr int kStagedMaxNv = 8;                // columns a thread keeps: NV * VEC <= 64
+constexpr int kStagedMaxStages = 3;            // rows in flight per block
+constexpr int kStagedHeader = 1024;            // bytes before the stages: red, then mbarriers
+constexpr int64_t kStagedMinRowBytes = 16384;  // narrower rows keep ce_grad_k's row groups
+
+template <typename T, typename G, typename S, int NV, bool STATS>
+__global__ void __launch_bounds__(kStagedThreads, 1)
+ce_grad_staged_k(const T* __restrict__ logits, const int32_t* __restrict__ labels, const S* __restrict__ dloss,
+                 G* __restrict__ dlogits, float* __restrict__ lse_out, float* __restrict__ loss_out, int64_t rows,
+                 int64_t C, int stages, uint32_t stage_stride) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();
+#else
+  constexpr int VEC = kVec16<T>;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  float* red = reinterpret_cast<float*>(smem_raw);
+  uint64_t* bar = reinterpret_cast<uint64_t*>(smem_raw + 512);
+  unsigned char* stage0 = smem_raw + kStagedHeader;
+  const uint32_t row_bytes = uint32_t(C) * uint32_t(sizeof(T));
+  const int t = threadIdx.x;
+  const int64_t r0 = rows * blockIdx.x / gridDim.x, n = rows * (blockIdx.x + 1) / gridDim.x - r0;
+  if (t == 0) {
+    for (int q = 0; q < stages; ++q) mbar_init(&bar[q], 1);
+    mbar_init_fence();
+  }
+  __syncthreads();
+  auto issue = [&](int64_t i) {  // row r0 + i into stage i % stages
+    const int q = int(i % stages);
+    mbar_arrive_expect_tx(&bar[q], row_bytes);
+    bulk_load(stage0 + size_t(q) * stage_stride, logits + (r0 + i) * C, row_bytes, &bar[q]);
+  };
+  if (t == 0)
+    for (int64_t i = 0; i < n && i < stages; ++i) issue(i);
+  int ph = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int q = int(i % stages);
+    const int64_t r = r0 + i;
+    mbar_wait(&bar[q], uint32_t((i / stages) & 1));
+    const T* xs = reinterpret_cast<const T*>(stage0 + size_t(q) * stage_stride);
+    float v[NV][VEC];
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int64_t col = int64_t(t + k * kStagedThreads) * VEC;
+      if (col < C) {
+        load_vec_smem<T, VEC>(xs + col, v[k]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) v[k][e] = -INFINITY;
+      }
+    }
+    float m = -INFINITY, s = 0.f;
+    online_max_sumexp<NV, VEC>(v, m, s);
+    const float l = group_lse(m, s, kStagedThreads, red, ph);  // its barriers: stage q is read
+    const int32_t label = labels[r];
+    const bool ok = label >= 0 && int64_t(label) < C;
+    if (t == 0) {
+      if constexpr (STATS) {
+        lse_out[r] = l;
+        loss_out[r] = ok ? l - to_f32(xs[label]) : 0.f;
+      }
+      if (i + stages < n) {
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        issue(i + stages);
+      }
+    }
+    const float gr = ok ? to_f32(dloss[r]) : 0.f;
+    G* dr = dlogits + r * C;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int64_t col = int64_t(t + k * kStagedThreads) * VEC;
+      if (col >= C) continue;
+      float o[VEC];
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const float p = fast_exp(v[k][e] - l) * gr;
+        o[e] = (col + e == int64_t(label)) ? p - gr : p;
+      }
+      store_grad<G, VEC>(dr + col, o);
+    }
+  }
+#endif
+}
+
+// Launches the staged kernel for a recomputing pass where it applies (sm_90+, 16-byte
+// vectors, rows of kStagedMinRowBytes or more that fit kStagedThreads * kStagedMaxNv
+// vectors and two stages); false (nothing launched) where it does not. Wider rows (a
+// 128256-word vocabulary) keep ce_grad_k: a variant streaming them through the stages in
+// chunks, reading each chunk twice (for the lse, then for the gradient), measured level
+// with it on an H200 (2.4 TB/s at 2048 x 128256 and 2.6 at 4096 x 65536, bf16): the
+// second read, not the bytes in flight, bounds both there.
+template <typename T, typename G, typename S, bool STATS>
+bool launch_grad_staged(cudaStream_t stream, const T* logits, const int32_t* labels, const S* dloss, G* dlogits,
+                        float* lse_out, float* loss_out, int64_t rows, int64_t C, cudaError_t* err) {
+  constexpr int VEC = kVec16<T>;
+  const int64_t row_bytes = C * int64_t(sizeof(T));
+  if (row_bytes < kStagedMinRowBytes || C % VEC != 0 || !aligned16(logits) || !aligned16(dlogits)) return false;
+  DeviceInfo dev;
+  int major = 0;
+  if (device_info(&dev) != cudaSuccess || device_cc_major(dev.device, &major) != cudaSuccess || major < 9)
+    return false;
+  bool launched = false;
+  auto go = [&](auto kernel) {
+    size_t max_smem = 0;
+    if (allow_max_smem(dev.device, kernel, &max_smem) != cudaSuccess) return;
+    const uint32_t stride = uint32_t((row_bytes + 127) / 128 * 128);
+    const int stages = int(std::min<int64_t>(kStagedMaxStages, (int64_t(max_smem) - kStagedHeader) / stride));
+    if (stages < 2) return;
+    const size_t smem = size_t(kStagedHeader) + size_t(stages) * stride;
+    int per_sm = 1;
+    if ((*err = blocks_per_sm(dev.device, kernel, kStagedThreads, smem, &per_sm)) != cudaSuccess) return;
+    const int64_t grid = std::min<int64_t>(rows, int64_t(dev.sms) * per_sm);
+    kernel<<<unsigned(grid), kStagedThreads, smem, stream>>>(logits, labels, dloss, dlogits, lse_out, loss_out, rows,
+                                                             C, stages, stride);
+    launched = true;
+  };
+  const int64_t nv = ceil_div(C, int64_t(kStagedThreads) * VEC);
+  if (nv <= 2) go(ce_grad_staged_k<T, G, S, 2, STATS>);
+  else if (nv <= 4) go(ce_grad_staged_k<T, G, S, 4, STATS>);
+  else if (nv <= kStagedMaxNv) go(ce_grad_staged_k<T, G, S, kStagedMaxNv, STATS>);
+  return launched || *err != cudaSuccess;
+}
+
 template <typename F>
 void with_vec(bool vector_ok, F&& f) {
   if (vector_ok) f(std::true_type{});
@@ -177,6 +314,13 @@ ffi::Error launch_grad(cudaStream_t stream, const T* logits, const int32_t* labe
                        const S* dloss, G* dlogits, float* lse_out, float* loss_out, int64_t rows, int64_t C,
                        bool recompute, const char* what) {
   constexpr int v16 = kVec16<T>;
+  if (recompute) {
+    cudaError_t err = cudaSuccess;
+    if (launch_grad_staged<T, G, S, STATS>(stream, logits, labels, dloss, dlogits, lse_out, loss_out, rows, C, &err)) {
+      if (err != cudaSuccess) return cuda_error(what, err);
+      return check_launch(what);
+    }
+  }
   const int sms = num_sms();
   with_vec(aligned16(logits) && aligned16(dlogits) && C % v16 == 0, [&](auto vec16) {
     constexpr int VEC = decltype(vec16)::value ? v16 : 1;

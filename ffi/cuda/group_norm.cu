@@ -301,7 +301,7 @@ __device__ __forceinline__ void cta_vecs(const ClPlan& p, int rank, const T* xs,
     const T* xv = xs + int64_t(s) * p.seg;
     for (int64_t v = int64_t(threadIdx.x) * VEC; v < sg.len; v += int64_t(kClThreads) * VEC) {
       float xe[VEC];
-      rms::load_vec_smem<T, VEC>(xv + v, xe);
+      load_vec_smem<T, VEC>(xv + v, xe);
       f(xe);
     }
   }
@@ -451,8 +451,8 @@ gn_cluster_x(const T* __restrict__ x, const T* __restrict__ dy, const T* __restr
       float a = 0.f, b = 0.f;
       for (int64_t v = int64_t(tid) * VEC; v < sg.len; v += int64_t(kClThreads) * VEC) {
         float xe[VEC], de[VEC];
-        rms::load_vec_smem<T, VEC>(xv + v, xe);
-        rms::load_vec_smem<T, VEC>(dv + v, de);
+        load_vec_smem<T, VEC>(xv + v, xe);
+        load_vec_smem<T, VEC>(dv + v, de);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
           a += de[i];
@@ -543,8 +543,8 @@ gn_cluster_x(const T* __restrict__ x, const T* __restrict__ dy, const T* __restr
 #pragma unroll 1
       for (int64_t v = int64_t(tid) * VEC; v < sg.len; v += int64_t(kClThreads) * VEC) {
         float xe[VEC], de[VEC], r[VEC];
-        rms::load_vec_smem<T, VEC>(xv + v, xe);
-        rms::load_vec_smem<T, VEC>(dv + v, de);
+        load_vec_smem<T, VEC>(xv + v, xe);
+        load_vec_smem<T, VEC>(dv + v, de);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) r[i] = fmaf(de[i], da, fmaf(xe[i] - mu, db, dc));
         store_vec<T, VEC>(o + v, r);
@@ -598,7 +598,7 @@ gn_cluster_x(const T* __restrict__ x, const T* __restrict__ dy, const T* __restr
       T* o = out + base + sg.off;
       for (int64_t v = int64_t(tid) * VEC; v < sg.len; v += int64_t(kClThreads) * VEC) {
         float xe[VEC], r[VEC];
-        rms::load_vec_smem<T, VEC>(xv + v, xe);
+        load_vec_smem<T, VEC>(xv + v, xe);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) r[i] = (xe[i] - mu) * ga + be;
         store_vec<T, VEC>(o + v, r);

@@ -523,14 +523,6 @@ reduce_partials(const float* __restrict__ partial, int64_t parts, int64_t W, T* 
 // row reduction's barrier tells thread 0 that the stage may be refilled.
 constexpr int kTmaHeader = 1024;  // bytes before the stages: red (512 B), mbarriers
 
-template <typename T, int VEC>
-__device__ __forceinline__ void load_vec_smem(const T* p, float (&v)[VEC]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);
-  const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-  for (int i = 0; i < VEC; ++i) v[i] = to_f32(e[i]);
-}
-
 // A block of the staged path: shared memory layout (kTmaHeader bytes: red, then the
 // mbarriers; then pl.stages stages), its row chunk [r0, r1) (n rows, chunk p), the
 // thread t of the block's one row group (tpr == blockDim.x) and a row's bytes.
