@@ -250,6 +250,33 @@ def test_fused_linear_bf16_logits_halve_the_block():
     assert narrow <= wide - chunk * v * 4 // 5, (narrow, wide)
 
 
+def test_block_gradient_takes_the_logits_buffer():
+    """On CUDA the block kernel writes its gradient over the logits where the dtypes agree:
+    the compiled loss_grad call aliases its dlogits output to the logits operand (where the
+    logits are a parameter XLA copies them first), and the fused linear head's loss +
+    gradients hold one bf16 [chunk, V] block, not two (compiled temp memory under 1.5 blocks;
+    the [D, V] and [N, D] f32 accumulators are a small part here)."""
+    from rlx_jax.ops import fused_linear_cross_entropy
+
+    logits, labels, _ = _inputs(64, 4096, jnp.bfloat16, seed=3)
+    scale = jax.device_put(jnp.ones((64,), jnp.float32), _gpu())
+    hlo = jax.jit(lambda z, y, s: ce_loss_grad(z, y, s, grad_dtype=np.dtype(jnp.bfloat16))).lower(
+        logits, labels, scale).compile().as_text()
+    calls = [line for line in hlo.splitlines() if "rlx_softmax_ce_loss_grad" in line and "custom-call" in line]
+    assert calls and all("output_to_operand_aliasing" in line for line in calls), calls
+
+    n, d, v, chunk = 4096, 64, 32000, 2048
+    kh, kw, kl = jax.random.split(jax.random.PRNGKey(14), 3)
+    h = jax.device_put(jax.random.normal(kh, (n, d), jnp.float32).astype(jnp.bfloat16), _gpu())
+    w = jax.device_put((jax.random.normal(kw, (d, v), jnp.float32) / 8).astype(jnp.bfloat16), _gpu())
+    y = jax.random.randint(kl, (n,), 0, v, jnp.int32)
+    f = jax.jit(jax.value_and_grad(lambda h, w: fused_linear_cross_entropy(
+        h, w, y, reduction="mean", chunk_size=chunk, logits_dtype=jnp.bfloat16).astype(jnp.float32), (0, 1)))
+    temp = f.lower(h, w).compile().memory_analysis().temp_size_in_bytes
+    block = chunk * v * 2
+    assert temp < 1.5 * block, (temp, block)
+
+
 def test_extreme_logits():
     logits = jnp.array([[1e30, 0.0, -1e30, 5.0], [-jnp.inf, 0.0, 1.0, -jnp.inf], [88.0, 89.0, 90.0, -100.0]],
                        jnp.float32)

@@ -21,7 +21,10 @@
 // linear cross-entropy's logits blocks). On sm_90, rows of 16 KB to 64 KB (bf16 / f16
 // vocabularies of 8192 to 32768 words) take a staged kernel for these recomputing passes
 // instead: whole rows in flight in shared memory, each read once (ce_grad_staged_k).
-// Layout: rowwise_common.cuh.
+// loss_grad may write dlogits over the logits (rlx_jax aliases the two when their dtypes
+// agree): in both kernels a thread writes only elements it has read, and the label's logit
+// is read before the row's reductions, past whose barriers the gradient is written; so
+// neither kernel marks the two pointers __restrict__. Layout: rowwise_common.cuh.
 #include "cuda/rowwise_common.cuh"
 #include "cross_entropy_checks.h"
 
@@ -102,9 +105,9 @@ __device__ __forceinline__ void store_grad(G* __restrict__ p, const float (&v)[V
 // block, read once from memory for its loss and its gradient.
 template <typename T, typename G, typename S, int VEC, int NV, bool STATS>
 __global__ void __launch_bounds__(kMaxThreads, 2)
-ce_grad_k(const T* __restrict__ logits, const int32_t* __restrict__ labels, const float* __restrict__ lse_in,
-          const S* __restrict__ dloss, G* __restrict__ dlogits, float* __restrict__ lse_out,
-          float* __restrict__ loss_out, int64_t rows, int64_t C, int tpr, bool recompute) {
+ce_grad_k(const T* logits, const int32_t* __restrict__ labels, const float* __restrict__ lse_in,
+          const S* __restrict__ dloss, G* dlogits, float* __restrict__ lse_out, float* __restrict__ loss_out,
+          int64_t rows, int64_t C, int tpr, bool recompute) {
   __shared__ float red[64];
   const int gpb = blockDim.x / tpr;
   const int g = threadIdx.x / tpr, t = threadIdx.x - g * tpr;
@@ -117,6 +120,11 @@ ce_grad_k(const T* __restrict__ logits, const int32_t* __restrict__ labels, cons
     const T* lr = logits + (rv ? r : 0) * C;
     float v[NV][VEC];
     float l = 0.f;
+    const int32_t label = rv ? labels[r] : -1;
+    const bool ok = label >= 0 && int64_t(label) < C;
+    // the label's logit (STATS), read before the reductions' barriers: past them the
+    // group writes dlogits, which may be the logits' own buffer
+    const float picked = STATS && ok && t == 0 ? to_f32(lr[label]) : 0.f;
     if (recompute) {  // uniform over the block: the reductions' barriers are reached by all
       float m = -INFINITY, s = 0.f;
       for (int64_t c = 0; c < nch; ++c) {
@@ -124,15 +132,14 @@ ce_grad_k(const T* __restrict__ logits, const int32_t* __restrict__ labels, cons
         online_max_sumexp<NV, VEC>(v, m, s);
       }
       l = group_lse(m, s, tpr, red, ph);
+      if (tpr <= 32) __syncwarp();  // group_lse's shuffles order no memory
     }
     if (!rv) continue;
     if (!recompute) l = lse_in[r];
-    const int32_t label = labels[r];
-    const bool ok = label >= 0 && int64_t(label) < C;
     if constexpr (STATS) {
       if (t == 0) {
         lse_out[r] = l;
-        loss_out[r] = ok ? l - to_f32(lr[label]) : 0.f;
+        loss_out[r] = ok ? l - picked : 0.f;
       }
     }
     const float gr = ok ? to_f32(dloss[r]) : 0.f;
@@ -174,9 +181,9 @@ constexpr int64_t kStagedMinRowBytes = 16384;  // narrower rows keep ce_grad_k's
 
 template <typename T, typename G, typename S, int NV, bool STATS>
 __global__ void __launch_bounds__(kStagedThreads, 1)
-ce_grad_staged_k(const T* __restrict__ logits, const int32_t* __restrict__ labels, const S* __restrict__ dloss,
-                 G* __restrict__ dlogits, float* __restrict__ lse_out, float* __restrict__ loss_out, int64_t rows,
-                 int64_t C, int stages, uint32_t stage_stride) {
+ce_grad_staged_k(const T* logits, const int32_t* __restrict__ labels, const S* __restrict__ dloss, G* dlogits,
+                 float* __restrict__ lse_out, float* __restrict__ loss_out, int64_t rows, int64_t C, int stages,
+                 uint32_t stage_stride) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();
 #else

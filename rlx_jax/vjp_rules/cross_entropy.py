@@ -165,17 +165,24 @@ def _kernel_bwd_cuda(logits, labels, lse, dloss, *, recompute_lse=False):
     return _kernel_bwd(logits, labels, lse, dloss, recompute_lse=recompute_lse)
 
 
-def _kernel_loss_grad(logits, labels, scale, *, grad_dtype):
+def _kernel_loss_grad(logits, labels, scale, *, grad_dtype, in_place=False):
+    """``in_place``: dlogits takes the logits' buffer where the dtypes agree (XLA copies
+    the logits first if anything else still reads them)."""
     rows, acc = labels.shape, _acc(logits.dtype)
     out = (jax.ShapeDtypeStruct(rows, acc), jax.ShapeDtypeStruct(rows, acc),
            jax.ShapeDtypeStruct(logits.shape, grad_dtype))
-    return jax.ffi.ffi_call(ffi_target("rlx_softmax_ce_loss_grad"), out)(logits, labels, scale)
+    aliases = {0: 2} if in_place and jnp.dtype(grad_dtype) == logits.dtype else {}
+    return jax.ffi.ffi_call(ffi_target("rlx_softmax_ce_loss_grad"), out,
+                            input_output_aliases=aliases)(logits, labels, scale)
 
 
 def _kernel_loss_grad_cuda(logits, labels, scale, *, grad_dtype):
+    """CUDA writes dlogits over the logits (each row is read, or the part of it a thread
+    writes, before any of its gradient is written): the fused linear cross-entropy's block
+    then holds one [rows, V] buffer, not two."""
     if logits.dtype == jnp.float64:
         return reference_loss_grad(logits, labels, scale, grad_dtype=grad_dtype)
-    return _kernel_loss_grad(logits, labels, scale, grad_dtype=grad_dtype)
+    return _kernel_loss_grad(logits, labels, scale, grad_dtype=grad_dtype, in_place=True)
 
 
 def _loss_grad_kernel_ok(logits, labels, scale, *, grad_dtype):
