@@ -55,9 +55,9 @@ def test_cuda_kernels_loaded_and_in_hlo():
     assert "rlx_softmax_ce_fwd" in text and "rlx_softmax_ce_bwd" in text
 
 
-# On sm_90, (300, 16384) and (531, 32000) (loss_grad below) take the whole-row staged kernel
-# with several rows a block, so its stages are refilled; (4, 65536) and (150, 128256) the
-# streamed one, whose rows outnumber its stages.
+# On sm_90, (300, 16384) and (531, 32000) (loss_grad below) take the staged kernel with
+# several rows a block, so its stages are refilled; (4, 65536) and (150, 128256) are too wide
+# for it and take the row-group kernel.
 SHAPES = [(1, 1), (37, 5), (64, 64), (33, 999), (257, 1024), (16, 8192), (9, 12288), (8, 32000), (4, 65536),
           (300, 16384), (0, 100)]
 
@@ -290,9 +290,9 @@ def test_extreme_logits():
 @pytest.mark.parametrize("c", [16384, 40000])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 def test_loss_grad_extreme_rows_in_wide_blocks(dtype, c):
-    """400 rows of 16384 or 40000 columns (the sm_90 staged kernels: whole rows, or rows
-    streamed in chunks, several rows a block) holding -inf entries, one huge logit, a row of
-    all -inf but its label, and constant rows: lse, loss and gradient as the f32 reference,
+    """400 rows of 16384 columns (on sm_90 the staged kernel, several rows a block) or 40000
+    (bf16: too wide for it, the row-group kernel) holding -inf entries, one huge logit, a row
+    of all -inf but its label, and constant rows: lse, loss and gradient as the f32 reference,
     finite wherever the reference is."""
     n = 400
     logits, labels, _ = _inputs(n, c, jnp.float32, seed=7)
