@@ -115,6 +115,8 @@ def _cases():
     c["swiglu"] = (("rlx_swiglu_bwd_v1",), lambda a, b: ops.swiglu(a, b), (gate, up), (0, 1))
     c["swiglu_bf16"] = (("rlx_swiglu_bwd_v1",), lambda a, b: ops.swiglu(a, b),
                         (gate.astype(jnp.bfloat16), up.astype(jnp.bfloat16)), (0, 1))
+    c["swiglu_linear"] = (("rlx_swiglu_bwd_product_v1",), lambda a, b, w: ops.swiglu_linear(a, b, w),
+                          (gate, up, _arr((1001, 24), 37)), (0, 1, 2))
     idx = jnp.asarray(_rng(25).integers(0, 500, 4000), jnp.int32)  # many repeats per row
     c["gather"] = (("rlx_gather_bwd_v1",), lambda t: ops.gather(t, idx), (_arr((500, 64), 26),), (0,))
     xp = _arr((8, 16, 32, 32), 27)

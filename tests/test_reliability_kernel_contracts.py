@@ -101,6 +101,8 @@ def _drivers():
 
     def elementwise(n):
         lower(lambda a, b: ops.swiglu(a, b), sds(n, 3, 8), sds(n, 3, 8), argnums=(0, 1))
+        lower(lambda a, b, w: ops.swiglu_linear(a, b, w), sds(n, 3, 8), sds(n, 3, 8), sds(8, 5),
+              argnums=(0, 1, 2))
 
     def indexing(n):
         lower(lambda t, i: ops.gather(t, i), sds(7, 3), sds(n, dtype=jnp.int32))

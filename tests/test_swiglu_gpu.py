@@ -1,5 +1,6 @@
-"""SwiGLU on the GPU: the CUDA kernel rlx_swiglu_bwd (ffi/cuda/swiglu.cu) against a NumPy
-float64 oracle. Skipped where JAX sees no GPU.
+"""SwiGLU on the GPU: the CUDA kernels rlx_swiglu_bwd and rlx_swiglu_bwd_product (the same
+backward writing the product h too; ffi/cuda/swiglu.cu) against a NumPy float64 oracle, and
+swiglu_linear's backward. Skipped where JAX sees no GPU.
 
 Shapes cover the 16-byte vector path (8 bf16 / f16 or 4 f32 a load) over a Llama MLP's
 [16384, 5632], the scalar tail after the last whole vector (flat lengths not a multiple
@@ -17,8 +18,8 @@ import pytest
 import rlx_jax
 from gpu_testutil import gpu, requires_gpu
 from testutil import check_swiglu_bwd_over_every_bit_pattern, check_swiglu_close, numpy_swiglu
-from rlx_jax.ops import swiglu, swiglu_backward
-from rlx_jax.vjp_rules.swiglu import swiglu_bwd
+from rlx_jax.ops import swiglu, swiglu_backward, swiglu_linear
+from rlx_jax.vjp_rules.swiglu import swiglu_bwd, swiglu_bwd_product
 
 pytestmark = requires_gpu
 
@@ -80,6 +81,64 @@ def test_values_and_gradients_match_numpy(shape, dtype):
     bda, bdb = jax.jit(swiglu_backward)(a, b, dh)
     _check(bda, want_da, dtype, "swiglu_backward da")
     _check(bdb, want_db, dtype, "swiglu_backward db")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_product_kernel_matches_numpy_and_the_plain_backward(shape, dtype):
+    """rlx_swiglu_bwd_product: (da, db) bitwise those of rlx_swiglu_bwd, h the oracle's
+    product, on the vector path, the tail and empty buffers."""
+    a, b, dh = _inputs(shape, dtype, seed=len(shape) + 10)
+    fn = jax.jit(lambda a, b, dh: swiglu_bwd_product(*(v.reshape(-1) for v in (a, b, dh))))
+    assert "rlx_swiglu_bwd_product" in fn.lower(a, b, dh).as_text()
+    da, db, h = (v.reshape(a.shape) for v in fn(a, b, dh))
+    pda, pdb = jax.jit(lambda a, b, dh: swiglu_bwd(*(v.reshape(-1) for v in (a, b, dh))))(a, b, dh)
+    np.testing.assert_array_equal(np.asarray(da), np.asarray(pda).reshape(a.shape))
+    np.testing.assert_array_equal(np.asarray(db), np.asarray(pdb).reshape(a.shape))
+    want_h, want_da, _ = numpy_swiglu(a, b, dh)
+    _check(h, want_h, dtype, "h")
+    _check(da, want_da, dtype, "da")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_product_kernel_at_odd_offsets(dtype):
+    """The product kernel on operands sliced at an odd offset (the scalar path where XLA
+    passes the slice in place)."""
+    n, offset = 4099, 3
+    a, b, dh = _inputs((n + 16,), dtype, seed=21)
+    cut = lambda v: jax.lax.slice(v, (offset,), (offset + n,))  # noqa: E731
+    da, db, h = jax.jit(lambda a, b, dh: swiglu_bwd_product(cut(a), cut(b), cut(dh)))(a, b, dh)
+    want = numpy_swiglu(*(np.asarray(v.astype(jnp.float32))[offset:offset + n] for v in (a, b, dh)))
+    for got, w, name in zip((h, da, db), want, ("h", "da", "db")):
+        _check(got, w, dtype, name)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+def test_swiglu_linear_at_llama_shape(dtype):
+    """swiglu_linear at a Llama MLP's [4096, 5632] -> 2048: the kernel in its backward, and
+    values and gradients within the dtype's rounding of the f64 oracle (relative Frobenius
+    error)."""
+    dev = gpu()
+    k = jax.random.split(jax.random.PRNGKey(22), 4)
+    a = jax.device_put((2.0 * jax.random.normal(k[0], (4096, 5632))).astype(dtype), dev)
+    b = jax.device_put(jax.random.normal(k[1], (4096, 5632)).astype(dtype), dev)
+    w = jax.device_put((jax.random.normal(k[2], (5632, 2048)) / 75.0).astype(dtype), dev)
+    dy = jax.device_put(jax.random.normal(k[3], (4096, 2048)).astype(dtype), dev)
+
+    @jax.jit
+    def vjp(a, b, w, dy):
+        y, pull = jax.vjp(swiglu_linear, a, b, w)
+        return (y, *pull(dy))
+
+    assert "rlx_swiglu_bwd_product" in vjp.lower(a, b, w, dy).as_text()
+    got = vjp(a, b, w, dy)
+    A, B, W, DY = (np.asarray(v.astype(jnp.float32), np.float64) for v in (a, b, w, dy))
+    h, da, db = numpy_swiglu(A, B, DY @ W.T)
+    want = (h @ W, da, db, h.T @ DY)
+    tol = 2.0**-6 if dtype == jnp.bfloat16 else 2e-3  # f32 matmuls run in TF32 at JAX's default precision
+    for g, r, name in zip(got, want, ("y", "da", "db", "dw")):
+        err = np.linalg.norm(np.asarray(g.astype(jnp.float32), np.float64) - r) / np.linalg.norm(r)
+        assert err <= tol, (name, err)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
@@ -187,3 +246,10 @@ def test_handler_rejects_bad_operands():
     with pytest.raises(Exception, match="unsupported dtype"):
         xi = x.astype(jnp.int32)
         jax.block_until_ready(jax.jit(call)(xi, xi, xi))
+
+    def call_product(a, b, dh, h_shape):
+        out = (jax.ShapeDtypeStruct(a.shape, a.dtype),) * 2 + (jax.ShapeDtypeStruct(h_shape, a.dtype),)
+        return jax.ffi.ffi_call("rlx_swiglu_bwd_product_v1", out)(a, b, dh)
+
+    with pytest.raises(Exception, match="h has shape"):
+        jax.block_until_ready(jax.jit(lambda a: call_product(a, a, a, (4, 7)))(x))

@@ -1,6 +1,8 @@
-// SwiGLU backward: target rlx_swiglu_bwd.
+// SwiGLU backward: targets rlx_swiglu_bwd and rlx_swiglu_bwd_product.
 //
-//   a (gate), b (up), dh -> da, db: five buffers of one shape and dtype, read as flat
+//   a (gate), b (up), dh -> da, db (rlx_swiglu_bwd), or -> da, db, h with h = a s b the
+//   forward's product recomputed (rlx_swiglu_bwd_product: the backward of swiglu_linear,
+//   whose weight gradient h^T dy needs h). Buffers of one shape and dtype, read as flat
 //   arrays of n elements (elementwise). With e = exp(-|a|) and s = sigmoid(a) taken as
 //   1 / (1 + e) for a >= 0 and e / (1 + e) for a < 0 (1 - s is then the other of the two,
 //   without cancellation):
@@ -21,8 +23,8 @@
 namespace rlx {
 namespace {
 
-// da, db of 8 lanes (the formulas above).
-RLX_ROW_INLINE void swiglu_grad8(const v8f& a, const v8f& b, const v8f& dh, v8f& da, v8f& db) {
+// da, db and the product h of 8 lanes (the formulas above).
+RLX_ROW_INLINE void swiglu_grad8(const v8f& a, const v8f& b, const v8f& dh, v8f& da, v8f& db, v8f& h) {
   const v8f zero = v8_splat(0.0f), one = v8_splat(1.0f), ninf = v8_splat(-INFINITY);
   const auto pos = a >= zero;
   const v8f m = pos ? -a : a;      // -|a|
@@ -35,6 +37,7 @@ RLX_ROW_INLINE void swiglu_grad8(const v8f& a, const v8f& b, const v8f& dh, v8f&
   const v8f slope = m == ninf ? zero : silu * c;
   da = dh * b * (s + slope);
   db = dh * silu;
+  h = silu * b;
 }
 
 // f16 <-> f32 on 8 lanes of 32-bit words (f16 bits in the low half) with integer vector
@@ -124,54 +127,57 @@ struct Block16<f16> {
   }
 };
 
-// One block of 16 elements at a, b, dh -> da, db.
+// One block of 16 elements at a, b, dh -> da, db, and h unless it is null.
 template <typename T>
-RLX_ROW_INLINE void swiglu_bwd_block(const T* a, const T* b, const T* dh, T* da, T* db) {
-  v8f a0, a1, b0, b1, d0, d1, ga0, ga1, gb0, gb1;
+RLX_ROW_INLINE void swiglu_bwd_block(const T* a, const T* b, const T* dh, T* da, T* db, T* h) {
+  v8f a0, a1, b0, b1, d0, d1, ga0, ga1, gb0, gb1, h0, h1;
   Block16<T>::load(a, a0, a1);
   Block16<T>::load(b, b0, b1);
   Block16<T>::load(dh, d0, d1);
-  swiglu_grad8(a0, b0, d0, ga0, gb0);
-  swiglu_grad8(a1, b1, d1, ga1, gb1);
+  swiglu_grad8(a0, b0, d0, ga0, gb0, h0);
+  swiglu_grad8(a1, b1, d1, ga1, gb1, h1);
   Block16<T>::store(da, ga0, ga1);
   Block16<T>::store(db, gb0, gb1);
+  if (h != nullptr) Block16<T>::store(h, h0, h1);
 }
 
 // n elements: blocks of 16, then the tail (n mod 16) as one more block on zero-padded
-// copies, so every element sees the same vector operations.
+// copies, so every element sees the same vector operations. h: null, or the product's
+// output.
 template <typename T>
-RLX_ROW_INLINE void swiglu_bwd_span(const T* a, const T* b, const T* dh, T* da, T* db, int64_t n) {
+RLX_ROW_INLINE void swiglu_bwd_span(const T* a, const T* b, const T* dh, T* da, T* db, T* h, int64_t n) {
   int64_t j = 0;
-  for (; j + 16 <= n; j += 16) swiglu_bwd_block(a + j, b + j, dh + j, da + j, db + j);
+  for (; j + 16 <= n; j += 16) swiglu_bwd_block(a + j, b + j, dh + j, da + j, db + j, h ? h + j : nullptr);
   const int64_t m = n - j;
   if (m == 0) return;
-  T pa[16], pb[16], pd[16], oa[16], ob[16];
+  T pa[16], pb[16], pd[16], oa[16], ob[16], oh[16];
   std::memset(pa, 0, sizeof pa);
   std::memset(pb, 0, sizeof pb);
   std::memset(pd, 0, sizeof pd);
   std::memcpy(pa, a + j, size_t(m) * sizeof(T));
   std::memcpy(pb, b + j, size_t(m) * sizeof(T));
   std::memcpy(pd, dh + j, size_t(m) * sizeof(T));
-  swiglu_bwd_block(pa, pb, pd, oa, ob);
+  swiglu_bwd_block(pa, pb, pd, oa, ob, oh);
   std::memcpy(da + j, oa, size_t(m) * sizeof(T));
   std::memcpy(db + j, ob, size_t(m) * sizeof(T));
+  if (h != nullptr) std::memcpy(h + j, oh, size_t(m) * sizeof(T));
 }
 
 RLX_ROW_CLONES static void swiglu_bwd_f32(const float* a, const float* b, const float* dh, float* da, float* db,
-                                          int64_t n) {
-  swiglu_bwd_span(a, b, dh, da, db, n);
+                                          float* h, int64_t n) {
+  swiglu_bwd_span(a, b, dh, da, db, h, n);
 }
 RLX_ROW_CLONES static void swiglu_bwd_bf16(const bf16* a, const bf16* b, const bf16* dh, bf16* da, bf16* db,
-                                           int64_t n) {
-  swiglu_bwd_span(a, b, dh, da, db, n);
+                                           bf16* h, int64_t n) {
+  swiglu_bwd_span(a, b, dh, da, db, h, n);
 }
-RLX_ROW_CLONES static void swiglu_bwd_f16(const f16* a, const f16* b, const f16* dh, f16* da, f16* db,
+RLX_ROW_CLONES static void swiglu_bwd_f16(const f16* a, const f16* b, const f16* dh, f16* da, f16* db, f16* h,
                                           int64_t n) {
-  swiglu_bwd_span(a, b, dh, da, db, n);
+  swiglu_bwd_span(a, b, dh, da, db, h, n);
 }
 
 // f64: the same formulas in double, one element at a time.
-static void swiglu_bwd_f64(const double* a, const double* b, const double* dh, double* da, double* db,
+static void swiglu_bwd_f64(const double* a, const double* b, const double* dh, double* da, double* db, double* h,
                            int64_t n) {
   for (int64_t j = 0; j < n; ++j) {
     const double x = a[j];
@@ -183,46 +189,62 @@ static void swiglu_bwd_f64(const double* a, const double* b, const double* dh, d
     const double slope = std::isinf(x) ? 0.0 : silu * c;
     da[j] = dh[j] * b[j] * (s + slope);
     db[j] = dh[j] * silu;
+    if (h != nullptr) h[j] = silu * b[j];
   }
 }
 
-inline void swiglu_bwd_run(const float* a, const float* b, const float* dh, float* da, float* db, int64_t n) {
-  swiglu_bwd_f32(a, b, dh, da, db, n);
+inline void swiglu_bwd_run(const float* a, const float* b, const float* dh, float* da, float* db, float* h,
+                           int64_t n) {
+  swiglu_bwd_f32(a, b, dh, da, db, h, n);
 }
-inline void swiglu_bwd_run(const bf16* a, const bf16* b, const bf16* dh, bf16* da, bf16* db, int64_t n) {
-  swiglu_bwd_bf16(a, b, dh, da, db, n);
+inline void swiglu_bwd_run(const bf16* a, const bf16* b, const bf16* dh, bf16* da, bf16* db, bf16* h, int64_t n) {
+  swiglu_bwd_bf16(a, b, dh, da, db, h, n);
 }
-inline void swiglu_bwd_run(const f16* a, const f16* b, const f16* dh, f16* da, f16* db, int64_t n) {
-  swiglu_bwd_f16(a, b, dh, da, db, n);
+inline void swiglu_bwd_run(const f16* a, const f16* b, const f16* dh, f16* da, f16* db, f16* h, int64_t n) {
+  swiglu_bwd_f16(a, b, dh, da, db, h, n);
 }
-inline void swiglu_bwd_run(const double* a, const double* b, const double* dh, double* da, double* db, int64_t n) {
-  swiglu_bwd_f64(a, b, dh, da, db, n);
+inline void swiglu_bwd_run(const double* a, const double* b, const double* dh, double* da, double* db, double* h,
+                           int64_t n) {
+  swiglu_bwd_f64(a, b, dh, da, db, h, n);
 }
 
 // Elements per task: a multiple of 16, so only the last task has a tail; the split depends
 // on n alone.
 constexpr int64_t kTaskElements = int64_t(1) << 15;
 
-ffi::Error SwigluBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer dh,
-                         ffi::Result<ffi::AnyBuffer> da, ffi::Result<ffi::AnyBuffer> db) {
+// h: the product's result buffer (rlx_swiglu_bwd_product) or null (rlx_swiglu_bwd).
+ffi::Error run_bwd(ffi::ThreadPool& pool, const ffi::AnyBuffer& a, const ffi::AnyBuffer& b, const ffi::AnyBuffer& dh,
+                   ffi::AnyBuffer& da, ffi::AnyBuffer& db, ffi::AnyBuffer* h) {
   int64_t n = 0;
-  if (auto e = swiglu::check(a, b, dh, *da, *db, n); e.failure()) return e;
+  if (auto e = swiglu::check(a, b, dh, da, db, h, n); e.failure()) return e;
   if (n == 0) return ffi::Error::Success();
   bool ok = dispatch_float(a.element_type(), [&](auto tag) {
     using T = decltype(tag);
     const T* pa = static_cast<const T*>(a.untyped_data());
     const T* pb = static_cast<const T*>(b.untyped_data());
     const T* pd = static_cast<const T*>(dh.untyped_data());
-    T* oa = static_cast<T*>(da->untyped_data());
-    T* ob = static_cast<T*>(db->untyped_data());
+    T* oa = static_cast<T*>(da.untyped_data());
+    T* ob = static_cast<T*>(db.untyped_data());
+    T* oh = h ? static_cast<T*>(h->untyped_data()) : nullptr;
     const int64_t tasks = (n + kTaskElements - 1) / kTaskElements;
     parallel_for(pool, tasks, [&](int64_t t) {
       const int64_t j = t * kTaskElements, m = std::min(kTaskElements, n - j);
-      swiglu_bwd_run(pa + j, pb + j, pd + j, oa + j, ob + j, m);
+      swiglu_bwd_run(pa + j, pb + j, pd + j, oa + j, ob + j, oh ? oh + j : nullptr, m);
     });
   });
   if (!ok) return invalid("swiglu_bwd: unsupported dtype " + dtype_name(a.element_type()) + " (f32, f64, bf16, f16)");
   return ffi::Error::Success();
+}
+
+ffi::Error SwigluBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer dh,
+                         ffi::Result<ffi::AnyBuffer> da, ffi::Result<ffi::AnyBuffer> db) {
+  return run_bwd(pool, a, b, dh, *da, *db, nullptr);
+}
+
+ffi::Error SwigluBwdProductImpl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer dh,
+                                ffi::Result<ffi::AnyBuffer> da, ffi::Result<ffi::AnyBuffer> db,
+                                ffi::Result<ffi::AnyBuffer> h) {
+  return run_bwd(pool, a, b, dh, *da, *db, &*h);
 }
 
 }  // namespace
@@ -238,5 +260,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxSwigluBwd, SwigluBwdImpl,
                                   .Ret<ffi::AnyBuffer>());  // db
 
 RLX_REGISTER_HANDLER("rlx_swiglu_bwd", RlxSwigluBwd);
+
+// (a, b, dh) -> (da, db, h)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxSwigluBwdProduct, SwigluBwdProductImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()   // a (gate)
+                                  .Arg<ffi::AnyBuffer>()   // b (up)
+                                  .Arg<ffi::AnyBuffer>()   // dh
+                                  .Ret<ffi::AnyBuffer>()   // da
+                                  .Ret<ffi::AnyBuffer>()   // db
+                                  .Ret<ffi::AnyBuffer>());  // h = a s b
+
+RLX_REGISTER_HANDLER("rlx_swiglu_bwd_product", RlxSwigluBwdProduct);
 
 }  // namespace rlx

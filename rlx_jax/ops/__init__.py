@@ -27,6 +27,7 @@ from rlx_jax.vjp_rules.rope import rope, rope_backward
 from rlx_jax.vjp_rules.cumsum import cumsum, cumsum_backward
 from rlx_jax.vjp_rules.activations import activation, activation_backward, relu_backward
 from rlx_jax.vjp_rules.swiglu import swiglu, swiglu_backward
+from rlx_jax.vjp_rules.swiglu_linear import swiglu_linear
 from rlx_jax.vjp_rules.complex import complex_norm_sq, complex_norm_sq_backward
 from rlx_jax.vjp_rules.gaussian_splat import (
     gaussian_splat_render, gaussian_splat_render_backward, gaussian_splat_render_meta,
@@ -35,7 +36,7 @@ from rlx_jax.vjp_rules.gaussian_splat import (
 __all__ += ["softmax", "softmax_backward", "softmax_cross_entropy", "softmax_cross_entropy_backward"]
 __all__ += ["fused_linear_cross_entropy", "rope", "rope_backward", "cumsum", "cumsum_backward"]
 __all__ += ["activation", "activation_backward", "relu_backward", "complex_norm_sq", "complex_norm_sq_backward"]
-__all__ += ["swiglu", "swiglu_backward"]
+__all__ += ["swiglu", "swiglu_backward", "swiglu_linear"]
 __all__ += ["attention", "attention_backward", "attention_rlx"]
 __all__ += ["layer_norm", "layer_norm_backward", "group_norm", "group_norm_backward"]
 __all__ += ["batch_norm_inference", "batch_norm_inference_backward"]

@@ -29,7 +29,10 @@ Primitives:
 - ``swiglu_fwd``: (a, b) -> (h,), XLA's fusion everywhere;
 - ``swiglu_tangent``: (a, b, ta, tb) -> (th,) with th = ta b (s + a s (1 - s)) + tb a s,
   linear in (ta, tb); its transpose is the backward;
-- ``swiglu_bwd``: (a, b, dh) -> (da, db), the FFI kernel where registered.
+- ``swiglu_bwd``: (a, b, dh) -> (da, db), the FFI kernel where registered;
+- ``swiglu_bwd_product``: (a, b, dh) -> (da, db, h), the same kernel writing the
+  forward's product h as well (``rlx_swiglu_bwd_product``: one more write, no more
+  reads), for ``swiglu_linear``'s backward, whose weight gradient needs h.
 Everything is elementwise: under vmap the batch axis moves to the front of every
 operand and the same primitives run; under SPMD sharding the kernel runs shard-local
 over every axis.
@@ -96,6 +99,15 @@ def reference_swiglu_bwd(a, b, dh):
     return da.astype(a.dtype), db.astype(a.dtype)
 
 
+def reference_swiglu_bwd_product(a, b, dh):
+    """(da, db) of ``reference_swiglu_bwd`` and h = a s b, each rounded once from f32
+    (f64); returns (da, db, h)."""
+    acc = _acc(a.dtype)
+    _, silu, _ = _gate_terms(a.astype(acc))
+    h = (silu * b.astype(acc)).astype(a.dtype)
+    return (*reference_swiglu_bwd(a, b, dh), h)
+
+
 # ---- kernel ----------------------------------------------------------------------------
 
 
@@ -103,6 +115,12 @@ def _kernel_bwd(a, b, dh):
     """The kernel reads its operands as flat arrays of one shape and dtype."""
     out = (jax.ShapeDtypeStruct(a.shape, a.dtype), jax.ShapeDtypeStruct(a.shape, a.dtype))
     return jax.ffi.ffi_call(ffi_target("rlx_swiglu_bwd"), out)(a, b, dh)
+
+
+def _kernel_bwd_product(a, b, dh):
+    """``_kernel_bwd`` with the product h as a third result."""
+    out = (jax.ShapeDtypeStruct(a.shape, a.dtype),) * 3
+    return jax.ffi.ffi_call(ffi_target("rlx_swiglu_bwd_product"), out)(a, b, dh)
 
 
 def _elementwise_factors(avals_in, avals_out, **params):
@@ -114,8 +132,12 @@ def _elementwise_factors(avals_in, avals_out, **params):
 
 swiglu_fwd = FusedPrimitive("rlx_swiglu_fwd", reference_swiglu)
 swiglu_tangent = FusedPrimitive("rlx_swiglu_tangent", reference_swiglu_tangent)
+_ELEMENTWISE = Partition(_elementwise_factors, shardable=[f"e{i}" for i in range(64)])
 swiglu_bwd = FusedPrimitive("rlx_swiglu_bwd", reference_swiglu_bwd, target="rlx_swiglu_bwd", kernel=_kernel_bwd,
-                            partition=Partition(_elementwise_factors, shardable=[f"e{i}" for i in range(64)]))
+                            partition=_ELEMENTWISE)
+swiglu_bwd_product = FusedPrimitive("rlx_swiglu_bwd_product", reference_swiglu_bwd_product,
+                                    target="rlx_swiglu_bwd_product", kernel=_kernel_bwd_product,
+                                    partition=_ELEMENTWISE)
 
 
 # ---- differentiation rules -------------------------------------------------------------
@@ -147,6 +169,7 @@ def _tangent_transpose(cts, a, b, ta, tb):
 swiglu_fwd.def_batching(rowwise_batching(swiglu_fwd, row_args=(0, 1)))
 swiglu_tangent.def_batching(rowwise_batching(swiglu_tangent, row_args=(0, 1, 2, 3)))
 swiglu_bwd.def_batching(rowwise_batching(swiglu_bwd, row_args=(0, 1, 2)))
+swiglu_bwd_product.def_batching(rowwise_batching(swiglu_bwd_product, row_args=(0, 1, 2)))
 
 
 # ---- public functions ------------------------------------------------------------------
