@@ -5,10 +5,11 @@ fused backward kernel (C++ on CPU, CUDA on NVIDIA GPUs) where one is compiled.
 Each family adds its import line and its ``__all__ +=`` line below.
 """
 
-__all__: list[str] = ["rms_norm", "add_rms_norm"]
+__all__: list[str] = ["rms_norm", "add_rms_norm", "rms_norm_linear", "add_rms_norm_linear"]
 
 from rlx_jax.vjp_rules.attention import attention, attention_backward, attention_rlx
 from rlx_jax.vjp_rules.rms_norm import add_rms_norm, rms_norm
+from rlx_jax.vjp_rules.rms_norm_linear import add_rms_norm_linear, rms_norm_linear
 from rlx_jax.vjp_rules.layer_norm import layer_norm, layer_norm_backward
 from rlx_jax.vjp_rules.group_norm import group_norm, group_norm_backward
 from rlx_jax.vjp_rules.batch_norm import batch_norm_inference, batch_norm_inference_backward
