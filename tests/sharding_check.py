@@ -98,6 +98,25 @@ CASES = {
     "swiglu_mlp": (lambda h, wg, wu, wd: ops.swiglu(h @ wg, h @ wu) @ wd,
                    (randn(8, 6, 16), randn(16, 32) / 4, randn(16, 32) / 4, randn(32, 16) / 6),
                    (P("data"), P(None, "model"), P(None, "model"), P("model", None)), (0, 1, 2, 3)),
+    # the same MLP with swiglu_linear: the product is recomputed shard-local over the FFN axis
+    "swiglu_linear_tp": (lambda h, wg, wu, wd: ops.swiglu_linear(h @ wg, h @ wu, wd),
+                         (randn(8, 6, 16), randn(16, 32) / 4, randn(16, 32) / 4, randn(32, 16) / 6),
+                         (P("data"), P(None, "model"), P(None, "model"), P("model", None)), (0, 1, 2, 3)),
+    # a block's q / k / v projections under data x tensor parallelism: rows over data, the
+    # weights split over their output axis (column-parallel)
+    "rms_norm_linear_tp": (lambda x, g, wq, wk: (lambda q, k: jnp.concatenate([q, k], -1))(
+                               *ops.rms_norm_linear(x, g, (wq, wk))),
+                           (randn(8, 6, 32), randn(32), randn(32, 16) / 6, randn(32, 8) / 6),
+                           (P("data"), P(), P(None, "model"), P(None, "model")), (0, 1, 2, 3)),
+    # the residual add too, rows over both mesh axes, the weights replicated (summed gradients)
+    "add_rms_norm_linear_rows": (lambda x, r, g, w: (lambda s, o: 0.5 * jnp.sum(s, -1, keepdims=True) + o)(
+                                     *ops.add_rms_norm_linear(x, r, g, w)),
+                                 (randn(8, 6, 32), randn(8, 6, 32), randn(32), randn(32, 8) / 6),
+                                 (P("data", "model"), P("data", "model"), P(), P()), (0, 1, 2, 3)),
+    # rows over both mesh axes, the weight replicated: its gradient is summed over the shards
+    "swiglu_linear_rows": (lambda a, b, w: ops.swiglu_linear(a, b, w),
+                           (randn(8, 6, 32), randn(8, 6, 32), randn(32, 8) / 6),
+                           (P("data", "model"), P("data", "model"), P()), (0, 1, 2)),
 }
 
 
