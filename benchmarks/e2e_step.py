@@ -15,6 +15,12 @@ Variants:
                    RMSNorm after it), rope, attention, swiglu, fused_linear_cross_entropy
                    (mean reduction, logits blocks in the model's dtype as the plain head's
                    ``h @ w``; softmax and loss in f32 in both)
+  rlx-lean         rlx with the ops whose backward recomputes an activation instead of
+                   keeping it: add_rms_norm_linear / rms_norm_linear (the norm with the
+                   projections that read it) and swiglu_linear (the SwiGLU with the down
+                   projection); less memory, some time
+  rlx-lean-norm    rlx with add_rms_norm_linear / rms_norm_linear only
+  rlx-lean-mlp     rlx with swiglu_linear only
   rlx-separate-add rlx with the residual adds written apart from ``rms_norm`` (x = x + b;
                    rms_norm(x)), as before add_rms_norm
   rlx-plain-mlp    rlx with the plain ``silu(a) * b``
@@ -122,8 +128,10 @@ class Shape:
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """Which implementation each op uses: embed "take" | "rlx"; norm "jax" | "rlx" (rms_norm
-    after a separate residual add) | "rlx-add" (add_rms_norm); rope, mlp (the SwiGLU product)
-    "jax" | "rlx"; loss "jax" | "rlx" | "rlx-f32" (logits blocks in f32); attn "xla" |
+    after a separate residual add) | "rlx-add" (add_rms_norm) | "rlx-linear"
+    (add_rms_norm_linear with the projections that read the norm); rope "jax" | "rlx"; mlp (the
+    SwiGLU and the down projection) "jax" | "rlx" (ops.swiglu, then the matmul) | "rlx-linear"
+    (ops.swiglu_linear); loss "jax" | "rlx" | "rlx-f32" (logits blocks in f32); attn "xla" |
     "cudnn" | "rlx"."""
 
     name: str
@@ -247,10 +255,20 @@ def make_loss(s: Shape, v: Variant):
         """The residual stream after adding ``branch`` (None: nothing to add), and its norm."""
         if branch is None:
             return x, norm(x, g)
-        if v.norm == "rlx-add":
+        if v.norm in ("rlx-add", "rlx-linear"):
             return rops.add_rms_norm(x, branch, g, eps=s.eps)
         x = x + branch
         return x, norm(x, g)
+
+    def norm_proj(x, branch, g, ws):
+        """The residual stream after adding ``branch`` (None: nothing to add) and its norm's
+        products with each weight in ``ws``."""
+        if v.norm == "rlx-linear":
+            if branch is None:
+                return x, rops.rms_norm_linear(x, g, ws, eps=s.eps)
+            return rops.add_rms_norm_linear(x, branch, g, ws, eps=s.eps)
+        x, h = add_norm(x, branch, g)
+        return x, tuple(h @ w for w in ws)
 
     def rotate(x, cos, sin):
         return _rlx_rope(x, cos, sin) if v.rope == "rlx" else _jax_rope(x, cos, sin)
@@ -260,8 +278,11 @@ def make_loss(s: Shape, v: Variant):
             return rops.attention(q, k, vv, mask_kind="causal")
         return jax.nn.dot_product_attention(q, k, vv, is_causal=True, implementation=v.attn)
 
-    def gated(a, b):
-        return rops.swiglu(a, b) if v.mlp == "rlx" else jax.nn.silu(a) * b
+    def mlp_down(a, b, w):
+        """The SwiGLU of gate a and up b, then the down projection w."""
+        if v.mlp == "rlx-linear":
+            return rops.swiglu_linear(a, b, w)
+        return (rops.swiglu(a, b) if v.mlp == "rlx" else jax.nn.silu(a) * b) @ w
 
     def loss(params, tokens, labels):
         cos, sin = jnp.asarray(cos_np), jnp.asarray(sin_np)
@@ -273,13 +294,14 @@ def make_loss(s: Shape, v: Variant):
         branch = None  # the last block's output, not yet added to the residual stream x
         for i in range(s.layers):
             p = lambda n: params[f"l{i}.{n}"]
-            x, h = add_norm(x, branch, p("attn_norm"))
-            q = (h @ p("wq")).reshape(b, t, s.heads, s.head_dim)
-            k = (h @ p("wk")).reshape(b, t, s.kv_heads, s.head_dim)
-            vv = (h @ p("wv")).reshape(b, t, s.kv_heads, s.head_dim)
+            x, (q, k, vv) = norm_proj(x, branch, p("attn_norm"), (p("wq"), p("wk"), p("wv")))
+            q = q.reshape(b, t, s.heads, s.head_dim)
+            k = k.reshape(b, t, s.kv_heads, s.head_dim)
+            vv = vv.reshape(b, t, s.kv_heads, s.head_dim)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-            x, h = add_norm(x, attend(q, k, vv).reshape(b, t, s.heads * s.head_dim) @ p("wo"), p("mlp_norm"))
-            branch = gated(h @ p("w_gate"), h @ p("w_up")) @ p("w_down")
+            attn_out = attend(q, k, vv).reshape(b, t, s.heads * s.head_dim) @ p("wo")
+            x, (gate, up) = norm_proj(x, attn_out, p("mlp_norm"), (p("w_gate"), p("w_up")))
+            branch = mlp_down(gate, up, p("w_down"))
         _, h = add_norm(x, branch, params["final_norm"])
         h = h.reshape(b * t, s.width)
         if v.loss == "jax":
@@ -296,6 +318,9 @@ def variants(platform: str) -> list[Variant]:
         out.append(Variant("plain-cudnn", attn="cudnn"))
     rlx = Variant("rlx", embed="rlx", norm="rlx-add", rope="rlx", attn="rlx", loss="rlx", mlp="rlx")
     out.append(rlx)
+    out.append(dataclasses.replace(rlx, name="rlx-lean", norm="rlx-linear", mlp="rlx-linear"))
+    out.append(dataclasses.replace(rlx, name="rlx-lean-norm", norm="rlx-linear"))
+    out.append(dataclasses.replace(rlx, name="rlx-lean-mlp", mlp="rlx-linear"))
     out.append(dataclasses.replace(rlx, name="rlx-separate-add", norm="rlx"))
     out.append(dataclasses.replace(rlx, name="rlx-plain-mlp", mlp="jax"))
     out.append(dataclasses.replace(rlx, name="rlx-f32-logits", loss="rlx-f32"))
@@ -443,13 +468,16 @@ def deterministic(runner: Runner, calls: int = 3) -> bool:
 def time_rounds(runners: list[Runner], rounds: int, reps: int) -> None:
     """Each round runs every runner ``reps`` times in turn; ms/step is the median over rounds
     of each round's mean, by the wall clock and by this process's CPU time (all its
-    threads: the work a step does, which other processes on the machine barely move)."""
+    threads: the work a step does, which other processes on the machine barely move).
+    Round i starts at runner i mod n, so no runner always follows the same one (the GPU's
+    clock after a heavy neighbour would otherwise bias one variant)."""
     for r in runners:
         r.step()  # warm
     per = {r.name: [] for r in runners}
     per_cpu = {r.name: [] for r in runners}
-    for _ in range(rounds):
-        for r in runners:
+    for i in range(rounds):
+        shift = i % max(len(runners), 1)
+        for r in runners[shift:] + runners[:shift]:
             t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(reps):
                 r.step()
