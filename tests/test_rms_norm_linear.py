@@ -16,7 +16,7 @@ from jax.test_util import check_grads
 
 from rlx_jax.ops import add_rms_norm, add_rms_norm_linear, rms_norm, rms_norm_linear
 from rlx_jax.vjp_rules._primitive import fused_ops
-from testutil import hlo_text
+from testutil import check_relative_close, hlo_text
 
 EPS = 1e-5
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -75,14 +75,7 @@ def numpy_norm_linear(x, r, g, b, ws, ds, douts):
 
 
 def _close(got, want, dtype, what=""):
-    assert got.dtype == dtype, (what, got.dtype, dtype)
-    got = _f64(got)
-    want = np.asarray(want, np.float64)
-    assert got.shape == want.shape, (what, got.shape, want.shape)
-    if want.size == 0:
-        return
-    err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
-    assert err <= RTOL[jnp.dtype(dtype).type], (what, err)
+    check_relative_close(got, want, dtype, RTOL[jnp.dtype(dtype).type], what)
 
 
 def _vjp_plain(x, g, b, ws, douts):

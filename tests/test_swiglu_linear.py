@@ -17,7 +17,7 @@ from jax.test_util import check_grads
 import rlx_jax
 from rlx_jax.ops import swiglu, swiglu_linear
 from rlx_jax.vjp_rules._primitive import fused_ops
-from testutil import hlo_text, numpy_swiglu, platform
+from testutil import check_relative_close, hlo_text, numpy_swiglu, platform
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 # (gate shape, O): a tail of 5 after the CPU kernel's 16-element blocks; rank 1; an empty
@@ -64,14 +64,7 @@ def _vjp(a, b, w, dy):
 
 
 def _close(got, want, dtype, what=""):
-    assert got.dtype == dtype, (what, got.dtype, dtype)
-    got = np.asarray(jnp.asarray(got, jnp.float64 if dtype == jnp.float64 else jnp.float32), np.float64)
-    want = np.asarray(want, np.float64)
-    assert got.shape == want.shape, (what, got.shape, want.shape)
-    if want.size == 0:
-        return
-    err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
-    assert err <= RTOL[jnp.dtype(dtype).type], (what, err)
+    check_relative_close(got, want, dtype, RTOL[jnp.dtype(dtype).type], what)
 
 
 # ---- what the backward keeps and runs -------------------------------------------------

@@ -101,14 +101,31 @@ def numpy_swiglu(a, b, dh=None):
     return h, dh * b * s * (1.0 + a * (1.0 - s)), dh * a * s
 
 
+def _as_f64(got, dtype):
+    """A result as float64 NumPy (16-bit dtypes through f32, which NumPy lacks)."""
+    return np.asarray(jnp.asarray(got, jnp.float64 if dtype == jnp.float64 else jnp.float32), np.float64)
+
+
+def check_relative_close(got, want, dtype, rtol, what=""):
+    """A result that sums over an axis (a matmul's output or a weight gradient) against its
+    f64 oracle: got in ``dtype`` with want's shape and a relative Frobenius error
+    ||got - want|| / ||want|| <= rtol (elementwise bounds do not fit values that cancel)."""
+    assert got.dtype == dtype, (what, got.dtype, dtype)
+    got, want = _as_f64(got, dtype), np.asarray(want, np.float64)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    if want.size == 0:
+        return
+    err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+    assert err <= rtol, (what, err)
+
+
 def check_swiglu_close(got, want, dtype, rtol, what="", finite=False):
     """SwiGLU results against the f64 oracle: got in ``dtype`` with want's shape, and
     elementwise |got - want| <= rtol (|want| + max |want|) (the error of the inputs' rounding
     is relative to the row's scale, not each value). ``finite``: got holds no NaN or inf
     either (an unwritten output shows as one). Shared by the CPU and GPU SwiGLU tests."""
     assert got.dtype == dtype, (what, got.dtype, dtype)
-    got = np.asarray(jnp.asarray(got, jnp.float64 if dtype == jnp.float64 else jnp.float32), np.float64)
-    want = np.asarray(want, np.float64)
+    got, want = _as_f64(got, dtype), np.asarray(want, np.float64)
     assert got.shape == want.shape, (what, got.shape, want.shape)
     if want.size == 0:
         return
