@@ -16,8 +16,7 @@ Why one op: differentiated as separate ops, y is a residual of every matmul (dW_
 it), held from the forward to the backward beside u, which the norm's backward keeps
 anyway. In a Llama step at [16384, 2048] bf16 that is 64 MiB per norm, two norms a layer.
 Here the residuals are u, gamma, beta and the weights; the backward runs the forward
-kernel again (one read of u and one write of y, about 30 us per norm at that size on an
-H200) before the weight gradients, behind an optimization barrier on the cotangents (as
+kernel again (one read of u and one write of y) before the weight gradients, behind an optimization barrier on the cotangents (as
 ``jax.checkpoint`` does) so that XLA neither merges it with the forward's identical call
 nor moves it into the forward.
 
