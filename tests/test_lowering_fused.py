@@ -303,6 +303,44 @@ def test_fused_attention_block_rejects_a_mask_smaller_than_b_times_s():
     close(y, np_attention_block(p, 2, 4))
 
 
+@pytest.mark.parametrize("case", ["plain", "product_reused", "batched_weight"])
+def test_matmul_of_a_swiglu_product_lowers_to_swiglu_linear(case):
+    """MatMul(Mul(Silu(a), b), w) with a [F, O] weight lowers to ops.swiglu_linear: its
+    gradient runs rlx_swiglu_bwd_product and keeps no product. A product that also feeds
+    another op is still right; a batched [B, F, O] weight keeps the plain matmul (and the
+    swiglu kernel). Values and gradients equal the NumPy maths."""
+    g = rlx.Graph("mlp_down")
+    a_in, b_in = g.input("a", [3, 5, 8], "f32"), g.input("b", [3, 5, 8], "f32")
+    w_shape = [3, 8, 4] if case == "batched_weight" else [8, 4]
+    w_in = g.param("w", w_shape, "f32")
+    prod = g.mul(g.silu(a_in), b_in)
+    out = g.matmul(prod, w_in)
+    if case == "product_reused":
+        out = g.add(out, g.sum(prod, [2], True))
+    g.set_outputs([out])
+    fn = rlx.to_jax(g)
+    a, b = f32(3, 5, 8), f32(3, 5, 8)
+    w = f32(*w_shape)
+
+    def loss(a, b, w):
+        return jnp.sum(jnp.sin(fn({"w": w}, {"a": a, "b": b})[0]))
+
+    text = jax.jit(jax.grad(loss, (0, 1, 2))).lower(a, b, w).as_text()
+    assert ("rlx_swiglu_bwd_product" in text) == (case != "batched_weight")
+    assert "rlx_swiglu_bwd" in text
+    A, B, W = (x.astype(np.float64) for x in (a, b, w))
+    sig = 1 / (1 + np.exp(-A))
+    h = A * sig * B
+    y = h @ W + (h.sum(axis=2, keepdims=True) if case == "product_reused" else 0)
+    close(np.asarray(fn({"w": w}, {"a": a, "b": b})[0]), y, 1e-5)
+    c = np.cos(y)
+    dh = c @ np.swapaxes(W, -1, -2) + (c.sum(axis=2, keepdims=True) if case == "product_reused" else 0)
+    want = (dh * B * sig * (1 + A * (1 - sig)), dh * A * sig,
+            np.einsum("bsf,bso->fo", h, c) if W.ndim == 2 else np.einsum("bsf,bso->bfo", h, c))
+    for got, ref in zip(jax.grad(loss, (0, 1, 2))(a, b, w), want):
+        close(np.asarray(got), ref, 1e-4)
+
+
 def _swiglu_graph(order, extra_use, up_shape):
     g = rlx.Graph("mlp")
     a = g.input("a", [3, 5, 8], "f32")

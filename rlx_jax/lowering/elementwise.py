@@ -52,14 +52,15 @@ def binary(op_kind, a, b):
     return fn(a, b)
 
 
-def _swiglu_operands(op, args, ctx):
-    """(gate, up) when this Binary is ``Mul(Activation Silu(gate), up)`` (either order) over
-    one shape and one floating dtype, else None: such a product lowers to ``ops.swiglu``,
-    whose reverse mode is one fused kernel. The Silu node keeps its own lowering; left
-    without other consumers, XLA drops it."""
-    if enum_name(op.op) != "Mul" or ctx.graph is None or ctx.node is None:
+def swiglu_operands(ctx, node, args):
+    """(gate, up) when graph node ``node`` (its lowered operands ``args``) is the Binary
+    ``Mul(Activation Silu(gate), up)`` (either order) over one shape and one floating dtype,
+    else None: such a product lowers to ``ops.swiglu``, whose reverse mode is one fused
+    kernel (and a MatMul of it to ``ops.swiglu_linear``, ``lowering/linalg.py``). The Silu
+    node keeps its own lowering; left without other consumers, XLA drops it."""
+    if ctx.graph is None or node is None or not isinstance(node.op, ir.Binary) or enum_name(node.op.op) != "Mul":
         return None
-    for k, node_id in enumerate(ctx.node.inputs):
+    for k, node_id in enumerate(node.inputs):
         src = ctx.graph.node(node_id)
         if not (isinstance(src.op, ir.Activation) and enum_name(src.op.kind) == "Silu"):
             continue
@@ -72,7 +73,7 @@ def _swiglu_operands(op, args, ctx):
 
 @lowering_rule(ir.Binary)
 def _binary(op, args, ctx):
-    gated = _swiglu_operands(op, args, ctx)
+    gated = swiglu_operands(ctx, ctx.node, args)
     if gated is not None:
         from .nn import fused
 

@@ -1,7 +1,7 @@
 """Linear algebra: MatMul, DotGeneral, DenseSolve, BatchedDenseSolve, LoraMatMul.
 
 Plain ``jax.numpy``/``lax`` (XLA's dots are the kernels); each rule states RLX's
-semantics.
+semantics. A MatMul of a SwiGLU product lowers to ``ops.swiglu_linear``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,34 @@ def matmul(a, b):
     return jnp.matmul(a, b)
 
 
+def _swiglu_linear_operands(args, ctx):
+    """(gate, up) when this MatMul's left operand is a SwiGLU product
+    (``elementwise.swiglu_operands``) and its right one a [F, O] weight of the product's
+    dtype, else None. Such a MatMul lowers to ``ops.swiglu_linear``, whose reverse mode
+    keeps gate and up but not the product (the transformer MLP's down projection)."""
+    if ctx.graph is None or ctx.node is None:
+        return None
+    from .elementwise import swiglu_operands
+
+    src = ctx.graph.node(ctx.node.inputs[0])
+    h, w = args
+    src_args = [ctx.env.get(i) for i in src.inputs]
+    if any(a is None for a in src_args):
+        return None
+    gated = swiglu_operands(ctx, src, src_args)
+    if (gated is None or h.ndim < 1 or w.ndim != 2 or w.shape[0] != h.shape[-1] or w.dtype != h.dtype
+            or gated[0].dtype != h.dtype):
+        return None
+    return gated
+
+
 @lowering_rule(ir.MatMul)
 def _matmul(op, args, ctx):
+    gated = _swiglu_linear_operands(args, ctx)
+    if gated is not None:
+        from .nn import fused
+
+        return ctx.cast_out(fused("swiglu_linear")(*gated, args[1]))
     return ctx.cast_out(matmul(args[0], args[1]))
 
 
