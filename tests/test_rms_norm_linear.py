@@ -16,7 +16,7 @@ from jax.test_util import check_grads
 
 from rlx_jax.ops import add_rms_norm, add_rms_norm_linear, rms_norm, rms_norm_linear
 from rlx_jax.vjp_rules._primitive import fused_ops
-from testutil import check_relative_close, hlo_text
+from testutil import as_f64, check_relative_close, hlo_text
 
 EPS = 1e-5
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -49,26 +49,20 @@ def _inputs(shape, outs, dtype, seed=0, beta=True):
     return x, r, g, b, ws, ds, douts
 
 
-def _f64(a):
-    """float64 NumPy of a (16-bit dtypes through f32, which NumPy lacks)."""
-    a = jnp.asarray(a)
-    return np.asarray(a if a.dtype == jnp.float64 else a.astype(jnp.float32), np.float64)
-
-
 def numpy_norm_linear(x, r, g, b, ws, ds, douts):
     """float64 (s, outs, dx, dg, db, dws) of s = x + r (r None: s = x), y = s / rms(s) g + b,
     out_i = y W_i, for the loss <s, ds> + sum_i <out_i, dout_i> (ds None: 0)."""
-    s = _f64(x) + (0.0 if r is None else _f64(r))
-    g = _f64(g)
-    b = 0.0 if b is None else _f64(b)
-    ws, douts = [_f64(w) for w in ws], [_f64(d) for d in douts]
+    s = as_f64(x) + (0.0 if r is None else as_f64(r))
+    g = as_f64(g)
+    b = 0.0 if b is None else as_f64(b)
+    ws, douts = [as_f64(w) for w in ws], [as_f64(d) for d in douts]
     inv = 1.0 / np.sqrt(np.mean(s * s, axis=-1, keepdims=True) + EPS)
     y = s * inv * g + b
     dy = sum(d @ w.T for w, d in zip(ws, douts))
     u = dy * g
     dx = inv * u - s * inv**3 * np.sum(u * s, axis=-1, keepdims=True) / s.shape[-1]
     if ds is not None:
-        dx = dx + _f64(ds)
+        dx = dx + as_f64(ds)
     lead = tuple(range(s.ndim - 1))
     dws = [np.tensordot(y, d, axes=(lead, lead)) for d in douts]
     return s, [y @ w for w in ws], dx, np.sum(dy * s * inv, axis=lead), np.sum(dy, axis=lead), dws

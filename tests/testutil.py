@@ -101,9 +101,10 @@ def numpy_swiglu(a, b, dh=None):
     return h, dh * b * s * (1.0 + a * (1.0 - s)), dh * a * s
 
 
-def _as_f64(got, dtype):
-    """A result as float64 NumPy (16-bit dtypes through f32, which NumPy lacks)."""
-    return np.asarray(jnp.asarray(got, jnp.float64 if dtype == jnp.float64 else jnp.float32), np.float64)
+def as_f64(a):
+    """An array as float64 NumPy (16-bit dtypes through f32, which NumPy lacks; f64 as is)."""
+    a = jnp.asarray(a)
+    return np.asarray(a if a.dtype == jnp.float64 else a.astype(jnp.float32), np.float64)
 
 
 def check_relative_close(got, want, dtype, rtol, what=""):
@@ -111,7 +112,7 @@ def check_relative_close(got, want, dtype, rtol, what=""):
     f64 oracle: got in ``dtype`` with want's shape and a relative Frobenius error
     ||got - want|| / ||want|| <= rtol (elementwise bounds do not fit values that cancel)."""
     assert got.dtype == dtype, (what, got.dtype, dtype)
-    got, want = _as_f64(got, dtype), np.asarray(want, np.float64)
+    got, want = as_f64(got), np.asarray(want, np.float64)
     assert got.shape == want.shape, (what, got.shape, want.shape)
     if want.size == 0:
         return
@@ -125,7 +126,7 @@ def check_swiglu_close(got, want, dtype, rtol, what="", finite=False):
     is relative to the row's scale, not each value). ``finite``: got holds no NaN or inf
     either (an unwritten output shows as one). Shared by the CPU and GPU SwiGLU tests."""
     assert got.dtype == dtype, (what, got.dtype, dtype)
-    got, want = _as_f64(got, dtype), np.asarray(want, np.float64)
+    got, want = as_f64(got), np.asarray(want, np.float64)
     assert got.shape == want.shape, (what, got.shape, want.shape)
     if want.size == 0:
         return

@@ -39,6 +39,7 @@ from jax import lax
 from jax._src import dispatch
 from jax.interpreters import ad
 
+from rlx_jax.vjp_rules._linear import linear_tangent, linear_weight_grad
 from rlx_jax.vjp_rules._primitive import FusedPrimitive, instantiate, rowwise_batching
 from rlx_jax.vjp_rules.rms_norm import (
     _prepare, add_rms_norm_bwd, add_rms_norm_fwd, reference_rms_norm, reference_rms_norm_tangent, rms_norm_bwd,
@@ -50,12 +51,6 @@ def _split(args, add):
     """(u-side operands, gamma, beta, weights) of a forward's operands."""
     lead = 2 if add else 1
     return args[:lead], args[lead], args[lead + 1], args[lead + 2:]
-
-
-def _weight_grad(y, ct, dtype):
-    """sum over the leading axes of y^T ct: [H, O] in ``dtype`` (the weight's)."""
-    lead = tuple(range(y.ndim - 1))
-    return jnp.tensordot(y, ct, axes=(lead, lead)).astype(dtype)
 
 
 # ---- forward and tangent -----------------------------------------------------------------
@@ -82,8 +77,7 @@ def reference_rms_norm_linear_tangent(u, gamma, beta, *rest, eps, add):
     tg, tb, tws = tangents[0], tangents[1], tangents[2:]
     y, rstd = reference_rms_norm(u, gamma, beta, eps=eps)
     (ty,) = reference_rms_norm_tangent(u, gamma, rstd, tu, tg, tb, eps=eps)
-    touts = tuple((jnp.matmul(ty, w) + jnp.matmul(y, tw)).astype(jnp.result_type(y.dtype, w.dtype))
-                  for w, tw in zip(ws, tws))
+    touts = tuple(linear_tangent(y, ty, w, tw) for w, tw in zip(ws, tws))
     return (tu, *touts) if add else touts
 
 
@@ -132,8 +126,8 @@ def _tangent_transpose(cts, u, gamma, beta, *rest, eps, add):
         du, dg, db = ct_s, zero(gamma), zero(beta)
     else:
         du = None
-    dws = [None if type(ct) is ad.Zero or not ad.is_undefined_primal(tw) else _weight_grad(y, ct, w.dtype)
-           for w, ct, tw in zip(ws, cts, linear[-k:] if k else ())]
+    dws = [None if type(ct) is ad.Zero or not ad.is_undefined_primal(tw) else linear_weight_grad(y, ct, w.dtype)
+           for w, ct, tw in zip(ws, cts, linear[len(linear) - k:])]
     if du is None:
         dg = db = None
     grads = [du, du] if add else [du]

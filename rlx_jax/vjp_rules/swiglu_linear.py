@@ -36,20 +36,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.interpreters import ad
 
+from rlx_jax.vjp_rules._linear import linear_tangent, linear_weight_grad
 from rlx_jax.vjp_rules._primitive import FusedPrimitive, instantiate, rowwise_batching
 from rlx_jax.vjp_rules.swiglu import (
     _prepare, reference_swiglu, reference_swiglu_tangent, swiglu_bwd_product, swiglu_fwd,
 )
-
-
-def _out_dtype(h, w):
-    return jnp.result_type(h.dtype, w.dtype)
-
-
-def _weight_grad(h, dy, dtype):
-    """sum over the leading axes of h^T dy: [F, O] in ``dtype`` (W's)."""
-    lead = tuple(range(h.ndim - 1))
-    return jnp.tensordot(h, dy, axes=(lead, lead)).astype(dtype)
 
 
 # ---- references (the test oracle and the fallback) ----------------------------------
@@ -65,7 +56,7 @@ def reference_swiglu_linear_tangent(a, b, w, ta, tb, tw):
     """ty = th W + h tW; returns (ty,)."""
     (h,) = reference_swiglu(a, b)
     (th,) = reference_swiglu_tangent(a, b, ta, tb)
-    return ((jnp.matmul(th, w) + jnp.matmul(h, tw)).astype(_out_dtype(h, w)),)
+    return (linear_tangent(h, th, w, tw),)
 
 
 swiglu_linear_fwd = FusedPrimitive("rlx_swiglu_linear_fwd", reference_swiglu_linear)
@@ -101,7 +92,7 @@ def _tangent_transpose(cts, a, b, w, ta, tb, tw):
         da = db = None
         a, b, _ = lax.optimization_barrier((a, b, ct))
         (h,) = swiglu_fwd(a, b)
-    dw = _weight_grad(h, ct, w.dtype) if ad.is_undefined_primal(tw) else None
+    dw = linear_weight_grad(h, ct, w.dtype) if ad.is_undefined_primal(tw) else None
     return [None] * 3 + [d if ad.is_undefined_primal(t) else None for d, t in zip((da, db, dw), linear)]
 
 
