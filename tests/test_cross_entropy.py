@@ -558,9 +558,12 @@ def test_fused_linear_reduced_backward_only_scales():
 def test_fused_linear_default_chunk():
     from rlx_jax.vjp_rules.linear_cross_entropy import default_chunk_size
     assert default_chunk_size(2048, 256, 8192, "cpu") == 256
-    # GPUs: about 2^28 logits per block (power of two), at most the rows there are
-    assert default_chunk_size(16384, 2048, 32000, "cuda") == 8192
+    # GPUs: about 2^27 logits per block (power of two), at least 2048 rows, at most the
+    # rows there are
+    assert default_chunk_size(16384, 2048, 32000, "cuda") == 4096
     assert default_chunk_size(16384, 2048, 128256, "cuda") == 2048
+    assert default_chunk_size(65536, 4096, 262144, "cuda") == 2048
+    assert default_chunk_size(1 << 20, 2048, 1000, "cuda") == 1 << 17
     assert default_chunk_size(1000, 2048, 128256, "cuda") == 1000
     assert default_chunk_size(3, 8, 10, "cpu") == 3
 

@@ -21,8 +21,9 @@ from testutil import as_f64, check_relative_close, hlo_text
 EPS = 1e-5
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 # (x shape, output widths of the weights): a row width off the kernels' vector widths; rank
-# 1; no rows; one weight
-SHAPES = [((3, 7, 33), (5, 3)), ((9,), (4, 4, 2)), ((0, 6), (3,)), ((2, 5, 64), (16,))]
+# 1; no rows; one weight; outputs wider than the row (dy from products added one by one,
+# the others' from one product of the concatenated weights)
+SHAPES = [((3, 7, 33), (5, 3)), ((9,), (4, 4, 2)), ((0, 6), (3,)), ((2, 5, 64), (16,)), ((4, 6), (9, 7))]
 # relative Frobenius error allowed against the f64 oracle: a few roundings of the dtype
 RTOL = {jnp.float32: 2e-5, jnp.bfloat16: 2.0**-6, jnp.float16: 2.0**-8, jnp.float64: 1e-12}
 

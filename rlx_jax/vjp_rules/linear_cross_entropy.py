@@ -75,17 +75,19 @@ REDUCTIONS = ("none", "mean", "sum")
 
 def default_chunk_size(rows: int, dim: int, vocab: int, platform: str | None = None) -> int:
     """Rows per block, a power of two. On CPUs a logits block of about 2 M elements
-    (8 MiB f32, cache-sized work per matmul). On GPUs about 2^28 elements (1 GiB f32):
-    every block adds its h_b^T g to the f32 d weight accumulator, reading and writing
-    [D, V] f32, so small blocks turn the backward into weight traffic. Measured on an
-    H200 (N 16384, D 2048, bf16, loss + gradients against logits + log_softmax in XLA):
-    at V 128256, 256-row blocks ran at 0.54x and 2048-row blocks at 1.01x in 2 GiB of
-    temp memory (XLA: 15.7 GiB); at V 32000, 8192-row blocks ran at 1.04x in 1.7 GiB
-    (XLA: 3.9 GiB)."""
+    (8 MiB f32, cache-sized work per matmul). On GPUs about 2^27 elements (256 MiB in
+    bf16), but never fewer than 2048 rows: every block adds its h_b^T g to the f32 d
+    weight accumulator, reading and writing [D, V] f32, so small blocks turn the backward
+    into weight traffic. Measured on an H200 (N 16384, D 2048, bf16): the op alone at
+    V 128256 (loss + gradients against logits + log_softmax in XLA), 256-row blocks ran
+    at 0.54x and 2048-row blocks at 1.01x in 2 GiB of temp memory (XLA: 15.7 GiB); in the
+    Llama step of ``benchmarks/e2e_step.py --preset llama-v32k`` (V 32000, bf16 logits
+    blocks), 4096-row blocks took 0.13 ms (0.3 %) more than 8192-row ones and 0.59 GiB
+    less temp memory (3.16 against 3.75 GiB)."""
     platform = platform or jax.default_backend()
-    budget = (1 << 21) if platform == "cpu" else (1 << 28)
-    target = max(1, budget // max(vocab, 1))
-    block = 1 << max(4, int(math.log2(target)))
+    cpu = platform == "cpu"
+    target = max(1, (1 << (21 if cpu else 27)) // max(vocab, 1))
+    block = max(1 << max(4, int(math.log2(target))), 16 if cpu else 2048)
     return int(max(1, min(block, max(rows, 1))))
 
 
@@ -187,6 +189,19 @@ def _hidden_blocks(hidden, n_b, row_kernels):
     return blocks, jnp.swapaxes(blocks, 1, 2) if _hidden_t(hidden, row_kernels) else blocks
 
 
+def _hidden_grad(g, weight, dtype, acc, vocab_axes, row_kernels):
+    """dh_b = g W^T [n_b, D] in hidden's ``dtype``, accumulated in f32 (f64). With "narrow"
+    in ``row_kernels`` and no vocabulary split the matmul writes its own output dtype (bf16
+    for bf16 operands, accumulated in f32 inside cuBLAS): the same values as an f32 product
+    rounded afterwards, without the [n_b, D] f32 buffer and the conversion pass (on the CPU
+    a bf16 product is XLA's f32 one rounded, through f32 copies of its operands, so it
+    keeps the f32 product). Vocabulary-parallel, the shards' partial products are summed
+    in f32 (f64) before the rounding."""
+    if "narrow" in row_kernels and not vocab_axes:
+        return jnp.dot(g, weight.T).astype(dtype)
+    return _psum(jnp.dot(g, weight.T, preferred_element_type=acc), vocab_axes).astype(dtype)
+
+
 def _weight_grad(hb_w, g, acc, transposed):
     """h_b^T g [D, V] (f32 / f64) from the second of ``_hidden_blocks``' pair."""
     return jnp.dot(hb_w if transposed else hb_w.T, g, preferred_element_type=acc)
@@ -257,8 +272,8 @@ def reference_backward(hidden, weight, labels, lse, dloss, dlse, *, chunk_size, 
         hit = jnp.arange(z.shape[-1]) == lb[:, None]
         p = jnp.exp(z - lseb[:, None])
         g = (p * (glb + gsb)[:, None] - jnp.where(hit, glb[:, None], 0)).astype(hidden.dtype)
-        dh = _psum(jnp.dot(g, weight.T, preferred_element_type=acc), vocab_axes)
-        return dw + _weight_grad(hb_w, g, acc, _hidden_t(hidden, row_kernels)), dh.astype(hidden.dtype)
+        dh = _hidden_grad(g, weight, hidden.dtype, acc, vocab_axes, row_kernels)
+        return dw + _weight_grad(hb_w, g, acc, _hidden_t(hidden, row_kernels)), dh
 
     xs = (*_hidden_blocks(hidden, n_b, row_kernels), _blocks(local, n_b, -1), _blocks(lse, n_b),
           _blocks(g_loss, n_b), _blocks(g_lse, n_b))
@@ -292,10 +307,10 @@ def reference_reduced(hidden, weight, labels, *, chunk_size, mean, logits_dtype=
         hb, hb_w, lb, sb = xs
         z = _logits(hb, weight, logits_dtype)
         row_loss, g = _block_loss_and_grad(z, lb, sb, hidden.dtype, vocab_axes, row_kernels)
-        dh = _psum(jnp.dot(g, weight.T, preferred_element_type=acc), vocab_axes)
+        dh = _hidden_grad(g, weight, hidden.dtype, acc, vocab_axes, row_kernels)
         dw = dw + _weight_grad(hb_w, g, acc, _hidden_t(hidden, row_kernels))
         total = total + jnp.sum(jnp.where(sb != 0, row_loss * sb, 0))
-        return (dw, total), dh.astype(hidden.dtype)
+        return (dw, total), dh
 
     init = (jnp.zeros(weight.shape, acc), jnp.zeros((), acc))
     xs = (*_hidden_blocks(hidden, n_b, row_kernels), _blocks(local, n_b, -1), _blocks(row_scale, n_b))
@@ -354,7 +369,8 @@ def _may_be_partitioned(ctx) -> bool:
 #: runs through ("fwd", "loss_grad"); "narrow": the one-pass kernel takes logits blocks
 #: narrower than f32 too (not on the CPU, where a bf16 block is XLA's f32 product rounded, a
 #: rounding XLA fuses into its own gradient: the kernel would need the product and the
-#: rounded block both in memory); "hidden_t": ``_hidden_t``.
+#: rounded block both in memory), and each block's d hidden written by its matmul in
+#: hidden's dtype (``_hidden_grad``); "hidden_t": ``_hidden_t``.
 ROW_KERNELS = {"cpu": ("fwd", "loss_grad", "hidden_t"), "cuda": ("fwd", "loss_grad", "narrow")}
 
 

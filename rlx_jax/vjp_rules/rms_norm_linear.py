@@ -26,8 +26,9 @@ Primitives (``add`` static: whether the residual add comes first):
 - ``rms_norm_linear_tangent``: (u, gamma, beta, *W, tx, [tres,] tgamma, tbeta, *tW) ->
   ([ts,] *tout), linear in the tangents; its transpose is the backward above.
 The matmuls run in the promoted dtype of y and W at JAX's default precision, as
-``y @ W`` does, and dy sums the per-weight products in that dtype as JAX's autodiff of
-the separate matmuls does. Under vmap (parameters unbatched) the batch axis moves to the
+``y @ W`` does; dy is one product over the concatenated weights where they are narrow
+(q / k / v, summed in the matmul's accumulator) and the per-weight products added in
+that dtype where they are wide (``_input_grad``). Under vmap (parameters unbatched) the batch axis moves to the
 front of the activations; under SPMD sharding the norm kernels run shard-local over the
 rows and XLA partitions the matmuls (column-parallel weights included).
 """
@@ -101,6 +102,21 @@ def _fwd_jvp(primals, tangents, *, eps, add):
     return outs, touts
 
 
+def _input_grad(live, dtype):
+    """dy = sum_i dout_i W_i^T [..., H] in ``dtype``, for the (W_i, dout_i) pairs of
+    ``live``. Narrow outputs (a block's q / k / v: 2 sum_i O_i < (k + 1) H) take one
+    product of the concatenated cotangents and weights, [..., sum O_i] x [sum O_i, H],
+    the sum inside the matmul's f32 accumulator; XLA concatenates those cotangents anyway
+    for its merged weight-gradient product, and separate products would write k [..., H]
+    outputs and add them in a further pass. Wide ones (gate / up) are multiplied one by
+    one and added: concatenating them would copy more than the adds read."""
+    ws, cts = zip(*live)
+    width, outs = ws[0].shape[0], sum(w.shape[1] for w in ws)
+    if len(live) > 1 and 2 * outs < (len(live) + 1) * width:
+        return jnp.matmul(jnp.concatenate(cts, axis=-1), jnp.concatenate(ws, axis=1).T).astype(dtype)
+    return sum(jnp.matmul(ct, w.T) for w, ct in live).astype(dtype)
+
+
 @rms_norm_linear_tangent.def_transpose
 def _tangent_transpose(cts, u, gamma, beta, *rest, eps, add):
     k = (len(rest) - (4 if add else 3)) // 2
@@ -117,7 +133,7 @@ def _tangent_transpose(cts, u, gamma, beta, *rest, eps, add):
         # schedules it there, and y stays alive after all.
         u, gamma, beta, _ = lax.optimization_barrier((u, gamma, beta, [ct for _, ct in live]))
         y, rstd = rms_norm_fwd(u, gamma, beta, eps=eps)
-        dy = sum(jnp.matmul(ct, w.T) for w, ct in live).astype(u.dtype)
+        dy = _input_grad(live, u.dtype)
     if add and type(ct_s) is not ad.Zero and live:
         du, dg, db = add_rms_norm_bwd(u, gamma, rstd, dy, ct_s, eps=eps)
     elif live:
