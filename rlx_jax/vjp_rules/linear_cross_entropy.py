@@ -82,8 +82,9 @@ def default_chunk_size(rows: int, dim: int, vocab: int, platform: str | None = N
     V 128256 (loss + gradients against logits + log_softmax in XLA), 256-row blocks ran
     at 0.54x and 2048-row blocks at 1.01x in 2 GiB of temp memory (XLA: 15.7 GiB); in the
     Llama step of ``benchmarks/e2e_step.py --preset llama-v32k`` (V 32000, bf16 logits
-    blocks), 4096-row blocks took 0.13 ms (0.3 %) more than 8192-row ones and 0.59 GiB
-    less temp memory (3.16 against 3.75 GiB)."""
+    blocks, lean ops), 4096-row blocks took 0.13 ms (0.3 %) more than 8192-row ones in
+    0.59 GiB less temp memory (3.16 against 3.75 GiB): the head runs while every layer's
+    kept activations are live, so its block sets the step's peak."""
     platform = platform or jax.default_backend()
     cpu = platform == "cpu"
     target = max(1, (1 << (21 if cpu else 27)) // max(vocab, 1))
