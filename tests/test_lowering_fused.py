@@ -341,6 +341,60 @@ def test_matmul_of_a_swiglu_product_lowers_to_swiglu_linear(case):
         close(np.asarray(got), ref, 1e-4)
 
 
+@pytest.mark.parametrize("case", ["projections", "norm_reused", "one_projection", "input_weight"])
+def test_matmuls_of_an_rms_norm_lower_to_rms_norm_linear(case):
+    """The MatMuls that read an RmsNorm (a block's q / k / v, their weights' Param nodes
+    after the norm) lower together to one ops.rms_norm_linear, whose reverse mode keeps
+    the norm's input and not its output. A norm output that also feeds another op, or a
+    weight that is no Param (an input here), keeps the plain norm and matmuls. Values and
+    gradients equal the NumPy maths either way."""
+    g = rlx.Graph("qkv")
+    x_in = g.input("x", [3, 5, 8], "f32")
+    gamma_in, beta_in = g.param("gamma", [8], "f32"), g.param("beta", [8], "f32")
+    y = g.rms_norm(x_in, gamma_in, beta_in, 1e-5)
+    outs_w = (4,) if case == "one_projection" else (4, 2, 2)
+    w_ids = [g.input(f"w{i}", [8, o], "f32") if case == "input_weight" and i == 1 else g.param(f"w{i}", [8, o], "f32")
+             for i, o in enumerate(outs_w)]
+    outs = [g.matmul(y, w) for w in w_ids]
+    if case == "norm_reused":
+        outs[0] = g.add(outs[0], g.sum(y, [2], True))
+    g.set_outputs(outs)
+    fn = rlx.to_jax(g)
+    x, gamma, beta = f32(3, 5, 8), f32(8) + 1, f32(8)
+    ws = [f32(8, o) for o in outs_w]
+    names = [f"w{i}" for i in range(len(outs_w))]
+    weight_input = {"w1": ws[1]} if case == "input_weight" else {}
+
+    def loss(x, gamma, beta, ws):
+        params = {"gamma": gamma, "beta": beta, **{n: w for n, w in zip(names, ws) if n not in weight_input}}
+        inputs = {"x": x, **{n: w for n, w in zip(names, ws) if n in weight_input}}
+        return sum(jnp.sum(jnp.sin(o) * (k + 1)) for k, o in enumerate(fn(params, inputs)))
+
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss, (0, 1, 2, 3)))(x, gamma, beta, ws))
+    assert ("rms_norm_linear" in jaxpr) == (case in ("projections", "one_projection"))
+    X, G, B, W = x.astype(np.float64), gamma.astype(np.float64), beta.astype(np.float64), [w.astype(np.float64) for w in ws]
+    rstd = 1 / np.sqrt(np.mean(X * X, axis=-1, keepdims=True) + 1e-5)
+    Y = X * rstd * G + B
+    Os = [Y @ w for w in W]
+    if case == "norm_reused":
+        Os[0] = Os[0] + Y.sum(axis=2, keepdims=True)
+    params = {"gamma": gamma, "beta": beta, **{n: w for n, w in zip(names, ws) if n not in weight_input}}
+    for got, want in zip(fn(params, {"x": x, **weight_input}), Os):
+        close(np.asarray(got), want, 1e-5)
+    cs = [np.cos(o) * (k + 1) for k, o in enumerate(Os)]
+    dY = sum(c @ w.T for c, w in zip(cs, W))
+    if case == "norm_reused":
+        dY = dY + cs[0].sum(axis=2, keepdims=True)
+    xhat = X * rstd
+    dxhat = dY * G
+    dX = rstd * (dxhat - xhat * np.mean(dxhat * xhat, axis=-1, keepdims=True))
+    want = (dX, (dY * xhat).sum(axis=(0, 1)), dY.sum(axis=(0, 1)),
+            [np.einsum("bsh,bso->ho", Y, c) for c in cs])
+    got = jax.grad(loss, (0, 1, 2, 3))(x, gamma, beta, ws)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        close(np.asarray(a), b, 1e-4)
+
+
 def _swiglu_graph(order, extra_use, up_shape):
     g = rlx.Graph("mlp")
     a = g.input("a", [3, 5, 8], "f32")

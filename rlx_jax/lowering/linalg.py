@@ -1,7 +1,8 @@
 """Linear algebra: MatMul, DotGeneral, DenseSolve, BatchedDenseSolve, LoraMatMul.
 
 Plain ``jax.numpy``/``lax`` (XLA's dots are the kernels); each rule states RLX's
-semantics. A MatMul of a SwiGLU product lowers to ``ops.swiglu_linear``.
+semantics. A MatMul of a SwiGLU product lowers to ``ops.swiglu_linear``; the MatMuls that
+read an RmsNorm's output lower together to one ``ops.rms_norm_linear``.
 """
 
 from __future__ import annotations
@@ -41,6 +42,82 @@ def _swiglu_linear_operands(args, ctx):
     return gated
 
 
+def _users(ctx) -> dict:
+    """node id -> ids of the nodes that take it as an input, graph outputs counted as a
+    user (-1); built once per lowering."""
+    def build():
+        users: dict = {}
+        for node in ctx.graph.nodes:
+            for i in node.inputs:
+                users.setdefault(i, []).append(node.id)
+        for o in ctx.graph.outputs:
+            users.setdefault(o, []).append(-1)
+        return users
+    return ctx.memo(("users", id(ctx.graph)), build)
+
+
+def _norm_projection_weights(src, ctx):
+    """{MatMul id: [H, O] weight} when every user of the RmsNorm node ``src`` (normalised
+    over its last axis, output shaped as its input) is a MatMul taking it as the left
+    operand and a 2-D Param [H, O] as the right one, else None. Weights whose Param node
+    comes later in the graph (a block's k and v after q) are read from the params."""
+    from .core import _bind, _op_name
+
+    x = ctx.graph.node(src.inputs[0])
+    rank = len(x.shape.dims)
+    if rank < 1 or src.op.axis not in (-1, rank - 1) or tuple(src.shape.dims) != tuple(x.shape.dims):
+        return None
+    weights = {}
+    for uid in _users(ctx).get(src.id, ()):
+        if uid < 0:
+            return None
+        user = ctx.graph.node(uid)
+        if not isinstance(user.op, ir.MatMul) or user.inputs[0] != src.id or user.inputs[1] == src.id:
+            return None
+        wnode = ctx.graph.node(user.inputs[1])
+        if _op_name(wnode.op) != "Param" or len(wnode.shape.dims) != 2:
+            return None
+        w = ctx.env.get(wnode.id)
+        if w is None:
+            name = wnode.op.name
+            if name not in ctx.params:  # reported where the Param node is bound
+                return None
+            w = _bind(wnode, f"param {name!r}", ctx.params[name], ctx.dims, ctx.dtype_map)
+        weights[uid] = w
+    return weights
+
+
+def _norm_linear_product(args, ctx):
+    """This MatMul's product through ``ops.rms_norm_linear`` when its left operand is an
+    RmsNorm whose users are all such projections (``_norm_projection_weights``), with the
+    norm's input, parameters, output and weights in one dtype (so that the op's dtype
+    promotion is the graph's), else None. The first of them computes every product at once (a block's
+    q / k / v, or gate / up) and the others take theirs from the lowering's cache: reverse
+    mode then keeps the norm's input, not its output, and runs the norm's backward once
+    for the summed input gradient."""
+    if ctx.graph is None or ctx.node is None:
+        return None
+    src = ctx.graph.node(ctx.node.inputs[0])
+    if not isinstance(src.op, ir.RmsNorm):
+        return None
+    key = ("rms_norm_linear", src.id)
+    if key not in ctx.cache:
+        weights = _norm_projection_weights(src, ctx)
+        x, gamma, *beta = (ctx.env.get(i) for i in src.inputs)
+        beta = beta[0] if beta else None
+        y = args[0]
+        same = [a for a in (x, gamma, beta) if a is not None] + list((weights or {}).values())
+        if weights is None or any(a.dtype != y.dtype for a in same) or x.shape != y.shape:
+            ctx.cache[key] = None
+        else:
+            from .nn import fused
+
+            outs = fused("rms_norm_linear")(x, gamma, list(weights.values()), beta, eps=float(src.op.eps))
+            ctx.cache[key] = dict(zip(weights, outs))
+    products = ctx.cache[key]
+    return None if products is None else products[ctx.node.id]
+
+
 @lowering_rule(ir.MatMul)
 def _matmul(op, args, ctx):
     gated = _swiglu_linear_operands(args, ctx)
@@ -48,6 +125,9 @@ def _matmul(op, args, ctx):
         from .nn import fused
 
         return ctx.cast_out(fused("swiglu_linear")(*gated, args[1]))
+    product = _norm_linear_product(args, ctx)
+    if product is not None:
+        return ctx.cast_out(product)
     return ctx.cast_out(matmul(args[0], args[1]))
 
 
