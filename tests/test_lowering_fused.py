@@ -372,7 +372,8 @@ def test_matmuls_of_an_rms_norm_lower_to_rms_norm_linear(case):
 
     jaxpr = str(jax.make_jaxpr(jax.grad(loss, (0, 1, 2, 3)))(x, gamma, beta, ws))
     assert ("rms_norm_linear" in jaxpr) == (case in ("projections", "one_projection"))
-    X, G, B, W = x.astype(np.float64), gamma.astype(np.float64), beta.astype(np.float64), [w.astype(np.float64) for w in ws]
+    X, G, B = (a.astype(np.float64) for a in (x, gamma, beta))
+    W = [w.astype(np.float64) for w in ws]
     rstd = 1 / np.sqrt(np.mean(X * X, axis=-1, keepdims=True) + 1e-5)
     Y = X * rstd * G + B
     Os = [Y @ w for w in W]

@@ -91,10 +91,10 @@ def _norm_linear_product(args, ctx):
     """This MatMul's product through ``ops.rms_norm_linear`` when its left operand is an
     RmsNorm whose users are all such projections (``_norm_projection_weights``), with the
     norm's input, parameters, output and weights in one dtype (so that the op's dtype
-    promotion is the graph's), else None. The first of them computes every product at once (a block's
-    q / k / v, or gate / up) and the others take theirs from the lowering's cache: reverse
-    mode then keeps the norm's input, not its output, and runs the norm's backward once
-    for the summed input gradient."""
+    promotion is the graph's), else None. The first of them computes every product at
+    once (a block's q / k / v, or gate / up) and the others take theirs from the
+    lowering's cache: reverse mode then keeps the norm's input, not its output, and runs
+    the norm's backward once for the summed input gradient."""
     if ctx.graph is None or ctx.node is None:
         return None
     src = ctx.graph.node(ctx.node.inputs[0])

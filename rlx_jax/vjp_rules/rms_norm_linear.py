@@ -16,9 +16,9 @@ Why one op: differentiated as separate ops, y is a residual of every matmul (dW_
 it), held from the forward to the backward beside u, which the norm's backward keeps
 anyway. In a Llama step at [16384, 2048] bf16 that is 64 MiB per norm, two norms a layer.
 Here the residuals are u, gamma, beta and the weights; the backward runs the forward
-kernel again (one read of u and one write of y) before the weight gradients, behind an optimization barrier on the cotangents (as
-``jax.checkpoint`` does) so that XLA neither merges it with the forward's identical call
-nor moves it into the forward.
+kernel again (one read of u and one write of y) before the weight gradients, behind an
+optimization barrier on the cotangents (as ``jax.checkpoint`` does) so that XLA neither
+merges it with the forward's identical call nor moves it into the forward.
 
 Primitives (``add`` static: whether the residual add comes first):
 - ``rms_norm_linear_fwd``: (x, gamma, beta, *W) -> (*out), or with ``add``
@@ -28,9 +28,10 @@ Primitives (``add`` static: whether the residual add comes first):
 The matmuls run in the promoted dtype of y and W at JAX's default precision, as
 ``y @ W`` does; dy is one product over the concatenated weights where they are narrow
 (q / k / v, summed in the matmul's accumulator) and the per-weight products added in
-that dtype where they are wide (``_input_grad``). Under vmap (parameters unbatched) the batch axis moves to the
-front of the activations; under SPMD sharding the norm kernels run shard-local over the
-rows and XLA partitions the matmuls (column-parallel weights included).
+that dtype where they are wide (``_input_grad``). Under vmap (parameters unbatched) the
+batch axis moves to the front of the activations; under SPMD sharding the norm kernels
+run shard-local over the rows and XLA partitions the matmuls (column-parallel weights
+included).
 """
 
 from __future__ import annotations
