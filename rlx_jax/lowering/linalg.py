@@ -58,14 +58,13 @@ def _users(ctx) -> dict:
 
 def _norm_projection_weights(src, ctx):
     """{MatMul id: [H, O] weight} when every user of the RmsNorm node ``src`` (normalised
-    over its last axis, output shaped as its input) is a MatMul taking it as the left
-    operand and a 2-D Param [H, O] as the right one, else None. Weights whose Param node
-    comes later in the graph (a block's k and v after q) are read from the params."""
+    over its last axis) is a MatMul taking it as the left operand and a 2-D Param [H, O]
+    as the right one, else None. Weights whose Param node comes later in the graph (a
+    block's k and v after q) are read from the params."""
     from .core import _bind, _op_name
 
-    x = ctx.graph.node(src.inputs[0])
-    rank = len(x.shape.dims)
-    if rank < 1 or src.op.axis not in (-1, rank - 1) or tuple(src.shape.dims) != tuple(x.shape.dims):
+    rank = len(ctx.graph.node(src.inputs[0]).shape.dims)
+    if rank < 1 or src.op.axis not in (-1, rank - 1):
         return None
     weights = {}
     for uid in _users(ctx).get(src.id, ()):
@@ -87,34 +86,37 @@ def _norm_projection_weights(src, ctx):
     return weights
 
 
+def _norm_linear_products(src, y, ctx):
+    """{MatMul id: product} for the users of the RmsNorm node ``src`` (output ``y``) through
+    one ``ops.rms_norm_linear``, when they are all projections (``_norm_projection_weights``)
+    and the norm's input (shaped as y: not the row-flattened output), parameters and
+    weights are in y's dtype (so that the op's dtype promotion is the graph's); else None.
+    Reverse mode then keeps the norm's input, not its output, and runs the norm's backward
+    once for the summed input gradient."""
+    weights = _norm_projection_weights(src, ctx)
+    if weights is None:
+        return None
+    x, gamma, *beta = (ctx.env.get(i) for i in src.inputs)
+    beta = beta[0] if beta else None
+    operands = [a for a in (x, gamma, beta, *weights.values()) if a is not None]
+    if x.shape != y.shape or any(a.dtype != y.dtype for a in operands):
+        return None
+    from .nn import fused
+
+    outs = fused("rms_norm_linear")(x, gamma, list(weights.values()), beta, eps=float(src.op.eps))
+    return dict(zip(weights, outs))
+
+
 def _norm_linear_product(args, ctx):
-    """This MatMul's product through ``ops.rms_norm_linear`` when its left operand is an
-    RmsNorm whose users are all such projections (``_norm_projection_weights``), with the
-    norm's input, parameters, output and weights in one dtype (so that the op's dtype
-    promotion is the graph's), else None. The first of them computes every product at
-    once (a block's q / k / v, or gate / up) and the others take theirs from the
-    lowering's cache: reverse mode then keeps the norm's input, not its output, and runs
-    the norm's backward once for the summed input gradient."""
+    """This MatMul's product when its left operand is an RmsNorm lowered with its users
+    (``_norm_linear_products``), else None: the first of them computes every product (a
+    block's q / k / v, or gate / up), the others take theirs from the lowering's cache."""
     if ctx.graph is None or ctx.node is None:
         return None
     src = ctx.graph.node(ctx.node.inputs[0])
     if not isinstance(src.op, ir.RmsNorm):
         return None
-    key = ("rms_norm_linear", src.id)
-    if key not in ctx.cache:
-        weights = _norm_projection_weights(src, ctx)
-        x, gamma, *beta = (ctx.env.get(i) for i in src.inputs)
-        beta = beta[0] if beta else None
-        y = args[0]
-        same = [a for a in (x, gamma, beta) if a is not None] + list((weights or {}).values())
-        if weights is None or any(a.dtype != y.dtype for a in same) or x.shape != y.shape:
-            ctx.cache[key] = None
-        else:
-            from .nn import fused
-
-            outs = fused("rms_norm_linear")(x, gamma, list(weights.values()), beta, eps=float(src.op.eps))
-            ctx.cache[key] = dict(zip(weights, outs))
-    products = ctx.cache[key]
+    products = ctx.memo(("rms_norm_linear", src.id), lambda: _norm_linear_products(src, args[0], ctx))
     return None if products is None else products[ctx.node.id]
 
 
