@@ -1,11 +1,14 @@
 """Where the e2e training step's GPU time goes, by kind of kernel, for each variant.
 
 Runs ``--steps`` compiled steps of ``benchmarks/e2e_step.py``'s Llama-style decoder back to
-back under the JAX profiler (CUPTI activity records) and prints, per variant, the step's
-kernel time split into kinds (matrix multiplies, attention, rlx_jax kernels, XLA fusions,
-copies), the span and idle time, then the ``--top`` kernels by time:
+back under the JAX profiler (CUPTI activity records), for each variant in turn, ``--rounds``
+times (the variants interleaved, as the step benchmark times them: a GPU whose clock drifts
+between two profiles taken one after the other shows the drift as a difference between the
+variants). It prints, per variant, the step's kernel time split into kinds (matrix
+multiplies, attention, rlx_jax kernels, XLA fusions, copies) with each kind's time in every
+round, the span and idle time, then the ``--top`` kernels by time:
 
-    python -m benchmarks.e2e_profile --preset llama-v32k --variants plain-cudnn,rlx
+    python -m benchmarks.e2e_profile --preset llama-v32k --variants plain-cudnn,rlx --rounds 3
 
 The kinds say where a fusion can pay: a step's time outside its matrix multiplies and
 attention is the part fused element-wise kernels can shrink.
@@ -67,10 +70,11 @@ def main(argv=None) -> int:
     p.add_argument("--preset", choices=sorted(e2e.PRESETS), default="llama-v32k")
     p.add_argument("--variants", default="plain-cudnn,rlx", help="comma-separated e2e_step variant names")
     p.add_argument("--steps", type=int, default=5, help="steps profiled back to back")
+    p.add_argument("--rounds", type=int, default=1, help="profiles per variant, the variants interleaved")
     p.add_argument("--top", type=int, default=25, help="kernels listed per variant")
     a = p.parse_args(argv)
-    if a.steps < 1:
-        p.error("--steps must be >= 1")
+    if a.steps < 1 or a.rounds < 1:
+        p.error("--steps and --rounds must be >= 1")
 
     import jax
     import numpy as np
@@ -90,24 +94,54 @@ def main(argv=None) -> int:
     labels = jax.numpy.asarray(rng.integers(0, s.vocab, size=s.tokens), jax.numpy.int32)
 
     print(f"# {device.device_kind}; jax {jax.__version__}; preset {a.preset} ({s}); {a.steps} steps back to back "
-          "under the JAX profiler; us per step")
-    for name in wanted:
-        runner = e2e.step_runner(s, by_name[name], params, tokens, labels)
+          f"under the JAX profiler, {a.rounds} round(s), the variants interleaved; us per step")
+    runners = {name: e2e.step_runner(s, by_name[name], params, tokens, labels) for name in wanted}
+    for runner in runners.values():
         for _ in range(2):
             runner.step()
-        with tempfile.TemporaryDirectory() as trace_dir:
-            with jax.profiler.trace(trace_dir):
-                for _ in range(a.steps):
-                    runner.step()
-            events = _kernels._gpu_events(trace_dir)
-        rows, busy, span = _kernels.kernel_table(events, a.steps)
-        print(f"## {name}: kernels {busy / 1e3:.2f} ms, span {span / 1e3:.2f} ms, idle {(span - busy) / 1e3:.2f} ms "
-              f"a step")
-        for kind, launches, us in kind_table(events, a.steps):
-            print(f"   {us / 1e3:8.2f} ms  {100 * us / busy:5.1f} %  {launches:6.0f} launches  {kind}")
-        print(f"   top {a.top} kernels:")
-        for kname, launches, us in rows[: a.top]:
-            print(f"   {us:9.1f} us  {launches:5.1f}x  {kname}")
+    rounds = {name: [] for name in wanted}  # per variant, each round's GPU events
+    for _ in range(a.rounds):
+        for name in wanted:
+            rounds[name].append(profile_events(runners[name].step, a.steps, _kernels._gpu_events))
+    for name in wanted:
+        print_variant(name, rounds[name], a.steps, a.top)
+    return 0
+
+
+def profile_events(step, steps: int, read_events):
+    """The GPU events (name, start ns, duration ns) of ``steps`` calls of ``step`` under the
+    JAX profiler, read from its trace by ``read_events(trace_dir)``."""
+    import jax
+
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(steps):
+                step()
+        return read_events(trace_dir)
+
+
+def round_tables(rounds, steps: int):
+    """Per-step figures over profiled rounds (each a list of GPU events of ``steps`` steps):
+    (kernel rows over all rounds, kernel us, span us averaged over the rounds (each round's
+    own span: the gaps between rounds are not the step's), [{kind: us} of each round])."""
+    events = [e for r in rounds for e in r]
+    rows, busy, _ = _kernels.kernel_table(events, steps * len(rounds))
+    span = sum(_kernels.kernel_table(r, steps)[2] for r in rounds) / len(rounds)
+    per_round = [{kind: us for kind, _, us in kind_table(r, steps)} for r in rounds]
+    return rows, busy, span, per_round
+
+
+def print_variant(name, rounds, steps: int, top: int) -> None:
+    rows, busy, span, per_round = round_tables(rounds, steps)
+    print(f"## {name}: kernels {busy / 1e3:.2f} ms, span {span / 1e3:.2f} ms, idle {(span - busy) / 1e3:.2f} ms "
+          f"a step")
+    for kind, launches, us in kind_table([e for r in rounds for e in r], steps * len(rounds)):
+        each = " ".join(f"{r.get(kind, 0.0) / 1e3:.2f}" for r in per_round) if len(per_round) > 1 else ""
+        print(f"   {us / 1e3:8.2f} ms  {100 * us / busy:5.1f} %  {launches:6.0f} launches  {kind}"
+              + (f"  (rounds: {each})" if each else ""))
+    print(f"   top {top} kernels:")
+    for kname, launches, us in rows[:top]:
+        print(f"   {us:9.1f} us  {launches:5.1f}x  {kname}")
     return 0
 
 
