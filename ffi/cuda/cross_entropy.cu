@@ -180,11 +180,11 @@ ce_grad_k(const T* logits, const int32_t* __restrict__ labels, const float* __re
 // columns of the row from the stage into registers once; the row's max and sum of exp are
 // reduced over the block, whose barriers tell thread 0 that every thread has read the
 // stage, so it refills the stage with a later row; the gradient is then written from the
-// registers. One read of the logits from memory, one write of dlogits.
+// registers. One read of the logits from memory, one write of dlogits. Shared memory and
+// row split: rw::StagedRows.
 constexpr int kStagedThreads = 512;
 constexpr int kStagedMaxNv = 8;                // columns a thread keeps: NV * VEC <= 64
 constexpr int kStagedMaxStages = 3;            // rows in flight per block
-constexpr int kStagedHeader = 1024;            // bytes before the stages: red, then mbarriers
 constexpr int64_t kStagedMinRowBytes = 16384;  // narrower rows keep ce_grad_k's row groups
 
 template <typename T, typename G, typename S, int NV, bool STATS>
@@ -197,21 +197,17 @@ ce_grad_staged_k(const T* logits, const int32_t* __restrict__ labels, const S* _
 #else
   constexpr int VEC = kVec16<T>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  float* red = reinterpret_cast<float*>(smem_raw);
-  uint64_t* bar = reinterpret_cast<uint64_t*>(smem_raw + 512);
-  unsigned char* stage0 = smem_raw + kStagedHeader;
+  const StagedRows sr(smem_raw, rows, gridDim.x);
+  float* red = sr.red;
+  uint64_t* bar = sr.bar;
+  const int64_t r0 = sr.r0, n = sr.n;
   const uint32_t row_bytes = uint32_t(C) * uint32_t(sizeof(T));
   const int t = threadIdx.x;
-  const int64_t r0 = rows * blockIdx.x / gridDim.x, n = rows * (blockIdx.x + 1) / gridDim.x - r0;
-  if (t == 0) {
-    for (int q = 0; q < stages; ++q) mbar_init(&bar[q], 1);
-    mbar_init_fence();
-  }
-  __syncthreads();
+  sr.init_barriers(stages);
   auto issue = [&](int64_t i) {  // row r0 + i into stage i % stages
     const int q = int(i % stages);
     mbar_arrive_expect_tx(&bar[q], row_bytes);
-    bulk_load(stage0 + size_t(q) * stage_stride, logits + (r0 + i) * C, row_bytes, &bar[q]);
+    bulk_load(sr.stages + size_t(q) * stage_stride, logits + (r0 + i) * C, row_bytes, &bar[q]);
   };
   if (t == 0)
     for (int64_t i = 0; i < n && i < stages; ++i) issue(i);
@@ -220,7 +216,7 @@ ce_grad_staged_k(const T* logits, const int32_t* __restrict__ labels, const S* _
     const int q = int(i % stages);
     const int64_t r = r0 + i;
     mbar_wait(&bar[q], uint32_t((i / stages) & 1));
-    const T* xs = reinterpret_cast<const T*>(stage0 + size_t(q) * stage_stride);
+    const T* xs = reinterpret_cast<const T*>(sr.stages + size_t(q) * stage_stride);
     float v[NV][VEC];
 #pragma unroll
     for (int k = 0; k < NV; ++k) {

@@ -521,41 +521,25 @@ reduce_partials(const float* __restrict__ partial, int64_t parts, int64_t W, T* 
 // depend on registers: 2-4 stages of 8-32 KB per block. Threads read their columns from
 // shared memory (16-byte accesses, consecutive per thread: no bank conflicts), and the
 // row reduction's barrier tells thread 0 that the stage may be refilled.
-constexpr int kTmaHeader = 1024;  // bytes before the stages: red (512 B), mbarriers
 
-// A block of the staged path: shared memory layout (kTmaHeader bytes: red, then the
-// mbarriers; then pl.stages stages), its row chunk [r0, r1) (n rows, chunk p), the
-// thread t of the block's one row group (tpr == blockDim.x) and a row's bytes.
-// init_barriers: thread 0 initialises the stages' mbarriers, then a block barrier.
-struct StagedBlock {
-  float* red;
-  uint64_t* bar;
-  unsigned char* stages;
+// A block of the staged path (rw::StagedRows: shared memory layout, the block's rows
+// [r0, r1), n of them, as chunk p of pl.parts), with thread t of the block's one row group
+// (tpr == blockDim.x) and a row's bytes; init_barriers: the pl.stages stages' mbarriers.
+struct StagedBlock : rw::StagedRows {
   int S, tpr, t;
-  int64_t p, W, r0, r1, n;
+  int64_t p, W, r1;
   uint32_t row_bytes;
-  __device__ __forceinline__ StagedBlock(unsigned char* smem_raw, const RowPlan& pl, int64_t elem_bytes) {
-    red = reinterpret_cast<float*>(smem_raw);
-    bar = reinterpret_cast<uint64_t*>(smem_raw + 512);
-    stages = smem_raw + kTmaHeader;
-    S = pl.stages;
-    tpr = blockDim.x;
-    t = threadIdx.x;
-    p = blockIdx.x;
-    W = pl.width;
-    r0 = pl.rows * p / pl.parts;
-    r1 = pl.rows * (p + 1) / pl.parts;
-    n = r1 - r0;
-    row_bytes = uint32_t(W * elem_bytes);
-  }
+  __device__ __forceinline__ StagedBlock(unsigned char* smem_raw, const RowPlan& pl, int64_t elem_bytes)
+      : rw::StagedRows(smem_raw, pl.rows, pl.parts),
+        S(pl.stages),
+        tpr(blockDim.x),
+        t(threadIdx.x),
+        p(blockIdx.x),
+        W(pl.width),
+        r1(r0 + n),
+        row_bytes(uint32_t(pl.width * elem_bytes)) {}
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-  __device__ __forceinline__ void init_barriers() const {
-    if (t == 0) {
-      for (int q = 0; q < S; ++q) mbar_init(&bar[q], 1);
-      mbar_init_fence();
-    }
-    __syncthreads();
-  }
+  __device__ __forceinline__ void init_barriers() const { rw::StagedRows::init_barriers(S); }
 #endif
 };
 
@@ -767,7 +751,7 @@ RowPlan column_plan(int64_t rows, int64_t W, bool aligned, Tuning tu) {
 }
 
 inline size_t smem_bytes(const RowPlan& pl) {
-  if (pl.stages > 0) return size_t(kTmaHeader) + size_t(pl.stages) * size_t(pl.stage_bytes);
+  if (pl.stages > 0) return size_t(rw::kStagedHeader) + size_t(pl.stages) * size_t(pl.stage_bytes);
   size_t n = kSmemRed;
   if (pl.threads / pl.tpr > 1) n += 2 * size_t(pl.slab_cols);
   return n * sizeof(float);
@@ -845,9 +829,9 @@ bool plan_staged(RowPlan& pl, Kernel kernel, int64_t row_bytes, int64_t bytes_pe
   size_t max_smem = 0;
   if (allow_max_smem(dev.device, kernel, &max_smem) != cudaSuccess) return false;
   int stages = tu.stages > 0 ? tu.stages
-                             : int(std::min<int64_t>(default_stages, (kTmaBudget - kTmaHeader) / bytes_per_row_stage));
+                             : int(std::min<int64_t>(default_stages, (kTmaBudget - rw::kStagedHeader) / bytes_per_row_stage));
   stages = std::max(2, std::min(stages, 8));
-  while (stages > 1 && size_t(kTmaHeader) + size_t(stages) * size_t(bytes_per_row_stage) > max_smem) --stages;
+  while (stages > 1 && size_t(rw::kStagedHeader) + size_t(stages) * size_t(bytes_per_row_stage) > max_smem) --stages;
   if (stages < 2) return false;
   pl.stages = stages;
   pl.stage_bytes = bytes_per_row_stage;

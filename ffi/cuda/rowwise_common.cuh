@@ -178,6 +178,38 @@ inline int num_sms() {
   return dev.sms;
 }
 
+// ---- whole rows staged through shared memory (sm_90) -----------------------------------
+// A persistent block keeps whole rows in flight in shared memory, each stage filled by bulk
+// copies (cp.async.bulk) that complete on the stage's mbarrier: thread 0 issues them, and
+// the row reduction's barrier tells it that every thread has read a stage, so it may refill
+// it. Dynamic shared memory: kStagedHeader bytes (the reductions' red slots in the first
+// 512, then one mbarrier per stage), then the stages. The block takes the contiguous run of
+// rows [r0, r0 + n) of `rows` split evenly over the `parts` blocks of the grid. Used by the
+// RMSNorm / LayerNorm staged kernels and the cross-entropy gradient's.
+constexpr int kStagedHeader = 1024;
+struct StagedRows {
+  float* red;
+  uint64_t* bar;
+  unsigned char* stages;
+  int64_t r0, n;
+  __device__ __forceinline__ StagedRows(unsigned char* smem_raw, int64_t rows, int64_t parts)
+      : red(reinterpret_cast<float*>(smem_raw)),
+        bar(reinterpret_cast<uint64_t*>(smem_raw + 512)),
+        stages(smem_raw + kStagedHeader),
+        r0(rows * blockIdx.x / parts),
+        n(rows * (blockIdx.x + 1) / parts - r0) {}
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+  // Thread 0 initialises `count` stages' mbarriers (one arrival each), then a block barrier.
+  __device__ __forceinline__ void init_barriers(int count) const {
+    if (threadIdx.x == 0) {
+      for (int q = 0; q < count; ++q) mbar_init(&bar[q], 1);
+      mbar_init_fence();
+    }
+    __syncthreads();
+  }
+#endif
+};
+
 }  // namespace rw
 }  // namespace cuda
 }  // namespace rlx
