@@ -121,7 +121,8 @@ def test_float_labels_rejected():
 def test_check_grads_f64(x64):
     logits = jax.random.normal(jax.random.PRNGKey(1), (4, 6), jnp.float64)
     labels = jnp.array([0, 5, -100, 2], jnp.int32)
-    assert "rlx_softmax_ce_bwd" in hlo_text(jax.grad(lambda x: jnp.sum(softmax_cross_entropy(x, labels))), logits)
+    if platform() == "cpu":  # the CUDA kernels take no f64: there f64 lowers the reference
+        assert "rlx_softmax_ce_bwd" in hlo_text(jax.grad(lambda x: jnp.sum(softmax_cross_entropy(x, labels))), logits)
     check_grads(jax.jit(lambda x: softmax_cross_entropy(x, labels)), (logits,), order=2, modes=("fwd", "rev"))
     d = jax.random.normal(jax.random.PRNGKey(2), (4,), jnp.float64)
     check_grads(jax.jit(lambda x, d: softmax_cross_entropy_backward(x, labels, d)), (logits, d), order=2,
@@ -470,9 +471,20 @@ def test_fused_linear_compositions():
 def test_fused_linear_narrow_logits(reduction, chunk):
     """logits_dtype=bf16 on f32 inputs: loss and gradients (f32, so the rounding shows)
     match the oracle on bf16-rounded logits, and differ from the f32-logits result by
-    more than they differ from that oracle (the option takes effect)."""
+    more than they differ from that oracle (the option takes effect). Under f32 matmul
+    precision: a GPU's default (TF32) gradient products lie outside f32's tolerance."""
+    with jax.default_matmul_precision("highest"):
+        _check_narrow_logits(reduction, chunk)
+
+
+def _check_narrow_logits(reduction, chunk):
     h, w, labels = _linear_inputs(11, 8, 37, seed=5)
-    h = h * 4  # logits of a few units: bf16 rounding moves them by about 1e-2
+    # Logits of a few units (bf16 rounding moves them by about 1e-2) from dyadic inputs: h
+    # in steps of 1/8, w of 1/64, so every product and partial sum of h @ w is exact in f32
+    # (and in TF32 or bf16 operands) and each logit rounds to bf16 the same way whatever
+    # the matmul's algorithm or summation order (with the unrounded inputs one logit lies
+    # 9 f32 ulps from a bf16 rounding boundary).
+    h, w = jnp.round(h * 32) / 8, jnp.round(w * 64) / 64
     labels = labels.at[2].set(-100)
     wt = _weights((11,), reduction)
 
@@ -507,11 +519,17 @@ def test_fused_linear_narrow_logits_hessian_f64(x64):
     for red in ("mean", "none"):
         f = lambda h, w: jnp.sum(fused_linear_cross_entropy(h, w, labels, reduction=red, chunk_size=2,
                                                             logits_dtype=jnp.float32))
-        got = jax.jit(jax.hessian(f, (0, 1)))(h, w)
+        hessian = jax.jit(jax.hessian(f, (0, 1)))
+        got = hessian(h, w)
         want = jax.hessian(lambda h, w: jnp.sum(_linear_oracle(h, w, labels, red, logits_dtype=jnp.float32)), (0, 1))(h, w)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             assert a.dtype == jnp.float64
             assert_close(a, b, jnp.float32)
+        # every product keeps its f64 operands' accumulation: cuBLAS has no f64 product
+        # written in f32 (the GPU failed to run one)
+        narrowed = re.findall(r"dot_general[^\n]*\(tensor<[^>]*xf64>, tensor<[^>]*xf64>\) -> tensor<[^>]*xf32>",
+                              hessian.lower(h, w).as_text())
+        assert not narrowed, narrowed[:2]
 
 
 def test_fused_linear_narrow_logits_never_need_more_memory():

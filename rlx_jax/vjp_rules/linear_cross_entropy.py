@@ -116,15 +116,25 @@ def _logits(hb, weight, logits_dtype):
     written in ``logits_dtype`` (None: the accumulation dtype). The matmul writes the
     narrow dtype itself only from operands no wider than it (bf16 from bf16); wider
     operands (f32 with bf16 logits, f64 with f32) give the accumulation-dtype product,
-    rounded afterwards, as documented. On CUDA, XLA's product of f32 operands written
-    straight to bf16 did not match that rounding (an oracle test off by about 1 % of its
-    loss); the CPU computed the rounded product either way."""
+    rounded afterwards by ``_round_to``, as documented."""
     acc = acc_dtype(hb.dtype)
     if logits_dtype is None:
         return jnp.dot(hb, weight, preferred_element_type=acc)
     if np.dtype(logits_dtype).itemsize < jnp.result_type(hb.dtype, weight.dtype).itemsize:
-        return jnp.dot(hb, weight, preferred_element_type=acc).astype(logits_dtype)
+        return _round_to(jnp.dot(hb, weight, preferred_element_type=acc), logits_dtype)
     return jnp.dot(hb, weight, preferred_element_type=logits_dtype)
+
+
+def _round_to(z, dtype):
+    """z rounded to ``dtype`` (to nearest even; values below its normal range go to 0).
+    The rounding is a reduce_precision before the cast, not the cast alone: XLA (on GPUs,
+    where it allows excess precision by default) may drop a narrowing cast that a widening
+    one follows, so a block recomputed in the backward (``.astype(f32)`` of the rounded
+    logits) met its unrounded product while the forward's lse came from the rounded block:
+    gradients of f32 inputs with bf16 logits were off by about 1 % of their scale on an
+    H200. reduce_precision is never removed."""
+    fi = jnp.finfo(dtype)
+    return lax.reduce_precision(z, exponent_bits=fi.nexp, mantissa_bits=fi.nmant).astype(dtype)
 
 
 def _local_labels(labels, w, vocab_axes, sizes, vocab_total):
@@ -243,8 +253,10 @@ def reference_forward(hidden, weight, labels, *, chunk_size, logits_dtype=None, 
 
 def reference_tangent(hidden, weight, labels, lse, t_hidden, t_weight, *, chunk_size, logits_dtype=None):
     """(t_loss, t_lse): per block tz = t_h W + h t_W, t_lse = sum p tz, t_loss = t_lse - tz[label]
-    (p from the logits rounded to ``logits_dtype`` as the forward's; tz in f32)."""
-    acc = lse.dtype
+    (p from the logits rounded to ``logits_dtype`` as the forward's; tz accumulated in the
+    inputs' accumulation dtype, then in lse's: f32 for f64 inputs with f32 logits, whose
+    products stay f64, since cuBLAS takes no f64 product written in f32)."""
+    acc, mm = lse.dtype, acc_dtype(hidden.dtype)
     n = hidden.shape[0]
     n_b = _block_rows(n, chunk_size)
     ok = (labels >= 0) & (labels < weight.shape[1])
@@ -252,7 +264,7 @@ def reference_tangent(hidden, weight, labels, lse, t_hidden, t_weight, *, chunk_
     def step(_, xs):
         hb, thb, lb, lseb = xs
         z = _logits(hb, weight, logits_dtype).astype(acc)
-        tz = (jnp.dot(thb, weight, preferred_element_type=acc) + jnp.dot(hb, t_weight, preferred_element_type=acc))
+        tz = (jnp.dot(thb, weight, preferred_element_type=mm) + jnp.dot(hb, t_weight, preferred_element_type=mm))
         tz = tz.astype(acc)
         p = jnp.exp(z - lseb[:, None])
         hit = jnp.arange(z.shape[-1]) == lb[:, None]
@@ -268,8 +280,10 @@ def reference_backward(hidden, weight, labels, lse, dloss, dlse, *, chunk_size, 
                        row_axes=(), sizes=None, vocab_total=None, row_kernels=()):
     """(d hidden, d weight) for per-row cotangents (dloss, dlse), recomputing each block's
     logits: g = p (dloss + dlse) - onehot dloss; dh_b = g W^T; dW += h_b^T g (the
-    blocks of ``_hidden_blocks``)."""
-    acc = lse.dtype
+    blocks of ``_hidden_blocks``). The softmax in lse's dtype, the products accumulated in
+    the inputs' (f64 for f64 inputs with f32 logits: cuBLAS takes no f64 product written
+    in f32)."""
+    acc, mm = lse.dtype, acc_dtype(hidden.dtype)
     n = hidden.shape[0]
     n_b = _block_rows(n, chunk_size)
     local, ok = _local_labels(labels, weight, vocab_axes, sizes, vocab_total)
@@ -282,12 +296,12 @@ def reference_backward(hidden, weight, labels, lse, dloss, dlse, *, chunk_size, 
         hit = jnp.arange(z.shape[-1]) == lb[:, None]
         p = jnp.exp(z - lseb[:, None])
         g = (p * (glb + gsb)[:, None] - jnp.where(hit, glb[:, None], 0)).astype(hidden.dtype)
-        dh = _hidden_grad(g, weight, hidden.dtype, acc, vocab_axes, row_kernels)
-        return dw + _weight_grad(hb_w, g, acc, _hidden_t(hidden, row_kernels)), dh
+        dh = _hidden_grad(g, weight, hidden.dtype, mm, vocab_axes, row_kernels)
+        return dw + _weight_grad(hb_w, g, mm, _hidden_t(hidden, row_kernels)), dh
 
     xs = (*_hidden_blocks(hidden, n_b, row_kernels), _blocks(local, n_b, -1), _blocks(lse, n_b),
           _blocks(g_loss, n_b), _blocks(g_lse, n_b))
-    dw, dh = lax.scan(step, jnp.zeros(weight.shape, acc), xs)
+    dw, dh = lax.scan(step, jnp.zeros(weight.shape, mm), xs)
     return _unblock(dh, n), _psum(dw, row_axes).astype(weight.dtype)
 
 
@@ -516,9 +530,10 @@ def fused_linear_cross_entropy(hidden, weight, labels, *, reduction: str = "none
     accumulates in f32 either way). None (default): f32 (f64 for f64), the most precise.
     A narrower float, typically the input's ``jnp.bfloat16``, rounds the logits as the
     unfused ``hidden @ weight`` in that dtype does; the softmax, loss and gradients are
-    still computed in f32 from the rounded values. Each block's logits then take half
-    the memory and half the memory traffic (written by the matmul, read by the block's
-    softmax).
+    still computed in f32 from the rounded values (inputs wider than the logits: the
+    f32 / f64 product rounded to nearest even, logits below the narrow dtype's normal
+    range becoming 0). Each block's logits then take half the memory and half the memory
+    traffic (written by the matmul, read by the block's softmax).
     """
     who = "fused_linear_cross_entropy"
     hidden, weight = jnp.asarray(hidden), jnp.asarray(weight)
