@@ -129,8 +129,8 @@ def _check_fused_linear_on_gpu(fused_linear_cross_entropy):
 def test_fused_linear_f32_inputs_with_bf16_logits(reduction):
     """f32 inputs with bf16 logits in 4-row blocks against NumPy on the bf16-rounded
     logits. The block that the "none" backward recomputes must be rounded as the
-    forward's: XLA on a GPU drops a narrowing cast that a widening one follows, and before
-    the op rounded through reduce_precision its gradients here were about 1 % off. Dyadic
+    forward's: XLA on a GPU drops a narrowing cast that a widening one follows (rounded by
+    the cast alone, the gradients here were about 1 % off). Dyadic
     inputs (h in steps of 1/8, w of 1/64) make every logit exact in f32, so each rounds to
     bf16 the same way on every path."""
     from rlx_jax.ops import fused_linear_cross_entropy
