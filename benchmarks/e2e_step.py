@@ -52,6 +52,14 @@ the step, CPU time mostly the step.
     python benchmarks/e2e_step.py --preset llama-v32k --json out.json
     python benchmarks/e2e_step.py --preset llama-v32k --deterministic-xla
     python benchmarks/e2e_step.py --preset tiny --quick     # the CI check: agreement only
+    python benchmarks/e2e_step.py --preset llama-v32k --processes 3
+
+``--processes N`` runs the whole measurement in N fresh processes one after the other and
+ends with each variant's speedup in every process and their median. One process compiles
+each variant once, and a compile's choices are part of that run's noise: on a GPU XLA's
+autotuner can pick other kernels for the same products in another compile (moving a
+step's kernel total by a few percent), which interleaved rounds in one process cannot
+average out.
 """
 
 from __future__ import annotations
@@ -554,8 +562,14 @@ def parse_args(argv):
     p.add_argument("--deterministic-xla", action="store_true",
                    help=f"run with XLA_FLAGS {DET_FLAG} (re-executes itself with the flag set)")
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default by device)")
+    p.add_argument("--processes", type=int, default=1,
+                   help="run the measurement in this many fresh processes (each its own compiles) and summarise")
     p.add_argument("--json", metavar="PATH", default=None)
     a = p.parse_args(argv)
+    if a.processes < 1:
+        p.error("--processes must be >= 1")
+    if a.processes > 1 and (a.quick or a.rounds == 0):
+        p.error("--processes compares timed runs: not with --quick or --rounds 0")
     fields = dict(PRESETS[a.preset])
     for name in ("layers", "width", "heads", "kv_heads", "head_dim", "ffn", "vocab", "batch", "seq", "dtype"):
         if getattr(a, name) is not None:
@@ -572,9 +586,77 @@ def _tolerances(dtype: str) -> dict:
     return {"loss_rel_diff": 2e-2, "grad_norm_rel_diff": 5e-2, "grad_rel_err": 1e-1}
 
 
+def _without_option(argv, name):
+    """argv without ``name`` and its value (``name V`` or ``name=V``)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == name:
+            skip = True
+        elif not arg.startswith(name + "="):
+            out.append(arg)
+    return out
+
+
+def process_summary(runs: list[list[dict]]) -> list[dict]:
+    """Per variant over the processes' JSON rows (one list a process): its speedup in each
+    process (that process's reference time over its own; None where it did not run), the
+    median of those speedups and of its ms/step."""
+    names = list(dict.fromkeys(r["variant"] for rows in runs for r in rows if "error" not in r))
+    out = []
+    for name in names:
+        rows = [next((r for r in rows if r["variant"] == name and "error" not in r), None) for rows in runs]
+        speedups = [r["ref_ms"] / r["ms"] if r and r.get("ref_ms") and r.get("ms") else None for r in rows]
+        got = [x for x in speedups if x is not None]
+        ms = [r["ms"] for r in rows if r and r.get("ms")]
+        out.append({"variant": name, "speedups": speedups, "speedup_median": statistics.median(got) if got else None,
+                    "ms_median": statistics.median(ms) if ms else None})
+    return out
+
+
+def format_process_summary(summary: list[dict], processes: int) -> str:
+    lines = [f"across {processes} processes (each its own compiles; speedup: that process's reference over the row)",
+             "| variant | ms/step (median) | speedup (median) | speedup in each process |", "|---|---|---|---|"]
+    for row in summary:
+        each = " ".join(_fmt(x, ".3f") + "x" if x is not None else "n/a" for x in row["speedups"])
+        lines.append(f"| {row['variant']} | {_fmt(row['ms_median'], '.2f')} | "
+                     f"{_fmt(row['speedup_median'], '.3f')}{'x' if row['speedup_median'] is not None else ''} | "
+                     f"{each} |")
+    return "\n".join(lines)
+
+
+def run_processes(argv, processes: int, json_path) -> int:
+    """The measurement of ``argv`` in ``processes`` fresh processes, one after the other (each
+    prints its own table), then the summary; the JSON holds every process's and the summary."""
+    import subprocess
+    import tempfile
+
+    child_argv = _without_option(_without_option(argv, "--processes"), "--json")
+    runs, rc = [], 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(processes):
+            out = os.path.join(tmp, f"run{i}.json")
+            print(f"# process {i + 1} of {processes}", flush=True)
+            code = subprocess.call([sys.executable, os.path.abspath(__file__), *child_argv, "--json", out])
+            rc = rc or code
+            if not os.path.exists(out):
+                raise SystemExit(f"process {i + 1} wrote no results (exit status {code})")
+            with open(out, encoding="utf-8") as f:
+                runs.append(json.load(f))
+    summary = process_summary([run["rows"] for run in runs])
+    print(format_process_summary(summary, processes))
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump({"processes": runs, "summary": summary}, f, indent=1)
+    return rc
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     a = parse_args(argv)
+    if a.processes > 1:
+        return run_processes(argv, a.processes, a.json)
     if a.deterministic_xla and DET_FLAG not in os.environ.get("XLA_FLAGS", ""):
         if "jax" in sys.modules:
             raise SystemExit(f"--deterministic-xla: jax is already imported; set XLA_FLAGS={DET_FLAG} instead")

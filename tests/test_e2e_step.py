@@ -85,3 +85,36 @@ def test_round_speedups_and_their_range_in_the_table():
     table = _e2e.format_table([row], "h", cpu_clock=True).splitlines()
     assert "| round range | cpu ms | cpu speedup | cpu range |" in table[1]
     assert "| 1.250x | 1.00-2.00 | 4.00 | 1.500x | 1.25-1.75 |" in table[-1], table[-1]
+
+
+def test_processes_summarise_each_process_speedup():
+    runs = [[{"variant": "plain-xla", "ms": 10.0, "ref_ms": 10.0}, {"variant": "rlx", "ms": 8.0, "ref_ms": 10.0}],
+            [{"variant": "plain-xla", "ms": 12.0, "ref_ms": 12.0}, {"variant": "rlx", "ms": 10.0, "ref_ms": 12.0}],
+            [{"variant": "plain-xla", "ms": 11.0, "ref_ms": 11.0}, {"variant": "rlx", "error": "OOM"}]]
+    summary = {r["variant"]: r for r in _e2e.process_summary(runs)}
+    assert summary["rlx"]["speedups"] == [1.25, 1.2, None]
+    assert summary["rlx"]["speedup_median"] == pytest.approx(1.225)
+    assert summary["rlx"]["ms_median"] == 9.0
+    assert summary["plain-xla"]["speedups"] == [1.0, 1.0, 1.0] and summary["plain-xla"]["ms_median"] == 11.0
+    table = _e2e.format_process_summary(list(summary.values()), 3)
+    assert "| rlx | 9.00 | 1.225x | 1.250x 1.200x n/a |" in table
+    argv = ["--preset", "tiny", "--processes", "3", "--json=x.json", "--rounds", "2"]
+    assert _e2e._without_option(_e2e._without_option(argv, "--processes"), "--json") == ["--preset", "tiny",
+                                                                                          "--rounds", "2"]
+    for bad in (["--processes", "0"], ["--processes", "2", "--quick"], ["--processes", "2", "--rounds", "0"]):
+        with pytest.raises(SystemExit):
+            _e2e.parse_args(["--preset", "tiny", *bad])
+
+
+def test_processes_run_the_measurement_in_fresh_processes(tmp_path, capsys):
+    out = tmp_path / "runs.json"
+    rc = _e2e.main(["--preset", "tiny", "--rounds", "1", "--reps", "1", "--variants", "rlx", "--train", "none",
+                    "--processes", "2", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert len(data["processes"]) == 2
+    for run in data["processes"]:
+        assert {r["variant"] for r in run["rows"]} == {"plain-xla", "rlx"}
+    rlx = next(r for r in data["summary"] if r["variant"] == "rlx")
+    assert len(rlx["speedups"]) == 2 and all(x > 0 for x in rlx["speedups"])
+    assert "across 2 processes" in capsys.readouterr().out
