@@ -189,14 +189,24 @@ def test_relu_backward():
     np.testing.assert_array_equal(dx, np.where(x > 0, dy, 0))
 
 
-@pytest.mark.parametrize("kind", ["Gelu", "GeluApprox", "Silu", "Sigmoid", "Tanh", "Exp", "Log",
-                                  "Sqrt", "Rsqrt", "Neg", "Abs", "Sin", "Cos", "Tan", "Atan",
-                                  "Relu", "Round"])
+ACTIVATION_KINDS = ["Gelu", "GeluApprox", "Silu", "Sigmoid", "Tanh", "Exp", "Log", "Sqrt", "Rsqrt", "Neg", "Abs",
+                    "Sin", "Cos", "Tan", "Atan", "Relu", "Round"]
+
+
+@pytest.mark.parametrize("kind", ACTIVATION_KINDS)
 def test_activation_backward_matches_autodiff_of_numpy_forms(kind):
-    x = RNG.standard_normal((4, 3)).astype(np.float32)
+    # inputs of the test's own seed (the module's RNG state depends on which tests ran
+    # before in the same worker)
+    rng = np.random.default_rng(ACTIVATION_KINDS.index(kind))
+    x = rng.standard_normal((4, 3)).astype(np.float32)
     if kind in ("Log", "Sqrt", "Rsqrt"):
         x = np.abs(x) + 0.2
-    dy = RNG.standard_normal((4, 3)).astype(np.float32)
+    if kind == "Tan":
+        # away from the poles at +-pi/2, where the central difference's error (about
+        # (h / (pi/2 - |x|))^2 of the slope) exceeds the tolerance (a draw near pi/2 was
+        # 4.7 % off)
+        x = np.clip(x, -1.2, 1.2)
+    dy = rng.standard_normal((4, 3)).astype(np.float32)
     (dx,) = run(_backward_graph("ActivationBackward", x, kind=kind), x=x, dy=dy)
     name = {"GeluApprox": "gelu_approx"}.get(kind, kind.lower())
     f = NP_ACT[name]
