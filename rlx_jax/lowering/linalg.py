@@ -21,16 +21,23 @@ def matmul(a, b):
     return jnp.matmul(a, b)
 
 
+def _left_source(ctx):
+    """The graph node of this MatMul's left operand; None when the lowering has no graph."""
+    if ctx.graph is None or ctx.node is None:
+        return None
+    return ctx.graph.node(ctx.node.inputs[0])
+
+
 def _swiglu_linear_operands(args, ctx):
     """(gate, up) when this MatMul's left operand is a SwiGLU product
     (``elementwise.swiglu_operands``) and its right one a [F, O] weight of the product's
     dtype, else None. Such a MatMul lowers to ``ops.swiglu_linear``, whose reverse mode
     keeps gate and up but not the product (the transformer MLP's down projection)."""
-    if ctx.graph is None or ctx.node is None:
+    src = _left_source(ctx)
+    if src is None:
         return None
     from .elementwise import swiglu_operands
 
-    src = ctx.graph.node(ctx.node.inputs[0])
     h, w = args
     src_args = [ctx.env.get(i) for i in src.inputs]
     if any(a is None for a in src_args):
@@ -111,10 +118,8 @@ def _norm_linear_product(args, ctx):
     """This MatMul's product when its left operand is an RmsNorm lowered with its users
     (``_norm_linear_products``), else None: the first of them computes every product (a
     block's q / k / v, or gate / up), the others take theirs from the lowering's cache."""
-    if ctx.graph is None or ctx.node is None:
-        return None
-    src = ctx.graph.node(ctx.node.inputs[0])
-    if not isinstance(src.op, ir.RmsNorm):
+    src = _left_source(ctx)
+    if src is None or not isinstance(src.op, ir.RmsNorm):
         return None
     products = ctx.memo(("rms_norm_linear", src.id), lambda: _norm_linear_products(src, args[0], ctx))
     return None if products is None else products[ctx.node.id]
