@@ -122,27 +122,28 @@ def profile_events(step, steps: int, read_events):
 
 def round_tables(rounds, steps: int):
     """Per-step figures over profiled rounds (each a list of GPU events of ``steps`` steps):
-    (kernel rows over all rounds, kernel us, span us averaged over the rounds (each round's
-    own span: the gaps between rounds are not the step's), [{kind: us} of each round])."""
+    (kernel rows and kind rows over all rounds, kernel us, span us averaged over the rounds
+    (each round's own span: the gaps between rounds are not the step's), [{kind: us} of
+    each round])."""
     events = [e for r in rounds for e in r]
     rows, busy, _ = _kernels.kernel_table(events, steps * len(rounds))
+    kinds = kind_table(events, steps * len(rounds))
     span = sum(_kernels.kernel_table(r, steps)[2] for r in rounds) / len(rounds)
     per_round = [{kind: us for kind, _, us in kind_table(r, steps)} for r in rounds]
-    return rows, busy, span, per_round
+    return rows, kinds, busy, span, per_round
 
 
 def print_variant(name, rounds, steps: int, top: int) -> None:
-    rows, busy, span, per_round = round_tables(rounds, steps)
+    rows, kinds, busy, span, per_round = round_tables(rounds, steps)
     print(f"## {name}: kernels {busy / 1e3:.2f} ms, span {span / 1e3:.2f} ms, idle {(span - busy) / 1e3:.2f} ms "
           f"a step")
-    for kind, launches, us in kind_table([e for r in rounds for e in r], steps * len(rounds)):
+    for kind, launches, us in kinds:
         each = " ".join(f"{r.get(kind, 0.0) / 1e3:.2f}" for r in per_round) if len(per_round) > 1 else ""
         print(f"   {us / 1e3:8.2f} ms  {100 * us / busy:5.1f} %  {launches:6.0f} launches  {kind}"
               + (f"  (rounds: {each})" if each else ""))
     print(f"   top {top} kernels:")
     for kname, launches, us in rows[:top]:
         print(f"   {us:9.1f} us  {launches:5.1f}x  {kname}")
-    return 0
 
 
 if __name__ == "__main__":

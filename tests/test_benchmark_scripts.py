@@ -76,8 +76,9 @@ def test_e2e_profile_rounds_average_each_rounds_own_span():
     first = [("gemm_a", 0, 4_000), ("loop_add_fusion", 5_000, 1_000), ("gemm_a", 10_000, 4_000),
              ("loop_add_fusion", 17_000, 2_000)]
     second = [("gemm_a", 10**9, 6_000), ("gemm_a", 10**9 + 50_000, 6_000), ("loop_add_fusion", 10**9 + 59_000, 1_000)]
-    rows, busy, span, per_round = _profile.round_tables([first, second], steps=2)
+    rows, kinds, busy, span, per_round = _profile.round_tables([first, second], steps=2)
     assert busy == 6.0  # (11 + 13) us over 4 steps
+    assert kinds == [("matmul", 1.0, 5.0), ("XLA fusions", 0.75, 1.0)]
     assert span == (9.5 + 30.0) / 2
     assert rows[0] == ("gemm_a", 1.0, 5.0)
     assert per_round == [{"matmul": 4.0, "XLA fusions": 1.5}, {"matmul": 6.0, "XLA fusions": 0.5}]
