@@ -513,6 +513,10 @@ def _fmt(x, spec, na="n/a"):
     return na if x is None else format(x, spec)
 
 
+def _speedup(x) -> str:
+    return "n/a" if x is None else f"{x:.3f}x"
+
+
 def _range(spread) -> str:
     return f"{min(spread):.2f}-{max(spread):.2f}" if spread else "n/a"
 
@@ -528,11 +532,11 @@ def format_table(rows: list[dict], header: str, cpu_clock: bool = False) -> str:
             lines.append(f"| {r['variant']} | failed: {r['error'][:80]} |" + " |" * (len(cols) - 2))
             continue
         base = r.get("ref_ms")
-        cells = [r["variant"], f"{r['ms']:.2f}", _fmt(base / r["ms"] if base else None, ".3f") + "x",
+        cells = [r["variant"], f"{r['ms']:.2f}", _speedup(base / r["ms"] if base else None),
                  _range(r.get("speedup_rounds"))]
         if cpu_clock:
             cbase = r.get("ref_cpu_ms")
-            cells += [f"{r['cpu_ms']:.2f}", _fmt(cbase / r["cpu_ms"] if cbase else None, ".3f") + "x",
+            cells += [f"{r['cpu_ms']:.2f}", _speedup(cbase / r["cpu_ms"] if cbase else None),
                       _range(r.get("cpu_speedup_rounds"))]
         cells += [f"{r['tokens_per_s']:,.0f}", _fmt(r.get("mfu"), ".1%"),
                  _fmt(None if r.get("temp_bytes") is None else r["temp_bytes"] / 2**30, ".3f"),
@@ -619,9 +623,8 @@ def format_process_summary(summary: list[dict], processes: int) -> str:
     lines = [f"across {processes} processes (each its own compiles; speedup: that process's reference over the row)",
              "| variant | ms/step (median) | speedup (median) | speedup in each process |", "|---|---|---|---|"]
     for row in summary:
-        each = " ".join(_fmt(x, ".3f") + "x" if x is not None else "n/a" for x in row["speedups"])
-        lines.append(f"| {row['variant']} | {_fmt(row['ms_median'], '.2f')} | "
-                     f"{_fmt(row['speedup_median'], '.3f')}{'x' if row['speedup_median'] is not None else ''} | "
+        each = " ".join(_speedup(x) for x in row["speedups"])
+        lines.append(f"| {row['variant']} | {_fmt(row['ms_median'], '.2f')} | {_speedup(row['speedup_median'])} | "
                      f"{each} |")
     return "\n".join(lines)
 
