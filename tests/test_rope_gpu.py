@@ -16,7 +16,7 @@ import pytest
 
 import rlx_jax
 from gpu_testutil import assert_close, gpu, requires_gpu
-from rlx_jax.ops import rope, rope_backward
+from rlx_jax.ops import rope, rope_backward, rope_split
 from rlx_jax.vjp_rules.rope import reference_rope, rope_bwd, rope_fwd
 
 pytestmark = requires_gpu
@@ -193,3 +193,58 @@ def test_rope_sanitizer_small(dtype):
         dx = rope_backward(dy, c, t, head_dim=hd, n_rot=n_rot)
         want = jax.vjp(lambda x: _ref(x, c, t, hd, n_rot), x.astype(jnp.float32))[1](dy.astype(jnp.float32))[0]
         _close(dx, want, dtype, "dx")
+
+
+# ---- rope_split / its transpose rlx_rope_merge -------------------------------------------------
+
+# (lead, seq, heads per part, rotate, head_dim, n_rot, table_w)
+SPLIT_CASES = [
+    ((2,), 9, (16, 4, 4), (True, True, False), 128, 128, 64),  # a Llama q / k / v block, 16-byte vectors
+    ((1,), 7, (3, 2), (False, True), 64, 32, 32),  # partial rotation, the first part copied
+    ((2,), 5, (2, 1, 1), (True, True, False), 12, 12, 6),  # half 6: 2-element vectors
+    ((1,), 13, (1, 2, 1), (True, False, True), 10, 6, 3),  # odd half: the scalar path
+    ((1,), 33, (1,) * 8, (True, False) * 4, 32, 32, 16),  # the most parts; many row groups
+    ((0,), 4, (2, 1), (True, False), 64, 64, 32),  # zero-sized batch
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: "x".join(map(str, (*c[0], c[1], *c[2], *c[4:]))))
+def test_rope_split_and_merge_match_f32_reference(case, dtype):
+    """The kernels' parts and packed gradient equal the reference's, exactly for the copied
+    parts (no arithmetic); both kernels are in the compiled program."""
+    lead, s, heads, rotate, hd, n_rot, tw = case
+    x, c, t, _ = _inputs(lead, s, sum(heads), hd, tw, dtype)
+    f = lambda x: rope_split(x, c, t, heads, rotate=rotate, head_dim=hd, n_rot=n_rot)  # noqa: E731
+    parts = jax.jit(f)(x)
+    start = 0
+    cts = []
+    for i, (p, h, rot) in enumerate(zip(parts, heads, rotate)):
+        piece = x[..., start * hd:(start + h) * hd]
+        if rot:
+            _close(p, _ref(piece, c, t, hd, n_rot), dtype, f"part {i}")
+        else:
+            np.testing.assert_array_equal(np.asarray(p.astype(jnp.float32)), np.asarray(piece.astype(jnp.float32)))
+        cts.append(jax.random.normal(jax.random.PRNGKey(20 + i), p.shape, jnp.float32).astype(dtype))
+        start += h
+    grad = jax.jit(lambda x, cts: jax.vjp(f, x)[1](cts)[0])
+    dx = grad(x, tuple(cts))
+    want = jax.vjp(lambda x: [(_ref(x[..., a * hd:(a + h) * hd], c, t, hd, n_rot) if rot else x[..., a * hd:(a + h) * hd])
+                              for a, h, rot in zip(np.cumsum((0,) + heads[:-1]), heads, rotate)],
+                   x.astype(jnp.float32))[1]([ct.astype(jnp.float32) for ct in cts])[0]
+    _close(dx, want, dtype, "dx")
+    assert dx.dtype == x.dtype and dx.shape == x.shape
+    if x.size:
+        text = grad.lower(x, tuple(cts)).as_text()
+        assert "rlx_rope_merge" in text and "rlx_rope_split" not in text
+        assert "rlx_rope_split" in jax.jit(f).lower(x).as_text()
+
+
+def test_rope_split_misaligned_parts_take_narrow_vectors():
+    """A part starting at an offset that is not 16-byte aligned (head_dim 4 in f32: 16 bytes,
+    head_dim 2: 8) still matches: the launch picks the widest vector every pointer allows."""
+    for hd in (2, 4, 6):
+        x, c, t, _ = _inputs((2,), 5, 5, hd, hd // 2, jnp.float32, seed=3)
+        parts = rope_split(x, c, t, (1, 3, 1), rotate=(True, True, False), head_dim=hd)
+        _close(parts[1], _ref(x[..., hd:4 * hd], c, t, hd, hd), jnp.float32, f"hd {hd}")
+        np.testing.assert_array_equal(np.asarray(parts[2]), np.asarray(x[..., 4 * hd:]))

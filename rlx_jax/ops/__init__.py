@@ -24,7 +24,7 @@ from rlx_jax.vjp_rules.softmax import softmax, softmax_backward
 from rlx_jax.vjp_rules.cross_entropy import (
     fused_linear_cross_entropy, softmax_cross_entropy, softmax_cross_entropy_backward,
 )
-from rlx_jax.vjp_rules.rope import rope, rope_backward
+from rlx_jax.vjp_rules.rope import rope, rope_backward, rope_split
 from rlx_jax.vjp_rules.cumsum import cumsum, cumsum_backward
 from rlx_jax.vjp_rules.activations import activation, activation_backward, relu_backward
 from rlx_jax.vjp_rules.swiglu import swiglu, swiglu_backward
@@ -35,7 +35,7 @@ from rlx_jax.vjp_rules.gaussian_splat import (
 )
 
 __all__ += ["softmax", "softmax_backward", "softmax_cross_entropy", "softmax_cross_entropy_backward"]
-__all__ += ["fused_linear_cross_entropy", "rope", "rope_backward", "cumsum", "cumsum_backward"]
+__all__ += ["fused_linear_cross_entropy", "rope", "rope_backward", "rope_split", "cumsum", "cumsum_backward"]
 __all__ += ["activation", "activation_backward", "relu_backward", "complex_norm_sq", "complex_norm_sq_backward"]
 __all__ += ["swiglu", "swiglu_backward", "swiglu_linear"]
 __all__ += ["attention", "attention_backward", "attention_rlx"]
