@@ -12,7 +12,8 @@ Variants:
   plain-xla        plain JAX, attention ``jax.nn.dot_product_attention(implementation="xla")``
   plain-cudnn      the same with ``implementation="cudnn"`` (GPU only)
   rlx              rlx_jax.ops: gather (embedding), add_rms_norm (each residual add with the
-                   RMSNorm after it), rope, attention, swiglu, fused_linear_cross_entropy
+                   RMSNorm after it), one q / k / v product over the packed weights split and
+                   rotated by rope_split, attention, swiglu, fused_linear_cross_entropy
                    (mean reduction, logits blocks in the model's dtype as the plain head's
                    ``h @ w``; softmax and loss in f32 in both)
   rlx-lean         rlx with the ops whose backward recomputes an activation instead of
@@ -28,7 +29,7 @@ Variants:
                    plain head; the same as rlx for an f32 model)
   rlx-plain-ce     rlx with the plain logits + cross-entropy head
   rlx-xla-rows     rlx with the plain RMSNorm, residual adds and RoPE (XLA fuses them into
-                   their neighbours)
+                   their neighbours; q, k and v as three products, as the plain model writes them)
   rlx-<base>-attn  rlx with the best plain attention (cudnn on the GPU, xla elsewhere)
   +<op>            the best plain baseline (cudnn on the GPU, xla elsewhere) with one op
                    swapped for rlx_jax's (embed, norm (add_rms_norm), rope, attn, loss, mlp)
@@ -137,7 +138,9 @@ class Shape:
 class Variant:
     """Which implementation each op uses: embed "take" | "rlx"; norm "jax" | "rlx" (rms_norm
     after a separate residual add) | "rlx-add" (add_rms_norm) | "rlx-linear"
-    (add_rms_norm_linear with the projections that read the norm); rope "jax" | "rlx"; mlp (the
+    (add_rms_norm_linear with the projections that read the norm); rope "jax" | "rlx" (ops.rope on
+    q and k) | "rlx-split" (q, k, v from one product over the packed weights, split by
+    ops.rope_split); mlp (the
     SwiGLU and the down projection) "jax" | "rlx" (ops.swiglu, then the matmul) | "rlx-linear"
     (ops.swiglu_linear); loss "jax" | "rlx" | "rlx-f32" (logits blocks in f32); attn "xla" |
     "cudnn" | "rlx"."""
@@ -302,11 +305,18 @@ def make_loss(s: Shape, v: Variant):
         branch = None  # the last block's output, not yet added to the residual stream x
         for i in range(s.layers):
             p = lambda n: params[f"l{i}.{n}"]
-            x, (q, k, vv) = norm_proj(x, branch, p("attn_norm"), (p("wq"), p("wk"), p("wv")))
-            q = q.reshape(b, t, s.heads, s.head_dim)
-            k = k.reshape(b, t, s.kv_heads, s.head_dim)
-            vv = vv.reshape(b, t, s.kv_heads, s.head_dim)
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            if v.rope == "rlx-split":
+                # one product over the packed weights, split into q, k, v by the RoPE kernel
+                wqkv = jnp.concatenate([p("wq"), p("wk"), p("wv")], axis=1)
+                x, (qkv,) = norm_proj(x, branch, p("attn_norm"), (wqkv,))
+                q, k, vv = rops.rope_split(qkv.reshape(b, t, s.heads + 2 * s.kv_heads, s.head_dim), cos, sin,
+                                           (s.heads, s.kv_heads, s.kv_heads), rotate=(True, True, False))
+            else:
+                x, (q, k, vv) = norm_proj(x, branch, p("attn_norm"), (p("wq"), p("wk"), p("wv")))
+                q = q.reshape(b, t, s.heads, s.head_dim)
+                k = k.reshape(b, t, s.kv_heads, s.head_dim)
+                vv = vv.reshape(b, t, s.kv_heads, s.head_dim)
+                q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             attn_out = attend(q, k, vv).reshape(b, t, s.heads * s.head_dim) @ p("wo")
             x, (gate, up) = norm_proj(x, attn_out, p("mlp_norm"), (p("w_gate"), p("w_up")))
             branch = mlp_down(gate, up, p("w_down"))
@@ -324,7 +334,7 @@ def variants(platform: str) -> list[Variant]:
     out = [Variant("plain-xla")]
     if platform == "gpu":
         out.append(Variant("plain-cudnn", attn="cudnn"))
-    rlx = Variant("rlx", embed="rlx", norm="rlx-add", rope="rlx", attn="rlx", loss="rlx", mlp="rlx")
+    rlx = Variant("rlx", embed="rlx", norm="rlx-add", rope="rlx-split", attn="rlx", loss="rlx", mlp="rlx")
     out.append(rlx)
     out.append(dataclasses.replace(rlx, name="rlx-lean", norm="rlx-linear", mlp="rlx-linear"))
     out.append(dataclasses.replace(rlx, name="rlx-lean-norm", norm="rlx-linear"))
