@@ -360,6 +360,27 @@ def test_fused_linear_matches_oracle(reduction, chunk):
         assert_close(g, want)
 
 
+@pytest.mark.parametrize("n, chunk", [(16, 4), (10, 4), (8, 4), (10, 10), (10, 64), (0, 4)],
+                         ids=["4 blocks", "3 blocks, padded", "2 blocks", "1 block", "1 block, chunk > N", "no rows"])
+def test_fused_linear_row_blocks(n, chunk):
+    """d weight and the total start from the first row block's terms, computed before the
+    loop over the others (no loop for one block; two blocks loop from zeros): "mean" loss
+    + gradients, and "none"'s backward (which starts d weight the same way), over several
+    blocks, exactly one, and no rows (loss 0, zero d weight), against the oracle."""
+    h, w, labels = _linear_inputs(n, 8, 23, seed=4)
+    if n:
+        labels = labels.at[1].set(-100)
+    for red in ("mean", "none"):
+        wt = _weights((n,), red)
+        fused = lambda h, w: jnp.sum(fused_linear_cross_entropy(h, w, labels, reduction=red, chunk_size=chunk) * wt)
+        got = jax.jit(jax.value_and_grad(fused, (0, 1)))(h, w)
+        want = jax.value_and_grad(lambda h, w: jnp.sum(_linear_oracle(h, w, labels, red) * wt), (0, 1))(h, w)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert_close(a, b)
+        if not n:
+            assert float(got[0]) == 0 and got[1][0].shape == (0, 8) and not np.any(np.asarray(got[1][1]))
+
+
 @pytest.mark.parametrize("reduction, lead", [("none", ()), ("mean", (1,)), ("none", (2, 3, 5)), ("mean", (2, 3, 5))])
 def test_fused_linear_ranks(reduction, lead):
     """hidden [..., D], labels [...]: a single row (rank 1), one row, rank 4."""
@@ -556,13 +577,15 @@ def _count_dots(fn, *args):
 def test_fused_linear_reduced_backward_only_scales():
     """mean / sum: the forward pass computes the gradients, so loss + gradients compile
     to three vocabulary-sized matmuls (logits, d hidden, d weight of each row block);
-    "none" recomputes the logits in the backward (four). The compiled temp memory of
-    the reduced loss + gradients stays well under one [N, V] f32 logits array."""
+    "none" recomputes the logits in the backward (four). The pass that computes the
+    gradients is in the program twice, for the first row block (before the loop) and in
+    the loop over the others. The compiled temp memory of the reduced loss + gradients
+    stays well under one [N, V] f32 logits array."""
     n, d, v = 256, 32, 4096
     h, w, labels = _linear_inputs(n, d, v)
-    for red, dots in (("mean", 3), ("sum", 3), ("none", 4)):
+    for red, fwd, grad in (("mean", 0, 3), ("sum", 0, 3), ("none", 1, 3)):
         loss = lambda h, w: jnp.sum(fused_linear_cross_entropy(h, w, labels, reduction=red, chunk_size=32))
-        assert _count_dots(jax.value_and_grad(loss, (0, 1)), h, w) == dots, red
+        assert _count_dots(jax.value_and_grad(loss, (0, 1)), h, w) == fwd + 2 * grad, red
     fused = jax.jit(jax.value_and_grad(
         lambda h, w: fused_linear_cross_entropy(h, w, labels, reduction="mean", chunk_size=32), (0, 1)))
     plain = jax.jit(jax.value_and_grad(lambda h, w: jnp.mean(softmax_cross_entropy(h @ w, labels)), (0, 1)))
