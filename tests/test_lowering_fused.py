@@ -396,6 +396,81 @@ def test_matmuls_of_an_rms_norm_lower_to_rms_norm_linear(case):
         close(np.asarray(a), b, 1e-4)
 
 
+def _np_rope(x, cos, sin, hd):
+    """NumPy NeoX rotation of x [..., S, H * hd] by tables [S, hd / 2]."""
+    h = x.reshape(*x.shape[:-1], -1, hd)
+    a, b = h[..., :hd // 2], h[..., hd // 2:]
+    c, t = cos[:, None, :], sin[:, None, :]
+    return np.concatenate([a * c - b * t, b * c + a * t], -1).reshape(x.shape)
+
+
+@pytest.mark.parametrize("case", ["qkv", "rope_reused", "other_tables", "no_rope"])
+def test_rotated_projections_of_an_rms_norm_lower_to_rope_split(case):
+    """A block's q = Rope(MatMul(RmsNorm(x), wq)), k likewise and v = MatMul(RmsNorm(x), wv)
+    lower to one rms_norm_linear product over the packed weights read by ops.rope_split (q
+    and k rotated, v copied; its transpose rlx_rope_merge in the gradient). A rotated
+    product that also feeds another op is split unrotated (q here) and rotated by its own
+    Rope; Rope nodes with different tables, or no Rope, keep the per-weight products. Values
+    and gradients equal the NumPy maths in every case."""
+    s, hd = 5, 4
+    g = rlx.Graph("qkv_rope")
+    x_in = g.input("x", [2, s, 8], "f32")
+    gamma_in, beta_in = g.param("gamma", [8], "f32"), g.param("beta", [8], "f32")
+    y = g.rms_norm(x_in, gamma_in, beta_in, 1e-5)
+    ang = np.arange(s)[:, None] * np.array([1.0, 0.3])[None, :]
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    c_id, s_id = g.constant(cos, name="cos"), g.constant(sin, name="sin")
+    c2_id = g.constant((0.5 * cos).astype(np.float32), name="cos2")
+    ws = {"wq": 8, "wk": 4, "wv": 4}
+    w_ids = {n: g.param(n, [8, o], "f32") for n, o in ws.items()}
+    q_raw, k_raw, v = (g.matmul(y, w_ids[n]) for n in ws)
+    if case == "no_rope":
+        q, k = q_raw, k_raw
+    else:
+        q = g.rope(q_raw, c_id, s_id, hd)
+        k = g.rope(k_raw, c2_id if case == "other_tables" else c_id, s_id, hd)
+    outs = [q, k, v] + ([q_raw] if case == "rope_reused" else [])
+    g.set_outputs(outs)
+    fn = rlx.to_jax(g)
+    x, gamma, beta = f32(2, s, 8), f32(8) + 1, 0.1 * f32(8)
+    w = {n: f32(8, o) for n, o in ws.items()}
+
+    def loss(x, gamma, w):
+        return sum(jnp.sum(jnp.sin(o) * (i + 1))
+                   for i, o in enumerate(fn({"gamma": gamma, "beta": beta, **w}, {"x": x})))
+
+    text = jax.jit(jax.grad(loss, (0, 1, 2))).lower(x, gamma, w).as_text()
+    split = case in ("qkv", "rope_reused")
+    assert ("rlx_rope_split" in str(jax.make_jaxpr(loss)(x, gamma, w))) == split
+    assert ("rlx_rope_merge" in str(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(x, gamma, w))) == split
+    assert ("rlx_rope_split" in text) == split
+
+    def np_loss(x, gamma, w):
+        X = x.astype(np.float64)
+        Y = X / np.sqrt(np.mean(X * X, -1, keepdims=True) + 1e-5) * gamma + beta
+        qr, kr, vv = (Y @ w[n] for n in ws)
+        if case == "no_rope":
+            outs = [qr, kr, vv]
+        else:
+            kc = 0.5 * cos if case == "other_tables" else cos
+            outs = [_np_rope(qr, cos, sin, hd), _np_rope(kr, kc, sin, hd), vv] + ([qr] if case == "rope_reused" else [])
+        return outs, sum(np.sum(np.sin(o) * (i + 1)) for i, o in enumerate(outs))
+
+    want_outs, _ = np_loss(x, gamma, w)
+    for got, want in zip(fn({"gamma": gamma, "beta": beta, **w}, {"x": x}), want_outs):
+        close(np.asarray(got), want, 1e-5)
+    # central differences of the f64 NumPy loss along a random direction of every input
+    got = jax.grad(loss, (0, 1, 2))(x, gamma, w)
+    rng = np.random.default_rng(0)
+    dirs = (rng.standard_normal(x.shape), rng.standard_normal(gamma.shape),
+            {n: rng.standard_normal(a.shape) for n, a in w.items()})
+    eps = 1e-5
+    shift = lambda t: (x + t * dirs[0], gamma + t * dirs[1], {n: w[n] + t * dirs[2][n] for n in w})  # noqa: E731
+    fd = (np_loss(*shift(eps))[1] - np_loss(*shift(-eps))[1]) / (2 * eps)
+    ours = float(np.sum(got[0] * dirs[0]) + np.sum(got[1] * dirs[1]) + sum(np.sum(got[2][n] * dirs[2][n]) for n in w))
+    assert abs(ours - fd) <= 1e-3 * max(1.0, abs(fd)), (ours, fd)
+
+
 def _swiglu_graph(order, extra_use, up_shape):
     g = rlx.Graph("mlp")
     a = g.input("a", [3, 5, 8], "f32")

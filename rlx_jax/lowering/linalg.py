@@ -2,7 +2,9 @@
 
 Plain ``jax.numpy``/``lax`` (XLA's dots are the kernels); each rule states RLX's
 semantics. A MatMul of a SwiGLU product lowers to ``ops.swiglu_linear``; the MatMuls that
-read an RmsNorm's output lower together to one ``ops.rms_norm_linear``.
+read an RmsNorm's output lower together to one ``ops.rms_norm_linear``, and when some of
+their products are read only by Rope nodes sharing tables (a block's q and k), to one
+product over the packed weights split and rotated by ``ops.rope_split``.
 """
 
 from __future__ import annotations
@@ -93,13 +95,45 @@ def _norm_projection_weights(src, ctx):
     return weights
 
 
+def _projection_ropes(weights, ctx) -> dict:
+    """{MatMul id: Rope node} for the projections in ``weights`` whose product's one user is a
+    Rope node rotating it (a block's q and k), when those Rope nodes share their tables (the
+    same cos / sin nodes, already lowered), head_dim and n_rot, every weight's width is a
+    whole number of heads and there are at most ``rope_split``'s 8 parts; else {}."""
+    from rlx_jax.vjp_rules.rope import MAX_SPLIT_PARTS
+
+    users = _users(ctx)
+    ropes = {}
+    for uid in weights:
+        (only, *more) = users.get(uid, (-1,))
+        if not more and only >= 0:
+            node = ctx.graph.node(only)
+            if isinstance(node.op, ir.Rope) and node.inputs[0] == uid:
+                ropes[uid] = node
+    if not ropes:
+        return {}
+    key = lambda r: (tuple(r.inputs[1:3]), int(r.op.head_dim), int(r.op.n_rot))  # noqa: E731
+    first = next(iter(ropes.values()))
+    hd = int(first.op.head_dim)
+    if (any(key(r) != key(first) for r in ropes.values()) or hd <= 0 or len(weights) > MAX_SPLIT_PARTS
+            or any(w.shape[1] % hd for w in weights.values()) or any(ctx.env.get(i) is None for i in first.inputs[1:3])):
+        return {}
+    return ropes
+
+
 def _norm_linear_products(src, y, ctx):
-    """{MatMul id: product} for the users of the RmsNorm node ``src`` (output ``y``) through
-    one ``ops.rms_norm_linear``, when they are all projections (``_norm_projection_weights``)
-    and the norm's input (shaped as y: not the row-flattened output), parameters and
-    weights are in y's dtype (so that the op's dtype promotion is the graph's); else None.
-    Reverse mode then keeps the norm's input, not its output, and runs the norm's backward
-    once for the summed input gradient."""
+    """({MatMul id: product}, {Rope id: rotated product}) for the users of the RmsNorm node
+    ``src`` (output ``y``) through one ``ops.rms_norm_linear``, when they are all
+    projections (``_norm_projection_weights``) and the norm's input (shaped as y: not the
+    row-flattened output), parameters and weights are in y's dtype (so that the op's dtype
+    promotion is the graph's); else None. Reverse mode then keeps the norm's input, not its
+    output, and runs the norm's backward once for the summed input gradient.
+
+    When some products feed Rope nodes only (``_projection_ropes``), the op takes one product
+    over the packed weights and ``ops.rope_split`` reads it into the products, the rotated
+    ones for those Rope nodes: no slices of XLA's merged q / k / v product in the forward, no
+    concatenation of their gradients in the backward. The MatMul nodes of the rotated parts
+    then get the unrotated slice, which their Rope node, their one user, does not read."""
     weights = _norm_projection_weights(src, ctx)
     if weights is None:
         return None
@@ -110,8 +144,25 @@ def _norm_linear_products(src, y, ctx):
         return None
     from .nn import fused
 
-    outs = fused("rms_norm_linear")(x, gamma, list(weights.values()), beta, eps=float(src.op.eps))
-    return dict(zip(weights, outs))
+    ropes = _projection_ropes(weights, ctx)
+    if not ropes:
+        outs = fused("rms_norm_linear")(x, gamma, list(weights.values()), beta, eps=float(src.op.eps))
+        return dict(zip(weights, outs)), {}
+    packed = fused("rms_norm_linear")(x, gamma, jnp.concatenate(list(weights.values()), axis=1), beta,
+                                      eps=float(src.op.eps))
+    rope = next(iter(ropes.values()))
+    hd = int(rope.op.head_dim)
+    cos, sin = (ctx.env[i] for i in rope.inputs[1:3])
+    parts = fused("rope_split")(packed, cos, sin, [w.shape[1] // hd for w in weights.values()],
+                                rotate=[uid in ropes for uid in weights], head_dim=hd, n_rot=int(rope.op.n_rot))
+    products, rotated, start = {}, {}, 0
+    for (uid, w), part in zip(weights.items(), parts):
+        if uid in ropes:
+            rotated[ropes[uid].id] = part
+            part = packed[..., start:start + w.shape[1]]
+        products[uid] = part
+        start += w.shape[1]
+    return products, rotated
 
 
 def _norm_linear_product(args, ctx):
@@ -121,8 +172,21 @@ def _norm_linear_product(args, ctx):
     src = _left_source(ctx)
     if src is None or not isinstance(src.op, ir.RmsNorm):
         return None
-    products = ctx.memo(("rms_norm_linear", src.id), lambda: _norm_linear_products(src, args[0], ctx))
-    return None if products is None else products[ctx.node.id]
+    lowered = ctx.memo(("rms_norm_linear", src.id), lambda: _norm_linear_products(src, args[0], ctx))
+    return None if lowered is None else lowered[0][ctx.node.id]
+
+
+def split_rope_part(ctx):
+    """For a Rope node: its rotated product when its input is a projection lowered through
+    ``ops.rope_split`` with the other products of its RmsNorm (``_norm_linear_products``),
+    else None."""
+    if ctx.graph is None or ctx.node is None:
+        return None
+    matmul_node = ctx.graph.node(ctx.node.inputs[0])
+    if not isinstance(matmul_node.op, ir.MatMul):
+        return None
+    lowered = ctx.cache.get(("rms_norm_linear", matmul_node.inputs[0]))
+    return None if lowered is None else lowered[1].get(ctx.node.id)
 
 
 @lowering_rule(ir.MatMul)

@@ -177,7 +177,13 @@ def rope(x, cos, sin, head_dim, n_rot):
 
 @lowering_rule(ir.Rope)
 def _rope(op, args, ctx):
-    # NeoX: in each head the first n_rot dims rotate as two halves, the rest pass.
+    # NeoX: in each head the first n_rot dims rotate as two halves, the rest pass. A rotated
+    # projection of an RmsNorm may already be computed by that norm's rope_split
+    from .linalg import split_rope_part
+
+    rotated = split_rope_part(ctx)
+    if rotated is not None:
+        return ctx.cast_out(rotated)
     x, cos, sin = args
     return ctx.cast_out(rope(x, cos, sin, op.head_dim, op.n_rot))
 
