@@ -8,6 +8,7 @@
 #pragma once
 
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "host_common.h"
@@ -82,6 +83,28 @@ inline ffi::Error check_parts(const ffi::AnyBuffer& x, const ffi::AnyBuffer& cos
     return invalid("rope_split: the parts' widths sum to " + std::to_string(total) + ", x's last axis is " +
                    std::to_string(sh.width));
   shape = {sh.batch, sh.seq, sh.width, sh.table_width, head_dim, n_rot, widths, rotate_mask};
+  return ffi::Error::Success();
+}
+
+// The variadic parts of a split (its results) or a merge (its operands), checked against the
+// packed x by `check_parts`; `data` gets each part's device / host pointer.
+template <typename Remaining>
+inline ffi::Error gather_parts(const Remaining& remaining, const ffi::AnyBuffer& x, const ffi::AnyBuffer& cos,
+                               const ffi::AnyBuffer& sin, int64_t head_dim, int64_t n_rot, int64_t rotate_mask,
+                               PartsShape& shape, std::vector<void*>& data) {
+  std::vector<ffi::AnyBuffer> parts;
+  for (size_t i = 0; i < remaining.size(); ++i) {
+    auto part = remaining.template get<ffi::AnyBuffer>(i);
+    if (part.has_error()) return part.error();
+    if constexpr (std::is_same_v<Remaining, ffi::RemainingRets>) {
+      parts.push_back(**part);  // a result: ErrorOr<Result<AnyBuffer>>
+    } else {
+      parts.push_back(*part);
+    }
+  }
+  if (auto e = check_parts(x, cos, sin, parts, head_dim, n_rot, rotate_mask, shape); e.failure()) return e;
+  data.clear();
+  for (auto& b : parts) data.push_back(b.untyped_data());
   return ffi::Error::Success();
 }
 

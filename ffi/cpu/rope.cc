@@ -135,16 +135,9 @@ ffi::Error RopeBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer c
 // rope_split: (x [B, S, W], cos, sin) -> parts [B, S, W_p], the rotating ones by +theta.
 ffi::Error RopeSplitImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer cos, ffi::AnyBuffer sin,
                          ffi::RemainingRets outs, int64_t head_dim, int64_t n_rot, int64_t rotate_mask) {
-  std::vector<ffi::AnyBuffer> pieces;
-  for (size_t i = 0; i < outs.size(); ++i) {
-    auto r = outs.get<ffi::AnyBuffer>(i);
-    if (r.has_error()) return r.error();
-    pieces.push_back(**r);
-  }
   rope::PartsShape sh{};
-  if (auto e = rope::check_parts(x, cos, sin, pieces, head_dim, n_rot, rotate_mask, sh); e.failure()) return e;
   std::vector<void*> ptrs;
-  for (auto& b : pieces) ptrs.push_back(b.untyped_data());
+  if (auto e = rope::gather_parts(outs, x, cos, sin, head_dim, n_rot, rotate_mask, sh, ptrs); e.failure()) return e;
   return run(pool, x.element_type(), x.untyped_data(), ptrs, cos.untyped_data(), sin.untyped_data(), sh, true, 1.0f);
 }
 
@@ -152,16 +145,9 @@ ffi::Error RopeSplitImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer 
 // rotating parts by -theta.
 ffi::Error RopeMergeImpl(ffi::ThreadPool pool, ffi::AnyBuffer cos, ffi::AnyBuffer sin, ffi::RemainingArgs ins,
                          ffi::Result<ffi::AnyBuffer> x, int64_t head_dim, int64_t n_rot, int64_t rotate_mask) {
-  std::vector<ffi::AnyBuffer> pieces;
-  for (size_t i = 0; i < ins.size(); ++i) {
-    auto a = ins.get<ffi::AnyBuffer>(i);
-    if (a.has_error()) return a.error();
-    pieces.push_back(*a);
-  }
   rope::PartsShape sh{};
-  if (auto e = rope::check_parts(*x, cos, sin, pieces, head_dim, n_rot, rotate_mask, sh); e.failure()) return e;
   std::vector<void*> ptrs;
-  for (auto& b : pieces) ptrs.push_back(b.untyped_data());
+  if (auto e = rope::gather_parts(ins, *x, cos, sin, head_dim, n_rot, rotate_mask, sh, ptrs); e.failure()) return e;
   return run(pool, x->element_type(), x->untyped_data(), ptrs, cos.untyped_data(), sin.untyped_data(), sh, false,
              -1.0f);
 }
