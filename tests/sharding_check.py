@@ -63,6 +63,14 @@ CASES = {
     # sequence parallelism: S split, the tables passed sharded the same way
     "rope_seq": (lambda x, c, s: ops.rope(x, c, s), (randn(8, 12, 4, 8), COS, SIN),
                  (P("data", "model"), P("model"), P("model")), (0,)),
+    # rope_split: batch and sequence split (a part's heads sit at fixed offsets of the packed
+    # axis, so heads stay whole); its gradient is rlx_rope_merge, split the same way
+    "rope_split": (lambda x: jnp.concatenate([p * (i + 1) for i, p in enumerate(
+                       ops.rope_split(x, COS, SIN, (4, 1, 1), rotate=(True, True, False)))], axis=2),
+                   (randn(8, 12, 6, 8),), (P("data", "model"),), (0,)),
+    "rope_split_merged": (lambda x: jnp.concatenate(ops.rope_split(x, COS, SIN, (2, 2), rotate=(False, True),
+                                                                   head_dim=8), axis=-1),
+                          (randn(8, 12, 32),), (P("data"),), (0,)),
     # cumsum flattens the axes before the scanned one into one: split only the first of them
     # (two split leading axes do not flatten without communication)
     "cumsum": (lambda x: ops.cumsum(x, axis=1), (randn(8, 6, 16),), (P("data", None, "model"),), (0,)),

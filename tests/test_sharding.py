@@ -30,7 +30,7 @@ def results():
 
 
 OPS = ["rms_norm", "add_rms_norm", "add_rms_norm_mixed_specs", "layer_norm", "group_norm", "softmax", "softmax_cross_entropy", "rope", "rope_heads",
-       "rope_merged_heads", "rope_seq", "cumsum", "attention", "attention_gqa", "attention_gqa_causal", "attention_mqa", "gather",
+       "rope_merged_heads", "rope_seq", "rope_split", "rope_split_merged", "cumsum", "attention", "attention_gqa", "attention_gqa_causal", "attention_mqa", "gather",
        "max_pool2d", "swiglu", "swiglu_mixed_specs",
        "swiglu_mlp", "swiglu_linear_tp", "swiglu_linear_rows",
        "rms_norm_linear_tp", "add_rms_norm_linear_rows", "train_step", "gpt_step"]
