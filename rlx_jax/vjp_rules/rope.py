@@ -28,7 +28,7 @@ differentiate tables): ``d y[i] = x[i] dc - x[half+i] dt``, ``d y[half+i] = x[ha
 output) into its k parts [B, S, H_p, D], rotating the parts flagged in ``rotate`` and copying
 the others, in one pass: slicing the packed product for ``rope`` costs a copy of every part,
 and the backward's concatenation of the parts' gradients for the projection's products another
-(about 0.15 ms a layer of a 16384-token Llama step at width 2048 on an H200). Its transpose,
+(about 0.17 ms a layer of a 16384-token Llama step at width 2048 on an H200). Its transpose,
 ``rope_merge``, writes the parts' gradients (rotated back by -theta) into one packed
 gradient, the operand those products take.
 
@@ -172,23 +172,9 @@ def _make_transpose(prim):
     return transpose
 
 
-def _make_batching(prim):
-    def batch(args, dims, *, n_rot):
-        x, cos, sin = args
-        if dims[1] is not NOT_MAPPED or dims[2] is not NOT_MAPPED:
-            return prim._reference_batch(args, dims, n_rot=n_rot)
-        xb = jnp.moveaxis(x, dims[0], 0)  # [vb, B, S, H, D] -> [vb * B, S, H, D]
-        vb, b = xb.shape[:2]
-        (y,) = prim(xb.reshape(vb * b, *xb.shape[2:]), cos, sin, n_rot=n_rot)
-        return [y.reshape(xb.shape)], [0]
-
-    return batch
-
-
 for _prim in (rope_fwd, rope_bwd):
     _prim.def_jvp(_make_jvp(_prim))
     _prim.def_transpose(_make_transpose(_prim))
-    _prim.def_batching(_make_batching(_prim))
 
 
 # ---- rope_split / rope_merge --------------------------------------------------------------
@@ -342,19 +328,21 @@ def _merge_transpose(cts, *args, heads, rotate, n_rot):
     return [d if ad.is_undefined_primal(p) else None for d, p in zip(d_parts, parts)] + [None, None]
 
 
-def _rows_batched(prim, row_args):
-    """Batching for a kernel over [B, S, ...] operands: the batch axis joins B (unbatched row
-    operands broadcast); batched tables fall back to vmap of the reference."""
+def _rows_batched(prim):
+    """Batching for a kernel whose operands are [B, S, ...] row operands followed by the
+    tables cos, sin (every primitive here): the batch axis joins B (unbatched row operands
+    broadcast); batched tables fall back to vmap of the reference."""
 
     def batch(args, dims, **params):
-        if any(dims[i] is not NOT_MAPPED for i in range(len(args)) if i not in row_args):
+        if dims[-1] is not NOT_MAPPED or dims[-2] is not NOT_MAPPED:
             return prim._reference_batch(args, dims, **params)
-        size = next(args[i].shape[dims[i]] for i in row_args if dims[i] is not NOT_MAPPED)
+        rows = range(len(args) - 2)
+        size = next(args[i].shape[dims[i]] for i in rows if dims[i] is not NOT_MAPPED)
         moved = list(args)
-        for i in row_args:
+        for i in rows:
             a = args[i] if dims[i] is not NOT_MAPPED else jnp.broadcast_to(args[i], (size, *args[i].shape))
-            a = jnp.moveaxis(a, dims[i] if dims[i] is not NOT_MAPPED else 0, 0)
-            batch = a.shape[1]  # the operands' own B
+            a = jnp.moveaxis(a, dims[i] if dims[i] is not NOT_MAPPED else 0, 0)  # [size, B, S, ...]
+            batch = a.shape[1]
             moved[i] = a.reshape(size * batch, *a.shape[2:])
         outs = prim(*moved, **params)
         return [o.reshape(size, batch, *o.shape[1:]) for o in outs], [0] * len(outs)
@@ -362,9 +350,8 @@ def _rows_batched(prim, row_args):
     return batch
 
 
-rope_split_fwd.def_batching(_rows_batched(rope_split_fwd, (0,)))
-rope_merge.def_batching(lambda args, dims, **params: _rows_batched(rope_merge, tuple(range(len(args) - 2)))(
-    args, dims, **params))
+for _prim in (rope_fwd, rope_bwd, rope_split_fwd, rope_merge):
+    _prim.def_batching(_rows_batched(_prim))
 
 
 # ---- public functions ------------------------------------------------------------------
