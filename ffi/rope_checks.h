@@ -65,9 +65,9 @@ inline ffi::Error check_parts(const ffi::AnyBuffer& x, const ffi::AnyBuffer& cos
   if (auto e = check(x, cos, sin, x, head_dim, n_rot, sh); e.failure()) return e;
   const int64_t count = int64_t(parts.size());
   if (count < 1 || count > kMaxParts)
-    return invalid("rope_split: need 1 to " + std::to_string(kMaxParts) + " parts, got " + std::to_string(count));
+    return invalid("rope_split / rope_merge: need 1 to " + std::to_string(kMaxParts) + " parts, got " + std::to_string(count));
   if (rotate_mask < 0 || (rotate_mask >> count) != 0)
-    return invalid("rope_split: rotate_mask " + std::to_string(rotate_mask) + " has bits beyond the " +
+    return invalid("rope_split / rope_merge: rotate_mask " + std::to_string(rotate_mask) + " has bits beyond the " +
                    std::to_string(count) + " parts");
   std::vector<int64_t> widths;
   int64_t total = 0;
@@ -75,12 +75,12 @@ inline ffi::Error check_parts(const ffi::AnyBuffer& x, const ffi::AnyBuffer& cos
     auto d = parts[size_t(p)].dimensions();
     if (d.size() != 3 || d[0] != sh.batch || d[1] != sh.seq || d[2] % head_dim != 0 ||
         parts[size_t(p)].element_type() != x.element_type())
-      return invalid("rope_split: part " + std::to_string(p) + " must be [batch, seq, heads_p * head_dim] of x's dtype");
+      return invalid("rope_split / rope_merge: part " + std::to_string(p) + " must be [batch, seq, heads_p * head_dim] of x's dtype");
     widths.push_back(d[2]);
     total += d[2];
   }
   if (total != sh.width)
-    return invalid("rope_split: the parts' widths sum to " + std::to_string(total) + ", x's last axis is " +
+    return invalid("rope_split / rope_merge: the parts' widths sum to " + std::to_string(total) + ", x's last axis is " +
                    std::to_string(sh.width));
   shape = {sh.batch, sh.seq, sh.width, sh.table_width, head_dim, n_rot, widths, rotate_mask};
   return ffi::Error::Success();

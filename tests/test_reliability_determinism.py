@@ -90,6 +90,10 @@ def _cases():
     cs, sn = _arr((16, 16), 17), _arr((16, 16), 18)
     c["rope"] = (("rlx_rope_fwd_v1", "rlx_rope_bwd_v1"), lambda x: ops.rope(x, cs, sn, head_dim=32), (_arr((4, 16, 64), 19),),
                  (0,))
+    c["rope_split"] = (("rlx_rope_split_v1", "rlx_rope_merge_v1"),
+                       lambda x: jnp.concatenate(ops.rope_split(x, cs, sn, (2, 1), rotate=(True, False), head_dim=32),
+                                                 axis=-1),
+                       (_arr((4, 16, 96), 25),), (0,))
     q, k, v = (_arr((2, 64, 4, 32), s) for s in (20, 21, 22))
     c["attention_causal"] = (("rlx_attention_fwd_v1", "rlx_attention_bwd_v1"),
                              lambda q, k, v: ops.attention(q, k, v, mask_kind="causal"), (q, k, v), (0, 1, 2))

@@ -46,6 +46,10 @@ BAD_ATTRS = {
                      ("n_rot_odd", {"n_rot": 3}), ("n_rot_above_head_dim", {"n_rot": 64}),
                      ("n_rot_negative", {"n_rot": -2})],
     "rlx_rope_bwd_v1": [("head_dim_not_dividing", {"head_dim": 5}), ("n_rot_above_head_dim", {"n_rot": 64})],
+    "rlx_rope_split_v1": [("head_dim_not_dividing", {"head_dim": 5}), ("n_rot_odd", {"n_rot": 3}),
+                          ("rotate_mask_beyond_parts", {"rotate_mask": 4}), ("rotate_mask_negative", {"rotate_mask": -1})],
+    "rlx_rope_merge_v1": [("head_dim_not_dividing", {"head_dim": 5}), ("n_rot_above_head_dim", {"n_rot": 64}),
+                          ("rotate_mask_beyond_parts", {"rotate_mask": 4})],
     "rlx_max_pool2d_fwd_v1": [("kernel_zero", {"kh": 0}), ("stride_zero", {"sw": 0}), ("padding_negative", {"ph": -1}),
                            ("kernel_larger_than_input", {"kh": 99, "kw": 99})],
     "rlx_avg_pool2d_bwd_v1": [("kernel_zero", {"kw": 0}), ("stride_zero", {"sh": 0}), ("padding_negative", {"pw": -3})],
@@ -98,6 +102,8 @@ def _drivers():
         lower(lambda x: ops.cumsum(x, axis=-1), sds(n, 5, 6))
         cs = sds(5, 4)
         lower(lambda x, c, s: ops.rope(x, c, s, head_dim=8), sds(n, 5, 16), cs, cs)
+        lower(lambda x, c, s: jnp.concatenate(ops.rope_split(x, c, s, (1, 1), rotate=(True, False), head_dim=8), -1),
+              sds(n, 5, 16), cs, cs)
 
     def elementwise(n):
         lower(lambda a, b: ops.swiglu(a, b), sds(n, 3, 8), sds(n, 3, 8), argnums=(0, 1))
