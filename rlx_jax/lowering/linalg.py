@@ -24,7 +24,8 @@ def matmul(a, b):
 
 
 def _left_source(ctx):
-    """The graph node of this MatMul's left operand; None when the lowering has no graph."""
+    """The graph node of the node's first operand (a MatMul's left one); None when the
+    lowering has no graph."""
     if ctx.graph is None or ctx.node is None:
         return None
     return ctx.graph.node(ctx.node.inputs[0])
@@ -180,10 +181,8 @@ def split_rope_part(ctx):
     """For a Rope node: its rotated product when its input is a projection lowered through
     ``ops.rope_split`` with the other products of its RmsNorm (``_norm_linear_products``),
     else None."""
-    if ctx.graph is None or ctx.node is None:
-        return None
-    matmul_node = ctx.graph.node(ctx.node.inputs[0])
-    if not isinstance(matmul_node.op, ir.MatMul):
+    matmul_node = _left_source(ctx)  # the Rope's x
+    if matmul_node is None or not isinstance(matmul_node.op, ir.MatMul):
         return None
     lowered = ctx.cache.get(("rms_norm_linear", matmul_node.inputs[0]))
     return None if lowered is None else lowered[1].get(ctx.node.id)
