@@ -37,7 +37,10 @@ Variants:
                    the RLX-graph transformer of ``rlx-jax train`` (its full update step:
                    loss, gradients and the AdamW update), fused kernels and ``--no-fused``
 
-Columns: ms/step (median), tokens/s, MFU (model FLOPs = 6 * N * tokens + causal attention
+Columns: ms/step (median; steps dispatched back to back as a training loop runs them,
+one wait per round), "sync ms" and "sync speedup" (each step waited for before the next
+is dispatched, so every step also pays the host's dispatch: a loop that reads its loss
+every step), tokens/s, MFU (model FLOPs = 6 * N * tokens + causal attention
 FLOPs 6 * L * H * head_dim * S * tokens, N = parameters outside the embedding table, over
 the device's peak; n/a on the CPU), compiled temp memory (``memory_analysis()``), peak
 device memory (``memory_stats()`` running maximum; n/a where the backend keeps none), loss
@@ -359,12 +362,19 @@ class Runner:
     """A compiled step plus what the table reports about it."""
 
     name: str
-    step: object  # () -> outputs, blocking
+    launch: object  # () -> outputs, dispatched without waiting for them
     grads: object  # () -> (loss, grads pytree) on host
     tokens: int
     flops: float
     temp_bytes: int | None
     row: dict = dataclasses.field(default_factory=dict)
+    hlo: object = None  # () -> the compiled step's optimized HLO text, where known
+
+    def step(self):
+        """One step, waited for."""
+        import jax
+
+        return jax.block_until_ready(self.launch())
 
 
 def _temp_bytes(compiled) -> int | None:
@@ -388,14 +398,14 @@ def step_runner(s: Shape, v: Variant, params, tokens, labels) -> Runner:
     fn = jax.jit(jax.value_and_grad(make_loss(s, v)))
     compiled = fn.lower(params, tokens, labels).compile()
 
-    def step():
-        return jax.block_until_ready(compiled(params, tokens, labels))
+    def launch():
+        return compiled(params, tokens, labels)
 
     def grads():
-        loss, g = step()
+        loss, g = jax.block_until_ready(launch())
         return float(loss), jax.device_get(g)
 
-    return Runner(v.name, step, grads, s.tokens, model_flops(s), _temp_bytes(compiled))
+    return Runner(v.name, launch, grads, s.tokens, model_flops(s), _temp_bytes(compiled), hlo=compiled.as_text)
 
 
 def train_runners(cfg: dict, precision: str) -> list[Runner]:
@@ -428,9 +438,9 @@ def train_runners(cfg: dict, precision: str) -> list[Runner]:
         compiled = make_step(graph, optimizer, fused, precision=precision)
         state = {"params": params, "opt": opt_state}
 
-        def step(compiled=compiled, state=state):
+        def launch(compiled=compiled, state=state):
             # the update is applied to a fixed state: each call is the same step
-            return jax.block_until_ready(compiled(state["params"], state["opt"], inputs))
+            return compiled(state["params"], state["opt"], inputs)
 
         fn = to_jax(graph, dtype_map=compute_dtype_map(precision))
         with fused_ops(fused):
@@ -442,7 +452,7 @@ def train_runners(cfg: dict, precision: str) -> list[Runner]:
             return float(loss), jax.device_get(g)
 
         name = "train-fused" if fused else "train-nofused"
-        out.append(Runner(name, step, grads, tok, flops, _temp_bytes(compiled)))
+        out.append(Runner(name, launch, grads, tok, flops, _temp_bytes(compiled)))
     return out
 
 
@@ -484,28 +494,37 @@ def deterministic(runner: Runner, calls: int = 3) -> bool:
 
 
 def time_rounds(runners: list[Runner], rounds: int, reps: int) -> None:
-    """Each round runs every runner ``reps`` times in turn; ms/step is the median over rounds
-    of each round's mean, by the wall clock and by this process's CPU time (all its
-    threads: the work a step does, which other processes on the machine barely move).
-    Round i starts at runner i mod n, so no runner always follows the same one (the GPU's
-    clock after a heavy neighbour would otherwise bias one variant)."""
+    """Each round runs every runner in turn, twice: ``reps`` steps dispatched back to back
+    with one wait at the end, as a training loop runs them (the host queues step i + 1
+    while the device runs step i), then ``reps`` steps each waited for before the next is
+    dispatched ("sync": every step also pays the host's dispatch and wake-up). ms/step is
+    the median over rounds of each round's mean, by the wall clock and, for the
+    back-to-back steps, by this process's CPU time (all its threads: the work a step does,
+    which other processes on the machine barely move). Round i starts at runner i mod n,
+    so no runner always follows the same one (the GPU's clock after a heavy neighbour
+    would otherwise bias one variant)."""
+    import jax
+
     for r in runners:
         r.step()  # warm
     per = {r.name: [] for r in runners}
+    per_sync = {r.name: [] for r in runners}
     per_cpu = {r.name: [] for r in runners}
     for i in range(rounds):
         shift = i % max(len(runners), 1)
         for r in runners[shift:] + runners[:shift]:
             t0, c0 = time.perf_counter(), time.process_time()
-            for _ in range(reps):
-                r.step()
+            jax.block_until_ready([r.launch() for _ in range(reps)])
             per[r.name].append((time.perf_counter() - t0) / reps)
             per_cpu[r.name].append((time.process_time() - c0) / reps)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                r.step()
+            per_sync[r.name].append((time.perf_counter() - t0) / reps)
     for r in runners:
-        r.row["ms"] = 1e3 * statistics.median(per[r.name])
-        r.row["ms_rounds"] = [1e3 * t for t in per[r.name]]
-        r.row["cpu_ms"] = 1e3 * statistics.median(per_cpu[r.name])
-        r.row["cpu_ms_rounds"] = [1e3 * t for t in per_cpu[r.name]]
+        for key, times in (("ms", per), ("sync_ms", per_sync), ("cpu_ms", per_cpu)):
+            r.row[key] = 1e3 * statistics.median(times[r.name])
+            r.row[f"{key}_rounds"] = [1e3 * t for t in times[r.name]]
 
 
 def round_speedups(ref_rounds, rounds) -> list[float] | None:
@@ -533,7 +552,7 @@ def _range(spread) -> str:
 
 def format_table(rows: list[dict], header: str, cpu_clock: bool = False) -> str:
     """One line per row; ``cpu_clock`` adds the CPU-time columns after the wall-time ones."""
-    cols = ["variant", "ms/step", "speedup", "round range"]
+    cols = ["variant", "ms/step", "speedup", "round range", "sync ms", "sync speedup"]
     cols += ["cpu ms", "cpu speedup", "cpu range"] if cpu_clock else []
     cols += ["tokens/s", "MFU", "temp GiB", "peak GiB", "loss", "loss rel", "gnorm rel", "grad err", "determ."]
     lines = [header, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -542,8 +561,10 @@ def format_table(rows: list[dict], header: str, cpu_clock: bool = False) -> str:
             lines.append(f"| {r['variant']} | failed: {r['error'][:80]} |" + " |" * (len(cols) - 2))
             continue
         base = r.get("ref_ms")
+        sbase = r.get("ref_sync_ms")
         cells = [r["variant"], f"{r['ms']:.2f}", _speedup(base / r["ms"] if base else None),
-                 _range(r.get("speedup_rounds"))]
+                 _range(r.get("speedup_rounds")), f"{r['sync_ms']:.2f}",
+                 _speedup(sbase / r["sync_ms"] if sbase else None)]
         if cpu_clock:
             cbase = r.get("ref_cpu_ms")
             cells += [f"{r['cpu_ms']:.2f}", _speedup(cbase / r["cpu_ms"] if cbase else None),
@@ -616,26 +637,34 @@ def _without_option(argv, name):
 def process_summary(runs: list[list[dict]]) -> list[dict]:
     """Per variant over the processes' JSON rows (one list a process): its speedup in each
     process (that process's reference time over its own; None where it did not run), the
-    median of those speedups and of its ms/step."""
+    median of those speedups and of its ms/step, and the median of its sync speedups."""
     names = list(dict.fromkeys(r["variant"] for rows in runs for r in rows if "error" not in r))
     out = []
+
+    def ratios(rows, key):
+        return [r[f"ref_{key}"] / r[key] if r and r.get(f"ref_{key}") and r.get(key) else None for r in rows]
+
+    def median(xs):
+        got = [x for x in xs if x is not None]
+        return statistics.median(got) if got else None
+
     for name in names:
         rows = [next((r for r in rows if r["variant"] == name and "error" not in r), None) for rows in runs]
-        speedups = [r["ref_ms"] / r["ms"] if r and r.get("ref_ms") and r.get("ms") else None for r in rows]
-        got = [x for x in speedups if x is not None]
-        ms = [r["ms"] for r in rows if r and r.get("ms")]
-        out.append({"variant": name, "speedups": speedups, "speedup_median": statistics.median(got) if got else None,
-                    "ms_median": statistics.median(ms) if ms else None})
+        speedups = ratios(rows, "ms")
+        out.append({"variant": name, "speedups": speedups, "speedup_median": median(speedups),
+                    "ms_median": median([r and r.get("ms") for r in rows]),
+                    "sync_speedup_median": median(ratios(rows, "sync_ms"))})
     return out
 
 
 def format_process_summary(summary: list[dict], processes: int) -> str:
     lines = [f"across {processes} processes (each its own compiles; speedup: that process's reference over the row)",
-             "| variant | ms/step (median) | speedup (median) | speedup in each process |", "|---|---|---|---|"]
+             "| variant | ms/step (median) | speedup (median) | speedup in each process | sync speedup (median) |",
+             "|---|---|---|---|---|"]
     for row in summary:
         each = " ".join(_speedup(x) for x in row["speedups"])
         lines.append(f"| {row['variant']} | {_fmt(row['ms_median'], '.2f')} | {_speedup(row['speedup_median'])} | "
-                     f"{each} |")
+                     f"{each} | {_speedup(row.get('sync_speedup_median'))} |")
     return "\n".join(lines)
 
 
@@ -754,6 +783,7 @@ def main(argv=None) -> int:
         ms = {row["variant"]: row["ms"] for row in rows}
         base = ms.get("plain-cudnn", ms.get("plain-xla"))
         per_round = {row["variant"]: row["ms_rounds"] for row in rows}
+        sync_ms = {row["variant"]: row["sync_ms"] for row in rows}
         cpu_ms = {row["variant"]: row["cpu_ms"] for row in rows}
         cpu_round = {row["variant"]: row["cpu_ms_rounds"] for row in rows}
         base_name = "plain-cudnn" if "plain-cudnn" in ms else "plain-xla"
@@ -761,6 +791,7 @@ def main(argv=None) -> int:
             ref = "train-nofused" if row["variant"].startswith("train-") else base_name
             row["ref_ms"] = ms.get(ref)
             row["speedup_rounds"] = round_speedups(per_round.get(ref), row["ms_rounds"])
+            row["ref_sync_ms"] = sync_ms.get(ref)
             row["ref_cpu_ms"] = cpu_ms.get(ref)
             row["cpu_speedup_rounds"] = round_speedups(cpu_round.get(ref), row["cpu_ms_rounds"])
     rows += failed

@@ -77,18 +77,40 @@ def test_model_flops_and_bad_shapes():
 def test_round_speedups_and_their_range_in_the_table():
     assert _e2e.round_speedups([10.0, 12.0, 9.0], [5.0, 8.0, 9.0]) == [2.0, 1.5, 1.0]
     assert _e2e.round_speedups(None, [1.0]) is None
-    row = {"variant": "rlx", "ms": 8.0, "ref_ms": 10.0, "speedup_rounds": [2.0, 1.5, 1.0], "tokens_per_s": 1.0,
-           "loss": 1.0, "loss_rel_diff": 0.0, "grad_norm_rel_diff": 0.0, "grad_rel_err": 0.0, "deterministic": True}
+    row = {"variant": "rlx", "ms": 8.0, "ref_ms": 10.0, "speedup_rounds": [2.0, 1.5, 1.0], "sync_ms": 9.0,
+           "ref_sync_ms": 9.9, "tokens_per_s": 1.0, "loss": 1.0, "loss_rel_diff": 0.0, "grad_norm_rel_diff": 0.0, "grad_rel_err": 0.0, "deterministic": True}
     line = _e2e.format_table([row], "h").splitlines()[-1]
-    assert "| 1.250x | 1.00-2.00 |" in line, line
+    assert "| 1.250x | 1.00-2.00 | 9.00 | 1.100x |" in line, line
     row |= {"cpu_ms": 4.0, "ref_cpu_ms": 6.0, "cpu_speedup_rounds": [1.25, 1.75]}
     table = _e2e.format_table([row], "h", cpu_clock=True).splitlines()
-    assert "| round range | cpu ms | cpu speedup | cpu range |" in table[1]
-    assert "| 1.250x | 1.00-2.00 | 4.00 | 1.500x | 1.25-1.75 |" in table[-1], table[-1]
+    assert "| round range | sync ms | sync speedup | cpu ms | cpu speedup | cpu range |" in table[1]
+    assert "| 1.250x | 1.00-2.00 | 9.00 | 1.100x | 4.00 | 1.500x | 1.25-1.75 |" in table[-1], table[-1]
+
+
+def test_time_rounds_times_back_to_back_and_waited_steps():
+    """Per round: reps launches before one wait, then reps waited steps; every row gets the
+    medians and per-round times of both clocks."""
+    import jax.numpy as jnp
+
+    calls = {"a": 0, "b": 0}
+
+    def launcher(name):
+        def launch():
+            calls[name] += 1
+            return jnp.zeros(())
+        return launch
+
+    runners = [_e2e.Runner(n, launcher(n), None, 1, 1.0, None) for n in calls]
+    _e2e.time_rounds(runners, rounds=3, reps=2)
+    assert calls == {"a": 1 + 3 * 2 * 2, "b": 1 + 3 * 2 * 2}  # a warm step, then 2 x reps a round
+    for r in runners:
+        for key in ("ms", "sync_ms", "cpu_ms"):
+            assert len(r.row[f"{key}_rounds"]) == 3 and r.row[key] >= 0
 
 
 def test_processes_summarise_each_process_speedup():
-    runs = [[{"variant": "plain-xla", "ms": 10.0, "ref_ms": 10.0}, {"variant": "rlx", "ms": 8.0, "ref_ms": 10.0}],
+    runs = [[{"variant": "plain-xla", "ms": 10.0, "ref_ms": 10.0},
+             {"variant": "rlx", "ms": 8.0, "ref_ms": 10.0, "sync_ms": 9.0, "ref_sync_ms": 9.0}],
             [{"variant": "plain-xla", "ms": 12.0, "ref_ms": 12.0}, {"variant": "rlx", "ms": 10.0, "ref_ms": 12.0}],
             [{"variant": "plain-xla", "ms": 11.0, "ref_ms": 11.0}, {"variant": "rlx", "error": "OOM"}]]
     summary = {r["variant"]: r for r in _e2e.process_summary(runs)}
@@ -97,7 +119,8 @@ def test_processes_summarise_each_process_speedup():
     assert summary["rlx"]["ms_median"] == 9.0
     assert summary["plain-xla"]["speedups"] == [1.0, 1.0, 1.0] and summary["plain-xla"]["ms_median"] == 11.0
     table = _e2e.format_process_summary(list(summary.values()), 3)
-    assert "| rlx | 9.00 | 1.225x | 1.250x 1.200x n/a |" in table
+    assert summary["rlx"]["sync_speedup_median"] == 1.0 and summary["plain-xla"]["sync_speedup_median"] is None
+    assert "| rlx | 9.00 | 1.225x | 1.250x 1.200x n/a | 1.000x |" in table
     argv = ["--preset", "tiny", "--processes", "3", "--json=x.json", "--rounds", "2"]
     assert _e2e._without_option(_e2e._without_option(argv, "--processes"), "--json") == ["--preset", "tiny",
                                                                                           "--rounds", "2"]
