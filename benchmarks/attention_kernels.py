@@ -64,9 +64,10 @@ def kernel_table(events, steps: int, key=short_kernel_name):
     return rows, busy, span
 
 
-def _gpu_events(trace_dir: str):
+def _gpu_events(trace_dir: str, with_op: bool = False):
     """(name, start ns, duration ns) of every event on the GPU planes' stream lines of the
-    profile written to trace_dir."""
+    profile written to trace_dir; ``with_op`` adds a fourth field, the XLA operation that
+    launched it (the record's ``hlo_op`` stat, "" where it has none)."""
     from jax.profiler import ProfileData
 
     files = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
@@ -77,8 +78,11 @@ def _gpu_events(trace_dir: str):
         if not plane.name.startswith("/device:GPU"):
             continue
         for line in plane.lines:
-            if line.name.startswith("Stream"):
-                events.extend((e.name, e.start_ns, e.duration_ns) for e in line.events)
+            if not line.name.startswith("Stream"):
+                continue
+            for e in line.events:
+                op = (str(dict(e.stats).get("hlo_op", "")),) if with_op else ()
+                events.append((e.name, e.start_ns, e.duration_ns, *op))
     return events
 
 

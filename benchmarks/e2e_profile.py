@@ -6,9 +6,17 @@ times (the variants interleaved, as the step benchmark times them: a GPU whose c
 between two profiles taken one after the other shows the drift as a difference between the
 variants). It prints, per variant, the step's kernel time split into kinds (matrix
 multiplies, attention, rlx_jax kernels, XLA fusions, copies) with each kind's time in every
-round, the span and idle time, then the ``--top`` kernels by time:
+round, the span and idle time, then the ``--top`` kernels by time, and with ``--by-op N``
+the N XLA operations (the ``hlo_op`` of the profiler's kernel records: a cuBLAS custom call,
+a fusion, an FFI call) by time, with the kernel each ran and the operation's line of the
+compiled step's optimized HLO (its result type, opcode and operands, shortened: the
+parameters among them say which weight a matmul reads). ``--by-op`` turns
+XLA's command buffers off (``--xla_gpu_enable_command_buffer=``): inside a CUDA graph every
+kernel is recorded under the graph's operation, not its own; launched one by one, the
+step's idle time grows by the launches' gaps.
 
     python -m benchmarks.e2e_profile --preset llama-v32k --variants plain-cudnn,rlx --rounds 3
+    python -m benchmarks.e2e_profile --preset llama-v32k --variants rlx-lean --by-op 80
 
 The kinds say where a fusion can pay: a step's time outside its matrix multiplies and
 attention is the part fused element-wise kernels can shrink.
@@ -17,8 +25,10 @@ attention is the part fused element-wise kernels can shrink.
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib.util
 import os
+import re
 import sys
 import tempfile
 
@@ -72,9 +82,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5, help="steps profiled back to back")
     p.add_argument("--rounds", type=int, default=1, help="profiles per variant, the variants interleaved")
     p.add_argument("--top", type=int, default=25, help="kernels listed per variant")
+    p.add_argument("--by-op", type=int, default=0, help="XLA operations listed per variant (0: none)")
     a = p.parse_args(argv)
     if a.steps < 1 or a.rounds < 1:
         p.error("--steps and --rounds must be >= 1")
+    if a.by_op:  # before jax starts: flags are read once
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
 
     import jax
     import numpy as np
@@ -102,10 +115,82 @@ def main(argv=None) -> int:
     rounds = {name: [] for name in wanted}  # per variant, each round's GPU events
     for _ in range(a.rounds):
         for name in wanted:
-            rounds[name].append(profile_events(runners[name].step, a.steps, _kernels._gpu_events))
+            rounds[name].append(profile_events(runners[name].step, a.steps, gpu_op_events))
     for name in wanted:
-        print_variant(name, rounds[name], a.steps, a.top)
+        events = [[e[:3] for e in r] for r in rounds[name]]
+        print_variant(name, events, a.steps, a.top)
+        if a.by_op:
+            hlo = runners[name].hlo
+            print_ops([e for r in rounds[name] for e in r], a.steps * a.rounds, a.by_op,
+                      hlo_ops(hlo()) if hlo else {})
     return 0
+
+
+def gpu_op_events(trace_dir: str):
+    """(name, start ns, duration ns, XLA operation) of the profile's GPU kernel records (the
+    operation: the record's ``hlo_op`` stat, "" where it has none)."""
+    return _kernels._gpu_events(trace_dir, with_op=True)
+
+
+def op_table(events, steps: int):
+    """[(operation, launches per step, us per step, short name of its longest kernel)] of GPU
+    events (name, start ns, duration ns, operation), by decreasing time."""
+    total = collections.defaultdict(float)
+    count = collections.Counter()
+    longest = {}
+    for name, _, dur, op in events:
+        key = op or "(no hlo_op) " + _kernels.short_kernel_name(name)
+        total[key] += dur
+        count[key] += 1
+        if dur >= longest.get(key, ("", -1))[1]:
+            longest[key] = (_kernels.short_kernel_name(name), dur)
+    rows = [(k, count[k] / steps, total[k] / steps / 1e3, longest[k][0]) for k in total]
+    return sorted(rows, key=lambda r: -r[2])
+
+
+_HLO_LINE = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([\w\-]+)\((.*?)\)(?:, |$)")
+
+
+def hlo_ops(text: str) -> dict[str, str]:
+    """{operation name: "result type = opcode(operands)"} of an HLO module's text: layouts
+    dropped, a custom call named by its target, a bitcast operand by what it reinterprets
+    (so a matmul shows the parameter it reads), a matmul's contracting dimensions appended
+    as "c(lhs,rhs)"; at most 120 characters."""
+    lines = {}
+    for line in text.splitlines():
+        m = _HLO_LINE.match(line)
+        if m:
+            lines[m.group(1)] = (m, line)
+    source = {name: m.group(4).split(",")[0].strip().lstrip("%") for name, (m, _) in lines.items()
+              if m.group(3) == "bitcast"}
+
+    def resolve(arg):
+        arg = arg.strip().lstrip("%")
+        base, _, index = arg.partition("#")
+        seen = 0
+        while base in source and seen < 16:  # a chain of bitcasts
+            base, seen = source[base].partition("#")[0], seen + 1
+        return "%" + base + (f"#{index}" if index and not seen else "")
+
+    out = {}
+    for name, (m, line) in lines.items():
+        _, ty, opcode, args = m.groups()
+        target = re.search(r'custom_call_target="([^"]+)"', line)
+        if target:
+            opcode = target.group(1)
+        dims = re.search(r'"lhs_contracting_dimensions":\["(\d+)"\].*?"rhs_contracting_dimensions":\["(\d+)"\]', line)
+        args = ", ".join(resolve(a) for a in args.split(",") if a.strip())
+        desc = re.sub(r"\{[\d,]*\}", "", f"{ty} = {opcode}({args})").replace(", s8[33554432]", "")
+        if dims:
+            desc += f" c({dims.group(1)},{dims.group(2)})"
+        out[name] = desc if len(desc) <= 120 else desc[:117] + "..."
+    return out
+
+
+def print_ops(events, steps: int, top: int, ops: dict[str, str]) -> None:
+    print(f"   top {top} XLA operations (us and kernels a step, the op's longest kernel, its HLO):")
+    for op, launches, us, kernel in op_table(events, steps)[:top]:
+        print(f"   {us:9.1f} us  {launches:5.1f}x  {op:24s} {kernel[:40]:40s} {ops.get(op, '')}")
 
 
 def profile_events(step, steps: int, read_events):

@@ -84,6 +84,31 @@ def test_e2e_profile_rounds_average_each_rounds_own_span():
     assert per_round == [{"matmul": 4.0, "XLA fusions": 1.5}, {"matmul": 6.0, "XLA fusions": 0.5}]
 
 
+def test_e2e_profile_op_table_sums_each_operation_over_steps():
+    """Kernels grouped by the XLA operation that launched them, per step, with the op's
+    longest kernel; records without an operation keep their kernel's name."""
+    events = [("nvjet_a", 0, 4_000, "custom-call.3"), ("void rlx::k<float>(int)", 5_000, 1_000, "ffi_call.1"),
+              ("void rlx::k2<float>(int)", 6_000, 3_000, "ffi_call.1"), ("Memset", 9_000, 500, ""),
+              ("nvjet_a", 10_000, 6_000, "custom-call.3")]
+    assert _profile.op_table(events, steps=2) == [
+        ("custom-call.3", 1.0, 5.0, "nvjet_a"), ("ffi_call.1", 1.0, 2.0, "k2<float>"),
+        ("(no hlo_op) Memset", 0.5, 0.25, "Memset")]
+
+
+def test_e2e_profile_describes_operations_from_the_optimized_hlo():
+    text = """HloModule jit_loss
+  %bitcast.7 = bf16[16384,5632]{1,0} bitcast(%fusion.2)
+  %bitcast.8 = bf16[16384,5632]{1,0} bitcast(%bitcast.7)
+  %custom-call.3 = (bf16[16384,2048]{1,0}, s8[33554432]{0}) custom-call(%bitcast.8, %params__w_down__.1), custom_call_target="__cublas$lt$matmul", backend_config={"dot_dimension_numbers":{"lhs_batch_dimensions":[],"lhs_contracting_dimensions":["1"],"rhs_batch_dimensions":[],"rhs_contracting_dimensions":["0"]}}
+  ROOT %ffi_call.1 = (f32[4]{0}, bf16[4,8]{1,0}) custom-call(%custom-call.3#0), custom_call_target="rlx_x"
+"""
+    ops = _profile.hlo_ops(text)
+    assert ops["custom-call.3"] == ("(bf16[16384,2048]) = __cublas$lt$matmul(%fusion.2, %params__w_down__.1) "
+                                    "c(1,0)")
+    assert ops["ffi_call.1"] == "(f32[4], bf16[4,8]) = rlx_x(%custom-call.3#0)"
+    assert ops["bitcast.8"] == "bf16[16384,5632] = bitcast(%fusion.2)"
+
+
 def test_attention_scripts_share_validated_shape_options():
     import argparse
 
