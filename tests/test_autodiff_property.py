@@ -1,8 +1,12 @@
 """Property test of graph-level reverse mode on random small graphs with shared
 subexpressions: one x [B, S, D] feeds several norm, attention, matmul and elementwise
-nodes (and blocks feed each other), so backward nodes share inputs. For every drawn
-graph, ``grad_with_loss`` agrees with ``jax.grad`` of ``to_jax(forward)`` and with
-central finite differences, in float64.
+nodes (and blocks feed each other), so backward nodes share inputs. Two blocks are a
+pre-norm decoder's halves, the patterns the lowering fuses (an RmsNorm whose users are
+all projections -> ``rms_norm_linear``, with the Rope nodes of q and k -> one packed
+product split by ``rope_split``; ``Mul(Silu(gate), up)`` -> ``swiglu`` and its MatMul ->
+``swiglu_linear``). For every drawn graph, ``grad_with_loss`` agrees with ``jax.grad`` of
+``to_jax(forward)`` and with central finite differences, in float64: the gradient graph
+lowers those nodes along other paths (its RmsNorm outputs also feed backward nodes).
 
 The default run draws a few small graphs; the ``slow`` profile draws many more."""
 
@@ -19,8 +23,9 @@ from graph_fd import assert_grads_close, finite_difference, graph_grad, jax_grad
 
 B, S, D = 2, 3, 4          # D = num_heads * head_dim = 2 * 2; GroupNorm sees C = S = 3
 
+F = 6                      # the SwiGLU block's hidden width
 BLOCKS = ("layer_norm", "layer_norm_axis1", "rms_norm", "group_norm", "batch_norm", "attention", "matmul",
-          "tanh", "square", "max")
+          "tanh", "square", "max", "pre_norm_attention", "pre_norm_swiglu")
 
 
 def _add_block(g, kind, h, k, params):
@@ -49,6 +54,18 @@ def _add_block(g, kind, h, k, params):
         return g.tanh(g.mul(h, p("s", [D])))
     if kind == "square":
         return g.mul(h, h)
+    if kind == "pre_norm_attention":   # norm -> q, k, v; RoPE on q and k (shared tables); causal attention; wo
+        y = g.rms_norm(h, p("g", [D]), p("b", [D]))
+        angles = np.arange(S)[:, None] * np.array([[0.7]])  # [S, head_dim / 2]
+        cos, sin = g.constant(np.cos(angles)), g.constant(np.sin(angles))
+        q = g.rope(g.matmul(y, p("wq", [D, D])), cos, sin, 2)
+        k = g.rope(g.matmul(y, p("wk", [D, D])), cos, sin, 2)
+        v = g.matmul(y, p("wv", [D, D]))
+        return g.matmul(g.attention_kind(q, k, v, 2, 2, "causal"), p("wo", [D, D]))
+    if kind == "pre_norm_swiglu":      # norm -> gate, up; silu(gate) * up; down
+        y = g.rms_norm(h, p("g", [D]), p("b", [D]))
+        gate, up = g.matmul(y, p("wg", [D, F])), g.matmul(y, p("wu", [D, F]))
+        return g.matmul(g.mul(g.silu(gate), up), p("wd", [F, D]))
     return g.binary("max", h, p("c", [S, D]))
 
 
@@ -107,3 +124,20 @@ def test_every_block_kind_once(x64):
     (two norms on one x with different gamma share every backward input but gamma)."""
     kinds = ["layer_norm", "group_norm", "batch_norm", "attention", "layer_norm", "group_norm", "batch_norm"]
     _check((kinds, [0] * len(kinds), 7))
+
+
+def test_pre_norm_blocks_chained_and_shared(x64):
+    """The fused-lowering blocks as a decoder layer stacks them (attention, then the MLP
+    reading its output, each also reading x) and both twice on one x; the forward lowers
+    through the fused ops (else these cases would test the plain lowering twice)."""
+    import re
+
+    import jax
+
+    import rlx_jax
+
+    g, params = _build(["pre_norm_attention", "pre_norm_swiglu"], [0, 1], 3)
+    jaxpr = str(jax.make_jaxpr(lambda p: rlx_jax.to_jax(g)(p, {}))(params))
+    assert {"rlx_rms_norm_linear_fwd", "rlx_rope_split", "rlx_swiglu_linear_fwd"} <= set(re.findall(r"rlx_\w+", jaxpr))
+    _check((["pre_norm_attention", "pre_norm_swiglu", "pre_norm_swiglu"], [0, 1, 0], 3))
+    _check((["pre_norm_attention", "pre_norm_attention", "pre_norm_swiglu"], [0, 0, 2], 11))
