@@ -1,5 +1,6 @@
 """NeoX RoPE: kernels vs a NumPy oracle, n_rot < head_dim, both table widths,
-gradients (x, cos, sin) in every mode, vmap, errors."""
+gradients (x, cos, sin) in every mode, vmap, errors; rope_split over fixed and randomly
+drawn part layouts."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from jax.test_util import check_grads
 
 import rlx_jax
@@ -219,9 +222,9 @@ def _packed_oracle(x, c, s, heads, rotate, head_dim, n_rot, sign=1.0):
     return out
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", PACKED_CASES)
-def test_rope_split_forward_and_backward_match_oracle(case, dtype):
+def _check_rope_split(case, dtype):
+    """rope_split of a drawn layout against ``_packed_oracle``: the parts, the same parts
+    from the heads-split layout, and the packed gradient of random part cotangents."""
     lead, s, heads, rotate, hd, n_rot, tw = case
     x, c, sn = _inputs(lead, s, sum(heads), hd, tw, dtype, seed=3)
     parts = rope_split(x, c, sn, heads, rotate=rotate, head_dim=hd, n_rot=n_rot)
@@ -244,6 +247,41 @@ def test_rope_split_forward_and_backward_match_oracle(case, dtype):
                                             sn.astype(dtype), heads, rotate, hd, n_rot, sign=-1.0), -1)
     assert dx.shape == x.shape and dx.dtype == dtype
     assert_close(dx, want_dx.reshape(x.shape), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", PACKED_CASES)
+def test_rope_split_forward_and_backward_match_oracle(case, dtype):
+    _check_rope_split(case, dtype)
+
+
+@st.composite
+def _packed_layouts(draw):
+    """(case as in PACKED_CASES, dtype): 1-8 parts of 1-3 heads, any rotate flags, even
+    head_dim up to 18 with an even n_rot up to it, tables up to 2 columns wider than
+    n_rot / 2, up to two leading axes (zero-sized ones included)."""
+    parts = draw(st.integers(1, 8))
+    heads = tuple(draw(st.integers(1, 3)) for _ in range(parts))
+    rotate = tuple(draw(st.booleans()) for _ in range(parts))
+    hd = 2 * draw(st.integers(1, 9))
+    n_rot = 2 * draw(st.integers(1, hd // 2))
+    tw = draw(st.integers(n_rot // 2, n_rot // 2 + 2))
+    lead = tuple(draw(st.lists(st.integers(0, 3), max_size=2)))
+    case = (lead, draw(st.integers(1, 6)), heads, rotate, hd, n_rot, tw)
+    return case, draw(st.sampled_from(DTYPES))
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(_packed_layouts())
+def test_rope_split_random_layouts_match_oracle(drawn):
+    _check_rope_split(*drawn)
+
+
+@pytest.mark.slow
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_packed_layouts())
+def test_rope_split_many_random_layouts_match_oracle(drawn):
+    _check_rope_split(*drawn)
 
 
 def test_rope_split_kernels_in_hlo_with_no_concatenate():
