@@ -550,6 +550,12 @@ def _range(spread) -> str:
     return f"{min(spread):.2f}-{max(spread):.2f}" if spread else "n/a"
 
 
+def _ratio(row, key):
+    """The row's speedup by the clock ``key`` ("ms", "sync_ms", "cpu_ms"): its reference's
+    time over its own; None where either is missing (or the row is None)."""
+    return row[f"ref_{key}"] / row[key] if row and row.get(f"ref_{key}") and row.get(key) else None
+
+
 def format_table(rows: list[dict], header: str, cpu_clock: bool = False) -> str:
     """One line per row; ``cpu_clock`` adds the CPU-time columns after the wall-time ones."""
     cols = ["variant", "ms/step", "speedup", "round range", "sync ms", "sync speedup"]
@@ -560,15 +566,10 @@ def format_table(rows: list[dict], header: str, cpu_clock: bool = False) -> str:
         if "error" in r:
             lines.append(f"| {r['variant']} | failed: {r['error'][:80]} |" + " |" * (len(cols) - 2))
             continue
-        base = r.get("ref_ms")
-        sbase = r.get("ref_sync_ms")
-        cells = [r["variant"], f"{r['ms']:.2f}", _speedup(base / r["ms"] if base else None),
-                 _range(r.get("speedup_rounds")), f"{r['sync_ms']:.2f}",
-                 _speedup(sbase / r["sync_ms"] if sbase else None)]
+        cells = [r["variant"], f"{r['ms']:.2f}", _speedup(_ratio(r, "ms")), _range(r.get("speedup_rounds")),
+                 f"{r['sync_ms']:.2f}", _speedup(_ratio(r, "sync_ms"))]
         if cpu_clock:
-            cbase = r.get("ref_cpu_ms")
-            cells += [f"{r['cpu_ms']:.2f}", _speedup(cbase / r["cpu_ms"] if cbase else None),
-                      _range(r.get("cpu_speedup_rounds"))]
+            cells += [f"{r['cpu_ms']:.2f}", _speedup(_ratio(r, "cpu_ms")), _range(r.get("cpu_speedup_rounds"))]
         cells += [f"{r['tokens_per_s']:,.0f}", _fmt(r.get("mfu"), ".1%"),
                  _fmt(None if r.get("temp_bytes") is None else r["temp_bytes"] / 2**30, ".3f"),
                  _fmt(None if r.get("peak_bytes") is None else r["peak_bytes"] / 2**30, ".2f"),
@@ -641,19 +642,16 @@ def process_summary(runs: list[list[dict]]) -> list[dict]:
     names = list(dict.fromkeys(r["variant"] for rows in runs for r in rows if "error" not in r))
     out = []
 
-    def ratios(rows, key):
-        return [r[f"ref_{key}"] / r[key] if r and r.get(f"ref_{key}") and r.get(key) else None for r in rows]
-
     def median(xs):
         got = [x for x in xs if x is not None]
         return statistics.median(got) if got else None
 
     for name in names:
         rows = [next((r for r in rows if r["variant"] == name and "error" not in r), None) for rows in runs]
-        speedups = ratios(rows, "ms")
+        speedups = [_ratio(r, "ms") for r in rows]
         out.append({"variant": name, "speedups": speedups, "speedup_median": median(speedups),
                     "ms_median": median([r and r.get("ms") for r in rows]),
-                    "sync_speedup_median": median(ratios(rows, "sync_ms"))})
+                    "sync_speedup_median": median([_ratio(r, "sync_ms") for r in rows])})
     return out
 
 
