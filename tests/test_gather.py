@@ -137,7 +137,7 @@ def test_vmap():
     grad = jax.grad(lambda t: jnp.sum(gather(t, idx) ** 2))
     assert_close(jax.vmap(grad)(tables), jnp.stack([grad(t) for t in tables]))
     assert "rlx_gather_bwd" in hlo_text(jax.vmap(grad), tables)
-    # batched indices too (the reference path)
+    # batched indices too
     idxs = jnp.array([[0, 1], [8, 8], [3, 0]])
     got = jax.vmap(lambda t, i: gather(t, i, axis=0))(tables, idxs)
     np.testing.assert_array_equal(got, np.stack([np.asarray(t)[np.asarray(i)] for t, i in zip(tables, idxs)]))
@@ -145,6 +145,78 @@ def test_vmap():
     got = jax.vmap(lambda d, i: gather_backward(d, i, axis=0, table_shape=(9, 4)))(dy, idxs)
     want = np.stack([np_scatter(d, i, 0, (9, 4)) for d, i in zip(dy, idxs)])
     assert_close(got, want)
+
+
+def _np_fill_gather(t, i, axis, fill):
+    """NumPy oracle of gather's "fill" mode: np.take, the fill where i is outside [0, V)."""
+    t, i = np.asarray(t, np.float64), np.asarray(i)
+    v = t.shape[axis]
+    out = np.take(t, np.clip(i, 0, v - 1), axis=axis)
+    bad = (i < 0) | (i >= v)
+    shape = [1] * t.ndim
+    shape[axis:axis + 1] = list(i.shape)
+    return np.where(bad.reshape(shape), fill, out)
+
+
+# (table shape, table's vmap axis or None, indices [Bv, K] laid out with the batch at axis
+# idx_axis, gather axis): a shared table; a batched table at axis 0 and inside; the batch
+# axis of the indices last; a gather axis with leading and trailing dims; out-of-range
+# indices (fill); an empty batch and empty indices
+BATCHED_INDEX_CASES = [
+    ((9, 4), None, 0, 0),
+    ((3, 9, 4), 0, 0, 0),
+    ((9, 3, 4), 1, 1, 0),
+    ((2, 9, 5), None, 1, 1),
+    ((3, 2, 9, 5), 0, 0, 1),
+    ((0, 9, 4), 0, 0, 0),
+]
+
+
+@pytest.mark.parametrize("case", BATCHED_INDEX_CASES, ids=lambda c: f"{c}")
+def test_vmap_over_indices_keeps_the_kernels(case):
+    """vmap with the indices batched (token ids of several batches, per-example gradients)
+    runs gather's primitives, forward and race-free backward, not vmap of the reference:
+    values, the summed table gradient, and per-example gradients against NumPy."""
+    shape, t_axis, i_axis, axis = case
+    bv = shape[t_axis] if t_axis is not None else 3
+    one = tuple(d for n, d in enumerate(shape) if n != t_axis)
+    table = _table(shape, seed=5)
+    v = one[axis]
+    k = 0 if bv == 0 else 4
+    rng = np.random.default_rng(7)
+    idx = rng.integers(-2, v + 2, size=(bv, k)).astype(np.int32)  # out of range both ways: the fill
+    idx_in = jnp.asarray(np.moveaxis(idx, 0, i_axis))
+    per = [np.take(np.asarray(table), b, axis=t_axis) if t_axis is not None else np.asarray(table) for b in range(bv)]
+
+    f = lambda t, i: gather(t, i, axis=axis, fill_value=0.5)  # noqa: E731
+    vf = jax.vmap(f, in_axes=(t_axis, i_axis))
+    got = vf(table, idx_in)
+    want = np.stack([_np_fill_gather(per[b], idx[b], axis, 0.5) for b in range(bv)]) if bv else np.zeros((0,))
+    assert_close(got.reshape(want.shape) if bv == 0 else got, want)
+    assert "rlx_gather_fwd" in str(jax.make_jaxpr(vf)(table, idx_in))
+
+    # the table gradient of the summed, vmapped loss, and per-example gradients
+    w = _table((bv,) + one[:axis] + (k,) + one[axis + 1:], seed=8)
+    loss = lambda t, i, w: jnp.sum(jnp.sin(f(t, i)) * w)  # noqa: E731
+    summed = jax.grad(lambda t: jnp.sum(jax.vmap(loss, in_axes=(t_axis, i_axis, 0))(t, idx_in, w)))
+    per_example = jax.vmap(jax.grad(loss), in_axes=(t_axis, i_axis, 0))
+
+    def np_grad(b):
+        tb, ib = per[b], np.clip(idx[b], 0, v - 1)
+        keep = (idx[b] >= 0) & (idx[b] < v)
+        shape_k = [1] * tb.ndim
+        shape_k[axis] = k
+        dy = np.cos(np.take(tb.astype(np.float64), ib, axis=axis)) * np.asarray(w[b], np.float64) * keep.reshape(shape_k)
+        return np_scatter(dy, ib, axis, tb.shape)
+
+    grads = [np_grad(b) for b in range(bv)]
+    if bv:
+        assert_close(per_example(table, idx_in, w), np.stack(grads))  # vmap's out_axes 0
+        want_summed = np.moveaxis(np.stack(grads), 0, t_axis) if t_axis is not None else np.sum(grads, axis=0)
+        assert_close(summed(table), want_summed)
+    jaxpr = str(jax.make_jaxpr(per_example)(table, idx_in, w))
+    assert "rlx_gather_bwd" in jaxpr and "rlx_gather_fwd" in jaxpr
+    assert "rlx_gather_bwd" in str(jax.make_jaxpr(summed)(table))
 
 
 def test_zero_sized():

@@ -145,24 +145,73 @@ def _bwd_transpose(cts, dy, idx, *, num_rows):
     return [gather_fwd(ct, idx)[0], None]
 
 
-def _outer_batching(prim):
-    """Batching for a primitive over [O, ., T] with shared indices: the batch axis folds
-    into O; batched indices fall back to ``vmap`` of the reference."""
+def _fold_indices(idx, di, num_rows):
+    """Batched indices idx (batch axis di, [Bv, K] once moved to the front) as indices into
+    Bv blocks of num_rows rows laid end to end: idx[b, k] + b num_rows where in [0, num_rows),
+    -1 (dropped, as any out-of-range index) elsewhere; flattened to [Bv K]."""
+    idx = jnp.moveaxis(idx, di, 0)
+    block = jnp.arange(idx.shape[0], dtype=idx.dtype)[:, None] * num_rows
+    return jnp.where(_in_range(idx, num_rows), idx + block, -1).reshape(-1), idx.shape[0]
 
-    def rule(args, dims, **params):
-        (a, idx), (da, di) = args, dims
-        if di is not NOT_MAPPED:
-            return prim._reference_batch(args, dims, **params)
+
+def _folds(idx, rows) -> bool:
+    """Whether idx's dtype holds every index into `rows` folded rows (else the batching
+    rules fall back to vmap of the reference)."""
+    return rows <= jnp.iinfo(idx.dtype).max
+
+
+def _fwd_batching(args, dims):
+    """gather_fwd under vmap, through the primitive in every case. Only the table batched:
+    its batch axis folds into O. Indices batched: they index Bv blocks of the table laid
+    end to end along V (the table's batch axis moved next to V; an unbatched table is
+    shared: its V rows once, the indices unshifted), and out [O, Bv K, T] unfolds to
+    [O, Bv, K, T]."""
+    (a, idx), (da, di) = args, dims
+    if di is NOT_MAPPED:
         a = jnp.moveaxis(a, da, 0)
         b, o = a.shape[:2]
-        (out,) = prim(a.reshape((b * o,) + a.shape[2:]), idx, **params)
+        (out,) = gather_fwd(a.reshape((b * o,) + a.shape[2:]), idx)
         return [out.reshape((b, o) + out.shape[1:])], [0]
+    bv, k = idx.shape[di], idx.shape[1 - di]  # idx [K] batched: rank 2
+    if da is not NOT_MAPPED and not _folds(idx, bv * a.shape[2 if da <= 1 else 1]):  # V: [O, V, T]'s axis 1
+        return gather_fwd._reference_batch(args, dims)
+    if da is NOT_MAPPED:
+        flat = jnp.moveaxis(idx, di, 0).reshape(-1)
+    else:
+        a = jnp.moveaxis(a, da, 1)  # [O, Bv, V, T]
+        o, _, v, t = a.shape
+        a = a.reshape(o, bv * v, t)
+        flat, _ = _fold_indices(idx, di, v)
+    (out,) = gather_fwd(a, flat)
+    return [out.reshape(out.shape[0], bv, k, out.shape[2])], [1]
 
-    return rule
+
+def _bwd_batching(args, dims, *, num_rows):
+    """gather_bwd under vmap, through the primitive (its race-free scatter-add) in every
+    case. Only dy batched: its batch axis folds into O. Indices batched (per-example
+    gradients): each example's scatter goes to its own block of num_rows rows, the blocks
+    laid end to end (indices shifted by b num_rows), dy [O, Bv K, T] (an unbatched dy
+    broadcast), and d_table [O, Bv num_rows, T] unfolds to [O, Bv, num_rows, T]."""
+    (dy, idx), (dd, di) = args, dims
+    if di is NOT_MAPPED:
+        dy = jnp.moveaxis(dy, dd, 0)
+        b, o = dy.shape[:2]
+        (out,) = gather_bwd(dy.reshape((b * o,) + dy.shape[2:]), idx, num_rows=num_rows)
+        return [out.reshape((b, o) + out.shape[1:])], [0]
+    if not _folds(idx, idx.shape[di] * num_rows):
+        return gather_bwd._reference_batch(args, dims, num_rows=num_rows)
+    flat, bv = _fold_indices(idx, di, num_rows)
+    if dd is NOT_MAPPED:
+        dy = jnp.broadcast_to(dy[:, None], (dy.shape[0], bv) + dy.shape[1:])
+    else:
+        dy = jnp.moveaxis(dy, dd, 1)  # [O, Bv, K, T]
+    o, _, k, t = dy.shape
+    (out,) = gather_bwd(dy.reshape(o, bv * k, t), flat, num_rows=bv * num_rows)
+    return [out.reshape(o, bv, num_rows, t)], [1]
 
 
-gather_fwd.def_batching(_outer_batching(gather_fwd))
-gather_bwd.def_batching(_outer_batching(gather_bwd))
+gather_fwd.def_batching(_fwd_batching)
+gather_bwd.def_batching(_bwd_batching)
 
 
 # ---- public functions ------------------------------------------------------------------
