@@ -488,6 +488,35 @@ def test_fused_linear_compositions():
 
 
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_fused_linear_vmap_runs_the_primitive_per_element(reduction):
+    """Under vmap the fused primitives run once per element (lax.map), not as vmap of the
+    reference: the CPU's row kernels stay in the program. Loss and gradients against the
+    oracle with the weight shared and batched, the hidden's batch axis not first, and an
+    empty batch."""
+    h, w, labels = _linear_inputs(7, 5, 11, seed=4)
+    hb = jnp.stack([h, -h, 0.5 * h], axis=1)  # [7, 3, 5]: the batch at axis 1
+    lb = jnp.stack([labels, labels[::-1], jnp.roll(labels, 2)])
+    wb = jnp.stack([w, 2 * w, -w])
+    kernel = "rlx_softmax_ce_fwd_v1" if reduction == "none" else "rlx_softmax_ce_loss_grad_v1"
+
+    def total(loss, in_axes):
+        return lambda h, w, l: jnp.sum(jnp.sin(jax.vmap(loss, in_axes)(h, w, l)))  # noqa: E741
+
+    ours = lambda h, w, l: fused_linear_cross_entropy(h, w, l, reduction=reduction, chunk_size=3)  # noqa: E731,E741
+    oracle = lambda h, w, l: _linear_oracle(h, w, l, reduction)  # noqa: E731,E741
+    for in_axes, args in (((1, None, 0), (hb, w, lb)), ((1, 0, 0), (hb, wb, lb)),
+                          ((1, None, 0), (hb[:, :0], w, lb[:0]))):
+        fn = jax.value_and_grad(total(ours, in_axes), (0, 1))
+        got = jax.jit(fn)(*args)
+        want = jax.value_and_grad(total(oracle, in_axes), (0, 1))(*args)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert_close(a, b)
+        assert "rlx_fused_linear_ce_" in str(jax.make_jaxpr(fn)(*args))
+        if platform() == "cpu" and args[2].shape[0]:  # (a map over no element lowers to nothing)
+            assert kernel in hlo_text(fn, *args)
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
 @pytest.mark.parametrize("chunk", [4, None])
 def test_fused_linear_narrow_logits(reduction, chunk):
     """logits_dtype=bf16 on f32 inputs: loss and gradients (f32, so the rounding shows)

@@ -217,6 +217,28 @@ def rowwise_batching(prim: FusedPrimitive, row_args: Sequence[int]) -> Callable:
     return rule
 
 
+def sequential_batching(prim: FusedPrimitive) -> Callable:
+    """Batching rule that runs the primitive once per element of the vmapped axis
+    (``lax.map`` over the batched operands, the unbatched ones shared): the kernel keeps
+    running under vmap and the temporaries stay those of one element, where ``vmap`` of
+    the reference would run XLA's code on every element at once. For primitives whose
+    memory bound is the point (the fused linear + cross-entropy: one logits block at a
+    time) and whose operands do not fold into a larger call of the same primitive (a
+    reduced loss's mean is per element)."""
+
+    def rule(args, dims, **params):
+        batched = tuple(jnp.moveaxis(a, d, 0) for a, d in zip(args, dims) if d is not NOT_MAPPED)
+
+        def one(xs):
+            it = iter(xs)
+            return tuple(prim(*(next(it) if d is not NOT_MAPPED else a for a, d in zip(args, dims)), **params))
+
+        outs = jax.lax.map(one, batched)
+        return list(outs), [0] * len(outs)
+
+    return rule
+
+
 class Partition:
     """How a kernel call splits under SPMD sharding (``custom_partitioning``), so that
     a sharded ``jit`` runs it on each shard instead of gathering its operands.

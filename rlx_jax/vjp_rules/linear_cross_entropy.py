@@ -64,7 +64,7 @@ from jax import lax
 from jax._src import dispatch
 from jax.interpreters import ad, mlir
 
-from rlx_jax.vjp_rules._primitive import FusedPrimitive, instantiate
+from rlx_jax.vjp_rules._primitive import FusedPrimitive, instantiate, sequential_batching
 from rlx_jax.vjp_rules._vocab_parallel import (
     VocabPartition, acc_dtype, block_lse_and_picked, check_ignore_index, check_labels, kernel_labels, nan_where,
     shard_index,
@@ -476,6 +476,10 @@ flce_bwd = _partitioned(FusedPrimitive("rlx_fused_linear_ce_bwd", reference_back
 flce_reduced = _partitioned(FusedPrimitive("rlx_fused_linear_ce_reduced", reference_reduced),
                             (_TOTAL, _HIDDEN, _WEIGHT), row_kernels=True)
 flce_hvp = FusedPrimitive("rlx_fused_linear_ce_hvp", reference_hvp)
+# Under vmap each element runs the primitive in turn (its kernels, one logits block live at a
+# time); the tangent and Hessian-vector primitives keep vmap of their references.
+for _prim in (flce_fwd, flce_bwd, flce_reduced):
+    _prim.def_batching(sequential_batching(_prim))
 
 
 @flce_fwd.def_jvp
