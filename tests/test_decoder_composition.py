@@ -18,6 +18,8 @@ import pytest
 
 import rlx_jax.ops as rops
 from rlx_jax.models.transformer import rope_tables
+from rlx_jax.vjp_rules import attention as _attention
+from testutil import platform
 
 # 3 layers, width 24, 4 query heads on 2 kv heads of 6, ffn 20, vocab 37, batch 2 x seq 11:
 # sizes off every kernel's vector width, a sequence shorter than any attention tile
@@ -27,12 +29,24 @@ EPS = 1e-5
 FUSED = ("rlx_gather_fwd", "rlx_gather_bwd", "rlx_rms_norm_linear_fwd", "rlx_add_rms_norm_bwd", "rlx_rope_split",
          "rlx_rope_merge", "rlx_attention_fwd", "rlx_attention_bwd", "rlx_swiglu_linear_fwd", "rlx_swiglu_bwd_product",
          "rlx_fused_linear_ce_reduced")
+# the kernels (FFI targets) those primitives lower to on the CPU at these sizes; attention's
+# only when forced (``cpu_attention``)
+KERNELS = ("rlx_gather_bwd_v1", "rlx_rms_norm_fwd_v1", "rlx_add_rms_norm_bwd_v1", "rlx_rope_split_v1",
+           "rlx_rope_merge_v1", "rlx_swiglu_bwd_product_v1", "rlx_softmax_ce_loss_grad_v1")
 
 
 @pytest.fixture(autouse=True)
 def _full_f32_matmuls():
     with jax.default_matmul_precision("highest"):
         yield
+
+
+@pytest.fixture(params=["xla", "kernel"])
+def cpu_attention(request, monkeypatch):
+    """The CPU's attention path: XLA's code (what these sizes take outside the tests) or the
+    CPU kernel; on other platforms the setting does nothing."""
+    monkeypatch.setattr(_attention, "CPU_KERNEL_MIN_SCORE_BYTES", 0 if request.param == "kernel" else 1 << 62)
+    return request.param
 
 
 def init(dtype, seed=0):
@@ -152,6 +166,19 @@ PLAIN = dict(layer=plain_layer, head=plain_head, embed=lambda t, i: jnp.take(t, 
 RLX = dict(layer=rlx_layer, head=rlx_head, embed=lambda t, i: rops.gather(t, i, axis=0))
 
 
+def _check_lowering(fn, args, cpu_attention):
+    """fn's jaxpr holds every fused primitive, forward and backward; on the CPU its
+    lowering calls their kernels (attention's as ``cpu_attention`` says)."""
+    jaxpr = str(jax.make_jaxpr(fn)(*args))
+    missing = [name for name in FUSED if name not in jaxpr]
+    assert not missing, missing
+    if platform() == "cpu":
+        text = jax.jit(fn).lower(*args).as_text()
+        missing = [name for name in KERNELS if name not in text]
+        assert not missing, missing
+        assert ("rlx_attention_fwd_v1" in text) == (cpu_attention == "kernel")
+
+
 def _compare(got, want, rtol):
     (g_loss, g_grads), (w_loss, w_grads) = got, want
     np.testing.assert_allclose(float(g_loss), float(w_loss), rtol=rtol)
@@ -165,28 +192,28 @@ def _compare(got, want, rtol):
 
 
 @pytest.mark.parametrize("form", ["loop", "scan", "scan-remat"])
-def test_decoder_gradients_match_plain_jax_f64(x64, form):
+def test_decoder_gradients_match_plain_jax_f64(x64, cpu_attention, form):
     params, (tokens, labels) = init(jnp.float64), data()
-    ours = jax.jit(jax.value_and_grad(make_loss(**RLX, form=form)))
+    ours = jax.value_and_grad(make_loss(**RLX, form=form))
+    _check_lowering(ours, (params, tokens, labels), cpu_attention)
     want = jax.value_and_grad(make_loss(**PLAIN, form="loop"))(params, tokens, labels)
-    jaxpr = str(jax.make_jaxpr(ours)(params, tokens, labels))
-    missing = [name for name in FUSED if name not in jaxpr]
-    assert not missing, missing
-    _compare(ours(params, tokens, labels), want, rtol=1e-10)
+    _compare(jax.jit(ours)(params, tokens, labels), want, rtol=1e-10)
 
 
-def test_decoder_f32_kernels_scan_remat(x64):
+def test_decoder_f32_kernels_scan_remat(x64, cpu_attention):
     """f32: the ops' f32 kernels, in the scanned, rematerialised form, against the plain
     model in f64."""
     params, (tokens, labels) = init(jnp.float32), data(seed=2)
-    ours = jax.jit(jax.value_and_grad(make_loss(**RLX, form="scan-remat")))(params, tokens, labels)
+    fn = jax.value_and_grad(make_loss(**RLX, form="scan-remat"))
+    _check_lowering(fn, (params, tokens, labels), cpu_attention)
+    ours = jax.jit(fn)(params, tokens, labels)
     assert ours[0].dtype == jnp.float32
     p64 = jax.tree.map(lambda a: a.astype(jnp.float64), params)
     want = jax.value_and_grad(make_loss(**PLAIN, form="loop"))(p64, tokens, labels)
     _compare(ours, want, rtol=2e-5)
 
 
-def test_decoder_vmapped_over_batches(x64):
+def test_decoder_vmapped_over_batches(x64, cpu_attention):
     """vmap of the loss over two independent token batches (the per-batch losses and their
     summed gradient), the layers scanned."""
     params = init(jnp.float64, seed=3)
@@ -196,6 +223,8 @@ def test_decoder_vmapped_over_batches(x64):
     def total(loss):
         return lambda p, t, l: jnp.sum(jax.vmap(loss, in_axes=(None, 0, 0))(p, t, l))  # noqa: E741
 
-    got = jax.jit(jax.value_and_grad(total(make_loss(**RLX, form="scan"))))(params, tokens, labels)
+    fn = jax.value_and_grad(total(make_loss(**RLX, form="scan")))
+    _check_lowering(fn, (params, tokens, labels), cpu_attention)
+    got = jax.jit(fn)(params, tokens, labels)
     want = jax.value_and_grad(total(make_loss(**PLAIN, form="loop")))(params, tokens, labels)
     _compare(got, want, rtol=1e-10)
