@@ -6,7 +6,10 @@ times (the variants interleaved, as the step benchmark times them: a GPU whose c
 between two profiles taken one after the other shows the drift as a difference between the
 variants). It prints, per variant, the step's kernel time split into kinds (matrix
 multiplies, attention, rlx_jax kernels, XLA fusions, copies) with each kind's time in every
-round, the span and idle time, then the ``--top`` kernels by time, and with ``--by-op N``
+round, the span and idle time (each step waited for before the next is dispatched, so the
+idle time includes the host's dispatch between steps; with ``--back-to-back`` the steps are
+dispatched as a training loop does, one wait at the end, and the idle time is the gaps the
+GPU itself leaves between kernels), then the ``--top`` kernels by time, and with ``--by-op N``
 the N XLA operations (the ``hlo_op`` of the profiler's kernel records: a cuBLAS custom call,
 a fusion, an FFI call) by time, with the kernel each ran and the operation's line of the
 compiled step's optimized HLO (its result type, opcode and operands, shortened: the
@@ -83,6 +86,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=1, help="profiles per variant, the variants interleaved")
     p.add_argument("--top", type=int, default=25, help="kernels listed per variant")
     p.add_argument("--by-op", type=int, default=0, help="XLA operations listed per variant (0: none)")
+    p.add_argument("--back-to-back", action="store_true",
+                   help="dispatch the profiled steps back to back with one wait at the end (idle: the GPU's own gaps)")
     a = p.parse_args(argv)
     if a.steps < 1 or a.rounds < 1:
         p.error("--steps and --rounds must be >= 1")
@@ -106,8 +111,9 @@ def main(argv=None) -> int:
     tokens = jax.numpy.asarray(rng.integers(0, s.vocab, size=(s.batch, s.seq)), jax.numpy.int32)
     labels = jax.numpy.asarray(rng.integers(0, s.vocab, size=s.tokens), jax.numpy.int32)
 
-    print(f"# {device.device_kind}; jax {jax.__version__}; preset {a.preset} ({s}); {a.steps} steps back to back "
-          f"under the JAX profiler, {a.rounds} round(s), the variants interleaved; us per step")
+    print(f"# {device.device_kind}; jax {jax.__version__}; preset {a.preset} ({s}); {a.steps} steps "
+          f"{'dispatched back to back, one wait' if a.back_to_back else 'each waited for'} under the JAX profiler, "
+          f"{a.rounds} round(s), the variants interleaved; us per step")
     runners = {name: e2e.step_runner(s, by_name[name], params, tokens, labels) for name in wanted}
     for runner in runners.values():
         for _ in range(2):
@@ -115,7 +121,8 @@ def main(argv=None) -> int:
     rounds = {name: [] for name in wanted}  # per variant, each round's GPU events
     for _ in range(a.rounds):
         for name in wanted:
-            rounds[name].append(profile_events(runners[name].step, a.steps, gpu_op_events))
+            rounds[name].append(profile_events(runners[name].launch, a.steps, gpu_op_events,
+                                               wait_each=not a.back_to_back))
     for name in wanted:
         events = [[e[:3] for e in r] for r in rounds[name]]
         print_variant(name, events, a.steps, a.top)
@@ -193,15 +200,23 @@ def print_ops(events, steps: int, top: int, ops: dict[str, str]) -> None:
         print(f"   {us:9.1f} us  {launches:5.1f}x  {op:24s} {kernel[:40]:40s} {ops.get(op, '')}")
 
 
-def profile_events(step, steps: int, read_events):
-    """The GPU events (name, start ns, duration ns) of ``steps`` calls of ``step`` under the
-    JAX profiler, read from its trace by ``read_events(trace_dir)``."""
+def profile_events(launch, steps: int, read_events, wait_each: bool = True):
+    """The GPU events (name, start ns, duration ns) of ``steps`` calls of ``launch`` (which
+    dispatches a step and returns its outputs) under the JAX profiler, read from its trace
+    by ``read_events(trace_dir)``: each step waited for before the next (``wait_each``), or
+    all dispatched back to back and waited for once."""
     import jax
 
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
+            pending = []
             for _ in range(steps):
-                step()
+                out = launch()
+                if wait_each:
+                    jax.block_until_ready(out)
+                else:
+                    pending.append(out)
+            jax.block_until_ready(pending)
         return read_events(trace_dir)
 
 

@@ -84,6 +84,34 @@ def test_e2e_profile_rounds_average_each_rounds_own_span():
     assert per_round == [{"matmul": 4.0, "XLA fusions": 1.5}, {"matmul": 6.0, "XLA fusions": 0.5}]
 
 
+def test_e2e_profile_waits_each_step_or_once():
+    """profile_events dispatches ``steps`` steps; waited for one by one, or back to back
+    with one wait at the end (a training loop's regime)."""
+    log = []
+
+    class Out:
+        def __init__(self, n):
+            self.n = n
+
+        def block_until_ready(self):
+            log.append(("wait", self.n))
+            return self
+
+    def launch():
+        n = sum(1 for e in log if e[0] == "launch")
+        log.append(("launch", n))
+        return Out(n)
+
+    events = _profile.profile_events(launch, 3, lambda d: ["read"])
+    assert events == ["read"]
+    assert log == [("launch", 0), ("wait", 0), ("launch", 1), ("wait", 1), ("launch", 2), ("wait", 2)]
+    log.clear()
+    _profile.profile_events(launch, 3, lambda d: [], wait_each=False)
+    assert [e for e in log if e[0] == "launch"] == [("launch", 0), ("launch", 1), ("launch", 2)]
+    assert log[:3] == [("launch", 0), ("launch", 1), ("launch", 2)]  # no wait before the last dispatch
+    assert sorted(e for e in log if e[0] == "wait") == [("wait", 0), ("wait", 1), ("wait", 2)]
+
+
 def test_e2e_profile_op_table_sums_each_operation_over_steps():
     """Kernels grouped by the XLA operation that launched them, per step, with the op's
     longest kernel; records without an operation keep their kernel's name."""
