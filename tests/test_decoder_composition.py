@@ -228,3 +228,23 @@ def test_decoder_vmapped_over_batches(x64, cpu_attention):
     got = jax.jit(fn)(params, tokens, labels)
     want = jax.value_and_grad(total(make_loss(**PLAIN, form="loop")))(params, tokens, labels)
     _compare(got, want, rtol=1e-10)
+
+
+def test_decoder_per_example_gradients(x64, cpu_attention):
+    """vmap of the gradient (per-example gradients, as for clipping or influence): every
+    backward primitive batched, the fused head's per-element gradients included."""
+    params = init(jnp.float64, seed=6)
+    (t0, l0), (t1, l1) = data(seed=7), data(seed=8)
+    tokens, labels = jnp.stack([t0, t1]), jnp.stack([l0, l1])
+
+    def per_example(loss):
+        return jax.vmap(jax.value_and_grad(loss), in_axes=(None, 0, 0))
+
+    fn = per_example(make_loss(**RLX, form="scan"))
+    _check_lowering(fn, (params, tokens, labels), cpu_attention)
+    got = jax.jit(fn)(params, tokens, labels)
+    want = per_example(make_loss(**PLAIN, form="loop"))(params, tokens, labels)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-10)
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-9, atol=1e-12)
+
