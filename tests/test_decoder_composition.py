@@ -1,7 +1,7 @@
 """A whole Llama-style decoder written with rlx_jax.ops, against the same decoder in plain
 JAX, in the forms users train it in: layers in a Python loop, layers stacked and run by
-``lax.scan``, the scanned layer under ``jax.checkpoint``, and the loss vmapped over
-independent batches. Each op has its own tests under scan / remat / vmap; here they meet:
+``lax.scan``, the scanned layer under ``jax.checkpoint``, the loss vmapped over
+independent batches, and per-example gradients (vmap of the gradient). Each op has its own tests under scan / remat / vmap; here they meet:
 the embedding gather feeds add_rms_norm_linear, one q / k / v product split and rotated by
 rope_split feeds grouped-query causal attention, swiglu_linear closes the MLP, and the
 fused linear + cross-entropy head takes the last norm's output. Loss and every parameter's
