@@ -160,6 +160,15 @@ def _folds(idx, rows) -> bool:
     return rows <= jnp.iinfo(idx.dtype).max
 
 
+def _fold_outer(prim, x, dx, idx, **params):
+    """prim on x [O, ., T] batched at axis dx with shared indices: the batch axis folds
+    into O, and the result [B O, ., T] unfolds to [B, O, ., T]."""
+    x = jnp.moveaxis(x, dx, 0)
+    b, o = x.shape[:2]
+    (out,) = prim(x.reshape((b * o,) + x.shape[2:]), idx, **params)
+    return [out.reshape((b, o) + out.shape[1:])], [0]
+
+
 def _fwd_batching(args, dims):
     """gather_fwd under vmap, through the primitive in every case. Only the table batched:
     its batch axis folds into O. Indices batched: they index Bv blocks of the table laid
@@ -168,18 +177,15 @@ def _fwd_batching(args, dims):
     [O, Bv, K, T]."""
     (a, idx), (da, di) = args, dims
     if di is NOT_MAPPED:
-        a = jnp.moveaxis(a, da, 0)
-        b, o = a.shape[:2]
-        (out,) = gather_fwd(a.reshape((b * o,) + a.shape[2:]), idx)
-        return [out.reshape((b, o) + out.shape[1:])], [0]
+        return _fold_outer(gather_fwd, a, da, idx)
     bv, k = idx.shape[di], idx.shape[1 - di]  # idx [K] batched: rank 2
-    if da is not NOT_MAPPED and not _folds(idx, bv * a.shape[2 if da <= 1 else 1]):  # V: [O, V, T]'s axis 1
-        return gather_fwd._reference_batch(args, dims)
     if da is NOT_MAPPED:
         flat = jnp.moveaxis(idx, di, 0).reshape(-1)
     else:
         a = jnp.moveaxis(a, da, 1)  # [O, Bv, V, T]
         o, _, v, t = a.shape
+        if not _folds(idx, bv * v):
+            return gather_fwd._reference_batch(args, dims)
         a = a.reshape(o, bv * v, t)
         flat, _ = _fold_indices(idx, di, v)
     (out,) = gather_fwd(a, flat)
@@ -194,10 +200,7 @@ def _bwd_batching(args, dims, *, num_rows):
     broadcast), and d_table [O, Bv num_rows, T] unfolds to [O, Bv, num_rows, T]."""
     (dy, idx), (dd, di) = args, dims
     if di is NOT_MAPPED:
-        dy = jnp.moveaxis(dy, dd, 0)
-        b, o = dy.shape[:2]
-        (out,) = gather_bwd(dy.reshape((b * o,) + dy.shape[2:]), idx, num_rows=num_rows)
-        return [out.reshape((b, o) + out.shape[1:])], [0]
+        return _fold_outer(gather_bwd, dy, dd, idx, num_rows=num_rows)
     if not _folds(idx, idx.shape[di] * num_rows):
         return gather_bwd._reference_batch(args, dims, num_rows=num_rows)
     flat, bv = _fold_indices(idx, di, num_rows)
