@@ -82,7 +82,7 @@ if has sanitize; then
       -p no:cacheprovider --import-mode=importlib -m "not slow" "$@" >"$log" 2>&1
     echo "rc=$?" >>"$log"
   }
-  K="${RLX_SANITIZE_K:-37x64 or 33x999 or 37x5 or 3x6x5x7 or sanitizer or 2-37-37 or 1-96-96}"
+  K="${RLX_SANITIZE_K:-37x64 or 33x999 or 37x5 or 3x6x5x7 or sanitizer or 2-37-37 or 1-96-96 or 1001 or odd_offsets or 16x8192 or 300x16384 or 531x32000 or 700x8200}"
   pids=()
   for f in $(gpu_test_files); do
     n=$(basename "$f" .py); [ "$n" = test_reliability_gpu ] && continue
