@@ -588,7 +588,7 @@ def parse_args(argv):
     p.add_argument("--variants", default=None,
                    help="comma-separated variant names to run (default all; the reference always runs)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 5; quick 0)")
-    p.add_argument("--reps", type=int, default=None, help="steps per variant per round (default 3)")
+    p.add_argument("--reps", type=int, default=None, help="steps per variant per round (default 10 on GPUs, 3 elsewhere)")
     p.add_argument("--train", choices=["auto", "none", *sorted(TRAIN_CONFIGS)], default="auto",
                    help="the rlx-jax train transformer rows: auto = small on CPU presets, gpu otherwise")
     p.add_argument("--train-precision", choices=["f32", "bf16"], default=None,
@@ -711,7 +711,10 @@ def main(argv=None) -> int:
     det_xla = DET_FLAG in os.environ.get("XLA_FLAGS", "")
     quick = a.quick
     rounds = a.rounds if a.rounds is not None else (0 if quick else 5)
-    reps = a.reps or 3
+    # GPU steps take tens of ms: 10-step bursts (about half a second a variant) keep the
+    # launch latency and clock changes between bursts out of a round's ratio, where 3-step
+    # bursts spread the llama-v32k rounds over 0.98-1.18x; CPU steps are long enough at 3
+    reps = a.reps or (10 if platform == "gpu" else 3)
     peak = a.peak_tflops
     if peak is None and platform == "gpu":
         peak = next((v for (kind, dt), v in PEAK_TFLOPS.items() if kind in device.device_kind and dt == s.dtype), None)
