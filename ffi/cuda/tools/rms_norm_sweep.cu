@@ -9,6 +9,9 @@
 //    determinism of two backward runs;
 // 2. timings (CUDA events, median of 30 after warm-up) of each variant at 32768 x 4096
 //    f32 and bf16 against a device-to-device copy's bandwidth.
+// With the argument "step": timings only, of every staged and register variant at the
+// Llama step's norm (16384 x 2048 bf16, benchmarks/e2e_step.py --preset llama-v32k)
+// against a 64 MiB copy.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -248,6 +251,20 @@ int main(int argc, char** argv) {
   // all cases and the timings
   const std::string mode = argc > 1 ? argv[1] : "";
 
+  if (mode == "step") {  // the Llama step's norm shape: every staged / register variant
+    const size_t cb = size_t(64) << 20;
+    void *ca, *cbuf;
+    CK(cudaMalloc(&ca, cb));
+    CK(cudaMalloc(&cbuf, cb));
+    const float tc = median_ms([&] { cudaMemcpyAsync(cbuf, ca, cb, cudaMemcpyDeviceToDevice); });
+    const double copy_bw = 2.0 * cb / (tc * 1e-3);
+    std::printf("COPY 64 MiB d2d: %.4f ms, %.0f GB/s (read + write)\n", tc, copy_bw / 1e9);
+    const Tuning def{0, -1, -1, 0};
+    time_case<__nv_bfloat16>(16384, 2048, copy_bw,
+                             {def, def, {1, 0, 1, 2}, {1, 0, 1, 4}, {1, 0, 1, 6}, {1, 0, 1, 8}, {2, 0, 1, 2},
+                              {2, 0, 1, 3}, {2, 0, 1, 6}, {1, 0, 0, 0}, {2, 0, 0, 0}, {1, 1, 0, 0}, {2, 1, 0, 0}});
+    return 0;
+  }
   // ---- correctness ----
   if (mode == "quick") {
     for (int64_t W : {64, 100, 999, 4096, 12288})
