@@ -34,10 +34,10 @@ python3 -c 'import jax, rlx_jax; i = rlx_jax.kernel_info(); print("jax", jax.__v
 if has tests; then
   step tests
   pids=()
-  # one pytest process per file; the attention file runs as processes split by -k, one log each
-  # ($n.partK.txt): five parts, then each RLX_ATTENTION_CUDA_WGMMA setting's child of
-  # test_wgmma_forward in its own part, the settings read from the test's own parametrisation (so
-  # a new setting gets a part).
+  # one pytest process per file (at most 420 s each); the attention and pool files run as
+  # processes split by -k, one log each ($n.partK.txt). Attention: five parts, then each
+  # RLX_ATTENTION_CUDA_WGMMA setting's child of test_wgmma_forward in its own part, the settings
+  # read from the test's own parametrisation (so a new setting gets a part).
   att_parts=("tensor_core_path" "kernel_specialisations" "deterministic" "ws_persistent"
              "not tensor_core_path and not kernel_specialisations and not wgmma and not deterministic and not ws_persistent")
   while read -r v; do
@@ -45,15 +45,27 @@ if has tests; then
   done < <(python3 -m pytest -q --collect-only -p no:cacheprovider --import-mode=importlib -m "not slow" \
              tests/test_attention_gpu.py -k test_wgmma_forward 2>/dev/null |
            sed -n 's/.*::test_wgmma_forward\[\(.*\)\]$/\1/p')
+  # pool: about 5 minutes alone on an H200, past the limit beside the other files: two parts
+  pool_parts=("max_pool_gradient" "not max_pool_gradient")
+  run_parts() {  # run_parts FILE XLA_FLAGS SELECTION...: one pytest process per -k selection
+    local f=$1 flags=$2 n i; shift 2
+    n=$(basename "$f" .py)
+    local parts=("$@")
+    for i in "${!parts[@]}"; do
+      ( XLA_FLAGS=$flags timeout 420 python3 -m pytest -q -p no:cacheprovider \
+          --import-mode=importlib -m "not slow" "$f" -k "${parts[$i]}" >"$OUT/$n.part$i.txt" 2>&1
+        echo "rc=$?" >>"$OUT/$n.part$i.txt" ) &
+      pids+=($!)
+    done
+  }
   for f in $(gpu_test_files); do
     n=$(basename "$f" .py)
     if [ "$n" = test_attention_gpu ]; then
-      for i in "${!att_parts[@]}"; do
-        ( XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 420 python3 -m pytest -q -p no:cacheprovider \
-            --import-mode=importlib -m "not slow" "$f" -k "${att_parts[$i]}" >"$OUT/$n.part$i.txt" 2>&1
-          echo "rc=$?" >>"$OUT/$n.part$i.txt" ) &
-        pids+=($!)
-      done
+      run_parts "$f" --xla_gpu_autotune_level=0 "${att_parts[@]}"
+      continue
+    fi
+    if [ "$n" = test_pool_gpu ]; then
+      run_parts "$f" "${XLA_FLAGS:-}" "${pool_parts[@]}"
       continue
     fi
     ( timeout 420 python3 -m pytest -q -p no:cacheprovider --import-mode=importlib -m "not slow" "$f" \
