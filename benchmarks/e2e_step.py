@@ -57,6 +57,7 @@ the step, CPU time mostly the step.
     python benchmarks/e2e_step.py --preset llama-v32k --deterministic-xla
     python benchmarks/e2e_step.py --preset tiny --quick     # the CI check: agreement only
     python benchmarks/e2e_step.py --preset llama-v32k --processes 3
+    python benchmarks/e2e_step.py --preset llama-v32k --variants rlx-lean --head-chunk 8192
 
 ``--processes N`` runs the whole measurement in N fresh processes one after the other and
 ends with each variant's speedup in every process and their median. One process compiles
@@ -122,11 +123,14 @@ class Shape:
     dtype: str
     eps: float = 1e-5
     rope_base: float = 10000.0
+    head_chunk: int | None = None  # rows per block of the fused head (None: the op's choice)
 
     def __post_init__(self):
         for name in ("layers", "width", "heads", "kv_heads", "head_dim", "ffn", "vocab", "batch", "seq"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive (got {getattr(self, name)})")
+        if self.head_chunk is not None and self.head_chunk <= 0:
+            raise ValueError(f"--head-chunk must be positive (got {self.head_chunk})")
         if self.heads % self.kv_heads:
             raise ValueError(f"--kv-heads {self.kv_heads} must divide --heads {self.heads}")
         if self.head_dim % 2:
@@ -238,15 +242,18 @@ def _jax_loss(h, w, labels):
     return jnp.mean(lse - picked)
 
 
-def _rlx_loss(h, w, labels, f32_logits=False):
+def _rlx_loss(h, w, labels, f32_logits=False, chunk=None):
     """fused_linear_cross_entropy, reduced in the op where it takes ``reduction``, its
     logits blocks in h's dtype (as the plain head's ``h @ w``) where it takes
-    ``logits_dtype``, unless ``f32_logits``."""
+    ``logits_dtype``, unless ``f32_logits``; ``chunk`` rows per block (None: the op's
+    default)."""
     import jax.numpy as jnp
     from rlx_jax.ops import fused_linear_cross_entropy as flce
 
     params = inspect.signature(flce).parameters
     kw = {"logits_dtype": h.dtype} if "logits_dtype" in params and not f32_logits else {}
+    if chunk is not None:
+        kw["chunk_size"] = chunk
     if "reduction" in params:
         return flce(h, w, labels, reduction="mean", **kw).astype(jnp.float32)
     return jnp.mean(flce(h, w, labels, **kw).astype(jnp.float32))
@@ -327,7 +334,7 @@ def make_loss(s: Shape, v: Variant):
         h = h.reshape(b * t, s.width)
         if v.loss == "jax":
             return _jax_loss(h, params["head"], labels)
-        return _rlx_loss(h, params["head"], labels, f32_logits=v.loss == "rlx-f32")
+        return _rlx_loss(h, params["head"], labels, f32_logits=v.loss == "rlx-f32", chunk=s.head_chunk)
 
     return loss
 
@@ -585,6 +592,8 @@ def parse_args(argv):
     for name in ("layers", "width", "heads", "kv-heads", "head-dim", "ffn", "vocab", "batch", "seq"):
         p.add_argument(f"--{name}", type=int, default=None, help="override the preset")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument("--head-chunk", type=int, default=None,
+                   help="rows per block of the rlx variants' fused head (default: the op's choice)")
     p.add_argument("--variants", default=None,
                    help="comma-separated variant names to run (default all; the reference always runs)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 5; quick 0)")
@@ -607,7 +616,8 @@ def parse_args(argv):
     if a.processes > 1 and (a.quick or a.rounds == 0):
         p.error("--processes compares timed runs: not with --quick or --rounds 0")
     fields = dict(PRESETS[a.preset])
-    for name in ("layers", "width", "heads", "kv_heads", "head_dim", "ffn", "vocab", "batch", "seq", "dtype"):
+    for name in ("layers", "width", "heads", "kv_heads", "head_dim", "ffn", "vocab", "batch", "seq", "dtype",
+                 "head_chunk"):
         if getattr(a, name) is not None:
             fields[name] = getattr(a, name)
     if a.width is not None and a.head_dim is None and a.heads is not None:
@@ -798,7 +808,8 @@ def main(argv=None) -> int:
     rows += failed
 
     header = (f"e2e step, preset {a.preset}: {s.layers} layers, width {s.width}, {s.heads}/{s.kv_heads} heads x "
-              f"{s.head_dim}, ffn {s.ffn}, vocab {s.vocab}, batch {s.batch} x seq {s.seq}, {s.dtype}; "
+              f"{s.head_dim}, ffn {s.ffn}, vocab {s.vocab}, batch {s.batch} x seq {s.seq}, {s.dtype}"
+              f"{f', fused head blocks of {s.head_chunk} rows' if s.head_chunk else ''}; "
               f"{device.platform} ({device.device_kind}), jax {jax.__version__}"
               f"{', ' + DET_FLAG if det_xla else ''}; {rounds} rounds x {reps} steps"
               + (f"; train rows: rlx-jax train transformer {TRAIN_CONFIGS[train_kind]}, {train_precision}"

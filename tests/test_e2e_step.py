@@ -62,6 +62,10 @@ def test_rlx_rope_and_loss_wrappers_match_the_plain_forms():
     for f32, want in ((False, "logits_dtype=bfloat16"), (True, "logits_dtype=None")):
         jaxpr = str(jax.make_jaxpr(lambda h, w: _e2e._rlx_loss(h, w, labels, f32_logits=f32))(hb, wb))
         assert want in jaxpr, jaxpr
+    # --head-chunk: the head's row blocks as asked (4 rows: blocks of 4, 4 and 1), same loss
+    jaxpr = str(jax.make_jaxpr(lambda h, w: _e2e._rlx_loss(h, w, labels, chunk=4))(h, w))
+    assert "chunk_size=4" in jaxpr, jaxpr
+    np.testing.assert_allclose(_e2e._rlx_loss(h, w, labels, chunk=4), _e2e._rlx_loss(h, w, labels), rtol=1e-6)
 
 
 def test_model_flops_and_bad_shapes():
@@ -72,6 +76,10 @@ def test_model_flops_and_bad_shapes():
         _e2e.Shape(**dict(_e2e.PRESETS["tiny"], kv_heads=3))
     with pytest.raises(ValueError, match="head-dim"):
         _e2e.Shape(**dict(_e2e.PRESETS["tiny"], head_dim=15))
+    with pytest.raises(ValueError, match="head-chunk"):
+        _e2e.parse_args(["--preset", "tiny", "--head-chunk", "0"])
+    assert _e2e.parse_args(["--preset", "tiny", "--head-chunk", "32"]).shape.head_chunk == 32
+    assert _e2e.parse_args(["--preset", "tiny"]).shape.head_chunk is None
 
 
 def test_round_speedups_and_their_range_in_the_table():
