@@ -40,6 +40,11 @@ def test_train_llama_learns_and_lean_ops_train_alike():
     assert default == pytest.approx(lean, rel=1e-4), (default, lean)
 
 
+def test_train_llama_bf16_compute():
+    """bf16 compute from the f32 master weights (the GPU default), lean ops: still learns."""
+    _final(run_example("train_llama.py", "--dtype", "bfloat16", "--lean"))
+
+
 def test_train_llama_rejects_bad_steps():
     env = dict(os.environ, RLX_JAX_QUICK="1", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "train_llama.py"), "--steps", "0"], env=env,
