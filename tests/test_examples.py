@@ -15,10 +15,15 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def run_example(name: str, *args: str) -> str:
+def launch(name: str, *args: str) -> subprocess.CompletedProcess:
+    """examples/NAME run in quick mode on the CPU, in a fresh process."""
     env = dict(os.environ, RLX_JAX_QUICK="1", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / name), *args], env=env, cwd=ROOT,
+    return subprocess.run([sys.executable, str(ROOT / "examples" / name), *args], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
+
+
+def run_example(name: str, *args: str) -> str:
+    proc = launch(name, *args)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout
 
@@ -46,9 +51,7 @@ def test_train_llama_bf16_compute():
 
 
 def test_train_llama_rejects_bad_steps():
-    env = dict(os.environ, RLX_JAX_QUICK="1", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "train_llama.py"), "--steps", "0"], env=env,
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = launch("train_llama.py", "--steps", "0")
     assert proc.returncode != 0 and "--steps must be positive" in proc.stderr
 
 
