@@ -48,13 +48,17 @@ def unfused_mean_loss(h, wt, y):
     return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=-1))
 
 
-def variants(chunk: int | None = None) -> dict:
-    """name -> mean loss function of (hidden, weight, labels)."""
+def variants(chunk: int | None = None, narrow_logits: bool = False) -> dict:
+    """name -> mean loss function of (hidden, weight, labels). ``narrow_logits``: our
+    logits blocks in hidden's dtype (``logits_dtype=hidden.dtype``, the rounding of the
+    unfused path's ``h @ wt``) instead of the op's default f32."""
+    def kw(h):
+        return {"chunk_size": chunk, **({"logits_dtype": h.dtype} if narrow_logits else {})}
+
     return {
         "unfused": unfused_mean_loss,
-        "ours mean": lambda h, wt, y: fused_linear_cross_entropy(h, wt, y, reduction="mean", chunk_size=chunk),
-        "ours none": lambda h, wt, y: jnp.mean(
-            fused_linear_cross_entropy(h, wt, y, chunk_size=chunk).astype(jnp.float32)),
+        "ours mean": lambda h, wt, y: fused_linear_cross_entropy(h, wt, y, reduction="mean", **kw(h)),
+        "ours none": lambda h, wt, y: jnp.mean(fused_linear_cross_entropy(h, wt, y, **kw(h)).astype(jnp.float32)),
     }
 
 
@@ -73,10 +77,11 @@ def temp_mb(fn, *args) -> float:
     return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**20
 
 
-def compare(n: int, d: int, v: int, dtype, rounds: int = 5, chunk: int | None = None) -> list[dict]:
+def compare(n: int, d: int, v: int, dtype, rounds: int = 5, chunk: int | None = None,
+            narrow_logits: bool = False) -> list[dict]:
     """Interleaved timing of every variant; one dict per variant."""
     args = make_inputs(n, d, v, dtype)
-    fns = {name: _grad_fn(f) for name, f in variants(chunk).items()}
+    fns = {name: _grad_fn(f) for name, f in variants(chunk, narrow_logits).items()}
     want = jax.block_until_ready(fns["unfused"](*args))
     rows = {}
     for name, fn in fns.items():
@@ -130,12 +135,17 @@ def main(argv=None):
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--chunk", type=int, default=None, help="rows per block (default: the op's choice)")
+    ap.add_argument("--narrow-logits", action="store_true",
+                    help="our logits blocks in the inputs' dtype (logits_dtype=hidden.dtype), as the unfused h @ wt")
     ap.add_argument("--json", default=None, help="write the rows to this file")
     a = ap.parse_args(argv)
+    if a.rounds < 1 or (a.chunk is not None and a.chunk < 1):
+        ap.error("--rounds and --chunk must be >= 1")
     n, d, v, dtype = PRESETS[a.preset]
     print(f"# fused linear cross-entropy, loss + grads, N {n} D {d} V {v} {jnp.dtype(dtype).name}, "
-          f"{jax.devices()[0].device_kind}, {a.rounds} interleaved rounds, median", flush=True)
-    rows = compare(n, d, v, dtype, a.rounds, a.chunk)
+          f"{jax.devices()[0].device_kind}, {a.rounds} interleaved rounds, median; our blocks: "
+          f"{a.chunk or 'default'} rows, logits in {jnp.dtype(dtype).name if a.narrow_logits else 'f32'}", flush=True)
+    rows = compare(n, d, v, dtype, a.rounds, a.chunk, a.narrow_logits)
     for r in rows:
         print(f"{r['variant']:10s} {r['ms']:9.2f} ms  speed {r['speed_vs_unfused']:.2f}x  "
               f"temp {r['temp_MB']:9.1f} MB ({r['temp_vs_unfused']:.3f}x)  max|diff| {r['max_abs_diff']:.2e}")

@@ -628,14 +628,50 @@ def test_fused_linear_reduced_backward_only_scales():
 def test_fused_linear_default_chunk():
     from rlx_jax.vjp_rules.linear_cross_entropy import default_chunk_size
     assert default_chunk_size(2048, 256, 8192, "cpu") == 256
-    # GPUs: about 2^27 logits per block (power of two), at least 2048 rows, at most the
-    # rows there are
-    assert default_chunk_size(16384, 2048, 32000, "cuda") == 4096
+    # GPUs: about 256 MiB of logits per block as written (power of two), at least 2048
+    # rows, at most the rows there are
+    assert default_chunk_size(16384, 2048, 32000, "cuda") == 2048  # f32 blocks
+    assert default_chunk_size(16384, 2048, 32000, "cuda", logit_bytes=2) == 4096  # bf16 blocks
     assert default_chunk_size(16384, 2048, 128256, "cuda") == 2048
+    assert default_chunk_size(16384, 2048, 128256, "cuda", logit_bytes=2) == 2048
     assert default_chunk_size(65536, 4096, 262144, "cuda") == 2048
-    assert default_chunk_size(1 << 20, 2048, 1000, "cuda") == 1 << 17
+    assert default_chunk_size(1 << 20, 2048, 1000, "cuda") == 1 << 16
+    assert default_chunk_size(1 << 20, 2048, 1000, "cuda", logit_bytes=2) == 1 << 17
     assert default_chunk_size(1000, 2048, 128256, "cuda") == 1000
     assert default_chunk_size(3, 8, 10, "cpu") == 3
+    # the CPU counts logits, whatever their width
+    assert default_chunk_size(2048, 256, 8192, "cpu", logit_bytes=2) == 256
+
+
+def test_fused_linear_block_logit_bytes():
+    """The bytes a logit takes as ``_logits`` writes a block: the accumulation dtype's
+    unless the matmul writes the (no wider) logits dtype itself."""
+    from rlx_jax.vjp_rules.linear_cross_entropy import block_logit_bytes
+    assert block_logit_bytes(jnp.bfloat16, None) == 4
+    assert block_logit_bytes(jnp.bfloat16, jnp.bfloat16) == 2
+    assert block_logit_bytes(jnp.float16, np.dtype(jnp.float16)) == 2
+    assert block_logit_bytes(jnp.float32, None) == 4
+    assert block_logit_bytes(jnp.float32, jnp.bfloat16) == 4  # f32 product, rounded afterwards
+    assert block_logit_bytes(jnp.float64, None) == 8
+    assert block_logit_bytes(jnp.float64, np.dtype(jnp.float32)) == 8
+
+
+@pytest.mark.parametrize("logits_dtype, want", [(None, 4), (jnp.bfloat16, 2)])
+def test_fused_linear_default_chunk_sees_block_dtype(monkeypatch, logits_dtype, want):
+    """The public op sizes its default blocks by the bytes its logits blocks take."""
+    from rlx_jax.vjp_rules import linear_cross_entropy as flce_rules
+    seen = []
+    real = flce_rules.default_chunk_size
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("logit_bytes"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(flce_rules, "default_chunk_size", spy)
+    h = jnp.ones((6, 4), jnp.bfloat16)
+    w = jnp.ones((4, 10), jnp.bfloat16)
+    fused_linear_cross_entropy(h, w, jnp.zeros(6, jnp.int32), reduction="mean", logits_dtype=logits_dtype)
+    assert seen == [want]
 
 
 def test_fused_linear_errors():

@@ -73,23 +73,36 @@ from rlx_jax.vjp_rules._vocab_parallel import (
 REDUCTIONS = ("none", "mean", "sum")
 
 
-def default_chunk_size(rows: int, dim: int, vocab: int, platform: str | None = None) -> int:
+def default_chunk_size(rows: int, dim: int, vocab: int, platform: str | None = None, logit_bytes: int = 4) -> int:
     """Rows per block, a power of two. On CPUs a logits block of about 2 M elements
-    (8 MiB f32, cache-sized work per matmul). On GPUs about 2^27 elements (256 MiB in
-    bf16), but never fewer than 2048 rows: every block adds its h_b^T g to the f32 d
-    weight accumulator, reading and writing [D, V] f32, so small blocks turn the backward
-    into weight traffic. Measured on an H200 (N 16384, D 2048, bf16): the op alone at
-    V 128256 (loss + gradients against logits + log_softmax in XLA), 256-row blocks ran
-    at 0.54x and 2048-row blocks at 1.01x in 2 GiB of temp memory (XLA: 15.7 GiB); in the
-    Llama step of ``benchmarks/e2e_step.py --preset llama-v32k`` (V 32000, bf16 logits
-    blocks, lean ops), 4096-row blocks took 0.13 ms (0.3 %) more than 8192-row ones in
-    0.59 GiB less temp memory (3.16 against 3.75 GiB): the head runs while every layer's
-    kept activations are live, so its block sets the step's peak."""
+    (8 MiB f32, cache-sized work per matmul). On GPUs a block of about 256 MiB as its
+    matmul writes it (``logit_bytes`` a logit: 4 for f32 blocks, 2 for bf16 ones), but
+    never fewer than 2048 rows: every block adds its h_b^T g to the f32 d weight
+    accumulator, reading and writing [D, V] f32, so small blocks turn the backward into
+    weight traffic. Measured on an H200 (N 16384, D 2048, bf16, loss + gradients against
+    logits + log_softmax in XLA, ``benchmarks.cases_cross_entropy``, 7 interleaved rounds):
+    at V 128256, 256-row blocks ran at 0.54x and 2048-row blocks at 1.01x in 2 GiB of temp
+    memory (XLA: 15.7 GiB); at V 32000 with f32 blocks, 4096 rows ran at 1.10x in 0.25x
+    XLA's temp memory (1016 of 4000 MB) and 2048 rows at 1.08x in 0.13x (508 MB), so f32
+    blocks take 2048 rows there; bf16 blocks (``logits_dtype=jnp.bfloat16``) 4096 rows,
+    1.15x in 0.13x. In the Llama step of ``benchmarks/e2e_step.py --preset llama-v32k``
+    (V 32000, bf16 blocks, lean ops), 4096-row blocks took 0.13 ms (0.3 %) more than
+    8192-row ones in 0.59 GiB less temp memory (3.16 against 3.75 GiB): the head runs while
+    every layer's kept activations are live, so its block sets the step's peak."""
     platform = platform or jax.default_backend()
     cpu = platform == "cpu"
-    target = max(1, (1 << (21 if cpu else 27)) // max(vocab, 1))
+    target = max(1, ((1 << 21) if cpu else (1 << 28) // max(int(logit_bytes), 1)) // max(vocab, 1))
     block = max(1 << max(4, int(math.log2(target))), 16 if cpu else 2048)
     return int(max(1, min(block, max(rows, 1))))
+
+
+def block_logit_bytes(dtype, logits_dtype) -> int:
+    """Bytes a logit takes in a block as ``_logits`` forms it from operands of ``dtype``:
+    the accumulation dtype's (f32, f64) when the block is written in it or rounded down to
+    a narrower ``logits_dtype`` afterwards, else ``logits_dtype``'s (bf16 from bf16)."""
+    if logits_dtype is None or np.dtype(logits_dtype).itemsize < np.dtype(dtype).itemsize:
+        return np.dtype(acc_dtype(dtype)).itemsize
+    return np.dtype(logits_dtype).itemsize
 
 
 # ---- row blocks ------------------------------------------------------------------------
@@ -577,7 +590,7 @@ def fused_linear_cross_entropy(hidden, weight, labels, *, reduction: str = "none
     all); with "none" the backward recomputes the logits (four).
 
     chunk_size: rows per block (the largest intermediate is [chunk_size, V] logits);
-    None picks ``default_chunk_size`` for the platform and shape.
+    None picks ``default_chunk_size`` for the platform, the shape and the block's dtype.
 
     logits_dtype: the dtype each logits block is written in by its matmul (which
     accumulates in f32 either way). None (default): f32 (f64 for f64), the most precise.
@@ -613,7 +626,8 @@ def fused_linear_cross_entropy(hidden, weight, labels, *, reduction: str = "none
     h2 = hidden.reshape(-1, dim).astype(dtype)
     w = weight.astype(dtype)
     rows = h2.shape[0]
-    chunk = int(chunk_size) if chunk_size is not None else default_chunk_size(rows, dim, vocab)
+    chunk = (int(chunk_size) if chunk_size is not None
+             else default_chunk_size(rows, dim, vocab, logit_bytes=block_logit_bytes(dtype, logits_dtype)))
     chunk = _block_rows(rows, chunk)
     if reduction == "none":
         loss, _ = flce_fwd(h2, w, labels, chunk_size=chunk, logits_dtype=logits_dtype)
