@@ -8,6 +8,8 @@
   (x, residual) and the gradients from (ds, dy), against XLA's autodiff of ``x + r`` and
   the reference norm. Floor: forward reads x and r and writes s and y, backward reads s,
   dy and ds and writes dx (the residual's gradient is the same array): 8 N H elements.
+- ``add_rms_norm_fwd`` / ``add_rms_norm_bwd_only``: the two halves of that case apart, as a
+  step runs them (floors 4 N H each; the backward's reads s, dy, ds and writes dx).
 """
 
 from __future__ import annotations
@@ -105,6 +107,42 @@ def _add_case(n: int, h: int, dtype) -> Case:
     )
 
 
+def _add_part_case(n: int, h: int, dtype, part: str) -> Case:
+    """add_rms_norm's forward alone ("fwd": (s, y) from x, r) or its backward alone
+    ("bwd": the gradients from each path's own forward residuals, computed beforehand).
+    In a training step the backward runs far from the forward, so XLA cannot fuse the two
+    as it does in the one-program fwd+bwd case; these are the step's two halves."""
+    beta = jnp.zeros((h,), dtype)
+
+    def plain(x, r, g):
+        s = x + r
+        return s, reference_rms_norm(s, g, beta, eps=EPS)[0]
+
+    def fused(x, r, g):
+        return add_rms_norm(x, r, g, eps=EPS)
+
+    def inputs(key):
+        kx, kr, kg, ks, kd = jax.random.split(key, 5)
+        x, r, ds, dy = (jax.random.normal(k, (n, h), jnp.float32).astype(dtype) for k in (kx, kr, ks, kd))
+        g = (1.0 + 0.1 * jax.random.normal(kg, (h,), jnp.float32)).astype(dtype)
+        return x, r, g, ds, dy
+
+    itemsize = jnp.dtype(dtype).itemsize
+    if part == "fwd":
+        return Case(name=f"add_rms_norm_fwd {jnp.dtype(dtype).name} {n}x{h}",
+                    make=lambda key: inputs(key)[:3], ours=fused, xla=plain, floor_bytes=4 * n * h * itemsize)
+
+    def make(key):
+        x, r, g, ds, dy = inputs(key)
+        # the vjp closures hold each path's residuals (s and rstd, or what XLA keeps)
+        vjps = [jax.jit(lambda x, r, g, f=f: jax.vjp(f, x, r, g)[1])(x, r, g) for f in (fused, plain)]
+        return (*vjps, ds, dy)
+
+    return Case(name=f"add_rms_norm_bwd_only {jnp.dtype(dtype).name} {n}x{h}", make=make,
+                ours=lambda vo, vx, ds, dy: vo((ds, dy)), xla=lambda vo, vx, ds, dy: vx((ds, dy)),
+                floor_bytes=4 * n * h * itemsize)
+
+
 def cases(device_kind: str) -> list[Case]:
     if device_kind == "gpu":
         return [
@@ -114,7 +152,10 @@ def cases(device_kind: str) -> list[Case]:
             _bwd_only_case(32768, 4096, jnp.bfloat16),
             _add_case(16384, 2048, jnp.bfloat16),
             _add_case(16384, 2048, jnp.float32),
+            *(_add_part_case(16384, 2048, dtype, part) for part in ("fwd", "bwd")
+              for dtype in (jnp.bfloat16, jnp.float32)),
         ]
     return [_case(8192, 1024, jnp.float32), _case(8192, 1024, jnp.bfloat16),
             _bwd_only_case(8192, 1024, jnp.float32), _bwd_only_case(8192, 1024, jnp.bfloat16),
-            _add_case(8192, 1024, jnp.float32)]
+            _add_case(8192, 1024, jnp.float32), _add_part_case(8192, 1024, jnp.float32, "fwd"),
+            _add_part_case(8192, 1024, jnp.float32, "bwd")]
