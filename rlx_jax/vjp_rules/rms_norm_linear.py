@@ -22,7 +22,8 @@ merges it with the forward's identical call nor moves it into the forward.
 
 Primitives (``add`` static: whether the residual add comes first):
 - ``rms_norm_linear_fwd``: (x, gamma, beta, *W) -> (*out), or with ``add``
-  (x, residual, gamma, beta, *W) -> (s, *out); the norm kernels and XLA's matmuls;
+  (x, residual, gamma, beta, *W) -> (s, *out); the norm's forward (``rms_norm_fwd``, or
+  ``add_rms_norm_fwd``: on CUDA XLA's fused add + norm) and XLA's matmuls;
 - ``rms_norm_linear_tangent``: (u, gamma, beta, *W, tx, [tres,] tgamma, tbeta, *tW) ->
   ([ts,] *tout), linear in the tangents; its transpose is the backward above.
 The matmuls run in the promoted dtype of y and W at JAX's default precision, as
