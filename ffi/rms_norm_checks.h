@@ -53,5 +53,19 @@ inline ffi::Error check_add_bwd(Backend b, const ffi::AnyBuffer& x, const ffi::A
   return norm::check_like_x(x, dres, "add_rms_norm backward: dres must match x");
 }
 
+// The backward that also writes the forward's y (rlx_rms_norm_bwd_y / rlx_add_rms_norm_bwd_y,
+// rstd recomputed from x with eps): x, gamma, beta, dy[, dres] -> dx, dgamma, dbeta, y.
+inline ffi::Error check_bwd_y(const ffi::AnyBuffer& x, const ffi::AnyBuffer& gamma, const ffi::AnyBuffer& beta,
+                              const ffi::AnyBuffer& dy, const ffi::AnyBuffer* dres, const ffi::AnyBuffer& dx,
+                              const ffi::AnyBuffer& dgamma, const ffi::AnyBuffer& dbeta, const ffi::AnyBuffer& y,
+                              float eps) {
+  if (auto e = norm::check_row_norm_bwd("rms_norm", x, gamma, dy, dx, dgamma, dbeta); e.failure()) return e;
+  if (auto e = check_param(x, beta, "beta"); e.failure()) return e;
+  if (auto e = norm::check_like_x(x, y, "rms_norm backward: output y must match x"); e.failure()) return e;
+  if (dres)
+    if (auto e = norm::check_like_x(x, *dres, "add_rms_norm backward: dres must match x"); e.failure()) return e;
+  return norm::check_eps("rms_norm", eps);
+}
+
 }  // namespace rms_norm
 }  // namespace rlx

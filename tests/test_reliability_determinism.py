@@ -61,6 +61,12 @@ def _cases():
                           tuple(a.astype(jnp.bfloat16) for a in (x, g, b)), (0, 1, 2))
     c["add_rms_norm"] = (("rlx_rms_norm_fwd_v1", "rlx_add_rms_norm_bwd_v1"),
                          lambda x, r, g: sum(ops.add_rms_norm(x, r, g)), (x, _arr((300, 128), 7), g), (0, 1, 2))
+    w = 0.1 * _arr((128, 64), 31)
+    c["rms_norm_linear"] = (("rlx_rms_norm_fwd_v1", "rlx_rms_norm_bwd_v1"), lambda x, g, w: ops.rms_norm_linear(x, g, w),
+                            (x, g, w), (0, 1, 2))
+    c["add_rms_norm_linear"] = (("rlx_rms_norm_fwd_v1", "rlx_add_rms_norm_bwd_v1"),
+                                lambda x, r, g, w: jnp.concatenate(ops.add_rms_norm_linear(x, r, g, w), axis=-1),
+                                (x, _arr((300, 128), 32), g, w), (0, 1, 2, 3))
     c["layer_norm"] = (("rlx_layer_norm_fwd_v1", "rlx_layer_norm_bwd_v1"), lambda x, g, b: ops.layer_norm(x, g, b),
                        (x, g, b), (0, 1, 2))
     xg = _arr((8, 32, 10, 10), 3)

@@ -34,6 +34,7 @@ def _cuda_targets() -> set[str]:
 
 def test_every_cuda_target_has_a_determinism_case():
     covered = {t for targets, *_ in det._cases().values() for t in targets}
+    covered |= {t for targets in _CUDA_CASE_TARGETS.values() for t in targets}
     missing = _cuda_targets() - covered
     assert not missing, f"CUDA targets without a determinism case: {sorted(missing)}"
 
@@ -48,6 +49,9 @@ _XLA_ON_CUDA = {
 #: cases part of whose computation CUDA leaves to XLA by design: the targets it runs there
 _CUDA_CASE_TARGETS = {
     "add_rms_norm": ("rlx_add_rms_norm_bwd_v1",),  # the forward is XLA's fused add + norm on CUDA
+    # the backward's y from the norm's backward kernel, not from the forward kernel run again
+    "rms_norm_linear": ("rlx_rms_norm_fwd_v1", "rlx_rms_norm_bwd_y_v1"),
+    "add_rms_norm_linear": ("rlx_add_rms_norm_bwd_y_v1",),
 }
 
 

@@ -72,6 +72,32 @@ def test_backward_matches_reference(shape, dtype):
         assert_close(gi, wi, dtype)
 
 
+@pytest.mark.parametrize("add", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(4, 7), (3, 5, 33), (2, 3, 1025), (0, 16)])
+def test_backward_with_y_matches_reference(shape, dtype, add):
+    """rms_norm_bwd_y / add_rms_norm_bwd_y (rms_norm_linear's backward): the norm's
+    gradients with rstd recomputed from x, plus the forward's y, against jax.vjp of the f32
+    reference (dres added to dx)."""
+    from rlx_jax.vjp_rules.rms_norm import add_rms_norm_bwd_y, rms_norm_bwd_y
+    x, g, b, dy = _inputs(shape, dtype, seed=2)
+    dres = _inputs(shape, dtype, seed=3)[3]
+    if add:
+        got = jax.jit(lambda *a: add_rms_norm_bwd_y(*a, eps=EPS))(x, g, b, dy, dres)
+    else:
+        got = jax.jit(lambda *a: rms_norm_bwd_y(*a, eps=EPS))(x, g, b, dy)
+    f32 = [a.astype(jnp.float32) for a in (x, g, b, dy, dres)]
+    y_ref, vjp_ref = jax.vjp(_ref, *f32[:3])
+    dx_ref, dg_ref, db_ref = vjp_ref(f32[3])
+    if add:
+        dx_ref = dx_ref + f32[4]
+    for gi, wi, what in zip(got, (dx_ref, dg_ref, db_ref, y_ref), ("dx", "dgamma", "dbeta", "y")):
+        assert gi.dtype == dtype, what
+        assert_close(gi, wi, dtype)
+    # y is the forward's output
+    assert_close(got[3], jax.jit(lambda *a: rms_norm(*a, eps=EPS))(x, g, b).astype(jnp.float32), dtype)
+
+
 def test_float64_forward_and_backward(x64):
     if platform() != "cpu":
         pytest.skip("f64 kernels are CPU-only; on GPU f64 runs the reference")

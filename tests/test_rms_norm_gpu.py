@@ -164,6 +164,77 @@ def test_add_backward_sums_the_residual_gradient_on_every_path(shape, dtype):
     _close(db, db_ref, dtype, "dbeta")
 
 
+@pytest.mark.parametrize("add", [False, True])
+@pytest.mark.parametrize("shape, dtype", [
+    ((4, 512, 2048), jnp.bfloat16),  # the staged kernel (sm_90), y written by the backward
+    ((4, 512, 2048), jnp.float16),
+    ((1024, 2048), jnp.float32),
+    ((64, 37), jnp.float32),  # unaligned: the register kernel, then the forward for y
+    ((2, 131072), jnp.bfloat16),  # wider than a stage: the register kernels
+    ((3, 300000), jnp.float32),  # the slabbed path
+])
+def test_backward_with_y_kernel(shape, dtype, add):
+    """rlx_rms_norm_bwd_y / rlx_add_rms_norm_bwd_y: dx (with dres), dgamma, dbeta and the
+    forward's y, with rstd recomputed from x, against the f32 reference; y matches the
+    forward kernel's output (to rounding: rstd is reduced in another order)."""
+    from rlx_jax.vjp_rules.rms_norm import add_rms_norm_bwd_y, rms_norm_bwd_y
+    x, g, b, dy = _inputs(shape, dtype, seed=21)
+    dres = _inputs(shape, dtype, seed=22)[3]
+    if add:
+        f = jax.jit(lambda *a: add_rms_norm_bwd_y(*a, eps=EPS))
+        args = (x, g, b, dy, dres)
+    else:
+        f = jax.jit(lambda *a: rms_norm_bwd_y(*a, eps=EPS))
+        args = (x, g, b, dy)
+    target = "rlx_add_rms_norm_bwd_y" if add else "rlx_rms_norm_bwd_y"
+    assert target in f.lower(*args).as_text()
+    got = f(*args)
+    ref = lambda x, g, b: reference_rms_norm(x, g, b, eps=EPS)[0]
+    y_ref, vjp = jax.vjp(ref, *_f32(x, g, b))
+    dx_ref, dg_ref, db_ref = vjp(dy.astype(jnp.float32))
+    if add:
+        dx_ref = dx_ref + dres.astype(jnp.float32)
+    for a, w, what in zip(got, (dx_ref, dg_ref, db_ref, y_ref), ("dx", "dgamma", "dbeta", "y")):
+        assert a.dtype == dtype, what
+        _close(a, w, dtype, what)
+    y_fwd, _ = jax.jit(lambda *a: rms_norm_fwd(*a, eps=EPS))(x, g, b)
+    _close(got[3], y_fwd.astype(jnp.float32), dtype, "y against the forward kernel")
+    again = f(*args)
+    for a, c in zip(got, again):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(c, np.float32))
+
+
+def test_rms_norm_linear_backward_takes_y_from_the_backward_kernel():
+    """The lean ops' backward on CUDA: no forward kernel runs again, the y-writing backward
+    does (rms_norm_linear: rlx_rms_norm_bwd_y; add_rms_norm_linear: rlx_add_rms_norm_bwd_y)."""
+    from rlx_jax.ops import add_rms_norm_linear, rms_norm_linear
+    x, g, _, r = _inputs((4, 256, 512), jnp.bfloat16, seed=23)
+    w = (0.05 * jax.random.normal(jax.random.PRNGKey(24), (512, 384), jnp.float32)).astype(jnp.bfloat16)
+    plain = jax.jit(jax.grad(lambda x, g, w: jnp.sum(rms_norm_linear(x, g, w).astype(jnp.float32) ** 2), (0, 1, 2)))
+    text = plain.lower(x, g, w).as_text()
+    forward = jax.jit(lambda x, g, w: rms_norm_linear(x, g, w)).lower(x, g, w).as_text()
+    assert text.count("rlx_rms_norm_fwd") == forward.count("rlx_rms_norm_fwd") > 0
+    assert "rlx_rms_norm_bwd_y" in text
+
+    def add_loss(x, r, g, w):
+        s, out = add_rms_norm_linear(x, r, g, w)
+        return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(jnp.sin(s.astype(jnp.float32)))
+
+    added = jax.jit(jax.grad(add_loss, (0, 1, 2, 3)))
+    text = added.lower(x, r, g, w).as_text()
+    assert "rlx_rms_norm_fwd" not in text and "rlx_add_rms_norm_bwd_y" in text
+    # against the same maths through the plain ops (y kept from the forward)
+    from rlx_jax.ops import add_rms_norm
+
+    def add_loss_plain(x, r, g, w):
+        s, y = add_rms_norm(x, r, g, eps=1e-6)
+        return jnp.sum((y @ w).astype(jnp.float32) ** 2) + jnp.sum(jnp.sin(s.astype(jnp.float32)))
+
+    want = jax.jit(jax.grad(add_loss_plain, (0, 1, 2, 3)))(x, r, g, w)
+    for a, b_, what in zip(added(x, r, g, w), want, ("dx", "dresidual", "dgamma", "dw")):
+        _close(a, b_.astype(jnp.float32), jnp.bfloat16, what)
+
+
 def test_add_rms_norm_forward_is_xla_fusion_on_cuda():
     """On CUDA the forward lowers to XLA's fused add + norm (measured faster than the add
     followed by the forward kernel): no forward kernel in the program, the values of the

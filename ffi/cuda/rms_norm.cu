@@ -10,6 +10,10 @@
 //   very wide rows, the per-row dot products. XLA allocates it; nothing is allocated here.
 // rlx_add_rms_norm_bwd: x, gamma, rstd, dy, dres -> as rlx_rms_norm_bwd, with dx including
 //   dres (the gradient of add_rms_norm's sum output, added in f32 before dx is rounded).
+// rlx_rms_norm_bwd_y / rlx_add_rms_norm_bwd_y: x, gamma, beta, dy[, dres], attr eps -> dx,
+//   dgamma, dbeta, y (the forward's output), scratch [S] with S >= 2 R + 2 W: the backward
+//   with rstd recomputed from x, writing y from the rows it reads (rms_norm_linear's
+//   backward, which keeps no y from the forward, takes y for its weight gradients from it).
 #include "cuda/rms_norm_kernels.cuh"
 #include "cuda/rowwise_common.cuh"
 #include "rms_norm_checks.h"
@@ -70,6 +74,50 @@ ffi::Error RmsNormBwdCommon(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
   return result;
 }
 
+// The backward writing y too (rstd recomputed from x), with dres or without.
+ffi::Error RmsNormBwdYCommon(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer gamma, ffi::AnyBuffer beta,
+                             ffi::AnyBuffer dy, const ffi::AnyBuffer* dres, ffi::Result<ffi::AnyBuffer> dx,
+                             ffi::Result<ffi::AnyBuffer> dgamma, ffi::Result<ffi::AnyBuffer> dbeta,
+                             ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scratch, float eps) {
+  const char* who = dres ? "add_rms_norm backward with y (cuda)" : "rms_norm backward with y (cuda)";
+  if (auto e = rms_norm::check_bwd_y(x, gamma, beta, dy, dres, *dx, *dgamma, *dbeta, *y, eps); e.failure()) return e;
+  const auto rv_ = rows_view(x);
+  const int64_t rows = rv_.rows, width = rv_.width;
+  if (width == 0) return ffi::Error::Success();
+  const int64_t scratch_len = int64_t(scratch->element_count());
+  const int64_t need = rms::bwd_scratch_tail(rows, true) + 2 * width;
+  if (scratch->element_type() != ffi::DataType::F32 || scratch_len < need)
+    return invalid(std::string(who) + ": scratch must be f32 with at least 2 * rows + 2 * width (" +
+                   std::to_string(need) + ") elements, got " + std::to_string(scratch_len));
+  ffi::Error result = ffi::Error::Success();
+  bool ok = dispatch(x.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    result = rms::launch_bwd<T>(stream, static_cast<const T*>(x.untyped_data()),
+                                static_cast<const T*>(gamma.untyped_data()), nullptr,
+                                static_cast<const T*>(dy.untyped_data()), static_cast<T*>(dx->untyped_data()),
+                                static_cast<T*>(dgamma->untyped_data()), static_cast<T*>(dbeta->untyped_data()),
+                                static_cast<float*>(scratch->untyped_data()), scratch_len, rows, width, {},
+                                nullptr, eps, dres ? static_cast<const T*>(dres->untyped_data()) : nullptr,
+                                static_cast<T*>(y->untyped_data()), static_cast<const T*>(beta.untyped_data()));
+  });
+  if (!ok) return invalid(std::string(who) + ": unsupported dtype " + dtype_name(x.element_type()));
+  return result;
+}
+
+ffi::Error RmsNormBwdYImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer gamma, ffi::AnyBuffer beta,
+                           ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dgamma,
+                           ffi::Result<ffi::AnyBuffer> dbeta, ffi::Result<ffi::AnyBuffer> y,
+                           ffi::Result<ffi::AnyBuffer> scratch, float eps) {
+  return RmsNormBwdYCommon(stream, x, gamma, beta, dy, nullptr, dx, dgamma, dbeta, y, scratch, eps);
+}
+
+ffi::Error AddRmsNormBwdYImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer gamma, ffi::AnyBuffer beta,
+                              ffi::AnyBuffer dy, ffi::AnyBuffer dres, ffi::Result<ffi::AnyBuffer> dx,
+                              ffi::Result<ffi::AnyBuffer> dgamma, ffi::Result<ffi::AnyBuffer> dbeta,
+                              ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scratch, float eps) {
+  return RmsNormBwdYCommon(stream, x, gamma, beta, dy, &dres, dx, dgamma, dbeta, y, scratch, eps);
+}
+
 ffi::Error RmsNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer gamma, ffi::AnyBuffer rstd,
                           ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dgamma,
                           ffi::Result<ffi::AnyBuffer> dbeta, ffi::Result<ffi::AnyBuffer> scratch) {
@@ -125,7 +173,40 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAddRmsNormBwdCuda, AddRmsNormBwdImpl,
                                   .Ret<ffi::AnyBuffer>(),  // scratch
                               {ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxRmsNormBwdYCuda, RmsNormBwdYImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // gamma
+                                  .Arg<ffi::AnyBuffer>()  // beta
+                                  .Arg<ffi::AnyBuffer>()  // dy
+                                  .Ret<ffi::AnyBuffer>()  // dx
+                                  .Ret<ffi::AnyBuffer>()  // dgamma
+                                  .Ret<ffi::AnyBuffer>()  // dbeta
+                                  .Ret<ffi::AnyBuffer>()  // y
+                                  .Ret<ffi::AnyBuffer>()  // scratch
+                                  .Attr<float>("eps"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAddRmsNormBwdYCuda, AddRmsNormBwdYImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // x (the sum x + residual)
+                                  .Arg<ffi::AnyBuffer>()  // gamma
+                                  .Arg<ffi::AnyBuffer>()  // beta
+                                  .Arg<ffi::AnyBuffer>()  // dy
+                                  .Arg<ffi::AnyBuffer>()  // dres
+                                  .Ret<ffi::AnyBuffer>()  // dx
+                                  .Ret<ffi::AnyBuffer>()  // dgamma
+                                  .Ret<ffi::AnyBuffer>()  // dbeta
+                                  .Ret<ffi::AnyBuffer>()  // y
+                                  .Ret<ffi::AnyBuffer>()  // scratch
+                                  .Attr<float>("eps"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
 RLX_CUDA_REGISTER_HANDLER("rlx_rms_norm_fwd", RlxRmsNormFwdCuda);
+RLX_CUDA_REGISTER_HANDLER("rlx_rms_norm_bwd_y", RlxRmsNormBwdYCuda);
+RLX_CUDA_REGISTER_HANDLER("rlx_add_rms_norm_bwd_y", RlxAddRmsNormBwdYCuda);
 RLX_CUDA_REGISTER_HANDLER("rlx_rms_norm_bwd", RlxRmsNormBwdCuda);
 RLX_CUDA_REGISTER_HANDLER("rlx_add_rms_norm_bwd", RlxAddRmsNormBwdCuda);
 

@@ -544,12 +544,15 @@ struct StagedBlock : rw::StagedRows {
 };
 
 // Backward of the staged path, over a maths policy (see bwd_rows_body): thread 0 keeps
-// pl.stages rows of x and dy in flight (one stage: the row of x, then of dy).
-template <typename T, int NV, typename Op>
+// pl.stages rows of x and dy in flight (one stage: the row of x, then of dy). YOUT (RMSNorm
+// only): the forward's output y = x rstd gamma + beta is written too, from the row of x
+// already in registers (one more store, where running the forward again reads x again).
+template <typename T, int NV, typename Op, bool YOUT = false>
 __device__ __forceinline__ void bwd_rows_tma_body(const T* __restrict__ x, const T* __restrict__ gamma,
                                                   const T* __restrict__ dy, T* __restrict__ dx,
                                                   float* __restrict__ partial, const RowPlan& pl, const Op& op,
-                                                  const T* __restrict__ dres = nullptr) {
+                                                  const T* __restrict__ dres = nullptr, T* __restrict__ yout = nullptr,
+                                                  const T* __restrict__ beta = nullptr) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();
 #else
@@ -616,19 +619,29 @@ __device__ __forceinline__ void bwd_rows_tma_body(const T* __restrict__ x, const
       }
       add_residual_grad<T, VEC>(dres, r * sb.W + col[k], o);
       store_vec<T, VEC>(dx + r * sb.W + col[k], o);
+      if constexpr (YOUT) {
+        // beta re-read from cache each row rather than held: the kernel is at its 64
+        // registers, and holding it spilled
+        float yv[VEC];
+        load_vec_cached<T, VEC>(beta + col[k], yv);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) yv[e] = xa[k][e] * c.rs * gm[k][e] + yv[e];  // as RmsFwd::y
+        store_vec<T, VEC>(yout + r * sb.W + col[k], yv);
+      }
     }
   }
   write_partials<VEC, NV>(ag, ab, col, ok, partial, sb.p, sb.W, 1, 0, 0, sb.W, sb.W, nullptr);
 #endif
 }
 
-template <typename T, int NV, bool RC>
+template <typename T, int NV, bool RC, bool YOUT = false>
 __global__ void __launch_bounds__(max_threads_for(NV * kVec16<T>, false))
 bwd_rows_tma(const T* __restrict__ x, const T* __restrict__ gamma, const float* __restrict__ rstd,
              const T* __restrict__ dy, T* __restrict__ dx, float* __restrict__ partial, RowPlan pl,
-             const T* __restrict__ dres) {
-  // RC: rstd recomputed from x (pl.eps); a template flag: registers
-  bwd_rows_tma_body<T, NV>(x, gamma, dy, dx, partial, pl, RmsBwd<RC ? 1 : 0>{rstd, nullptr, pl.eps, RC}, dres);
+             const T* __restrict__ dres, T* __restrict__ yout, const T* __restrict__ beta) {
+  // RC: rstd recomputed from x (pl.eps); a template flag: registers. YOUT: y written too.
+  bwd_rows_tma_body<T, NV, RmsBwd<RC ? 1 : 0>, YOUT>(x, gamma, dy, dx, partial, pl,
+                                                      RmsBwd<RC ? 1 : 0>{rstd, nullptr, pl.eps, RC}, dres, yout, beta);
 }
 
 // Forward of the staged path, over a maths policy (see fwd_rows_body: op.row reduces the
@@ -889,12 +902,18 @@ inline int64_t bwd_max_parts(int64_t scratch_len, int64_t rows, int64_t W, bool 
 // scratch_len >= tail + 2 W (tail: bwd_scratch_tail). recompute_eps >= 0: rstd is
 // recomputed from x (the rstd argument is not read and may be null). dres (optional, shaped
 // like x): a gradient added to dx (the residual stream's, in add_rms_norm's backward).
+// yout (optional, shaped like x; needs recompute_eps >= 0 and beta): the forward's y as
+// well, written by the staged kernel from the rows it holds; where the plan is not staged,
+// the forward kernels run after the backward (their rstd in the scratch's tail).
 template <typename T>
 ffi::Error launch_bwd(cudaStream_t stream, const T* x, const T* gamma, const float* rstd, const T* dy,
                       T* dx, T* dgamma, T* dbeta, float* scratch, int64_t scratch_len, int64_t rows,
                       int64_t W, Tuning tu = {}, RowPlan* plan_out = nullptr, float recompute_eps = -1.f,
-                      const T* dres = nullptr) {
+                      const T* dres = nullptr, T* yout = nullptr, const T* beta = nullptr) {
   const bool recompute = recompute_eps >= 0.f;
+  if (yout != nullptr && (!recompute || beta == nullptr))
+    return ffi::Error::Internal("rms_norm backward (cuda): y output needs rstd recomputed and beta");
+  bool y_written = false;
   const int64_t max_parts = bwd_max_parts(scratch_len, rows, W, recompute);
   float* partial = scratch;
   float* dot = scratch + max_parts * 2 * W;
@@ -902,7 +921,8 @@ ffi::Error launch_bwd(cudaStream_t stream, const T* x, const T* gamma, const flo
   int64_t parts = 0;
   if (rows > 0) {
     const bool aligned = aligned16(x) && aligned16(gamma) && aligned16(dy) && aligned16(dx) &&
-                         aligned16(scratch) && (dres == nullptr || aligned16(dres));
+                         aligned16(scratch) && (dres == nullptr || aligned16(dres)) &&
+                         (yout == nullptr || (aligned16(yout) && aligned16(beta)));
     RowPlan pl = column_plan<T>(rows, W, aligned, tu);
     pl.eps = recompute_eps;
     cudaError_t err = cudaSuccess;
@@ -910,12 +930,14 @@ ffi::Error launch_bwd(cudaStream_t stream, const T* x, const T* gamma, const flo
       constexpr int VEC = decltype(vec)::value, NV = decltype(nv)::value;
       constexpr bool PF = decltype(pf)::value;
       if constexpr (VEC != 1) {
-        auto staged = recompute ? bwd_rows_tma<T, NV, true> : bwd_rows_tma<T, NV, false>;
+        auto staged = yout ? bwd_rows_tma<T, NV, true, true>
+                           : recompute ? bwd_rows_tma<T, NV, true> : bwd_rows_tma<T, NV, false>;
         if (plan_staged(pl, staged, W * int64_t(sizeof(T)), 2 * W * int64_t(sizeof(T)), 2, tu)) {
           err = set_parts(pl, staged, max_parts);
           if (err != cudaSuccess) return;
           staged<<<unsigned(pl.parts), pl.threads, smem_bytes(pl), stream>>>(x, gamma, rstd, dy, dx, partial, pl,
-                                                                             dres);
+                                                                             dres, yout, beta);
+          y_written = yout != nullptr;
           return;
         }
       }
@@ -940,6 +962,10 @@ ffi::Error launch_bwd(cudaStream_t stream, const T* x, const T* gamma, const flo
     if (plan_out) *plan_out = pl;
   }
   reduce_partials<T><<<unsigned(ceil_div(2 * W, 32)), 256, 0, stream>>>(partial, parts, W, dgamma, dbeta);
+  if (yout != nullptr && !y_written && rows > 0) {
+    if (auto e = check_launch("rms_norm backward (cuda) launch"); e.failure()) return e;
+    return launch_fwd<T>(stream, x, gamma, beta, yout, rstd_tmp, recompute_eps, rows, W);
+  }
   return check_launch("rms_norm backward (cuda) launch");
 }
 

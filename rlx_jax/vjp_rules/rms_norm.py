@@ -9,7 +9,11 @@ Primitives (each lowers to its FFI kernel where registered, else to its referenc
   tangents; its transpose is the backward;
 - ``rms_norm_bwd``: (x, gamma, rstd, dy) -> (dx, dgamma, dbeta) with u = dy * gamma,
   dx = rstd * u - x * rstd^3 * sum(u * x) / H, dgamma = sum_rows(dy * x * rstd),
-  dbeta = sum_rows(dy).
+  dbeta = sum_rows(dy);
+- ``rms_norm_bwd_y`` / ``add_rms_norm_bwd_y``: (x, gamma, beta, dy[, dres]) -> (dx,
+  dgamma, dbeta, y), the backward with rstd recomputed from x that also returns the
+  forward's y (for a caller that kept no y: ``rms_norm_linear``'s backward); on CUDA one
+  kernel pass writes y from the rows it reads, elsewhere the forward runs again.
 
 The residual add + RMSNorm of a pre-norm transformer, s = x + residual, y = rms_norm(s),
 has its own three (``add_rms_norm``): the forward returns s with y and rstd; the tangent
@@ -183,6 +187,47 @@ add_rms_norm_bwd = FusedPrimitive(
     target="rlx_add_rms_norm_bwd",
     kernel={"cpu": _kernel_add_bwd, "cuda": _kernel_add_bwd_cuda},
     partition=RowPartition(row_args=(0, 3, 4), stat_args=(2,), row_outputs=(0,)),
+)
+
+
+# ---- the backward that also returns the forward's y -----------------------------------------
+# For a backward that keeps no y from the forward (rms_norm_linear's): y for the weight
+# gradients and the norm's gradients from one pass over x. rstd is recomputed from x.
+
+
+def reference_rms_norm_bwd_y(x, gamma, beta, dy, *dres, eps):
+    """(dx, dgamma, dbeta, y): the forward run again for (y, rstd), then the backward
+    (``add_rms_norm_bwd`` with the residual gradient ``dres`` when given); both through
+    their primitives, so their kernels where registered."""
+    y, rstd = rms_norm_fwd(x, gamma, beta, eps=eps)
+    if dres:
+        dx, dgamma, dbeta = add_rms_norm_bwd(x, gamma, rstd, dy, dres[0], eps=eps)
+    else:
+        dx, dgamma, dbeta = rms_norm_bwd(x, gamma, rstd, dy, eps=eps)
+    return dx, dgamma, dbeta, y
+
+
+def _kernel_bwd_y_cuda(x, gamma, beta, dy, *dres, eps):
+    """One CUDA kernel pass where the rows fit its staged form (16-bit and f32 rows of up to
+    tens of KiB on sm_90): y is written from the row of x the backward holds."""
+    rows = math.prod(x.shape[:-1])
+    like_x = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    p = jax.ShapeDtypeStruct(gamma.shape, gamma.dtype)
+    scratch = jax.ShapeDtypeStruct((cuda_bwd_scratch_size(rows, x.shape[-1]),), jnp.float32)
+    target = "rlx_add_rms_norm_bwd_y" if dres else "rlx_rms_norm_bwd_y"
+    call = jax.ffi.ffi_call(ffi_target(target), (like_x, p, p, like_x, scratch))
+    return tuple(call(x, gamma, beta, dy, *dres, eps=np_scalar(eps))[:4])
+
+
+rms_norm_bwd_y = FusedPrimitive(
+    "rlx_rms_norm_bwd_y", reference_rms_norm_bwd_y, target="rlx_rms_norm_bwd_y",
+    kernel={"cuda": _kernel_bwd_y_cuda},
+    partition=RowPartition(row_args=(0, 3), row_outputs=(0, 3)),
+)
+add_rms_norm_bwd_y = FusedPrimitive(
+    "rlx_add_rms_norm_bwd_y", reference_rms_norm_bwd_y, target="rlx_add_rms_norm_bwd_y",
+    kernel={"cuda": _kernel_bwd_y_cuda},
+    partition=RowPartition(row_args=(0, 3, 4), row_outputs=(0, 3)),
 )
 
 
