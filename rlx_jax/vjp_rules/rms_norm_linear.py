@@ -202,8 +202,9 @@ def rms_norm_linear(x, gamma, weights, beta=None, *, eps: float = 1e-6):
     one [..., O] array, or a tuple with one per weight. The norm is ``rms_norm``'s (its
     kernels, dtype promotion and static ``eps``); each product is ``y @ W`` in the promoted
     dtype of y and W at JAX's default precision. Reverse mode keeps x, the parameters and
-    the weights, not y: the backward runs the norm's forward kernel again, takes the weight
-    gradients from that y, then runs the norm's fused backward. Differentiable in every
+    the weights, not y: the backward forms y again inside the norm's backward (on CUDA the
+    backward kernel writes it; elsewhere the forward kernel runs again first) and takes the
+    weight gradients from it. Differentiable in every
     mode; under SPMD sharding the norm runs shard-local over the rows.
     """
     eps = static_eps(eps, "rms_norm_linear")
