@@ -76,33 +76,37 @@ def _bwd_only_case(n: int, h: int, dtype) -> Case:
     )
 
 
+def _add_inputs(key, n: int, h: int, dtype):
+    """(x, r, gamma, ds, dy) of an add_rms_norm case: x, r and the two cotangents [n, h]."""
+    kx, kr, kg, ks, kd = jax.random.split(key, 5)
+    x, r, ds, dy = (jax.random.normal(k, (n, h), jnp.float32).astype(dtype) for k in (kx, kr, ks, kd))
+    g = (1.0 + 0.1 * jax.random.normal(kg, (h,), jnp.float32)).astype(dtype)
+    return x, r, g, ds, dy
+
+
+def _add_fused(x, r, g):
+    return add_rms_norm(x, r, g, eps=EPS)
+
+
+def _add_plain(x, r, g):
+    """XLA's path: the add, then the reference norm (no beta)."""
+    s = x + r
+    return s, reference_rms_norm(s, g, jnp.zeros_like(g), eps=EPS)[0]
+
+
 def _add_case(n: int, h: int, dtype) -> Case:
-    def make(key):
-        kx, kr, kg, ks, kd = jax.random.split(key, 5)
-        x, r, ds, dy = (jax.random.normal(k, (n, h), jnp.float32).astype(dtype) for k in (kx, kr, ks, kd))
-        g = (1.0 + 0.1 * jax.random.normal(kg, (h,), jnp.float32)).astype(dtype)
-        return x, r, g, ds, dy
-
-    def ours(x, r, g, ds, dy):
-        out, vjp = jax.vjp(lambda x, r, g: add_rms_norm(x, r, g, eps=EPS), x, r, g)
-        return (*out, *vjp((ds, dy)))
-
-    def xla(x, r, g, ds, dy):
-        beta = jnp.zeros_like(g)
-
-        def plain(x, r, g):
-            s = x + r
-            return s, reference_rms_norm(s, g, beta, eps=EPS)[0]
-
-        out, vjp = jax.vjp(plain, x, r, g)
-        return (*out, *vjp((ds, dy)))
+    def fwd_bwd(f):
+        def run(x, r, g, ds, dy):
+            out, vjp = jax.vjp(f, x, r, g)
+            return (*out, *vjp((ds, dy)))
+        return run
 
     itemsize = jnp.dtype(dtype).itemsize
     return Case(
         name=f"add_rms_norm_fwd+bwd {jnp.dtype(dtype).name} {n}x{h}",
-        make=make,
-        ours=ours,
-        xla=xla,
+        make=lambda key: _add_inputs(key, n, h, dtype),
+        ours=fwd_bwd(_add_fused),
+        xla=fwd_bwd(_add_plain),
         floor_bytes=8 * n * h * itemsize,
     )
 
@@ -112,30 +116,16 @@ def _add_part_case(n: int, h: int, dtype, part: str) -> Case:
     ("bwd": the gradients from each path's own forward residuals, computed beforehand).
     In a training step the backward runs far from the forward, so XLA cannot fuse the two
     as it does in the one-program fwd+bwd case; these are the step's two halves."""
-    beta = jnp.zeros((h,), dtype)
-
-    def plain(x, r, g):
-        s = x + r
-        return s, reference_rms_norm(s, g, beta, eps=EPS)[0]
-
-    def fused(x, r, g):
-        return add_rms_norm(x, r, g, eps=EPS)
-
-    def inputs(key):
-        kx, kr, kg, ks, kd = jax.random.split(key, 5)
-        x, r, ds, dy = (jax.random.normal(k, (n, h), jnp.float32).astype(dtype) for k in (kx, kr, ks, kd))
-        g = (1.0 + 0.1 * jax.random.normal(kg, (h,), jnp.float32)).astype(dtype)
-        return x, r, g, ds, dy
-
     itemsize = jnp.dtype(dtype).itemsize
     if part == "fwd":
         return Case(name=f"add_rms_norm_fwd {jnp.dtype(dtype).name} {n}x{h}",
-                    make=lambda key: inputs(key)[:3], ours=fused, xla=plain, floor_bytes=4 * n * h * itemsize)
+                    make=lambda key: _add_inputs(key, n, h, dtype)[:3], ours=_add_fused, xla=_add_plain,
+                    floor_bytes=4 * n * h * itemsize)
 
     def make(key):
-        x, r, g, ds, dy = inputs(key)
+        x, r, g, ds, dy = _add_inputs(key, n, h, dtype)
         # the vjp closures hold each path's residuals (s and rstd, or what XLA keeps)
-        vjps = [jax.jit(lambda x, r, g, f=f: jax.vjp(f, x, r, g)[1])(x, r, g) for f in (fused, plain)]
+        vjps = [jax.jit(lambda x, r, g, f=f: jax.vjp(f, x, r, g)[1])(x, r, g) for f in (_add_fused, _add_plain)]
         return (*vjps, ds, dy)
 
     return Case(name=f"add_rms_norm_bwd_only {jnp.dtype(dtype).name} {n}x{h}", make=make,
