@@ -419,6 +419,37 @@ def test_fused_linear_edge_cases():
     assert np.all(np.asarray(gh)[2] == 0) and np.all(np.isfinite(np.asarray(gh)))
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_fused_linear_reduced_bad_label_poisons_the_loss_not_the_gradients(reduction):
+    """A label outside [0, V) (not the ignore index) makes a reduced loss NaN; the
+    gradients are those of the loss with that row ignored (the mean over the other rows):
+    finite, that row's zero."""
+    h, w, labels = _linear_inputs(9, 6, 11, seed=3)
+    bad, ignored = labels.at[4].set(11), labels.at[4].set(-100)
+    f = lambda h, w, y: fused_linear_cross_entropy(h, w, y, reduction=reduction, chunk_size=4)  # noqa: E731
+    loss, grads = jax.value_and_grad(f, (0, 1))(h, w, bad)
+    want = jax.grad(f, (0, 1))(h, w, ignored)
+    assert np.isnan(float(loss))
+    for got, ref in zip(grads, want):
+        assert np.all(np.isfinite(np.asarray(got)))
+        assert_close(got, ref)
+    assert not np.any(np.asarray(grads[0])[4])
+
+
+def test_fused_linear_reduced_gradients_take_no_scaling_pass():
+    """A reduced loss differentiated as it is: its gradients, formed in the forward pass,
+    reach the compiled gradient program unscaled. The cotangent that scales them is then 1
+    whatever the labels (a traced argument here), so XLA drops the multiply: no [N, D] or
+    [D, V] product is left in the program (the row blocks are [4, D] and [4, V])."""
+    n, d, v = 24, 8, 40
+    h, w, labels = _linear_inputs(n, d, v, seed=5, dtype=jnp.bfloat16)
+    f = lambda h, w, y: fused_linear_cross_entropy(h, w, y, reduction="mean", chunk_size=4).astype(jnp.float32)  # noqa: E731
+    text = jax.jit(jax.value_and_grad(f, (0, 1))).lower(h, w, labels).compile().as_text()
+    scaled = [line for line in text.splitlines()
+              if re.search(rf"\[({n},{d}|{d},{v})\]\S* multiply\(", line)]
+    assert not scaled, scaled
+
+
 def test_fused_linear_bf16_and_mixed_precision():
     """bf16 within bf16 tolerance of the f32 oracle; bf16 hidden with an f32 weight is
     computed in f32 (promotion as jnp.dot), each gradient in its input's dtype."""

@@ -64,6 +64,15 @@ def nan_where(bad, loss):
     return jnp.where(bad, jnp.asarray(jnp.nan, loss.dtype), loss)
 
 
+def nan_if(bad, loss):
+    """A reduced loss made NaN when the scalar flag ``bad`` is set, by adding NaN or 0:
+    the cotangent passes the addition unchanged, where a select would make it depend on
+    the data. A loss whose gradients are formed in the forward pass is scaled by that
+    cotangent afterwards, and only a cotangent XLA knows to be 1 (a loss differentiated as
+    it is) lets it drop those scaling passes."""
+    return loss + jnp.where(bad, jnp.asarray(jnp.nan, loss.dtype), jnp.asarray(0, loss.dtype))
+
+
 # ---- collectives over the vocabulary axes -----------------------------------------------
 
 

@@ -66,8 +66,8 @@ from jax.interpreters import ad, mlir
 
 from rlx_jax.vjp_rules._primitive import FusedPrimitive, instantiate, sequential_batching
 from rlx_jax.vjp_rules._vocab_parallel import (
-    VocabPartition, acc_dtype, block_lse_and_picked, check_ignore_index, check_labels, kernel_labels, nan_where,
-    shard_index,
+    VocabPartition, acc_dtype, block_lse_and_picked, check_ignore_index, check_labels, kernel_labels, nan_if,
+    nan_where, shard_index,
 )
 
 REDUCTIONS = ("none", "mean", "sum")
@@ -581,13 +581,15 @@ def fused_linear_cross_entropy(hidden, weight, labels, *, reduction: str = "none
     logits, softmax and loss are computed in f32 (f64 for f64) and the loss returned in
     the promoted dtype. Rows labelled ``ignore_index`` (default -100) have loss 0 and no
     gradient; any other label outside ``[0, V)`` gives that row a NaN loss (so a reduced
-    loss is NaN) and a zero gradient.
+    loss is NaN) and a zero gradient (a reduced loss's gradients are those with that row
+    ignored).
 
     reduction: "none" -> loss [...]; "sum" -> scalar sum; "mean" -> scalar mean over the
     rows not ignored (0, with zero gradients, when every row is ignored). With "sum" /
     "mean" the forward pass also computes d hidden and d weight, chunk by chunk, and the
     backward pass only scales them by the cotangent (three vocabulary-sized matmuls in
-    all); with "none" the backward recomputes the logits (four).
+    all; a cotangent XLA knows to be 1 costs no pass); with "none" the backward recomputes
+    the logits (four).
 
     chunk_size: rows per block (the largest intermediate is [chunk_size, V] logits);
     None picks ``default_chunk_size`` for the platform, the shape and the block's dtype.
@@ -633,4 +635,4 @@ def fused_linear_cross_entropy(hidden, weight, labels, *, reduction: str = "none
         loss, _ = flce_fwd(h2, w, labels, chunk_size=chunk, logits_dtype=logits_dtype)
         return nan_where(bad, loss).reshape(lead)
     loss, _, _ = flce_reduced(h2, w, labels, chunk_size=chunk, mean=reduction == "mean", logits_dtype=logits_dtype)
-    return nan_where(jnp.any(bad), loss[0])
+    return nan_if(jnp.any(bad), loss[0])
