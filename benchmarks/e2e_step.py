@@ -60,11 +60,11 @@ the step, CPU time mostly the step.
     python benchmarks/e2e_step.py --preset llama-v32k --variants rlx-lean --head-chunk 8192
 
 ``--processes N`` runs the whole measurement in N fresh processes one after the other and
-ends with each variant's speedup in every process and their median. One process compiles
-each variant once, and a compile's choices are part of that run's noise: on a GPU XLA's
-autotuner can pick other kernels for the same products in another compile (moving a
-step's kernel total by a few percent), which interleaved rounds in one process cannot
-average out.
+ends with each variant's speedup in every process and their median, and its temp memory in
+every process. One process compiles each variant once, and a compile's choices are part of
+that run's noise: on a GPU XLA's autotuner can pick other kernels for the same products in
+another compile (moving a step's kernel total by a few percent, and with the schedule that
+follows, the temp memory), which interleaved rounds in one process cannot average out.
 """
 
 from __future__ import annotations
@@ -648,7 +648,9 @@ def _without_option(argv, name):
 def process_summary(runs: list[list[dict]]) -> list[dict]:
     """Per variant over the processes' JSON rows (one list a process): its speedup in each
     process (that process's reference time over its own; None where it did not run), the
-    median of those speedups and of its ms/step, and the median of its sync speedups."""
+    median of those speedups and of its ms/step, the median of its sync speedups, and its
+    compiled temp memory in each process (each compile's own: XLA's autotuner and scheduler
+    may choose differently in each, and the temp memory with them)."""
     names = list(dict.fromkeys(r["variant"] for rows in runs for r in rows if "error" not in r))
     out = []
 
@@ -661,18 +663,21 @@ def process_summary(runs: list[list[dict]]) -> list[dict]:
         speedups = [_ratio(r, "ms") for r in rows]
         out.append({"variant": name, "speedups": speedups, "speedup_median": median(speedups),
                     "ms_median": median([r and r.get("ms") for r in rows]),
-                    "sync_speedup_median": median([_ratio(r, "sync_ms") for r in rows])})
+                    "sync_speedup_median": median([_ratio(r, "sync_ms") for r in rows]),
+                    "temp_bytes": [r and r.get("temp_bytes") for r in rows]})
     return out
 
 
 def format_process_summary(summary: list[dict], processes: int) -> str:
     lines = [f"across {processes} processes (each its own compiles; speedup: that process's reference over the row)",
-             "| variant | ms/step (median) | speedup (median) | speedup in each process | sync speedup (median) |",
-             "|---|---|---|---|---|"]
+             "| variant | ms/step (median) | speedup (median) | speedup in each process | sync speedup (median) "
+             "| temp GiB in each process |",
+             "|---|---|---|---|---|---|"]
     for row in summary:
         each = " ".join(_speedup(x) for x in row["speedups"])
+        temps = " ".join(_fmt(None if t is None else t / 2**30, ".3f") for t in row.get("temp_bytes", []))
         lines.append(f"| {row['variant']} | {_fmt(row['ms_median'], '.2f')} | {_speedup(row['speedup_median'])} | "
-                     f"{each} | {_speedup(row.get('sync_speedup_median'))} |")
+                     f"{each} | {_speedup(row.get('sync_speedup_median'))} | {temps} |")
     return "\n".join(lines)
 
 

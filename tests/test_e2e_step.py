@@ -118,8 +118,9 @@ def test_time_rounds_times_back_to_back_and_waited_steps():
 
 def test_processes_summarise_each_process_speedup():
     runs = [[{"variant": "plain-xla", "ms": 10.0, "ref_ms": 10.0},
-             {"variant": "rlx", "ms": 8.0, "ref_ms": 10.0, "sync_ms": 9.0, "ref_sync_ms": 9.0}],
-            [{"variant": "plain-xla", "ms": 12.0, "ref_ms": 12.0}, {"variant": "rlx", "ms": 10.0, "ref_ms": 12.0}],
+             {"variant": "rlx", "ms": 8.0, "ref_ms": 10.0, "sync_ms": 9.0, "ref_sync_ms": 9.0, "temp_bytes": 2**30}],
+            [{"variant": "plain-xla", "ms": 12.0, "ref_ms": 12.0},
+             {"variant": "rlx", "ms": 10.0, "ref_ms": 12.0, "temp_bytes": 3 * 2**29}],
             [{"variant": "plain-xla", "ms": 11.0, "ref_ms": 11.0}, {"variant": "rlx", "error": "OOM"}]]
     summary = {r["variant"]: r for r in _e2e.process_summary(runs)}
     assert summary["rlx"]["speedups"] == [1.25, 1.2, None]
@@ -128,7 +129,8 @@ def test_processes_summarise_each_process_speedup():
     assert summary["plain-xla"]["speedups"] == [1.0, 1.0, 1.0] and summary["plain-xla"]["ms_median"] == 11.0
     table = _e2e.format_process_summary(list(summary.values()), 3)
     assert summary["rlx"]["sync_speedup_median"] == 1.0 and summary["plain-xla"]["sync_speedup_median"] is None
-    assert "| rlx | 9.00 | 1.225x | 1.250x 1.200x n/a | 1.000x |" in table
+    assert summary["rlx"]["temp_bytes"] == [2**30, 3 * 2**29, None]
+    assert "| rlx | 9.00 | 1.225x | 1.250x 1.200x n/a | 1.000x | 1.000 1.500 n/a |" in table
     argv = ["--preset", "tiny", "--processes", "3", "--json=x.json", "--rounds", "2"]
     assert _e2e._without_option(_e2e._without_option(argv, "--processes"), "--json") == ["--preset", "tiny",
                                                                                           "--rounds", "2"]
