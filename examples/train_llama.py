@@ -19,7 +19,7 @@ output projection with the mean cross-entropy. Each piece is an ``rlx_jax.ops`` 
 that read it) and ``swiglu_linear`` (the SwiGLU with the down projection) instead: their
 backward writes the norm's output and the SwiGLU product again rather than keeping them
 (docs/PERFORMANCE.md measures both on an H200: about a third of a layer's kept activations
-for 1 % of the step).
+for 0.5-1 % of the step).
 
 Training: AdamW (optax) on f32 master weights; the step computes in bf16 on GPUs and in
 f32 on the CPU (``--dtype``). The data are the characters of Python's standard library
