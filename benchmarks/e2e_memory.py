@@ -6,9 +6,12 @@ for each variant with XLA's dumps on, reads the compiled module's live-range rep
 buffers alive at the schedule's peak, which XLA writes beside the optimized HLO) and
 prints, per variant, the compiled temp memory, the peak's position in the schedule and its
 buffers: bytes, what they are (parameter, output, temp), the defining instruction and its
-shape, and the JAX operation it came from (the instruction's ``op_name``). Nothing runs,
-so it works on any backend, but the schedule is the compiling backend's: a GPU's peak
-differs from a CPU's.
+shape, and the JAX operation it came from (the instruction's ``op_name`` and the model's
+source line). "output" is a buffer the program returns, followed from the entry's ROOT
+through bitcasts and tuples; a loop's accumulator that becomes an output is listed as
+temp while the loop runs, so the live temp at a peak inside a loop can exceed the
+compiled temp memory a little. Nothing runs, so it works on any backend, but the schedule
+is the compiling backend's: a GPU's peak differs from a CPU's.
 
     python -m benchmarks.e2e_memory --preset llama-v32k --variants rlx-lean,plain-cudnn --top 25
     python -m benchmarks.e2e_memory --preset cpu --variants plain-xla,rlx
