@@ -42,6 +42,41 @@ ffi::Error RmsNormFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
   return result;
 }
 
+// The scratch check and the dtype dispatch into rms::launch_bwd shared by both backward
+// handlers. rstd null: rstd is recomputed from x with eps (then y and beta are given and y
+// is written); else rstd is read and eps unused. dres: optional.
+ffi::Error launch_bwd_checked(cudaStream_t stream, const char* who, const ffi::AnyBuffer& x,
+                              const ffi::AnyBuffer& gamma, const ffi::AnyBuffer* rstd, const ffi::AnyBuffer& dy,
+                              const ffi::AnyBuffer* dres, ffi::AnyBuffer& dx, ffi::AnyBuffer& dgamma,
+                              ffi::AnyBuffer& dbeta, ffi::AnyBuffer& scratch, float eps,
+                              ffi::AnyBuffer* y = nullptr, const ffi::AnyBuffer* beta = nullptr) {
+  const auto rv_ = rows_view(x);
+  const int64_t rows = rv_.rows, width = rv_.width;
+  if (width == 0) return ffi::Error::Success();
+  const bool recompute = rstd == nullptr;
+  const int64_t scratch_len = int64_t(scratch.element_count());
+  const int64_t need = rms::bwd_scratch_tail(rows, recompute) + 2 * width;
+  if (scratch.element_type() != ffi::DataType::F32 || scratch_len < need)
+    return invalid(std::string(who) + ": scratch must be f32 with at least " +
+                   (recompute ? "2 * rows" : "rows") + " + 2 * width (" + std::to_string(need) +
+                   ") elements, got " + std::to_string(scratch_len));
+  ffi::Error result = ffi::Error::Success();
+  bool ok = dispatch(x.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const auto in = [](const ffi::AnyBuffer* b) { return b ? static_cast<const T*>(b->untyped_data()) : nullptr; };
+    result = rms::launch_bwd<T>(stream, static_cast<const T*>(x.untyped_data()),
+                                static_cast<const T*>(gamma.untyped_data()),
+                                rstd ? static_cast<const float*>(rstd->untyped_data()) : nullptr,
+                                static_cast<const T*>(dy.untyped_data()), static_cast<T*>(dx.untyped_data()),
+                                static_cast<T*>(dgamma.untyped_data()), static_cast<T*>(dbeta.untyped_data()),
+                                static_cast<float*>(scratch.untyped_data()), scratch_len, rows, width, {}, nullptr,
+                                recompute ? eps : -1.f, in(dres), y ? static_cast<T*>(y->untyped_data()) : nullptr,
+                                in(beta));
+  });
+  if (!ok) return invalid(std::string(who) + ": unsupported dtype " + dtype_name(x.element_type()));
+  return result;
+}
+
 // The backward, with dres (add_rms_norm: the sum output's gradient, added to dx) or without.
 ffi::Error RmsNormBwdCommon(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer gamma, ffi::AnyBuffer rstd,
                             ffi::AnyBuffer dy, const ffi::AnyBuffer* dres, ffi::Result<ffi::AnyBuffer> dx,
@@ -52,26 +87,7 @@ ffi::Error RmsNormBwdCommon(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
                     : rms_norm::check_bwd(Backend::kCuda, x, gamma, rstd, dy, *dx, *dgamma, *dbeta);
       e.failure())
     return e;
-  const auto rv_ = rows_view(x);
-  const int64_t rows = rv_.rows, width = rv_.width;
-  if (width == 0) return ffi::Error::Success();
-  const int64_t scratch_len = int64_t(scratch->element_count());
-  if (scratch->element_type() != ffi::DataType::F32 || scratch_len < rows + 2 * width)
-    return invalid(std::string(who) + ": scratch must be f32 with at least rows + 2 * width (" +
-                   std::to_string(rows + 2 * width) + ") elements, got " + std::to_string(scratch_len));
-  ffi::Error result = ffi::Error::Success();
-  bool ok = dispatch(x.element_type(), [&](auto tag) {
-    using T = decltype(tag);
-    result = rms::launch_bwd<T>(stream, static_cast<const T*>(x.untyped_data()),
-                                static_cast<const T*>(gamma.untyped_data()),
-                                static_cast<const float*>(rstd.untyped_data()),
-                                static_cast<const T*>(dy.untyped_data()), static_cast<T*>(dx->untyped_data()),
-                                static_cast<T*>(dgamma->untyped_data()), static_cast<T*>(dbeta->untyped_data()),
-                                static_cast<float*>(scratch->untyped_data()), scratch_len, rows, width, {},
-                                nullptr, -1.f, dres ? static_cast<const T*>(dres->untyped_data()) : nullptr);
-  });
-  if (!ok) return invalid(std::string(who) + ": unsupported dtype " + dtype_name(x.element_type()));
-  return result;
+  return launch_bwd_checked(stream, who, x, gamma, &rstd, dy, dres, *dx, *dgamma, *dbeta, *scratch, -1.f);
 }
 
 // The backward writing y too (rstd recomputed from x), with dres or without.
@@ -81,27 +97,8 @@ ffi::Error RmsNormBwdYCommon(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuff
                              ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> scratch, float eps) {
   const char* who = dres ? "add_rms_norm backward with y (cuda)" : "rms_norm backward with y (cuda)";
   if (auto e = rms_norm::check_bwd_y(x, gamma, beta, dy, dres, *dx, *dgamma, *dbeta, *y, eps); e.failure()) return e;
-  const auto rv_ = rows_view(x);
-  const int64_t rows = rv_.rows, width = rv_.width;
-  if (width == 0) return ffi::Error::Success();
-  const int64_t scratch_len = int64_t(scratch->element_count());
-  const int64_t need = rms::bwd_scratch_tail(rows, true) + 2 * width;
-  if (scratch->element_type() != ffi::DataType::F32 || scratch_len < need)
-    return invalid(std::string(who) + ": scratch must be f32 with at least 2 * rows + 2 * width (" +
-                   std::to_string(need) + ") elements, got " + std::to_string(scratch_len));
-  ffi::Error result = ffi::Error::Success();
-  bool ok = dispatch(x.element_type(), [&](auto tag) {
-    using T = decltype(tag);
-    result = rms::launch_bwd<T>(stream, static_cast<const T*>(x.untyped_data()),
-                                static_cast<const T*>(gamma.untyped_data()), nullptr,
-                                static_cast<const T*>(dy.untyped_data()), static_cast<T*>(dx->untyped_data()),
-                                static_cast<T*>(dgamma->untyped_data()), static_cast<T*>(dbeta->untyped_data()),
-                                static_cast<float*>(scratch->untyped_data()), scratch_len, rows, width, {},
-                                nullptr, eps, dres ? static_cast<const T*>(dres->untyped_data()) : nullptr,
-                                static_cast<T*>(y->untyped_data()), static_cast<const T*>(beta.untyped_data()));
-  });
-  if (!ok) return invalid(std::string(who) + ": unsupported dtype " + dtype_name(x.element_type()));
-  return result;
+  return launch_bwd_checked(stream, who, x, gamma, nullptr, dy, dres, *dx, *dgamma, *dbeta, *scratch, eps, &*y,
+                            &beta);
 }
 
 ffi::Error RmsNormBwdYImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer gamma, ffi::AnyBuffer beta,
