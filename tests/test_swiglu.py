@@ -65,6 +65,22 @@ def test_kernel_is_registered_and_runs_in_reverse_mode_only():
     assert "rlx_swiglu" not in plain and "custom_call" not in plain
 
 
+def test_backward_runs_in_place_and_leaves_its_callers_arrays_alone():
+    """rlx_swiglu_bwd writes dgate over gate's buffer and dup over up's; arrays passed in
+    (compiled gradient, eager swiglu_backward) keep their values, XLA copying them first."""
+    a, b, dh = _inputs((4, 40), jnp.float32, seed=2)
+    text = hlo_text(jax.grad(lambda a, b: jnp.sum(swiglu(a, b) * dh), (0, 1)), a, b)
+    call = [line for line in text.splitlines() if "rlx_swiglu_bwd" in line and "custom_call" in line]
+    assert len(call) == 1 and "output_operand_aliases" in call[0], call
+    a0, b0, d0 = np.array(a), np.array(b), np.array(dh)
+    _, want_da, want_db = numpy_swiglu(a, b, dh)
+    for got in (jax.jit(jax.grad(lambda a, b: jnp.sum(swiglu(a, b) * dh), (0, 1)))(a, b), swiglu_backward(a, b, dh)):
+        _check(got[0], want_da, jnp.float32)
+        _check(got[1], want_db, jnp.float32)
+        for arr, before in ((a, a0), (b, b0), (dh, d0)):
+            np.testing.assert_array_equal(np.asarray(arr), before)
+
+
 def test_fused_ops_off_gives_the_same_gradients():
     a, b, dh = _inputs((6, 10), jnp.float32, seed=1)
     got = jax.jit(_vjp)(a, b, dh)

@@ -96,6 +96,42 @@ def test_kernel_runs_in_reverse_mode_only():
         assert "custom_call" not in hlo_text(jax.grad(loss, (0, 1, 2)), a, b, w)
 
 
+def test_mlp_backward_writes_dgate_and_dup_over_gate_and_up():
+    """In an MLP's backward the kernel writes dgate over the gate product's buffer and dup
+    over the up product's (output_to_operand_aliasing), and XLA needs no copy of either:
+    the products are dead after the SwiGLU backward, so the step holds two [N, F] buffers
+    fewer there."""
+    k = jax.random.split(jax.random.PRNGKey(3), 4)
+    n, d, f = 64, 16, 48
+    x = jax.random.normal(k[0], (n, d))
+    wg, wu = (jax.random.normal(kk, (d, f)) for kk in k[1:3])
+    wd = jax.random.normal(k[3], (f, d))
+    loss = lambda x, wg, wu, wd: jnp.sum(jnp.sin(swiglu_linear(x @ wg, x @ wu, wd)))
+    text = jax.jit(jax.grad(loss, (0, 1, 2, 3))).lower(x, wg, wu, wd).compile().as_text()
+    calls = [line for line in text.splitlines() if "rlx_swiglu_bwd_product" in line and "custom-call(" in line]
+    assert len(calls) == 1, calls
+    assert "output_to_operand_aliasing={{0}: (0, {}), {1}: (1, {})}" in calls[0], calls[0]
+    copies = [line for line in text.splitlines() if f"f32[{n},{f}]" in line and " copy(" in line]
+    assert not copies, copies
+
+
+def test_inputs_are_not_overwritten_by_the_in_place_backward():
+    """gate and up passed straight to a compiled gradient (entry parameters, not donated)
+    keep their values: XLA copies them before the kernel writes over its operands; and a
+    gate that feeds another op after the SwiGLU backward reads its own values there."""
+    a, b, w, dy = _inputs((5, 24), 7, jnp.float32, seed=4)
+    a0, b0 = np.array(a), np.array(b)
+    grads = jax.jit(jax.grad(lambda a, b, w: jnp.sum(swiglu_linear(a, b, w) * dy), (0, 1, 2)))(a, b, w)
+    _, want_da, want_db, want_dw = numpy_swiglu_linear(a, b, w, dy)
+    for got, want in zip(grads, (want_da, want_db, want_dw)):
+        _close(got, want, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(a), a0)
+    np.testing.assert_array_equal(np.asarray(b), b0)
+    # the gate's second use multiplies dgate's cotangent path by the gate itself
+    got = jax.jit(jax.grad(lambda a: jnp.sum(swiglu_linear(a, b, w) * dy) + jnp.sum(a * a)))(a)
+    _close(got, want_da + 2 * np.asarray(a, np.float64), jnp.float32)
+
+
 def test_fused_ops_off_gives_the_same_gradients():
     a, b, w, dy = _inputs((6, 10), 7, jnp.float32, seed=1)
     got = jax.jit(_vjp)(a, b, w, dy)

@@ -13,7 +13,8 @@
 // f32 arithmetic for f32 / bf16 / f16 in blocks of 16 elements (two 8-lane vectors; exp
 // from rowwise.h; compiled for AVX2 and the baseline ISA), f64 for f64; one rounding to
 // the output dtype. Each element is written once with the same operations whatever the
-// split into tasks: deterministic.
+// split into tasks: deterministic. In place: da may be a's buffer and db b's (the Python
+// side aliases them); every element of a and b is read before its gradients are written.
 #include <cmath>
 
 #include "cpu/common.h"
@@ -187,9 +188,10 @@ static void swiglu_bwd_f64(const double* a, const double* b, const double* dh, d
     const double s = pos ? r : er, c = pos ? er : r;
     const double silu = x == -INFINITY ? 0.0 : x * s;
     const double slope = std::isinf(x) ? 0.0 : silu * c;
-    da[j] = dh[j] * b[j] * (s + slope);
-    db[j] = dh[j] * silu;
-    if (h != nullptr) h[j] = silu * b[j];
+    const double bj = b[j], g = dh[j];  // read before da / db are written: they may be a / b
+    da[j] = g * bj * (s + slope);
+    db[j] = g * silu;
+    if (h != nullptr) h[j] = silu * bj;
   }
 }
 

@@ -16,7 +16,9 @@
 // per thread. The grid is a few resident blocks per SM, each striding over the array. Reads
 // and writes stream (evict-first: every byte is touched once). f32 arithmetic; each output
 // element is written by one thread with the same operations every run: deterministic.
-// Nothing is allocated; the kernel runs on XLA's stream.
+// Nothing is allocated; the kernel runs on XLA's stream. In place: da may be a's buffer and
+// db b's (the Python side aliases them); each thread reads an element's a and b before it
+// writes that element's gradients, and no other thread touches the element.
 
 #include <cmath>
 
@@ -47,9 +49,8 @@ __device__ __forceinline__ void swiglu_grad(float a, float b, float dh, float& d
 
 // PRODUCT: also write h (rlx_swiglu_bwd_product); else h is unused (null).
 template <typename T, int VEC, bool PRODUCT>
-__global__ void __launch_bounds__(kThreads) swiglu_bwd_k(const T* __restrict__ a, const T* __restrict__ b,
-                                                         const T* __restrict__ dh, T* __restrict__ da,
-                                                         T* __restrict__ db, T* __restrict__ h, int64_t n) {
+__global__ void __launch_bounds__(kThreads) swiglu_bwd_k(const T* a, const T* b, const T* __restrict__ dh, T* da,
+                                                         T* db, T* __restrict__ h, int64_t n) {
   using P = Pack<T, VEC>;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
