@@ -19,39 +19,14 @@ when causal).
 from __future__ import annotations
 
 import argparse
-import datetime
-import subprocess
 import time
-
-
-def _smi_fields() -> str | None:
-    """The nvidia-smi query fields: newer drivers call the flags clocks_event_reasons."""
-    for prefix in ("clocks_event_reasons", "clocks_throttle_reasons"):
-        fields = f"timestamp,power.draw,clocks.sm,{prefix}.sw_power_cap"
-        probe = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
-                               capture_output=True)
-        if probe.returncode == 0:
-            return fields
-    return None
-
-
-def _parse(lines: list[str]) -> list[tuple[float, float, float, bool]]:
-    """(unix time, W, MHz, power cap active) per sample; nvidia-smi stamps local time."""
-    out = []
-    for line in lines:
-        parts = [p.strip() for p in line.split(",")]
-        try:
-            stamp = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
-            out.append((stamp, float(parts[1]), float(parts[2]), parts[3] == "Active"))
-        except (ValueError, IndexError):
-            continue
-    return out
 
 
 def main() -> None:
     # (imported here, not at the top: tests/test_benchmark_scripts.py loads this file by its path, without
     # the repository root on sys.path)
     from benchmarks.attention_cli import add_shape_args, heads_label, shape_args
+    from benchmarks.gpu_power import PowerSampler, smi_fields, smi_index, summarize
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
@@ -61,10 +36,7 @@ def main() -> None:
     if args.rounds < 1 or not args.seconds >= 2.0:
         parser.error("--rounds must be >= 1 and --seconds >= 2")
     kinds, dims = shape_args(parser, args)
-    try:
-        fields = _smi_fields()
-    except FileNotFoundError:
-        fields = None
+    fields = smi_fields()
     if fields is None:
         raise SystemExit("nvidia-smi cannot report power.draw / clocks.sm here")
 
@@ -87,10 +59,8 @@ def main() -> None:
             for fn in fns.values():
                 jax.block_until_ready(fn(*inputs))
             flops = attention_flops(b, h, s, d, causal=kind == "causal", backward=True)
-            smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits",
-                                    "-lms", "100"], stdout=subprocess.PIPE, text=True)
             phases = []
-            try:
+            with PowerSampler(fields, smi_index(dev)) as sampler:
                 for rnd in range(args.rounds):
                     for name, fn in fns.items():
                         time.sleep(2.0)  # idle between phases: the clocks recover
@@ -102,19 +72,14 @@ def main() -> None:
                             calls += 10
                         phases.append((name, rnd, t0, time.time(), calls))
                 time.sleep(0.5)
-            finally:
-                smi.terminate()
-            samples = _parse(smi.stdout.read().splitlines())
             case = f"fwd+bwd {kind} B{b} S{s} H{heads_label(args)} D{d}"
             for name, rnd, t0, t1, calls in phases:
-                sel = [x for x in samples if t0 + 1.0 <= x[0] <= t1]
                 tf = flops * calls / (t1 - t0) / 1e12
-                if not sel:
+                got = summarize(sampler.samples, t0, t1)
+                if got is None:
                     print(f"{case:30s} {name:6s} {rnd:5d} {tf:7.1f}  (no samples)")
                     continue
-                watts = sum(x[1] for x in sel) / len(sel)
-                mhz = sum(x[2] for x in sel) / len(sel)
-                cap = sum(x[3] for x in sel) / len(sel)
+                watts, mhz, cap = got["watts"], got["mhz"], got["cap_share"]
                 print(f"{case:30s} {name:6s} {rnd:5d} {tf:7.1f} {watts:6.1f} "
                       f"{mhz:7.0f} {cap:5.0%} {tf / mhz:9.4f}", flush=True)
 

@@ -52,12 +52,22 @@ the ratio. On the CPU the table adds the same by CPU time ("cpu ms", "cpu speedu
 range"): on a machine shared with other work, wall time measures the sharing as much as
 the step, CPU time mostly the step.
 
+``--power-seconds S`` (GPUs with nvidia-smi) adds a power phase after the timing rounds:
+each variant runs its steps back to back for S seconds, the variants in turn for
+``--power-rounds`` rounds, while nvidia-smi samples the board every 100 ms (the first
+second of a phase left out, while the clocks settle): its mean power ("W"), SM clock ("SM
+MHz"), share of samples with the power cap active ("cap"), energy per step ("J/step":
+the phase's mean power times its time per step) and the reference's energy per step over
+the row's ("J ratio"). On an H200 the step runs at the board's 700 W limit, where the
+clocks follow the power drawn: a step's time then tracks its energy.
+
     python benchmarks/e2e_step.py --preset cpu
     python benchmarks/e2e_step.py --preset llama-v32k --json out.json
     python benchmarks/e2e_step.py --preset llama-v32k --deterministic-xla
     python benchmarks/e2e_step.py --preset tiny --quick     # the CI check: agreement only
     python benchmarks/e2e_step.py --preset llama-v32k --processes 3
     python benchmarks/e2e_step.py --preset llama-v32k --variants rlx-lean --head-chunk 8192
+    python benchmarks/e2e_step.py --preset llama-v32k --variants plain-cudnn,rlx-lean --power-seconds 5
 
 ``--processes N`` runs the whole measurement in N fresh processes one after the other and
 ends with each variant's speedup in every process and their median, and its temp memory in
@@ -71,6 +81,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import inspect
 import json
 import math
@@ -542,6 +553,53 @@ def round_speedups(ref_rounds, rounds) -> list[float] | None:
     return [a / b for a, b in zip(ref_rounds, rounds)]
 
 
+@functools.cache
+def _gpu_power():
+    """benchmarks/gpu_power.py, loaded once by its path (this file also runs without the repository
+    root on sys.path)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_power.py")
+    spec = importlib.util.spec_from_file_location("_e2e_step_gpu_power", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def power_rounds(runners: list[Runner], rounds: int, seconds: float, sampler, idle: float = 1.0) -> None:
+    """The power phase: ``rounds`` rounds, each running every runner's steps back to back
+    for ``seconds`` (10 dispatched, then a wait, until the time is up), the runners in turn
+    from a different one each round, ``idle`` seconds apart, under ``sampler`` (a
+    ``gpu_power.PowerSampler``, entered here). Sets each runner's row "watts", "mhz",
+    "cap_share" (means over its phases' samples, each phase's first second left out),
+    "power_ms" (its time per step over the phases) and "joules" (J per step: mean power
+    times power_ms); none of them where no phase of the runner got a sample."""
+    import jax
+
+    summarize = _gpu_power().summarize
+    phases = {r.name: [] for r in runners}
+    with sampler:
+        for i in range(rounds):
+            shift = i % max(len(runners), 1)
+            for r in runners[shift:] + runners[:shift]:
+                time.sleep(idle)
+                t0, steps = time.time(), 0
+                while time.time() - t0 < seconds:
+                    jax.block_until_ready([r.launch() for _ in range(10)])
+                    steps += 10
+                phases[r.name].append((t0, time.time(), steps))
+    for r in runners:
+        got = [(summarize(sampler.samples, t0, t1), t1 - t0, steps) for t0, t1, steps in phases[r.name]]
+        got = [(g, dt, n) for g, dt, n in got if g is not None]
+        if not got:
+            continue
+        weight = sum(g["samples"] for g, _, _ in got)
+        for key in ("watts", "mhz", "cap_share"):
+            r.row[key] = sum(g[key] * g["samples"] for g, _, _ in got) / weight
+        r.row["power_ms"] = 1e3 * sum(dt for _, dt, _ in got) / sum(n for _, _, n in got)
+        r.row["joules"] = r.row["watts"] * r.row["power_ms"] / 1e3
+
+
 # ---- the run -----------------------------------------------------------------------------------------
 
 
@@ -563,10 +621,12 @@ def _ratio(row, key):
     return row[f"ref_{key}"] / row[key] if row and row.get(f"ref_{key}") and row.get(key) else None
 
 
-def format_table(rows: list[dict], header: str, cpu_clock: bool = False) -> str:
-    """One line per row; ``cpu_clock`` adds the CPU-time columns after the wall-time ones."""
+def format_table(rows: list[dict], header: str, cpu_clock: bool = False, power: bool = False) -> str:
+    """One line per row; ``cpu_clock`` adds the CPU-time columns after the wall-time ones,
+    ``power`` the power phase's (n/a for a row without samples)."""
     cols = ["variant", "ms/step", "speedup", "round range", "sync ms", "sync speedup"]
     cols += ["cpu ms", "cpu speedup", "cpu range"] if cpu_clock else []
+    cols += ["W", "SM MHz", "cap", "J/step", "J ratio"] if power else []
     cols += ["tokens/s", "MFU", "temp GiB", "peak GiB", "loss", "loss rel", "gnorm rel", "grad err", "determ."]
     lines = [header, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
@@ -577,6 +637,9 @@ def format_table(rows: list[dict], header: str, cpu_clock: bool = False) -> str:
                  f"{r['sync_ms']:.2f}", _speedup(_ratio(r, "sync_ms"))]
         if cpu_clock:
             cells += [f"{r['cpu_ms']:.2f}", _speedup(_ratio(r, "cpu_ms")), _range(r.get("cpu_speedup_rounds"))]
+        if power:
+            cells += [_fmt(r.get("watts"), ".0f"), _fmt(r.get("mhz"), ".0f"), _fmt(r.get("cap_share"), ".0%"),
+                      _fmt(r.get("joules"), ".2f"), _speedup(_ratio(r, "joules"))]
         cells += [f"{r['tokens_per_s']:,.0f}", _fmt(r.get("mfu"), ".1%"),
                  _fmt(None if r.get("temp_bytes") is None else r["temp_bytes"] / 2**30, ".3f"),
                  _fmt(None if r.get("peak_bytes") is None else r["peak_bytes"] / 2**30, ".2f"),
@@ -607,6 +670,9 @@ def parse_args(argv):
     p.add_argument("--deterministic-xla", action="store_true",
                    help=f"run with XLA_FLAGS {DET_FLAG} (re-executes itself with the flag set)")
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default by device)")
+    p.add_argument("--power-seconds", type=float, default=0.0,
+                   help="a power phase of this many seconds a variant a round after the timing (GPU; 0: none)")
+    p.add_argument("--power-rounds", type=int, default=2, help="rounds of the power phase")
     p.add_argument("--processes", type=int, default=1,
                    help="run the measurement in this many fresh processes (each its own compiles) and summarise")
     p.add_argument("--json", metavar="PATH", default=None)
@@ -615,6 +681,10 @@ def parse_args(argv):
         p.error("--processes must be >= 1")
     if a.processes > 1 and (a.quick or a.rounds == 0):
         p.error("--processes compares timed runs: not with --quick or --rounds 0")
+    if a.power_seconds < 0 or a.power_rounds < 1:
+        p.error("--power-seconds must be >= 0 and --power-rounds >= 1")
+    if 0 < a.power_seconds < 2:
+        p.error("--power-seconds must be at least 2 (a phase's first second is left out)")
     fields = dict(PRESETS[a.preset])
     for name in ("layers", "width", "heads", "kv_heads", "head_dim", "ffn", "vocab", "batch", "seq", "dtype",
                  "head_chunk"):
@@ -648,8 +718,8 @@ def _without_option(argv, name):
 def process_summary(runs: list[list[dict]]) -> list[dict]:
     """Per variant over the processes' JSON rows (one list a process): its speedup in each
     process (that process's reference time over its own; None where it did not run), the
-    median of those speedups and of its ms/step, the median of its sync speedups, and its
-    compiled temp memory in each process (each compile's own: XLA's autotuner and scheduler
+    median of those speedups and of its ms/step, the median of its sync speedups and of its
+    J ratios (the power phase's; None without one), and its compiled temp memory in each process (each compile's own: XLA's autotuner and scheduler
     may choose differently in each, and the temp memory with them)."""
     names = list(dict.fromkeys(r["variant"] for rows in runs for r in rows if "error" not in r))
     out = []
@@ -664,6 +734,7 @@ def process_summary(runs: list[list[dict]]) -> list[dict]:
         out.append({"variant": name, "speedups": speedups, "speedup_median": median(speedups),
                     "ms_median": median([r and r.get("ms") for r in rows]),
                     "sync_speedup_median": median([_ratio(r, "sync_ms") for r in rows]),
+                    "joule_ratio_median": median([_ratio(r, "joules") for r in rows]),
                     "temp_bytes": [r and r.get("temp_bytes") for r in rows]})
     return out
 
@@ -671,13 +742,14 @@ def process_summary(runs: list[list[dict]]) -> list[dict]:
 def format_process_summary(summary: list[dict], processes: int) -> str:
     lines = [f"across {processes} processes (each its own compiles; speedup: that process's reference over the row)",
              "| variant | ms/step (median) | speedup (median) | speedup in each process | sync speedup (median) "
-             "| temp GiB in each process |",
-             "|---|---|---|---|---|---|"]
+             "| J ratio (median) | temp GiB in each process |",
+             "|---|---|---|---|---|---|---|"]
     for row in summary:
         each = " ".join(_speedup(x) for x in row["speedups"])
         temps = " ".join(_fmt(None if t is None else t / 2**30, ".3f") for t in row.get("temp_bytes", []))
         lines.append(f"| {row['variant']} | {_fmt(row['ms_median'], '.2f')} | {_speedup(row['speedup_median'])} | "
-                     f"{each} | {_speedup(row.get('sync_speedup_median'))} | {temps} |")
+                     f"{each} | {_speedup(row.get('sync_speedup_median'))} | "
+                     f"{_speedup(row.get('joule_ratio_median'))} | {temps} |")
     return "\n".join(lines)
 
 
@@ -786,6 +858,17 @@ def main(argv=None) -> int:
         time_rounds(runners, rounds, reps)
         if train:
             time_rounds(train, rounds, reps)
+    power = False
+    if rounds and a.power_seconds:
+        gp = _gpu_power()
+        fields = gp.smi_fields() if platform == "gpu" else None
+        if fields is None:
+            print("--power-seconds: nvidia-smi reports no power samples here; no power phase", file=sys.stderr)
+        else:
+            for group in (runners, train):
+                if group:
+                    power_rounds(group, a.power_rounds, a.power_seconds, gp.PowerSampler(fields, gp.smi_index(device)))
+            power = True
     rows = []
     for r in everything:
         row = {"variant": r.name, "temp_bytes": r.temp_bytes, **r.row}
@@ -802,6 +885,7 @@ def main(argv=None) -> int:
         sync_ms = {row["variant"]: row["sync_ms"] for row in rows}
         cpu_ms = {row["variant"]: row["cpu_ms"] for row in rows}
         cpu_round = {row["variant"]: row["cpu_ms_rounds"] for row in rows}
+        joules = {row["variant"]: row.get("joules") for row in rows}
         base_name = "plain-cudnn" if "plain-cudnn" in ms else "plain-xla"
         for row in rows:
             ref = "train-nofused" if row["variant"].startswith("train-") else base_name
@@ -810,6 +894,7 @@ def main(argv=None) -> int:
             row["ref_sync_ms"] = sync_ms.get(ref)
             row["ref_cpu_ms"] = cpu_ms.get(ref)
             row["cpu_speedup_rounds"] = round_speedups(cpu_round.get(ref), row["cpu_ms_rounds"])
+            row["ref_joules"] = joules.get(ref)
     rows += failed
 
     header = (f"e2e step, preset {a.preset}: {s.layers} layers, width {s.width}, {s.heads}/{s.kv_heads} heads x "
@@ -817,10 +902,11 @@ def main(argv=None) -> int:
               f"{f', fused head blocks of {s.head_chunk} rows' if s.head_chunk else ''}; "
               f"{device.platform} ({device.device_kind}), jax {jax.__version__}"
               f"{', ' + DET_FLAG if det_xla else ''}; {rounds} rounds x {reps} steps"
+              + (f"; power phase: {a.power_rounds} rounds x {a.power_seconds:g} s" if power else "")
               + (f"; train rows: rlx-jax train transformer {TRAIN_CONFIGS[train_kind]}, {train_precision}"
                  if train else ""))
     if rounds:
-        print(format_table(rows, header, cpu_clock=platform == "cpu"))
+        print(format_table(rows, header, cpu_clock=platform == "cpu", power=power))
         print("(speedup: the best plain step's time (plain-cudnn where it ran, else plain-xla) over the row's; "
               "the train rows: train-nofused's over the row's)")
     else:

@@ -13,7 +13,7 @@ def _load(name: str):
                        f"rlx_benchmarks_{name}")
 
 
-_power = _load("attention_power")
+_power = _load("gpu_power")
 _kernels = _load("attention_kernels")
 _profile = _load("e2e_profile")
 
@@ -24,9 +24,30 @@ def test_power_samples_parse_and_skip_bad_lines():
         "[N/A], [N/A], [N/A], [N/A]",
         "2026/11/27 23:40:01.200, 690.00, 1600, Not Active",
     ]
-    samples = _power._parse(lines)
+    samples = _power.parse_samples(lines)
     assert [s[1:] for s in samples] == [(698.2, 1612.0, True), (690.0, 1600.0, False)]
     assert abs((samples[1][0] - samples[0][0]) - 0.1) < 1e-6  # timestamps parsed to seconds
+
+
+def test_power_summary_leaves_out_the_first_second_and_weights_samples_alike():
+    samples = [(10.0, 100.0, 1000.0, False), (11.5, 600.0, 1500.0, True), (12.0, 700.0, 1400.0, False),
+               (13.5, 50.0, 1980.0, False)]
+    got = _power.summarize(samples, 10.0, 12.0)
+    assert got == {"watts": 650.0, "mhz": 1450.0, "cap_share": 0.5, "samples": 2}
+    assert _power.summarize(samples, 10.0, 11.0) is None  # nothing after the first second
+
+
+def test_smi_index_follows_cuda_visible_devices(monkeypatch):
+    class Dev:
+        local_hardware_id = 1
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert _power.smi_index(Dev()) == "1"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,GPU-abc")
+    assert _power.smi_index(Dev()) == "GPU-abc"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert _power.smi_index(Dev()) is None  # not a device this process sees
+    assert _power.smi_index(object()) is None
 
 
 def test_kernel_names_lose_return_type_arguments_and_namespaces():

@@ -130,11 +130,69 @@ def test_processes_summarise_each_process_speedup():
     table = _e2e.format_process_summary(list(summary.values()), 3)
     assert summary["rlx"]["sync_speedup_median"] == 1.0 and summary["plain-xla"]["sync_speedup_median"] is None
     assert summary["rlx"]["temp_bytes"] == [2**30, 3 * 2**29, None]
-    assert "| rlx | 9.00 | 1.225x | 1.250x 1.200x n/a | 1.000x | 1.000 1.500 n/a |" in table
+    assert summary["rlx"]["joule_ratio_median"] is None
+    assert "| rlx | 9.00 | 1.225x | 1.250x 1.200x n/a | 1.000x | n/a | 1.000 1.500 n/a |" in table
     argv = ["--preset", "tiny", "--processes", "3", "--json=x.json", "--rounds", "2"]
     assert _e2e._without_option(_e2e._without_option(argv, "--processes"), "--json") == ["--preset", "tiny",
                                                                                           "--rounds", "2"]
     for bad in (["--processes", "0"], ["--processes", "2", "--quick"], ["--processes", "2", "--rounds", "0"]):
+        with pytest.raises(SystemExit):
+            _e2e.parse_args(["--preset", "tiny", *bad])
+
+
+class _FakeSampler:
+    """A PowerSampler stand-in: on exit, one sample per launch recorded in ``launched``, at
+    400 W for runner "a"'s and 700 W (power cap active) for the others'."""
+
+    def __init__(self, launched):
+        self.launched, self.samples = launched, []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.samples = [(t, 400.0 if name == "a" else 700.0, 1500.0, name == "b") for t, name in self.launched]
+        return False
+
+
+def test_power_rounds_give_watts_and_joules_per_step(monkeypatch):
+    """Each runner's phases: mean power over its samples after the first second, its time per
+    step over the phases, J/step = W x s/step; the table's J ratio is the reference's J/step
+    over the row's, and a runner without samples gets no power fields."""
+    import jax.numpy as jnp
+
+    launched = []
+    clock = {"t": 1000.0}
+    monkeypatch.setattr(_e2e.time, "time", lambda: clock["t"])
+    monkeypatch.setattr(_e2e.time, "sleep", lambda s: clock.__setitem__("t", clock["t"] + s))
+
+    def launcher(name, step_s):
+        def launch():
+            clock["t"] += step_s  # the step's time passes
+            launched.append((clock["t"], name))
+            return jnp.zeros(())
+        return launch
+
+    runners = [_e2e.Runner("a", launcher("a", 0.02), None, 1, 1.0, None),
+               _e2e.Runner("b", launcher("b", 0.01), None, 1, 1.0, None)]
+    _e2e.power_rounds(runners, rounds=2, seconds=2.0, sampler=_FakeSampler(launched), idle=1.0)
+    a, b = runners[0].row, runners[1].row
+    assert a["watts"] == pytest.approx(400.0) and b["watts"] == pytest.approx(700.0)
+    assert a["cap_share"] == 0 and b["cap_share"] == 1 and a["mhz"] == 1500.0
+    assert a["power_ms"] == pytest.approx(20.0) and b["power_ms"] == pytest.approx(10.0)
+    assert a["joules"] == pytest.approx(8.0) and b["joules"] == pytest.approx(7.0)
+    row = {"variant": "b", "ms": 10.0, "ref_ms": 20.0, "sync_ms": 10.0, "ref_sync_ms": 20.0, "tokens_per_s": 1.0,
+           "loss": 1.0, "loss_rel_diff": 0.0, "grad_norm_rel_diff": 0.0, "grad_rel_err": 0.0,
+           "deterministic": True, **b, "ref_joules": a["joules"]}
+    table = _e2e.format_table([row, dict(row, variant="c", watts=None, joules=None)], "h", power=True).splitlines()
+    assert "| sync speedup | W | SM MHz | cap | J/step | J ratio | tokens/s |" in table[1]
+    assert "| 700 | 1500 | 100% | 7.00 | 1.143x |" in table[3], table[3]
+    assert "| n/a | 1500 | 100% | n/a | n/a |" in table[4], table[4]
+    # no sample inside a runner's phases: no power fields
+    lone = _e2e.Runner("c", launcher("c", 0.01), None, 1, 1.0, None)
+    _e2e.power_rounds([lone], rounds=1, seconds=2.0, sampler=_FakeSampler([]), idle=0.0)
+    assert "watts" not in lone.row and "joules" not in lone.row
+    for bad in (["--power-seconds", "-1"], ["--power-seconds", "1"], ["--power-rounds", "0"]):
         with pytest.raises(SystemExit):
             _e2e.parse_args(["--preset", "tiny", *bad])
 
