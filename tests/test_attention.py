@@ -98,6 +98,25 @@ def test_compiled_kernels_are_registered_and_used():
     assert "rlx_attention_fwd" in grad and "rlx_attention_bwd" in grad
 
 
+def test_cudnn_forward_switch_and_no_route_off_cuda():
+    """RLX_ATTENTION_CUDNN_FORWARD=0 (read at import) turns the CUDA forward's cuDNN route
+    off; the route never serves a call off CUDA (here: no GPU device to route to)."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from rlx_jax.vjp_rules import attention as A; print(A.CUDNN_FORWARD)"
+    for value, want in (("0", "False"), ("1", "True")):
+        env = dict(os.environ, RLX_ATTENTION_CUDNN_FORWARD=value, JAX_PLATFORMS="cpu")
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.strip() == want, r.stderr[-2000:]
+    if platform() == "cpu":
+        q = jax.ShapeDtypeStruct((1, 128, 4, 128), jnp.bfloat16)
+        params = dict(kind="causal", window=0, scale=0.1, softcap=0.0, has_mask=False, has_bias=False,
+                      has_segments=False, has_sinks=False)
+        assert A._cudnn_forward((q, q, q), params) is None
+
+
 # ---- forward and reverse mode in f32 ----------------------------------------------------------
 
 

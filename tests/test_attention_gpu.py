@@ -29,6 +29,13 @@ pytestmark = requires_gpu
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2, jnp.float16: 5e-3}
 
 
+@pytest.fixture(autouse=True)
+def _our_forward_kernel(monkeypatch):
+    """These tests check our kernels: plain calls keep our forward rather than cuDNN's
+    (``A.CUDNN_FORWARD``; that route has its own tests in test_attention_cudnn_forward_gpu.py)."""
+    monkeypatch.setattr(A, "CUDNN_FORWARD", False)
+
+
 def _gpu():
     return next(d for d in jax.devices() if d.platform == "gpu")
 
@@ -606,7 +613,8 @@ def _run_child(code, setting, timeout):
     import subprocess
     import sys
 
-    env = dict(os.environ, RLX_ATTENTION_CUDA_WGMMA="0" if setting == "mma_sync" else "1")
+    env = dict(os.environ, RLX_ATTENTION_CUDA_WGMMA="0" if setting == "mma_sync" else "1",
+               RLX_ATTENTION_CUDNN_FORWARD="0")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "-c", code, setting], cwd=root, env=env, capture_output=True, text=True,
                        timeout=timeout)

@@ -26,6 +26,7 @@ from rlx_jax.vjp_rules import attention as attention_rules
 
 
 def main(d: int, dtype: str, kind: str, phase: str, mask: bool, extra: str = "") -> None:
+    attention_rules.CUDNN_FORWARD = False  # our forward kernel, also where cuDNN's would serve
     if jnp.dtype(dtype) == jnp.float32 and jnp.float32 not in attention_rules.CUDA_KERNEL_DTYPES:
         attention_rules.CUDA_KERNEL_DTYPES = attention_rules.CUDA_KERNEL_DTYPES + (jnp.float32,)
     b, s, h = 1, int(os.environ.get("RLX_ATTN_SANITIZE_S", "96")), 2

@@ -47,11 +47,13 @@ Unlike RLX's own VJP, the gradients here include score_scale and the softcap der
 from __future__ import annotations
 
 import math
+import os
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.interpreters import ad
+from jax.interpreters import ad, mlir
 
 from rlx_jax._kernels import has_kernel
 from rlx_jax._kernels import target as ffi_target
@@ -374,14 +376,19 @@ def cuda_segments_served(q, k, *, has_bias, scale) -> bool:
         return False
     if not (has_kernel("cuda", SEGMENTS_FWD) and has_kernel("cuda", SEGMENTS_BWD)):
         return False
+    dev = _hopper()
+    sk = k.shape[1]
+    return dev is not None and isinstance(sk, (int, np.integer)) and sk <= 128 * (getattr(dev, "core_count", 0) or 0)
+
+
+def _hopper():
+    """The first GPU where it has compute capability 9.0 (the sm_90a kernels' and the
+    measurements' device), else None."""
     try:
         dev = jax.devices("gpu")[0]
     except RuntimeError:
-        return False
-    sms = getattr(dev, "core_count", 0) or 0
-    sk = k.shape[1]
-    return (getattr(dev, "compute_capability", "") == "9.0" and isinstance(sk, (int, np.integer))
-            and sk <= 128 * sms)
+        return None
+    return dev if getattr(dev, "compute_capability", "") == "9.0" else None
 
 
 def _segment_operands(segments):
@@ -567,6 +574,79 @@ attention_fwd = FusedPrimitive(
     kernel={"cpu": _kernel_fwd_cpu, "cuda": _kernel_fwd_cuda},
     kernel_ok=_kernel_ok, platforms=("cpu", "cuda"), partition=_PARTITION,
 )
+
+# ---- cuDNN's forward where it is faster ----------------------------------------------------
+
+#: Whether the CUDA forward of plain attention runs cuDNN's flash forward (``_cudnn_forward``).
+#: ``RLX_ATTENTION_CUDNN_FORWARD=0`` in the environment (read at import) or False here keeps
+#: our forward kernel there too: the GPU tests of our kernels and the sanitizer runs do. It is
+#: read when a call is lowered: a function jit has already compiled keeps its route.
+CUDNN_FORWARD = os.environ.get("RLX_ATTENTION_CUDNN_FORWARD", "1") != "0"
+
+#: the refusals of cuDNN's forward in JAX (no cuDNN or too old, a shape it does not take, an
+#: internal signature of another jax version): any of them leaves the call to our kernel
+_CUDNN_REFUSALS = (ImportError, AttributeError, TypeError, ValueError, NotImplementedError, RuntimeError)
+
+
+def _cudnn_attention(q, k, v, *, kind, scale):
+    """(out [B, Sq, H, D], lse [B, H, Sq] f32) from cuDNN's flash forward as JAX runs it for
+    ``jax.nn.dot_product_attention(implementation="cudnn")``: its softmax statistics are the
+    natural-log lse of the scaled scores, the lse our backward reads (they agree with our
+    kernel's to 1e-6 on an H200). Its causal mask is top-left, ours bottom-right: the same
+    where Sq == Sk, the only causal calls routed here."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    mask = cudnn.MaskType.CAUSAL if kind == "causal" else cudnn.MaskType.NO_MASK
+    out, stats = cudnn.dot_product_attention(q, k, v, scale=scale, mask_type=mask, qkv_layout="BTNH",
+                                             return_residual=True)
+    return out, stats.reshape(q.shape[0], q.shape[2], q.shape[1]).astype(jnp.float32)
+
+
+def _cudnn_forward(avals, params):
+    """The forward through cuDNN for this call, or None to run ours. On CUDA, plain
+    attention (q, k, v only: no key mask, bias, segment ids or sinks; bf16 / f16; head dim
+    64 or 128; mask kind none, or causal with Sq == Sk; no softcap; scale > 0) on a compute
+    capability 9.0 device runs cuDNN's flash forward, and the backward ours (the
+    deterministic one): at the Llama shapes of docs/PERFORMANCE.md its forward takes
+    0.88-0.98x the time of our warp-specialised kernel (``benchmarks.attention_kernels``), and
+    the ``llama-v32k`` step gains 0.2-0.35 ms of its 47 (two in-process A/Bs; cuDNN's
+    forward has no atomics: the step stays bitwise reproducible). Masks, softcaps, windows, segment ids, sinks, other head dims
+    and other devices keep our forward."""
+    if not CUDNN_FORWARD or len(avals) != 3 or params.get("has_segments") or params.get("has_sinks"):
+        return None
+    q, k, v = avals
+    kind = params["kind"]
+    if (q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype
+            or q.shape[3] not in (64, 128) or v.shape[3] != q.shape[3] or 0 in (*q.shape, *k.shape)):
+        return None
+    if params["softcap"] or float(params["scale"]) <= 0 or kind not in ("none", "causal"):
+        return None
+    if kind == "causal" and q.shape[1] != k.shape[1]:
+        return None
+    if _hopper() is None:
+        return None
+    fn = partial(_cudnn_attention, kind=kind, scale=float(params["scale"]))
+    try:
+        jax.eval_shape(fn, q, k, v)  # raises where JAX's cuDNN path refuses the call
+    except _CUDNN_REFUSALS:
+        return None
+    return fn
+
+
+_our_cuda_forward = attention_fwd._lowering("cuda")
+
+
+def _cuda_forward_lowering(ctx, *args, **params):
+    """attention_fwd on CUDA: cuDNN's forward where ``_cudnn_forward`` picks it (its own
+    sharding rules split it over batch and heads under SPMD), else our kernel's lowering."""
+    fn = _cudnn_forward(ctx.avals_in, params)
+    if fn is None:
+        return _our_cuda_forward(ctx, *args, **params)
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+mlir.register_lowering(attention_fwd.p, _cuda_forward_lowering, platform="cuda")
+
 attention_tangent = FusedPrimitive("rlx_attention_tangent", reference_attention_tangent)
 attention_bwd = FusedPrimitive(
     "rlx_attention_bwd", reference_attention_bwd, target="rlx_attention_bwd",
