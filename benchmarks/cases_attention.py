@@ -10,6 +10,12 @@ flops, fwd+bwd 3.5x that, halved for causal) and the compiled scratch memory
     python -m benchmarks.run --cases attention --device cpu --reps 5
     python -m benchmarks.cases_attention            # same cases, with GFLOP/s and memory
     python -m benchmarks.cases_attention --reps 10  # on a GPU: ours / cuDNN / XLA TFLOP/s
+
+"Ours" is ``rlx_jax.ops.attention`` as a user gets it: on a compute capability 9.0 GPU its
+plain bf16 / f16 calls run cuDNN's forward and our backward (docs/API.md). With
+``RLX_ATTENTION_CUDNN_FORWARD=0`` in the environment they run our forward kernel too, as
+the tables of docs/PERFORMANCE.md measured it (``benchmarks.attention_kernels`` and
+``benchmarks.attention_power`` time these same functions).
 """
 
 from __future__ import annotations

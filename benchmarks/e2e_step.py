@@ -20,6 +20,10 @@ Variants:
                    keeping it: add_rms_norm_linear / rms_norm_linear (the norm with the
                    projections that read it) and swiglu_linear (the SwiGLU with the down
                    projection); less memory, some time
+  rlx-own-attn-fwd, rlx-lean-own-attn-fwd
+                   rlx and rlx-lean with our attention forward kernel where ops.attention
+                   runs cuDNN's forward (plain bf16 / f16 calls on an sm_90 GPU; see
+                   docs/API.md): what that route gains the step
   rlx-lean-norm    rlx with add_rms_norm_linear / rms_norm_linear only
   rlx-lean-mlp     rlx with swiglu_linear only
   rlx-separate-add rlx with the residual adds written apart from ``rms_norm`` (x = x + b;
@@ -161,7 +165,8 @@ class Variant:
     ops.rope_split); mlp (the
     SwiGLU and the down projection) "jax" | "rlx" (ops.swiglu, then the matmul) | "rlx-linear"
     (ops.swiglu_linear); loss "jax" | "rlx" | "rlx-f32" (logits blocks in f32); attn "xla" |
-    "cudnn" | "rlx"."""
+    "cudnn" | "rlx" | "rlx-own-fwd" (ops.attention with our forward kernel where the op would
+    run cuDNN's forward: ``rlx_jax.vjp_rules.attention.CUDNN_FORWARD`` off while it compiles)."""
 
     name: str
     embed: str = "take"
@@ -306,7 +311,7 @@ def make_loss(s: Shape, v: Variant):
         return _rlx_rope(x, cos, sin) if v.rope == "rlx" else _jax_rope(x, cos, sin)
 
     def attend(q, k, vv):
-        if v.attn == "rlx":
+        if v.attn in ("rlx", "rlx-own-fwd"):
             return rops.attention(q, k, vv, mask_kind="causal")
         return jax.nn.dot_product_attention(q, k, vv, is_causal=True, implementation=v.attn)
 
@@ -358,6 +363,9 @@ def variants(platform: str) -> list[Variant]:
     rlx = Variant("rlx", embed="rlx", norm="rlx-add", rope="rlx-split", attn="rlx", loss="rlx", mlp="rlx")
     out.append(rlx)
     out.append(dataclasses.replace(rlx, name="rlx-lean", norm="rlx-linear", mlp="rlx-linear"))
+    out.append(dataclasses.replace(rlx, name="rlx-own-attn-fwd", attn="rlx-own-fwd"))
+    out.append(dataclasses.replace(rlx, name="rlx-lean-own-attn-fwd", norm="rlx-linear", mlp="rlx-linear",
+                                   attn="rlx-own-fwd"))
     out.append(dataclasses.replace(rlx, name="rlx-lean-norm", norm="rlx-linear"))
     out.append(dataclasses.replace(rlx, name="rlx-lean-mlp", mlp="rlx-linear"))
     out.append(dataclasses.replace(rlx, name="rlx-separate-add", norm="rlx"))
@@ -413,8 +421,15 @@ def _peak_bytes(device) -> int | None:
 def step_runner(s: Shape, v: Variant, params, tokens, labels) -> Runner:
     import jax
 
+    from rlx_jax.vjp_rules import attention as attention_rules
+
     fn = jax.jit(jax.value_and_grad(make_loss(s, v)))
-    compiled = fn.lower(params, tokens, labels).compile()
+    route = attention_rules.CUDNN_FORWARD
+    attention_rules.CUDNN_FORWARD = route and v.attn != "rlx-own-fwd"  # read as attention lowers
+    try:
+        compiled = fn.lower(params, tokens, labels).compile()
+    finally:
+        attention_rules.CUDNN_FORWARD = route
 
     def launch():
         return compiled(params, tokens, labels)

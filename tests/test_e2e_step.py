@@ -209,3 +209,35 @@ def test_processes_run_the_measurement_in_fresh_processes(tmp_path, capsys):
     rlx = next(r for r in data["summary"] if r["variant"] == "rlx")
     assert len(rlx["speedups"]) == 2 and all(x > 0 for x in rlx["speedups"])
     assert "across 2 processes" in capsys.readouterr().out
+
+
+def test_own_attention_forward_variant_compiles_with_the_cudnn_route_off(monkeypatch):
+    """rlx-own-attn-fwd lowers its step with ``CUDNN_FORWARD`` off (our forward kernel where
+    the op would run cuDNN's), the other variants with it as it was, which it stays after."""
+    from rlx_jax.vjp_rules import attention as attention_rules
+
+    seen = {}
+    make_loss = _e2e.make_loss
+
+    def recording(s, v):
+        loss = make_loss(s, v)
+
+        def traced(*args):
+            seen[v.name] = attention_rules.CUDNN_FORWARD
+            return loss(*args)
+
+        return traced
+
+    monkeypatch.setattr(_e2e, "make_loss", recording)
+    monkeypatch.setattr(attention_rules, "CUDNN_FORWARD", True)
+    s = _e2e.Shape(**_e2e.PRESETS["tiny"])
+    params = _e2e.init_params(s, jax.random.PRNGKey(0))
+    tokens = jnp.zeros((s.batch, s.seq), jnp.int32)
+    labels = jnp.zeros((s.tokens,), jnp.int32)
+    by_name = {v.name: v for v in _e2e.variants("cpu")}
+    losses = {}
+    for name in ("rlx", "rlx-own-attn-fwd", "rlx-lean-own-attn-fwd"):
+        losses[name] = _e2e.step_runner(s, by_name[name], params, tokens, labels).grads()[0]
+        assert attention_rules.CUDNN_FORWARD is True
+    assert seen == {"rlx": True, "rlx-own-attn-fwd": False, "rlx-lean-own-attn-fwd": False}
+    assert losses["rlx-own-attn-fwd"] == pytest.approx(losses["rlx"], rel=1e-6)
