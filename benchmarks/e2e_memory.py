@@ -10,7 +10,9 @@ shape, and the JAX operation it came from (the instruction's ``op_name`` and the
 source line). "output" is a buffer the program returns, followed from the entry's ROOT
 through bitcasts and tuples; a loop's accumulator that becomes an output is listed as
 temp while the loop runs, so the live temp at a peak inside a loop can exceed the
-compiled temp memory a little. Nothing runs, so it works on any backend, but the schedule
+compiled temp memory a little. The report lists values (XLA's HloValues), not
+allocations: where values share one buffer (an output written over an operand's buffer, a
+loop's carried state), the listed bytes may count that buffer more than once. Nothing runs, so it works on any backend, but the schedule
 is the compiling backend's: a GPU's peak differs from a CPU's.
 
     python -m benchmarks.e2e_memory --preset llama-v32k --variants rlx-lean,plain-cudnn --top 25

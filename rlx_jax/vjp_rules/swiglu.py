@@ -121,16 +121,20 @@ def reference_swiglu_bwd_product(a, b, dh):
 _IN_PLACE = {0: 0, 1: 1}
 
 
-def _kernel_bwd(a, b, dh):
-    """The kernel reads its operands as flat arrays of one shape and dtype."""
-    out = (jax.ShapeDtypeStruct(a.shape, a.dtype), jax.ShapeDtypeStruct(a.shape, a.dtype))
-    return jax.ffi.ffi_call(ffi_target("rlx_swiglu_bwd"), out, input_output_aliases=_IN_PLACE)(a, b, dh)
+def _backward_kernel(target, results):
+    """The FFI call of a backward target with ``results`` outputs shaped like a (da, db, and
+    for ``rlx_swiglu_bwd_product`` the product h); the kernel reads its operands as flat
+    arrays of one shape and dtype."""
+
+    def call(a, b, dh):
+        out = (jax.ShapeDtypeStruct(a.shape, a.dtype),) * results
+        return jax.ffi.ffi_call(ffi_target(target), out, input_output_aliases=_IN_PLACE)(a, b, dh)
+
+    return call
 
 
-def _kernel_bwd_product(a, b, dh):
-    """``_kernel_bwd`` with the product h as a third result."""
-    out = (jax.ShapeDtypeStruct(a.shape, a.dtype),) * 3
-    return jax.ffi.ffi_call(ffi_target("rlx_swiglu_bwd_product"), out, input_output_aliases=_IN_PLACE)(a, b, dh)
+_kernel_bwd = _backward_kernel("rlx_swiglu_bwd", 2)
+_kernel_bwd_product = _backward_kernel("rlx_swiglu_bwd_product", 3)
 
 
 def _elementwise_factors(avals_in, avals_out, **params):
