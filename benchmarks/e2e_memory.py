@@ -12,8 +12,9 @@ through bitcasts and tuples; a loop's accumulator that becomes an output is list
 temp while the loop runs, so the live temp at a peak inside a loop can exceed the
 compiled temp memory a little. The report lists values (XLA's HloValues), not
 allocations: where values share one buffer (an output written over an operand's buffer, a
-loop's carried state), the listed bytes may count that buffer more than once. Nothing runs, so it works on any backend, but the schedule
-is the compiling backend's: a GPU's peak differs from a CPU's.
+loop's carried state), the listed bytes may count that buffer more than once. Nothing
+runs, so it works on any backend, but the schedule is the compiling backend's: a GPU's
+peak differs from a CPU's.
 
     python -m benchmarks.e2e_memory --preset llama-v32k --variants rlx-lean,plain-cudnn --top 25
     python -m benchmarks.e2e_memory --preset cpu --variants plain-xla,rlx

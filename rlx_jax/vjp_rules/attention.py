@@ -382,7 +382,7 @@ def cuda_segments_served(q, k, *, has_bias, scale) -> bool:
 
 
 def _hopper():
-    """The first GPU where it has compute capability 9.0 (the sm_90a kernels' and the
+    """The first GPU if it has compute capability 9.0 (the sm_90a kernels' and the
     measurements' device), else None."""
     try:
         dev = jax.devices("gpu")[0]
@@ -609,9 +609,9 @@ def _cudnn_forward(avals, params):
     capability 9.0 device runs cuDNN's flash forward, and the backward ours (the
     deterministic one): at the Llama shapes of docs/PERFORMANCE.md its forward takes
     0.88-0.98x the time of our warp-specialised kernel (``benchmarks.attention_kernels``), and
-    the ``llama-v32k`` step gains 0.2-0.35 ms of its 47 (two in-process A/Bs; cuDNN's
-    forward has no atomics: the step stays bitwise reproducible). Masks, softcaps, windows, segment ids, sinks, other head dims
-    and other devices keep our forward."""
+    the ``llama-v32k`` step gains 0.08-0.35 ms of its 47 (two in-process A/Bs; cuDNN's
+    forward has no atomics: the step stays bitwise reproducible). Masks, softcaps, windows,
+    segment ids, sinks, other head dims and other devices keep our forward."""
     if not CUDNN_FORWARD or len(avals) != 3 or params.get("has_segments") or params.get("has_sinks"):
         return None
     q, k, v = avals
