@@ -2,8 +2,9 @@
 (``rlx_jax.vjp_rules.attention._cudnn_forward``): which calls take that route, that the
 compiled program then holds cuDNN's forward and our backward (and not cuDNN's backward),
 that values and gradients match an f32 XLA reference, that cuDNN's lse is the one our
-backward reads, and that gradients stay bitwise reproducible. Skipped where JAX sees no
-GPU, and the routed cases where the GPU is not compute capability 9.0."""
+backward reads, that gradients stay bitwise reproducible, and that the route splits over
+GPUs by batch and by heads without gathering. Skipped where JAX sees no GPU, the routed
+cases where the GPU is not compute capability 9.0, and the sharded ones on one GPU."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from rlx_jax.ops import attention
 from rlx_jax.vjp_rules import attention as A
@@ -138,3 +140,37 @@ def test_gradients_bitwise_reproducible():
     for _ in range(2):
         again = [np.asarray(g) for g in fn(q, k, v)]
         assert all(a.tobytes() == b.tobytes() for a, b in zip(first, again))
+
+
+@pytest.mark.parametrize("axis", ["batch", "heads"])
+def test_sharded_over_gpus(axis):
+    """The routed forward and our backward under SPMD over two GPUs, q / k / v / dy split by
+    batch or by heads (grouped: 8 query heads on 2 kv heads, a kv head and its 4 query heads
+    on each GPU): cuDNN's forward and our backward in the program, no all-gather, the
+    outputs split like the inputs, values and gradients as on one GPU and as the reference."""
+    _needs_hopper()
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if len(gpus) < 2:
+        pytest.skip("needs two GPUs")
+    mesh = Mesh(np.array(gpus[:2]), ("x",))
+    sharding = NamedSharding(mesh, P("x") if axis == "batch" else P(None, None, "x"))
+    q, k, v, dy = _inputs(4, 256, 256, 8, 2, 128, jnp.bfloat16, seed=7)
+
+    def fn(q, k, v, dy):
+        out, vjp = jax.vjp(lambda *a: attention(*a, mask_kind="causal"), q, k, v)
+        return out, vjp(dy)
+
+    args = [jax.device_put(x, sharding) for x in (q, k, v, dy)]
+    compiled = jax.jit(fn).lower(*args).compile()
+    hlo = compiled.as_text()
+    assert CUDNN_FWD in hlo and "rlx_attention_bwd" in hlo
+    assert CUDNN_BWD not in hlo and "all-gather" not in hlo
+    out, grads = compiled(*args)
+    assert all(x.sharding.is_equivalent_to(sharding, 4) for x in (out, *grads))
+    one_out, one_grads = jax.jit(fn)(q, k, v, dy)
+    want_out, want_grads = _reference("causal", q, k, v, dy)
+    for name, got, one, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (one_out, *one_grads),
+                                    (want_out, *want_grads)):
+        got = got.astype(jnp.float32)
+        assert _rel(got, one.astype(jnp.float32)) <= 1e-3, name
+        assert _rel(got, want) <= TOL[jnp.bfloat16], name

@@ -37,7 +37,8 @@ WORKLOG_PATTERNS = {
     # a run number (possibly with a letter suffix) or a list of them; not prose such as
     # "runs N.NNx faster" or "mode 7 runs 6's kernel"
     "run number": r"\brun [0-9]+[a-wyz]?(?![0-9a-z.%])|\bruns [0-9]+(?:-[0-9]+| and [0-9]+)",
-    "date": r"\b20[0-9]{2}-[01][0-9]-[0-3][0-9]\b",
+    # a date, also inside a name (a file called ..._YYYY-MM-DD.txt)
+    "date": r"(?<![0-9])20[0-9]{2}-[01][0-9]-[0-3][0-9](?![0-9])",
     "machine path": r"/wor[k]/",
     "team process": r"\bother\s+engineers\b|\bengineers'|\bhard\s+deadline\b|\bdevice\s+tool\b",
     "time of day narrative": r"\btonight\b|\b(?:last|the|late)\s+night\b",
@@ -106,6 +107,31 @@ def test_readme_and_docs_links_resolve():
     assert not broken, f"links to missing files: {broken}"
 
 
+# A repository path written in the docs' text: under a top-level folder, ending in a file
+# name with an extension. Placeholders (`<family>`, `*`, `foo`) are templates, not paths.
+_DOC_PATH = re.compile(r"(?<![\w/.-])((?:benchmarks|tests|rlx_jax|ffi|docs|tools|notebooks|examples)/[\w./-]*"
+                       r"\.(?:py|md|txt|json|cuh|cu|cc|h|sh|ipynb|toml))(?![\w])")
+
+
+def _path_mentions(text: str) -> list[str]:
+    return [m for m in _DOC_PATH.findall(text) if "foo" not in m.rsplit("/", 1)[-1]]
+
+
+def test_path_mentions_detector():
+    text = ("see `benchmarks/results/e2e_step_h200.txt`, ffi/cuda/attention_wgmma.cuh and "
+            "`rlx_jax/vjp_rules/<family>.py`, ffi/cpu/*.cc or tests/test_foo.py")
+    assert _path_mentions(text) == ["benchmarks/results/e2e_step_h200.txt", "ffi/cuda/attention_wgmma.cuh"]
+
+
+def test_paths_named_in_readme_and_docs_exist():
+    missing = []
+    for doc in [README, *sorted((ROOT / "docs").glob("*.md"))]:
+        for lineno, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):
+            missing += [f"{doc.relative_to(ROOT)}:{lineno}: {p}" for p in _path_mentions(line)
+                        if not (ROOT / p).exists()]
+    assert not missing, "files named in the docs that the repository does not have:\n" + "\n".join(missing)
+
+
 def _committed_text_files() -> list[Path]:
     """Tracked files when this is a git checkout, else every file outside hidden and
     build folders; binary files (a NUL byte or not UTF-8) are skipped by the caller."""
@@ -144,6 +170,7 @@ def test_worklog_patterns_catch_what_they_should():
         "// ru" + "n 13F's A/B",
         "(ru" + "ns 4 and 5 of the results)",
         "# 2026" + "-11-22: the kernel replaced",
+        "(`results/data_parallel_2026" + "-11-22.txt`)",
         "see /wor" + "k/shared/docs",
         "Other engin" + "eers edit the same tree",
         "hard dead" + "line 01:15",
