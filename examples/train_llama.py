@@ -115,7 +115,7 @@ def make_loss(cfg: Config, lean: bool, dtype):
         _, h = ops.add_rms_norm(x, branch, p["final_norm"], eps=eps)
         logits_dtype = dtype if dtype == jnp.bfloat16 else None  # bf16 blocks, as a bf16 h @ w
         return ops.fused_linear_cross_entropy(h.reshape(b * s, cfg.width), p["head"], labels, reduction="mean",
-                                              logits_dtype=logits_dtype).astype(jnp.float32)
+                                              logits_dtype=logits_dtype)  # a reduced loss comes back in f32
 
     return loss
 

@@ -451,12 +451,13 @@ def test_fused_linear_reduced_gradients_take_no_scaling_pass():
 
 
 def test_fused_linear_bf16_and_mixed_precision():
-    """bf16 within bf16 tolerance of the f32 oracle; bf16 hidden with an f32 weight is
-    computed in f32 (promotion as jnp.dot), each gradient in its input's dtype."""
+    """bf16 within bf16 tolerance of the f32 oracle (per-row losses in bf16, the
+    reduced loss in f32); bf16 hidden with an f32 weight is computed in f32 (promotion as
+    jnp.dot), each gradient in its input's dtype."""
     h, w, labels = _linear_inputs(8, 16, 40, dtype=jnp.bfloat16)
     for red in ("none", "mean"):
         got = fused_linear_cross_entropy(h, w, labels, reduction=red, chunk_size=3)
-        assert got.dtype == jnp.bfloat16
+        assert got.dtype == (jnp.bfloat16 if red == "none" else jnp.float32)
         assert_close(got, _linear_oracle(h, w, labels, red), jnp.bfloat16)
         gh, gw = jax.grad(lambda h, w: jnp.sum(fused_linear_cross_entropy(h, w, labels, reduction=red)
                                                .astype(jnp.float32)), (0, 1))(h, w)
@@ -654,6 +655,32 @@ def test_fused_linear_reduced_backward_only_scales():
     logits_bytes = n * v * 4
     assert mp >= logits_bytes
     assert mf < logits_bytes / 2, (mf, mp)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_fused_linear_reduced_loss_keeps_its_f32_sum(dtype):
+    """A reduced loss comes back in f32, the dtype it is summed in, for narrow inputs:
+    rounded to bf16 a mean loss near 8 would move in steps of 1/32, and an f16 sum over
+    8192 rows of about 8.3 each (68,000) would overflow f16 (65504) to inf. Per-row losses
+    stay in the inputs' dtype. The values match the f32 oracle on the same (rounded)
+    inputs to f32 precision, not to the narrow dtype's; the gradients keep the inputs'
+    dtypes and take the f32 loss's cotangent."""
+    n, d, v = 8192, 16, 4096
+    h, w, labels = _linear_inputs(n, d, v, dtype=dtype)
+    h32, w32 = h.astype(jnp.float32), w.astype(jnp.float32)
+    for red in ("mean", "sum"):
+        loss = fused_linear_cross_entropy(h, w, labels, reduction=red, chunk_size=2048)
+        want = _linear_oracle(h32, w32, labels, red)
+        assert loss.dtype == jnp.float32 and loss.shape == (), (red, loss.dtype)
+        assert np.isfinite(float(loss)) and float(want) > 8.0 * (n if red == "sum" else 1)
+        np.testing.assert_allclose(float(loss), float(want), rtol=2e-5)
+        dh, dw = jax.grad(lambda h, w: fused_linear_cross_entropy(h, w, labels, reduction=red, chunk_size=2048),
+                          (0, 1))(h, w)
+        gh, gw = jax.grad(lambda h, w: _linear_oracle(h, w, labels, red), (0, 1))(h32, w32)
+        assert (dh.dtype, dw.dtype) == (dtype, dtype)
+        assert_close(dh, gh, dtype)
+        assert_close(dw, gw, dtype)
+    assert fused_linear_cross_entropy(h, w, labels, chunk_size=2048).dtype == dtype
 
 
 def test_fused_linear_default_chunk():

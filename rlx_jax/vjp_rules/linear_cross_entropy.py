@@ -402,7 +402,9 @@ def reference_reduced(hidden, weight, labels, *, chunk_size, mean, logits_dtype=
     # buffer: that zero fill is a full pass over [D, V] f32 (``_over_blocks``)
     (dw, total), dh = _over_blocks(block, xs)
     total, dw = _psum(total, row_axes), _psum(dw, row_axes)
-    return total.astype(hidden.dtype).reshape(1), _unblock(dh, n), dw.astype(weight.dtype)
+    # the total stays in the accumulation dtype: rounded to bf16 a loss near 10 would move in
+    # steps of 1/16, and an f16 sum over many rows overflows (65504)
+    return total.reshape(1), _unblock(dh, n), dw.astype(weight.dtype)
 
 
 def _reduced_loss(hidden, weight, labels, *, chunk_size, mean, logits_dtype=None):
@@ -578,8 +580,9 @@ def fused_linear_cross_entropy(hidden, weight, labels, *, reduction: str = "none
     hidden: [..., D]; weight: [D, V]; labels: [...] integers (float labels raise
     TypeError). hidden and weight are promoted to a common dtype as ``jnp.dot`` does
     (bf16 hidden with an f32 weight computes in f32; nothing is silently narrowed); the
-    logits, softmax and loss are computed in f32 (f64 for f64) and the loss returned in
-    the promoted dtype. Rows labelled ``ignore_index`` (default -100) have loss 0 and no
+    logits, softmax and loss are computed in f32 (f64 for f64); per-row losses
+    (``reduction="none"``) are returned in the promoted dtype, a reduced loss in f32 (f64
+    for f64), the dtype it is summed in. Rows labelled ``ignore_index`` (default -100) have loss 0 and no
     gradient; any other label outside ``[0, V)`` gives that row a NaN loss (so a reduced
     loss is NaN) and a zero gradient (a reduced loss's gradients are those with that row
     ignored).
