@@ -45,7 +45,12 @@ if has tests; then
   done < <(python3 -m pytest -q --collect-only -p no:cacheprovider --import-mode=importlib -m "not slow" \
              tests/test_attention_gpu.py -k test_wgmma_forward 2>/dev/null |
            sed -n 's/.*::test_wgmma_forward\[\(.*\)\]$/\1/p')
-  # pool: about 5 minutes alone on an H200, past the limit beside the other files: two parts
+  # pool: about 5 minutes alone on an H200, past the limit beside the other files: two parts;
+  # the segment kernels' file (4 minutes alone) ran past the limit beside the others: three;
+  # the cuDNN forward route's file took 6 minutes of the 7 beside them: two
+  seg_parts=("segment_kernels_match_oracle and causal" "segment_kernels_match_oracle and not causal"
+             "not segment_kernels_match_oracle")
+  cudnn_fwd_parts=("served_calls" "not served_calls")
   pool_parts=("max_pool_gradient" "not max_pool_gradient")
   run_parts() {  # run_parts FILE XLA_FLAGS SELECTION...: one pytest process per -k selection
     local f=$1 flags=$2 n i; shift 2
@@ -66,6 +71,14 @@ if has tests; then
     fi
     if [ "$n" = test_pool_gpu ]; then
       run_parts "$f" "${XLA_FLAGS:-}" "${pool_parts[@]}"
+      continue
+    fi
+    if [ "$n" = test_attention_segments_gpu ]; then
+      run_parts "$f" "${XLA_FLAGS:-}" "${seg_parts[@]}"
+      continue
+    fi
+    if [ "$n" = test_attention_cudnn_forward_gpu ]; then
+      run_parts "$f" "${XLA_FLAGS:-}" "${cudnn_fwd_parts[@]}"
       continue
     fi
     ( timeout 420 python3 -m pytest -q -p no:cacheprovider --import-mode=importlib -m "not slow" "$f" \
