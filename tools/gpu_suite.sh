@@ -65,25 +65,16 @@ if has tests; then
   }
   for f in $(gpu_test_files); do
     n=$(basename "$f" .py)
-    if [ "$n" = test_attention_gpu ]; then
-      run_parts "$f" --xla_gpu_autotune_level=0 "${att_parts[@]}"
-      continue
-    fi
-    if [ "$n" = test_pool_gpu ]; then
-      run_parts "$f" "${XLA_FLAGS:-}" "${pool_parts[@]}"
-      continue
-    fi
-    if [ "$n" = test_attention_segments_gpu ]; then
-      run_parts "$f" "${XLA_FLAGS:-}" "${seg_parts[@]}"
-      continue
-    fi
-    if [ "$n" = test_attention_cudnn_forward_gpu ]; then
-      run_parts "$f" "${XLA_FLAGS:-}" "${cudnn_fwd_parts[@]}"
-      continue
-    fi
-    ( timeout 420 python3 -m pytest -q -p no:cacheprovider --import-mode=importlib -m "not slow" "$f" \
-        >"$OUT/$n.txt" 2>&1; echo "rc=$?" >>"$OUT/$n.txt" ) &
-    pids+=($!)
+    case "$n" in  # the long files run as -k parts, the others as one process each
+      test_attention_gpu) run_parts "$f" --xla_gpu_autotune_level=0 "${att_parts[@]}" ;;
+      test_pool_gpu) run_parts "$f" "${XLA_FLAGS:-}" "${pool_parts[@]}" ;;
+      test_attention_segments_gpu) run_parts "$f" "${XLA_FLAGS:-}" "${seg_parts[@]}" ;;
+      test_attention_cudnn_forward_gpu) run_parts "$f" "${XLA_FLAGS:-}" "${cudnn_fwd_parts[@]}" ;;
+      *)
+        ( timeout 420 python3 -m pytest -q -p no:cacheprovider --import-mode=importlib -m "not slow" "$f" \
+            >"$OUT/$n.txt" 2>&1; echo "rc=$?" >>"$OUT/$n.txt" ) &
+        pids+=($!) ;;
+    esac
   done
   wait "${pids[@]}"
   for f in $(gpu_test_files); do
