@@ -149,3 +149,31 @@ def test_rng_ops_are_deterministic_per_seed_with_the_right_moments():
     assert abs(float(np.mean(n1)) - 1.5) < 0.05 and abs(float(np.std(n1)) - 2.0) < 0.05
     assert float(np.min(u1)) >= -1.0 and float(np.max(u1)) < 3.0
     assert abs(float(np.mean(u1)) - 1.0) < 0.05
+
+
+def test_bf16_dtype_map_keeps_unread_sum_and_mean_outputs_in_f32():
+    """Under a bf16 dtype_map, Sum / Mean outputs that no node reads (a loss) accumulate and
+    return in their declared f32: the f32 mean of the bf16 rows, not that mean rounded to
+    bf16. A Mean another node reads, and a Max output, stay bf16."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    bf16 = np.dtype(jnp.bfloat16)
+    to_bf16 = lambda dt: bf16 if np.dtype(dt) == np.float32 else np.dtype(dt)
+    g = rlx.Graph("loss")
+    i = g.input("x", [37, 5], "f32")
+    rows = g.exp(i)                                 # [37, 5], computed in bf16
+    loss = g.mean(g.sum(rows, [1]), [0])            # the unread output: f32
+    total = g.sum(rows, [0, 1])                     # unread, Sum: f32
+    inner = g.mean(rows, [0])                       # read by the next node: bf16
+    g.set_outputs([loss, total, g.add(inner, inner), g.reduce(rows, "max", [0], False)])
+    x = RNG.standard_normal((37, 5)).astype(np.float32)
+    out = rlx.to_jax(g, dtype_map=to_bf16)({}, {"x": x})
+    assert [o.dtype for o in out] == [np.float32, np.float32, bf16, bf16]
+    # the reference: the rows as the bf16 graph computes them, reduced in f64
+    r = np.exp(x.astype(ml_dtypes.bfloat16).astype(np.float32)).astype(ml_dtypes.bfloat16)
+    row_sums = r.astype(np.float32).sum(axis=1).astype(ml_dtypes.bfloat16).astype(np.float64)
+    np.testing.assert_allclose(float(out[0]), row_sums.mean(), rtol=1e-6)
+    np.testing.assert_allclose(float(out[1]), r.astype(np.float64).sum(), rtol=1e-6)
+    # the bf16 rounding the kept outputs avoid is far larger than their error
+    assert abs(float(row_sums.mean().astype(ml_dtypes.bfloat16)) - row_sums.mean()) > 1e-4 * row_sums.mean()

@@ -15,7 +15,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from .registry import LoweringContext, get_rule, jnp_dtype
+from .registry import LoweringContext, enum_name, get_rule, jnp_dtype
 
 _LEAVES = ("Input", "Param", "Constant")
 
@@ -125,6 +125,18 @@ def _constant(node):
     return jnp.asarray(arr.astype(dt.newbyteorder("=")))
 
 
+def _accumulated_outputs(graph) -> set:
+    """Ids of the nodes a ``dtype_map`` leaves at their declared dtype: Sum and Mean
+    reductions that are graph outputs and that no other node reads (a loss). They
+    accumulate and return in the declared dtype (f32), so a bf16 graph's loss is the f32
+    mean of its rows' bf16 values instead of that mean rounded to bf16 (steps of 1/64
+    near 3). Nothing downstream reads them, so no other node's dtype changes."""
+    read = {i for node in graph.nodes for i in node.inputs}
+    return {node.id for node in graph.nodes
+            if node.id in set(graph.outputs) and node.id not in read
+            and _op_name(node.op) == "Reduce" and enum_name(node.op.op) in ("Sum", "Mean")}
+
+
 def evaluate_graph(graph, params: dict, args: list, *, named: dict | None = None,
                    cache: dict | None = None, bound: dict | None = None,
                    dtype_map=None) -> list:
@@ -133,13 +145,15 @@ def evaluate_graph(graph, params: dict, args: list, *, named: dict | None = None
     ``Input`` nodes take ``named[name]`` when present, else the next of ``args``
     (node order, as RLX binds sub-graph inputs); ``Param`` nodes read ``params``.
     ``dtype_map`` (numpy dtype -> numpy dtype) changes the compute dtype of leaves and
-    node results (the Session's f16/bf16 precision).
+    node results (the Session's f16/bf16 precision), except for Sum and Mean reductions
+    that are outputs read by no other node (``_accumulated_outputs``).
     """
     named = named or {}
     bound = {} if bound is None else bound
     cache = {} if cache is None else cache
     env: dict[int, Any] = {}
     pos = 0
+    kept = _accumulated_outputs(graph) if dtype_map is not None else set()
     for node in graph.nodes:
         op = node.op
         kind = _op_name(op)
@@ -169,7 +183,7 @@ def evaluate_graph(graph, params: dict, args: list, *, named: dict | None = None
             ctx = LoweringContext(
                 node=node,
                 out_shape=resolve_dims(node.shape.dims, bound),
-                out_dtype=out_dtype if dtype_map is None else dtype_map(out_dtype),
+                out_dtype=out_dtype if dtype_map is None or node.id in kept else dtype_map(out_dtype),
                 dims=bound,
                 cache=cache,
                 params=params,

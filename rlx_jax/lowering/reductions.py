@@ -22,20 +22,24 @@ _REDUCERS = {
 }
 
 
-def reduce(kind, x, axes, keep_dim):
+def reduce(kind, x, axes, keep_dim, acc_dtype=None):
     """RLX Reduce over ``axes`` (negative axes count from the end); ``keep_dim``
-    keeps the reduced axes as size 1."""
+    keeps the reduced axes as size 1. ``acc_dtype``, a float dtype wider than x's, is
+    the one Sum and Mean accumulate and return in (a bf16 graph's f32 loss)."""
     name = enum_name(kind)
     fn = _REDUCERS.get(name)
     if fn is None:
         raise NotImplementedError(f"unknown reduce op {name!r}")
     ax = tuple(sorted({int(a) + x.ndim if int(a) < 0 else int(a) for a in axes}))
+    if (name in ("Sum", "Mean") and acc_dtype is not None and jnp.issubdtype(x.dtype, jnp.floating)
+            and jnp.issubdtype(acc_dtype, jnp.floating) and jnp.finfo(acc_dtype).bits > jnp.finfo(x.dtype).bits):
+        x = x.astype(acc_dtype)
     return fn(x, axis=ax, keepdims=bool(keep_dim))
 
 
 @lowering_rule(ir.Reduce)
 def _reduce(op, args, ctx):
-    return ctx.cast_out(reduce(op.op, args[0], op.axes, op.keep_dim))
+    return ctx.cast_out(reduce(op.op, args[0], op.axes, op.keep_dim, ctx.out_dtype))
 
 
 @lowering_rule(ir.Softmax)

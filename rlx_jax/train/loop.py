@@ -7,8 +7,9 @@ pure-JAX references instead, the plain-XLA baseline) followed by an optax AdamW 
 With ``precision="bf16"`` the graph computes in bfloat16 (every f32 parameter, input,
 constant and intermediate is cast to bf16; the fused kernels keep f32 statistics) while
 the parameters the optimiser updates and its state stay f32 (master weights): the
-gradients arrive in f32 through the casts' transposes. bfloat16 keeps f32's exponent
-range, so no loss scaling is needed.
+gradients arrive in f32 through the casts' transposes; the loss, a Mean output, is taken
+in f32 over the bf16 per-row losses (``to_jax`` keeps such outputs). bfloat16 keeps
+f32's exponent range, so no loss scaling is needed.
 The batch of step t is drawn from ``np.random.default_rng((seed, t))``, so a run
 resumed from a checkpoint continues exactly as an uninterrupted one would.
 """
