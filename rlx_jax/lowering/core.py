@@ -130,10 +130,12 @@ def _accumulated_outputs(graph) -> set:
     reductions that are graph outputs and that no other node reads (a loss). They
     accumulate and return in the declared dtype (f32), so a bf16 graph's loss is the f32
     mean of its rows' bf16 values instead of that mean rounded to bf16 (steps of 1/64
-    near 3). Nothing downstream reads them, so no other node's dtype changes."""
-    read = {i for node in graph.nodes for i in node.inputs}
+    near 3). No node of the graph reads them, so no other node's dtype changes; in a
+    sub-graph (a Scan, If or While body) the op running it casts its outputs to the
+    mapped dtype it carries, so there they only accumulate in f32."""
+    unread_outputs = set(graph.outputs) - {i for node in graph.nodes for i in node.inputs}
     return {node.id for node in graph.nodes
-            if node.id in set(graph.outputs) and node.id not in read
+            if node.id in unread_outputs
             and _op_name(node.op) == "Reduce" and enum_name(node.op.op) in ("Sum", "Mean")}
 
 
