@@ -34,8 +34,8 @@ python3 -c 'import jax, rlx_jax; i = rlx_jax.kernel_info(); print("jax", jax.__v
 if has tests; then
   step tests
   pids=()
-  # one pytest process per file (at most 420 s each); the attention and pool files run as
-  # processes split by -k, one log each ($n.partK.txt). Attention: five parts, then each
+  # one pytest process per file (at most 420 s each); the long files run as processes
+  # split by -k, one log each ($n.partK.txt). Attention: five parts, then each
   # RLX_ATTENTION_CUDA_WGMMA setting's child of test_wgmma_forward in its own part, the settings
   # read from the test's own parametrisation (so a new setting gets a part).
   att_parts=("tensor_core_path" "kernel_specialisations" "deterministic" "ws_persistent"
@@ -45,13 +45,16 @@ if has tests; then
   done < <(python3 -m pytest -q --collect-only -p no:cacheprovider --import-mode=importlib -m "not slow" \
              tests/test_attention_gpu.py -k test_wgmma_forward 2>/dev/null |
            sed -n 's/.*::test_wgmma_forward\[\(.*\)\]$/\1/p')
-  # pool: about 5 minutes alone on an H200, past the limit beside the other files: two parts;
+  # pool: about 5 minutes alone on an H200, past the limit beside the other files, and its
+  # second half still took 6.6 of the 7 minutes in two parts: three parts;
   # the segment kernels' file (4 minutes alone) ran past the limit beside the others: three;
-  # the cuDNN forward route's file took 6 minutes of the 7 beside them: two
+  # the cuDNN forward route's served calls (four) took 6.2 minutes in one part: two parts of
+  # them and one of the rest; cross-entropy took 6.3 minutes in one process: two parts
   seg_parts=("segment_kernels_match_oracle and causal" "segment_kernels_match_oracle and not causal"
              "not segment_kernels_match_oracle")
-  cudnn_fwd_parts=("served_calls" "not served_calls")
-  pool_parts=("max_pool_gradient" "not max_pool_gradient")
+  cudnn_fwd_parts=("served_calls and causal" "served_calls and not causal" "not served_calls")
+  pool_parts=("max_pool_gradient" "max_pool_forward_exact" "not max_pool_gradient and not max_pool_forward_exact")
+  ce_parts=("loss_grad_kernel_matches_reference" "not loss_grad_kernel_matches_reference")
   run_parts() {  # run_parts FILE XLA_FLAGS SELECTION...: one pytest process per -k selection
     local f=$1 flags=$2 n i; shift 2
     n=$(basename "$f" .py)
@@ -70,6 +73,7 @@ if has tests; then
       test_pool_gpu) run_parts "$f" "${XLA_FLAGS:-}" "${pool_parts[@]}" ;;
       test_attention_segments_gpu) run_parts "$f" "${XLA_FLAGS:-}" "${seg_parts[@]}" ;;
       test_attention_cudnn_forward_gpu) run_parts "$f" "${XLA_FLAGS:-}" "${cudnn_fwd_parts[@]}" ;;
+      test_cross_entropy_gpu) run_parts "$f" "${XLA_FLAGS:-}" "${ce_parts[@]}" ;;
       *)
         ( timeout 420 python3 -m pytest -q -p no:cacheprovider --import-mode=importlib -m "not slow" "$f" \
             >"$OUT/$n.txt" 2>&1; echo "rc=$?" >>"$OUT/$n.txt" ) &
