@@ -104,6 +104,37 @@ def test_jvp_errors():
         rlx_jax.jvp(g, ["nope"])
 
 
+def test_jvp_output_listed_twice_gets_its_tangent_each_time(x64):
+    """An output node named twice in the outputs has one tangent, returned at both places."""
+    g = Graph("dup")
+    x = g.param("x", [3], "f64")
+    y = g.exp(x)
+    g.set_outputs([y, g.sin(x), y])
+    xv, tv = np.array([0.1, -0.2, 0.3]), np.array([1.0, 2.0, 3.0])
+    outs = rlx_jax.to_jax(rlx_jax.jvp(g, ["x"]))({"x": xv}, {"tangent_x": tv})
+    assert len(outs) == 6
+    _close(outs[3], np.exp(xv) * tv, "first y", 1e-12)
+    _close(outs[4], np.cos(xv) * tv, "sin", 1e-12)
+    _close(outs[5], np.exp(xv) * tv, "second y", 1e-12)
+
+
+def test_hvp_wrt_leaves_sharing_one_gradient_node(x64):
+    """loss = sum(exp(a + b)): d/da and d/db are the same node of the gradient graph, so
+    its outputs name that node twice; (H v)_b must not be lost to the repeat."""
+    g = Graph("shared")
+    a, b = g.param("a", [3], "f64"), g.param("b", [3], "f64")
+    g.set_outputs([g.sum(g.exp(g.add(a, b)), [0])])
+    av, bv = np.array([0.1, 0.2, 0.3]), np.array([-0.3, 0.1, 0.0])
+    ta, tb = np.array([1.0, 0.0, 2.0]), np.array([0.5, 1.0, -1.0])
+    outs = rlx_jax.to_jax(rlx_jax.hvp(g, ["a", "b"]))({"a": av, "b": bv}, {"tangent_a": ta, "tangent_b": tb})
+    # the Hessian of sum(exp(a + b)) is diag(exp(a + b)) in every block, so (H v)_a = (H v)_b
+    want = np.exp(av + bv) * (ta + tb)
+    _close(outs[1], np.exp(av + bv), "grad a", 1e-12)
+    _close(outs[2], np.exp(av + bv), "grad b", 1e-12)
+    _close(outs[3], want, "Hv a", 1e-12)
+    _close(outs[4], want, "Hv b", 1e-12)
+
+
 # -- hvp --------------------------------------------------------------------------------
 
 def mlp_graph(dt="f64"):

@@ -70,8 +70,8 @@ def jvp(graph: Graph, tangent_for) -> Graph:
     upto2 = len(g.nodes)
     jt = backprop(g, t_seeds, list(duals.values()), upto2) if t_seeds else {}
     tan_outs = []
-    for k, o in enumerate(outs):
-        u = duals.get(k)
+    for o in outs:
+        u = seeds.get(o)                        # an output listed twice shares its dual
         if u is not None and u in jt:
             tan_outs.append(jt[u])
         elif o in tangents:                     # an output that is a wrt leaf itself
