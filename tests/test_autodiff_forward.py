@@ -135,6 +135,38 @@ def test_hvp_wrt_leaves_sharing_one_gradient_node(x64):
     _close(outs[4], want, "Hv b", 1e-12)
 
 
+@pytest.mark.parametrize("ldt,labels", [
+    ("f32", [0.0, 3.0, 2.7, 3.99]),         # a float id is truncated toward zero
+    ("f32", [0.0, 3.0, -1.5, -0.5]),        # a negative float id saturates to class 0
+    ("f32", [0.0, 4.0, 1e9, 2.0]),          # past the last class: the row is ignored
+    ("i32", [0, 3, 7, 2]),
+    ("i32", [0, -100, 2, -1]),              # a negative integer id: the row is ignored
+], ids=["float_fraction", "float_negative", "float_past_end", "int_past_end", "int_negative"])
+def test_cross_entropy_second_order_follows_the_label_rules(x64, ldt, labels):
+    """jvp and hvp of a cross-entropy loss differentiate its backward op again; that must
+    map labels to classes as the op does (lowering.nn.class_labels), or rows with
+    fractional, negative or out-of-range ids get a tangent the loss does not have."""
+    g = Graph("xent")
+    x = g.param("x", [4, 4], "f64")
+    lab = g.input("lab", [4], ldt)
+    g.set_outputs([g.sum(g.softmax_cross_entropy_with_logits(x, lab), [0])])
+    labv = np.array(labels, np.float32 if ldt == "f32" else np.int32)
+    rng = np.random.RandomState(0)
+    xv, tv = rng.randn(4, 4), rng.randn(4, 4)
+    f = rlx_jax.to_jax(g)
+
+    def loss(a):
+        return f({"x": a}, {"lab": labv})[0]
+    jv = rlx_jax.to_jax(rlx_jax.jvp(g, ["x"]))({"x": xv}, {"lab": labv, "tangent_x": tv})[1]
+    _, jv_ref = jax.jvp(loss, (xv,), (tv,))
+    fd = (loss(xv + 1e-6 * tv) - loss(xv - 1e-6 * tv)) / 2e-6
+    _close(jv_ref, fd, "jax.jvp against central differences", 1e-7)
+    _close(jv, jv_ref, "jvp", 1e-12)
+    hv = rlx_jax.to_jax(rlx_jax.hvp(g, ["x"]))({"x": xv}, {"lab": labv, "tangent_x": tv})[-1]
+    _, hv_ref = jax.jvp(jax.grad(loss), (xv,), (tv,))
+    _close(hv, hv_ref, "Hv", 1e-12)
+
+
 # -- hvp --------------------------------------------------------------------------------
 
 def mlp_graph(dt="f64"):
