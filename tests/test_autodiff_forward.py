@@ -304,6 +304,26 @@ def test_vmap_matches_jax(name):
     _close(out[0], ref[0], "vmap")
 
 
+@pytest.mark.parametrize("axis,bsz", [(0, 2), (0, 3), (1, 3), (1, 2), (None, 2)],
+                         ids=["rows_b_eq_channels", "rows", "cols_b_eq_channels", "cols", "per_tensor"])
+def test_vmap_quantize_keeps_its_channel_axis(axis, bsz):
+    """Quantize / Dequantize index their scales along ``axis``; under vmap that axis moves
+    past the new batch axis (with the batch as long as the channel count a wrong axis
+    would still verify and quantize along the batch)."""
+    n = {0: 2, 1: 3, None: 1}[axis]
+    scales, zps = [0.1, 0.5, 0.25][:n], [0, 1, -2][:n]
+    g = Graph("q")
+    x = g.input("x", [2, 3], "f32")
+    q = g.quantize(x, scales, zps, axis=axis)
+    g.set_outputs([g.dequantize(q, scales, zps, axis=axis), q])
+    xs = (np.random.RandomState(1).randn(bsz, 2, 3) * 0.7).astype("f4")
+    got = rlx_jax.to_jax(rlx_jax.vmap(g, ["x"], bsz))({}, {"x": xs})
+    f = rlx_jax.to_jax(g)
+    want = jax.vmap(lambda a: f({}, {"x": a}))(xs)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    _close(got[0], want[0], "dequantized")
+
+
 def test_vmap_unbatched_output_is_broadcast():
     g = Graph("two")
     x, y = g.input("x", [3]), g.input("y", [3])

@@ -4,8 +4,8 @@ batch axis of size ``batch_size`` on the named Inputs / Params.
 Every node that depends on a batched leaf gets the leading axis; attributes that name
 axes move by one. Ops fall into three groups:
 
-* rank-polymorphic ops (elementwise, reductions, softmax, cumsum, layer / RMS norm,
-  shape ops, matmul, gather on the table): the batch axis is threaded through, batched
+* rank-polymorphic ops (elementwise, per-channel quantize / dequantize, reductions,
+  softmax, cumsum, layer / RMS norm, shape ops, matmul, gather on the table): the batch axis is threaded through, batched
   operands of lower rank are reshaped to ``[B, 1.., dims]`` so numpy broadcasting
   lines up;
 * ops whose axis 0 is already a batch of independent rows (conv, pool, group /
@@ -28,9 +28,10 @@ from rlx_jax.ir.ops_shape import Concat, Narrow
 from . import emit as E
 
 _ELEMENTWISE = {ir.Activation, ir.Binary, ir.Compare, ir.Where, ir.Cast, ir.ComplexNormSq, ir.Conjugate,
-                ir.StopGradient, ir.ReluBackward, ir.ActivationBackward, ir.Quantize, ir.Dequantize,
-                ir.ComplexNormSqBackward}
+                ir.StopGradient, ir.ReluBackward, ir.ActivationBackward, ir.ComplexNormSqBackward}
 _AXIS_OPS = {ir.Softmax, ir.Cumsum, ir.CumsumBackward}
+# elementwise with per-channel constants along ``axis`` (None: per-tensor)
+_CHANNEL_OPS = {ir.Quantize, ir.Dequantize}
 # ops whose axis 0 is a batch of independent rows, with the inputs that carry it
 _ROWS = {
     ir.Conv: (0,), ir.Pool: (0,), ir.GroupNorm: (0,), ir.LayerNorm2d: (0,), ir.ResizeNearest2x: (0,),
@@ -113,6 +114,9 @@ def _batch_node(g, n, ins, flags, bsz, src):
                               (ins[0],))
         if kind in _AXIS_OPS and flags[0]:
             ax = op.axis if op.axis < 0 else op.axis + 1
+            return g.add_node(_replace(op, axis=ax), (ins[0],))
+        if kind in _CHANNEL_OPS:
+            ax = op.axis if op.axis is None or op.axis < 0 else op.axis + 1
             return g.add_node(_replace(op, axis=ax), (ins[0],))
         if kind in (ir.LayerNorm, ir.RmsNorm) and flags[0] and not any(flags[1:]):
             ax = op.axis if op.axis < 0 else op.axis + 1
