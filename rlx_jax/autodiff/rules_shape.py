@@ -81,6 +81,26 @@ def _keep_dims(xs, axes):
     return tuple(1 if i in axes else d for i, d in enumerate(xs.dims))
 
 
+def _prod_derivative(g, x, yk, axes):
+    """d prod(x) / d x_i = prod_{j != i} x_j over the reduced axes, without dividing by a
+    zero. With z the count of zeros in x_i's slice and x' = x with its zeros replaced by 1:
+    y / x' at a non-zero x_i (exact when z = 0, and 0 = y when z > 0), and at a zero x_i
+    prod(x') when it is the slice's only zero (z = 1), else 0. ``yk``: the product with
+    kept dims.
+
+    Differentiated again, this is exact where a slice holds at most one zero; in a slice
+    with two or more zeros the second derivative between two of its zeros (the product of
+    the other elements) comes out 0 (docs/API.md, graph autodiff conventions)."""
+    dt = E.dtype(g, x)
+    zero = E.cmp(g, CmpOp.Eq, x, E.scalar(g, 0, dt))
+    safe = E.where(g, zero, E.scalar(g, 1, dt), x)
+    z = E.sum_(g, E.cast(g, zero, dt), axes, keep_dim=True)
+    lone = E.cmp(g, CmpOp.Eq, z, E.scalar(g, 1, dt))
+    rest = E.reduce(g, safe, ReduceOp.Prod, axes, keep_dim=True)
+    at_zero = E.where(g, lone, rest, E.scalar(g, 0, dt))
+    return E.where(g, zero, E.expand_like(g, at_zero, x), E.div(g, yk, safe))
+
+
 @vjp_rule(ir.Reduce)
 def _reduce(g, node, dy):
     (x,) = node.inputs
@@ -96,14 +116,15 @@ def _reduce(g, node, dy):
         if cnt is None:   # a dynamic reduced dim: count the elements in the graph
             ones = E.where(g, E.scalar(g, True, DType.Bool), E.scalar(g, 1, xs.dtype), x)
             return [E.expand_like(g, E.div(g, dyk, E.sum_(g, ones, axes, keep_dim=True)), x)]
-        return [E.expand_like(g, E.mul_s(g, dyk, 1.0 / cnt), x)]
+        # no element reduced: x is empty and so is its gradient
+        return [E.expand_like(g, E.mul_s(g, dyk, 1.0 / cnt if cnt else 0.0), x)]
     yk = E.reshape(g, node.id, kd)
     if op in (ReduceOp.Max, ReduceOp.Min):
         # every element equal to the extreme receives the gradient (RLX semantics)
         hit = E.cmp(g, CmpOp.Eq, x, yk)
         return [E.where(g, hit, dyk, E.scalar(g, 0, E.dtype(g, dy)))]
     if op is ReduceOp.Prod:
-        return [E.div(g, E.mul(g, dyk, yk), x)]
+        return [E.mul(g, dyk, _prod_derivative(g, x, yk, axes))]
     raise NotImplementedError(op)
 
 
