@@ -145,6 +145,21 @@ def test_segments_really_separate_documents():
     close(y[0, 3], x["v"][0, 3], rtol=1e-6, atol=1e-6)
 
 
+def test_wide_segment_ids_keep_equality(x64):
+    """int64 / uint32 ids that share their low 32 bits (0 and 2**32) or wrap in int32
+    (uint32 2**31) are different documents: the same output as small ids with the same
+    equality pattern (ids become their rank among the row's ids)."""
+    x = inputs(2, 6, 6, 2, 2, 4)
+    small = jnp.asarray([[0, 0, 1, 1, 2, 2], [5, 5, 5, 7, 7, 9]], jnp.int32)
+    want = attention(x["q"], x["k"], x["v"], mask_kind="causal", q_segment_ids=small, kv_segment_ids=small)
+    for ids in (jnp.asarray([[0, 0, 2**32, 2**32, 2**33, 2**33], [-(2**40), -(2**40), -(2**40), 3, 3, 2**40]],
+                            jnp.int64),
+                jnp.asarray([[0, 0, 2**31, 2**31, 2**32 - 1, 2**32 - 1], [1, 1, 1, 2**31 + 1, 2**31 + 1, 7]],
+                            jnp.uint32)):
+        y = attention(x["q"], x["k"], x["v"], mask_kind="causal", q_segment_ids=ids, kv_segment_ids=ids)
+        close(y, want, rtol=1e-6, atol=1e-6)
+
+
 def test_rows_with_no_visible_key_are_zero_with_zero_gradients():
     """Query ids absent from the keys (and a key mask hiding a whole document): output 0,
     finite zero gradients, as rows with no visible key without segment ids."""

@@ -111,6 +111,20 @@ def test_ignore_index_and_out_of_range_labels():
     assert_close(loss3[[2, 4, 5]], _oracle(logits, jnp.array([0, 0, 0, 0, 1, 2]))[jnp.array([2, 4, 5])])
 
 
+def test_wide_integer_labels_saturate_instead_of_wrapping(x64):
+    """int64 / uint32 labels past int32's range are outside [0, V): NaN rows, never a
+    class or ignore_index reached by wrapping (2**32 + 1 -> 1, uint32 2**32 - 100 -> -100)."""
+    logits, _ = _inputs(4, 5)
+    for labels in (jnp.array([1, 2**32 + 1, -(2**32) - 100, 4], jnp.int64),
+                   jnp.array([1, 2**32 - 99, 2**32 - 100, 4], jnp.uint32)):
+        loss = np.asarray(softmax_cross_entropy(logits, labels))
+        assert np.all(np.isnan(loss[[1, 2]])), (labels.dtype, loss)
+        assert_close(loss[[0, 3]], _oracle(logits, jnp.array([1, 0, 0, 4]))[jnp.array([0, 3])], jnp.float32)
+        h, w = logits[:, :3], jnp.asarray(np.random.RandomState(1).randn(3, 5), logits.dtype)
+        fused = np.asarray(fused_linear_cross_entropy(h, w, labels))
+        assert np.all(np.isnan(fused[[1, 2]])) and np.all(np.isfinite(fused[[0, 3]])), (labels.dtype, fused)
+
+
 def test_float_labels_rejected():
     logits, labels = _inputs(5, 8)
     for fn in (lambda l: softmax_cross_entropy(logits, l), lambda l: softmax_cross_entropy_backward(logits, l, jnp.ones(5))):

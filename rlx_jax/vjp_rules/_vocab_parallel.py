@@ -41,7 +41,17 @@ def check_labels(labels, shape, who: str):
         )
     if labels.shape != tuple(shape):
         raise ValueError(f"{who}: labels must have shape {tuple(shape)}, got {labels.shape}")
-    return labels.astype(jnp.int32)
+    return saturate_to_int32(labels)
+
+
+def saturate_to_int32(ids):
+    """Integer ``ids`` as int32, saturating rather than wrapping: an int64 / uint32 label
+    past int32's range stays outside ``[0, V)`` (a NaN row) instead of wrapping onto a
+    class or onto ``ignore_index`` (2**32 + 1 would read as class 1)."""
+    info, i32 = jnp.iinfo(ids.dtype), jnp.iinfo(jnp.int32)
+    if info.min < i32.min or info.max > i32.max:
+        ids = jnp.clip(ids, max(int(info.min), int(i32.min)), int(i32.max))
+    return ids.astype(jnp.int32)
 
 
 def check_ignore_index(ignore_index, who: str) -> int:

@@ -43,7 +43,26 @@ q's batch axis (kv ids with k's); the kernels gather the sequence axes as they d
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+
+
+def _segment_ids_int32(q_ids, kv_ids):
+    """Segment ids ``[B, Sq]`` and ``[B, Sk]`` as int32 with equality and order kept (the
+    kernels compare ids and skip tiles by their ranges). Ids of at most 32 bits, signed,
+    convert; wider ones (or uint32) could wrap onto each other (2**32 onto 0), so each is
+    replaced by its rank among its batch row's q and kv ids: the count of smaller ones."""
+    i32 = jnp.iinfo(jnp.int32)
+    if all(i32.min <= jnp.iinfo(x.dtype).min and jnp.iinfo(x.dtype).max <= i32.max for x in (q_ids, kv_ids)):
+        return q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
+    dt = jnp.promote_types(q_ids.dtype, kv_ids.dtype)
+    if not jnp.issubdtype(dt, jnp.integer):   # uint64 with a signed type: no common integer type
+        raise TypeError(f"segment ids of dtypes {q_ids.dtype} and {kv_ids.dtype} have no common integer "
+                        "type; give both one dtype")
+    both = jnp.concatenate([q_ids.astype(dt), kv_ids.astype(dt)], axis=-1)      # [B, Sq + Sk]
+    ranks = jax.vmap(jnp.searchsorted)(jnp.sort(both, axis=-1), both).astype(jnp.int32)
+    sq = q_ids.shape[-1]
+    return ranks[..., :sq], ranks[..., sq:]
 
 
 def check_segments_and_sinks(q, k, q_segment_ids, kv_segment_ids, sinks, who):
@@ -65,7 +84,9 @@ def check_segments_and_sinks(q, k, q_segment_ids, kv_segment_ids, sinks, who):
             raise TypeError(f"{who}: {name} must be an integer array, got {x.dtype}")
         if x.shape != want:
             raise ValueError(f"{who}: {name} must have shape {want}, got {x.shape}")
-        ids.append(x.astype(jnp.int32))
+        ids.append(x)
+    if ids[0] is not None:
+        ids = list(_segment_ids_int32(ids[0], ids[1]))
     if sinks is not None:
         sinks = jnp.asarray(sinks)
         if not jnp.issubdtype(sinks.dtype, jnp.floating):
