@@ -324,6 +324,22 @@ def test_vmap_quantize_keeps_its_channel_axis(axis, bsz):
     _close(got[0], want[0], "dequantized")
 
 
+@pytest.mark.parametrize("batched", [["x"], ["x", "s"], ["s"]], ids=["x", "x_and_sinks", "sinks"])
+def test_vmap_attention_with_sinks(x64, batched):
+    """The per-head sinks [H] are not rows of the attention: unbatched they stay [H] while
+    q, k, v merge the batch into their rows; batched, the op runs per sample."""
+    g = Graph("sinks")
+    x, s = g.param("x", [2, 3, 4], "f64"), g.param("s", [2], "f64")
+    g.set_outputs([g.attention_opts(x, x, x, 2, 2, "causal", sinks=s)])
+    rng = np.random.RandomState(0)
+    params = {"x": rng.randn(2, 3, 4), "s": np.array([0.3, -0.2])}
+    bparams = dict(params, **{k: rng.randn(3, *params[k].shape) for k in batched})
+    got = rlx_jax.to_jax(rlx_jax.vmap(g, batched, 3))(bparams, {})[0]
+    f = rlx_jax.to_jax(g)
+    want = jax.vmap(lambda *xs: f(dict(params, **dict(zip(batched, xs))), {})[0])(*[bparams[k] for k in batched])
+    _close(got, want, "vmap", 1e-12)
+
+
 def test_vmap_unbatched_output_is_broadcast():
     g = Graph("two")
     x, y = g.input("x", [3]), g.input("y", [3])

@@ -156,8 +156,8 @@ def _merge_rows(g, n, ins, flags, bsz, src):
     """Merge the batch into axis 0 of the row-carrying operands, run, split again."""
     kind = type(n.op)
     rows = _ROWS.get(kind)
-    if kind == ir.Attention:
-        rows = tuple(range(len(ins)))
+    if kind == ir.Attention:   # every input carries rows but the per-head sinks [H], last
+        rows = tuple(range(len(ins) - bool(n.op.sinks)))
         if n.op.mask_kind.kind == "Bias":
             raise _Fallback()
     for i, f in enumerate(flags):
