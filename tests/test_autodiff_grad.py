@@ -268,3 +268,25 @@ def test_dynamic_batch_dim():
         ref = jax.grad(lambda q: rlx_jax.to_jax(g)(q, {"x": xv})[0])(p)
         _close(outs[1], ref["w"], f"w at batch {n}")
         _close(outs[2], ref["b"], f"b at batch {n}")
+
+
+@pytest.mark.parametrize("experts", [[0, 1, 1, 2], [2, 0, 1, 1], [0, 1, -1, 1], [0.0, 1.7, 2.5, -0.5]],
+                         ids=["past_the_end", "past_the_end_first", "negative", "float_ids"])
+def test_grouped_matmul_gradient_with_expert_ids_out_of_range(x64, experts):
+    """A token whose expert id is past the last expert (2 of 2) is in no group of the
+    forward product; its outer product must not reach d w (ScatterAdd clamps the id).
+    Float ids truncate (1.7 -> 1) and saturate (-0.5 -> 0), 2.5 is past the end."""
+    rng = np.random.RandomState(0)
+    g = Graph("grouped")
+    is_float = isinstance(experts[0], float)
+    x, w = g.param("x", [4, 3], "f64"), g.param("w", [2, 3, 2], "f64")
+    e = g.input("e", [4], "f32" if is_float else "i32")
+    g.set_outputs([g.sum(g.mul(g.grouped_matmul(x, w, e), g.constant(rng.randn(4, 2))), [0, 1])])
+    params = {"x": rng.randn(4, 3), "w": rng.randn(2, 3, 2)}
+    inputs = {"e": np.array(experts, np.float32 if is_float else np.int32)}
+    f = rlx_jax.to_jax(g)
+    want = jax.grad(lambda p: f(p, inputs)[0])(params)
+    gg = rlx_jax.grad_with_loss(g, ["x", "w"])
+    got = rlx_jax.to_jax(gg)(params, dict(inputs, d_output=np.array(1.0)))
+    np.testing.assert_allclose(got[1], want["x"], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(got[2], want["w"], rtol=1e-12, atol=1e-12)

@@ -125,6 +125,19 @@ def cast(g, x, to: DType) -> int:
     return g.add_node(Cast(to=to), (x,))
 
 
+def index_ids(g, ix, limit: int) -> int:
+    """RLX indices / class ids as the lowering reads them (``lowering.nn.index_array``),
+    as I32: a float id is truncated toward zero with negatives saturating to 0, i.e.
+    min(max(x, 0), limit) then the cast's truncation (clamping at ``limit`` keeps an id
+    past the end out of range without overflowing the cast; in F32, where ``limit`` is
+    exact, not in a bf16 / f16 that would round it). Integer ids convert."""
+    if is_float(dtype(g, ix)):
+        ix = cast(g, ix, DType.F32)
+        ix = binary(g, BinaryOp.Max, ix, scalar(g, 0, DType.F32))
+        ix = binary(g, BinaryOp.Min, ix, scalar(g, limit, DType.F32))
+    return cast(g, ix, DType.I32)
+
+
 def reduce(g, x, op, axes, keep_dim=False) -> int:
     axes = tuple(sorted(int(a) for a in axes))
     if not axes:

@@ -370,19 +370,6 @@ def _maxpool_bwd(g, node, dy):
 
 # -- loss / attention / complex ----------------------------------------------------------
 
-def _class_ids(t, labels, c):
-    """The op's class ids (``lowering.nn.class_labels``) in graph ops, as I32: a float
-    label is truncated toward zero with negatives saturating to 0, i.e. min(max(x, 0), c)
-    then the cast's truncation (clamping at c keeps an id past the last class out of
-    range without overflowing the cast; in F32, where c is exact, not in a bf16 / f16
-    that would round it)."""
-    if E.is_float(E.dtype(t, labels)):
-        labels = E.cast(t, labels, DType.F32)
-        labels = E.binary(t, BinaryOp.Max, labels, E.scalar(t, 0, DType.F32))
-        labels = E.binary(t, BinaryOp.Min, labels, E.scalar(t, c, DType.F32))
-    return E.cast(t, labels, DType.I32)
-
-
 def _xent_bwd(t, op, ins):
     # d logits = (softmax(logits) - onehot(label)) * dl per row; a row whose label is
     # outside [0, C) has no loss and no gradient. Its one-hot row is all zero, so the
@@ -392,7 +379,7 @@ def _xent_bwd(t, op, ins):
     dt = E.dtype(t, logits)
     p = t.add_node(Softmax(axis=-1), (logits,))
     iota = E.const(t, np.arange(c, dtype=np.int32).reshape(1, c), DType.I32)
-    ids = E.reshape(t, _class_ids(t, labels, c), (n, 1))
+    ids = E.reshape(t, E.index_ids(t, labels, c), (n, 1))
     hot = E.cast(t, E.cmp(t, "Eq", ids, iota), dt)
     valid = E.sum_(t, hot, [1], keep_dim=True)
     return E.mul(t, E.sub(t, E.mul(t, p, valid), hot), E.reshape(t, dl, (n, 1)))

@@ -3,7 +3,7 @@ ScatterAdd."""
 
 from __future__ import annotations
 
-from rlx_jax.ir import Shape
+from rlx_jax.ir import DType, Shape
 from rlx_jax.ir.ops_linalg import (
     BatchedDenseSolve, DenseSolve, DotGeneral, GroupedMatMul, MatMul, ScatterAdd,
 )
@@ -129,6 +129,11 @@ def _grouped(g, node, dy):
     e, _, n = E.dims(g, w)
     dx = g.add_node(GroupedMatMul(), (dy, E.transpose(g, w, (0, 2, 1)), idx))
     outer = matmul(g, E.reshape(g, x, (m, k, 1)), E.reshape(g, dy, (m, 1, n)))
+    # a token whose expert id is past the last expert takes no part in the forward
+    # product (it falls outside every group); ScatterAdd would clamp it onto expert e - 1
+    dt = E.dtype(g, outer)
+    live = E.cmp(g, "Lt", E.index_ids(g, idx, e), E.scalar(g, e, DType.I32))
+    outer = E.mul(g, outer, E.reshape(g, E.cast(g, live, dt), (m, 1, 1)))
     dw = g.add_node(ScatterAdd(), (outer, idx), Shape((e, k, n), E.dtype(g, w)))
     return [dx, dw, None]
 
