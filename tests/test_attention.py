@@ -570,3 +570,51 @@ def test_cpu_routes_to_xla_below_the_score_size_threshold(monkeypatch):
     small, large = lowered(256), lowered(16384)  # 256 KiB and 1 GiB of scores
     assert "rlx_attention" not in small
     assert "rlx_attention_fwd" in large and "rlx_attention_bwd" in large
+
+
+def _shifted_reference(q, k, v, bias, vis, scale):
+    """softmax(scale q.k + bias - m) v with m each row's largest visible bias where it is
+    beyond 1024 in magnitude (else 0): the op's rule for a bias masking a whole row with a
+    huge finite value. Plain JAX, f64, dense; rows with no visible key are 0."""
+    g = q.shape[2] // k.shape[2]
+    kk, vv = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    m = jnp.max(jnp.where(vis, bias, -jnp.inf), axis=-1, keepdims=True)
+    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m) & (jnp.abs(m) > 1024.0), m, 0.0))
+    s = jnp.where(vis, scale * jnp.einsum("bqhd,bkhd->bhqk", q, kk) + (bias - m), -jnp.inf)
+    p = jnp.exp(s - jnp.max(jnp.where(vis, s, -1e300), axis=-1, keepdims=True))
+    p = jnp.where(vis, p, 0.0)
+    p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-300)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, vv)
+
+
+@pytest.mark.parametrize("fill", [-1e9, float(np.finfo(np.float32).min), 3e6], ids=["minus_1e9", "f32_min", "plus_3e6"])
+@pytest.mark.parametrize("kernel", [False, True], ids=["xla", "cpu_kernel"])
+def test_bias_masking_every_visible_key_of_a_row(x64, monkeypatch, fill, kernel):
+    """A bias holding a huge finite value on every visible key of some rows (padding queries
+    masked through the bias, a left-padded row under a causal mask): the log-sum-exp of
+    such a row used to lose log(Sk) beside the bias, and its backward sent wrong dq and wrong
+    dk, dv to every key. Values and gradients now match the dense reference in which the
+    row's largest visible bias is subtracted, and the gradients match central differences
+    of the op's own forward."""
+    if kernel:
+        monkeypatch.setattr(A, "CPU_KERNEL_MIN_SCORE_BYTES", 0)
+    b, s, h, hkv, d = 2, 6, 4, 2, 8
+    q, k, v, _, _, dy = (x.astype(jnp.float64) for x in _inputs(b, s, s, h, hkv, d, seed=3))
+    masked = np.zeros((b, h, s, s), bool)
+    masked[0, :, 4:, :] = True                 # batch 0: queries 4, 5 are padding (every key masked)
+    masked[1, :, :, :2] = True                 # batch 1: keys 0, 1 are left padding; under causal,
+    bias = jnp.where(jnp.asarray(masked), fill, 0.25 * jnp.asarray(                 # queries 0, 1 see only them
+        np.random.default_rng(4).standard_normal((b, h, s, s))))
+    scale = 1.0 / np.sqrt(d)
+    vis = jnp.tril(jnp.ones((s, s), bool))[None, None]
+
+    def op(q, k, v):
+        return attention(q, k, v, mask_kind="causal", bias=bias)
+    want_fn = lambda q, k, v: _shifted_reference(q, k, v, bias, vis, scale)  # noqa: E731
+    got, got_vjp = _value_and_vjp(op)((q, k, v), dy)
+    want, want_vjp = _value_and_vjp(want_fn)((q, k, v), dy)
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)
+    for name, a, w in zip("qkv", got_vjp, want_vjp):
+        assert np.all(np.isfinite(np.asarray(a))), name
+        np.testing.assert_allclose(a, w, rtol=1e-9, atol=1e-9, err_msg=f"d{name}")
+    check_grads(op, (q, k, v), order=1, modes=("rev",), eps=1e-4, atol=1e-5, rtol=1e-5)

@@ -846,6 +846,32 @@ def _prepare(q, k, v, mask, bias, mask_kind, window, scale, softcap, causal_alig
     return q, k, v, extras, params, traced_scale, lead
 
 
+# A bias row whose largest visible value is beyond this magnitude is shifted (below).
+BIAS_SHIFT_FROM = 1024.0
+
+
+def _shift_bias(bias, mask, segments, kind, window):
+    """bias [B, H, Sq, Sk] with, on each row whose largest value over the visible keys m
+    has |m| > BIAS_SHIFT_FROM, m subtracted (a constant per row: softmax is unchanged in
+    exact arithmetic, and no gradient flows through m). Why: a bias that masks with a
+    huge finite value (-1e9, finfo.min) on every visible key of a row (a padding query,
+    or a left-padded row under a causal mask) puts the row's log-sum-exp m + log(l) at
+    |m| ~ 1e9, where log(l) rounds away; the backward forms each probability as
+    exp(s - lse) from it, gets them about l times too large, and sends wrong dq and wrong
+    dk, dv to the keys (also the visible ones of other rows). Shifted, such a row is the
+    softmax of its scores plus the bias's differences, with gradients to match. Other rows
+    are left bit for bit as given."""
+    sq, sk = bias.shape[-2:]
+    vis = _visible(sq, sk, kind, window, mask)
+    if segments is not None:
+        vis = vis & segment_visible(*segments)
+    wide = bias.astype(_acc_dtype(bias.dtype))
+    m = jnp.max(jnp.where(vis, wide, -jnp.inf), axis=-1, keepdims=True)
+    far = jnp.isfinite(m) & (jnp.abs(m) > BIAS_SHIFT_FROM)
+    shifted = (wide - jax.lax.stop_gradient(jnp.where(far, m, 0.0))).astype(bias.dtype)
+    return jnp.where(far, shifted, bias)
+
+
 def _fold_scale(q, scale):
     """q * scale (a traced scale: scale * q.k = (scale q).k), rounded once to q's dtype."""
     acc = _acc_dtype(q.dtype)
@@ -907,6 +933,10 @@ def attention(q, k, v, *, mask_kind="none", window=None, mask=None, bias=None, s
     full_k = jax.ShapeDtypeStruct((b, sk, *k.shape[2:]), k.dtype)  # before a top-left slice
     q_seg, kv_seg, sinks = check_segments_and_sinks(q, full_k, flat_ids(q_segment_ids, sq),
                                                     flat_ids(kv_segment_ids, sk), sinks, "attention")
+    if params["has_bias"] and sinks is None:
+        segments = None if q_seg is None else (q_seg, kv_seg[:, :k.shape[1]])
+        extras[-1] = _shift_bias(extras[-1], extras[0] if params["has_mask"] else None, segments,
+                                 params["kind"], params["window"])
     if q_seg is not None:
         extras = [*extras, q_seg, kv_seg[:, :k.shape[1]]]
     if sinks is not None:  # one logit a (batch, head): vmap folds into the batch axis as q does
@@ -930,6 +960,9 @@ def attention_backward(q, k, v, dy, mask=None, bias=None, *, mask_kind="none", w
     if dy.shape != q_shape:
         raise ValueError(f"attention_backward: dy shape {dy.shape} differs from q shape {q_shape}")
     dy = dy.astype(q.dtype).reshape(q.shape)
+    if params["has_bias"]:
+        extras[-1] = _shift_bias(extras[-1], extras[0] if params["has_mask"] else None, None,
+                                 params["kind"], params["window"])
     qs = q if traced_scale is None else _fold_scale(q, traced_scale)
     out, lse = attention_fwd(qs, k, v, *extras, **params)
     dq, dk, dv = attention_bwd(qs, k, v, out, lse, dy, jnp.zeros_like(lse), *extras, **params)[:3]
