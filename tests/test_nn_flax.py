@@ -159,6 +159,20 @@ def test_boolean_mask_and_top_left_causal_match_flax():
     assert "rlx_attention_bwd" in hlo_text(jax.grad(lambda x: jnp.sum(ours(x, is_causal=True))), x)
 
 
+@pytest.mark.parametrize("kw", [{}, {"num_kv_heads": 2}], ids=["mha", "gqa"])
+def test_rows_with_every_key_masked_match_flax(kw):
+    """Padding queries (every key masked): flax averages the values there, constant in q
+    and k; the gradients must be flax's too, not the kernel's from a log-sum-exp that
+    loses log(Sk) beside the dtype's most negative value."""
+    x = _rand((2, 5, 16), 4)
+    mask = jnp.ones((2, 1, 5, 5), bool).at[0, :, 3:].set(False).at[1, :, :, 2:].set(False)
+    mask = mask.at[1, :, 1, :].set(False)
+    ours, theirs = _mha(rnn.MultiHeadAttention, **kw), _mha(nnx.MultiHeadAttention, **kw)
+    # gradients of magnitude ~30 in f32: 1e-4 absolute (a wrong row is off by 10 and more)
+    _compare(ours, theirs, (x,), tol=1e-4, mask=mask)
+    _compare(ours, theirs, (x,), tol=1e-4, mask=mask, is_causal=True)
+
+
 def _neox_rope(x, theta, n_rot):
     """Independent RoPE: rotate the first n_rot dims of each head as two halves."""
     s, d = x.shape[-3], x.shape[-1]

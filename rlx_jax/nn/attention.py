@@ -75,15 +75,26 @@ def rlx_attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=
     add = None
     if bias is not None:
         add = jnp.broadcast_to(jnp.asarray(bias, jnp.float32), batch + (h, sq, sk)).reshape(bsz, h, sq, sk)
+    empty = None
     if mask is not None:
-        # flax's masking: a masked score becomes the dtype's most negative value, so a
-        # row with no visible key averages all values, as in flax
+        # flax's masking: a masked score becomes the dtype's most negative value
         keep = jnp.broadcast_to(jnp.asarray(mask, bool), batch + (h, sq, sk)).reshape(bsz, h, sq, sk)
+        # A row with no visible key then has Sk equal scores: flax's softmax is uniform and
+        # the row is the mean of the values, constant in q and k. The kernel's backward
+        # would form its probabilities from a log-sum-exp in which log(Sk) rounds away next
+        # to the most negative value (each probability read as 1), so such rows run
+        # unmasked and are replaced by the mean below: [bsz, h, sq]
+        empty = jnp.logical_not(jnp.any(keep, axis=-1))
+        keep = jnp.logical_or(keep, empty[..., None])
         big_neg = jnp.finfo(q.dtype).min
         add = jnp.where(keep, 0.0 if add is None else add, big_neg)
     if add is not None:
         add = add.astype(q.dtype)
     out = ops.attention(q, k, v, mask_kind=mask_kind, bias=add)
+    if empty is not None:
+        # query head i reads kv head i // (H / Hkv), as jax.nn.dot_product_attention
+        mean_v = jnp.repeat(jnp.mean(v.astype(jnp.float32), axis=1), h // k.shape[2], axis=1)   # [bsz, h, d]
+        out = jnp.where(jnp.swapaxes(empty, 1, 2)[..., None], mean_v[:, None].astype(out.dtype), out)
     return out.reshape(batch + (sq, h, d))
 
 
