@@ -5,9 +5,9 @@ Every node that depends on a batched leaf gets the leading axis; attributes that
 axes move by one. Ops fall into three groups:
 
 * rank-polymorphic ops (elementwise, per-channel quantize / dequantize, reductions,
-  softmax, cumsum, layer / RMS norm, shape ops, matmul, gather on the table): the batch axis is threaded through, batched
-  operands of lower rank are reshaped to ``[B, 1.., dims]`` so numpy broadcasting
-  lines up;
+  softmax, cumsum, layer / RMS norm, shape ops, matmul, gather on the table): the batch
+  axis is threaded through, batched operands of lower rank are reshaped to
+  ``[B, 1.., dims]`` so numpy broadcasting lines up;
 * ops whose axis 0 is already a batch of independent rows (conv, pool, group /
   batch norm, layer norm 2d, attention, cross-entropy, resize, their backward ops):
   the new axis is merged into axis 0 and split again afterwards;

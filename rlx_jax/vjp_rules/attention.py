@@ -850,6 +850,15 @@ def _prepare(q, k, v, mask, bias, mask_kind, window, scale, softcap, causal_alig
 BIAS_SHIFT_FROM = 1024.0
 
 
+def _with_shifted_bias(extras, params, segments=None):
+    """The primitives' extras (mask, bias: as ``_prepare`` gives them) with the bias, when
+    there is one, through ``_shift_bias``; ``segments``: (q_segment_ids, kv_segment_ids)."""
+    if not params["has_bias"]:
+        return extras
+    mask = extras[0] if params["has_mask"] else None
+    return [*extras[:-1], _shift_bias(extras[-1], mask, segments, params["kind"], params["window"])]
+
+
 def _shift_bias(bias, mask, segments, kind, window):
     """bias [B, H, Sq, Sk] with, on each row whose largest value over the visible keys m
     has |m| > BIAS_SHIFT_FROM, m subtracted (a constant per row: softmax is unchanged in
@@ -864,7 +873,7 @@ def _shift_bias(bias, mask, segments, kind, window):
     sq, sk = bias.shape[-2:]
     vis = _visible(sq, sk, kind, window, mask)
     if segments is not None:
-        vis = vis & segment_visible(*segments)
+        vis = vis & _segment_visible(segments)
     wide = bias.astype(_acc_dtype(bias.dtype))
     m = jnp.max(jnp.where(vis, wide, -jnp.inf), axis=-1, keepdims=True)
     far = jnp.isfinite(m) & (jnp.abs(m) > BIAS_SHIFT_FROM)
@@ -933,10 +942,8 @@ def attention(q, k, v, *, mask_kind="none", window=None, mask=None, bias=None, s
     full_k = jax.ShapeDtypeStruct((b, sk, *k.shape[2:]), k.dtype)  # before a top-left slice
     q_seg, kv_seg, sinks = check_segments_and_sinks(q, full_k, flat_ids(q_segment_ids, sq),
                                                     flat_ids(kv_segment_ids, sk), sinks, "attention")
-    if params["has_bias"] and sinks is None:
-        segments = None if q_seg is None else (q_seg, kv_seg[:, :k.shape[1]])
-        extras[-1] = _shift_bias(extras[-1], extras[0] if params["has_mask"] else None, segments,
-                                 params["kind"], params["window"])
+    if sinks is None:  # the sinks' term of the denominator is not shifted with a row
+        extras = _with_shifted_bias(extras, params, None if q_seg is None else (q_seg, kv_seg[:, :k.shape[1]]))
     if q_seg is not None:
         extras = [*extras, q_seg, kv_seg[:, :k.shape[1]]]
     if sinks is not None:  # one logit a (batch, head): vmap folds into the batch axis as q does
@@ -960,9 +967,7 @@ def attention_backward(q, k, v, dy, mask=None, bias=None, *, mask_kind="none", w
     if dy.shape != q_shape:
         raise ValueError(f"attention_backward: dy shape {dy.shape} differs from q shape {q_shape}")
     dy = dy.astype(q.dtype).reshape(q.shape)
-    if params["has_bias"]:
-        extras[-1] = _shift_bias(extras[-1], extras[0] if params["has_mask"] else None, None,
-                                 params["kind"], params["window"])
+    extras = _with_shifted_bias(extras, params)
     qs = q if traced_scale is None else _fold_scale(q, traced_scale)
     out, lse = attention_fwd(qs, k, v, *extras, **params)
     dq, dk, dv = attention_bwd(qs, k, v, out, lse, dy, jnp.zeros_like(lse), *extras, **params)[:3]
