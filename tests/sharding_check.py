@@ -87,6 +87,23 @@ CASES = {
                              (randn(8, 12, 8, 8), randn(8, 12, 2, 8), randn(8, 12, 2, 8)),
                              (P("data", None, "model"), P("data", None, "model"), P("data", None, "model")),
                              (0, 1, 2)),
+    # the query heads split over a mesh axis that does not divide the kv heads (H = 4 = 2 kv
+    # heads x 2, data = 4): the heads are gathered and the kernel runs on whole heads
+    "attention_gqa_heads_indivisible": (lambda q, k, v: ops.attention(q, k, v, mask_kind="causal"),
+                                        (randn(8, 12, 4, 8), randn(8, 12, 2, 8), randn(8, 12, 2, 8)),
+                                        (P("model", None, "data"), P("model"), P("model")), (0, 1, 2)),
+    # operands whose sharding no PartitionSpec of the mesh names: a reshape of a dim split
+    # 4 ways into [2, n] leaves 2 devices on each new dim (Shardy's sub-axes); the kernels
+    # get them resharded. k / v projections of 2 kv heads under 4-way tensor parallelism:
+    "rope_kv_heads_sub_axes": (lambda x: ops.rope(x.reshape(8, 12, 2, 8), COS, SIN),
+                               (randn(8, 12, 16),), (P("model", None, "data"),), (0,)),
+    "attention_kv_heads_sub_axes": (lambda q, k, v: ops.attention(q, k.reshape(8, 12, 2, 8),
+                                                                  v.reshape(8, 12, 2, 8), mask_kind="causal"),
+                                    (randn(8, 12, 4, 8), randn(8, 12, 16), randn(8, 12, 16)),
+                                    (P("model", None, "data"), P("model", None, "data"),
+                                     P("model", None, "data")), (0, 1, 2)),
+    "rms_norm_sub_axes": (lambda x, g: ops.rms_norm(x.reshape(8, 6, 2, 16), g), (randn(8, 6, 32), randn(16)),
+                          (P(None, None, "data"), P()), (0, 1)),
     # multi-query (one kv head): query heads split, k / v whole, their gradients summed
     "attention_mqa": (lambda q, k, v: ops.attention(q, k, v, mask_kind="causal"),
                       (randn(8, 12, 4, 8), randn(8, 12, 1, 8), randn(8, 12, 1, 8)),

@@ -36,6 +36,20 @@ OPS = ["rms_norm", "add_rms_norm", "add_rms_norm_mixed_specs", "layer_norm", "gr
        "rms_norm_linear_tp", "add_rms_norm_linear_rows", "train_step", "gpt_step"]
 
 
+#: shardings the kernels cannot keep (the mesh axis does not divide the axis they split):
+#: their operands are gathered, and the values and gradients must still be right
+GATHERED = ["attention_gqa_heads_indivisible", "rope_kv_heads_sub_axes", "attention_kv_heads_sub_axes",
+            "rms_norm_sub_axes"]
+
+
+@pytest.mark.parametrize("op", GATHERED)
+def test_sharding_the_kernel_cannot_keep_still_gives_the_right_values(results, op):
+    r = results[op]
+    assert "error" not in r, r.get("error")
+    assert r["max_err"] < 1e-4, r
+    assert r["kernels"], "no rlx kernel in the compiled program: the test would prove nothing"
+
+
 @pytest.mark.parametrize("op", OPS)
 def test_sharded_op_matches_and_gathers_nothing(results, op):
     r = results[op]

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src import dispatch
+from jax._src.sharding_impls import parse_flatten_op_sharding  # no public API reads an HLO sharding
 from jax.core import ShapedArray
 from jax.extend.core import Primitive
 from jax.experimental.custom_partitioning import custom_partitioning
@@ -282,12 +283,30 @@ class Partition:
             out.append(tuple(row))
         return out
 
+    @staticmethod
+    def _mesh_spec(sharding, mesh, ndim) -> tuple:
+        """An operand's sharding as mesh axes per dim (PartitionSpec entries). The partition
+        gets the HLO sharding undecoded (``decode_shardings=False``): a dim split over part
+        of a mesh axis has no PartitionSpec over the mesh (Shardy makes such sub-axes, e.g.
+        4 devices on [32] reshaped to [2, 16] put 2 on each dim), and JAX's own decoding
+        raises on it before the partition runs. Such an operand reads as unsharded here: the
+        partition asks for a sharding it can use, and XLA reshards the operand to it."""
+        if sharding is None:
+            return ()
+        if hasattr(sharding, "spec"):
+            return tuple(sharding.spec)
+        if mesh.empty:
+            return ()
+        try:
+            return tuple(parse_flatten_op_sharding(sharding._to_xla_hlo_sharding(ndim), mesh)[0])
+        except (ValueError, NotImplementedError):  # IndivisibleError is a ValueError
+            return ()
+
     def _assign(self, mesh, arg_shapes, c_in) -> dict:
         """factor -> tuple of mesh axis names (only sharded, divisible factors)."""
         assign: dict = {}
         for a, cs in zip(arg_shapes, c_in):
-            sharding = a.sharding
-            spec = tuple(getattr(sharding, "spec", ())) if sharding is not None else ()
+            spec = self._mesh_spec(a.sharding, mesh, len(cs))
             spec = spec + (None,) * (len(cs) - len(spec))
             for (f, _), entry in zip(cs, spec):
                 if f in self.shardable and f not in assign and entry is not None:
@@ -312,8 +331,15 @@ class Partition:
     def _spec(cs, assign):
         return PartitionSpec(*[assign.get(f) for f, _ in cs])
 
-    def sharding_rule(self, f_in, f_out) -> str:
-        name = lambda axis: axis[0] if len(axis) == 1 else "(" + " ".join(axis) + ")"
+    @staticmethod
+    def sharding_rule(f_in, f_out) -> str:
+        """The einsum-style rule Shardy propagates shardings with. A compound axis is one
+        factor of its own there (("h", "g") -> "hg"), not "(h g)": given "(h g)", Shardy splits
+        a mesh axis that the major factor's size does not divide over both factors (4 devices
+        on H = 2 * 2 heads: a 2-device sub-axis on h, another on g), and custom_partitioning
+        cannot decode such sub-axis shardings into the mesh (IndivisibleError before the
+        partition callback runs). The callback still maps the axis to its major factor."""
+        name = lambda axis: "".join(axis)
         side = lambda fss: ", ".join(" ".join(name(ax) for ax in fs) for fs in fss)
         return side(f_in) + " -> " + side(f_out)
 
@@ -355,7 +381,7 @@ class Partition:
             return mesh, self._local_body(fn, mesh, assign, c_out, avals_in, params), outs, args
 
         wrapped.def_partition(infer_sharding_from_operands=infer, partition=partition,
-                              sharding_rule=self.sharding_rule(f_in, f_out), **sizes)
+                              sharding_rule=self.sharding_rule(f_in, f_out), decode_shardings=False)
         return wrapped
 
 
