@@ -2,7 +2,8 @@
 their names and are declared stable, so a jitted train step (embedding gather, RMSNorm,
 RoPE, attention, cross-entropy, their fused backward kernels) exports with a symbolic
 batch dimension and no extra arguments, serializes, and runs after deserialization in a
-fresh process with the results of the direct call."""
+fresh process with the results of the direct call; ops whose Python side reads the row
+count (the fused head's blocks, the max pool's planes) export with it symbolic."""
 
 from __future__ import annotations
 
@@ -169,3 +170,39 @@ def test_public_helper_allows_export_without_the_stable_registry(monkeypatch):
         jax.export.export(f)(*args)
     exported = jax.export.export(f, disabled_checks=rlx_jax.export_safety_checks())(*args)
     np.testing.assert_allclose(exported.call(*args), f(*args), rtol=1e-6)
+
+
+# ---- ops whose row count is symbolic ---------------------------------------------------
+
+#: name -> (loss of the differentiable args, their shapes with the symbolic "b", concrete
+#: shapes): ops whose Python side reads a row count (the fused head's row blocks, the max
+#: pool's planes), exported with it symbolic, then called at sizes the blocks do not divide
+SYMBOLIC_ROWS = {
+    "fused_linear_cross_entropy": (
+        lambda h, w: jnp.sum(jnp.sin(ops.fused_linear_cross_entropy(h, w, jnp.arange(h.shape[0]) % 11 - 1))),
+        (("b", 8), (8, 11)), ((9, 8), (8, 11))),
+    "fused_linear_cross_entropy_mean": (
+        lambda h, w: ops.fused_linear_cross_entropy(h, w, jnp.arange(h.shape[0]) % 11, reduction="mean",
+                                                    chunk_size=4),
+        (("b", 8), (8, 11)), ((9, 8), (8, 11))),
+    "max_pool2d": (lambda x: jnp.sum(jnp.sin(ops.max_pool2d(x, kernel_size=(2, 2), stride=(2, 2)))),
+                   (("b", 2, 4, 4),), ((3, 2, 4, 4),)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SYMBOLIC_ROWS))
+def test_export_with_a_symbolic_row_count(name):
+    _loaded()
+    fn, sym, real = SYMBOLIC_ROWS[name]
+    (bdim,) = jax.export.symbolic_shape("b")
+    specs = [jax.ShapeDtypeStruct(tuple(bdim if d == "b" else d for d in shape), jnp.float32) for shape in sym]
+    r = np.random.default_rng(3)
+    args = [jnp.asarray(r.standard_normal(shape), jnp.float32) for shape in real]
+    f = jax.value_and_grad(fn, tuple(range(len(args))))
+    exported = jax.export.deserialize(jax.export.export(jax.jit(f))(*specs).serialize())
+    got, want = exported.call(*args), jax.jit(f)(*args)
+    with rlx_jax.fused_ops(False):
+        ref = jax.jit(f)(*args)
+    for a, b, c in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-5)

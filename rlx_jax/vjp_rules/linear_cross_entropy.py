@@ -93,6 +93,8 @@ def default_chunk_size(rows: int, dim: int, vocab: int, platform: str | None = N
     cpu = platform == "cpu"
     target = max(1, ((1 << 21) if cpu else (1 << 28) // max(int(logit_bytes), 1)) // max(vocab, 1))
     block = max(1 << max(4, int(math.log2(target))), 16 if cpu else 2048)
+    if not _static(rows):  # a symbolic row count (jax.export): the blocks are padded to it
+        return int(block)
     return int(max(1, min(block, max(rows, 1))))
 
 
@@ -120,8 +122,13 @@ def _unblock(x, n):
     return x.reshape(-1, *x.shape[2:])[:n]
 
 
+def _static(n) -> bool:
+    """A known size, not one of jax.export's symbolic dims (which only run-time fixes)."""
+    return isinstance(n, (int, np.integer))
+
+
 def _block_rows(n, chunk_size):
-    return max(1, min(int(chunk_size), n))
+    return max(1, min(int(chunk_size), n)) if _static(n) else max(1, int(chunk_size))
 
 
 def _logits(hb, weight, logits_dtype):
@@ -272,7 +279,9 @@ def _over_blocks(block, xs):
         terms, y = block(x)
         return jax.tree.map(jnp.add, sums, terms), y
 
-    if count in (0, 2):
+    # a symbolic count (jax.export) takes the plain scan too: its peeled first block needs a
+    # loop over 1..count, which a symbolic bound does not give lax.scan
+    if not _static(count) or count in (0, 2):
         terms, _ = jax.eval_shape(block, tuple(jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in xs))
         return lax.scan(add, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), terms), xs)
 
@@ -600,6 +609,7 @@ def fused_linear_cross_entropy(hidden, weight, labels, *, reduction: str = "none
 
     chunk_size: rows per block (the largest intermediate is [chunk_size, V] logits);
     None picks ``default_chunk_size`` for the platform, the shape and the block's dtype.
+    A symbolic row count (``jax.export``) pads the rows to whole blocks of that size.
 
     logits_dtype: the dtype each logits block is written in by its matmul (which
     accumulates in f32 either way). None (default): f32 (f64 for f64), the most precise.

@@ -38,6 +38,8 @@ Primitives (each lowers to its FFI kernel where registered, else to its referenc
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -137,7 +139,7 @@ def reference_max_pool2d_bwd(dy, argmax, *, kernel_size, stride, padding, in_hw)
     accumulation)."""
     h, w = in_hw
     lead = dy.shape[:-2]
-    planes = int(np.prod(lead, dtype=np.int64))
+    planes = math.prod(lead)  # symbolic under jax.export (a batch dim), so not np.prod
     n_out = dy.shape[-2] * dy.shape[-1]
     d = dy.reshape((planes, n_out)).astype(_acc(dy.dtype))
     am = flat_argmax(argmax, kernel_size=kernel_size, stride=stride, padding=padding, in_hw=in_hw)
