@@ -46,21 +46,27 @@ def test_prod_gradient_at_zeros(x64, axes):
 
 
 @pytest.mark.parametrize("axes", [(1,), (0,), (0, 1)], ids=["rows", "cols", "all"])
-def test_prod_jvp_and_hvp_at_zeros(x64, axes):
-    """Forward mode at any zeros; the Hessian-vector product where every reduced slice
-    holds at most one zero (rows 0 and 2 of ``xs`` have one, the columns too)."""
+@pytest.mark.parametrize("zeros", ["as PROD_X", "one a slice", "three in a row"])
+def test_prod_jvp_and_hvp_at_zeros(x64, axes, zeros):
+    """Forward mode and the Hessian-vector product at zeros: PROD_X's row 2 holds two (the
+    second derivative between them is the product of the rest of the row), all of it
+    three; then at most one zero a slice; then three zeros in one row (second derivatives
+    between them 0, as the product of the rest still holds a zero)."""
     xs = PROD_X.copy()
-    xs[2, 2] = 0.75
-    if axes == (0, 1):
-        xs[2, 0] = -0.5
+    if zeros == "one a slice":
+        xs[2, 2] = 0.75
+        if axes == (0, 1):
+            xs[2, 0] = -0.5
+    elif zeros == "three in a row":
+        xs[2, 3] = 0.0
     g = _prod_graph(xs.shape, axes)
     f = rlx_jax.to_jax(g)
 
     def loss(a):
         return f({"x": a}, {})[0]
     t = np.random.RandomState(0).randn(*xs.shape)
-    jv = rlx_jax.to_jax(rlx_jax.jvp(g, ["x"]))({"x": PROD_X}, {"tangent_x": t})[1]
-    np.testing.assert_allclose(jv, jax.jvp(loss, (PROD_X,), (t,))[1], rtol=1e-12)
+    jv = rlx_jax.to_jax(rlx_jax.jvp(g, ["x"]))({"x": xs}, {"tangent_x": t})[1]
+    np.testing.assert_allclose(jv, jax.jvp(loss, (xs,), (t,))[1], rtol=1e-12)
     hv = rlx_jax.to_jax(rlx_jax.hvp(g, ["x"]))({"x": xs}, {"tangent_x": t})[-1]
     want = jax.jvp(jax.grad(loss), (xs,), (t,))[1]
     assert np.all(np.isfinite(hv))

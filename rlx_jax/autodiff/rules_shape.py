@@ -83,22 +83,30 @@ def _keep_dims(xs, axes):
 
 def _prod_derivative(g, x, yk, axes):
     """d prod(x) / d x_i = prod_{j != i} x_j over the reduced axes, without dividing by a
-    zero. With z the count of zeros in x_i's slice and x' = x with its zeros replaced by 1:
-    y / x' at a non-zero x_i (exact when z = 0, and 0 = y when z > 0), and at a zero x_i
-    prod(x') when it is the slice's only zero (z = 1), else 0. ``yk``: the product with
-    kept dims.
+    zero. With z the count of zeros in x_i's slice, x' = x with its zeros replaced by 1 and
+    rest = prod(x') (the product of the slice's non-zero elements):
 
-    Differentiated again, this is exact where a slice holds at most one zero; in a slice
-    with two or more zeros the second derivative between two of its zeros (the product of
-    the other elements) comes out 0 (docs/API.md, graph autodiff conventions)."""
+    * at a non-zero x_i: y / x' (exact when z = 0, and 0 = y when z > 0);
+    * at a zero x_i: rest when it is the slice's only zero (z = 1); rest * x_j when one
+      other zero x_j remains (z = 2), written x_j = (sum of the slice's zeros) - x_i, which
+      is 0 but carries the derivative rest towards x_j (the second derivative between the
+      two zeros); 0 when z > 2.
+
+    Each case is the polynomial prod_{j != i} x_j itself where z <= 2, so the derivatives of
+    every order are exact there; where z > 2 the first and second are (both 0), and the
+    third and later between zeros come out 0 (docs/API.md, graph autodiff conventions)."""
     dt = E.dtype(g, x)
     zero = E.cmp(g, CmpOp.Eq, x, E.scalar(g, 0, dt))
     safe = E.where(g, zero, E.scalar(g, 1, dt), x)
     z = E.sum_(g, E.cast(g, zero, dt), axes, keep_dim=True)
-    lone = E.cmp(g, CmpOp.Eq, z, E.scalar(g, 1, dt))
+    # kept-dim [.., 1, ..] slice values, broadcast against x by Where / Mul / Sub
     rest = E.reduce(g, safe, ReduceOp.Prod, axes, keep_dim=True)
-    at_zero = E.where(g, lone, rest, E.scalar(g, 0, dt))
-    return E.where(g, zero, E.expand_like(g, at_zero, x), E.div(g, yk, safe))
+    zeros_sum = E.sum_(g, E.where(g, zero, x, E.scalar(g, 0, dt)), axes, keep_dim=True)
+    other_zero = E.sub(g, zeros_sum, x)
+    lone = E.cmp(g, CmpOp.Eq, z, E.scalar(g, 1, dt))
+    pair = E.cmp(g, CmpOp.Eq, z, E.scalar(g, 2, dt))
+    at_zero = E.where(g, lone, rest, E.where(g, pair, E.mul(g, rest, other_zero), E.scalar(g, 0, dt)))
+    return E.where(g, zero, at_zero, E.div(g, yk, safe))
 
 
 @vjp_rule(ir.Reduce)
