@@ -410,6 +410,13 @@ def RowPartition(row_args: Sequence[int], stat_args=(), row_outputs=(0,), stat_o
     return Partition(factors, shardable=[f"r{i}" for i in range(32)])
 
 
+def static_shape(*shapes) -> bool:
+    """Whether every dim of ``shapes`` is known: jax.export's symbolic dims (a batch size
+    fixed only at run time) cannot size a CUDA kernel's scratch where that size is not a
+    polynomial in them; such calls lower the reference."""
+    return all(isinstance(d, (int, np.integer)) for s in shapes for d in s)
+
+
 def np_scalar(value: float, dtype=np.float32):
     """FFI attributes are typed: pass scalars as numpy scalars of the declared type."""
     return np.dtype(dtype).type(value)

@@ -58,7 +58,7 @@ from jax.interpreters import ad, mlir
 from rlx_jax._kernels import has_kernel
 from rlx_jax._kernels import target as ffi_target
 from rlx_jax.vjp_rules.attention_segments import finish_sinks, segment_tile_info, segment_tile_order, segment_visible
-from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, Partition, instantiate, np_scalar
+from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, Partition, instantiate, np_scalar, static_shape
 
 MASK_KINDS = ("none", "causal", "sliding")
 _KIND_CODE = {"none": 0, "causal": 1, "sliding": 2}
@@ -433,7 +433,7 @@ def cuda_bwd_scratch_size(b: int, h: int, sq: int, d: int = 0, fused: bool = Fal
     multiple of 4, a 2 x 128 x D f32 partial per node. The sizes must match
     ``fused_bwd_scratch`` there."""
     if not fused:
-        return max(1, b * h * sq)
+        return b * h * sq if not static_shape((b, h, sq)) else max(1, b * h * sq)  # symbolic dims are >= 1
     rows = 128 if d == 64 else 64
     nqt = -(-sq // rows)
     base = -(-(b * h * sq) // 4) * 4 + b * h * sq * d + b * h * nqt + 2
@@ -616,6 +616,8 @@ def _cudnn_forward(avals, params):
         return None
     q, k, v = avals
     kind = params["kind"]
+    if not static_shape(q.shape, k.shape):  # jax.export's symbolic dims: our kernel takes them
+        return None
     if (q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype
             or q.shape[3] not in (64, 128) or v.shape[3] != q.shape[3] or 0 in (*q.shape, *k.shape)):
         return None

@@ -49,7 +49,7 @@ from jax import lax
 from jax.interpreters import ad
 
 from rlx_jax._kernels import target as ffi_target
-from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, instantiate
+from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, instantiate, static_shape
 
 #: the smallest step size (RLX clamps every scale to it)
 MIN_SCALE = 1e-12
@@ -181,6 +181,8 @@ def _kernel_bwd_cuda(x, s, dy, *, q, ste):
 def _kernel_lsq_bwd_cuda(x, s, dy, *, q):
     """The CUDA call: as ``_kernel_lsq_bwd`` plus an f32 scratch result of per-block
     partial sums of dscale (XLA allocates it; the kernel allocates nothing), dropped."""
+    if not static_shape(x.shape):
+        return reference_lsq_bwd(x, s, dy, q=q)
     scratch = jax.ShapeDtypeStruct((cuda_lsq_scratch_size(*x.shape),), jnp.float32)
     out = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(s.shape, s.dtype), scratch)
     dx, ds, _ = jax.ffi.ffi_call(ffi_target("rlx_fake_quantize_lsq_bwd"), out)(x, s, dy, q_max=np.float32(q))

@@ -35,7 +35,7 @@ from jax.interpreters import ad
 
 from rlx_jax._kernels import target as ffi_target
 from rlx_jax.vjp_rules._primitive import (
-    NOT_MAPPED, FusedPrimitive, RowPartition, instantiate, np_scalar, rowwise_batching,
+    NOT_MAPPED, FusedPrimitive, RowPartition, instantiate, np_scalar, rowwise_batching, static_shape,
 )
 
 
@@ -140,7 +140,11 @@ def cuda_bwd_scratch_size(rows: int, width: int) -> int:
     the scratch layout shared with the kernels reserves)."""
     if width == 0:
         return 2 * rows
-    parts = max(1, min(rows, 1024, (1 << 23) // (2 * width)))
+    parts = max(1, min(1024, (1 << 23) // (2 * width)))
+    if static_shape((rows,)):
+        parts = min(parts, max(rows, 1))
+    # a symbolic row count (jax.export) keeps the bound without rows: the kernel takes the
+    # most parts the scratch holds, capped at rows, so it picks the same parts either way
     return parts * 2 * width + 2 * rows
 
 
