@@ -178,7 +178,7 @@ def test_public_helper_allows_export_without_the_stable_registry(monkeypatch):
 
 # ---- ops whose row count is symbolic ---------------------------------------------------
 
-#: name -> (loss of the differentiable args, their shapes with the symbolic "b", concrete
+#: name -> (loss of the differentiable args, their shapes with symbolic "b" (, "s", "t"), concrete
 #: shapes, dtype): ops whose Python side reads a row count (the fused head's row blocks, the
 #: max pool's planes, the CUDA kernels' scratch sizes), exported with it symbolic, then
 #: called at sizes the blocks do not divide
@@ -198,6 +198,11 @@ SYMBOLIC_ROWS = {
         lambda x, g: jnp.sum(jnp.sin(ops.batch_norm_inference(x, g, g, g, 1 + g * g))),
         (("b", 3, 2, 2), (3,)), ((5, 3, 2, 2), (3,)), jnp.float32),
     "cumsum": (lambda x: jnp.sum(jnp.sin(ops.cumsum(x, axis=1))), (("b", 6, 3),), ((5, 6, 3),), jnp.float32),
+    # query and key lengths two independent symbols: the causal mask's bottom-right offset
+    # max(Sk - Sq, 0) is computed in the program
+    "attention_causal_cross_lengths": (
+        lambda q, k: jnp.sum(jnp.sin(ops.attention(q, k, k, mask_kind="causal"))),
+        (("b", "s", 4, 8), ("b", "t", 2, 8)), ((2, 5, 4, 8), (2, 7, 2, 8)), jnp.float32),
     "attention_bf16": (
         lambda q, k: jnp.sum(jnp.sin(ops.attention(q, k, k, mask_kind="causal").astype(jnp.float32))),
         (("b", 16, 4, 64), ("b", 16, 2, 64)), ((3, 16, 4, 64), (3, 16, 2, 64)), jnp.bfloat16),
@@ -208,8 +213,8 @@ SYMBOLIC_ROWS = {
 def test_export_with_a_symbolic_row_count(name):
     _loaded()
     fn, sym, real, dtype = SYMBOLIC_ROWS[name]
-    (bdim,) = jax.export.symbolic_shape("b")
-    specs = [jax.ShapeDtypeStruct(tuple(bdim if d == "b" else d for d in shape), dtype) for shape in sym]
+    symbols = dict(zip("bst", jax.export.symbolic_shape("b, s, t")))
+    specs = [jax.ShapeDtypeStruct(tuple(symbols.get(d, d) for d in shape), dtype) for shape in sym]
     r = np.random.default_rng(3)
     args = [jnp.asarray(r.standard_normal(shape), dtype) for shape in real]
     f = jax.value_and_grad(fn, tuple(range(len(args))))

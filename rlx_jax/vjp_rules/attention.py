@@ -98,7 +98,10 @@ def _segment_visible(segments):
 
 def _visible(sq, sk, kind, window, mask):
     """Boolean [B or 1, 1, Sq, Sk]: key j visible from query i."""
-    i = jnp.arange(sq)[:, None] + max(sk - sq, 0)
+    # bottom-right alignment: query i sits at key position i + max(Sk - Sq, 0) (computed in
+    # the program where jax.export leaves the lengths symbolic)
+    shift = max(sk - sq, 0) if static_shape((sq, sk)) else jnp.maximum(sk - sq, 0)
+    i = jnp.arange(sq)[:, None] + shift
     j = jnp.arange(sk)[None, :]
     ok = jnp.ones((sq, sk), bool)
     if kind in ("causal", "sliding"):
