@@ -64,7 +64,7 @@ from jax import lax
 from jax._src import dispatch
 from jax.interpreters import ad, mlir
 
-from rlx_jax.vjp_rules._primitive import FusedPrimitive, instantiate, sequential_batching
+from rlx_jax.vjp_rules._primitive import FusedPrimitive, instantiate, sequential_batching, static_shape
 from rlx_jax.vjp_rules._vocab_parallel import (
     VocabPartition, acc_dtype, block_lse_and_picked, check_ignore_index, check_labels, kernel_labels, nan_if,
     nan_where, shard_index,
@@ -93,7 +93,7 @@ def default_chunk_size(rows: int, dim: int, vocab: int, platform: str | None = N
     cpu = platform == "cpu"
     target = max(1, ((1 << 21) if cpu else (1 << 28) // max(int(logit_bytes), 1)) // max(vocab, 1))
     block = max(1 << max(4, int(math.log2(target))), 16 if cpu else 2048)
-    if not _static(rows):  # a symbolic row count (jax.export): the blocks are padded to it
+    if not static_shape((rows,)):  # a symbolic row count (jax.export): the blocks are padded to it
         return int(block)
     return int(max(1, min(block, max(rows, 1))))
 
@@ -122,13 +122,8 @@ def _unblock(x, n):
     return x.reshape(-1, *x.shape[2:])[:n]
 
 
-def _static(n) -> bool:
-    """A known size, not one of jax.export's symbolic dims (which only run-time fixes)."""
-    return isinstance(n, (int, np.integer))
-
-
 def _block_rows(n, chunk_size):
-    return max(1, min(int(chunk_size), n)) if _static(n) else max(1, int(chunk_size))
+    return max(1, min(int(chunk_size), n)) if static_shape((n,)) else max(1, int(chunk_size))
 
 
 def _logits(hb, weight, logits_dtype):
@@ -281,7 +276,7 @@ def _over_blocks(block, xs):
 
     # a symbolic count (jax.export) takes the plain scan too: its peeled first block needs a
     # loop over 1..count, which a symbolic bound does not give lax.scan
-    if not _static(count) or count in (0, 2):
+    if not static_shape((count,)) or count in (0, 2):
         terms, _ = jax.eval_shape(block, tuple(jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in xs))
         return lax.scan(add, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), terms), xs)
 
