@@ -91,7 +91,9 @@ class FusedPrimitive:
     missing from the dict lowers the reference. A kernel is used on a platform when the
     target is registered there and
     ``kernel_ok(*avals, **params)`` (default: every floating operand has a dtype in
-    ``KERNEL_DTYPES[platform]``) accepts the operands.
+    ``KERNEL_DTYPES[platform]``) accepts the operands. On the platforms in
+    ``static_only`` the kernel also needs every dim known (``static_shape``): its
+    scratch result's size is not a polynomial in jax.export's symbolic dims.
     """
 
     def __init__(
@@ -104,8 +106,10 @@ class FusedPrimitive:
         kernel_ok: Callable | None = None,
         platforms: Sequence[str] = ("cpu", "cuda"),
         partition: "Partition | None" = None,
+        static_only: Sequence[str] = (),
     ):
         self.name = name
+        self.static_only = tuple(static_only)
         self.partition = partition
         self.reference = reference
         self.target = target
@@ -146,6 +150,8 @@ class FusedPrimitive:
 
     def _use_kernel(self, platform: str | None, avals, params) -> bool:
         if platform is None or self._kernel_for(platform) is None or not has_kernel(platform, self.target):
+            return False
+        if platform in self.static_only and not static_shape(*(a.shape for a in avals)):
             return False
         if self.kernel_ok is not None:
             return bool(self.kernel_ok(*avals, **params))

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.interpreters import ad
 
 from rlx_jax._kernels import target as ffi_target
-from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, Partition, instantiate, np_scalar, static_shape
+from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, Partition, instantiate, np_scalar
 from rlx_jax.vjp_rules.group_norm import merge_samples
 from rlx_jax.vjp_rules.layer_norm import stat_dtype
 
@@ -106,8 +106,6 @@ def cuda_bwd_scratch_size(shape) -> int:
 def _kernel_bwd_cuda(x, gamma, mean, var, dy, *, eps):
     """The CUDA call: as ``_kernel_bwd`` plus an f32 scratch result (XLA allocates it;
     the kernel allocates nothing), dropped after the call."""
-    if not static_shape(x.shape):
-        return reference_batch_norm_inference_bwd(x, gamma, mean, var, dy, eps=eps)
     p = jax.ShapeDtypeStruct(gamma.shape, gamma.dtype)
     scratch = jax.ShapeDtypeStruct((cuda_bwd_scratch_size(x.shape),), jnp.float32)
     out = (jax.ShapeDtypeStruct(x.shape, x.dtype), p, p, scratch)
@@ -134,6 +132,7 @@ batch_norm_inference_bwd = FusedPrimitive(
     target="rlx_batch_norm_inference_bwd",
     kernel={"cpu": _kernel_bwd, "cuda": _kernel_bwd_cuda},
     partition=Partition(_partition_factors, shardable=["n"] + [f"s{i}" for i in range(8)]),
+    static_only=("cuda",),
 )
 
 

@@ -25,7 +25,7 @@ import numpy as np
 from jax.interpreters import ad
 
 from rlx_jax._kernels import target as ffi_target
-from rlx_jax.vjp_rules._primitive import FusedPrimitive, Partition, static_shape
+from rlx_jax.vjp_rules._primitive import FusedPrimitive, Partition
 
 
 def _acc(dtype):
@@ -133,10 +133,8 @@ def cuda_scratch_size(o: int, l: int, i: int, itemsize: int = 4) -> int:
     return o * i * n
 
 
-def _kernel_cuda(target, reference):
+def _kernel_cuda(target):
     def call(x, *, exclusive):
-        if not static_shape(x.shape):
-            return reference(x, exclusive=exclusive)
         o, l, i = x.shape
         acc = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
         scratch = cuda_scratch_size(o, l, i, jnp.dtype(x.dtype).itemsize)
@@ -158,17 +156,19 @@ cumsum_fwd = FusedPrimitive(
     "rlx_cumsum_fwd",
     reference_cumsum,
     target="rlx_cumsum_fwd",
-    kernel={"cpu": _kernel("rlx_cumsum_fwd"), "cuda": _kernel_cuda("rlx_cumsum_fwd", reference_cumsum)},
+    kernel={"cpu": _kernel("rlx_cumsum_fwd"), "cuda": _kernel_cuda("rlx_cumsum_fwd")},
     kernel_ok=_kernel_ok,
     partition=_PARTITION,
+    static_only=("cuda",),
 )
 cumsum_bwd = FusedPrimitive(
     "rlx_cumsum_bwd",
     reference_cumsum_bwd,
     target="rlx_cumsum_bwd",
-    kernel={"cpu": _kernel("rlx_cumsum_bwd"), "cuda": _kernel_cuda("rlx_cumsum_bwd", reference_cumsum_bwd)},
+    kernel={"cpu": _kernel("rlx_cumsum_bwd"), "cuda": _kernel_cuda("rlx_cumsum_bwd")},
     kernel_ok=_kernel_ok,
     partition=_PARTITION,
+    static_only=("cuda",),
 )
 
 _TRANSPOSE = {cumsum_fwd: cumsum_bwd, cumsum_bwd: cumsum_fwd}

@@ -49,7 +49,7 @@ from jax import lax
 from jax.interpreters import ad
 
 from rlx_jax._kernels import target as ffi_target
-from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, instantiate, static_shape
+from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, instantiate
 
 #: the smallest step size (RLX clamps every scale to it)
 MIN_SCALE = 1e-12
@@ -181,8 +181,6 @@ def _kernel_bwd_cuda(x, s, dy, *, q, ste):
 def _kernel_lsq_bwd_cuda(x, s, dy, *, q):
     """The CUDA call: as ``_kernel_lsq_bwd`` plus an f32 scratch result of per-block
     partial sums of dscale (XLA allocates it; the kernel allocates nothing), dropped."""
-    if not static_shape(x.shape):
-        return reference_lsq_bwd(x, s, dy, q=q)
     scratch = jax.ShapeDtypeStruct((cuda_lsq_scratch_size(*x.shape),), jnp.float32)
     out = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(s.shape, s.dtype), scratch)
     dx, ds, _ = jax.ffi.ffi_call(ffi_target("rlx_fake_quantize_lsq_bwd"), out)(x, s, dy, q_max=np.float32(q))
@@ -206,7 +204,7 @@ lsq_fwd = FusedPrimitive("rlx_fake_quantize_lsq_fwd", reference_lsq)
 lsq_tangent = FusedPrimitive("rlx_fake_quantize_lsq_tangent", reference_lsq_tangent)
 lsq_bwd = FusedPrimitive(
     "rlx_fake_quantize_lsq_bwd", reference_lsq_bwd, target="rlx_fake_quantize_lsq_bwd",
-    kernel={"cpu": _kernel_lsq_bwd, "cuda": _kernel_lsq_bwd_cuda},
+    kernel={"cpu": _kernel_lsq_bwd, "cuda": _kernel_lsq_bwd_cuda}, static_only=("cuda",),
 )
 
 
