@@ -436,7 +436,7 @@ def cuda_bwd_scratch_size(b: int, h: int, sq: int, d: int = 0, fused: bool = Fal
     multiple of 4, a 2 x 128 x D f32 partial per node. The sizes must match
     ``fused_bwd_scratch`` there."""
     if not fused:
-        return b * h * sq if not static_shape((b, h, sq)) else max(1, b * h * sq)  # symbolic dims are >= 1
+        return max(1, b * h * sq) if static_shape((b, h, sq)) else b * h * sq  # symbolic dims are >= 1
     rows = 128 if d == 64 else 64
     nqt = -(-sq // rows)
     base = -(-(b * h * sq) // 4) * 4 + b * h * sq * d + b * h * nqt + 2
