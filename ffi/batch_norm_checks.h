@@ -17,7 +17,7 @@ inline ffi::Error check_channel(const ffi::AnyBuffer& x, const ffi::AnyBuffer& p
 inline ffi::Error check_inference_bwd(const ffi::AnyBuffer& x, const ffi::AnyBuffer& gamma,
                                       const ffi::AnyBuffer& mean, const ffi::AnyBuffer& var,
                                       const ffi::AnyBuffer& dy, const ffi::AnyBuffer& dx,
-                                      const ffi::AnyBuffer& dgamma, const ffi::AnyBuffer& dbeta, float eps) {
+                                      const ffi::AnyBuffer& dgamma, const ffi::AnyBuffer& dbeta, double eps) {
   if (x.dimensions().size() < 2)
     return invalid("batch_norm_inference backward: x must have rank >= 2 ([N, C, ...])");
   const ffi::AnyBuffer* params[] = {&gamma, &mean, &var, &dgamma, &dbeta};

@@ -51,7 +51,7 @@ inline ffi::Error check_stat(Backend b, const ffi::AnyBuffer& x, const Layout& L
 
 inline ffi::Error check_fwd(Backend b, const ffi::AnyBuffer& x, const ffi::AnyBuffer& gamma,
                             const ffi::AnyBuffer& beta, const ffi::AnyBuffer& y, const ffi::AnyBuffer& mean,
-                            const ffi::AnyBuffer& rstd, int64_t num_groups, float eps, Layout& L) {
+                            const ffi::AnyBuffer& rstd, int64_t num_groups, double eps, Layout& L) {
   if (auto e = check_x(x, num_groups, L); e.failure()) return e;
   if (auto e = check_param(x, L, gamma, "gamma"); e.failure()) return e;
   if (auto e = check_param(x, L, beta, "beta"); e.failure()) return e;

@@ -29,7 +29,7 @@ inline ffi::Error check_stat(Backend b, const ffi::AnyBuffer& x, const ffi::AnyB
 
 inline ffi::Error check_fwd(Backend b, const ffi::AnyBuffer& x, const ffi::AnyBuffer& gamma,
                             const ffi::AnyBuffer& beta, const ffi::AnyBuffer& y, const ffi::AnyBuffer& mean,
-                            const ffi::AnyBuffer& rstd, float eps) {
+                            const ffi::AnyBuffer& rstd, double eps) {
   if (auto e = check_param(x, gamma, "gamma"); e.failure()) return e;
   if (auto e = check_param(x, beta, "beta"); e.failure()) return e;
   if (auto e = norm::check_like_x(x, y, "layer_norm: output y must match x"); e.failure()) return e;

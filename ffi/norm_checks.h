@@ -50,8 +50,8 @@ inline ffi::Error check_row_norm_bwd(const char* op, const ffi::AnyBuffer& x, co
   return check_row_param(op, x, dbeta, "dbeta");
 }
 
-inline ffi::Error check_eps(const char* op, float eps) {
-  if (!(eps >= 0.0f)) return invalid(std::string(op) + ": eps must be >= 0");
+inline ffi::Error check_eps(const char* op, double eps) {
+  if (!(eps >= 0.0)) return invalid(std::string(op) + ": eps must be >= 0");
   return ffi::Error::Success();
 }
 

@@ -20,7 +20,7 @@ inline ffi::Error check_param(const ffi::AnyBuffer& x, const ffi::AnyBuffer& p, 
 
 inline ffi::Error check_fwd(Backend b, const ffi::AnyBuffer& x, const ffi::AnyBuffer& gamma,
                             const ffi::AnyBuffer& beta, const ffi::AnyBuffer& y, const ffi::AnyBuffer& rstd,
-                            float eps) {
+                            double eps) {
   if (auto e = check_param(x, gamma, "gamma"); e.failure()) return e;
   if (auto e = check_param(x, beta, "beta"); e.failure()) return e;
   if (auto e = norm::check_like_x(x, y, "rms_norm: output y must match x"); e.failure()) return e;
@@ -58,7 +58,7 @@ inline ffi::Error check_add_bwd(Backend b, const ffi::AnyBuffer& x, const ffi::A
 inline ffi::Error check_bwd_y(const ffi::AnyBuffer& x, const ffi::AnyBuffer& gamma, const ffi::AnyBuffer& beta,
                               const ffi::AnyBuffer& dy, const ffi::AnyBuffer* dres, const ffi::AnyBuffer& dx,
                               const ffi::AnyBuffer& dgamma, const ffi::AnyBuffer& dbeta, const ffi::AnyBuffer& y,
-                              float eps) {
+                              double eps) {
   if (auto e = norm::check_row_norm_bwd("rms_norm", x, gamma, dy, dx, dgamma, dbeta); e.failure()) return e;
   if (auto e = check_param(x, beta, "beta"); e.failure()) return e;
   if (auto e = norm::check_like_x(x, y, "rms_norm backward: output y must match x"); e.failure()) return e;

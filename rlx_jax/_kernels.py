@@ -33,7 +33,13 @@ _INFO: dict[str, dict] = {}
 #: the ABI version each kernel's lowering emits, when it is not 1. Bump an entry only
 #: together with the call site that needs the new ABI, and keep the older version's
 #: handler registered while exported functions that call it are supported.
-ABI_VERSIONS: dict[str, int] = {}
+ABI_VERSIONS: dict[str, int] = {
+    # v2 takes eps as an f64 attribute (v1: f32), so that f64 inputs normalise with their exact eps
+    "rlx_rms_norm_fwd": 2,
+    "rlx_layer_norm_fwd": 2,
+    "rlx_group_norm_fwd": 2,
+    "rlx_batch_norm_inference_bwd": 2,
+}
 
 _VERSIONED = re.compile(r"^(?P<kernel>.+)_v(?P<version>[0-9]+)$")
 

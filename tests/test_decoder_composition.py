@@ -31,7 +31,7 @@ FUSED = ("rlx_gather_fwd", "rlx_gather_bwd", "rlx_rms_norm_linear_fwd", "rlx_add
          "rlx_fused_linear_ce_reduced")
 # the kernels (FFI targets) those primitives lower to on the CPU at these sizes; attention's
 # only when forced (``cpu_attention``)
-KERNELS = ("rlx_gather_bwd_v1", "rlx_rms_norm_fwd_v1", "rlx_add_rms_norm_bwd_v1", "rlx_rope_split_v1",
+KERNELS = ("rlx_gather_bwd_v1", "rlx_rms_norm_fwd_v2", "rlx_add_rms_norm_bwd_v1", "rlx_rope_split_v1",
            "rlx_rope_merge_v1", "rlx_swiglu_bwd_product_v1", "rlx_softmax_ce_loss_grad_v1")
 
 

@@ -62,7 +62,7 @@ def _numpy_group_norm(x, g, b, groups):
 def test_compiled_kernels_are_registered_and_used():
     info = rlx_jax.kernel_info()[platform()]
     assert info["loaded"], info["error"]
-    assert {"rlx_group_norm_fwd_v1", "rlx_group_norm_bwd_v1"} <= set(info["targets"])
+    assert {"rlx_group_norm_fwd_v1", "rlx_group_norm_fwd_v2", "rlx_group_norm_bwd_v1"} <= set(info["targets"])
     x, g, b, _ = _inputs((2, 4, 3, 3), jnp.float32)
     text = hlo_text(jax.grad(lambda x, g, b: jnp.sum(_ours(2)(x, g, b) ** 2), (0, 1, 2)), x, g, b)
     assert "rlx_group_norm_fwd" in text and "rlx_group_norm_bwd" in text

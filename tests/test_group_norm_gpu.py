@@ -61,7 +61,7 @@ _f32 = as_f32
 def test_cuda_kernels_loaded_and_in_hlo():
     info = rlx_jax.kernel_info()["cuda"]
     assert info["loaded"], info["error"]
-    assert {"rlx_group_norm_fwd_v1", "rlx_group_norm_bwd_v1"} <= set(info["targets"])
+    assert {"rlx_group_norm_fwd_v1", "rlx_group_norm_fwd_v2", "rlx_group_norm_bwd_v1"} <= set(info["targets"])
     x, g, b, dy = _inputs((2, 8, 4, 4), jnp.float32, 0)
     fn = jax.jit(lambda x, g, b, dy: jax.vjp(lambda *a: group_norm(*a, num_groups=4), x, g, b)[1](dy))
     text = fn.lower(x, g, b, dy).as_text()

@@ -42,7 +42,7 @@ def _f32(*arrays):
 def test_compiled_kernels_are_registered_and_used():
     info = rlx_jax.kernel_info()[platform()]
     assert info["loaded"], info["error"]
-    assert {"rlx_layer_norm_fwd_v1", "rlx_layer_norm_bwd_v1"} <= set(info["targets"])
+    assert {"rlx_layer_norm_fwd_v1", "rlx_layer_norm_fwd_v2", "rlx_layer_norm_bwd_v1"} <= set(info["targets"])
     x, g, b, _ = _inputs((4, 8), jnp.float32)
     text = hlo_text(jax.grad(lambda x, g, b: jnp.sum(layer_norm(x, g, b) ** 2), (0, 1, 2)), x, g, b)
     assert "rlx_layer_norm_fwd" in text and "rlx_layer_norm_bwd" in text

@@ -55,26 +55,26 @@ def _cases():
     c = {}
     x = _arr((300, 128), 0)
     g, b = _arr((128,), 1), _arr((128,), 2)
-    c["rms_norm"] = (("rlx_rms_norm_fwd_v1", "rlx_rms_norm_bwd_v1"), lambda x, g, b: ops.rms_norm(x, g, b), (x, g, b),
+    c["rms_norm"] = (("rlx_rms_norm_fwd_v2", "rlx_rms_norm_bwd_v1"), lambda x, g, b: ops.rms_norm(x, g, b), (x, g, b),
                      (0, 1, 2))
-    c["rms_norm_bf16"] = (("rlx_rms_norm_fwd_v1", "rlx_rms_norm_bwd_v1"), lambda x, g, b: ops.rms_norm(x, g, b),
+    c["rms_norm_bf16"] = (("rlx_rms_norm_fwd_v2", "rlx_rms_norm_bwd_v1"), lambda x, g, b: ops.rms_norm(x, g, b),
                           tuple(a.astype(jnp.bfloat16) for a in (x, g, b)), (0, 1, 2))
-    c["add_rms_norm"] = (("rlx_rms_norm_fwd_v1", "rlx_add_rms_norm_bwd_v1"),
+    c["add_rms_norm"] = (("rlx_rms_norm_fwd_v2", "rlx_add_rms_norm_bwd_v1"),
                          lambda x, r, g: sum(ops.add_rms_norm(x, r, g)), (x, _arr((300, 128), 7), g), (0, 1, 2))
     w = 0.1 * _arr((128, 64), 31)
-    c["rms_norm_linear"] = (("rlx_rms_norm_fwd_v1", "rlx_rms_norm_bwd_v1"), lambda x, g, w: ops.rms_norm_linear(x, g, w),
+    c["rms_norm_linear"] = (("rlx_rms_norm_fwd_v2", "rlx_rms_norm_bwd_v1"), lambda x, g, w: ops.rms_norm_linear(x, g, w),
                             (x, g, w), (0, 1, 2))
-    c["add_rms_norm_linear"] = (("rlx_rms_norm_fwd_v1", "rlx_add_rms_norm_bwd_v1"),
+    c["add_rms_norm_linear"] = (("rlx_rms_norm_fwd_v2", "rlx_add_rms_norm_bwd_v1"),
                                 lambda x, r, g, w: jnp.concatenate(ops.add_rms_norm_linear(x, r, g, w), axis=-1),
                                 (x, _arr((300, 128), 32), g, w), (0, 1, 2, 3))
-    c["layer_norm"] = (("rlx_layer_norm_fwd_v1", "rlx_layer_norm_bwd_v1"), lambda x, g, b: ops.layer_norm(x, g, b),
+    c["layer_norm"] = (("rlx_layer_norm_fwd_v2", "rlx_layer_norm_bwd_v1"), lambda x, g, b: ops.layer_norm(x, g, b),
                        (x, g, b), (0, 1, 2))
     xg = _arr((8, 32, 10, 10), 3)
-    c["group_norm"] = (("rlx_group_norm_fwd_v1", "rlx_group_norm_bwd_v1"),
+    c["group_norm"] = (("rlx_group_norm_fwd_v2", "rlx_group_norm_bwd_v1"),
                        lambda x, g, b: ops.group_norm(x, g, b, num_groups=4), (xg, _arr((32,), 4), _arr((32,), 5)),
                        (0, 1, 2))
     xb = _arr((16, 32, 8), 6)
-    c["batch_norm_inference"] = (("rlx_batch_norm_inference_bwd_v1",),
+    c["batch_norm_inference"] = (("rlx_batch_norm_inference_bwd_v2",),
                                  lambda x, g, b, m, v: ops.batch_norm_inference(x, g, b, m, v),
                                  (xb, _arr((32,), 7), _arr((32,), 8), _arr((32,), 9), _arr((32,), 10, lo=0.5, hi=2)),
                                  (0, 1, 2))

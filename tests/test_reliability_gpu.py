@@ -50,7 +50,7 @@ _XLA_ON_CUDA = {
 _CUDA_CASE_TARGETS = {
     "add_rms_norm": ("rlx_add_rms_norm_bwd_v1",),  # the forward is XLA's fused add + norm on CUDA
     # the backward's y from the norm's backward kernel, not from the forward kernel run again
-    "rms_norm_linear": ("rlx_rms_norm_fwd_v1", "rlx_rms_norm_bwd_y_v1"),
+    "rms_norm_linear": ("rlx_rms_norm_fwd_v2", "rlx_rms_norm_bwd_y_v1"),
     "add_rms_norm_linear": ("rlx_add_rms_norm_bwd_y_v1",),
 }
 

@@ -39,7 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 # per-target attribute mutations: (case name, attrs to override)
 BAD_ATTRS = {
-    "rlx_group_norm_fwd_v1": [("num_groups_not_dividing", {"num_groups": 3}), ("num_groups_zero", {"num_groups": 0}),
+    "rlx_group_norm_fwd_v2": [("num_groups_not_dividing", {"num_groups": 3}), ("num_groups_zero", {"num_groups": 0}),
                            ("num_groups_negative", {"num_groups": -2})],
     "rlx_group_norm_bwd_v1": [("num_groups_not_dividing", {"num_groups": 3}), ("num_groups_zero", {"num_groups": 0})],
     "rlx_rope_fwd_v1": [("head_dim_not_dividing", {"head_dim": 5}), ("head_dim_zero", {"head_dim": 0}),

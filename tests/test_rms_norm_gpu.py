@@ -57,7 +57,7 @@ _f32 = as_f32
 def test_cuda_kernels_loaded_and_in_hlo():
     info = rlx_jax.kernel_info()["cuda"]
     assert info["loaded"], info["error"]
-    assert {"rlx_rms_norm_fwd_v1", "rlx_rms_norm_bwd_v1"} <= set(info["targets"])
+    assert {"rlx_rms_norm_fwd_v1", "rlx_rms_norm_fwd_v2", "rlx_rms_norm_bwd_v1"} <= set(info["targets"])
     x, g, b, dy = _inputs((8, 256), jnp.float32, 0)
     fn = jax.jit(lambda x, g, b, dy: jax.vjp(rms_norm, x, g, b)[1](dy))
     text = fn.lower(x, g, b, dy).as_text()

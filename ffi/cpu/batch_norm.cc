@@ -24,7 +24,7 @@ template <typename T>
 void batch_norm_inference_bwd_typed(ffi::ThreadPool& pool, const T* x, const T* gamma,
                                     const T* mean_in, const T* var_in, const T* dy, T* dx,
                                     T* dgamma, T* dbeta, int64_t n, int64_t c, int64_t s,
-                                    float eps) {
+                                    double eps) {
   using A = typename Accum<T>::type;
   std::vector<A> mean(c), rstd(c), scale(c);
   for (int64_t j = 0; j < c; ++j) {
@@ -94,11 +94,13 @@ void batch_norm_inference_bwd_typed(ffi::ThreadPool& pool, const T* x, const T* 
   });
 }
 
+// Eps: the attribute's type, float (ABI v1) or double (v2: an f64 input's eps exactly).
+template <typename Eps>
 ffi::Error BatchNormInferenceBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
                                      ffi::AnyBuffer mean, ffi::AnyBuffer var, ffi::AnyBuffer dy,
                                      ffi::Result<ffi::AnyBuffer> dx,
                                      ffi::Result<ffi::AnyBuffer> dgamma,
-                                     ffi::Result<ffi::AnyBuffer> dbeta, float eps) {
+                                     ffi::Result<ffi::AnyBuffer> dbeta, Eps eps) {
   auto d = x.dimensions();
   if (auto e = bn::check_inference_bwd(x, gamma, mean, var, dy, *dx, *dgamma, *dbeta, eps); e.failure()) return e;
   const int64_t n = d[0], c = d[1];
@@ -126,19 +128,26 @@ ffi::Error BatchNormInferenceBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxBatchNormInferenceBwd, BatchNormInferenceBwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // x [N, C, ...]
-                                  .Arg<ffi::AnyBuffer>()  // gamma [C]
-                                  .Arg<ffi::AnyBuffer>()  // mean [C]
-                                  .Arg<ffi::AnyBuffer>()  // var [C]
-                                  .Arg<ffi::AnyBuffer>()  // dy
-                                  .Ret<ffi::AnyBuffer>()  // dx
-                                  .Ret<ffi::AnyBuffer>()  // dgamma
-                                  .Ret<ffi::AnyBuffer>()  // dbeta
-                                  .Attr<float>("eps"));
+// v1 takes eps as f32, v2 as f64 (which an f64 input needs to normalise with its exact eps)
+#define RLX_BATCH_NORM_INFERENCE_BWD_BINDING(EPS)  \
+  ffi::Ffi::Bind()                                 \
+      .Ctx<ffi::ThreadPool>()                      \
+      .Arg<ffi::AnyBuffer>() /* x [N, C, ...] */   \
+      .Arg<ffi::AnyBuffer>() /* gamma [C] */       \
+      .Arg<ffi::AnyBuffer>() /* mean [C] */        \
+      .Arg<ffi::AnyBuffer>() /* var [C] */         \
+      .Arg<ffi::AnyBuffer>() /* dy */              \
+      .Ret<ffi::AnyBuffer>() /* dx */              \
+      .Ret<ffi::AnyBuffer>() /* dgamma */          \
+      .Ret<ffi::AnyBuffer>() /* dbeta */           \
+      .Attr<EPS>("eps")
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxBatchNormInferenceBwd, BatchNormInferenceBwdImpl<float>,
+                              RLX_BATCH_NORM_INFERENCE_BWD_BINDING(float));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxBatchNormInferenceBwdV2, BatchNormInferenceBwdImpl<double>,
+                              RLX_BATCH_NORM_INFERENCE_BWD_BINDING(double));
+#undef RLX_BATCH_NORM_INFERENCE_BWD_BINDING
 
 RLX_REGISTER_HANDLER("rlx_batch_norm_inference_bwd", RlxBatchNormInferenceBwd);
+RLX_REGISTER_HANDLER("rlx_batch_norm_inference_bwd_v2", RlxBatchNormInferenceBwdV2);
 
 }  // namespace rlx

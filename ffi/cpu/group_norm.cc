@@ -29,7 +29,7 @@ using group_norm::Layout;
 
 template <typename T>
 void group_norm_fwd_typed(ffi::ThreadPool& pool, const Layout& L, const T* x, const T* gamma,
-                          const T* beta, T* y, void* mean_out, void* rstd_out, float eps) {
+                          const T* beta, T* y, void* mean_out, void* rstd_out, double eps) {
   using A = typename Accum<T>::type;
   A* mean = static_cast<A*>(mean_out);
   A* rstd = static_cast<A*>(rstd_out);
@@ -117,10 +117,12 @@ void group_norm_bwd_typed(ffi::ThreadPool& pool, const Layout& L, const T* x, co
   });
 }
 
+// Eps: the attribute's type, float (ABI v1) or double (v2: an f64 input's eps exactly).
+template <typename Eps>
 ffi::Error GroupNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
                             ffi::AnyBuffer beta, ffi::Result<ffi::AnyBuffer> y,
                             ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> rstd,
-                            int64_t num_groups, float eps) {
+                            int64_t num_groups, Eps eps) {
   Layout L;
   if (auto e = group_norm::check_fwd(Backend::kCpu, x, gamma, beta, *y, *mean, *rstd, num_groups, eps, L);
       e.failure())
@@ -173,17 +175,21 @@ ffi::Error GroupNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxGroupNormFwd, GroupNormFwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // x [N, C, ...]
-                                  .Arg<ffi::AnyBuffer>()  // gamma [C]
-                                  .Arg<ffi::AnyBuffer>()  // beta [C]
-                                  .Ret<ffi::AnyBuffer>()  // y
-                                  .Ret<ffi::AnyBuffer>()  // mean [N, G]
-                                  .Ret<ffi::AnyBuffer>()  // rstd [N, G]
-                                  .Attr<int64_t>("num_groups")
-                                  .Attr<float>("eps"));
+// v1 takes eps as f32, v2 as f64 (which an f64 input needs to normalise with its exact eps)
+#define RLX_GROUP_NORM_FWD_BINDING(EPS)            \
+  ffi::Ffi::Bind()                                 \
+      .Ctx<ffi::ThreadPool>()                      \
+      .Arg<ffi::AnyBuffer>() /* x [N, C, ...] */   \
+      .Arg<ffi::AnyBuffer>() /* gamma [C] */       \
+      .Arg<ffi::AnyBuffer>() /* beta [C] */        \
+      .Ret<ffi::AnyBuffer>() /* y */               \
+      .Ret<ffi::AnyBuffer>() /* mean [N, G] */     \
+      .Ret<ffi::AnyBuffer>() /* rstd [N, G] */     \
+      .Attr<int64_t>("num_groups")                 \
+      .Attr<EPS>("eps")
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxGroupNormFwd, GroupNormFwdImpl<float>, RLX_GROUP_NORM_FWD_BINDING(float));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxGroupNormFwdV2, GroupNormFwdImpl<double>, RLX_GROUP_NORM_FWD_BINDING(double));
+#undef RLX_GROUP_NORM_FWD_BINDING
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxGroupNormBwd, GroupNormBwdImpl,
                               ffi::Ffi::Bind()
@@ -199,6 +205,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxGroupNormBwd, GroupNormBwdImpl,
                                   .Attr<int64_t>("num_groups"));
 
 RLX_REGISTER_HANDLER("rlx_group_norm_fwd", RlxGroupNormFwd);
+RLX_REGISTER_HANDLER("rlx_group_norm_fwd_v2", RlxGroupNormFwdV2);
 RLX_REGISTER_HANDLER("rlx_group_norm_bwd", RlxGroupNormBwd);
 
 }  // namespace rlx

@@ -184,7 +184,7 @@ constexpr bool kBlockRows = std::is_same<T, float>::value || std::is_same<T, bf1
 template <typename T>
 void layer_norm_fwd_typed(ffi::ThreadPool& pool, const T* x, const T* gamma_in, const T* beta_in,
                           T* y, void* mean_out, void* rstd_out, int64_t rows, int64_t width,
-                          float eps) {
+                          double eps) {
   using A = typename Accum<T>::type;
   A* mean = static_cast<A*>(mean_out);
   A* rstd = static_cast<A*>(rstd_out);
@@ -196,8 +196,8 @@ void layer_norm_fwd_typed(ffi::ThreadPool& pool, const T* x, const T* gamma_in, 
   parallel_for(pool, chunks, [&](int64_t c) {
     const int64_t r0 = rows * c / chunks, r1 = rows * (c + 1) / chunks;
     if constexpr (kBlockRows<T>) {
-      if (cpu_has_x86_64_v4()) fwd_rows_v16(x, g, b, y, mean, rstd, r0, r1, width, eps);
-      else fwd_rows_v8(x, g, b, y, mean, rstd, r0, r1, width, eps);
+      if (cpu_has_x86_64_v4()) fwd_rows_v16(x, g, b, y, mean, rstd, r0, r1, width, float(eps));
+      else fwd_rows_v8(x, g, b, y, mean, rstd, r0, r1, width, float(eps));
       return;
     }
     norm::Rows<T, A> buf(width, 2);
@@ -278,10 +278,12 @@ void layer_norm_bwd_typed(ffi::ThreadPool& pool, const T* x, const T* gamma_in,
   });
 }
 
+// Eps: the attribute's type, float (ABI v1) or double (v2: an f64 input's eps exactly).
+template <typename Eps>
 ffi::Error LayerNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
                             ffi::AnyBuffer beta, ffi::Result<ffi::AnyBuffer> y,
                             ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> rstd,
-                            float eps) {
+                            Eps eps) {
   if (auto e = layer_norm::check_fwd(Backend::kCpu, x, gamma, beta, *y, *mean, *rstd, eps); e.failure())
     return e;
   auto [rows, width] = rows_view(x);
@@ -332,16 +334,20 @@ ffi::Error LayerNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxLayerNormFwd, LayerNormFwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // gamma
-                                  .Arg<ffi::AnyBuffer>()  // beta
-                                  .Ret<ffi::AnyBuffer>()  // y
-                                  .Ret<ffi::AnyBuffer>()  // mean
-                                  .Ret<ffi::AnyBuffer>()  // rstd
-                                  .Attr<float>("eps"));
+// v1 takes eps as f32, v2 as f64 (which an f64 input needs to normalise with its exact eps)
+#define RLX_LAYER_NORM_FWD_BINDING(EPS)            \
+  ffi::Ffi::Bind()                                 \
+      .Ctx<ffi::ThreadPool>()                      \
+      .Arg<ffi::AnyBuffer>() /* x */               \
+      .Arg<ffi::AnyBuffer>() /* gamma */           \
+      .Arg<ffi::AnyBuffer>() /* beta */            \
+      .Ret<ffi::AnyBuffer>() /* y */               \
+      .Ret<ffi::AnyBuffer>() /* mean */            \
+      .Ret<ffi::AnyBuffer>() /* rstd */            \
+      .Attr<EPS>("eps")
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxLayerNormFwd, LayerNormFwdImpl<float>, RLX_LAYER_NORM_FWD_BINDING(float));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxLayerNormFwdV2, LayerNormFwdImpl<double>, RLX_LAYER_NORM_FWD_BINDING(double));
+#undef RLX_LAYER_NORM_FWD_BINDING
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxLayerNormBwd, LayerNormBwdImpl,
                               ffi::Ffi::Bind()
@@ -356,6 +362,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxLayerNormBwd, LayerNormBwdImpl,
                                   .Ret<ffi::AnyBuffer>());  // dbeta
 
 RLX_REGISTER_HANDLER("rlx_layer_norm_fwd", RlxLayerNormFwd);
+RLX_REGISTER_HANDLER("rlx_layer_norm_fwd_v2", RlxLayerNormFwdV2);
 RLX_REGISTER_HANDLER("rlx_layer_norm_bwd", RlxLayerNormBwd);
 
 }  // namespace rlx

@@ -207,7 +207,7 @@ constexpr bool kVecRows = std::is_same<T, bf16>::value || std::is_same<T, float>
 
 template <typename T>
 void rms_norm_fwd_typed(ffi::ThreadPool& pool, const T* x, const T* gamma, const T* beta,
-                        T* y, void* rstd_out, int64_t rows, int64_t width, float eps) {
+                        T* y, void* rstd_out, int64_t rows, int64_t width, double eps) {
   using A = typename Accum<T>::type;
   A* rstd = static_cast<A*>(rstd_out);
   const int64_t chunks = row_chunks(rows, width);
@@ -219,7 +219,7 @@ void rms_norm_fwd_typed(ffi::ThreadPool& pool, const T* x, const T* gamma, const
     }
     parallel_for(pool, chunks, [&](int64_t c) {
       fwd_rows<T>(x, gb.data(), gb.data() + width, y, rstd, rows * c / chunks,
-                  rows * (c + 1) / chunks, width, eps);
+                  rows * (c + 1) / chunks, width, float(eps));
     });
     return;
   }
@@ -293,9 +293,11 @@ void rms_norm_bwd_typed(ffi::ThreadPool& pool, const T* x, const T* gamma, const
   });
 }
 
+// Eps: the attribute's type, float (ABI v1) or double (v2: an f64 input's eps exactly).
+template <typename Eps>
 ffi::Error RmsNormFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
                           ffi::AnyBuffer beta, ffi::Result<ffi::AnyBuffer> y,
-                          ffi::Result<ffi::AnyBuffer> rstd, float eps) {
+                          ffi::Result<ffi::AnyBuffer> rstd, Eps eps) {
   if (auto e = rms_norm::check_fwd(Backend::kCpu, x, gamma, beta, *y, *rstd, eps); e.failure()) return e;
   auto [rows, width] = rows_view(x);
   if (rows == 0 || width == 0) return ffi::Error::Success();
@@ -357,15 +359,19 @@ ffi::Error AddRmsNormBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuf
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxRmsNormFwd, RmsNormFwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // gamma
-                                  .Arg<ffi::AnyBuffer>()  // beta
-                                  .Ret<ffi::AnyBuffer>()  // y
-                                  .Ret<ffi::AnyBuffer>()  // rstd
-                                  .Attr<float>("eps"));
+// v1 takes eps as f32, v2 as f64 (which an f64 input needs to normalise with its exact eps)
+#define RLX_RMS_NORM_FWD_BINDING(EPS)              \
+  ffi::Ffi::Bind()                                 \
+      .Ctx<ffi::ThreadPool>()                      \
+      .Arg<ffi::AnyBuffer>() /* x */               \
+      .Arg<ffi::AnyBuffer>() /* gamma */           \
+      .Arg<ffi::AnyBuffer>() /* beta */            \
+      .Ret<ffi::AnyBuffer>() /* y */               \
+      .Ret<ffi::AnyBuffer>() /* rstd */            \
+      .Attr<EPS>("eps")
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxRmsNormFwd, RmsNormFwdImpl<float>, RLX_RMS_NORM_FWD_BINDING(float));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxRmsNormFwdV2, RmsNormFwdImpl<double>, RLX_RMS_NORM_FWD_BINDING(double));
+#undef RLX_RMS_NORM_FWD_BINDING
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxRmsNormBwd, RmsNormBwdImpl,
                               ffi::Ffi::Bind()
@@ -391,6 +397,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAddRmsNormBwd, AddRmsNormBwdImpl,
                                   .Ret<ffi::AnyBuffer>());  // dbeta
 
 RLX_REGISTER_HANDLER("rlx_rms_norm_fwd", RlxRmsNormFwd);
+RLX_REGISTER_HANDLER("rlx_rms_norm_fwd_v2", RlxRmsNormFwdV2);
 RLX_REGISTER_HANDLER("rlx_rms_norm_bwd", RlxRmsNormBwd);
 RLX_REGISTER_HANDLER("rlx_add_rms_norm_bwd", RlxAddRmsNormBwd);
 

@@ -48,11 +48,14 @@ struct BnOp {
   }
 };
 
+// Eps: the attribute's type, float (ABI v1) or double (v2, whose f64 eps the CPU's f64 kernels use).
+template <typename Eps>
 ffi::Error BatchNormInferenceBwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer gamma,
                                      ffi::AnyBuffer mean, ffi::AnyBuffer var, ffi::AnyBuffer dy,
                                      ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dgamma,
                                      ffi::Result<ffi::AnyBuffer> dbeta, ffi::Result<ffi::AnyBuffer> scratch,
-                                     float eps) {
+                                     Eps eps_attr) {
+  const float eps = float(eps_attr);  // the CUDA kernels take no f64 input: f32 arithmetic
   const char* who = "batch_norm_inference backward";
   auto d = x.dimensions();
   if (auto e = bn::check_inference_bwd(x, gamma, mean, var, dy, *dx, *dgamma, *dbeta, eps); e.failure()) return e;
@@ -79,22 +82,28 @@ ffi::Error BatchNormInferenceBwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi:
 
 // Command-buffer compatible: kernels on XLA's stream only, launch shapes from the buffer
 // shapes and the device alone.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxBatchNormInferenceBwdCuda, BatchNormInferenceBwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // x [N, C, ...]
-                                  .Arg<ffi::AnyBuffer>()  // gamma [C]
-                                  .Arg<ffi::AnyBuffer>()  // mean [C]
-                                  .Arg<ffi::AnyBuffer>()  // var [C]
-                                  .Arg<ffi::AnyBuffer>()  // dy
-                                  .Ret<ffi::AnyBuffer>()  // dx
-                                  .Ret<ffi::AnyBuffer>()  // dgamma
-                                  .Ret<ffi::AnyBuffer>()  // dbeta
-                                  .Ret<ffi::AnyBuffer>()  // scratch f32
-                                  .Attr<float>("eps"),
-                              {ffi::Traits::kCmdBufferCompatible});
+// v1 takes eps as f32, v2 as f64 (the CPU's f64 kernels normalise with the exact eps)
+#define RLX_BATCH_NORM_INFERENCE_BWD_BINDING(EPS)  \
+  ffi::Ffi::Bind()                                 \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()    \
+      .Arg<ffi::AnyBuffer>() /* x [N, C, ...] */   \
+      .Arg<ffi::AnyBuffer>() /* gamma [C] */       \
+      .Arg<ffi::AnyBuffer>() /* mean [C] */        \
+      .Arg<ffi::AnyBuffer>() /* var [C] */         \
+      .Arg<ffi::AnyBuffer>() /* dy */              \
+      .Ret<ffi::AnyBuffer>() /* dx */              \
+      .Ret<ffi::AnyBuffer>() /* dgamma */          \
+      .Ret<ffi::AnyBuffer>() /* dbeta */           \
+      .Ret<ffi::AnyBuffer>() /* scratch f32 */     \
+      .Attr<EPS>("eps")
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxBatchNormInferenceBwdCuda, BatchNormInferenceBwdImpl<float>,
+                              RLX_BATCH_NORM_INFERENCE_BWD_BINDING(float), {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxBatchNormInferenceBwdCudaV2, BatchNormInferenceBwdImpl<double>,
+                              RLX_BATCH_NORM_INFERENCE_BWD_BINDING(double), {ffi::Traits::kCmdBufferCompatible});
+#undef RLX_BATCH_NORM_INFERENCE_BWD_BINDING
 
 RLX_CUDA_REGISTER_HANDLER("rlx_batch_norm_inference_bwd", RlxBatchNormInferenceBwdCuda);
+RLX_CUDA_REGISTER_HANDLER("rlx_batch_norm_inference_bwd_v2", RlxBatchNormInferenceBwdCudaV2);
 
 }  // namespace cuda
 }  // namespace rlx

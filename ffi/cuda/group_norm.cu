@@ -784,9 +784,12 @@ ffi::Error launch_bwd(cudaStream_t stream, const Layout& L, const T* x, const T*
   return check_launch("group_norm backward (cuda) launch");
 }
 
+// Eps: the attribute's type, float (ABI v1) or double (v2, whose f64 eps the CPU's f64 kernels use).
+template <typename Eps>
 ffi::Error GroupNormFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer gamma, ffi::AnyBuffer beta,
                             ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mean,
-                            ffi::Result<ffi::AnyBuffer> rstd, int64_t num_groups, float eps) {
+                            ffi::Result<ffi::AnyBuffer> rstd, int64_t num_groups, Eps eps_attr) {
+  const float eps = float(eps_attr);  // the CUDA kernels take no f64 input: f32 arithmetic
   Layout L;
   if (auto e = group_norm::check_fwd(Backend::kCuda, x, gamma, beta, *y, *mean, *rstd, num_groups, eps, L);
       e.failure())
@@ -850,18 +853,23 @@ ffi::Error GroupNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
 
 // Command-buffer compatible: kernels on XLA's stream only, launch shapes from the
 // buffer shapes and the device.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxGroupNormFwdCuda, GroupNormFwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // x [N, C, ...]
-                                  .Arg<ffi::AnyBuffer>()  // gamma [C]
-                                  .Arg<ffi::AnyBuffer>()  // beta [C]
-                                  .Ret<ffi::AnyBuffer>()  // y
-                                  .Ret<ffi::AnyBuffer>()  // mean [N, G]
-                                  .Ret<ffi::AnyBuffer>()  // rstd [N, G]
-                                  .Attr<int64_t>("num_groups")
-                                  .Attr<float>("eps"),
+// v1 takes eps as f32, v2 as f64 (the CPU's f64 kernels normalise with the exact eps)
+#define RLX_GROUP_NORM_FWD_BINDING(EPS)            \
+  ffi::Ffi::Bind()                                 \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()    \
+      .Arg<ffi::AnyBuffer>() /* x [N, C, ...] */   \
+      .Arg<ffi::AnyBuffer>() /* gamma [C] */       \
+      .Arg<ffi::AnyBuffer>() /* beta [C] */        \
+      .Ret<ffi::AnyBuffer>() /* y */               \
+      .Ret<ffi::AnyBuffer>() /* mean [N, G] */     \
+      .Ret<ffi::AnyBuffer>() /* rstd [N, G] */     \
+      .Attr<int64_t>("num_groups")                 \
+      .Attr<EPS>("eps")
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxGroupNormFwdCuda, GroupNormFwdImpl<float>, RLX_GROUP_NORM_FWD_BINDING(float),
                               {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxGroupNormFwdCudaV2, GroupNormFwdImpl<double>, RLX_GROUP_NORM_FWD_BINDING(double),
+                              {ffi::Traits::kCmdBufferCompatible});
+#undef RLX_GROUP_NORM_FWD_BINDING
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxGroupNormBwdCuda, GroupNormBwdImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -878,6 +886,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxGroupNormBwdCuda, GroupNormBwdImpl,
                               {ffi::Traits::kCmdBufferCompatible});
 
 RLX_CUDA_REGISTER_HANDLER("rlx_group_norm_fwd", RlxGroupNormFwdCuda);
+RLX_CUDA_REGISTER_HANDLER("rlx_group_norm_fwd_v2", RlxGroupNormFwdCudaV2);
 RLX_CUDA_REGISTER_HANDLER("rlx_group_norm_bwd", RlxGroupNormBwdCuda);
 
 }  // namespace cuda

@@ -381,9 +381,12 @@ namespace {
 
 using rw::rows_view;
 
+// Eps: the attribute's type, float (ABI v1) or double (v2, whose f64 eps the CPU's f64 kernels use).
+template <typename Eps>
 ffi::Error LayerNormFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer gamma, ffi::AnyBuffer beta,
                             ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mean,
-                            ffi::Result<ffi::AnyBuffer> rstd, float eps) {
+                            ffi::Result<ffi::AnyBuffer> rstd, Eps eps_attr) {
+  const float eps = float(eps_attr);  // the CUDA kernels take no f64 input: f32 arithmetic
   if (auto e = layer_norm::check_fwd(Backend::kCuda, x, gamma, beta, *y, *mean, *rstd, eps); e.failure())
     return e;
   const auto v = rows_view(x);
@@ -437,17 +440,22 @@ ffi::Error LayerNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
 
 // Command-buffer compatible: kernels on XLA's stream only, launch shapes from the
 // buffer shapes and the device.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxLayerNormFwdCuda, LayerNormFwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // gamma
-                                  .Arg<ffi::AnyBuffer>()  // beta
-                                  .Ret<ffi::AnyBuffer>()  // y
-                                  .Ret<ffi::AnyBuffer>()  // mean
-                                  .Ret<ffi::AnyBuffer>()  // rstd
-                                  .Attr<float>("eps"),
+// v1 takes eps as f32, v2 as f64 (the CPU's f64 kernels normalise with the exact eps)
+#define RLX_LAYER_NORM_FWD_BINDING(EPS)            \
+  ffi::Ffi::Bind()                                 \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()    \
+      .Arg<ffi::AnyBuffer>() /* x */               \
+      .Arg<ffi::AnyBuffer>() /* gamma */           \
+      .Arg<ffi::AnyBuffer>() /* beta */            \
+      .Ret<ffi::AnyBuffer>() /* y */               \
+      .Ret<ffi::AnyBuffer>() /* mean */            \
+      .Ret<ffi::AnyBuffer>() /* rstd */            \
+      .Attr<EPS>("eps")
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxLayerNormFwdCuda, LayerNormFwdImpl<float>, RLX_LAYER_NORM_FWD_BINDING(float),
                               {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxLayerNormFwdCudaV2, LayerNormFwdImpl<double>, RLX_LAYER_NORM_FWD_BINDING(double),
+                              {ffi::Traits::kCmdBufferCompatible});
+#undef RLX_LAYER_NORM_FWD_BINDING
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxLayerNormBwdCuda, LayerNormBwdImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -463,6 +471,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxLayerNormBwdCuda, LayerNormBwdImpl,
                               {ffi::Traits::kCmdBufferCompatible});
 
 RLX_CUDA_REGISTER_HANDLER("rlx_layer_norm_fwd", RlxLayerNormFwdCuda);
+RLX_CUDA_REGISTER_HANDLER("rlx_layer_norm_fwd_v2", RlxLayerNormFwdCudaV2);
 RLX_CUDA_REGISTER_HANDLER("rlx_layer_norm_bwd", RlxLayerNormBwdCuda);
 
 }  // namespace cuda

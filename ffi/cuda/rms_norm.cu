@@ -24,8 +24,11 @@ namespace {
 
 using rw::rows_view;
 
+// Eps: the attribute's type, float (ABI v1) or double (v2, whose f64 eps the CPU's f64 kernels use).
+template <typename Eps>
 ffi::Error RmsNormFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer gamma, ffi::AnyBuffer beta,
-                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> rstd, float eps) {
+                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> rstd, Eps eps_attr) {
+  const float eps = float(eps_attr);  // the CUDA kernels take no f64 input: f32 arithmetic
   if (auto e = rms_norm::check_fwd(Backend::kCuda, x, gamma, beta, *y, *rstd, eps); e.failure()) return e;
   const auto rv_ = rows_view(x);
   const int64_t rows = rv_.rows, width = rv_.width;
@@ -132,16 +135,21 @@ ffi::Error AddRmsNormBwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuff
 
 // Command-buffer compatible: the handlers only launch kernels on XLA's stream, with
 // launch shapes that depend on the buffer shapes and the device alone.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxRmsNormFwdCuda, RmsNormFwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // gamma
-                                  .Arg<ffi::AnyBuffer>()  // beta
-                                  .Ret<ffi::AnyBuffer>()  // y
-                                  .Ret<ffi::AnyBuffer>()  // rstd
-                                  .Attr<float>("eps"),
+// v1 takes eps as f32, v2 as f64 (the CPU's f64 kernels normalise with the exact eps)
+#define RLX_RMS_NORM_FWD_BINDING(EPS)              \
+  ffi::Ffi::Bind()                                 \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()    \
+      .Arg<ffi::AnyBuffer>() /* x */               \
+      .Arg<ffi::AnyBuffer>() /* gamma */           \
+      .Arg<ffi::AnyBuffer>() /* beta */            \
+      .Ret<ffi::AnyBuffer>() /* y */               \
+      .Ret<ffi::AnyBuffer>() /* rstd */            \
+      .Attr<EPS>("eps")
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxRmsNormFwdCuda, RmsNormFwdImpl<float>, RLX_RMS_NORM_FWD_BINDING(float),
                               {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxRmsNormFwdCudaV2, RmsNormFwdImpl<double>, RLX_RMS_NORM_FWD_BINDING(double),
+                              {ffi::Traits::kCmdBufferCompatible});
+#undef RLX_RMS_NORM_FWD_BINDING
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxRmsNormBwdCuda, RmsNormBwdImpl,
                               ffi::Ffi::Bind()
@@ -202,6 +210,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlxAddRmsNormBwdYCuda, AddRmsNormBwdYImpl,
                               {ffi::Traits::kCmdBufferCompatible});
 
 RLX_CUDA_REGISTER_HANDLER("rlx_rms_norm_fwd", RlxRmsNormFwdCuda);
+RLX_CUDA_REGISTER_HANDLER("rlx_rms_norm_fwd_v2", RlxRmsNormFwdCudaV2);
 RLX_CUDA_REGISTER_HANDLER("rlx_rms_norm_bwd_y", RlxRmsNormBwdYCuda);
 RLX_CUDA_REGISTER_HANDLER("rlx_add_rms_norm_bwd_y", RlxAddRmsNormBwdYCuda);
 RLX_CUDA_REGISTER_HANDLER("rlx_rms_norm_bwd", RlxRmsNormBwdCuda);

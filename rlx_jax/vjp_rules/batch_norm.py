@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.interpreters import ad
 
 from rlx_jax._kernels import target as ffi_target
@@ -83,7 +84,8 @@ def reference_batch_norm_inference_bwd(x, gamma, mean, var, dy, *, eps):
 def _kernel_bwd(x, gamma, mean, var, dy, *, eps):
     p = jax.ShapeDtypeStruct(gamma.shape, gamma.dtype)
     out = (jax.ShapeDtypeStruct(x.shape, x.dtype), p, p)
-    return jax.ffi.ffi_call(ffi_target("rlx_batch_norm_inference_bwd"), out)(x, gamma, mean, var, dy, eps=np_scalar(eps))
+    call = jax.ffi.ffi_call(ffi_target("rlx_batch_norm_inference_bwd"), out)
+    return call(x, gamma, mean, var, dy, eps=np_scalar(eps, np.float64))
 
 
 def cuda_bwd_scratch_size(shape) -> int:
@@ -109,7 +111,8 @@ def _kernel_bwd_cuda(x, gamma, mean, var, dy, *, eps):
     p = jax.ShapeDtypeStruct(gamma.shape, gamma.dtype)
     scratch = jax.ShapeDtypeStruct((cuda_bwd_scratch_size(x.shape),), jnp.float32)
     out = (jax.ShapeDtypeStruct(x.shape, x.dtype), p, p, scratch)
-    dx, dg, db, _ = jax.ffi.ffi_call(ffi_target("rlx_batch_norm_inference_bwd"), out)(x, gamma, mean, var, dy, eps=np_scalar(eps))
+    call = jax.ffi.ffi_call(ffi_target("rlx_batch_norm_inference_bwd"), out)
+    dx, dg, db, _ = call(x, gamma, mean, var, dy, eps=np_scalar(eps, np.float64))
     return dx, dg, db
 
 

@@ -104,7 +104,7 @@ def _kernel_fwd(x, gamma, beta, *, num_groups, eps):
     stat = jax.ShapeDtypeStruct((x.shape[0], num_groups), stat_dtype(x.dtype))
     out = (jax.ShapeDtypeStruct(x.shape, x.dtype), stat, stat)
     return jax.ffi.ffi_call(ffi_target("rlx_group_norm_fwd"), out)(
-        x, gamma, beta, num_groups=np.int64(num_groups), eps=np_scalar(eps)
+        x, gamma, beta, num_groups=np.int64(num_groups), eps=np_scalar(eps, np.float64)
     )
 
 

@@ -26,6 +26,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.interpreters import ad
 
 from rlx_jax._kernels import target as ffi_target
@@ -94,7 +95,7 @@ def reference_layer_norm_bwd(x, gamma, mean, rstd, dy, *, eps):
 def _kernel_fwd(x, gamma, beta, *, eps):
     stat = jax.ShapeDtypeStruct(x.shape[:-1], stat_dtype(x.dtype))
     out = (jax.ShapeDtypeStruct(x.shape, x.dtype), stat, stat)
-    return jax.ffi.ffi_call(ffi_target("rlx_layer_norm_fwd"), out)(x, gamma, beta, eps=np_scalar(eps))
+    return jax.ffi.ffi_call(ffi_target("rlx_layer_norm_fwd"), out)(x, gamma, beta, eps=np_scalar(eps, np.float64))
 
 
 def _kernel_bwd(x, gamma, mean, rstd, dy, *, eps):

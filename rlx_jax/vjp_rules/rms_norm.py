@@ -31,6 +31,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.interpreters import ad
 
 from rlx_jax._kernels import target as ffi_target
@@ -110,7 +111,7 @@ def reference_add_rms_norm_bwd(s, gamma, rstd, dy, dres, *, eps):
 
 def _kernel_fwd(x, gamma, beta, *, eps):
     out = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(x.shape[:-1], _stat_dtype(x.dtype)))
-    return jax.ffi.ffi_call(ffi_target("rlx_rms_norm_fwd"), out)(x, gamma, beta, eps=np_scalar(eps))
+    return jax.ffi.ffi_call(ffi_target("rlx_rms_norm_fwd"), out)(x, gamma, beta, eps=np_scalar(eps, np.float64))
 
 
 def _bwd_call(target, x, gamma, *operands, cuda=False):
