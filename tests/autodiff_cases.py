@@ -375,6 +375,16 @@ def _(g):
     return g.while_([x], cond, step, max_iterations=8)
 
 
+@case("while_exits_outside_the_body_domain", x=lambda r: (2.25 + 0.5 * r.rand(1)).astype(np.float32))
+def _(g):
+    # while c > 0: c = sqrt(c) - 1 stops at a c < 0, where sqrt has no derivative: the
+    # masked steps after the exit must not differentiate the body there (NaN otherwise)
+    x = g.param("x", [1])
+    cond = body("cond", [[1]], lambda b, a: b.gt_(a, b.scalar(0.0)))
+    step = body("step", [[1]], lambda b, a: b.sub(b.sqrt(a), b.scalar(1.0)))
+    return g.while_([x], cond, step, max_iterations=5)
+
+
 @case("custom_fn_inlined")
 def _(g):
     x = g.param("x", [3, 4])
@@ -406,6 +416,15 @@ def _(g):
     xs = g.param("xs", [4, 3])
     return g.scan(c0, body("step", [[3], [3]], lambda b, c, x: b.sin(b.mul(c, x))), 4, xs=[xs],
                   save_trajectory=True)
+
+
+@case("scan_body_param")
+def _(g):
+    # the body reads Param "w" (bound to the outer graph's "w", which the loss also reads
+    # outside the scan) beside a broadcast operand: both need the gradient summed over steps
+    c0, u, xs, w = g.param("c0", [3]), g.param("u", [3]), g.param("xs", [4, 3]), g.param("w", [3])
+    step = body("step", [[3], [3], [3]], lambda b, c, uu, x: b.tanh(b.add(b.mul(c, b.param("w", [3])), b.mul(x, uu))))
+    return g.add(g.scan(c0, step, 4, bcasts=[u], xs=[xs]), g.mul(w, w))
 
 
 @case("elementwise_region")

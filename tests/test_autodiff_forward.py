@@ -40,7 +40,7 @@ JVP_CASES = ["act_gelu", "act_tanh", "binary_div", "binary_pow", "where_compare"
              "matmul_batched", "dot_general", "layer_norm", "rms_norm", "group_norm", "batch_norm_inference",
              "attention_causal", "attention_softcap", "conv2d_stride_pad_dil_groups", "max_pool2d",
              "avg_pool2d", "softmax_cross_entropy", "cumsum", "gather_axis0", "concat", "narrow",
-             "fused_swiglu", "if_where", "scan_final_carry", "dense_solve", "rope",
+             "fused_swiglu", "if_where", "scan_final_carry", "scan_body_param", "dense_solve", "rope",
              # forward mode through the transposition identity needs the VJPs of the backward
              # ops: MaxPool2dBackward (any geometry), FakeQuantizeLSQBackwardScale
              "max_pool2d_overlap", "max_pool2d_ties", "fake_quantize_lsq", "fake_quantize_lsq_per_channel",
@@ -48,7 +48,7 @@ JVP_CASES = ["act_gelu", "act_tanh", "binary_div", "binary_pow", "where_compare"
 
 
 JVP_FAST = {"act_gelu", "binary_pow", "softmax", "layer_norm", "group_norm", "attention_softcap",
-            "conv2d_stride_pad_dil_groups", "max_pool2d", "softmax_cross_entropy", "scan_final_carry",
+            "conv2d_stride_pad_dil_groups", "max_pool2d", "softmax_cross_entropy", "scan_final_carry", "scan_body_param",
             "if_where", "dense_solve", "max_pool2d_ties", "fake_quantize_lsq_per_channel"}
 VMAP_FAST = {"binary_add", "where_compare", "reduce_mean", "softmax", "matmul_batched", "layer_norm",
              "reshape_transpose", "concat", "conv2d", "attention_custom", "dense_solve", "scan_trajectory"}
@@ -280,7 +280,7 @@ VMAP_CASES = ["act_silu", "binary_add", "binary_max", "where_compare", "softmax"
               "cumsum", "matmul_batched", "layer_norm", "rms_norm", "reshape_transpose", "narrow", "concat",
               "expand", "gather_axis1", "conv2d", "max_pool2d", "avg_pool2d", "group_norm", "attention_causal",
               "attention_custom", "softmax_cross_entropy", "rope", "dot_general", "cumsum_exclusive",
-              "fake_quantize_identity", "dense_solve", "fused_residual_ln", "scan_trajectory"]
+              "fake_quantize_identity", "dense_solve", "fused_residual_ln", "scan_trajectory", "scan_body_param"]
 
 
 @pytest.mark.parametrize("name", _marked(VMAP_CASES, VMAP_FAST))
@@ -302,6 +302,15 @@ def test_vmap_matches_jax(name):
     ref = jax.jit(jax.vmap(lambda *xs: f(dict(params, **dict(zip(batched, xs))), inputs)))(
         *[bparams[k] for k in batched])
     _close(out[0], ref[0], "vmap")
+
+
+def test_vmap_refuses_a_batched_param_read_inside_a_body():
+    """A body's Param binds to the outer Param of its name; vmap batches operands, so a
+    batched Param read inside a body is refused by name, not lowered at the wrong rank."""
+    g, _ = _case_graph("scan_body_param")
+    rlx_jax.vmap(g, ["c0", "u"], 2).verify()  # operands of the scan: batched
+    with pytest.raises(GraphError, match=r"Scan: its body reads batched Param\(s\) \['w'\]"):
+        rlx_jax.vmap(g, ["w"], 2)
 
 
 @pytest.mark.parametrize("axis,bsz", [(0, 2), (0, 3), (1, 3), (1, 2), (None, 2)],

@@ -21,6 +21,8 @@ Outputs that do not depend on a batched leaf are broadcast to the batch, as
 
 from __future__ import annotations
 
+import dataclasses
+
 from rlx_jax import ir
 from rlx_jax.ir import Graph, GraphError, Shape
 from rlx_jax.ir.ops_shape import Concat, Narrow
@@ -67,6 +69,10 @@ def vmap(graph: Graph, batched_input_names, batch_size: int) -> Graph:
             else:
                 m[n.id] = g.add_node(n.op, (), n.shape, n.name)
             continue
+        read = sorted(_body_params(n.op) & names)
+        if read:
+            raise GraphError(f"vmap: node %{n.id} {kind.__name__}: its body reads batched Param(s) {read} by "
+                             "name, which vmap cannot batch; pass them to the node as operands instead")
         ins = [m[i] for i in n.inputs]
         flags = [i in batched for i in n.inputs]
         if not any(flags) or kind == ir.Constant:
@@ -83,6 +89,21 @@ def vmap(graph: Graph, batched_input_names, batch_size: int) -> Graph:
             outs.append(E.expand(g, E.reshape(g, m[o], (1,) + tuple(s.dims)), (bsz,) + tuple(s.dims)))
     g.set_outputs(outs)
     return g
+
+
+def _body_params(op) -> set:
+    """Names of the Params that ``op``'s bodies (graph-valued attributes: Scan, If, While,
+    CustomFn...) read, nested bodies included. They bind to the outer graph's Params of
+    the same name when lowered."""
+    out = set()
+    for f in dataclasses.fields(op):
+        body = getattr(op, f.name)
+        if isinstance(body, Graph):
+            for n in body.nodes:
+                if type(n.op) is ir.Param:
+                    out.add(n.op.name)
+                out |= _body_params(n.op)
+    return out
 
 
 def _lift(g, x, rank, bsz):

@@ -76,36 +76,71 @@ def _while(g, node, ins):
     if op.max_iterations is None:
         raise GraphError(f"node %{node.id} While: reverse mode needs max_iterations to unroll the loop")
     vals = list(ins)
+    # the body's input at the last step that ran: a masked step (the loop has exited) runs
+    # the body on it again, not on the final carry, which may lie outside the body's domain
+    # (the value that ended the loop), where its derivative, though multiplied by the
+    # mask's 0, would be inf or NaN and poison the gradient
+    last = list(ins)
     running = E.scalar(g, True, DType.Bool)
     for _ in range(int(op.max_iterations)):
         (c,) = inline(g, op.cond, vals)
         c = E.cmp(g, "Ne", c, E.scalar(g, 0, E.dtype(g, c))) if E.dtype(g, c) != DType.Bool else c
         c = _all_true(g, c)
         running = _land(g, running, c)
-        nxt = inline(g, op.body, vals)
+        last = [E.where(g, running, v, l) for v, l in zip(vals, last)]
+        nxt = inline(g, op.body, last)
         vals = [E.where(g, running, n, v) for n, v in zip(nxt, vals)]
         vals = [E.cast(g, v, E.dtype(g, ins[k])) for k, v in enumerate(vals)]
     return vals[0]
+
+
+def _params_as_inputs(body):
+    """(body with each Param turned into a trailing Input, [(name, shape)] of those Params
+    in Input order). A body's Params bind to the outer graph's Params of the same name; as
+    Inputs they become operands of the Scan, so that its gradient reaches them (the Scan's
+    VJP differentiates its body's Inputs only)."""
+    if not any(isinstance(n.op, Param) for n in body.nodes):
+        return body, []
+    b = Graph(body.name)
+    m, by_name = {}, {}
+    for n in body.nodes:  # Inputs keep their positions (id order) ahead of the new ones
+        if isinstance(n.op, Input):
+            m[n.id] = b.add_node(n.op, (), n.shape, n.name)
+    for n in body.nodes:
+        if isinstance(n.op, Param):
+            if n.op.name not in by_name:
+                by_name[n.op.name] = (b.add_node(Input(name=f"param:{n.op.name}"), (), n.shape), n.shape)
+            m[n.id] = by_name[n.op.name][0]
+    for n in body.nodes:
+        if n.id not in m:
+            m[n.id] = b.add_node(n.op, tuple(m[i] for i in n.inputs), n.shape, n.name)
+    b.set_outputs([m[o] for o in body.outputs])
+    return b, [(name, shape) for name, (_, shape) in by_name.items()]
 
 
 def _scan(g, node, ins):
     from rlx_jax.ir.ops_control import Scan
 
     op = node.op
+    body, body_params = _params_as_inputs(op.body)
     nb = op.num_bcast
-    if nb:
-        # broadcast operands become per-step xs (the body sees the same Inputs in the same
-        # order); their gradient is the sum over steps (the Expand's VJP)
-        bc = [E.expand(g, E.reshape(g, b, (1,) + E.dims(g, b)), (op.length,) + E.dims(g, b))
-              for b in ins[1:1 + nb]]
-        ins = [ins[0], *bc, *ins[1 + nb:]]
-    if op.save_trajectory and not nb:
+    params = [g.leaf_id(name) for name, _ in body_params]
+    params = [g.add_node(Param(name=name), (), shape) if pid is None else pid
+              for pid, (name, shape) in zip(params, body_params)]
+    if nb or params:
+        # broadcast operands (and the body's Params, now trailing Inputs) become per-step xs
+        # (the body sees the same Inputs in the same order); their gradient is the sum over
+        # steps (the Expand's VJP)
+        steps = lambda b: E.expand(g, E.reshape(g, b, (1,) + E.dims(g, b)), (op.length,) + E.dims(g, b))  # noqa: E731
+        ins = [ins[0], *map(steps, ins[1:1 + nb]), *ins[1 + nb:], *map(steps, params)]
+    n_xs = nb + op.num_xs + len(params)
+    if op.save_trajectory and n_xs == op.num_xs:
         return g.add_node(op, tuple(ins), node.shape)
     if op.save_trajectory:
-        return g.add_node(Scan(body=op.body, length=op.length, save_trajectory=True, num_bcast=0,
-                               num_xs=nb + op.num_xs, num_checkpoints=op.num_checkpoints), tuple(ins))
-    traj_op = Scan(body=op.body, length=op.length, save_trajectory=True, num_bcast=0,
-                   num_xs=nb + op.num_xs, num_checkpoints=0)
+        return g.add_node(Scan(body=body, length=op.length, save_trajectory=True, num_bcast=0,
+                               num_xs=n_xs, num_checkpoints=op.num_checkpoints), tuple(ins))
+    traj_op = Scan(body=body, length=op.length, save_trajectory=True, num_bcast=0,
+                   num_xs=n_xs, num_checkpoints=0)
     traj = g.add_node(traj_op, tuple(ins))
     if op.length == 0:
         return ins[0]
