@@ -156,6 +156,47 @@ def test_attention_bias():
     np.testing.assert_allclose(y, np_attention(q, k, v, bias=bias), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 5, 5), (2, 1, 1, 5), (1, 3, 5, 1)])
+def test_attention_bias_with_broadcast_dims(shape):
+    """RLX's Bias mask may have size-1 dims; the lowering broadcasts it to [B, H, Sq, Sk]."""
+    bias = f32(*shape)
+    y, q, k, v = _attn("bias", extra=bias)
+    full = np.broadcast_to(bias, (2, 3, 5, 5))
+    np.testing.assert_allclose(y, np_attention(q, k, v, bias=full), rtol=1e-4, atol=1e-5)
+
+
+def test_attention_custom_mask_shared_by_the_batch_and_its_bias_gradient():
+    m = np.ones((1, 5), np.float32)
+    m[0, 1] = 0.0
+    y, q, k, v = _attn("custom", extra=m)
+    np.testing.assert_allclose(y, np_attention(q, k, v, keep=(m >= 0.5)[:, None, None, :]), rtol=1e-4, atol=1e-5)
+    # the gradient of a broadcast bias is the full bias's gradient summed over the size-1 dims,
+    # from jax.grad of the lowered graph and from the graph's own reverse mode alike
+    g = rlx.Graph("attn_bias")
+    qi, ki, vi = (g.param(n, [2, 5, 12]) for n in "qkv")
+    bi = g.param("b", [1, 3, 1, 5])
+    out = g.attention_opts(qi, ki, vi, 3, 4, "bias", bi)
+    g.set_outputs([g.sum(g.mul(out, out), [0, 1, 2])])
+    feeds = {n: t.reshape(2, 5, 12) for n, t in zip("qkv", (q, k, v))} | {"b": f32(1, 3, 1, 5)}
+    fn = rlx.to_jax(g)
+    got = jax.grad(lambda p: fn(p, {})[0])(feeds)["b"]
+
+    def full_loss(bias):
+        o = np_free_attention(*(jnp.asarray(t) for t in (q, k, v)), bias)
+        return jnp.sum(o * o)
+
+    want = jax.grad(full_loss)(jnp.broadcast_to(feeds["b"], (2, 3, 5, 5))).sum(axis=(0, 2), keepdims=True)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    gg = rlx.grad_with_loss(g, ["b"])
+    np.testing.assert_allclose(rlx.to_jax(gg)(feeds, {"d_output": np.float32(1)})[1], want, rtol=1e-4, atol=1e-5)
+
+
+def np_free_attention(q, k, v, bias):
+    """softmax(q.k / sqrt(d) + bias) . v in jax.numpy, [B, S, H, D] operands, bias [B, H, Sq, Sk]."""
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1]) + bias
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
 # ---- rope ---------------------------------------------------------------------------------------
 
 def np_rope(x, cos, sin, head_dim, n_rot):

@@ -152,6 +152,13 @@ def attention(q, k, v, extra, *, num_heads, head_dim, mask_kind, score_scale=Non
     k4, _ = _to_bshd(k, num_heads, head_dim, bhsd)
     v4, _ = _to_bshd(v, num_heads, head_dim, bhsd)
     kw = attention_kwargs(mask_kind, extra, score_scale, softcap)
+    # RLX's masks may have size-1 dims (a bias shared by the batch or the heads, a keep mask
+    # shared by the batch); the op takes them whole: [B, H, Sq, Sk] and [B, Sk]
+    (b, sq, h, _), sk = q4.shape, k4.shape[1]
+    if kw.get("bias") is not None:
+        kw["bias"] = jnp.broadcast_to(kw["bias"], (b, h, sq, sk))
+    if kw.get("mask") is not None:
+        kw["mask"] = jnp.broadcast_to(kw["mask"], (b, sk))
     if segment_ids is not None:
         kw.update(q_segment_ids=segment_ids[0], kv_segment_ids=segment_ids[1])
     if sinks is not None:
