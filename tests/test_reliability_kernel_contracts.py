@@ -141,6 +141,7 @@ def _record():
     """{"valid": {target: call}, "zero": {target: call}}; call = (operand avals, result avals, attrs)."""
     import jax
 
+    import numpy as np
     orig = jax.ffi.ffi_call
     seen = {"valid": {}, "zero": {}}
     phase = ["valid"]
@@ -167,6 +168,14 @@ def _record():
                 drive(n)
     finally:
         jax.ffi.ffi_call = orig
+    # superseded ABI versions (registered for serialized functions) take the current call
+    # with its f64 attributes as f32: version 2 of the norms made eps f64
+    for calls in seen.values():
+        for t, (ops_, res, attrs) in list(calls.items()):
+            base, version = t.rsplit("_v", 1)
+            old_attrs = {k: np.float32(v) if isinstance(v, np.float64) else v for k, v in attrs.items()}
+            for old in range(1, int(version)):
+                calls.setdefault(f"{base}_v{old}", (ops_, res, old_attrs))
     return seen
 
 
