@@ -189,6 +189,23 @@ def test_lsq_matches_formulas(axis, s, dtype):
     assert_close(ds2, ds)
 
 
+@pytest.mark.parametrize("ste", STES)
+def test_plain_xla_baseline_keeps_the_straight_through_gradients(ste):
+    """Under fused_ops(False) the ops run their references and JAX differentiates them; the
+    estimators must survive that (round's own derivative is 0), in both modes."""
+    x, dy = _x((6, 5), seed=12) * 2, _x((6, 5), seed=13)
+    s = jnp.array([0.2, 0.05, 0.4, 0.1, 0.3])
+    fq = lambda x: fake_quantize(x, bits=4, axis=1, ste=ste)  # noqa: E731
+    lsq = lambda x, s: fake_quantize_lsq(x, s, bits=4, axis=1)  # noqa: E731
+    fused = jax.vjp(fq, x)[1](dy), jax.vjp(lsq, x, s)[1](dy), jax.jvp(lsq, (x, s), (dy, s))[1]
+    assert_close(fused[0][0], np_ste(x, 1, 7, ste) * np.asarray(dy))
+    with rlx_jax.fused_ops(False):
+        plain = jax.vjp(fq, x)[1](dy), jax.vjp(lsq, x, s)[1](dy), jax.jvp(lsq, (x, s), (dy, s))[1]
+        assert "rlx_fake_quantize" not in hlo_text(jax.grad(lambda x: jnp.sum(fq(x))), x)
+    for got, want in zip(jax.tree.leaves(plain), jax.tree.leaves(fused)):
+        assert_close(got, want)
+
+
 def test_lsq_shared_scale_broadcast_over_channels():
     x, dy = _x((4, 3), seed=8), _x((4, 3), seed=9)
     s = jnp.array([0.2])

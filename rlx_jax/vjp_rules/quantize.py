@@ -187,7 +187,33 @@ def _kernel_lsq_bwd_cuda(x, s, dy, *, q):
     return dx, ds
 
 
-fake_quantize_fwd = FusedPrimitive("rlx_fake_quantize_fwd", reference_fake_quantize)
+def _straight_through(reference, tangent, scale_tangent):
+    """``reference`` (x, s, **params) -> (y,) as a ``jax.custom_jvp`` whose tangent is the
+    op's straight-through one, ``tangent`` (x, s, tx[, ts], **params) (``ts`` when
+    ``scale_tangent``). The forward primitives run this where they run their reference
+    without a primitive (``fused_ops(False)``, the plain-XLA baseline): JAX's own
+    derivative of round is 0 almost everywhere, which would give the baseline no
+    gradient through the quantizer instead of the op's estimator."""
+
+    def differentiable(x, s, **params):
+        @jax.custom_jvp
+        def f(x, s):
+            return reference(x, s, **params)
+
+        @f.defjvp
+        def f_jvp(primals, tangents):
+            x, s = primals
+            tx, ts = tangents
+            extra = (ts,) if scale_tangent else ()
+            return f(x, s), tangent(x, s, tx, *extra, **params)
+
+        return f(x, s)
+
+    return differentiable
+
+
+fake_quantize_fwd = FusedPrimitive("rlx_fake_quantize_fwd",
+                                   _straight_through(reference_fake_quantize, reference_fake_quantize_tangent, False))
 fake_quantize_tangent = FusedPrimitive("rlx_fake_quantize_tangent", reference_fake_quantize_tangent)
 def _bwd_kernel_ok(x, s, dy, *, q, ste):
     """The kernel earns its place for the clipped and hard-tanh STEs; for tanh, XLA's
@@ -200,7 +226,7 @@ fake_quantize_bwd = FusedPrimitive(
     "rlx_fake_quantize_bwd", reference_fake_quantize_bwd, target="rlx_fake_quantize_bwd",
     kernel={"cpu": _kernel_bwd, "cuda": _kernel_bwd_cuda}, kernel_ok=_bwd_kernel_ok,
 )
-lsq_fwd = FusedPrimitive("rlx_fake_quantize_lsq_fwd", reference_lsq)
+lsq_fwd = FusedPrimitive("rlx_fake_quantize_lsq_fwd", _straight_through(reference_lsq, reference_lsq_tangent, True))
 lsq_tangent = FusedPrimitive("rlx_fake_quantize_lsq_tangent", reference_lsq_tangent)
 lsq_bwd = FusedPrimitive(
     "rlx_fake_quantize_lsq_bwd", reference_lsq_bwd, target="rlx_fake_quantize_lsq_bwd",
