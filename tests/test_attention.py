@@ -618,3 +618,20 @@ def test_bias_masking_every_visible_key_of_a_row(x64, monkeypatch, fill, kernel)
         assert np.all(np.isfinite(np.asarray(a))), name
         np.testing.assert_allclose(a, w, rtol=1e-9, atol=1e-9, err_msg=f"d{name}")
     check_grads(op, (q, k, v), order=1, modes=("rev",), eps=1e-4, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_f32_bias_masking_rows_with_half_precision_qkv(dtype):
+    """An f32 bias of -1e9 on whole rows with f16 / bf16 q, k, v: the row is shifted in f32
+    before the bias is rounded to q's dtype (rounded first, -1e9 is -inf in f16 and the row
+    came out 0). Values and gradients follow the f32 call within the dtype's rounding."""
+    b, s, h, d = 1, 5, 2, 8
+    q, k, v, _, _, dy = _inputs(b, s, s, h, h, d, seed=9)
+    bias = jnp.zeros((b, h, s, s), jnp.float32).at[:, :, 1, :].set(-1e9)  # query 1 is padding
+    op = lambda q, k, v: attention(q, k, v, bias=bias)  # noqa: E731
+    want, want_vjp = _value_and_vjp(op)((q, k, v), dy)
+    got, got_vjp = _value_and_vjp(op)(tuple(x.astype(dtype) for x in (q, k, v)), dy.astype(dtype))
+    tol = 2e-2 if dtype == jnp.bfloat16 else 4e-3
+    assert float(jnp.max(jnp.abs(want[:, 1]))) > 0.1  # the padding row is a softmax, not 0
+    for a, w in zip((got, *got_vjp), (want, *want_vjp)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(w), rtol=tol, atol=tol)

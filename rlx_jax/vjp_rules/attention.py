@@ -795,7 +795,9 @@ def _check_options(q, k, lead, mask_kind, window, mask, bias, scale, softcap, ca
             raise ValueError(f"{who}: bias must have shape (..., H, Sq, Sk) = {(*lead, h, sq, sk)}, got {bias.shape}")
         if not jnp.issubdtype(bias.dtype, jnp.floating):
             raise TypeError(f"{who}: bias must be floating point, got {bias.dtype}")
-        bias = bias.astype(q.dtype).reshape(b, h, sq, sk)
+        # kept in its own dtype until _with_shifted_bias has shifted it: a -1e9 row would
+        # be -inf in f16 before the shift and finite differences after it
+        bias = bias.reshape(b, h, sq, sk)
     traced_scale = None
     if scale is None:
         scale = 1.0 / math.sqrt(d) if d > 0 else 1.0
@@ -855,13 +857,18 @@ def _prepare(q, k, v, mask, bias, mask_kind, window, scale, softcap, causal_alig
 BIAS_SHIFT_FROM = 1024.0
 
 
-def _with_shifted_bias(extras, params, segments=None):
+def _with_shifted_bias(extras, params, dtype, segments=None, shift=True):
     """The primitives' extras (mask, bias: as ``_prepare`` gives them) with the bias, when
-    there is one, through ``_shift_bias``; ``segments``: (q_segment_ids, kv_segment_ids)."""
+    there is one, through ``_shift_bias`` (unless not ``shift``: a call with sinks) in the
+    wider of its dtype and ``dtype``, then rounded to ``dtype`` (q's, which the kernels
+    take); ``segments``: (q_segment_ids, kv_segment_ids)."""
     if not params["has_bias"]:
         return extras
     mask = extras[0] if params["has_mask"] else None
-    return [*extras[:-1], _shift_bias(extras[-1], mask, segments, params["kind"], params["window"])]
+    bias = extras[-1].astype(jnp.promote_types(extras[-1].dtype, dtype))
+    if shift:
+        bias = _shift_bias(bias, mask, segments, params["kind"], params["window"])
+    return [*extras[:-1], bias.astype(dtype)]
 
 
 def _shift_bias(bias, mask, segments, kind, window):
@@ -947,8 +954,9 @@ def attention(q, k, v, *, mask_kind="none", window=None, mask=None, bias=None, s
     full_k = jax.ShapeDtypeStruct((b, sk, *k.shape[2:]), k.dtype)  # before a top-left slice
     q_seg, kv_seg, sinks = check_segments_and_sinks(q, full_k, flat_ids(q_segment_ids, sq),
                                                     flat_ids(kv_segment_ids, sk), sinks, "attention")
-    if sinks is None:  # the sinks' term of the denominator is not shifted with a row
-        extras = _with_shifted_bias(extras, params, None if q_seg is None else (q_seg, kv_seg[:, :k.shape[1]]))
+    # with sinks no shift: the sinks' term of the denominator is not shifted with a row
+    extras = _with_shifted_bias(extras, params, q.dtype, None if q_seg is None else (q_seg, kv_seg[:, :k.shape[1]]),
+                                shift=sinks is None)
     if q_seg is not None:
         extras = [*extras, q_seg, kv_seg[:, :k.shape[1]]]
     if sinks is not None:  # one logit a (batch, head): vmap folds into the batch axis as q does
@@ -972,7 +980,7 @@ def attention_backward(q, k, v, dy, mask=None, bias=None, *, mask_kind="none", w
     if dy.shape != q_shape:
         raise ValueError(f"attention_backward: dy shape {dy.shape} differs from q shape {q_shape}")
     dy = dy.astype(q.dtype).reshape(q.shape)
-    extras = _with_shifted_bias(extras, params)
+    extras = _with_shifted_bias(extras, params, q.dtype)
     qs = q if traced_scale is None else _fold_scale(q, traced_scale)
     out, lse = attention_fwd(qs, k, v, *extras, **params)
     dq, dk, dv = attention_bwd(qs, k, v, out, lse, dy, jnp.zeros_like(lse), *extras, **params)[:3]
