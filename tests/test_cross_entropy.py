@@ -171,6 +171,11 @@ def test_errors():
         softmax_cross_entropy_backward(logits, labels, jnp.ones(4))
     with pytest.raises(TypeError, match="ignore_index"):
         softmax_cross_entropy(logits, labels, ignore_index=-1.5)
+    for outside in (2**32, 2**32 + 2, -(2**31) - 1):  # would wrap onto a class as int32
+        with pytest.raises(ValueError, match="ignore_index must be in int32's range"):
+            softmax_cross_entropy(logits, labels, ignore_index=outside)
+        with pytest.raises(ValueError, match="ignore_index must be in int32's range"):
+            fused_linear_cross_entropy(jnp.ones((3, 2)), jnp.ones((2, 5)), labels, ignore_index=outside)
 
 
 # ---- CPU kernel paths -------------------------------------------------------------------

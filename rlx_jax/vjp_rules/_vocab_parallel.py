@@ -55,8 +55,14 @@ def saturate_to_int32(ids):
 
 
 def check_ignore_index(ignore_index, who: str) -> int:
+    """ignore_index as an int in int32's range: the labels are compared with it as int32
+    (``check_labels``), where a wider value would wrap (2**32 would ignore class 0)."""
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, jnp.integer)):
         raise TypeError(f"{who}: ignore_index must be a Python int, got {ignore_index!r}")
+    i32 = jnp.iinfo(jnp.int32)
+    if not i32.min <= int(ignore_index) <= i32.max:
+        raise ValueError(f"{who}: ignore_index must be in int32's range [{i32.min}, {i32.max}] (the labels are "
+                         f"compared as int32), got {ignore_index}")
     return int(ignore_index)
 
 
