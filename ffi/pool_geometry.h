@@ -22,6 +22,22 @@ struct Geom {
   int64_t kh, kw, sh, sw, ph, pw;
 };
 
+#ifdef __CUDACC__
+#define RLX_POOL_HD __host__ __device__
+#else
+#define RLX_POOL_HD
+#endif
+
+// Whether v replaces the running maximum `best` of a max-pool window scanned in row-major
+// order: v is larger, or v is the window's first NaN. So a window holding a NaN gives NaN
+// (as XLA's max and jnp.max do) and its argmax, where the gradient goes, is the first NaN
+// (as jnp.argmax's); among equal maxima the first wins. No fast-math flag of either build
+// folds the `v != v` tests away.
+template <typename A>
+RLX_POOL_HD inline bool beats_max(A v, A best) {
+  return v > best || (v != v && best == best);
+}
+
 // Adds the six window-geometry attributes every pooling handler takes to an FFI binding, in
 // the order of the handlers' parameters: kh, kw, sh, sw, ph, pw.
 template <typename Binding>

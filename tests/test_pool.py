@@ -118,6 +118,33 @@ def test_max_pool_gradient_goes_to_the_first_maximum():
     np.testing.assert_array_equal(g, dx)
 
 
+def test_max_pool_propagates_nan_and_sends_the_gradient_to_the_first_nan():
+    x = jnp.array([[[[1.0, jnp.nan], [jnp.nan, 3.0]]]])  # one window: NaN, its first NaN at (0, 1)
+    y, vjp = jax.vjp(lambda x: max_pool2d(x, kernel_size=2, stride=2), x)
+    assert np.isnan(np.asarray(y)).all()
+    np.testing.assert_array_equal(vjp(jnp.full_like(y, 2.0))[0], [[[[0.0, 2.0], [0.0, 0.0]]]])
+
+
+@pytest.mark.parametrize("geom", [GEOMS[0], GEOMS[1], ((1, 2, 15, 14), (12, 12), (1, 2), (1, 0))],
+                         ids=["overlap", "strided", "int32_argmax"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_max_pool_nan_windows_match_the_reference(geom, dtype):
+    """Kernel against the op's reference (jnp.max / jnp.argmax: NaN wins, the first NaN is
+    the argmax), values and gradients, with NaNs scattered over the input."""
+    shape, k, s, p = geom
+    x = _x(shape, dtype, seed=5)
+    nans = np.random.default_rng(6).choice(x.size, 3, replace=False)  # a few: most windows stay NaN-free
+    x = x.reshape(-1).at[nans].set(jnp.nan).reshape(shape)
+    fn = lambda x: max_pool2d(x, kernel_size=k, stride=s, padding=p)  # noqa: E731
+    y, vjp = jax.vjp(jax.jit(fn), x)
+    with rlx_jax.fused_ops(False):
+        want, want_vjp = jax.vjp(jax.jit(fn), x)
+    assert np.isnan(np.asarray(want, np.float32)).any() and not np.isnan(np.asarray(want, np.float32)).all()
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
+    dy = _x(y.shape, dtype, seed=7)
+    np.testing.assert_array_equal(np.asarray(vjp(dy)[0], np.float32), np.asarray(want_vjp(dy)[0], np.float32))
+
+
 def test_max_pool_windows_in_the_padding_pass_no_gradient():
     x = jnp.arange(4.0).reshape(1, 1, 2, 2)
     y = max_pool2d(x, kernel_size=1, stride=1, padding=1)

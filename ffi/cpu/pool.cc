@@ -65,7 +65,7 @@ void max_fwd_typed(ffi::ThreadPool& pool, const T* x, T* y, I* am, PlaneView v, 
             const int32_t base = int32_t(kLocal ? (r - rs) * g.kw - cs : r * v.w);
             for (int64_t c = c0; c < c1; ++c) {
               const A val = load<A>(row[c]);
-              if (val > best) { best = val; arg = base + int32_t(c); }
+              if (pool::beats_max(val, best)) { best = val; arg = base + int32_t(c); }
             }
           }
           yp[i * wo + j] = store<T>(best);

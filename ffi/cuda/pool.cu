@@ -509,7 +509,7 @@ __global__ void __launch_bounds__(kThreads) max_fwd_tiled(const T* __restrict__ 
       int32_t col = -1;
       for (int j = ci.x; j < ci.y; ++j) {
         const float v = q[j];
-        if (v > best) {
+        if (pool::beats_max(v, best)) {
           best = v;
           col = j;
         }
@@ -525,7 +525,7 @@ __global__ void __launch_bounds__(kThreads) max_fwd_tiled(const T* __restrict__ 
       for (int i = 0; i < ri.y; ++i) {
         const int o = (ri.x + i) * out_w + c;
         const float v = sm.aux[o];
-        if (v > best) {
+        if (pool::beats_max(v, best)) {
           best = v;
           arg = rowbase(ri.z + i, ri.w) + sm.aux2[o];
         }
@@ -757,7 +757,7 @@ __global__ void __launch_bounds__(kThreads) max_fwd_direct(const T* __restrict__
       for (int b = 0; b < K; ++b) {
         const int lc = k * S - P + b;
         const float v = vals[LE + lc];
-        if (v > best) {
+        if (pool::beats_max(v, best)) {
           best = v;
           col = b;  // the window column
         }
@@ -791,7 +791,7 @@ __global__ void __launch_bounds__(kThreads) max_fwd_direct(const T* __restrict__
       int32_t arg = -1;
 #pragma unroll
       for (int a = 0; a < K; ++a)
-        if (rv[a][k] > best) {
+        if (pool::beats_max(rv[a][k], best)) {
           best = rv[a][k];
           arg = a * K + rc[a][k];
         }
@@ -1062,7 +1062,7 @@ __global__ void __launch_bounds__(kThreads) max_fwd_untiled(const T* __restrict_
           const T* row = xp + int64_t(r) * w;
           for (int c = c0; c < c1; ++c) {
             const float v = to_f32(row[c]);
-            if (v > best) {
+            if (pool::beats_max(v, best)) {
               best = v;
               arg = int64_t(r) * w + c;
               loc = (r - rs) * g.kw + (c - cs);

@@ -108,18 +108,20 @@ def flat_argmax(argmax, *, kernel_size, stride, padding, in_hw):
 
 
 def reference_max_pool2d(x, *, kernel_size, stride, padding):
-    """(y, argmax): y = window max (-inf padding); argmax = the first maximum (strictly
-    greater than -inf) as its window-local position (int8, kh * kw <= 127) or its flat
-    in-plane index (int32), else -1."""
+    """(y, argmax): y = window max (-inf padding; NaN where the window holds a NaN);
+    argmax = the first maximum (strictly greater than -inf), or the first NaN, as its
+    window-local position (int8, kh * kw <= 127) or its flat in-plane index (int32), else
+    -1."""
     views, index = _windows(x, kernel_size, stride, padding, -jnp.inf)
     y = jnp.max(views, axis=0)
-    first = jnp.argmax(views, axis=0)  # first occurrence of the maximum: its window position
+    first = jnp.argmax(views, axis=0)  # first occurrence of the maximum (or of a NaN): its window position
+    found = ~(y <= -jnp.inf)  # above -inf, or NaN
     dtype = argmax_dtype(kernel_size)
     if dtype == jnp.int8:
-        return y, jnp.where(y > -jnp.inf, first, -1).astype(jnp.int8)
+        return y, jnp.where(found, first, -1).astype(jnp.int8)
     index = index.reshape((index.shape[0],) + (1,) * (y.ndim - 2) + index.shape[1:])
     idx = jnp.take_along_axis(jnp.broadcast_to(index, (index.shape[0],) + y.shape), first[None], 0)[0]
-    argmax = jnp.where(y > -jnp.inf, idx, -1).astype(jnp.int32)
+    argmax = jnp.where(found, idx, -1).astype(jnp.int32)
     return y, argmax
 
 
