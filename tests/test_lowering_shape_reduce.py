@@ -42,6 +42,20 @@ def test_reshape_with_dynamic_dim():
         np.testing.assert_array_equal(f({}, {"x": x})[0], x.reshape(n, 12))
 
 
+@pytest.mark.parametrize("target", [[-1], [-1, 2], [3, -1]])
+def test_reshape_of_a_dynamic_dim_into_a_multiple_of_it(target):
+    """RLX's rule declares the -1 as the input's dynamic dim ([batch, 3, 4] -> [-1] reads
+    [batch]) although it holds 12 * batch elements; the lowering reshapes by the element
+    count, so the values are numpy's."""
+    g = rlx.Graph("dyn")
+    i = g.input("x", ["batch", 3, 4], "f32")
+    g.set_outputs([g.reshape(i, target)])
+    f = rlx.to_jax(g)
+    for n in (1, 5):
+        x = RNG.standard_normal((n, 3, 4)).astype(np.float32)
+        np.testing.assert_array_equal(f({}, {"x": x})[0], x.reshape(target))
+
+
 def test_concat_and_expand():
     a = RNG.standard_normal((2, 3)).astype(np.float32)
     b = RNG.standard_normal((2, 5)).astype(np.float32)

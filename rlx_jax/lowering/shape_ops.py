@@ -31,8 +31,11 @@ def _target(spec, out_shape, what):
 
 @lowering_rule(ir.Reshape)
 def _reshape(op, args, ctx):
-    # Row-major reshape; -1 entries are the node's dynamic dims.
-    return jnp.reshape(args[0], _target(op.new_shape, ctx.out_shape, "Reshape"))
+    # Row-major reshape; the one -1 (the op allows one) is inferred from the element count,
+    # not taken from the node's bound shape: RLX's shape rule names a dynamic input's -1 by
+    # the input's dynamic dim even where it is a multiple of it ([batch, 3] -> [-1] is
+    # declared [batch] and holds 3 * batch elements)
+    return jnp.reshape(args[0], tuple(int(d) for d in op.new_shape))
 
 
 @lowering_rule(ir.Transpose)
