@@ -107,6 +107,19 @@ def test_scatter_add_is_rlx_scatter_add():
     np.testing.assert_array_equal(d_upd, np.asarray(dy)[np.asarray(idx)])
 
 
+def test_complex_scatter_and_gather_gradient_keep_the_imaginary_part():
+    r = np.random.default_rng(3)
+    upd = jnp.asarray(r.normal(size=(5, 3)) + 1j * r.normal(size=(5, 3)), jnp.complex64)
+    idx = jnp.array([2, 0, 2, 3, 2])
+    want = np.zeros((4, 3), np.complex64)
+    np.add.at(want, np.asarray(idx), np.asarray(upd))
+    np.testing.assert_allclose(scatter_add(upd, idx, 4), want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(gather_backward(upd, idx, axis=0, table_shape=(4, 3)), want, rtol=1e-6, atol=1e-6)
+    # reverse mode of a complex gather: the cotangent's imaginary part reaches the table
+    (dt,) = jax.vjp(lambda t: gather(t, idx, axis=0), jnp.zeros((4, 3), jnp.complex64))[1](upd)
+    np.testing.assert_allclose(dt, want, rtol=1e-6, atol=1e-6)
+
+
 def test_deterministic_and_ordered_sum():
     # many repeats of one row: the kernel sums in index order, the same on every run
     dy = _table((4096, 16), seed=7)

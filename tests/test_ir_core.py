@@ -20,6 +20,8 @@ def test_dtype_names_and_numpy():
     assert DType.from_any(np.float32) is DType.F32
     assert DType.from_any("bfloat16") is DType.BF16
     assert DType.from_any(np.dtype("complex64")) is DType.C64
+    with pytest.raises(TypeError, match="got None"):  # np.dtype(None) would be float64
+        DType.from_any(None)
 
 
 def test_dtype_jax_round_trip():

@@ -85,6 +85,8 @@ class DType(str, enum.Enum):
         a numpy / ml_dtypes / jax dtype or scalar type."""
         if isinstance(value, DType):
             return value
+        if value is None:  # np.dtype(None) is float64: refuse it rather than pick f64
+            raise TypeError("dtype must be given (a DType, a name or a numpy dtype), got None")
         if isinstance(value, str):
             key = value.strip()
             hit = _BY_NAME.get(key) or _BY_NAME.get(key.lower())

@@ -44,7 +44,10 @@ from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, Partition
 
 
 def _acc(dtype):
-    return jnp.float64 if dtype == jnp.float64 else jnp.float32
+    """The scatter's accumulation dtype: f64 and complex keep theirs, the rest sum in f32."""
+    if dtype == jnp.float64 or jnp.issubdtype(dtype, jnp.complexfloating):
+        return dtype
+    return jnp.float32
 
 
 # ---- references (the test oracle and the fallback) ----------------------------------
