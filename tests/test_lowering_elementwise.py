@@ -92,6 +92,25 @@ def test_integer_div_truncates_toward_zero():
     np.testing.assert_array_equal(y, [3, -3, -3, 3])
 
 
+@pytest.mark.parametrize("dtype", ["i32", "i64", "u8"])
+def test_integer_pow_truncates_toward_zero_for_negative_exponents(dtype, request):
+    """a ** b of integers is trunc(a^b): 1 / a^|b| for b < 0 is 0 but for a = +-1."""
+    if dtype == "i64":
+        request.getfixturevalue("x64")
+    signed = dtype != "u8"
+    a = np.array([5, 2, 1, -1, -1, 3, 0, 2, -3, 7], np.int64)
+    b = np.array([-1, -1, -1, -1, -2, -3, -2, 10, 3, 0], np.int64)
+    if not signed:
+        a, b = np.abs(a), np.abs(b)
+    want = np.array([int(np.trunc(float(x) ** float(y))) if (x, y) != (0, -2) else 0 for x, y in zip(a, b)])
+    g = rlx.Graph("ipow")
+    ia, ib = g.input("a", [10], dtype), g.input("b", [10], dtype)
+    g.set_outputs([g.binary("pow", ia, ib)])
+    npd = {"i32": np.int32, "i64": np.int64, "u8": np.uint8}[dtype]
+    (y,) = run(g, a=a.astype(npd), b=b.astype(npd))
+    np.testing.assert_array_equal(y, want.astype(npd))
+
+
 NP_CMP = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal,
           "gt": np.greater, "ge": np.greater_equal}
 

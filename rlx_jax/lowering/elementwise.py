@@ -49,7 +49,25 @@ def binary(op_kind, a, b):
     if name == "Div" and jnp.issubdtype(a.dtype, jnp.integer) and jnp.issubdtype(b.dtype, jnp.integer):
         # integer Div truncates toward zero (Rust semantics)
         return lax.div(*jnp.broadcast_arrays(a, b))
+    if name == "Pow" and jnp.issubdtype(a.dtype, jnp.integer) and jnp.issubdtype(b.dtype, jnp.integer):
+        return _integer_pow(a, b)
     return fn(a, b)
+
+
+def _integer_pow(a, b):
+    """a ** b of integers, truncated toward zero as integer Div is: 1 / a^|b| for b < 0,
+    which is 0 but for a = 1 (1) and a = -1 (+-1 by the parity of b); a = 0 with b < 0 gives
+    0. jnp.power leaves negative integer exponents undefined (garbage values)."""
+    a, b = jnp.broadcast_arrays(a, b)
+    dtype = jnp.result_type(a, b)
+    a, b = a.astype(dtype), b.astype(dtype)
+    zero, one = jnp.zeros((), dtype), jnp.ones((), dtype)
+    positive = jnp.power(a, jnp.maximum(b, zero))
+    if not jnp.issubdtype(dtype, jnp.signedinteger):
+        return positive
+    minus_one = jnp.where(b % 2 == 0, one, -one)
+    negative = jnp.where(a == one, one, jnp.where(a == -one, minus_one, zero))
+    return jnp.where(b < 0, negative, positive)
 
 
 def swiglu_operands(ctx, node, args):
