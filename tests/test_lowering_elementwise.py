@@ -92,6 +92,21 @@ def test_integer_div_truncates_toward_zero():
     np.testing.assert_array_equal(y, [3, -3, -3, 3])
 
 
+@pytest.mark.parametrize("kind,np_fn", [("relu", lambda x: np.maximum(x, 0)), ("neg", np.negative),
+                                        ("abs", np.abs), ("round", lambda x: x)])
+@pytest.mark.parametrize("dtype", ["i32", "i8"])
+def test_integer_activations_the_ir_allows(kind, np_fn, dtype):
+    """Relu, Neg, Abs and Round are defined on integers (the IR accepts them): exact,
+    wrapping as the dtype does (-(-128) is -128 in i8)."""
+    npd = {"i32": np.int32, "i8": np.int8}[dtype]
+    x = np.array([-128, -3, -1, 0, 2, 127], npd)
+    g = rlx.Graph("iact")
+    g.set_outputs([g.activation(kind, g.input("x", [6], dtype))])
+    (y,) = run(g, x=x)
+    assert y.dtype == npd
+    np.testing.assert_array_equal(y, np_fn(x))
+
+
 @pytest.mark.parametrize("dtype", ["i32", "i64", "u8"])
 def test_integer_pow_truncates_toward_zero_for_negative_exponents(dtype, request):
     """a ** b of integers is trunc(a^b): 1 / a^|b| for b < 0 is 0 but for a = +-1."""

@@ -16,11 +16,20 @@ from rlx_jax import ir
 from .registry import enum_name, jnp_dtype, lowering_rule
 
 
+#: the activations the IR defines on integers (ops_elementwise._INT_OK), in integer arithmetic
+#: (exact; no gradient flows to integers): Relu max(x, 0), Neg -x (wrapping), Abs |x|, Round x
+_INTEGER_ACTIVATIONS = {"Relu": lambda x: jnp.maximum(x, jnp.zeros((), x.dtype)), "Neg": jnp.negative,
+                        "Abs": jnp.abs, "Round": lambda x: x}
+
+
 def activation(kind, x):
     """RLX activation ``kind`` through the activations family (``rlx_jax.ops.activation``:
-    the one place of the 17 forward forms and their closed-form derivatives)."""
+    the one place of the 17 forward forms and their closed-form derivatives); integer
+    inputs, which the IR allows for Relu, Neg, Abs and Round, in integer arithmetic."""
     from .nn import fused
 
+    if jnp.issubdtype(x.dtype, jnp.integer) and enum_name(kind) in _INTEGER_ACTIVATIONS:
+        return _INTEGER_ACTIVATIONS[enum_name(kind)](x)
     return fused("activation")(kind, x)
 
 
