@@ -109,10 +109,42 @@ def emit_region(t, op, ins):
     return steps[-1]
 
 
+def region_operands(t, op, ins, out_dims):
+    """The region inputs as the lowering reads them (``lowering/elementwise.py``,
+    ``_region_input``): element 0 of an input marked scalar, the first ``input_modulus[i]``
+    elements tiled flat over the output where that is set and the shape is not the
+    output's; others as they are (the chain broadcasts them)."""
+    if not all(isinstance(d, int) for d in out_dims):
+        return list(ins)
+    from rlx_jax.ir.ops_shape import Narrow
+
+    total = E.numel(out_dims)
+    out = []
+    for i, x in enumerate(ins):
+        ds = E.dims(t, x)
+        modulus = op.input_modulus[i] if i < len(op.input_modulus) else 0
+        scalar = (op.scalar_input_mask >> i) & 1
+        if not all(isinstance(d, int) for d in ds) or not (scalar or (modulus and tuple(ds) != tuple(out_dims))):
+            out.append(x)
+            continue
+        flat = E.reshape(t, x, (E.numel(ds),))
+        if scalar:
+            out.append(E.reshape(t, t.add_node(Narrow(axis=0, start=0, len=1), (flat,)), ()))
+            continue
+        if modulus < E.numel(ds):
+            flat = t.add_node(Narrow(axis=0, start=0, len=modulus), (flat,))
+        reps = -(-total // modulus)
+        tiled = E.reshape(t, E.expand(t, E.reshape(t, flat, (1, modulus)), (reps, modulus)), (reps * modulus,))
+        if reps * modulus != total:
+            tiled = t.add_node(Narrow(axis=0, start=0, len=total), (tiled,))
+        out.append(E.reshape(t, tiled, tuple(out_dims)))
+    return out
+
+
 @vjp_rule(ir.ElementwiseRegion)
 def _region(g, node, dy):
     def build(t, ins):
-        y = emit_region(t, node.op, ins)
+        y = emit_region(t, node.op, region_operands(t, node.op, ins, node.shape.dims))
         return E.expand(t, y, node.shape.dims)
 
     return vjp_via_expansion(g, node, dy, build)

@@ -8,6 +8,8 @@ activations family and go through ``rlx_jax.ops``.
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 from jax import lax
 
@@ -196,10 +198,26 @@ def _chain_operand(ref, inputs, steps):
     return inputs[int(ref.index)] if enum_name(ref.kind) == "Input" else steps[int(ref.index)]
 
 
-def _region_input(x, out_shape):
-    """RLX region inputs broadcast by flat modulo (``x[gid % numel]``): numpy broadcasting
-    when x's shape is a trailing suffix of the output, else a flat tiling."""
-    if out_shape is None or None in out_shape or x.shape == tuple(out_shape):
+def _region_input(x, i, op, out_shape):
+    """Region input ``i`` as RLX's kernels read it at flat output index gid: element 0 when
+    bit i of ``scalar_input_mask`` is set, ``x[gid % input_modulus[i]]`` when that is set
+    (non-zero), else ``x[gid]``. An input of another size with neither set (which RLX's
+    kernels would read out of bounds) broadcasts: numpy's rule when its shape is a trailing
+    suffix of the output's, else a flat tiling."""
+    if out_shape is None or None in out_shape:
+        return x
+    flat = x.reshape(-1)
+    if (op.scalar_input_mask >> i) & 1:
+        if x.size == 0:
+            raise ValueError(f"ElementwiseRegion scalar input {i} is empty")
+        return jnp.broadcast_to(flat[0], tuple(out_shape))
+    modulus = op.input_modulus[i] if i < len(op.input_modulus) else 0
+    if modulus:
+        if modulus > x.size:
+            raise ValueError(f"ElementwiseRegion input {i}: input_modulus {modulus} exceeds its {x.size} elements")
+        total = math.prod(int(d) for d in out_shape)
+        return jnp.take(flat, jnp.arange(total) % modulus).reshape(tuple(out_shape))
+    if x.shape == tuple(out_shape):
         return x
     try:
         jnp.broadcast_shapes(x.shape, tuple(out_shape))
@@ -218,7 +236,7 @@ def _region_input(x, out_shape):
 def _elementwise_region(op, args, ctx):
     # A fused chain of elementwise steps; each step reads region inputs (by index) or
     # earlier steps; the output is the last step. Inputs broadcast as RLX's modulo rule.
-    args = [_region_input(a, ctx.out_shape) for a in args]
+    args = [_region_input(a, i, op, ctx.out_shape) for i, a in enumerate(args)]
     steps: list = []
     for step in op.chain:
         kind = enum_name(step.kind)
