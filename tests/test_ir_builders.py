@@ -363,6 +363,15 @@ def test_rng_and_constant():
     assert g.shape_of(g.scalar(2.0)) == ([], "f32")
 
 
+def test_u64_seeds_span_the_whole_range_and_round_trip():
+    g = G()
+    g.set_outputs([g.rng_uniform([2], "f32", 2**64 - 1), g.rng_normal([2], "f32", 2**63 + 5)])
+    assert rlx.Graph.from_json(g.to_json()) == g
+    for bad in (2**64, -1):
+        with pytest.raises(rlx.GraphError, match="seed"):
+            g.rng_uniform([2], "f32", bad)
+
+
 def test_elementwise_region():
     from rlx_jax.ir import ChainOperand, ChainStep
 

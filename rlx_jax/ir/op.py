@@ -448,7 +448,7 @@ def _coerce(cls_name: str, field: str, hint, value, signed: bool):
             raise OpFault(f"{cls_name}.{field} must be an int, got {value!r}") from None
         if not signed and v < 0:
             raise OpFault(f"{cls_name}.{field} must be >= 0, got {v}")
-        if abs(v) >= 2**63:
+        if v >= (2**63 if signed else 2**64) or v < -(2**63):  # i64, or u64 / usize (seeds)
             raise OpFault(f"{cls_name}.{field} out of range: {v}")
         return int(v)
     if hint is float:
