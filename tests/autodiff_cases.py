@@ -375,6 +375,16 @@ def _(g):
     return g.while_([x], cond, step, max_iterations=8)
 
 
+@case("if_untaken_branch_singular", x=lambda r: np.array([0.0, 2.0, -1.0], np.float32))
+def _(g):
+    # the else branch is taken (sum x = 1 < 5); the then branch's sqrt is singular at 0 and
+    # NaN at -1, and must not reach the gradient
+    x = g.param("x", [3])
+    pred = g.gt_(g.sum(x, [0]), g.scalar(5.0))
+    return g.if_(pred, body("then", [[3]], lambda b, a: b.sqrt(a)), body("else", [[3]], lambda b, a: b.mul(a, a)),
+                 [x])
+
+
 @case("while_exits_outside_the_body_domain", x=lambda r: (2.25 + 0.5 * r.rand(1)).astype(np.float32))
 def _(g):
     # while c > 0: c = sqrt(c) - 1 stops at a c < 0, where sqrt has no derivative: the

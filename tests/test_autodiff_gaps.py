@@ -342,7 +342,6 @@ def test_splat_zero_gaussians():
 
 #: ops with no graph VJP rule, each with the reason
 NO_RULE = {
-    "If": "prepare rewrites it to Where with both branches",
     "While": "prepare unrolls it to max_iterations",
     "GaussianSplatPrepare": "prepare fuses Prepare -> Rasterize into GaussianSplatRender",
     "GaussianSplatRasterize": "prepare fuses Prepare -> Rasterize into GaussianSplatRender",

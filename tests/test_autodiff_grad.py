@@ -23,7 +23,7 @@ FAST = {"act_gelu", "act_relu", "binary_mul", "binary_pow", "where_compare", "re
         "attention_causal", "attention_softcap", "attention_bias", "conv2d_stride_pad_dil_groups",
         "max_pool2d", "avg_pool2d", "softmax_cross_entropy", "cumsum", "gather_axis0", "rope",
         "fake_quantize_lsq", "complex_norm_sq", "fused_transformer_layer", "if_where", "scan_final_carry", "scan_body_param",
-        "while_exits_outside_the_body_domain",
+        "while_exits_outside_the_body_domain", "if_untaken_branch_singular",
         "custom_fn_vjp_body", "narrow", "concat", "dense_solve", "grouped_matmul", "max_pool2d_ties",
         "dequant_matmul_int8_asym", "dequant_grouped_matmul_gguf", "gaussian_splat_prepare_rasterize",
         "attention_custom_scale_softcap", "attention_bias_scale_softcap", "attention_sliding_scale_softcap"}

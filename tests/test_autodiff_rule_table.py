@@ -83,6 +83,20 @@ def _custom_fn_case(g):
     return g.custom_fn([g.param("x", [3], "f64")], fwd, vjp)
 
 
+def _if_case(g):
+    # the taken branch reads a Param of the outer graph; the untaken one is singular at the
+    # captures (sqrt at a negative value), which must not reach the gradient
+    x, y = g.param("x", [3], "f64"), g.param("y", [3], "f64")
+    then = Graph("then")
+    a, c = then.input("a", [3], "f64"), then.input("c", [3], "f64")
+    then.set_outputs([then.mul(then.mul(a, c), then.param("w", [3], "f64"))])
+    other = Graph("else")
+    a2, c2 = other.input("a", [3], "f64"), other.input("c", [3], "f64")
+    other.set_outputs([other.sqrt(other.sub(a2, c2))])
+    g.param("w", [3], "f64")
+    return g.if_(g.gt_(g.sum(g.mul(x, x), [0]), g.scalar(0.0, "f64")), then, other, [x, g.add(x, g.abs(y))])
+
+
 def _complex_chain_case(g):
     z = g.param("z", [2, 3], "c64")
     return g.mul(g.conjugate(z), g.mul(z, z))
@@ -91,7 +105,7 @@ def _complex_chain_case(g):
 #: float64 cases for ops whose ``autodiff_cases`` graphs do not build in float64
 #: (sub-graph bodies) or whose second order needs a complex gradient
 LOCAL_CASES = {"f64_scan": (_scan_case, {}), "f64_custom_fn_vjp": (_custom_fn_case, {}),
-               "c64_chain": (_complex_chain_case, {})}
+               "f64_if": (_if_case, {}), "c64_chain": (_complex_chain_case, {})}
 ALL_CASES = {**CASES, **LOCAL_CASES}
 
 

@@ -1,7 +1,9 @@
 """Prepare passes run before differentiation (RLX's ``prepare_graph_for_ad``):
 
 * ``CustomFn`` without a ``vjp_body`` is inlined (its ``fwd_body`` spliced in);
-* ``If`` becomes ``Where(pred, then, else)`` with both branches evaluated;
+* ``If`` becomes ``Where(pred, then, else)`` with both branches evaluated (forward mode;
+  reverse mode keeps the ``If``, its branches' Params made operands, and differentiates
+  the taken branch only: ``rules_control``);
 * ``While`` with ``max_iterations`` is unrolled (each step masked by "still running");
 * fused ops are unfused into the primitives they stand for (:mod:`.unfuse`, the
   decomposition their lowering evaluates too);
@@ -94,39 +96,63 @@ def _while(g, node, ins):
     return vals[0]
 
 
-def _params_as_inputs(body):
-    """(body with each Param turned into a trailing Input, [(name, shape)] of those Params
-    in Input order). A body's Params bind to the outer graph's Params of the same name; as
-    Inputs they become operands of the Scan, so that its gradient reaches them (the Scan's
-    VJP differentiates its body's Inputs only)."""
-    if not any(isinstance(n.op, Param) for n in body.nodes):
+def body_params(*bodies) -> list:
+    """[(name, shape)] of the Params the bodies read (first seen first)."""
+    out = {}
+    for body in bodies:
+        for n in body.nodes:
+            if isinstance(n.op, Param):
+                out.setdefault(n.op.name, n.shape)
+    return list(out.items())
+
+
+def _params_as_inputs(body, params=None):
+    """(body with each Param of ``params`` (default: the body's own, ``body_params``) as
+    a trailing Input, in that order, [(name, shape)] of them). A body's Params bind to
+    the outer graph's Params of the same name; as Inputs they become operands of the
+    node (Scan, If), whose VJP differentiates its bodies' Inputs only, so that the
+    gradient reaches them. A name the body does not read gets an unused Input."""
+    params = body_params(body) if params is None else params
+    if not params:
         return body, []
     b = Graph(body.name)
-    m, by_name = {}, {}
+    m = {}
     for n in body.nodes:  # Inputs keep their positions (id order) ahead of the new ones
         if isinstance(n.op, Input):
             m[n.id] = b.add_node(n.op, (), n.shape, n.name)
+    by_name = {name: b.add_node(Input(name=f"param:{name}"), (), shape) for name, shape in params}
     for n in body.nodes:
         if isinstance(n.op, Param):
-            if n.op.name not in by_name:
-                by_name[n.op.name] = (b.add_node(Input(name=f"param:{n.op.name}"), (), n.shape), n.shape)
-            m[n.id] = by_name[n.op.name][0]
-    for n in body.nodes:
-        if n.id not in m:
+            m[n.id] = by_name[n.op.name]
+        elif n.id not in m:
             m[n.id] = b.add_node(n.op, tuple(m[i] for i in n.inputs), n.shape, n.name)
     b.set_outputs([m[o] for o in body.outputs])
-    return b, [(name, shape) for name, (_, shape) in by_name.items()]
+    return b, params
+
+
+def _outer_params(g, params):
+    """Ids in ``g`` of the Params named in ``params`` [(name, shape)], added where missing."""
+    ids = [g.leaf_id(name) for name, _ in params]
+    return [g.add_node(Param(name=name), (), shape) if pid is None else pid for pid, (name, shape) in zip(ids, params)]
+
+
+def _if(g, node, ins):
+    """An If kept as an If for reverse mode (its VJP differentiates the taken branch only,
+    ``rules_control``), with the Params its branches read as trailing operands."""
+    params = body_params(node.op.then_branch, node.op.else_branch)
+    then_b, _ = _params_as_inputs(node.op.then_branch, params)
+    else_b, _ = _params_as_inputs(node.op.else_branch, params)
+    op = ir.If(then_branch=then_b, else_branch=else_b) if params else node.op
+    return g.add_node(op, (*ins, *_outer_params(g, params)), node.shape)
 
 
 def _scan(g, node, ins):
     from rlx_jax.ir.ops_control import Scan
 
     op = node.op
-    body, body_params = _params_as_inputs(op.body)
+    body, read = _params_as_inputs(op.body)
     nb = op.num_bcast
-    params = [g.leaf_id(name) for name, _ in body_params]
-    params = [g.add_node(Param(name=name), (), shape) if pid is None else pid
-              for pid, (name, shape) in zip(params, body_params)]
+    params = _outer_params(g, read)
     if nb or params:
         # broadcast operands (and the body's Params, now trailing Inputs) become per-step xs
         # (the body sees the same Inputs in the same order); their gradient is the sum over
@@ -174,9 +200,11 @@ def _unroll_scan(g, node, ins):
     return rows[0] if len(rows) == 1 else g.add_node(Concat(axis=0), tuple(rows))
 
 
-def prepare(graph, unroll_scans: bool = False):
+def prepare(graph, unroll_scans: bool = False, keep_ifs: bool = False):
     """(prepared graph, old id -> new id). ``unroll_scans`` spells scans out step by
-    step (used by forward mode) instead of rewriting them to save their trajectory."""
+    step (used by forward mode) instead of rewriting them to save their trajectory.
+    ``keep_ifs`` (reverse mode) keeps each If an If, its branches' Params made operands,
+    instead of rewriting it to Where(pred, then, else)."""
     g = Graph(graph.name)
     m = {}
     for n in graph.nodes:
@@ -185,6 +213,8 @@ def prepare(graph, unroll_scans: bool = False):
         if cls is ir.CustomFn and n.op.vjp_body is None:
             (out,) = inline(g, n.op.fwd_body, ins)
             m[n.id] = E.as_shape(g, out, n.shape)
+        elif cls is ir.If and keep_ifs:
+            m[n.id] = _if(g, n, ins)
         elif cls is ir.If:
             (t,) = inline(g, n.op.then_branch, ins[1:])
             (e,) = inline(g, n.op.else_branch, ins[1:])

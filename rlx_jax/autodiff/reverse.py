@@ -101,7 +101,7 @@ def grad_with_loss(forward: Graph, wrt, options: GradWithLossOptions = GradWithL
     if isinstance(options, bool):
         options = GradWithLossOptions(options)
     wrt_ids = resolve_wrt(forward, wrt)
-    prepared, idmap = prepare(forward)
+    prepared, idmap = prepare(forward, keep_ifs=True)
     g = prepared.copy()
     g.name = f"{forward.name}_grad"
     upto = len(g.nodes)

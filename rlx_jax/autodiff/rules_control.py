@@ -1,4 +1,4 @@
-"""Graph VJP rules: CustomFn with a ``vjp_body``, registered Custom ops, Scan."""
+"""Graph VJP rules: CustomFn with a ``vjp_body``, registered Custom ops, If, Scan."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from rlx_jax.ir.ops_leaf import Input
 from rlx_jax import ir
 
 from . import emit as E
-from .table import backprop, vjp_rule
+from .table import backprop, carries_gradient, vjp_rule
 
 
 @vjp_rule(ir.CustomFn)
@@ -32,11 +32,14 @@ def _custom(g, node, dy):
 def body_vjp_graph(body: Graph, n_diff: int) -> Graph:
     """A graph with the body's Inputs plus ``d_output`` returning d body / d input for
     the first ``n_diff`` Inputs (zeros where no gradient flows)."""
+    from .reverse import unique_input_name
+
     t = body.copy()
     t.name = f"{body.name}_vjp"
     upto = len(t.nodes)
     out = body.outputs[0]
-    d = t.add_node(Input(name="d_output"), (), t.node(out).shape)
+    # a unique name: a body differentiated again (second order) already has a d_output
+    d = t.add_node(Input(name=unique_input_name(t, "d_output")), (), t.node(out).shape)
     ins = [n.id for n in body_inputs(body)][:n_diff]
     grads = backprop(t, {out: d}, ins, upto)
     outs = []
@@ -45,6 +48,29 @@ def body_vjp_graph(body: Graph, n_diff: int) -> Graph:
         outs.append(gi if gi is not None else E.zeros_like(t, i))
     t.set_outputs(outs)
     return t
+
+
+@vjp_rule(ir.If)
+def _if(g, node, dy):
+    """d capture_i = If(pred, d then / d capture_i, d else / d capture_i) on (pred,
+    captures, dy): the taken branch alone is differentiated, as it alone runs, so a branch
+    not taken that is singular at the captures (sqrt at 0) cannot make the gradient NaN.
+    Each branch is prepared (fused ops unfused, nested control flow rewritten) first."""
+    from .prepare import prepare
+
+    caps = node.inputs[1:]
+    grads = [body_vjp_graph(prepare(b, keep_ifs=True)[0], len(caps))
+             for b in (node.op.then_branch, node.op.else_branch)]
+    outs = [None]
+    for i, c in enumerate(caps):
+        if not carries_gradient(g.node(c)):
+            outs.append(None)
+            continue
+        then_i, else_i = (gr.copy() for gr in grads)
+        then_i.set_outputs([grads[0].outputs[i]])
+        else_i.set_outputs([grads[1].outputs[i]])
+        outs.append(g.add_node(ir.If(then_branch=then_i, else_branch=else_i), (node.inputs[0], *caps, dy)))
+    return outs
 
 
 @vjp_rule(ir.Scan)
