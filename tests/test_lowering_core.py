@@ -229,3 +229,33 @@ def test_vmap_and_jit_through_families_and_scan():
     batched = jax.jit(jax.vmap(lambda xi: f(p, {"x": xi})[0]))(xs)
     for i in range(5):
         np.testing.assert_allclose(batched[i], f(p, {"x": xs[i]})[0], rtol=1e-5, atol=1e-5)
+
+
+def test_one_element_results_take_their_declared_rank():
+    """verify() lets [] and [1] (any one-element shapes) stand for each other; the lowering
+    reshapes such a result to the declared shape, so consumers and control flow agree."""
+    from rlx_jax.ir import OP_CLASSES, Shape
+
+    g = rlx.Graph("declared")
+    x = g.input("x", [3])
+    s = g.add_node(OP_CLASSES["Reduce"](op="Sum", axes=(0,), keep_dim=False), (x,), Shape((1, 1), "f32"))
+    g.set_outputs([g.transpose(s, [1, 0])])
+    (y,) = rlx.to_jax(g.verify())({}, {"x": np.arange(3, dtype=np.float32)})
+    assert y.shape == (1, 1) and float(y[0, 0]) == 3.0
+
+    then, other = rlx.Graph("then"), rlx.Graph("else")
+    then.set_outputs([then.sum(then.input("a", [3]), [0])])          # []
+    other.set_outputs([other.narrow(other.input("a", [3]), 0, 1, 1)])  # [1]
+    for pred, want in ((True, 3.0), (False, 1.0)):
+        g = rlx.Graph("if")
+        g.set_outputs([g.if_(g.input("p", [1], "bool"), then, other, [g.input("x", [3])])])
+        (y,) = rlx.to_jax(g.verify())({}, {"p": np.array([pred]), "x": np.arange(3, dtype=np.float32)})
+        assert float(np.asarray(y).reshape(())) == want
+
+    body = rlx.Graph("b")
+    c = body.input("c", [])
+    body.set_outputs([body.reshape(body.add(c, c), [1])])             # [1] for a [] carry
+    g = rlx.Graph("scan")
+    g.set_outputs([g.scan(g.input("x", []), body, 3)])
+    (y,) = rlx.to_jax(g.verify())({}, {"x": np.float32(1)})
+    assert float(np.asarray(y).reshape(())) == 8.0

@@ -15,6 +15,7 @@ from jax import lax
 
 from rlx_jax import ir
 
+from .core import one_element_as_declared
 from .elementwise import truthy
 from .registry import custom_lowering, lowering_rule
 
@@ -25,7 +26,8 @@ def _like(y, ref):
     if y.dtype != ref.dtype:
         y = y.astype(ref.dtype)
     if y.shape != ref.shape:
-        y = jnp.broadcast_to(y, ref.shape)
+        # one element either side: the IR lets [] and [1] stand for each other
+        y = y.reshape(ref.shape) if y.size == 1 == ref.size else jnp.broadcast_to(y, ref.shape)
     return y
 
 
@@ -226,7 +228,7 @@ def _if(op, args, ctx):
     def branch(g):
         def f(c):
             y = ctx.lower_body(g, list(c))[0]
-            return ctx.cast_out(jnp.asarray(y))
+            return one_element_as_declared(ctx.cast_out(jnp.asarray(y)), ctx.out_shape)
         return f
 
     return lax.cond(_scalar_pred(pred), branch(op.then_branch), branch(op.else_branch), caps)

@@ -8,6 +8,7 @@ registered for its op class; dynamic dims are bound from the arrays at call time
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -200,8 +201,20 @@ def evaluate_graph(graph, params: dict, args: list, *, named: dict | None = None
                 if f"%{node.id} " in msg:
                     raise
                 raise type(exc)(f"{_describe(node)}: {msg}") from exc
-            env[node.id] = value
+            env[node.id] = one_element_as_declared(value, ctx.out_shape)
     return [env[o] for o in graph.outputs]
+
+
+def one_element_as_declared(value, shape):
+    """``value`` reshaped to the declared ``shape`` where both hold one element and their
+    ranks differ: the IR lets a node declare [1] or [1, 1] for a scalar result and the
+    reverse ("both hold exactly one element"), so its consumers see the declared rank."""
+    if shape is None or None in shape or not hasattr(value, "shape"):
+        return value
+    shape = tuple(int(d) for d in shape)
+    if value.shape != shape and value.size == 1 and math.prod(shape) == 1:
+        return jnp.reshape(value, shape)
+    return value
 
 
 def check_lowerable(graph) -> None:
