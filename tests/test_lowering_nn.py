@@ -376,3 +376,15 @@ def test_axial_rope2d():
     x = f32(2, end_x * end_y * rep, nh * hd)
     (y,) = run_graph(lambda G, i: G.axial_rope2d(i["x"], end_x, end_y, hd, nh, 100.0, rep), x=x)
     np.testing.assert_allclose(y, np_axial_rope(x, end_x, end_y, hd, nh, 100.0, rep), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,indices", [("u32", [3_000_000_000, 1, 4_294_967_295]), ("f32", [3e9, 1.5, 5e10])])
+def test_gather_indices_past_int32_saturate_to_the_last_row(dtype, indices):
+    """Indices wider than int32 saturate (then clip to the last row) instead of wrapping:
+    u32 3e9 read row 0 before (3e9 wrapped to a negative int32, clipped to 0)."""
+    table = np.arange(8, dtype=np.float32).reshape(4, 2)
+    g = rlx.Graph("gather_wide")
+    g.set_outputs([g.gather(g.input("t", [4, 2], "f32"), g.input("i", [3], dtype), 0)])
+    npd = {"u32": np.uint32, "f32": np.float32}[dtype]
+    (y,) = rlx.to_jax(g)({}, {"t": table, "i": np.array(indices, npd)})
+    np.testing.assert_array_equal(y, table[[3, 1, 3]])

@@ -28,10 +28,15 @@ def fused(name: str):
 
 def index_array(ix):
     """RLX indices are f32-encoded (or integer): -> int32. A float index converts as RLX's
-    ``as usize`` does: truncated toward zero (2.7 -> 2), negatives saturating to 0."""
+    ``as usize`` does: truncated toward zero (2.7 -> 2), negatives saturating to 0. Values
+    past int32's range saturate rather than wrap (a u32 index of 3e9 must not read row 0),
+    so they stay out of range: clipped to the last row, or no class."""
+    from rlx_jax.vjp_rules._vocab_parallel import saturate_to_int32
+
     if jnp.issubdtype(ix.dtype, jnp.integer):
-        return ix.astype(jnp.int32)
-    return jnp.maximum(jnp.trunc(ix), 0).astype(jnp.int32)
+        return saturate_to_int32(ix)
+    # 2**31 - 128: the largest f32 below 2**31, so the conversion cannot overflow
+    return jnp.clip(jnp.trunc(ix), 0, 2.0**31 - 128).astype(jnp.int32)
 
 
 def class_labels(labels, classes: int):
