@@ -534,3 +534,13 @@ def test_aliases_and_comparison_shortcuts():
     assert g.shape_of(g.resize_nearest2x(img)) == ([1, 2, 8, 8], "f32")
     pdy = g.input("pdy", [1, 2, 2, 2], "f32")
     assert g.shape_of(g.max_pool2d_backward(img, pdy, 2)) == ([1, 2, 4, 4], "f32")
+
+
+@pytest.mark.parametrize("build", [lambda g, x: g.transpose(x, None), lambda g, x: g.concat(x, 0),
+                                   lambda g, x: g.expand(x, None), lambda g, x: g.reshape(x, 6)],
+                         ids=["transpose", "concat", "expand", "reshape"])
+def test_shape_builders_name_the_node_for_a_non_sequence_argument(build):
+    g = G()
+    x = g.input("x", [2, 3], "f32")
+    with pytest.raises(rlx.GraphError, match="must be a sequence"):
+        build(g, x)

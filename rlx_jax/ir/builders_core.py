@@ -22,6 +22,12 @@ class BuilderBase:
     def _fault(self, op_name: str, msg: str, name=None) -> GraphError:
         return node_error(len(self.nodes), op_name, name, msg)
 
+    def _sequence(self, op_name: str, value, what: str) -> tuple:
+        """``value`` as a tuple; a GraphError naming the node when it is not a sequence."""
+        if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+            raise self._fault(op_name, f"{what} must be a sequence, got {value!r}")
+        return tuple(value)
+
     def _make(self, cls, **attrs):
         """Construct an op; an attribute fault becomes a GraphError naming the node."""
         try:
@@ -346,6 +352,7 @@ class CoreBuilders(BuilderBase):
         name in ``new_shape`` is written as -1, as RLX does)."""
         from .ops_shape import Reshape
 
+        new_shape = self._sequence("Reshape", new_shape, "new_shape")
         tgt = tuple(-1 if isinstance(d, (str, Dynamic)) else d for d in new_shape)
         return self._build(Reshape, (x,), new_shape=tgt)
 
@@ -353,6 +360,7 @@ class CoreBuilders(BuilderBase):
         from .ops_shape import Transpose
 
         rank = self.node(x).shape.rank
+        perm = self._sequence("Transpose", perm, "perm")
         perm = tuple(p % rank if isinstance(p, int) and -rank <= p < 0 else p for p in perm)
         return self._build(Transpose, (x,), perm=perm)
 
@@ -365,7 +373,7 @@ class CoreBuilders(BuilderBase):
     def concat(self, inputs, axis: int) -> int:
         from .ops_shape import Concat
 
-        inputs = tuple(inputs)
+        inputs = self._sequence("Concat", inputs, "inputs")
         if not inputs:
             raise self._fault("Concat", "concat needs at least one input")
         return self._build(Concat, inputs, axis=self._axis("Concat", axis, inputs[0]))
@@ -374,6 +382,7 @@ class CoreBuilders(BuilderBase):
         """Broadcast to ``target_shape`` (-1 or a dimension name keeps the input dim)."""
         from .ops_shape import Expand
 
+        target_shape = self._sequence("Expand", target_shape, "target_shape")
         tgt = tuple(-1 if isinstance(d, str) else d for d in target_shape)
         return self._build(Expand, (x,), target_shape=tgt)
 
