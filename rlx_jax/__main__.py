@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import sys
 
 
@@ -114,6 +115,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise CliError(f"--{name.replace('_', '-')} must be positive (got {value})")
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
+        raise CliError(f"--lr must be a positive finite number (got {args.lr})")
+    if args.seed < 0:
+        raise CliError(f"--seed must be >= 0 (got {args.seed})")
+    _check_paths(args)
     precision = args.precision or ("bf16" if args.device == "gpu" else "f32")
     progress = not args.no_progress
     if progress and not _importable("tqdm"):
@@ -140,7 +146,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg.batch_size = args.batch_size or 64
         if args.steps is None:
             cfg.steps = 600
-        cfg.lr = args.lr or 2e-3
+        cfg.lr = args.lr if args.lr is not None else 2e-3
         cfg.eval_every = min(200, cfg.steps)
         print(f"rlx-jax train: {args.model} on scikit-learn digits, batch {cfg.batch_size}, {cfg.steps} steps, "
               f"{'fused kernels' if cfg.fused else 'plain XLA autodiff (--no-fused)'}", flush=True)
@@ -261,6 +267,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_paths(args) -> None:
+    """Refuse, before training, an --out that is a file (or under one) and a --checkpoint
+    that is an existing folder or file other than a checkpoint (saving replaces it)."""
+    import pathlib
+
+    from rlx_jax.train import checkpoint
+
+    out = pathlib.Path(args.out)
+    for path in (out, *out.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise CliError(f"--out {args.out}: {path} is a file, not a directory")
+            break
+    if args.checkpoint and not checkpoint.exists(args.checkpoint):
+        try:
+            checkpoint.check_target(args.checkpoint)
+        except ValueError as exc:
+            raise CliError(f"--checkpoint: {exc}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -273,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as exc:
         print(f"rlx-jax: error: {exc}", file=sys.stderr)
         return 2
-    except (GraphError, ValueError, TypeError, FileNotFoundError, FloatingPointError) as exc:
+    except (GraphError, ValueError, TypeError, OSError, FloatingPointError) as exc:
         print(f"rlx-jax {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

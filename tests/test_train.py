@@ -130,6 +130,52 @@ def test_cli_errors_are_one_line_without_traceback(tmp_path):
     assert r.returncode == 2 and "--steps must be positive" in r.stderr
 
 
+def test_checkpoint_never_replaces_a_folder_or_file_that_is_not_one(tmp_path):
+    mine = tmp_path / "myproject"
+    (mine / "src").mkdir(parents=True)
+    (mine / "src" / "main.py").write_text("print('hi')")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes")
+    for path in (mine, notes, notes / "ck"):
+        with pytest.raises(ValueError, match="not an rlx_jax checkpoint|is a file"):
+            checkpoint.save(path, {"a": np.zeros(2)}, {"step": 1})
+    assert (mine / "src" / "main.py").read_text() == "print('hi')" and notes.read_text() == "my notes"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["myproject", "notes.txt"]
+    # the CLI refuses before training, in one line
+    r = _cli("train", "--steps", "2", "--checkpoint", str(mine), "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and "not an rlx_jax checkpoint" in r.stderr and "Traceback" not in r.stderr
+    assert (mine / "src" / "main.py").is_file() and not (tmp_path / "o").exists()
+
+
+def test_resume_refuses_another_schedule_and_never_rewinds(tmp_path):
+    corpus = _tiny_corpus()
+    base = dict(batch_size=2, warmup=1, eval_every=1000, eval_batches=1, progress=False, out_dir=str(tmp_path),
+                checkpoint=str(tmp_path / "ck"))
+    tiny = TransformerConfig(seq_len=8, layers=1, width=16, heads=2)
+    train_lm(TrainConfig(steps=3, lr=1e-2, **base), tiny, corpus)
+    for other in (dict(steps=2, lr=1e-2), dict(steps=5, lr=1e-2), dict(steps=3, lr=2e-2)):
+        with pytest.raises(ValueError, match="different run"):
+            train_lm(TrainConfig(**other, **base), tiny, corpus)
+    again = train_lm(TrainConfig(steps=3, lr=1e-2, **base), tiny, corpus)  # finished: nothing to do
+    assert again["steps_done"] == 3 and json.loads((tmp_path / "ck" / "state.json").read_text())["step"] == 3
+
+
+def test_cli_train_checks_its_numbers_and_paths_first(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    tiny = ("train", "--steps", "2", "--batch-size", "2", "--seq-len", "8", "--layers", "1", "--width", "16",
+            "--heads", "2", "--no-progress")
+    for args, message in ((("--lr", "0"), "--lr must be a positive"), (("--lr", "nan"), "--lr must be a positive"),
+                          (("--seed", "-1"), "--seed must be >= 0"), (("--out", str(afile)), "is a file"),
+                          (("--checkpoint", str(afile / "ck")), "is a file")):
+        r = _cli(*tiny, *args)
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+    # the classifiers take --lr as given (it was read as `args.lr or 2e-3`)
+    r = _cli("train", "--model", "mlp", "--steps", "2", "--lr", "1e-9", "--no-progress", "--out", str(tmp_path / "o"))
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "o" / "mlp.json").read_text())["lr"] == 1e-9
+
+
 def test_cli_train_writes_log_and_plot(tmp_path):
     r = _cli("train", "--model", "mlp", "--steps", "20", "--no-progress", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr

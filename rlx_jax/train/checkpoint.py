@@ -24,8 +24,24 @@ import jax
 import numpy as np
 
 
+def check_target(directory) -> None:
+    """Raise ValueError unless ``directory`` is free or already a checkpoint: a checkpoint
+    replaces the directory it is saved to, which must never be someone's folder or file."""
+    directory = pathlib.Path(directory)
+    if directory.exists() and not exists(directory):
+        kind = "folder" if directory.is_dir() else "file"
+        raise ValueError(f"checkpoint path {directory} is an existing {kind} that is not an rlx_jax checkpoint "
+                         "(no state.json): refusing to replace it; give a new or a checkpoint directory")
+    for parent in directory.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"checkpoint path {directory}: {parent} is a file, not a directory")
+            break
+
+
 def save(directory, state, meta: dict) -> None:
     directory = pathlib.Path(directory)
+    check_target(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     leaves = jax.tree_util.tree_leaves(state)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=directory.name + ".tmp-", dir=directory.parent))
@@ -52,6 +68,8 @@ def load(directory, template):
     """(state shaped like ``template``, meta dict). Raises ValueError on any mismatch."""
     directory = pathlib.Path(directory)
     meta = json.loads((directory / "state.json").read_text())
+    if not (directory / "arrays.npz").is_file():
+        raise ValueError(f"checkpoint {directory} is incomplete: it has a state.json but no arrays.npz")
     leaves, treedef = jax.tree_util.tree_flatten(template)
     try:
         arrays = np.load(directory / "arrays.npz", allow_pickle=False)

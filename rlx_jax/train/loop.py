@@ -181,14 +181,25 @@ def run_steps(*, name, graph, model, cfg: TrainConfig, batch_fn, evaluate, token
     opt_state = optimizer.init(params)
     history, evals, start = [], [], 0
     ckpt = pathlib.Path(cfg.checkpoint) if cfg.checkpoint else None
-    run_key = {"model": name, "config": meta_extra.get("config"), "batch_size": cfg.batch_size, "seed": cfg.seed}
+    # what a resumed run must share with the one that wrote the checkpoint to continue it
+    # exactly: the model, the data and the whole schedule (its length and rates too)
+    run_key = json.loads(json.dumps({
+        "model": name, "config": meta_extra.get("config"), "batch_size": cfg.batch_size, "seed": cfg.seed,
+        "steps": cfg.steps, "lr": cfg.lr, "warmup": cfg.warmup, "weight_decay": cfg.weight_decay, "clip": cfg.clip,
+        "precision": cfg.precision}))
     if ckpt is not None and checkpoint.exists(ckpt):
         (params, opt_state), meta = checkpoint.load(ckpt, (params, opt_state))
-        if meta.get("run") != json.loads(json.dumps(run_key)):
-            raise ValueError(f"checkpoint {ckpt} belongs to a different run: {meta.get('run')} != {run_key}")
+        stored = meta.get("run") or {}
+        # a checkpoint of an older version records fewer keys: those it has must agree
+        if not stored or any(stored[k] != run_key.get(k) for k in stored):
+            diff = {k: (stored[k], run_key.get(k)) for k in sorted(stored) if stored[k] != run_key.get(k)}
+            raise ValueError(f"checkpoint {ckpt} belongs to a different run (saved vs now: {diff or stored}); "
+                             "resume with the settings that wrote it, or use a new --checkpoint")
         start, history, evals = meta["step"], meta["history"], meta["evals"]
         params = jax.tree.map(jnp.asarray, params)
         opt_state = jax.tree.map(jnp.asarray, opt_state)
+    elif ckpt is not None:
+        checkpoint.check_target(ckpt)  # before training, not after it
     mesh = data_mesh(cfg.devices)
     if cfg.mesh:
         from rlx_jax.parallel.mesh import parse_mesh
@@ -236,7 +247,7 @@ def run_steps(*, name, graph, model, cfg: TrainConfig, batch_fn, evaluate, token
                 progress.write(f"step {step + 1}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
             if ckpt is not None and (step + 1) % cfg.checkpoint_every == 0:
                 save(step + 1)
-        step = cfg.steps
+        step = max(start, cfg.steps)
     except KeyboardInterrupt:
         interrupted = True
         step = len(history)  # steps completed
@@ -249,6 +260,7 @@ def run_steps(*, name, graph, model, cfg: TrainConfig, batch_fn, evaluate, token
         "model": name,
         "fused": cfg.fused,
         "precision": cfg.precision,
+        "lr": cfg.lr,
         "steps_done": step,
         "interrupted": interrupted,
         "compile_s": compile_s,
