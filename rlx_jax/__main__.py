@@ -119,7 +119,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise CliError(f"--lr must be a positive finite number (got {args.lr})")
     if args.seed < 0:
         raise CliError(f"--seed must be >= 0 (got {args.seed})")
-    _check_paths(args)
+    _check_out(args)
     precision = args.precision or ("bf16" if args.device == "gpu" else "f32")
     progress = not args.no_progress
     if progress and not _importable("tqdm"):
@@ -267,24 +267,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_paths(args) -> None:
-    """Refuse, before training, an --out that is a file (or under one) and a --checkpoint
-    that is an existing folder or file other than a checkpoint (saving replaces it)."""
-    import pathlib
+def _check_out(args) -> None:
+    """Refuse, before training, an --out that is a file or under one (the --checkpoint path
+    the training loop checks before its first step)."""
+    from rlx_jax.train.checkpoint import blocking_file
 
-    from rlx_jax.train import checkpoint
-
-    out = pathlib.Path(args.out)
-    for path in (out, *out.parents):
-        if path.exists():
-            if not path.is_dir():
-                raise CliError(f"--out {args.out}: {path} is a file, not a directory")
-            break
-    if args.checkpoint and not checkpoint.exists(args.checkpoint):
-        try:
-            checkpoint.check_target(args.checkpoint)
-        except ValueError as exc:
-            raise CliError(f"--checkpoint: {exc}") from None
+    blocked = blocking_file(args.out)
+    if blocked is not None:
+        raise CliError(f"--out {args.out}: {blocked} is a file, not a directory")
 
 
 def main(argv: list[str] | None = None) -> int:

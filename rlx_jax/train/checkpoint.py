@@ -24,6 +24,16 @@ import jax
 import numpy as np
 
 
+def blocking_file(path) -> pathlib.Path | None:
+    """The file standing where directory ``path`` or one of its parents would be created
+    (the first of them that exists, when it is not a directory), else None."""
+    path = pathlib.Path(path)
+    for p in (path, *path.parents):
+        if p.exists():
+            return None if p.is_dir() else p
+    return None
+
+
 def check_target(directory) -> None:
     """Raise ValueError unless ``directory`` is free or already a checkpoint: a checkpoint
     replaces the directory it is saved to, which must never be someone's folder or file."""
@@ -32,11 +42,9 @@ def check_target(directory) -> None:
         kind = "folder" if directory.is_dir() else "file"
         raise ValueError(f"checkpoint path {directory} is an existing {kind} that is not an rlx_jax checkpoint "
                          "(no state.json): refusing to replace it; give a new or a checkpoint directory")
-    for parent in directory.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ValueError(f"checkpoint path {directory}: {parent} is a file, not a directory")
-            break
+    blocked = blocking_file(directory.parent)
+    if blocked is not None:
+        raise ValueError(f"checkpoint path {directory}: {blocked} is a file, not a directory")
 
 
 def save(directory, state, meta: dict) -> None:
