@@ -437,6 +437,60 @@ def _(g):
     return g.add(g.scan(c0, step, 4, bcasts=[u], xs=[xs]), g.mul(w, w))
 
 
+@case("scan_body_if_param")
+def _(g):
+    # the Param is read two levels down, in an If branch inside the scan's body, and the
+    # outer graph declares it only after the scan: its gradient still sums over the steps
+    c0, xs = g.param("c0", [3]), g.param("xs", [4, 3])
+
+    def step(b, c, x):
+        taken = b.gt_(b.sum(x, [0]), b.scalar(-100.0))
+        scaled = b.if_(taken, body("then", [[3]], lambda bb, a: bb.mul(a, bb.param("w", [3]))),
+                       body("else", [[3]], lambda bb, a: bb.add(a, a)), [c])
+        return b.tanh(b.add(scaled, x))
+
+    out = g.scan(c0, body("step", [[3], [3]], step), 4, xs=[xs])
+    w = g.param("w", [3])
+    return g.add(out, g.mul(w, w))
+
+
+@case("scan_in_scan_param")
+def _(g):
+    # a scan inside a scan's body reading Param "w": the inner scan is prepared with the
+    # outer body, so both the nesting and the Param's gradient work
+    c0, xs, w = g.param("c0", [3]), g.param("xs", [4, 3]), g.param("w", [3])
+
+    def step(b, c, x):
+        inner = body("inner", [[3], [3]], lambda bb, cc, xx: bb.tanh(bb.add(bb.mul(cc, bb.param("w", [3])), xx)))
+        return b.add(b.scan(c, inner, 2, xs=[b.expand(b.reshape(x, [1, 3]), [2, 3])]), x)
+
+    return g.add(g.scan(c0, body("step", [[3], [3]], step), 4, xs=[xs]), w)
+
+
+@case("if_scan_param")
+def _(g):
+    # a scan inside the taken If branch reads Param "w"
+    c0, xs, w = g.param("c0", [3]), g.param("xs", [4, 3]), g.param("w", [3])
+    pred = g.gt_(g.sum(c0, [0]), g.scalar(-100.0))
+    inner = body("inner", [[3], [3]], lambda bb, cc, xx: bb.tanh(bb.add(bb.mul(cc, bb.param("w", [3])), xx)))
+    then = body("then", [[3], [4, 3]], lambda b, c, x: b.scan(c, inner, 4, xs=[x]))
+    other = body("else", [[3], [4, 3]], lambda b, c, x: b.add(c, c))
+    return g.add(g.if_(pred, then, other, [c0, xs]), w)
+
+
+@case("scan_body_while_param")
+def _(g):
+    # a While (unrolled by prepare) inside a scan's body reads Param "w"
+    c0, xs, w = g.param("c0", [3]), g.param("xs", [4, 3]), g.param("w", [3])
+
+    def step(b, c, x):
+        cond = body("cond", [[3]], lambda bb, a: bb.lt_(bb.sum(bb.abs(a), [0]), bb.scalar(1e9)))
+        grow = body("grow", [[3]], lambda bb, a: bb.tanh(bb.mul(a, bb.param("w", [3]))))
+        return b.add(b.while_([c], cond, grow, max_iterations=2), x)
+
+    return g.add(g.scan(c0, body("step", [[3], [3]], step), 4, xs=[xs]), w)
+
+
 @case("elementwise_region")
 def _(g):
     from rlx_jax.ir import ChainOperand as O, ChainStep as S

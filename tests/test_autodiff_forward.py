@@ -40,7 +40,8 @@ JVP_CASES = ["act_gelu", "act_tanh", "binary_div", "binary_pow", "where_compare"
              "matmul_batched", "dot_general", "layer_norm", "rms_norm", "group_norm", "batch_norm_inference",
              "attention_causal", "attention_softcap", "conv2d_stride_pad_dil_groups", "max_pool2d",
              "avg_pool2d", "softmax_cross_entropy", "cumsum", "gather_axis0", "concat", "narrow",
-             "fused_swiglu", "if_where", "scan_final_carry", "scan_body_param", "dense_solve", "rope",
+             "fused_swiglu", "if_where", "scan_final_carry", "scan_body_param", "scan_body_if_param", "scan_in_scan_param",
+             "if_scan_param", "scan_body_while_param", "dense_solve", "rope",
              # forward mode through the transposition identity needs the VJPs of the backward
              # ops: MaxPool2dBackward (any geometry), FakeQuantizeLSQBackwardScale
              "max_pool2d_overlap", "max_pool2d_ties", "fake_quantize_lsq", "fake_quantize_lsq_per_channel",
@@ -49,7 +50,7 @@ JVP_CASES = ["act_gelu", "act_tanh", "binary_div", "binary_pow", "where_compare"
 
 JVP_FAST = {"act_gelu", "binary_pow", "softmax", "layer_norm", "group_norm", "attention_softcap",
             "conv2d_stride_pad_dil_groups", "max_pool2d", "softmax_cross_entropy", "scan_final_carry", "scan_body_param",
-            "if_where", "dense_solve", "max_pool2d_ties", "fake_quantize_lsq_per_channel"}
+            "scan_body_if_param", "scan_in_scan_param", "if_scan_param", "if_where", "dense_solve", "max_pool2d_ties", "fake_quantize_lsq_per_channel"}
 VMAP_FAST = {"binary_add", "where_compare", "reduce_mean", "softmax", "matmul_batched", "layer_norm",
              "reshape_transpose", "concat", "conv2d", "attention_custom", "dense_solve", "scan_trajectory"}
 

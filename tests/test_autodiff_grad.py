@@ -23,13 +23,14 @@ FAST = {"act_gelu", "act_relu", "binary_mul", "binary_pow", "where_compare", "re
         "attention_causal", "attention_softcap", "attention_bias", "conv2d_stride_pad_dil_groups",
         "max_pool2d", "avg_pool2d", "softmax_cross_entropy", "cumsum", "gather_axis0", "rope",
         "fake_quantize_lsq", "complex_norm_sq", "fused_transformer_layer", "if_where", "scan_final_carry", "scan_body_param",
+        "scan_body_if_param", "scan_in_scan_param", "if_scan_param", "scan_body_while_param",
         "while_exits_outside_the_body_domain", "if_untaken_branch_singular",
         "custom_fn_vjp_body", "narrow", "concat", "dense_solve", "grouped_matmul", "max_pool2d_ties",
         "dequant_matmul_int8_asym", "dequant_grouped_matmul_gguf", "gaussian_splat_prepare_rasterize",
         "attention_custom_scale_softcap", "attention_bias_scale_softcap", "attention_sliding_scale_softcap"}
 FAST_SECOND = {"act_gelu", "binary_pow", "softmax", "layer_norm", "rms_norm", "group_norm",
                "attention_causal", "conv2d_stride_pad_dil_groups", "max_pool2d", "softmax_cross_entropy",
-               "scan_trajectory", "scan_body_param", "complex_norm_sq", "fake_quantize_tanh", "max_pool2d_overlap", "max_pool2d_ties",
+               "scan_trajectory", "scan_body_param", "scan_body_if_param", "if_scan_param", "complex_norm_sq", "fake_quantize_tanh", "max_pool2d_overlap", "max_pool2d_ties",
                "max_pool2d_rect_overlap", "attention_custom_scale_softcap"}
 
 

@@ -73,8 +73,9 @@ def _all_true(g, c):
     return E.reshape(g, E.cmp(g, "Ne", low, E.scalar(g, 0, DType.F32)), ())
 
 
-def _while(g, node, ins):
+def _while(g, node, ins, ready):
     op = node.op
+    cond, body = ready(op.cond), ready(op.body)
     if op.max_iterations is None:
         raise GraphError(f"node %{node.id} While: reverse mode needs max_iterations to unroll the loop")
     vals = list(ins)
@@ -85,12 +86,12 @@ def _while(g, node, ins):
     last = list(ins)
     running = E.scalar(g, True, DType.Bool)
     for _ in range(int(op.max_iterations)):
-        (c,) = inline(g, op.cond, vals)
+        (c,) = inline(g, cond, vals)
         c = E.cmp(g, "Ne", c, E.scalar(g, 0, E.dtype(g, c))) if E.dtype(g, c) != DType.Bool else c
         c = _all_true(g, c)
         running = _land(g, running, c)
         last = [E.where(g, running, v, l) for v, l in zip(vals, last)]
-        nxt = inline(g, op.body, last)
+        nxt = inline(g, body, last)
         vals = [E.where(g, running, n, v) for n, v in zip(nxt, vals)]
         vals = [E.cast(g, v, E.dtype(g, ins[k])) for k, v in enumerate(vals)]
     return vals[0]
@@ -136,23 +137,38 @@ def _outer_params(g, params):
     return [g.add_node(Param(name=name), (), shape) if pid is None else pid for pid, (name, shape) in zip(ids, params)]
 
 
-def _if(g, node, ins):
+def _ready(body, unroll_scans, keep_ifs):
+    """``body`` prepared as the graph around it is, before it is inlined or kept: nested
+    control flow is rewritten at every level, so a Param read deep inside (an If in a Scan
+    body, a Scan in an If branch) ends up a Param of ``body`` itself, which inlining binds
+    by name and :func:`_params_as_inputs` makes an operand. Without it such a Param got no
+    gradient."""
+    return prepare(body, unroll_scans=unroll_scans, keep_ifs=keep_ifs)[0] if needs_prepare(body) else body
+
+
+def _if(g, node, ins, ready):
     """An If kept as an If for reverse mode (its VJP differentiates the taken branch only,
     ``rules_control``), with the Params its branches read as trailing operands."""
-    params = body_params(node.op.then_branch, node.op.else_branch)
-    then_b, _ = _params_as_inputs(node.op.then_branch, params)
-    else_b, _ = _params_as_inputs(node.op.else_branch, params)
-    op = ir.If(then_branch=then_b, else_branch=else_b) if params else node.op
+    then_b, else_b = ready(node.op.then_branch), ready(node.op.else_branch)
+    params = body_params(then_b, else_b)
+    then_b, _ = _params_as_inputs(then_b, params)
+    else_b, _ = _params_as_inputs(else_b, params)
+    changed = params or then_b is not node.op.then_branch or else_b is not node.op.else_branch
+    op = ir.If(then_branch=then_b, else_branch=else_b) if changed else node.op
     return g.add_node(op, (*ins, *_outer_params(g, params)), node.shape)
 
 
-def _scan(g, node, ins):
+def _scan(g, node, ins, ready):
     from rlx_jax.ir.ops_control import Scan
 
     op = node.op
-    body, read = _params_as_inputs(op.body)
+    prepared = ready(op.body)
+    body, read = _params_as_inputs(prepared)
     nb = op.num_bcast
     params = _outer_params(g, read)
+    if prepared is not op.body and op.save_trajectory and not nb and not params:
+        return g.add_node(Scan(body=body, length=op.length, save_trajectory=True, num_bcast=0, num_xs=op.num_xs,
+                               num_checkpoints=op.num_checkpoints), tuple(ins))
     if nb or params:
         # broadcast operands (and the body's Params, now trailing Inputs) become per-step xs
         # (the body sees the same Inputs in the same order); their gradient is the sum over
@@ -174,9 +190,10 @@ def _scan(g, node, ins):
     return E.reshape(g, last, node.shape.dims)
 
 
-def _unroll_scan(g, node, ins):
+def _unroll_scan(g, node, ins, ready):
     """A Scan spelled out step by step (forward mode needs no ScanBackward)."""
     op = node.op
+    body = ready(op.body)
     nb = op.num_bcast
     carry, bc, xs = ins[0], ins[1:1 + nb], ins[1 + nb:]
     rows = []
@@ -185,7 +202,7 @@ def _unroll_scan(g, node, ins):
         for x in xs:
             ds = E.dims(g, x)
             x_t.append(E.reshape(g, g.add_node(Narrow(axis=0, start=t, len=1), (x,)), tuple(ds[1:])))
-        (carry,) = inline(g, op.body, [carry, *bc, *x_t])
+        (carry,) = inline(g, body, [carry, *bc, *x_t])
         carry = E.cast(g, carry, E.dtype(g, ins[0]))
         if op.save_trajectory:
             rows.append(E.reshape(g, carry, (1,) + tuple(E.dims(g, ins[0]))))
@@ -207,30 +224,34 @@ def prepare(graph, unroll_scans: bool = False, keep_ifs: bool = False):
     instead of rewriting it to Where(pred, then, else)."""
     g = Graph(graph.name)
     m = {}
+    ready = lambda body: _ready(body, unroll_scans, keep_ifs)  # noqa: E731
     for n in graph.nodes:
         cls = type(n.op)
         ins = [m[i] for i in n.inputs]
         if cls is ir.CustomFn and n.op.vjp_body is None:
-            (out,) = inline(g, n.op.fwd_body, ins)
+            (out,) = inline(g, ready(n.op.fwd_body), ins)
             m[n.id] = E.as_shape(g, out, n.shape)
         elif cls is ir.If and keep_ifs:
-            m[n.id] = _if(g, n, ins)
+            m[n.id] = _if(g, n, ins, ready)
         elif cls is ir.If:
-            (t,) = inline(g, n.op.then_branch, ins[1:])
-            (e,) = inline(g, n.op.else_branch, ins[1:])
+            (t,) = inline(g, ready(n.op.then_branch), ins[1:])
+            (e,) = inline(g, ready(n.op.else_branch), ins[1:])
             pred = ins[0]
             if E.dtype(g, pred) != DType.Bool:
                 pred = E.cmp(g, "Ne", pred, E.scalar(g, 0, E.dtype(g, pred)))
             pred = E.reshape(g, pred, ())
             m[n.id] = E.where(g, pred, t, e)
         elif cls is ir.While:
-            m[n.id] = _while(g, n, ins)
+            m[n.id] = _while(g, n, ins, ready)
         elif is_fused(n.op):
             m[n.id] = unfuse_node(g, n.op, ins, n.shape)
         elif cls is ir.Scan:
-            m[n.id] = _unroll_scan(g, n, ins) if unroll_scans else _scan(g, n, ins)
+            m[n.id] = _unroll_scan(g, n, ins, ready) if unroll_scans else _scan(g, n, ins, ready)
         elif cls is ir.GaussianSplatRasterize:
             m[n.id] = _fuse_splat(graph, g, n, m)
+        elif cls is Param and g.leaf_id(n.op.name) is not None:
+            # already added for a body that reads it ahead of its declaration here
+            m[n.id] = g.leaf_id(n.op.name)
         else:
             m[n.id] = g.add_node(n.op, tuple(ins), n.shape, n.name)
     g.set_outputs([m[o] for o in graph.outputs])
