@@ -125,6 +125,20 @@ def test_grouped_matmul_does_not_gather_weights_per_token():
     assert f"{m},{k},{n}" not in jaxpr.replace(" ", "")  # no [M, K, N] per-token weights
 
 
+def test_scatter_add_of_integers():
+    """Integer updates sum exactly in their dtype; indices past the last row clip to it,
+    before the first to row 0, as the floating-point kernel's."""
+    upd = np.arange(18, dtype=np.int32).reshape(6, 3) - 5
+    idx = np.array([0, 2, 2, 9, -3, 2], np.int32)
+    g = rlx.Graph("sai")
+    g.set_outputs([g.scatter_add(g.input("u", [6, 3], "i32"), g.input("i", [6], "i32"), [5, 3])])
+    (y,) = rlx.to_jax(g)({}, {"u": upd, "i": idx})
+    assert y.dtype == np.int32
+    ref = np.zeros((5, 3), np.int32)
+    np.add.at(ref, np.clip(idx, 0, 4), upd)
+    np.testing.assert_array_equal(np.asarray(y), ref)
+
+
 def test_scatter_add_accumulates_duplicates():
     upd = RNG.standard_normal((6, 3)).astype(np.float32)
     idx = np.array([0, 2, 2, 4, 0, 2], np.float32)

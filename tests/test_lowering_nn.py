@@ -263,13 +263,15 @@ def test_conv_transpose2d_is_adjoint_of_conv():
     np.testing.assert_allclose(np.sum(y * dy), np.sum(x * xt), rtol=1e-4)
 
 
-def np_pool(x, k, s, p, kind):
+def np_pool(x, k, s, p, kind, pad=None):
+    """NumPy pooling; ``pad`` the padding value (default -inf for max, 0 for sum); with
+    ``pad`` given the result keeps x's dtype."""
     n, c, h, w = x.shape
-    fill = -np.inf if kind == "max" else 0.0
+    fill = pad if pad is not None else (-np.inf if kind == "max" else 0.0)
     xp = np.pad(x, ((0, 0), (0, 0), (p[0], p[0]), (p[1], p[1])), constant_values=fill)
     ho = (h + 2 * p[0] - k[0]) // s[0] + 1
     wo = (w + 2 * p[1] - k[1]) // s[1] + 1
-    out = np.zeros((n, c, ho, wo))
+    out = np.zeros((n, c, ho, wo), x.dtype if pad is not None else np.float64)
     for i in range(ho):
         for j in range(wo):
             win = xp[:, :, i * s[0]:i * s[0] + k[0], j * s[1]:j * s[1] + k[1]]
@@ -281,6 +283,21 @@ def test_max_pool_padded_odd():
     x = f32(2, 3, 7, 5)
     (y,) = run_graph(lambda G, i: G.max_pool2d(i["x"], (3, 2), (2, 2), (1, 1)), x=x)
     np.testing.assert_allclose(y, np_pool(x, (3, 2), (2, 2), (1, 1), "max"), rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int8, np.uint8])
+def test_max_pool_on_integers(dtype):
+    """The IR's Pool{Max} on an integer image: exact, in its dtype, padding never wins
+    (the reference pads with the dtype's minimum, as -inf for floats)."""
+    lo, hi = (0, 200) if dtype == np.uint8 else (-100, 100)
+    x = np.random.default_rng(7).integers(lo, hi, (2, 3, 7, 5)).astype(dtype)
+    g = rlx.Graph("ipool")
+    g.set_outputs([g.max_pool2d(g.input("x", [2, 3, 7, 5], {np.int32: "i32", np.int8: "i8", np.uint8: "u8"}[dtype]),
+                                (3, 2), (2, 2), (1, 1))])
+    (y,) = rlx.to_jax(g)({}, {"x": x})
+    assert y.dtype == dtype
+    want = np_pool(x.astype(np.int64), (3, 2), (2, 2), (1, 1), "max", pad=np.iinfo(np.int64).min)
+    np.testing.assert_array_equal(np.asarray(y), want)
 
 
 def test_avg_pool_interior_windows():

@@ -43,4 +43,12 @@ def _scatter_add(op, args, ctx):
     updates, indices = args
     if ctx.out_shape is None or None in ctx.out_shape:
         raise ValueError("ScatterAdd output shape has an unbound dynamic dim")
-    return ctx.cast_out(fused("scatter_add")(updates, index_array(indices), tuple(ctx.out_shape)))
+    indices = index_array(indices)
+    if jnp.issubdtype(updates.dtype, jnp.integer):
+        # integer sums have no gradient and the kernels are floating point: XLA's scatter,
+        # with the indices clipped into [0, V - 1] as the kernel's
+        out_shape = tuple(ctx.out_shape)
+        rows = jnp.clip(indices, 0, max(out_shape[0] - 1, 0)).reshape(-1)
+        flat = updates.reshape((rows.shape[0],) + out_shape[1:])
+        return ctx.cast_out(jnp.zeros(out_shape, updates.dtype).at[rows].add(flat))
+    return ctx.cast_out(fused("scatter_add")(updates, indices, tuple(ctx.out_shape)))

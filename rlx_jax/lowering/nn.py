@@ -252,11 +252,23 @@ def _pool(op, args, ctx):
     kind = enum_name(op.kind)
     ks = _pair(op.kernel_size, None)
     kw = dict(kernel_size=ks, stride=_pair(op.stride, ks), padding=_pair(op.padding, (0, 0)))
+    if kind == "Max" and jnp.issubdtype(x.dtype, jnp.integer):
+        return ctx.cast_out(_integer_max_pool2d(x, **kw))
     if kind == "Max":
         return ctx.cast_out(fused("max_pool2d")(x, **kw))
     if kind == "Mean":
         return ctx.cast_out(fused("avg_pool2d")(x, **kw))
     raise NotImplementedError(f"Pool kind {kind} (RLX pools are Max or Mean)")
+
+
+def _integer_max_pool2d(x, kernel_size, stride, padding):
+    """Max over each window of an integer x [N, C, H, W], the padding the dtype's minimum
+    (the integer -inf: a window of padding only gives it). Integers have no gradient, so
+    XLA's window reduction serves; the fused op's kernels are floating point."""
+    low = jnp.iinfo(x.dtype).min
+    (ph, pw) = padding
+    return lax.reduce_window(x, jnp.array(low, x.dtype), lax.max, (1, 1, *kernel_size), (1, 1, *stride),
+                             ((0, 0), (0, 0), (ph, ph), (pw, pw)))
 
 
 # ---- loss / scans / indexing -----------------------------------------------------------
