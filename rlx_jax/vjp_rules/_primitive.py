@@ -78,6 +78,42 @@ def instantiate(tangents: Iterable, primals: Iterable) -> list:
     return out
 
 
+# ---- shard_map's varying manual axes ----------------------------------------------------
+# Inside jax.shard_map (check_vma=True, its default) every value's type records the manual
+# mesh axes it varies over. JAX's own primitives take operands varying alike (it inserts a
+# no-op cast, ``pcast(..., to="varying")``, on the others) and give results varying over
+# them; differentiating that cast sums its operand's cotangent over those axes. A fused op
+# must do the same: results typed as not varying would make JAX skip that sum, so a
+# replicated parameter's gradient would hold one device's share.
+
+
+def varying_axes(aval) -> frozenset:
+    """The manual mesh axes ``aval`` varies over (empty outside shard_map)."""
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()) or ())
+
+
+def vary_alike(args: Sequence) -> list:
+    """``args`` with each one varying over every manual axis any of them varies over."""
+    axes = [varying_axes(jax.typeof(a)) if isinstance(a, jax.Array) else frozenset() for a in args]
+    union = frozenset().union(*axes)
+    if not union:
+        return list(args)
+    return [a if mine == union else jax.lax.pcast(a, tuple(sorted(union - mine)), to="varying")
+            for a, mine in zip(args, axes)]
+
+
+def varying_like(avals: Sequence, shape, dtype) -> ShapedArray:
+    """A result aval of ``shape`` / ``dtype`` varying as the operands (after
+    :func:`vary_alike`, all alike) vary."""
+    source = next((a for a in avals if varying_axes(a)), None)
+    if source is None:
+        return ShapedArray(shape, dtype)
+    return source.update(shape=tuple(shape), dtype=dtype, weak_type=False)
+
+
 def _is_float(x) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
@@ -135,13 +171,13 @@ class FusedPrimitive:
     def __call__(self, *args, **params):
         if not fused_ops_enabled():
             return self.reference(*args, **params)
-        return self.p.bind(*args, **params)
+        return self.p.bind(*vary_alike(args), **params)
 
     # -- default rules ------------------------------------------------------------
     def _abstract_eval(self, *avals, **params):
         specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
         out = jax.eval_shape(partial(self.reference, **params), *specs)
-        return [ShapedArray(o.shape, o.dtype) for o in out]
+        return [varying_like(avals, o.shape, o.dtype) for o in out]
 
     def _kernel_for(self, platform: str | None) -> Callable | None:
         if isinstance(self.kernel, dict):
