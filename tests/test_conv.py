@@ -138,3 +138,18 @@ def test_errors():
         conv2d(x, w, stride=(0, 1))
     with pytest.raises(ValueError, match="groups must be a positive int"):
         conv2d(x, w, groups=0)
+
+
+@pytest.mark.parametrize("kw", [dict(padding=(1.7, 1.7)), dict(stride=(1.5, 1.5)), dict(dilation=(2.9, 1.0)),
+                                dict(stride=(True, True)), dict(padding=1.0), dict(stride=(2, 2.0))])
+def test_geometry_that_is_not_integers_is_refused(kw):
+    """A float or bool in a pair is refused, not truncated (padding (1.7, 1.7) ran as 1)."""
+    x, w = _inputs((1, 2, 6, 6), (3, 2, 3, 3))
+    with pytest.raises(TypeError, match="must be an int or a pair of ints"):
+        conv2d(x, w, **kw)
+
+
+def test_numpy_integers_are_geometry():
+    x, w = _inputs((1, 2, 6, 6), (3, 2, 3, 3))
+    got = conv2d(x, w, stride=np.int64(2), padding=(np.int32(1), 1), groups=np.int64(1))
+    np.testing.assert_array_equal(got, conv2d(x, w, stride=2, padding=1))

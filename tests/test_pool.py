@@ -252,6 +252,12 @@ def test_errors():
         avg_pool2d(x, kernel_size=2, stride=1, padding=(-1, 0))
     with pytest.raises(TypeError, match="kernel_size"):
         max_pool2d(x, kernel_size=None, stride=1)
+    # floats and bools are refused, not truncated (kernel_size (2.0, 2.0), padding 1.9 ran)
+    for pool in (max_pool2d, avg_pool2d):
+        for kw in (dict(kernel_size=(2.0, 2.0), stride=2), dict(kernel_size=2, stride=(2.5, 2.5)),
+                   dict(kernel_size=2, stride=2, padding=(1.9, 1.9)), dict(kernel_size=(True, 2), stride=2)):
+            with pytest.raises(TypeError, match="must be an int or a pair of ints"):
+                pool(x, **kw)
     with pytest.raises(ValueError, match="dy must have the pooled shape"):
         max_pool2d_backward(x, jnp.zeros((1, 1, 3, 3)), kernel_size=2, stride=2)
     with pytest.raises(ValueError, match="dy must have the pooled shape"):

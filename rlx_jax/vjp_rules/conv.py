@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.interpreters import ad
 
+from rlx_jax.vjp_rules._args import int_pair, is_int
 from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive
 
 _DIMS = ("NCHW", "OIHW", "NCHW")
@@ -137,26 +138,14 @@ def _conv_batch(args, dims, **attrs):
 # ---- public function -------------------------------------------------------------------
 
 
-def _pair(name, value, minimum):
-    if isinstance(value, int):
-        value = (value, value)
-    try:
-        value = tuple(int(v) for v in value)
-    except TypeError:
-        raise TypeError(f"conv2d: {name} must be an int or a pair of ints, got {value!r}") from None
-    if len(value) != 2 or any(v < minimum for v in value):
-        raise ValueError(f"conv2d: {name} must be two ints >= {minimum}, got {value}")
-    return value
-
-
 def _attrs(stride, padding, dilation, groups):
-    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
+    if not is_int(groups) or groups < 1:
         raise ValueError(f"conv2d: groups must be a positive int, got {groups!r}")
     return dict(
-        stride=_pair("stride", stride, 1),
-        padding=_pair("padding", padding, 0),
-        dilation=_pair("dilation", dilation, 1),
-        groups=groups,
+        stride=int_pair("conv2d", "stride", stride, 1),
+        padding=int_pair("conv2d", "padding", padding, 0),
+        dilation=int_pair("conv2d", "dilation", dilation, 1),
+        groups=int(groups),
     )
 
 

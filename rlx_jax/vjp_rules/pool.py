@@ -47,6 +47,7 @@ from jax import lax
 from jax.interpreters import ad
 
 from rlx_jax._kernels import target as ffi_target
+from rlx_jax.vjp_rules._args import int_pair
 from rlx_jax.vjp_rules._primitive import NOT_MAPPED, FusedPrimitive, Partition
 
 
@@ -357,18 +358,6 @@ for _prim in (max_pool2d_fwd, max_pool2d_tangent, max_pool2d_bwd, avg_pool2d_fwd
 # ---- public functions ------------------------------------------------------------------
 
 
-def _pair(fn, name, value, minimum):
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        value = (value, value)
-    try:
-        value = tuple(int(v) for v in value)
-    except TypeError:
-        raise TypeError(f"{fn}: {name} must be an int or a pair of ints, got {value!r}") from None
-    if len(value) != 2 or any(v < minimum for v in value):
-        raise ValueError(f"{fn}: {name} must be two ints >= {minimum}, got {value}")
-    return value
-
-
 def _prepare(fn, x, kernel_size, stride, padding):
     """Validates x [..., H, W] (rank >= 3; NCHW in RLX) and the window geometry."""
     x = jnp.asarray(x)
@@ -377,9 +366,9 @@ def _prepare(fn, x, kernel_size, stride, padding):
     if x.ndim < 3:
         raise ValueError(f"{fn}: x must be NCHW (rank >= 3 with H, W last), got shape {x.shape}")
     geom = dict(
-        kernel_size=_pair(fn, "kernel_size", kernel_size, 1),
-        stride=_pair(fn, "stride", stride if stride is not None else kernel_size, 1),
-        padding=_pair(fn, "padding", padding, 0),
+        kernel_size=int_pair(fn, "kernel_size", kernel_size, 1),
+        stride=int_pair(fn, "stride", stride if stride is not None else kernel_size, 1),
+        padding=int_pair(fn, "padding", padding, 0),
     )
     for axis, (n, k, p) in enumerate(zip(x.shape[-2:], geom["kernel_size"], geom["padding"])):
         if n + 2 * p < k:
