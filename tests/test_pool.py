@@ -14,6 +14,7 @@ from jax.test_util import check_grads
 
 import rlx_jax
 from rlx_jax.ops import avg_pool2d, avg_pool2d_backward, max_pool2d, max_pool2d_backward
+from rlx_jax.vjp_rules._primitive import fused_ops
 from rlx_jax.vjp_rules.pool import (
     argmax_dtype,
     flat_argmax,
@@ -116,6 +117,16 @@ def test_max_pool_gradient_goes_to_the_first_maximum():
     np.testing.assert_array_equal(dx[0, 0], [[1.0, 0.0, 1.0], [1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
     g = jax.grad(lambda x: jnp.sum(max_pool2d(x, kernel_size=2, stride=1)))(x)
     np.testing.assert_array_equal(g, dx)
+    # the same tie-break where JAX differentiates the reference (fused_ops(False), the
+    # plain-XLA baseline) and in forward mode: it shared a tie's gradient ([0, .5, .5, 0])
+    with fused_ops(False):
+        g_ref = jax.grad(lambda x: jnp.sum(max_pool2d(x, kernel_size=2, stride=1)))(x)
+    np.testing.assert_array_equal(g_ref, dx)
+    t = jnp.arange(9.0).reshape(x.shape)
+    for fused in (True, False):
+        with fused_ops(fused):
+            ty = jax.jvp(lambda x: max_pool2d(x, kernel_size=2, stride=1), (x,), (t,))[1]
+        np.testing.assert_array_equal(ty[0, 0], [[0.0, 2.0], [3.0, 4.0]])
 
 
 def test_max_pool_propagates_nan_and_sends_the_gradient_to_the_first_nan():

@@ -114,8 +114,11 @@ def reference_max_pool2d(x, *, kernel_size, stride, padding):
     window-local position (int8, kh * kw <= 127) or its flat in-plane index (int32), else
     -1."""
     views, index = _windows(x, kernel_size, stride, padding, -jnp.inf)
-    y = jnp.max(views, axis=0)
     first = jnp.argmax(views, axis=0)  # first occurrence of the maximum (or of a NaN): its window position
+    # y read at that position rather than jnp.max: differentiated by JAX (fused_ops(False)),
+    # the gradient then goes to the first maximum alone, RLX's tie-break, as the kernels
+    # send it (jnp.max would share it among tied elements)
+    y = jnp.take_along_axis(views, first[None], axis=0)[0]
     found = ~(y <= -jnp.inf)  # above -inf, or NaN
     dtype = argmax_dtype(kernel_size)
     if dtype == jnp.int8:
