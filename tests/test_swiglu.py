@@ -319,6 +319,28 @@ def test_infinite_and_large_gates_give_the_limits(dtype):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(w))
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "reference"])
+def test_infinite_gates_give_the_limits_in_every_mode(fused):
+    """Reverse mode, forward mode in a or b alone, and under fused_ops(False) (JAX
+    differentiating the reference): the limits at a = +-inf, not NaN. Forward mode in a
+    alone leaves b's tangent a symbolic zero, which adds nothing even where a s = inf."""
+    n = len(GATES)
+    a = jnp.asarray(GATES, jnp.float32)
+    b = jnp.asarray(np.linspace(0.5, 1.5, n) * np.where(np.arange(n) % 2, -1.0, 1.0), jnp.float32)
+    dh = jnp.asarray(np.linspace(-1.25, 2.0, n), jnp.float32)
+    _, da, db = _limits(np.asarray(b, np.float64), np.asarray(dh, np.float64))
+    with fused_ops(fused):
+        got_a, got_b = jax.grad(lambda a, b: jnp.sum(swiglu(a, b) * dh), (0, 1))(a, b)
+        ta = jax.jvp(lambda a: swiglu(a, b), (a,), (dh,))[1]
+        tb = jax.jvp(lambda u: swiglu(a, u), (b,), (dh,))[1]
+    for got, want, name in ((got_a, da, "da"), (got_b, db, "db"), (ta, da, "jvp in a"), (tb, db, "jvp in b")):
+        got = np.asarray(got, np.float64)
+        assert not np.isnan(got).any(), (name, got)
+        fin = np.isfinite(want)
+        np.testing.assert_allclose(got[fin], want[fin], rtol=1e-5, atol=1e-30, err_msg=name)
+        np.testing.assert_array_equal(got[~fin], want[~fin], err_msg=name)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 def test_16bit_conversions_over_every_bit_pattern(dtype):
     """At gate = 30, s = 1 and a s (1 - s) is below half an ulp of 1 in f32, so da = dh * up

@@ -40,8 +40,11 @@ over every axis.
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 from jax.interpreters import ad
 
 from rlx_jax._kernels import target as ffi_target
@@ -71,21 +74,49 @@ def _gate_terms(a):
     return s, silu, slope
 
 
+@jax.custom_jvp
+def _swiglu_value(a, b):
+    af = a.astype(_acc(a.dtype))
+    silu = jnp.where(af == -jnp.inf, 0.0, af * jax.nn.sigmoid(af))
+    return (silu * b.astype(af.dtype)).astype(a.dtype)
+
+
+@partial(_swiglu_value.defjvp, symbolic_zeros=True)
+def _swiglu_value_jvp(primals, tangents):
+    """The op's derivative with its limits at a = +-inf (JAX's derivative of the select
+    above is NaN there: inf * 0), for ``fused_ops(False)``, where JAX differentiates the
+    reference; a tangent that is a symbolic zero adds no term (0 * inf would be NaN)."""
+    a, b = primals
+    ta, tb = tangents
+    acc = _acc(a.dtype)
+    s, silu, slope = _gate_terms(a.astype(acc))
+    th = jnp.zeros(a.shape, acc)
+    if type(ta) is not SymbolicZero:
+        th = th + ta.astype(acc) * (b.astype(acc) * (s + slope))
+    if type(tb) is not SymbolicZero:
+        th = th + tb.astype(acc) * silu
+    return _swiglu_value(a, b), th.astype(a.dtype)
+
+
 def reference_swiglu(a, b):
     """h = a sigmoid(a) b; returns (h,). The forward the step runs: XLA's logistic and one
     select for a = -inf (where a s is 0, not -inf * 0), the fewest operations that give the
     limits. At [16384, 5632] bf16 on an H200, XLA's fusion of it takes 149 us, of the
-    branchy ``_gate_terms`` form 158 us, of ``jax.nn.silu(a) * b`` (NaN at a = -inf) 140 us."""
-    af = a.astype(_acc(a.dtype))
-    silu = jnp.where(af == -jnp.inf, 0.0, af * jax.nn.sigmoid(af))
-    return ((silu * b.astype(af.dtype)).astype(a.dtype),)
+    branchy ``_gate_terms`` form 158 us, of ``jax.nn.silu(a) * b`` (NaN at a = -inf) 140 us.
+    Differentiated by JAX (``fused_ops(False)``), its derivative is the op's, limits
+    included."""
+    return (_swiglu_value(a, b),)
 
 
 def reference_swiglu_tangent(a, b, ta, tb):
-    """th = ta b (s + a s (1 - s)) + tb a s; returns (th,)."""
+    """th = ta b (s + a s (1 - s)) + tb a s; returns (th,). A zero tangent adds no term
+    even against an infinite factor (b, or a s at a = +inf), as JAX skips a symbolic zero
+    tangent: the forward mode of ``swiglu(a, b)`` in a alone is finite at a = +inf. The
+    primitive's transpose is the backward kernel, so this need not be linear to JAX."""
     acc = _acc(a.dtype)
     s, silu, slope = _gate_terms(a.astype(acc))
-    th = ta.astype(acc) * b.astype(acc) * (s + slope) + tb.astype(acc) * silu
+    taf, tbf = ta.astype(acc), tb.astype(acc)
+    th = (jnp.where(taf == 0, 0.0, taf * b.astype(acc) * (s + slope)) + jnp.where(tbf == 0, 0.0, tbf * silu))
     return (th.astype(a.dtype),)
 
 
