@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from rlx_jax.models import TransformerConfig, cnn, mlp, transformer_lm
+from rlx_jax.models import MLPConfig, TransformerConfig, cnn, mlp, transformer_lm
 from rlx_jax.train import checkpoint, data
 from rlx_jax.train.loop import TrainConfig
 from rlx_jax.train.tasks import train_classifier, train_lm
@@ -89,6 +89,97 @@ class _InterruptingCorpus(data.CharCorpus):
                 raise KeyboardInterrupt
             self.drawn += 1
         return super().batch(rng, batch, seq_len, split)
+
+
+def _mlp_run(ckpt=None, evaluate_hook=None, step_hook=None):
+    """30 steps of a small MLP through ``run_steps``, evaluated every 10 steps. ``evaluate_hook(n)``
+    runs before the n-th evaluation and ``step_hook(n, loss)`` replaces the n-th step's loss (both
+    counted from 1): they simulate a Ctrl-C landing there."""
+    from rlx_jax.train import loop
+
+    model = mlp(MLPConfig(in_features=8, hidden=(16,), num_classes=3))
+    graph = model.build(4)
+    calls = {"evaluate": 0, "step": 0}
+
+    def batch_fn(rng):
+        return {"x": rng.normal(size=(4, 8)).astype(np.float32), "labels": rng.integers(0, 3, 4).astype(np.float32)}
+
+    def evaluate(params):
+        calls["evaluate"] += 1
+        if evaluate_hook:
+            evaluate_hook(calls["evaluate"])
+        return {"test_loss": float(sum(np.sum(np.square(v)) for v in jax.tree.leaves(params)))}
+
+    real_make_step = loop.make_step
+
+    def make_step(*args, **kwargs):
+        step_fn = real_make_step(*args, **kwargs)
+
+        def step(*inputs):
+            calls["step"] += 1
+            params, state, loss = step_fn(*inputs)
+            return params, state, (step_hook(calls["step"], loss) if step_hook else loss)
+
+        return step
+
+    cfg = TrainConfig(steps=30, batch_size=4, eval_every=10, checkpoint_every=10, progress=False, checkpoint=ckpt)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loop, "make_step", make_step)
+        return loop.run_steps(name="mlp", graph=graph, model=model, cfg=cfg, batch_fn=batch_fn, evaluate=evaluate,
+                              tokens_per_step=4, meta_extra={"config": {}})
+
+
+def _assert_same_run(resumed, full):
+    assert not resumed["interrupted"] and resumed["steps_done"] == full["steps_done"] == 30
+    assert [h["step"] for h in resumed["history"]] == list(range(30))
+    np.testing.assert_allclose([h["loss"] for h in resumed["history"]], [h["loss"] for h in full["history"]],
+                               rtol=1e-6)
+    assert [e["step"] for e in resumed["evals"]] == [e["step"] for e in full["evals"]] == [10, 20, 30]
+    np.testing.assert_allclose([e["test_loss"] for e in resumed["evals"]], [e["test_loss"] for e in full["evals"]],
+                               rtol=1e-6)
+    for name in full["params"]:
+        np.testing.assert_allclose(resumed["params"][name], full["params"][name], rtol=1e-6, atol=1e-7)
+
+
+@pytest.fixture(scope="module")
+def mlp_full_run():
+    return _mlp_run()
+
+
+@pytest.mark.parametrize("interrupted_eval", [2, 3])  # at step 20, and the final one at step 30
+def test_resume_redoes_an_evaluation_interrupted_by_ctrl_c(tmp_path, mlp_full_run, interrupted_eval):
+    """Ctrl-C during the evaluation after step n: the checkpoint holds n steps, and the resumed run
+    evaluates step n before training on (never repeating step n), so its evals, held-out loss and
+    parameters are an uninterrupted run's. An interrupt in the final evaluation used to leave a
+    finished run with no final evaluation."""
+    ck = str(tmp_path / "ck")
+
+    def ctrl_c(n):
+        if n == interrupted_eval:
+            raise KeyboardInterrupt
+
+    part = _mlp_run(ck, evaluate_hook=ctrl_c)
+    assert part["interrupted"] and part["steps_done"] == 10 * interrupted_eval
+    assert [e["step"] for e in part["evals"]] == [10 * n for n in range(1, interrupted_eval)]
+    _assert_same_run(_mlp_run(ck), mlp_full_run)
+    # the checkpoint of the finished run holds the evaluation too: nothing left to redo
+    assert json.loads((tmp_path / "ck" / "state.json").read_text())["evals"][-1]["step"] == 30
+    assert [e["step"] for e in _mlp_run(ck)["evals"]] == [10, 20, 30]
+
+
+def test_resume_after_ctrl_c_while_a_step_runs_does_not_repeat_it(tmp_path, mlp_full_run):
+    """The step runs asynchronously and reading its loss waits for it, where a Ctrl-C most often
+    lands: the checkpoint must then hold the parameters from before that step, not the updated
+    ones under the previous step count (the resumed run would apply the step twice)."""
+    ck = str(tmp_path / "ck")
+
+    class InterruptedLoss:
+        def __float__(self):
+            raise KeyboardInterrupt
+
+    part = _mlp_run(ck, step_hook=lambda n, loss: InterruptedLoss() if n == 15 else loss)
+    assert part["interrupted"] and part["steps_done"] == 14
+    _assert_same_run(_mlp_run(ck), mlp_full_run)
 
 
 def test_fused_and_unfused_training_agree(tmp_path):

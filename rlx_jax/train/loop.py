@@ -223,34 +223,49 @@ def run_steps(*, name, graph, model, cfg: TrainConfig, batch_fn, evaluate, token
                             {"run": run_key, "step": step, "history": history, "evals": evals})
 
     progress = Progress(cfg.steps, start, cfg.progress, f"train {name}{'' if cfg.fused else ' (no fused)'}")
+
+    def eval_due(done):  # an evaluation follows the step that completes ``done`` steps
+        return done % cfg.eval_every == 0 or done == cfg.steps
+
+    def run_eval(done):
+        result = evaluate(params)
+        evals.append({"step": done, **result})
+        progress.write(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
+
     step = start
     t0, timed_tokens, interrupted = None, 0, False
     try:
+        # A checkpoint saved on an interrupt during the evaluation after its last step records
+        # that step (its parameters are already updated) but not the evaluation: it runs here,
+        # before the next step, so the resumed run has the evals an uninterrupted one has.
+        if start > 0 and eval_due(start) and not (evals and evals[-1]["step"] == start):
+            run_eval(start)
         for step in range(start, cfg.steps):
             inputs = batch_fn(np.random.default_rng((cfg.seed, step)))
             if mesh is not None:
                 inputs = jax.device_put(inputs, batch_sharding(mesh))
-            params, opt_state, loss = step_fn(params, opt_state, inputs)
+            new_params, new_opt_state, loss = step_fn(params, opt_state, inputs)
+            # float() waits for the (asynchronously dispatched) step, where a Ctrl-C most often
+            # lands: the new state replaces the old one only together with the step's history
+            # entry, so an interrupt never saves updated parameters under the previous step count
             loss = float(loss)
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss became {loss} at step {step}")
-            history.append({"step": step, "loss": loss})
+            params, opt_state, history = new_params, new_opt_state, history + [{"step": step, "loss": loss}]
             if t0 is None:  # the first step includes dispatch warm-up: time from the second on
                 t0 = time.perf_counter()
             else:
                 timed_tokens += tokens_per_step
             rate = timed_tokens / max(time.perf_counter() - t0, 1e-9)
             progress.update(loss=f"{loss:.3f}", tok_s=f"{rate:,.0f}")
-            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-                result = evaluate(params)
-                evals.append({"step": step + 1, **result})
-                progress.write(f"step {step + 1}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
+            if eval_due(step + 1):
+                run_eval(step + 1)
             if ckpt is not None and (step + 1) % cfg.checkpoint_every == 0:
                 save(step + 1)
         step = max(start, cfg.steps)
     except KeyboardInterrupt:
         interrupted = True
-        step = len(history)  # steps completed
+        step = len(history)  # steps completed; a missing evaluation of the last one is redone on resume
         progress.write(f"interrupted at step {step}; saving" + (f" to {ckpt}" if ckpt else " nothing (no --checkpoint)"))
     finally:
         progress.close()
