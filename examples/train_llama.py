@@ -43,6 +43,7 @@ import optax
 from rlx_jax import ops
 from rlx_jax.models.transformer import rope_tables
 from rlx_jax.train import data
+from rlx_jax.train.loop import TrainConfig, make_optimizer
 
 QUICK = os.environ.get("RLX_JAX_QUICK") == "1"
 
@@ -156,9 +157,10 @@ def main(argv=None) -> dict:
     corpus = data.stdlib_corpus(max_chars=300_000 if QUICK else 3_000_000)
     vocab = len(data.VOCAB)
     params = init_params(cfg, vocab, jax.random.PRNGKey(0))
-    warmup = max(1, cfg.steps // 10)
-    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, cfg.steps, cfg.lr * 0.1)
-    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
+    # rlx-jax train's optimiser: AdamW, gradients clipped to norm 1, a linear warm-up over a tenth
+    # of the run, then cosine decay to lr / 10 (a decay that stays positive for any step count)
+    optimizer = make_optimizer(TrainConfig(steps=cfg.steps, lr=cfg.lr, warmup=cfg.steps // 10, weight_decay=0.01,
+                                           clip=1.0))
     opt_state = optimizer.init(params)
     loss = make_loss(cfg, a.lean, dtype)
     step = make_step(loss, optimizer)

@@ -1,6 +1,7 @@
 """The scripts in examples/ run to their end in quick mode (RLX_JAX_QUICK=1), each in a
 fresh process as a user runs it; each asserts its own result (the Llama example: held-out
-loss below the unigram baseline; the splatting example: PSNR above its target)."""
+loss below the unigram baseline; the splatting example: PSNR above its target), and their
+command lines handle edge cases (one training step, --help, bad arguments)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,29 @@ def test_train_llama_bf16_compute():
 def test_train_llama_rejects_bad_steps():
     proc = launch("train_llama.py", "--steps", "0")
     assert proc.returncode != 0 and "--steps must be positive" in proc.stderr
+
+
+def test_train_llama_runs_a_single_step():
+    """--steps 1 trains and evaluates (the schedule's decay used to get zero steps and optax
+    refused it); one step cannot beat the unigram baseline, which the script reports in one line."""
+    proc = launch("train_llama.py", "--steps", "1")
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    assert re.search(r"^step +0 +loss [0-9.]+", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^held-out loss [0-9.]+ nats/char", proc.stdout, re.M), proc.stdout
+    assert proc.returncode == 1 and "did not fall below the unigram baseline" in proc.stderr
+
+
+def test_fit_gaussians_cli():
+    """--help prints the usage without fitting; bad arguments exit with status 2 before any step;
+    --steps, --log-every and --psnr-target take effect."""
+    proc = launch("fit_gaussians.py", "--help")
+    assert proc.returncode == 0 and proc.stdout.startswith("usage:"), proc.stdout + proc.stderr
+    assert "--steps" in proc.stdout and "fitting" not in proc.stdout and not re.search(r"^step ", proc.stdout, re.M)
+    for args in (("--steps", "0"), ("--steps", "x"), ("--seed", "-1"), ("--log-every", "-1"), ("--bogus",)):
+        proc = launch("fit_gaussians.py", *args)
+        assert proc.returncode == 2 and "usage:" in proc.stderr and "fitting" not in proc.stdout, (args, proc.stderr)
+    out = run_example("fit_gaussians.py", "--steps", "2", "--log-every", "1", "--psnr-target", "0")
+    assert "2 steps" in out and len(re.findall(r"^step +\d+ +mse", out, re.M)) == 2, out
 
 
 def test_fit_gaussians_reaches_its_psnr():
