@@ -154,6 +154,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     tag = f"{record['model']}{'' if cfg.fused else '_nofused'}"
     paths = write_outputs(record, cfg.out_dir, tag)
     last = record["evals"][-1] if record["evals"] else {}
+    if record["interrupted"]:
+        # the summary below is the last evaluation that ran, not one at the interrupt
+        when = f"the last evaluation, at step {last['step']}" if last else "no evaluation"
+        print(f"interrupted after {len(record['history'])} of {cfg.steps} steps: {when}")
     if "heldout_loss" in last:
         print(f"held-out loss {last['heldout_loss']:.3f} nats/char (unigram baseline "
               f"{record['unigram_baseline']:.3f}); {record['tokens_per_s'] or 0:,.0f} tokens/s")

@@ -80,3 +80,21 @@ def test_train_without_tqdm_and_matplotlib_runs_to_its_summary(tmp_path):
     assert files == ["mlp.json"], files
     log = json.loads((tmp_path / "mlp.json").read_text())
     assert len(log["history"]) == 2
+
+
+def test_interrupted_run_says_which_step_its_summary_is_from(tmp_path, monkeypatch, capsys):
+    """A run stopped by Ctrl-C prints the step its summary's evaluation ran at (an earlier
+    one than the interrupt), and exits 130."""
+    import rlx_jax.train.tasks as tasks
+    from rlx_jax.__main__ import main
+
+    def interrupted(cfg, model):
+        return {"model": model, "interrupted": True, "history": [{"step": i, "loss": 1.0} for i in range(57)],
+                "evals": [{"step": 50, "test_accuracy": 0.5, "test_loss": 1.2}]}
+
+    monkeypatch.setattr(tasks, "train_classifier", interrupted)
+    code = main(["train", "--model", "mlp", "--steps", "80", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 130
+    assert "interrupted after 57 of 80 steps: the last evaluation, at step 50" in out
+    assert "test accuracy 50.00%" in out
