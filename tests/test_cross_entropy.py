@@ -9,12 +9,8 @@ one or several threads."""
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +21,7 @@ from jax.test_util import check_grads
 import rlx_jax
 from rlx_jax.ops import fused_linear_cross_entropy, softmax_cross_entropy, softmax_cross_entropy_backward
 from rlx_jax.vjp_rules import cross_entropy as ce_rules
-from testutil import assert_close, hlo_text, platform, assert_same_bits_on_one_core_without_avx512
+from testutil import assert_close, hlo_text, host_device_rows, platform, assert_same_bits_on_one_core_without_avx512
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 # widths around the kernels' 16-element blocks: tail only, one whole block, blocks + tail
@@ -780,13 +776,7 @@ QUICK_SHARDING = ["softmax_ce_vocab_and_rows", "linear_ce_mean", "linear_ce_none
 
 
 def _run_sharding_check(cases):
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, str(SHARDING_CHECK), *cases], capture_output=True, text=True, env=env,
-                          timeout=900)
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert rows, f"cross_entropy_sharding_check printed nothing:\\n{proc.stderr[-3000:]}"
+    rows = list(host_device_rows(SHARDING_CHECK, *cases, platform="cpu").values())
     for r in rows:
         assert "error" not in r, r
         assert r["max_err"] < 1e-5, r

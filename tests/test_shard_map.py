@@ -7,25 +7,18 @@ a fused op's varying result as replicated."""
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
+
+from testutil import host_device_rows
 
 CHECK = pathlib.Path(__file__).with_name("shard_map_check.py")
 
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
-    proc = subprocess.run([sys.executable, str(CHECK)], capture_output=True, text=True, env=env, timeout=900)
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert rows, f"shard_map_check printed nothing:\n{proc.stderr[-3000:]}"
-    return {r["op"]: r for r in rows}
+    return host_device_rows(CHECK, devices=4)
 
 
 OPS = ["rms_norm", "add_rms_norm", "layer_norm", "group_norm", "softmax", "softmax_cross_entropy", "rope",

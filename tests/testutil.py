@@ -170,3 +170,23 @@ def check_swiglu_bwd_over_every_bit_pattern(dtype, put):
         fin = ~np.isnan(want)
         np.testing.assert_array_equal(got[fin].view(np.uint16), want[fin].view(np.uint16), err_msg=name)
 
+
+
+def host_device_rows(script, *args, devices=8, key="op", timeout=900, platform=None):
+    """Runs the check ``script`` (a path) with ``args`` in a fresh interpreter on ``devices``
+    forced host CPU devices (the device count is fixed when JAX starts, so a subprocess)
+    and returns its JSON lines (the stdout lines starting with "{") keyed by ``key``;
+    ``platform`` sets JAX_PLATFORMS there."""
+    import json
+    import os
+    import subprocess
+
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}").strip()
+    if platform is not None:
+        env["JAX_PLATFORMS"] = platform
+    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert rows, f"{pathlib.Path(script).name} printed nothing:\n{proc.stderr[-3000:]}"
+    return {r[key]: r for r in rows}
