@@ -1,6 +1,8 @@
 """The documentation's contract with the code.
 
-- docs/API.md has a heading for every public name of ``rlx_jax`` and ``rlx_jax.ops``;
+- docs/API.md has a heading for every public name of ``rlx_jax`` and ``rlx_jax.ops``, its
+  signatures name the parameters the code takes, and its table of Graph builders lists
+  every public method of ``Graph``;
 - README.md stays short (at most 200 lines), shows the two commands CI runs, and its
   links into the repository resolve;
 - no committed text file (outside benchmarks/results, which holds measured tables)
@@ -11,6 +13,7 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 import subprocess
 import types
@@ -20,6 +23,7 @@ import pytest
 
 import rlx_jax
 import rlx_jax.ops
+import rlx_jax.parallel
 
 ROOT = Path(__file__).resolve().parents[1]
 API_MD = ROOT / "docs" / "API.md"
@@ -83,6 +87,105 @@ def test_public_name_discovery_sees_the_known_names():
     assert {"Graph", "to_jax", "grad_with_loss", "kernel_info"} <= _public_names(rlx_jax)
     assert {"rms_norm", "attention", "softmax_cross_entropy"} <= _public_names(rlx_jax.ops)
     assert "annotations" not in _public_names(rlx_jax.ops)
+
+
+def _split_top_level(params: str) -> list[str]:
+    """``"a, b=(1, 2), *, c"`` -> ``["a", "b=(1, 2)", "*", "c"]``: commas inside brackets
+    and quotes belong to a default."""
+    parts, depth, quote, current = [], 0, None, ""
+    for ch in params:
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(current.strip())
+            current = ""
+            continue
+        current += ch
+    if current.strip():
+        parts.append(current.strip())
+    return parts
+
+
+def _documented_params(params: str) -> list[str]:
+    """Parameter names (``*`` for the keyword-only marker) of a signature as written in the
+    docs: ``x: int = 1`` -> ``x``, ``*args`` kept."""
+    return [re.split(r"\s*[:=]", p, maxsplit=1)[0].strip() for p in _split_top_level(params)]
+
+
+def _code_params(fn) -> list[str]:
+    """The parameter names of ``fn`` written as ``_documented_params`` reads the docs."""
+    out, star = [], False
+    for p in inspect.signature(fn).parameters.values():
+        if p.name in ("self", "cls"):
+            continue
+        if p.kind is p.VAR_POSITIONAL:
+            out.append("*" + p.name)
+            star = True
+        elif p.kind is p.VAR_KEYWORD:
+            out.append("**" + p.name)
+        else:
+            if p.kind is p.KEYWORD_ONLY and not star:
+                out.append("*")
+                star = True
+            out.append(p.name)
+    return out
+
+
+def test_param_name_reading():
+    assert _documented_params('a, b=(1, 2), *, c: int = 3, d="x, y"') == ["a", "b", "*", "c", "d"]
+    assert _code_params(lambda a, b=(1, 2), *, c=3: None) == ["a", "b", "*", "c"]
+
+
+# a heading that elides parameters ("...") documents them in its text
+_HEADING_SIGNATURE = re.compile(r"`([A-Za-z_]\w*)\(([^`]*?)\)(?: -> [^`]*)?`")
+
+
+def test_api_signatures_name_the_code_parameters():
+    # each "## `module`" section documents that module's names
+    sections = {f"## `{m.__name__}`": m for m in (rlx_jax, rlx_jax.ops, rlx_jax.parallel)}
+    module, wrong, checked = None, [], 0
+    for heading in _api_headings():
+        if heading.startswith("## "):
+            module = sections.get(heading.strip())
+            continue
+        for name, params in _HEADING_SIGNATURE.findall(heading):
+            fn = getattr(module, name, None)
+            if fn is None or "..." in params:
+                continue
+            checked += 1
+            documented, code = _documented_params(params), _code_params(fn)
+            if documented != code:
+                wrong.append(f"{name}: docs/API.md {documented}, code {code}")
+    assert checked > 50, f"only {checked} signatures read: the heading pattern no longer matches"
+    assert not wrong, "docs/API.md signatures that differ from the code:\n" + "\n".join(wrong)
+
+
+def _builder_rows() -> dict[str, str]:
+    """{method: documented parameters} of the table under "## Graph builders"."""
+    section = API_MD.read_text(encoding="utf-8").split("\n## Graph builders\n", 1)[1]
+    section = section.split("\n## ", 1)[0]
+    return {m.group(1): m.group(2) for m in re.finditer(r"^\| `([A-Za-z_]\w*)\((.*?)\)(?: -> [^`]*)?` \|", section,
+                                                          re.MULTILINE)}
+
+
+def test_graph_builders_table_lists_every_public_method():
+    rows = _builder_rows()
+    public = {name for name in dir(rlx_jax.Graph) if not name.startswith("_")}
+    missing, extra = sorted(public - set(rows)), sorted(set(rows) - public)
+    assert not missing, f"public Graph methods missing from docs/API.md's builders table: {missing}"
+    assert not extra, f"builders table rows for methods Graph does not have: {extra}"
+    wrong = []
+    for name, params in sorted(rows.items()):
+        documented, code = _documented_params(params), _code_params(getattr(rlx_jax.Graph, name))
+        if documented != code:
+            wrong.append(f"{name}: docs/API.md {documented}, code {code}")
+    assert not wrong, "builder rows whose parameters differ from the code:\n" + "\n".join(wrong)
 
 
 def test_readme_is_short_and_shows_the_ci_commands():
