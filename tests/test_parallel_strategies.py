@@ -6,9 +6,10 @@ fixed when JAX starts).
   gradients equal the single-device ones, and the compiled step has no more all-gathers
   than plain JAX's (none at all where plain JAX has none; under CP none of K / V, which
   the ring rotates by collective-permute).
-- ``rlx-jax train --mesh``: the mesh parses, the transformer's parameters split as the
-  rules say, a step on data 2 x model 2 equals the single-device step, the CLI trains, and
-  a mesh larger than the devices is a clear error.
+- ``rlx-jax train --mesh``: the mesh parses (a size in anything but ASCII digits is an
+  error naming the entry), the transformer's parameters split as the rules say, a step on
+  data 2 x model 2 equals the single-device step, the CLI trains, and a mesh larger than
+  the devices is a clear error.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import subprocess
 import sys
 
 import pytest
+
+from rlx_jax.parallel.mesh import mesh_size, parse_mesh
 
 HERE = pathlib.Path(__file__).parent
 STRATEGIES = ["dp", "dp_tp", "dp_sp", "fsdp", "cp"]
@@ -131,6 +134,29 @@ def test_train_mesh_errors_name_the_fault(train_mesh):
     assert "needs 8 devices, but only 4" in msgs["too_big"]
     assert "unknown axis 'pipe'" in msgs["bad_axis"]
     assert "name=size" in msgs["bad_syntax"]
+
+
+# str.isdigit accepts superscripts, which int() rejects ("invalid literal for int()"), and
+# int() reads other scripts' digits: a size is ASCII digits only, and anything else is the
+# spec's own error, naming the entry
+@pytest.mark.parametrize("spec, entry", [
+    pytest.param("data=\u00b2", "data=\u00b2", id="superscript-two"),
+    pytest.param("data=2,model=\u0662", "model=\u0662", id="arabic-indic-two"),
+    pytest.param("data=\u00b9\u2070", "data=\u00b9\u2070", id="superscript-ten"),
+    pytest.param("data=-2", "data=-2", id="negative"),
+    pytest.param("data=2.0", "data=2.0", id="float"),
+    pytest.param("data=", "data=", id="empty"),
+])
+def test_mesh_sizes_are_ascii_digits(spec, entry):
+    match = re.escape(f"each entry must be name=size (e.g. data=2), got {entry!r}")
+    with pytest.raises(ValueError, match=match):
+        mesh_size(spec)
+    with pytest.raises(ValueError, match=match):
+        parse_mesh(spec)
+
+
+def test_mesh_size_counts_devices():
+    assert mesh_size(" data = 2 , model = 3 ") == 6
 
 
 def test_cli_train_with_mesh(tmp_path):

@@ -35,10 +35,15 @@ pair picks its case by ``lax.switch``.
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 from jax.sharding import Mesh, PartitionSpec as P
 
 from rlx_jax.vjp_rules.attention import _acc_dtype, _check_options, _check_qkv, attention, attention_bwd, attention_fwd
@@ -51,11 +56,20 @@ _SKIP, _FULL, _DIAG, _PARTIAL = 0, 1, 2, 3
 def zigzag_permutation(seq_len: int, n: int) -> np.ndarray:
     """Indices ``perm`` [S] with ``x[:, perm]`` in zig-zag order for ``n`` devices: the
     sequence is cut into 2n chunks and shard r (positions r*2c ... (r+1)*2c - 1 of the
-    permuted axis) holds chunks r and 2n-1-r."""
+    permuted axis) holds chunks r and 2n-1-r. ``seq_len`` >= 0 (an empty sequence has the
+    empty permutation) and divisible by 2n; ``n`` >= 1."""
+    who = "zigzag_permutation"
+    for name, value in (("seq_len", seq_len), ("n", n)):
+        # bool is an Integral, but True as a size is a mistake, not a 1
+        if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{who}: {name} must be an int, got {type(value).__name__} {value!r}")
+    seq_len, n = int(seq_len), int(n)
     if n < 1:
-        raise ValueError(f"zigzag_permutation: n must be >= 1, got {n}")
+        raise ValueError(f"{who}: n must be >= 1, got {n}")
+    if seq_len < 0:
+        raise ValueError(f"{who}: seq_len must be >= 0, got {seq_len}")
     if seq_len % (2 * n):
-        raise ValueError(f"zigzag_permutation: seq_len {seq_len} must be divisible by 2 * n = {2 * n}")
+        raise ValueError(f"{who}: seq_len {seq_len} must be divisible by 2 * n = {2 * n}")
     c = seq_len // (2 * n)
     chunks = np.arange(seq_len).reshape(2 * n, c)
     order = [x for r in range(n) for x in (r, 2 * n - 1 - r)]
@@ -287,6 +301,78 @@ def _ring_attention_bwd(axis, n, params, res, dout):
 _ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
 
 
+# ---- forward mode ----------------------------------------------------------------------
+# The ring's derivative is a custom_vjp (its backward rings again with the fused backward
+# kernels), and JAX cannot push a tangent through a custom_vjp. Left alone, jax.jvp fails
+# inside JAX: with "unhashable type: 'Unhashable'" when shard_map runs eagerly (it wraps
+# the custom_vjp's tangent in a jit keyed on its unhashable backward), or with a message
+# naming no function when the program is compiled. So q, k and v pass through an identity
+# whose tangent goes through ``_forward_mode_p``, a linear primitive that raises an error
+# naming this function when it is evaluated or compiled. Reverse mode only transposes that
+# tangent (to the identity), so the primitive never runs there.
+
+_REVERSE_ONLY = ("context_parallel_attention: forward-mode differentiation (jax.jvp, jax.jacfwd, the "
+                 "function jax.linearize returns) is not supported, only reverse mode (jax.grad, jax.vjp, "
+                 "and forward or reverse mode over them, as jax.hessian); rlx_jax.ops.attention supports "
+                 "both")
+
+
+def _raise_forward_mode(*args, **kwargs):
+    raise TypeError(_REVERSE_ONLY)
+
+
+_forward_mode_p = Primitive("rlx_context_parallel_forward_mode")
+_forward_mode_p.def_impl(_raise_forward_mode)
+_forward_mode_p.def_abstract_eval(lambda t: t)
+mlir.register_lowering(_forward_mode_p, _raise_forward_mode)
+ad.deflinear2(_forward_mode_p, lambda ct, t: [ct])
+batching.primitive_batchers[_forward_mode_p] = lambda args, dims: (_forward_mode_p.bind(*args), dims[0])
+
+
+@jax.custom_jvp
+def _reverse_mode_only(q, k, v):
+    return q, k, v
+
+
+@functools.partial(_reverse_mode_only.defjvp, symbolic_zeros=True)
+def _reverse_mode_only_jvp(primals, tangents):
+    # a symbolic zero stays one: binding the primitive on it would put it on the known side
+    # of a linearization, where it runs (a grad with respect to q only)
+    return primals, tuple(t if type(t) is SymbolicZero else _forward_mode_p.bind(t) for t in tangents)
+
+
+# ---- argument checks -------------------------------------------------------------------
+
+
+def _split_axes(value, param, mesh, axis_name, who) -> tuple:
+    """The mesh axes (a tuple of names) that ``batch_axis`` / ``head_axis`` ``value`` splits
+    over, checked against the mesh: shard_map's own errors about them name neither
+    parameter."""
+    if value is None:
+        return ()
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, (tuple, list)) or not all(isinstance(a, str) for a in names):
+        raise TypeError(f"{who}: {param} must be None, a mesh axis name or a tuple of them, got {value!r}")
+    for a in names:
+        if a not in mesh.shape:
+            raise ValueError(f"{who}: {param} {a!r} is not an axis of the mesh {dict(mesh.shape)}")
+        if a == axis_name:
+            raise ValueError(f"{who}: {param} {a!r} is the sequence axis (axis_name): a mesh axis splits "
+                             f"one array axis only")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{who}: {param} {value!r} names a mesh axis twice")
+    return tuple(names)
+
+
+def _check_split(names, param, dim, what, mesh, who):
+    """``dim`` (the size of the array axis ``what``) must split evenly over the mesh axes
+    ``names`` of ``param``."""
+    devices = math.prod(int(mesh.shape[a]) for a in names)
+    if dim % devices:
+        label = names[0] if len(names) == 1 else names
+        raise ValueError(f"{who}: {param} {label!r} spans {devices} devices, which must divide {what} = {dim}")
+
+
 # ---- public entry ----------------------------------------------------------------------
 
 
@@ -301,7 +387,9 @@ def context_parallel_attention(q, k, v, *, mesh: Mesh, axis_name: str, mask_kind
     H); mask_kind "none" | "causal" | "sliding" (``window`` w: keys i - w ... i); scale
     (default 1/sqrt(D)) and softcap as in ``attention``. S must be divisible by 2n for a
     mesh axis of n devices. ``batch_axis`` / ``head_axis``: optional further mesh axes
-    (or tuples of axes) the batch / heads are split over (the heads' axis must divide Hkv).
+    (or tuples of axes) the batch / heads are split over: axes of ``mesh`` other than
+    ``axis_name`` and each other's, whose sizes (their product, for a tuple) divide B /
+    Hkv (so H too).
 
     ``zigzag=False`` (default): q, k, v and the result are in natural sequence order; the
     function permutes them into zig-zag order and back (a collective each way when the
@@ -311,10 +399,14 @@ def context_parallel_attention(q, k, v, *, mesh: Mesh, axis_name: str, mask_kind
 
     On a mesh axis of one device this is exactly the plain fused kernel. Returns
     [B, S, H, D] in q's dtype; differentiable in reverse mode (the backward rings too).
+    Forward mode (``jax.jvp``, ``jax.jacfwd``) raises ``TypeError`` on an axis of more than
+    one device: the ring's derivative is defined for reverse mode only.
     """
     who = "context_parallel_attention"
     if not isinstance(mesh, Mesh):
         raise TypeError(f"{who}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if not isinstance(axis_name, str):
+        raise TypeError(f"{who}: axis_name must be the name of one mesh axis, got {axis_name!r}")
     if axis_name not in mesh.shape:
         raise ValueError(f"{who}: axis_name {axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")
     if jnp.ndim(q) != 4:
@@ -328,6 +420,15 @@ def context_parallel_attention(q, k, v, *, mesh: Mesh, axis_name: str, mask_kind
                                                 "bottom_right", who)
     if traced_scale is not None:
         raise TypeError(f"{who}: scale must be a static number under context parallelism, got a traced value")
+    batch_axes = _split_axes(batch_axis, "batch_axis", mesh, axis_name, who)
+    head_axes = _split_axes(head_axis, "head_axis", mesh, axis_name, who)
+    shared = sorted(set(batch_axes) & set(head_axes))
+    if shared:
+        raise ValueError(f"{who}: batch_axis and head_axis both name mesh axis {shared[0]!r}: a mesh axis "
+                         f"splits one array axis only")
+    _check_split(batch_axes, "batch_axis", q.shape[0], "the batch B", mesh, who)
+    # k and v carry Hkv heads, and H = G * Hkv: a split of Hkv is a split of H too
+    _check_split(head_axes, "head_axis", k.shape[2], "the kv heads Hkv", mesh, who)
     n = int(mesh.shape[axis_name])
     s = q.shape[1]
     if n == 1:  # nothing to ring: the plain kernel (zig-zag order of one device is natural)
@@ -337,10 +438,12 @@ def context_parallel_attention(q, k, v, *, mesh: Mesh, axis_name: str, mask_kind
                          f"device of mesh axis {axis_name!r})")
     if mask_kind == "sliding":
         params["window"] = min(int(window), s)
+    q, k, v = _reverse_mode_only(q, k, v)
     if not zigzag:
         perm = zigzag_permutation(s, n)
         q, k, v = (jnp.take(x, perm, axis=1) for x in (q, k, v))
-    spec = P(batch_axis, axis_name, head_axis, None)
+    entry = lambda names: None if not names else names[0] if len(names) == 1 else names
+    spec = P(entry(batch_axes), axis_name, entry(head_axes), None)
     body = lambda q, k, v: _ring_attention(q, k, v, axis_name, n, tuple(sorted(params.items())))
     out = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(q, k, v)
     if not zigzag:

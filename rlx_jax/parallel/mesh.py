@@ -26,7 +26,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 __all__ = ["parse_mesh", "mesh_size", "param_specs", "param_shardings", "state_shardings", "batch_spec"]
 
-_AXIS = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_AXIS = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# ASCII digits only: str.isdigit also accepts superscripts ("²"), which int() rejects, and
+# int() reads other scripts' digits ("٢"), which a mesh spec has no reason to hold
+_SIZE = re.compile(r"[0-9]+")
 
 
 def _parse(spec: str, allowed=None) -> tuple[list[str], list[int]]:
@@ -37,14 +40,15 @@ def _parse(spec: str, allowed=None) -> tuple[list[str], list[int]]:
     for part in spec.split(","):
         name, eq, size = part.strip().partition("=")
         name = name.strip()
-        if not eq or not _AXIS.match(name) or not size.strip().isdigit():
+        size = size.strip()
+        if not eq or not _AXIS.fullmatch(name) or not _SIZE.fullmatch(size):
             raise ValueError(f"mesh spec {spec!r}: each entry must be name=size (e.g. data=2), got {part.strip()!r}")
         if name in names:
             raise ValueError(f"mesh spec {spec!r}: axis {name!r} given twice")
         if allowed is not None and name not in allowed:
             raise ValueError(f"mesh spec {spec!r}: unknown axis {name!r} (expected one of {', '.join(allowed)})")
         if int(size) < 1:
-            raise ValueError(f"mesh spec {spec!r}: axis {name!r} must have size >= 1, got {size.strip()}")
+            raise ValueError(f"mesh spec {spec!r}: axis {name!r} must have size >= 1, got {size}")
         names.append(name)
         sizes.append(int(size))
     return names, sizes
