@@ -4,6 +4,7 @@ errors, determinism. Runs on the default backend (CPU here, GPU on a GPU machine
 from __future__ import annotations
 
 import hashlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -248,6 +249,15 @@ def test_nan_propagates_like_reference():
 def test_bad_arguments_raise_clear_errors(args, error, match):
     with pytest.raises(error, match=match):
         rms_norm(*args)
+
+
+def test_parameter_shape_error_names_the_axis():
+    # the message docs/API.md quotes: the last axis as -1 (the default), another by its index
+    with pytest.raises(ValueError) as e:
+        rms_norm(jnp.ones((4, 512)), jnp.ones(256))
+    assert str(e.value) == "rms_norm: gamma must have shape (512,) (x.shape[-1]), got (256,)"
+    with pytest.raises(ValueError, match=re.escape("beta must have shape (4,) (x.shape[0]), got (3,)")):
+        rms_norm(jnp.ones((4, 512)), jnp.ones(4), jnp.ones(3), axis=0)
 
 
 def test_bad_axis_and_eps():

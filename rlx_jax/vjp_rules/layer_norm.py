@@ -206,12 +206,13 @@ def _prepare(x, gamma, beta, axis, eps, who="layer_norm"):
     axis = axis % x.ndim
     width = x.shape[axis]
     gamma = jnp.asarray(gamma)
+    named = -1 if axis == x.ndim - 1 else axis  # how the message names the axis: the last as -1
     if gamma.shape != (width,):
-        raise ValueError(f"{who}: gamma must have shape ({width},) (x.shape[{axis}]), got {gamma.shape}")
+        raise ValueError(f"{who}: gamma must have shape ({width},) (x.shape[{named}]), got {gamma.shape}")
     has_beta = beta is not None
     beta = jnp.zeros((width,), x.dtype) if beta is None else jnp.asarray(beta)
     if beta.shape != (width,):
-        raise ValueError(f"{who}: beta must have shape ({width},) (x.shape[{axis}]), got {beta.shape}")
+        raise ValueError(f"{who}: beta must have shape ({width},) (x.shape[{named}]), got {beta.shape}")
     for name, p in (("gamma", gamma), ("beta", beta)):
         if not jnp.issubdtype(p.dtype, jnp.floating):
             raise TypeError(f"{who}: {name} must be floating point, got {p.dtype}")

@@ -372,11 +372,12 @@ def _prepare(x, gamma, beta, axis, who="rms_norm"):
     axis = axis % x.ndim
     width = x.shape[axis]
     gamma = jnp.asarray(gamma)
+    named = -1 if axis == x.ndim - 1 else axis  # how the message names the axis: the last as -1
     if gamma.shape != (width,):
-        raise ValueError(f"{who}: gamma must have shape ({width},) (x.shape[{axis}]), got {gamma.shape}")
+        raise ValueError(f"{who}: gamma must have shape ({width},) (x.shape[{named}]), got {gamma.shape}")
     beta = None if beta is None else jnp.asarray(beta)
     if beta is not None and beta.shape != (width,):
-        raise ValueError(f"{who}: beta must have shape ({width},) (x.shape[{axis}]), got {beta.shape}")
+        raise ValueError(f"{who}: beta must have shape ({width},) (x.shape[{named}]), got {beta.shape}")
     for name, p in (("gamma", gamma), ("beta", beta)):
         if p is not None and not jnp.issubdtype(p.dtype, jnp.floating):
             raise TypeError(f"{who}: {name} must be floating point, got {p.dtype}")
