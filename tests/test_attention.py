@@ -545,14 +545,28 @@ def test_leading_batch_axes(lead):
         assert_close(g.reshape(w.shape), w)
 
 
-def test_f32_routes_to_xla_on_cuda(x64):
-    """On CUDA only bf16 / f16 take the kernels: f32 and f64 lower to the pure-JAX reference
-    (XLA's TF32 matmuls beat the f32 SIMT kernel)."""
-    assert A._cuda_ok(jnp.zeros((1, 4, 2, 64), jnp.bfloat16))
-    assert A._cuda_ok(jnp.zeros((1, 4, 2, 64), jnp.float16))
-    assert not A._cuda_ok(jnp.zeros((1, 4, 2, 64), jnp.float32))
-    assert not A._cuda_ok(jnp.zeros((1, 4, 2, 64), jnp.float64))
-    assert not A._cuda_ok(jnp.zeros((1, 4, 2, 512), jnp.bfloat16))
+def test_f32_routes_to_xla_on_cuda_below_the_score_size_threshold(x64):
+    """On CUDA bf16 / f16 take the kernels at every size; f32 lowers to the pure-JAX
+    reference (XLA's TF32 matmuls beat the f32 SIMT kernel) until its [B, H, Sq, Sk] f32
+    scores reach CUDA_F32_KERNEL_MIN_SCORE_BYTES, where the kernel's O(S) memory serves; f64
+    always lowers to the reference. Shapes only: nothing is allocated."""
+    s = jax.ShapeDtypeStruct
+    small, long_q = (1, 4, 2, 64), (1, 16384, 4, 64)  # 128 B of scores; 16384^2 x 4 x 4 B = 4 GiB
+    assert A._cuda_ok(s(small, jnp.bfloat16), s(small, jnp.bfloat16))
+    assert A._cuda_ok(s(small, jnp.float16), s(small, jnp.float16))
+    assert not A._cuda_ok(s(small, jnp.float32), s(small, jnp.float32))
+    assert A._cuda_ok(s(long_q, jnp.float32), s(long_q, jnp.float32))
+    assert not A._cuda_ok(s(long_q, jnp.float64), s(long_q, jnp.float64))
+    assert not A._cuda_ok(s((1, 4, 2, 512), jnp.bfloat16), s((1, 4, 2, 512), jnp.bfloat16))
+    # the threshold itself: scores of exactly that many bytes take the kernel, one key fewer does not
+    h, sq = 2, 1024
+    sk = A.CUDA_F32_KERNEL_MIN_SCORE_BYTES // (4 * h * sq)
+    assert A._cuda_ok(s((1, sq, h, 64), jnp.float32), s((1, sk, h, 64), jnp.float32))
+    assert not A._cuda_ok(s((1, sq, h, 64), jnp.float32), s((1, sk - 1, h, 64), jnp.float32))
+    # symbolic shapes (jax.export): f32 stays XLA's, bf16 the kernel's
+    (b,) = jax.export.symbolic_shape("b")
+    assert not A._cuda_ok(s((b, 16384, 4, 64), jnp.float32), s((b, 16384, 4, 64), jnp.float32))
+    assert A._cuda_ok(s((b, 4, 2, 64), jnp.bfloat16), s((b, 4, 2, 64), jnp.bfloat16))
 
 
 def test_cpu_routes_to_xla_below_the_score_size_threshold(monkeypatch):

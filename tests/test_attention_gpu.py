@@ -361,6 +361,31 @@ def test_long_sequence(d):
     _check_case(1, 2048, 2048, 4, 2, d, jnp.bfloat16, kind="causal", softcap=20.0)
 
 
+def test_long_f32_takes_the_kernel_and_keeps_memory_linear():
+    """f32 on CUDA runs XLA's attention until its [B, H, Sq, Sk] f32 scores reach
+    A.CUDA_F32_KERNEL_MIN_SCORE_BYTES (1 GiB here: B1 S8192 H4); from there the kernel, with no
+    score matrix in the compiled gradient, and the same values as the reference."""
+    b, s, h, d = 1, 8192, 4, 64
+    assert b * h * s * s * 4 >= A.CUDA_F32_KERNEL_MIN_SCORE_BYTES
+    ks = jax.random.split(jax.random.PRNGKey(3), 4)
+    q, k, v, dy = (jax.random.normal(kk, (b, s, h, d), jnp.float32) for kk in ks)
+    with jax.default_matmul_precision("highest"):
+        grads = jax.jit(lambda q, k, v, dy: jax.vjp(lambda *a: attention(*a, mask_kind="causal"), q, k, v)[1](dy))
+        compiled = grads.lower(q, k, v, dy).compile()
+        text = compiled.as_text()
+        assert "rlx_attention_fwd" in text and "rlx_attention_bwd" in text
+        assert compiled.memory_analysis().temp_size_in_bytes < b * h * s * s * 4 / 4
+        got = grads(q, k, v, dy)
+        out = jax.jit(lambda q, k, v: attention(q, k, v, mask_kind="causal"))(q, k, v)
+        p = _params(d, "causal", None, None, None, None, None)
+        out_r, _ = jax.jit(lambda q, k, v: A.reference_attention(q, k, v, **p))(q, k, v)
+        want = jax.jit(lambda q, k, v, dy: jax.vjp(lambda *a: A.reference_attention(*a, **p)[0], q, k, v)[1](dy))(
+            q, k, v, dy)
+    _close(out, out_r, jnp.float32, "out")
+    for n, g, w in zip(("dq", "dk", "dv"), got, want):
+        _close(g, w, jnp.float32, n)
+
+
 # The default backward of the PLAIN cases at long sequences (on sm_90a the fused kernel: 16 key
 # blocks and up to 16 ordered dQ adds a query tile; bottom-right causal with Sq != Sk, GQA).
 @pytest.mark.slow

@@ -354,18 +354,42 @@ def _kernel_bwd(q, k, v, out, lse, dout, dlse, *extras, kind, window, scale, sof
 #: largest head dim of the CUDA kernels (ffi/cuda/attention_generic.cuh, kGenMaxD)
 CUDA_MAX_HEAD_DIM = 256
 
-#: dtypes the op runs through its CUDA kernels. f32 (and f64) lower to the pure-JAX reference
-#: on CUDA: there XLA's f32 matmuls use TF32 tensor cores under JAX's default matmul precision,
-#: while the f32 kernel is a SIMT kernel, about 3x slower, so routing f32 to XLA's code keeps
-#: the op at least as fast as plain JAX for that dtype. (The f32 kernel stays built; adding
-#: jnp.float32 here routes f32 to it again.)
+#: dtypes the op runs through its CUDA kernels at every size. f32 lowers to the pure-JAX
+#: reference on CUDA below ``CUDA_F32_KERNEL_MIN_SCORE_BYTES``: there XLA's f32 matmuls use
+#: TF32 tensor cores under JAX's default matmul precision, while the f32 kernel is a SIMT
+#: kernel, about 3x slower, so XLA's code keeps the op at least as fast as plain JAX for that
+#: dtype. f64 always lowers to the reference (no f64 CUDA kernel). (Adding jnp.float32 here
+#: routes f32 to the kernel at every size.)
 CUDA_KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
 
+#: f32 on CUDA takes the kernel from this many bytes of the reference's [B, H, Sq, Sk] f32
+#: scores up: XLA's attention holds such a matrix, its backward several, so at long
+#: sequences it runs out of memory where the kernel's O(S) memory does not; slower there,
+#: but the op keeps the memory it promises. Under symbolic shapes (jax.export) f32 stays
+#: XLA's code, so an exported function computes what the same function jitted at small
+#: static shapes does (the kernel's full-f32 products differ from TF32 ones by ~1e-4).
+CUDA_F32_KERNEL_MIN_SCORE_BYTES = 1 << 30
 
-def _cuda_ok(q):
-    """The CUDA kernels serve dtypes in ``CUDA_KERNEL_DTYPES`` with head dim <= 256; anything
-    else lowers to the reference on the GPU."""
-    return q.dtype in CUDA_KERNEL_DTYPES and q.shape[3] <= CUDA_MAX_HEAD_DIM
+
+def _scores_reach(q, k, threshold, symbolic: bool = True) -> bool:
+    """Would the reference's [B, H, Sq, Sk] f32 scores take at least ``threshold`` bytes?
+    ``symbolic`` under symbolic shapes (jax.export), where any size may come."""
+    b, sq, h, _ = q.shape
+    dims = (b, h, sq, k.shape[1])
+    if not all(isinstance(d, (int, np.integer)) for d in dims):
+        return symbolic
+    return b * h * sq * k.shape[1] * 4 >= threshold
+
+
+def _cuda_ok(q, k):
+    """The CUDA kernels serve dtypes in ``CUDA_KERNEL_DTYPES``, and f32 from
+    ``CUDA_F32_KERNEL_MIN_SCORE_BYTES`` of scores up, with head dim <= 256; anything else
+    lowers to the reference on the GPU."""
+    if q.shape[3] > CUDA_MAX_HEAD_DIM:
+        return False
+    if q.dtype in CUDA_KERNEL_DTYPES:
+        return True
+    return q.dtype == jnp.float32 and _scores_reach(q, k, CUDA_F32_KERNEL_MIN_SCORE_BYTES, symbolic=False)
 
 
 def cuda_segments_served(q, k, *, has_bias, scale) -> bool:
@@ -401,7 +425,7 @@ def _segment_operands(segments):
 
 def _kernel_fwd_cuda(q, k, v, *extras, **params):
     """CUDA's forward; every kernel there applies the sinks in its epilogue (row_finish)."""
-    if not _cuda_ok(q) or (params.get("has_segments") and not cuda_segments_served(
+    if not _cuda_ok(q, k) or (params.get("has_segments") and not cuda_segments_served(
             q, k, has_bias=params["has_bias"], scale=params["scale"])):
         return reference_attention(q, k, v, *extras, **params)
     extras, params, sinks = _without_sinks(extras, params)
@@ -466,7 +490,7 @@ def _kernel_bwd_cuda(q, k, v, out, lse, dout, dlse, *extras, kind, window, scale
     nothing), dropped after the call."""
     params = dict(kind=kind, window=window, scale=scale, softcap=softcap, has_mask=has_mask,
                   has_bias=has_bias, has_segments=has_segments)
-    if not _cuda_ok(q) or (has_segments and not cuda_segments_served(q, k, has_bias=has_bias, scale=scale)):
+    if not _cuda_ok(q, k) or (has_segments and not cuda_segments_served(q, k, has_bias=has_bias, scale=scale)):
         return reference_attention_bwd(q, k, v, out, lse, dout, dlse, *extras, **params)
     mask, bias, segments, _ = _split(extras, has_mask, has_bias, has_segments)
     m, bb = _dummies(q, mask, bias)
@@ -518,12 +542,8 @@ CPU_SEGMENT_KERNEL_MIN_SCORE_BYTES = 1 << 28
 def _cpu_kernel_serves(q, k, has_segments=False) -> bool:
     if has_segments and not (has_kernel("cpu", SEGMENTS_FWD) and has_kernel("cpu", SEGMENTS_BWD)):
         return False
-    b, sq, h, _ = q.shape
-    dims = (b, h, sq, k.shape[1])
-    if not all(isinstance(d, (int, np.integer)) for d in dims):
-        return True  # symbolic shapes (jax.export): any size may come, the kernel's memory is O(S)
-    threshold = CPU_SEGMENT_KERNEL_MIN_SCORE_BYTES if has_segments else CPU_KERNEL_MIN_SCORE_BYTES
-    return b * h * sq * k.shape[1] * 4 >= threshold
+    # symbolic shapes (jax.export): any size may come, the kernel's memory is O(S)
+    return _scores_reach(q, k, CPU_SEGMENT_KERNEL_MIN_SCORE_BYTES if has_segments else CPU_KERNEL_MIN_SCORE_BYTES)
 
 
 def _kernel_fwd_cpu(q, k, v, *extras, **params):
