@@ -772,7 +772,8 @@ def test_fused_linear_errors():
 # ---- vocabulary-parallel sharding (8 CPU devices, subprocess) ---------------------------
 
 SHARDING_CHECK = pathlib.Path(__file__).with_name("cross_entropy_sharding_check.py")
-QUICK_SHARDING = ["softmax_ce_vocab_and_rows", "linear_ce_mean", "linear_ce_none", "linear_ce_mean_bf16_logits"]
+QUICK_SHARDING = ["softmax_ce_vocab_and_rows", "linear_ce_mean", "linear_ce_none", "linear_ce_mean_bf16_logits",
+                  "linear_ce_rows_and_vocab_same_axis"]
 
 
 def _run_sharding_check(cases):

@@ -299,6 +299,10 @@ class Partition:
     sum and they are added with a psum over the factor's mesh axes.
     """
 
+    #: factors that claim their mesh axes before the others when two factors arrive sharded
+    #: over one mesh axis (else the first factor met, in operand order, keeps it)
+    priority: frozenset = frozenset()
+
     def __init__(self, factors: Callable, shardable: Iterable[str]):
         self.factors = factors
         self.shardable = frozenset(shardable)
@@ -359,11 +363,11 @@ class Partition:
             for f, size in cs:
                 dims.setdefault(f, set()).add(size)
         ok, used = {}, set()
-        for f, axes in assign.items():
+        for f, axes in sorted(assign.items(), key=lambda item: item[0] not in self.priority):
             n = math.prod(mesh_sizes[ax] for ax in axes)
             # a mesh axis splits one factor only: operands sharded over one mesh axis on
-            # different factors (x on its rows, dy on its columns) keep the first such factor,
-            # and the other operand is resharded to match
+            # different factors (x on its rows, dy on its columns) keep the first such factor
+            # (a ``priority`` factor first), and the other operand is resharded to match
             if all(d % n == 0 for d in dims.get(f, ())) and used.isdisjoint(axes):
                 ok[f] = axes
                 used.update(axes)

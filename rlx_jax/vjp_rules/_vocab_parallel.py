@@ -129,6 +129,10 @@ class VocabPartition(Partition):
     split) and ``sizes`` maps mesh axis names to sizes. The body does its own
     collectives (the base class only knows sums over rows)."""
 
+    #: the vocabulary keeps a mesh axis it shares with the rows: the rows ([rows, D]) are
+    #: gathered, never the weight ([D, V]) into [rows, V] logits a shard
+    priority = frozenset({"v"})
+
     def __init__(self, factors: Callable, local: Callable, vocab_operand: int, vocab_dim: int):
         super().__init__(factors, shardable=[f"r{i}" for i in range(32)] + ["v"])
         self.local = local
