@@ -283,3 +283,19 @@ def test_fused_linear_cross_entropy_matches_linear_then_optax():
                                            chunk_size=5, logits_dtype=jnp.bfloat16)
     np.testing.assert_array_equal(narrow(hidden, labels), want.reshape(2, 5))
     assert not np.array_equal(narrow(hidden, labels), got)
+
+
+def test_rope_attention_exports_with_a_symbolic_sequence_length():
+    """MultiHeadAttention(rope_theta=...) under jax.export with symbolic (batch, sequence):
+    its RoPE tables are built for the sequence length the call brings, and the exported
+    function gives the module's values at two lengths."""
+    from jax import export
+
+    m = rnn.MultiHeadAttention(4, 16, num_kv_heads=2, decode=False, rope_theta=10000.0, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(m)
+    f = jax.jit(lambda st, x: nnx.merge(graphdef, st)(x, is_causal=True))
+    b, s = export.symbolic_shape("b, s")
+    exported = export.export(f)(state, jax.ShapeDtypeStruct((b, s, 16), jnp.float32))
+    for shape in ((2, 5, 16), (1, 12, 16)):
+        x = _rand(shape, seed=shape[1])
+        np.testing.assert_allclose(exported.call(state, x), f(state, x), rtol=1e-5, atol=1e-6)

@@ -21,8 +21,13 @@ from rlx_jax import ops
 
 def rope_tables(length: int, rope_dims: int, theta: float):
     """NeoX RoPE tables for positions 0..length-1: cos, sin [length, rope_dims / 2] with
-    angle[s, i] = s * theta^(-2 i / rope_dims) (f32)."""
+    angle[s, i] = s * theta^(-2 i / rope_dims) (f32). A static length builds them in f64 with
+    NumPy (constants); a symbolic one (jax.export) with jnp in f32, the angles rounded once
+    more, since its positions exist only when the program runs."""
     inv = 1.0 / (theta ** (np.arange(0, rope_dims, 2, dtype=np.float64) / rope_dims))
+    if not isinstance(length, (int, np.integer)):
+        ang = jnp.arange(length, dtype=jnp.float32)[:, None] * jnp.asarray(inv, jnp.float32)[None, :]
+        return jnp.cos(ang), jnp.sin(ang)
     ang = np.arange(length, dtype=np.float64)[:, None] * inv[None, :]
     return jnp.asarray(np.cos(ang), jnp.float32), jnp.asarray(np.sin(ang), jnp.float32)
 
