@@ -166,9 +166,6 @@ def _scan(g, node, ins, ready):
     body, read = _params_as_inputs(prepared)
     nb = op.num_bcast
     params = _outer_params(g, read)
-    if prepared is not op.body and op.save_trajectory and not nb and not params:
-        return g.add_node(Scan(body=body, length=op.length, save_trajectory=True, num_bcast=0, num_xs=op.num_xs,
-                               num_checkpoints=op.num_checkpoints), tuple(ins))
     if nb or params:
         # broadcast operands (and the body's Params, now trailing Inputs) become per-step xs
         # (the body sees the same Inputs in the same order); their gradient is the sum over
@@ -176,7 +173,7 @@ def _scan(g, node, ins, ready):
         steps = lambda b: E.expand(g, E.reshape(g, b, (1,) + E.dims(g, b)), (op.length,) + E.dims(g, b))  # noqa: E731
         ins = [ins[0], *map(steps, ins[1:1 + nb]), *ins[1 + nb:], *map(steps, params)]
     n_xs = nb + op.num_xs + len(params)
-    if op.save_trajectory and n_xs == op.num_xs:
+    if op.save_trajectory and n_xs == op.num_xs and body is op.body:
         return g.add_node(op, tuple(ins), node.shape)
     if op.save_trajectory:
         return g.add_node(Scan(body=body, length=op.length, save_trajectory=True, num_bcast=0,
