@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +45,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import Mesh, PartitionSpec as P
 
+from rlx_jax.vjp_rules._args import is_int
 from rlx_jax.vjp_rules.attention import _acc_dtype, _check_options, _check_qkv, attention, attention_bwd, attention_fwd
 
 __all__ = ["context_parallel_attention", "zigzag_permutation", "zigzag_inverse"]
@@ -60,8 +60,7 @@ def zigzag_permutation(seq_len: int, n: int) -> np.ndarray:
     empty permutation) and divisible by 2n; ``n`` >= 1."""
     who = "zigzag_permutation"
     for name, value in (("seq_len", seq_len), ("n", n)):
-        # bool is an Integral, but True as a size is a mistake, not a 1
-        if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)):
+        if not is_int(value):  # True as a size is a mistake, not a 1
             raise TypeError(f"{who}: {name} must be an int, got {type(value).__name__} {value!r}")
     seq_len, n = int(seq_len), int(n)
     if n < 1:
